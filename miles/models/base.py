@@ -1,0 +1,223 @@
+"""Model families: the `TrainPipelineConfig` interface, the `PromptEmbeds` it produces, and the family registry.
+
+A family knows how to load one kind of diffusers pipeline folder and run its networks the way its pipeline does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class PromptEmbeds:
+    """Text conditioning of a batch, batch-first: the joint token sequence and the pooled vector."""
+
+    prompt_embeds: torch.Tensor  # (B, L, D)
+    pooled_prompt_embeds: torch.Tensor  # (B, P)
+
+    def __post_init__(self) -> None:
+        if self.prompt_embeds.shape[0] != self.pooled_prompt_embeds.shape[0]:
+            raise ValueError(
+                f"PromptEmbeds batch sizes differ: prompt_embeds {tuple(self.prompt_embeds.shape)}, "
+                f"pooled_prompt_embeds {tuple(self.pooled_prompt_embeds.shape)}"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompt_embeds.shape[0]
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> PromptEmbeds:
+        return PromptEmbeds(
+            self.prompt_embeds.to(device=device, dtype=dtype), self.pooled_prompt_embeds.to(device=device, dtype=dtype)
+        )
+
+    def __getitem__(self, index: int | slice | Sequence[int] | torch.Tensor) -> PromptEmbeds:
+        """Rows of the batch; an integer index keeps the batch dimension (size 1)."""
+        if isinstance(index, int):
+            index = slice(index, index + 1 if index != -1 else None)
+        return PromptEmbeds(self.prompt_embeds[index], self.pooled_prompt_embeds[index])
+
+    def expand(self, batch_size: int) -> PromptEmbeds:
+        """A batch-1 embedding broadcast to `batch_size` rows (a view, no copy)."""
+        if self.batch_size == batch_size:
+            return self
+        if self.batch_size != 1:
+            raise ValueError(f"can only expand a batch of 1 to {batch_size}, got a batch of {self.batch_size}")
+        return PromptEmbeds(
+            self.prompt_embeds.expand(batch_size, -1, -1), self.pooled_prompt_embeds.expand(batch_size, -1)
+        )
+
+    def repeat_interleave(self, repeats: int) -> PromptEmbeds:
+        """Each row `repeats` times in a row (prompt i -> rows i*repeats .. i*repeats+repeats-1)."""
+        return PromptEmbeds(
+            self.prompt_embeds.repeat_interleave(repeats, dim=0),
+            self.pooled_prompt_embeds.repeat_interleave(repeats, dim=0),
+        )
+
+    @staticmethod
+    def cat(items: Sequence[PromptEmbeds]) -> PromptEmbeds:
+        """Concatenate along the batch dimension."""
+        if not items:
+            raise ValueError("PromptEmbeds.cat needs at least one item")
+        return PromptEmbeds(
+            torch.cat([e.prompt_embeds for e in items]), torch.cat([e.pooled_prompt_embeds for e in items])
+        )
+
+
+class TrainPipelineConfig(ABC):
+    """One model family: loading its networks from a local pipeline folder and running them as its pipeline does.
+
+    Loaded text encoders and VAE are cached on the instance and dropped when it is pickled (Ray sends the path only).
+    """
+
+    name: ClassVar[str]
+    pipeline_class_name: ClassVar[str]  # the model_index.json "_class_name" this family handles
+
+    def __init__(self, path: str) -> None:
+        self.path = str(check_pipeline_folder(path))
+        self._loaded: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(path={self.path!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_loaded"] = {}
+        return state
+
+    def read_json(self, *parts: str) -> dict[str, Any]:
+        """A JSON file inside the pipeline folder, e.g. `read_json("vae", "config.json")`."""
+        file = Path(self.path, *parts)
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} is missing: {self.path} is not a complete {self.name} pipeline folder")
+        return json.loads(file.read_text())
+
+    # networks
+    @abstractmethod
+    def load_transformer(self, path: str | None = None, dtype: torch.dtype = torch.float32) -> nn.Module: ...
+
+    @abstractmethod
+    def transformer_blocks(self, transformer: nn.Module) -> list[nn.Module]: ...
+
+    @abstractmethod
+    def save_transformer(self, transformer_state_dict: dict[str, torch.Tensor], out_dir: str) -> str: ...
+
+    # text
+    @abstractmethod
+    def load_text_encoders(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Any: ...
+
+    @abstractmethod
+    def encode_prompts(self, prompts: list[str], device: torch.device | str | None = None) -> PromptEmbeds: ...
+
+    def encode_negative(
+        self, batch_size: int, negative_prompt: str = "", device: torch.device | str | None = None
+    ) -> PromptEmbeds:
+        """Embeddings of `negative_prompt` for `batch_size` rows; encoded once per prompt and device, then cached."""
+        key = ("negative", negative_prompt, None if device is None else str(device))
+        if key not in self._loaded:
+            self._loaded[key] = self.encode_prompts([negative_prompt], device=device)
+        return self._loaded[key].expand(batch_size)
+
+    def drop_cached_negatives(self) -> None:
+        """Forget encode_negative's cache (after reloading the text encoders)."""
+        self._loaded = {k: v for k, v in self._loaded.items() if not (isinstance(k, tuple) and k[0] == "negative")}
+
+    # images
+    @abstractmethod
+    def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module: ...
+
+    @abstractmethod
+    def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor: ...
+
+    @abstractmethod
+    def decode_latents(self, x0: torch.Tensor) -> torch.Tensor: ...
+
+    # the flow
+    @abstractmethod
+    def predict_velocity(
+        self,
+        transformer: nn.Module,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        embeds: PromptEmbeds,
+        *,
+        guidance_scale: float = 1.0,
+        negative: PromptEmbeds | None = None,
+    ) -> torch.Tensor: ...
+
+    # geometry
+    @property
+    @abstractmethod
+    def scheduler_shift(self) -> float: ...
+
+    @property
+    @abstractmethod
+    def vae_scale_factor(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def default_resolution(self) -> int: ...
+
+    @abstractmethod
+    def latent_shape(self, resolution: int | None = None) -> tuple[int, int, int]: ...
+
+
+def check_pipeline_folder(path: str | Path) -> Path:
+    """`path` as a Path if it is a local diffusers pipeline folder (has model_index.json); a clear error otherwise."""
+    folder = Path(path).expanduser()
+    hint = "--hf-checkpoint must be a local diffusers pipeline folder (nothing is downloaded)"
+    if not folder.exists():
+        raise FileNotFoundError(f"pipeline folder {str(path)!r} does not exist; {hint}")
+    if not folder.is_dir():
+        raise NotADirectoryError(f"pipeline path {str(path)!r} is not a folder; {hint}")
+    if not (folder / "model_index.json").is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no model_index.json; {hint}")
+    return folder
+
+
+TRAIN_PIPELINE_CONFIGS: dict[str, type[TrainPipelineConfig]] = {}
+
+_C = TypeVar("_C", bound=type[TrainPipelineConfig])
+
+
+def register_train_pipeline_config(cls: _C) -> _C:
+    """Class decorator: make a family available under `cls.name`."""
+    if cls.name in TRAIN_PIPELINE_CONFIGS and TRAIN_PIPELINE_CONFIGS[cls.name] is not cls:
+        raise ValueError(f"model family {cls.name!r} is already registered by {TRAIN_PIPELINE_CONFIGS[cls.name]}")
+    TRAIN_PIPELINE_CONFIGS[cls.name] = cls
+    return cls
+
+
+def _known_families() -> str:
+    return ", ".join(f"{n} ({c.pipeline_class_name})" for n, c in sorted(TRAIN_PIPELINE_CONFIGS.items())) or "none"
+
+
+def get_train_pipeline_config(path: str, family: str = "auto") -> TrainPipelineConfig:
+    """The family config for the pipeline folder `path`; "auto" picks it by model_index.json's `_class_name`."""
+    folder = check_pipeline_folder(path)
+    if family != "auto":
+        if family not in TRAIN_PIPELINE_CONFIGS:
+            raise ValueError(f"unknown model family {family!r}; known families: {_known_families()}")
+        return TRAIN_PIPELINE_CONFIGS[family](str(folder))
+    class_name = json.loads((folder / "model_index.json").read_text()).get("_class_name")
+    for cls in TRAIN_PIPELINE_CONFIGS.values():
+        if cls.pipeline_class_name == class_name:
+            return cls(str(folder))
+    raise ValueError(
+        f"{path}/model_index.json names pipeline class {class_name!r}, which no model family handles; "
+        f"known families: {_known_families()}"
+    )

@@ -1,0 +1,266 @@
+"""The Stable Diffusion 3 family: SD3Transformer2DModel, CLIP x2 + T5 text encoders, AutoencoderKL, flow matching.
+
+Everything is computed exactly as `diffusers.StableDiffusion3Pipeline` does, from a local pipeline folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import diffusers.utils.deprecation_utils
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+from huggingface_hub import save_torch_state_dict
+from safetensors import safe_open
+from torch import nn
+
+from miles.models.base import PromptEmbeds, TrainPipelineConfig, register_train_pipeline_config
+
+logger = logging.getLogger(__name__)
+
+_WEIGHTS_NAME = "diffusion_pytorch_model{suffix}.safetensors"
+_SD3_DEFAULT_T5_LENGTH = 256  # StableDiffusion3Pipeline's default max_sequence_length
+# diffusers renamed from_pretrained's `torch_dtype` to `dtype` (0.36+) and warns on the old name
+_DTYPE_KW = "dtype" if hasattr(diffusers.utils.deprecation_utils, "_resolve_dtype") else "torch_dtype"
+
+
+@register_train_pipeline_config
+class SD3PipelineConfig(TrainPipelineConfig):
+    """SD3 / SD3.5 pipeline folders (`StableDiffusion3Pipeline`)."""
+
+    name = "sd3"
+    pipeline_class_name = "StableDiffusion3Pipeline"
+
+    # networks
+    def load_transformer(self, path: str | None = None, dtype: torch.dtype = torch.float32) -> SD3Transformer2DModel:
+        """The transformer from a pipeline folder (its `transformer/`) or a folder with config.json at the top."""
+        root = Path(path or self.path)
+        if (root / "transformer" / "config.json").is_file():
+            subfolder = "transformer"
+        elif (root / "config.json").is_file():
+            subfolder = None
+        else:
+            raise FileNotFoundError(
+                f"{root} holds neither transformer/config.json nor config.json (an SD3 transformer)"
+            )
+        model = SD3Transformer2DModel.from_pretrained(
+            str(root), subfolder=subfolder, **{_DTYPE_KW: dtype}, local_files_only=True
+        )
+        return model.eval()
+
+    def transformer_blocks(self, transformer: nn.Module) -> list[nn.Module]:
+        """The joint blocks FSDP shards one by one."""
+        return list(transformer.transformer_blocks)
+
+    def save_transformer(
+        self, transformer_state_dict: dict[str, torch.Tensor], out_dir: str, dtype: torch.dtype | None = None
+    ) -> str:
+        """Write a full pipeline folder: this folder's other components plus the given transformer weights.
+
+        Weights are stored in `dtype`, by default each tensor's dtype in the source checkpoint. Returns `out_dir`.
+        """
+        src, out = Path(self.path).resolve(), Path(out_dir).resolve()
+        if out == src:
+            raise ValueError(f"save_transformer would overwrite its own source pipeline {src}; pick another out_dir")
+        source_dtypes = self._checkpoint_dtypes()
+        missing = sorted(set(source_dtypes) - set(transformer_state_dict))
+        unexpected = sorted(set(transformer_state_dict) - set(source_dtypes))
+        if missing or unexpected:
+            raise ValueError(
+                f"transformer state dict does not match {src / 'transformer'}: "
+                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+            )
+        shutil.copytree(src, out, ignore=shutil.ignore_patterns("transformer"), dirs_exist_ok=True)
+        if (out / "transformer").exists():
+            shutil.rmtree(out / "transformer")  # stale shards of an earlier save would be picked up
+        (out / "transformer").mkdir(parents=True)
+        shutil.copy2(src / "transformer" / "config.json", out / "transformer" / "config.json")
+        state = {
+            k: v.detach().to(device="cpu", dtype=dtype or source_dtypes[k]).contiguous()
+            for k, v in transformer_state_dict.items()
+        }
+        save_torch_state_dict(state, str(out / "transformer"), filename_pattern=_WEIGHTS_NAME)
+        for file in (out / "transformer").iterdir():
+            file.chmod(0o644)  # the hub writer creates files 0600; keep them readable like the copied components
+        logger.info("saved SD3 pipeline with new transformer weights to %s", out)
+        return str(out)
+
+    def _checkpoint_dtypes(self) -> dict[str, torch.dtype]:
+        folder = Path(self.path, "transformer")
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{folder} has no .safetensors weights")
+        dtypes: dict[str, torch.dtype] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    dtypes[key] = f.get_slice(key).get_dtype()
+        return {k: _SAFETENSORS_DTYPES[v] for k, v in dtypes.items()}
+
+    # text
+    def load_text_encoders(
+        self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> StableDiffusion3Pipeline:
+        """A StableDiffusion3Pipeline holding only the tokenizers and text encoders (eval mode), cached."""
+        pipe = StableDiffusion3Pipeline.from_pretrained(
+            self.path, transformer=None, vae=None, **{_DTYPE_KW: dtype}, local_files_only=True
+        ).to(device)
+        pipe.set_progress_bar_config(disable=True)
+        for encoder in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+            encoder.eval().requires_grad_(False)
+        self.drop_cached_negatives()  # they came from the previous encoders
+        self._loaded["text"] = pipe
+        return pipe
+
+    @property
+    def max_sequence_length(self) -> int:
+        """T5 tokens per prompt: the T5 tokenizer's limit, at most the SD3 pipeline default (256)."""
+        limit = self.read_json("tokenizer_3", "tokenizer_config.json").get("model_max_length", _SD3_DEFAULT_T5_LENGTH)
+        return int(min(limit, _SD3_DEFAULT_T5_LENGTH))
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], device: torch.device | str | None = None) -> PromptEmbeds:
+        """CLIP-L, CLIP-G and T5 embeddings as `StableDiffusion3Pipeline.encode_prompt(max_sequence_length=...)`.
+
+        The sequence is 77 CLIP tokens (both CLIPs side by side, zero-padded to the T5 width) then the T5 tokens.
+        Loads the text encoders (CPU, float32) on first use unless `load_text_encoders` ran; `device` moves the result.
+        """
+        if not prompts:
+            raise ValueError("encode_prompts needs at least one prompt")
+        pipe = self._loaded["text"] if "text" in self._loaded else self.load_text_encoders()
+        prompt_embeds, _, pooled, _ = pipe.encode_prompt(
+            prompt=list(prompts),
+            prompt_2=None,
+            prompt_3=None,
+            device=pipe.text_encoder.device,  # computed where the encoders live, then moved
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return PromptEmbeds(prompt_embeds, pooled).to(device=device)
+
+    # images
+    def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AutoencoderKL:
+        """The VAE in eval mode, cached."""
+        vae = AutoencoderKL.from_pretrained(self.path, subfolder="vae", **{_DTYPE_KW: dtype}, local_files_only=True)
+        vae = vae.to(device).eval().requires_grad_(False)
+        self._loaded["vae"] = vae
+        return vae
+
+    def _vae(self) -> AutoencoderKL:
+        return self._loaded["vae"] if "vae" in self._loaded else self.load_vae()
+
+    def _vae_normalization(self, vae: AutoencoderKL) -> tuple[float, float]:
+        return float(vae.config.shift_factor or 0.0), float(vae.config.scaling_factor)
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Normalized latents x0 = (z - shift_factor) * scaling_factor of images (B, 3, H, W) in [-1, 1].
+
+        z is the posterior mode without a generator, a posterior sample drawn with it otherwise. float32.
+        """
+        vae = self._vae()
+        posterior = vae.encode(images.to(device=vae.device, dtype=vae.dtype)).latent_dist
+        z = posterior.mode() if generator is None else posterior.sample(generator=generator)
+        shift, scale = self._vae_normalization(vae)
+        return ((z - shift) * scale).float()
+
+    @torch.no_grad()
+    def decode_latents(self, x0: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) in [0, 1], float32, from normalized latents (the inverse of encode_images)."""
+        vae = self._vae()
+        shift, scale = self._vae_normalization(vae)
+        z = x0.to(device=vae.device, dtype=vae.dtype) / scale + shift
+        images = vae.decode(z, return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    # the flow
+    def predict_velocity(
+        self,
+        transformer: nn.Module,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        embeds: PromptEmbeds,
+        *,
+        guidance_scale: float = 1.0,
+        negative: PromptEmbeds | None = None,
+    ) -> torch.Tensor:
+        """The network's velocity at noise levels `sigmas` (B,), timestep 1000 * sigma, float32, latents' shape.
+
+        With guidance_scale > 1: one batched forward of [negative; positive], then uncond + w * (cond - uncond),
+        as StableDiffusion3Pipeline does. `negative` may be a batch of one (broadcast).
+        """
+        batch = latents.shape[0]
+        if sigmas.shape != (batch,):
+            raise ValueError(f"sigmas must have shape ({batch},), got {tuple(sigmas.shape)}")
+        if embeds.batch_size != batch:
+            raise ValueError(f"embeds batch {embeds.batch_size} != latents batch {batch}")
+        dtype = next(transformer.parameters()).dtype
+        timestep = sigmas.to(device=latents.device, dtype=torch.float32) * 1000.0
+        hidden, cond = latents, embeds
+        guided = guidance_scale > 1.0
+        if guided:
+            if negative is None:
+                raise ValueError("guidance_scale > 1 needs negative embeddings (see encode_negative)")
+            cond = PromptEmbeds.cat([negative.expand(batch), embeds])
+            hidden, timestep = torch.cat([latents, latents]), torch.cat([timestep, timestep])
+        cond = cond.to(device=latents.device, dtype=dtype)
+        pred = transformer(
+            hidden_states=hidden.to(dtype),
+            timestep=timestep,
+            encoder_hidden_states=cond.prompt_embeds,
+            pooled_projections=cond.pooled_prompt_embeds,
+            return_dict=False,
+        )[0].float()
+        if not guided:
+            return pred
+        uncond, text = pred.chunk(2)
+        return uncond + guidance_scale * (text - uncond)
+
+    def load_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        """The folder's flow-matching scheduler (sigmas and shift as the pipeline uses them)."""
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.path, subfolder="scheduler", local_files_only=True)
+
+    # geometry
+    @property
+    def scheduler_shift(self) -> float:
+        return float(self.read_json("scheduler", "scheduler_config.json").get("shift", 1.0))
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.read_json("vae", "config.json")["block_out_channels"]) - 1)
+
+    @property
+    def patch_size(self) -> int:
+        return int(self.read_json("transformer", "config.json").get("patch_size", 2))
+
+    @property
+    def default_resolution(self) -> int:
+        return int(self.read_json("transformer", "config.json")["sample_size"]) * self.vae_scale_factor
+
+    def latent_shape(self, resolution: int | None = None) -> tuple[int, int, int]:
+        """(channels, h, w) of the latents of a square image; resolution defaults to `default_resolution`."""
+        resolution = resolution or self.default_resolution
+        multiple = self.vae_scale_factor * self.patch_size
+        if resolution % multiple != 0:
+            raise ValueError(f"resolution {resolution} must be a multiple of {multiple} (VAE factor x patch size)")
+        channels = int(self.read_json("vae", "config.json")["latent_channels"])
+        side = resolution // self.vae_scale_factor
+        return channels, side, side
+
+
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}

@@ -1,0 +1,227 @@
+"""A tiny SD3-architecture pipeline built offline from configs: the real diffusers/transformers classes at toy sizes.
+
+Tokenizers are built in code over a character alphabet plus whole-word tokens for the shapes world (ARCHITECTURE §9).
+"""
+
+from __future__ import annotations
+
+import logging
+import string
+from collections import Counter
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
+
+logger = logging.getLogger(__name__)
+
+SHAPES_WORDS: tuple[str, ...] = tuple(
+    (
+        "a an one two three four five six seven eight nine ten no "
+        "red green blue yellow purple orange white black gray grey pink cyan brown "
+        "circle circles square squares triangle triangles shape shapes "
+        "on the left right top bottom in center middle of and with at near above below next to "
+        "photo image picture small large big"
+    ).split()
+)
+
+CLIP_MAX_LENGTH = 77
+T5_MAX_LENGTH = 32
+LATENT_CHANNELS = 4
+VAE_BLOCK_OUT_CHANNELS = (16, 32, 32)  # three blocks: vae_scale_factor 4
+SCHEDULER_SHIFT = 3.0
+
+_CLIP_BOS, _CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2 / CLIP byte-level alphabet: one printable character per byte, so any text has no unknown symbols."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def _learn_bpe_merges(words: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Plain BPE training until every word is one symbol, so applying the merges in order rebuilds each word."""
+    symbols = {w: list(w[:-1]) + [w[-1] + "</w>"] for w in dict.fromkeys(words)}
+    merges: list[tuple[str, str]] = []
+    while True:
+        pairs = Counter(pair for syms in symbols.values() for pair in zip(syms, syms[1:]))
+        if not pairs:
+            return merges
+        best = min(pairs, key=lambda p: (-pairs[p], p))  # most frequent, ties broken lexicographically
+        merges.append(best)
+        for word, syms in symbols.items():
+            merged, i = [], 0
+            while i < len(syms):
+                if i + 1 < len(syms) and (syms[i], syms[i + 1]) == best:
+                    merged.append(syms[i] + syms[i + 1])
+                    i += 2
+                else:
+                    merged.append(syms[i])
+                    i += 1
+            symbols[word] = merged
+
+
+def build_clip_tokenizer(words: tuple[str, ...] = SHAPES_WORDS) -> CLIPTokenizer:
+    """A CLIP BPE tokenizer: every byte as a symbol (so any text tokenizes) and each of `words` as a single token."""
+    vocab: dict[str, int] = {_CLIP_BOS: 0, _CLIP_EOS: 1}
+    for ch in _bytes_to_unicode():
+        vocab.setdefault(ch, len(vocab))
+        vocab.setdefault(ch + "</w>", len(vocab))
+    merges = _learn_bpe_merges(words)
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
+
+
+def build_t5_tokenizer(words: tuple[str, ...] = SHAPES_WORDS) -> T5Tokenizer:
+    """A T5 unigram tokenizer: characters as cheap fallback pieces, each of `words` (after a space) as one piece.
+
+    Case-sensitive like the real T5 (a normalizer would not survive save/load), so upper case letters are pieces too.
+    """
+    vocab: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
+    for ch in string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation:
+        vocab.append((ch, -5.0))
+    vocab += [("▁" + w, -1.0) for w in dict.fromkeys(words)]
+    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=T5_MAX_LENGTH)
+
+
+def _clip_text_encoder(tokenizer: CLIPTokenizer, hidden: int, projection: int) -> CLIPTextModelWithProjection:
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        projection_dim=projection,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=CLIP_MAX_LENGTH,
+        hidden_act="quick_gelu",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,  # pooling reads the first eos position
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return CLIPTextModelWithProjection(config)
+
+
+def _t5_encoder(tokenizer: T5Tokenizer, d_model: int) -> T5EncoderModel:
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_kv=16,
+        d_ff=2 * d_model,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False,
+        use_cache=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return T5EncoderModel(config)
+
+
+def _vae(resolution: int) -> AutoencoderKL:
+    n = len(VAE_BLOCK_OUT_CHANNELS)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        block_out_channels=VAE_BLOCK_OUT_CHANNELS,
+        layers_per_block=1,
+        latent_channels=LATENT_CHANNELS,
+        norm_num_groups=8,
+        sample_size=resolution,
+        use_quant_conv=False,  # as in SD3's VAE
+        use_post_quant_conv=False,
+        mid_block_add_attention=True,
+    )
+
+
+@torch.no_grad()
+def _calibrate_vae(vae: AutoencoderKL, resolution: int, generator: torch.Generator) -> tuple[float, float]:
+    """Shift and scale that make the latents of smooth random images zero-mean, unit-variance (as SD3's are)."""
+    coarse = torch.rand(16, 3, 4, 4, generator=generator) * 2 - 1
+    images = torch.nn.functional.interpolate(coarse, size=(resolution, resolution), mode="bilinear")
+    latents = vae.encode(images).latent_dist.mode()
+    return float(latents.mean()), float(1.0 / latents.std().clamp_min(1e-6))
+
+
+def build_tiny_sd3_pipeline(seed: int = 0, resolution: int = 32) -> StableDiffusion3Pipeline:
+    """The tiny SD3 pipeline in float32, eval mode, with seeded random weights (a few MB in all)."""
+    vae_factor = 2 ** (len(VAE_BLOCK_OUT_CHANNELS) - 1)
+    if resolution % (2 * vae_factor) != 0:
+        raise ValueError(f"resolution {resolution} must be a multiple of {2 * vae_factor} (VAE factor x patch size)")
+    tokenizer, tokenizer_2, tokenizer_3 = build_clip_tokenizer(), build_clip_tokenizer(), build_t5_tokenizer()
+    clip_widths, t5_width = (32, 32), 64
+
+    torch.manual_seed(seed)
+    text_encoder = _clip_text_encoder(tokenizer, hidden=clip_widths[0], projection=32)
+    text_encoder_2 = _clip_text_encoder(tokenizer_2, hidden=clip_widths[1], projection=32)
+    text_encoder_3 = _t5_encoder(tokenizer_3, d_model=t5_width)
+    vae = _vae(resolution)
+    heads, head_dim = 4, 16
+    transformer = SD3Transformer2DModel(
+        sample_size=resolution // vae_factor,
+        patch_size=2,
+        in_channels=LATENT_CHANNELS,
+        num_layers=2,
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=t5_width,  # CLIP embeddings (32 + 32 wide) are zero-padded to the T5 width
+        caption_projection_dim=heads * head_dim,
+        pooled_projection_dim=text_encoder.config.projection_dim + text_encoder_2.config.projection_dim,
+        out_channels=LATENT_CHANNELS,
+        pos_embed_max_size=4 * resolution // vae_factor // 2,  # room for up to 4x the default resolution
+    )
+    shift, scale = _calibrate_vae(vae, resolution, torch.Generator().manual_seed(seed))
+    vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SCHEDULER_SHIFT)
+
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=tokenizer_3,
+    )
+    for module in (transformer, vae, text_encoder, text_encoder_2, text_encoder_3):
+        module.eval()  # built under the float32 default dtype; from-config models start in train mode
+    return pipe
+
+
+def save_tiny_sd3_pipeline(path: str, seed: int = 0, resolution: int = 32) -> str:
+    """Build the tiny pipeline and write it as a diffusers folder (safetensors); returns `path`."""
+    pipe = build_tiny_sd3_pipeline(seed=seed, resolution=resolution)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(path, safe_serialization=True)
+    logger.info("wrote tiny SD3 pipeline (seed %d, %dx%d) to %s", seed, resolution, resolution, path)
+    return path
