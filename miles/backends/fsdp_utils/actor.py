@@ -1,0 +1,305 @@
+"""The trunk: one FSDP2 trainer actor class for every role, running the recompute and training loops (§5)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import socket
+import time
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_latest, save_checkpoint
+from miles.backends.fsdp_utils.fsdp import apply_fsdp2, clip_grad_norm_, full_state_dict, parse_dtype
+from miles.backends.fsdp_utils.loss_hub import LossHooks, get_loss_hooks
+from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, PreparedBatch, WindowMetrics
+from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_schedule, pairs_in_window
+from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
+from miles.models.base import get_train_pipeline_config
+from miles.utils.box import Box
+from miles.utils.distributed import destroy_process_group, init_process_group
+from miles.utils.types import TrainPairs, num_pairs, slice_pairs
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def role_settings(args: argparse.Namespace, role: str) -> dict[str, Any]:
+    """What differs between roles: only the critic overrides (§8); everything else is shared."""
+    if role == "critic":
+        return {
+            "checkpoint": args.critic_checkpoint,
+            "lr": args.critic_lr,
+            "load": args.critic_load,
+            "save": args.critic_save,
+            "num_steps_per_rollout": args.critic_num_steps_per_rollout,
+            "micro_batch_size": args.critic_micro_batch_size,
+        }
+    return {
+        "checkpoint": args.hf_checkpoint,
+        "lr": args.lr,
+        "load": args.load,
+        "save": args.save,
+        "num_steps_per_rollout": args.num_steps_per_rollout,
+        "micro_batch_size": args.micro_batch_size,
+    }
+
+
+def merge_peer_output(shard: TrainPairs, peer_output: Any) -> TrainPairs:
+    """The previous group's train output (per-pair columns) joins this rank's pairs as `peer/<name>` columns."""
+    if peer_output is None:
+        return shard
+    if not isinstance(peer_output, dict):
+        raise TypeError(f"a peer group's train output must be a dict of per-pair tensors, got {type(peer_output)}")
+    return {**shard, **{f"peer/{key}": value for key, value in peer_output.items()}}
+
+
+class FSDPTrainRayActor:
+    """One data-parallel rank of one role; wrapped by `ray.remote` in `miles.ray.train_group`."""
+
+    def __init__(self, world_size: int, rank: int, role: str) -> None:
+        self.world_size, self.rank, self.role = world_size, rank, role
+        self.global_step = 0
+        self.pending_metrics: list[dict[str, Any]] = []
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def get_master_address(self) -> tuple[str, int]:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return socket.gethostbyname(socket.gethostname()) if torch.cuda.is_available() else "127.0.0.1", port
+
+    def init(self, args: argparse.Namespace, master_addr: str, master_port: int) -> int:
+        """Process group, network, FSDP2, optimizer, schedule and `--load` state; returns the first rollout id."""
+        logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(name)s: %(message)s")
+        self.args = args
+        self.settings = role_settings(args, self.role)
+        self.device = resolve_device(args.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, round(args.cpus_per_rank)))
+        init_process_group(self.rank, self.world_size, master_addr, master_port, self.device)
+        self._seed_everything(args.seed + self.rank)
+        self.forward_dtype = parse_dtype(args.diffusion_forward_dtype)
+        self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family)
+        self.model = self.family.load_transformer(self.settings["checkpoint"]).to(self.device)
+        self.model.train()
+        apply_fsdp2(
+            self.model,
+            self.family.transformer_blocks(self.model),
+            param_dtype=self.forward_dtype,
+            reduce_dtype=parse_dtype(args.fsdp_reduce_dtype),
+        )
+        self.hooks: LossHooks = get_loss_hooks(args, self.role)
+        self.optimizer = build_optimizer(self.model.parameters(), args, self.settings["lr"])
+        total_steps = args.num_rollout * self.settings["num_steps_per_rollout"]
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, args, self.settings["lr"], total_steps)
+        self.networks = MappingProxyType({"policy": self.model})
+        return self._load()
+
+    def _seed_everything(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % (2**32))
+        torch.manual_seed(seed)
+
+    def _load(self) -> int:
+        load_dir = self.settings["load"]
+        if not load_dir or read_latest(load_dir) is None:
+            if load_dir:
+                logger.info("no checkpoint in %s yet: starting from rollout 0", load_dir)
+            return 0
+        loaded = load_checkpoint(
+            load_dir,
+            self.role,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            load_optimizer=not self.args.no_load_optim,
+        )
+        self.global_step = int(loaded.meta.get("global_step", 0))
+        logger.info("%s rank %d resumed from %s at rollout %d", self.role, self.rank, load_dir, loaded.rollout_id)
+        return loaded.rollout_id + 1
+
+    # ---- training -----------------------------------------------------------------------------
+    def train(self, rollout_id: int, data: Box, peer: Box | None = None) -> Box:
+        """Train on this rank's shard; returns `Box(ray.put(train_output))` for the paired rank of the next group."""
+        import ray
+
+        ctx = self._make_context(rollout_id)
+        shard: TrainPairs = ray.get(data.inner)
+        if peer is not None:
+            shard = merge_peer_output(shard, ray.get(peer.inner))
+        pairs = self.hooks.train_input(ctx, shard)
+        schedule = build_microbatch_schedule(
+            num_pairs(pairs), self.settings["num_steps_per_rollout"], self.settings["micro_batch_size"]
+        )
+        self._check_same_schedule_on_all_ranks(schedule)
+        train_output_inputs = self._train_core(ctx, pairs, schedule)
+        output = self.hooks.train_output(ctx, pairs, train_output_inputs)
+        return Box(ray.put(output))
+
+    def _make_context(self, rollout_id: int) -> DiffusionLossContext:
+        return DiffusionLossContext(
+            args=self.args,
+            role=self.role,
+            rollout_id=rollout_id,
+            dp_rank=self.rank,
+            dp_size=self.world_size,
+            device=self.device,
+            forward_dtype=self.forward_dtype,
+            family=self.family,
+            networks=self.networks,
+        )
+
+    def _check_same_schedule_on_all_ranks(self, schedule: list[list[MicroBatch]]) -> None:
+        """Different micro-batch counts would hang the collectives: fail on every rank before any forward."""
+        count = torch.tensor([sum(len(w) for w in schedule)], dtype=torch.int64)
+        counts = [torch.zeros_like(count) for _ in range(self.world_size)]
+        dist.all_gather(counts, count)
+        values = [int(c.item()) for c in counts]
+        if len(set(values)) != 1:
+            raise RuntimeError(f"{self.role} ranks have different micro-batch counts {values}: shards must be equal")
+
+    def _train_core(self, ctx: DiffusionLossContext, pairs: TrainPairs, schedule: list[list[MicroBatch]]) -> list:
+        """The recompute loop (windows 1..), then the training loop; owns the list the train-output hook reads."""
+        train_output_inputs: list = []
+        recompute = bool(self.args.diffusion_recompute_old_log_prob)
+        if recompute:
+            self.recompute_old_log_probs(ctx, pairs, schedule, train_output_inputs)
+        for optim_step_idx, window in enumerate(schedule):
+            started = time.perf_counter()
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics = WindowMetrics()
+            denominator = pairs_in_window(window)
+            for mb in window:
+                batch = slice_pairs(pairs, mb.start, mb.end)
+                prepared = self.hooks.prepare(ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=optim_step_idx)
+                new_pred, ref_pred = self._forward(prepared)
+                loss_sum = self.hooks.formula(
+                    ctx,
+                    batch,
+                    prepared,
+                    new_pred=new_pred,
+                    ref_pred=ref_pred,
+                    metrics=metrics,
+                    optim_step_idx=optim_step_idx,
+                    train_output_inputs=train_output_inputs,
+                    write_old_log_prob=False,
+                    old_log_prob_from_new=recompute and optim_step_idx == 0,
+                )
+                (loss_sum / denominator).backward()
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.args.clip_grad)
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            self.lr_scheduler.step()
+            self.global_step += 1
+            self._record_window(ctx, metrics, grad_norm, lr, time.perf_counter() - started)
+        return train_output_inputs
+
+    @torch.no_grad()
+    def recompute_old_log_probs(
+        self, ctx: DiffusionLossContext, pairs: TrainPairs, schedule: list[list[MicroBatch]], train_output_inputs: list
+    ) -> None:
+        """Before any update, store old log-probs of windows 1.. with the exact ids their training pass uses."""
+        for optim_step_idx, window in enumerate(schedule):
+            if optim_step_idx == 0:
+                continue
+            for mb in window:
+                batch = slice_pairs(pairs, mb.start, mb.end)
+                prepared = self.hooks.prepare(ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=optim_step_idx)
+                new_pred, ref_pred = self._forward(prepared)
+                self.hooks.formula(
+                    ctx,
+                    batch,
+                    prepared,
+                    new_pred=new_pred,
+                    ref_pred=ref_pred,
+                    metrics=WindowMetrics(),
+                    optim_step_idx=optim_step_idx,
+                    train_output_inputs=train_output_inputs,
+                    write_old_log_prob=True,
+                    old_log_prob_from_new=False,
+                )
+
+    def _forward(self, prepared: PreparedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The actor owns every forward: the policy, and the frozen network the hook names, on the same inputs."""
+        new_pred = self._predict(self.model, prepared)
+        ref_pred = None
+        if prepared.ref_network is not None:
+            if prepared.ref_network not in self.networks:
+                raise KeyError(f"hook asked for network {prepared.ref_network!r}; have {sorted(self.networks)}")
+            with torch.no_grad():
+                ref_pred = self._predict(self.networks[prepared.ref_network], prepared)
+        return new_pred, ref_pred
+
+    def _predict(self, network: torch.nn.Module, prepared: PreparedBatch) -> torch.Tensor:
+        return self.family.predict_velocity(
+            network,
+            prepared.latents,
+            prepared.sigmas,
+            prepared.embeds,
+            guidance_scale=prepared.guidance_scale,
+            negative=prepared.negative,
+        )
+
+    def _record_window(
+        self, ctx: DiffusionLossContext, metrics: WindowMetrics, grad_norm: float, lr: float, seconds: float
+    ) -> None:
+        names = sorted(metrics.sums)
+        totals = torch.tensor([[metrics.sums[n], metrics.counts[n]] for n in names], dtype=torch.float64)
+        if self.world_size > 1 and names:
+            dist.all_reduce(totals)
+        record: dict[str, Any] = {"rollout_id": ctx.rollout_id, "step": self.global_step, "role": self.role}
+        record.update({n: float(s / max(c, 1.0)) for n, (s, c) in zip(names, totals.tolist())})
+        record.update({"train/grad_norm": float(grad_norm), "train/lr": float(lr), "perf/train_step_s": seconds})
+        if self.rank == 0:
+            self.pending_metrics.append(record)
+
+    def pop_metrics(self) -> list[dict[str, Any]]:
+        records, self.pending_metrics = self.pending_metrics, []
+        return records
+
+    # ---- weights and checkpoints --------------------------------------------------------------
+    def save(self, rollout_id: int, extra: dict | None = None) -> str:
+        return save_checkpoint(
+            self.settings["save"],
+            rollout_id,
+            self.role,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            extra=extra,
+            meta={"global_step": self.global_step, "loss_type": self.args.loss_type},
+        )
+
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
+        """Full (unsharded) weights on rank 0, None elsewhere; every rank must call it (collective)."""
+        state = full_state_dict(self.model)
+        return state if self.rank == 0 else None
+
+    def full_state_dict_every_rank(self) -> dict[str, torch.Tensor]:
+        """Each rank's own gather of the full weights (to check that ranks agree)."""
+        return {k: v.detach().cpu() for k, v in full_state_dict(self.model, cpu_offload=False).items()}
+
+    def save_hf(self, out_dir: str) -> str | None:
+        state = self.export_weights()
+        if self.rank == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            self.family.save_transformer(state, out_dir)
+            return out_dir
+        return None
+
+    def shutdown(self) -> None:
+        destroy_process_group()

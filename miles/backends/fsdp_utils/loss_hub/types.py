@@ -1,0 +1,69 @@
+"""What the hooks see: the frozen rollout-level context, the prepared micro-batch and window metrics."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class DiffusionLossContext:
+    """Read-only view shared by every hook of one `train` call; it carries no loop state.
+
+    Per-call facts (micro-batch id, optimizer step index, the train-output list) travel as hook
+    arguments so that a prepare running ahead of the loss cannot race on shared fields.
+    """
+
+    args: argparse.Namespace
+    role: str
+    rollout_id: int
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+    forward_dtype: torch.dtype
+    family: Any
+    networks: Mapping[str, torch.nn.Module]
+    sde_kernel: Any = None
+
+
+@dataclass
+class PreparedBatch:
+    """Inputs of one micro-batch's forward; the trunk runs `policy` (and `ref_network` when named) on them."""
+
+    latents: torch.Tensor
+    sigmas: torch.Tensor
+    embeds: Any
+    negative: Any = None
+    guidance_scale: float = 1.0
+    ref_network: str | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class WindowMetrics:
+    """Sums and counts of per-pair values within one window; reduced over dp ranks by the trunk."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, float] = {}
+
+    def add(self, name: str, values: torch.Tensor | float) -> None:
+        values = torch.as_tensor(values).detach().float()
+        self.sums[name] = self.sums.get(name, 0.0) + values.sum().item()
+        self.counts[name] = self.counts.get(name, 0.0) + values.numel()
+
+    def means(self) -> dict[str, float]:
+        return {k: self.sums[k] / max(self.counts[k], 1.0) for k in sorted(self.sums)}
+
+
+def prompt_embeds_from_pairs(batch: dict[str, torch.Tensor], device: torch.device, prefix: str = "") -> Any:
+    """The prompt conditioning stored in train pairs (`prompt_embeds`, `pooled_prompt_embeds` columns)."""
+    from miles.models.base import PromptEmbeds
+
+    return PromptEmbeds(
+        prompt_embeds=batch[prefix + "prompt_embeds"].to(device),
+        pooled_prompt_embeds=batch[prefix + "pooled_prompt_embeds"].to(device),
+    )

@@ -1,0 +1,49 @@
+"""AdamW and the learning-rate schedule (constant, linear warm-up, linear or cosine decay)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+import torch
+
+
+def lr_multiplier(step: int, *, warmup_steps: int, decay_steps: int, decay_style: str, min_ratio: float) -> float:
+    """Multiplier of the peak LR after `step` optimizer steps."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay_style == "constant":
+        return 1.0
+    progress = min(max(step - warmup_steps, 0) / max(decay_steps - warmup_steps, 1), 1.0)
+    if decay_style == "linear":
+        shape = 1.0 - progress
+    elif decay_style == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"--lr-decay-style {decay_style!r}: expected constant, linear or cosine")
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
+def build_optimizer(params, args: argparse.Namespace, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [p for p in params if p.requires_grad],
+        lr=lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
+        weight_decay=args.weight_decay,
+    )
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, args: argparse.Namespace, lr: float, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    decay_steps = args.lr_decay_steps or total_steps
+    fn: Callable[[int], float] = lambda step: lr_multiplier(  # noqa: E731
+        step,
+        warmup_steps=args.lr_warmup_steps,
+        decay_steps=decay_steps,
+        decay_style=args.lr_decay_style,
+        min_ratio=args.min_lr / lr,
+    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

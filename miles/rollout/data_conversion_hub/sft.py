@@ -1,0 +1,46 @@
+"""sft_loss conversion: (prompt, image) records -> train pairs of clean latents and prompt embeddings."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from miles.utils.types import TrainPairs
+
+logger = logging.getLogger(__name__)
+
+
+def image_to_tensor(image: Any, resolution: int) -> torch.Tensor:
+    """A PIL image or a path -> (3, H, W) float tensor in [-1, 1] at `resolution`."""
+    if isinstance(image, str):
+        try:
+            image = Image.open(image)
+        except OSError as exc:
+            raise ValueError(f"cannot read image {image}: {exc}") from exc
+    image = image.convert("RGB")
+    if image.size != (resolution, resolution):
+        image = image.resize((resolution, resolution), Image.BICUBIC)
+    array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+@torch.no_grad()
+def encode_sft_records(family: Any, records: list[dict], resolution: int, batch_size: int = 64) -> TrainPairs:
+    """Encode every record once with the family's VAE and text encoders (the rollout side owns encoders)."""
+    parts: list[TrainPairs] = []
+    for start in range(0, len(records), batch_size):
+        chunk = records[start : start + batch_size]
+        images = torch.stack([image_to_tensor(r["image"], resolution) for r in chunk])
+        embeds = family.encode_prompts([r["prompt"] for r in chunk])
+        parts.append(
+            {
+                "x0": family.encode_images(images).float().cpu(),
+                "prompt_embeds": embeds.prompt_embeds.float().cpu(),
+                "pooled_prompt_embeds": embeds.pooled_prompt_embeds.float().cpu(),
+            }
+        )
+    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}

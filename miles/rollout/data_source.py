@@ -1,0 +1,98 @@
+"""Prompt data: JSONL files or builtin:shapes, served in seeded epochs; the order is a pure function of rollout id."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_SHAPES = "builtin:shapes"
+
+
+class PromptDataError(ValueError):
+    """A prompt file that cannot be used; the message names the file and line."""
+
+
+def read_jsonl_records(
+    path: str, *, input_key: str, metadata_key: str, image_key: str | None = None
+) -> list[dict[str, Any]]:
+    """Records {"prompt", "metadata", ["image"]}; image paths resolve relative to the JSONL file."""
+    if not os.path.isfile(path):
+        raise PromptDataError(f"--prompt-data {path}: file not found")
+    base = os.path.dirname(os.path.abspath(path))
+    records = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PromptDataError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(row, dict):
+                raise PromptDataError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+            prompt = row.get(input_key)
+            if not isinstance(prompt, str):
+                raise PromptDataError(f"{path}:{line_no}: missing string field {input_key!r} (--input-key)")
+            record: dict[str, Any] = {"prompt": prompt, "metadata": row.get(metadata_key) or {}}
+            if image_key is not None:
+                image = row.get(image_key)
+                if not isinstance(image, str):
+                    raise PromptDataError(f"{path}:{line_no}: missing image path field {image_key!r} (--image-key)")
+                image_path = image if os.path.isabs(image) else os.path.join(base, image)
+                if not os.path.isfile(image_path):
+                    raise PromptDataError(f"{path}:{line_no}: image {image_path} not found")
+                record["image"] = image_path
+            records.append(record)
+    if not records:
+        raise PromptDataError(f"--prompt-data {path}: no records (the file is empty)")
+    return records
+
+
+def load_records(args: argparse.Namespace, *, with_images: bool, resolution: int) -> list[dict[str, Any]]:
+    if args.prompt_data == BUILTIN_SHAPES:
+        from miles.data.shapes import shapes_items, shapes_prompts
+
+        if with_images:
+            return shapes_items(args.builtin_dataset_size, seed=args.rollout_seed, split="train", resolution=resolution)
+        return shapes_prompts(args.builtin_dataset_size, seed=args.rollout_seed, split="train")
+    return read_jsonl_records(
+        args.prompt_data,
+        input_key=args.input_key,
+        metadata_key=args.metadata_key,
+        image_key=args.image_key if with_images else None,
+    )
+
+
+class PromptDataSource:
+    """Serves `batch_size` record indices per rollout, reshuffled every epoch by (seed, epoch).
+
+    The indices of rollout r depend only on r, so resuming at rollout r continues the same stream:
+    the checkpointed state is the rollout id itself.
+    """
+
+    def __init__(self, num_records: int, batch_size: int, *, seed: int, shuffle: bool = True) -> None:
+        if num_records < 1:
+            raise PromptDataError("the prompt data has no records")
+        self.num_records, self.batch_size, self.seed, self.shuffle = num_records, batch_size, seed, shuffle
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_records)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_records)
+
+    def indices(self, rollout_id: int) -> list[int]:
+        out = []
+        for position in range(rollout_id * self.batch_size, (rollout_id + 1) * self.batch_size):
+            epoch, offset = divmod(position, self.num_records)
+            out.append(int(self._epoch_order(epoch)[offset]))
+        return out
+
+    def epoch_of(self, rollout_id: int) -> int:
+        return (rollout_id * self.batch_size) // self.num_records

@@ -1,0 +1,314 @@
+"""Command-line arguments: argparse groups, `--config file.yaml` as defaults, and one `validate_args`."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+LOSS_TYPES = ("sft_loss", "policy_loss", "nft", "dmd2", "custom_loss")
+TRAIN_HOOK_FLAGS = (
+    "custom_prepare_train_batch_path",
+    "custom_loss_function_path",
+    "custom_train_input_postprocess_path",
+    "custom_train_output_path",
+)
+CRITIC_FLAGS = (
+    "critic_checkpoint",
+    "critic_lr",
+    "critic_load",
+    "critic_save",
+    "critic_num_steps_per_rollout",
+    "critic_micro_batch_size",
+)
+RECOMPUTE_REJECTED = ("sft_loss", "nft", "dmd2")
+
+
+class ArgumentError(ValueError):
+    """A flag combination that cannot run; the message names the flags."""
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("cluster")
+    group.add_argument("--ray-address", default=None, help="Ray cluster address; default starts a local one.")
+    group.add_argument("--dp-size", type=int, default=1, help="Data-parallel ranks (Ray actors) per trained role.")
+    group.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available, else cpu."
+    )
+    group.add_argument("--cpus-per-rank", type=float, default=0.5, help="CPU share of each trainer actor on CPU.")
+    group.add_argument("--gpus-per-rank", type=float, default=1.0, help="GPUs per trainer actor on CUDA.")
+    group.add_argument("--seed", type=int, default=1234, help="Seed of model init, noise and shuffling.")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--hf-checkpoint", default=None, help="Local diffusers pipeline folder (never downloaded). Required for now."
+    )
+    group.add_argument("--model-family", default="auto", help="Model family (auto: from model_index.json).")
+    group.add_argument(
+        "--teacher-load", default=None, help="Frozen teacher (diffusers pipeline or transformer folder)."
+    )
+    group.add_argument(
+        "--diffusion-forward-dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="FSDP param dtype."
+    )
+    group.add_argument(
+        "--fsdp-reduce-dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="FSDP gradient reduce dtype."
+    )
+    group.add_argument("--resolution", type=int, default=None, help="Image side in pixels (default: the model's).")
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("train")
+    group.add_argument("--loss-type", choices=LOSS_TYPES, default="sft_loss", help="The algorithm (ARCHITECTURE §1).")
+    group.add_argument("--lr", type=float, default=1e-4, help="Peak learning rate (AdamW).")
+    group.add_argument(
+        "--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant", help="After warm-up."
+    )
+    group.add_argument("--lr-warmup-steps", type=int, default=0, help="Linear warm-up, in optimizer steps.")
+    group.add_argument(
+        "--lr-decay-steps", type=int, default=None, help="Decay length in optimizer steps (default: the whole run)."
+    )
+    group.add_argument("--min-lr", type=float, default=0.0, help="Floor of linear/cosine decay.")
+    group.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay.")
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--clip-grad", type=float, default=1.0, help="Max gradient norm; 0 disables clipping.")
+    group.add_argument("--micro-batch-size", type=int, default=1, help="Train pairs per forward/backward.")
+    group.add_argument(
+        "--global-batch-size", type=int, default=None, help="Samples per optimizer step over all ranks (§7)."
+    )
+    group.add_argument("--num-steps-per-rollout", type=int, default=1, help="Optimizer steps per rollout.")
+    group.add_argument("--num-rollout", type=int, default=10, help="Rollouts (outer iterations) to run.")
+    group.add_argument("--train-only", action="store_true", help="No rollout engine: train on dataset pairs (SFT).")
+    group.add_argument(
+        "--diffusion-recompute-old-log-prob",
+        action="store_true",
+        help="Recompute windows 1.. old log-probs with the trainer's forward before any update (policy_loss).",
+    )
+    group.add_argument(
+        "--sft-timestep-sampling",
+        choices=("logit_normal", "uniform", "mode"),
+        default="logit_normal",
+        help="Density of u for σ lookup.",
+    )
+    group.add_argument("--sft-logit-mean", type=float, default=0.0)
+    group.add_argument("--sft-logit-std", type=float, default=1.0)
+    group.add_argument("--sft-mode-scale", type=float, default=1.29)
+    group.add_argument(
+        "--sft-loss-weighting", choices=("none", "sigma_sqrt", "cosmap"), default="none", help="w(σ) of the loss."
+    )
+
+
+def add_custom_hook_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("custom hooks (pkg.mod.fn or path/file.py:fn)")
+    group.add_argument("--custom-prepare-train-batch-path", default=None, help="custom_loss: the prepare hook.")
+    group.add_argument("--custom-loss-function-path", default=None, help="custom_loss: the formula hook.")
+    group.add_argument(
+        "--custom-train-input-postprocess-path", default=None, help="custom_loss: post-process the train pairs."
+    )
+    group.add_argument("--custom-train-output-path", default=None, help="custom_loss: what `train` returns.")
+
+
+def add_critic_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("critic overrides (dmd2 only; everything else is shared with the actor)")
+    group.add_argument("--critic-checkpoint", default=None, help="Critic init (default: the teacher).")
+    group.add_argument("--critic-lr", type=float, default=None, help="Critic learning rate (default: --lr).")
+    group.add_argument("--critic-load", default=None, help="Critic checkpoint dir to resume (default: --load).")
+    group.add_argument("--critic-save", default=None, help="Critic checkpoint dir (default: --save).")
+    group.add_argument("--critic-num-steps-per-rollout", type=int, default=None)
+    group.add_argument("--critic-micro-batch-size", type=int, default=None)
+
+
+def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("rollout and data")
+    group.add_argument("--prompt-data", default=None, help="JSONL of prompts (and images for SFT), or builtin:shapes.")
+    group.add_argument("--input-key", default="prompt", help="JSONL key of the prompt.")
+    group.add_argument("--image-key", default="image", help="JSONL key of the image path (SFT), relative to the file.")
+    group.add_argument("--metadata-key", default="metadata", help="JSONL key of per-prompt metadata.")
+    group.add_argument("--builtin-dataset-size", type=int, default=2048, help="Items of builtin:shapes.")
+    group.add_argument("--rollout-batch-size", type=int, default=8, help="Prompts per rollout.")
+    group.add_argument("--n-samples-per-prompt", type=int, default=1, help="Samples per prompt (a GRPO group).")
+    group.add_argument("--rollout-seed", type=int, default=42, help="Seeds data order and per-sample noise.")
+    group.add_argument("--no-rollout-shuffle", action="store_true", help="Keep the file order every epoch.")
+    group.add_argument("--diffusion-num-steps", type=int, default=10, help="Sampling steps.")
+    group.add_argument("--diffusion-guidance-scale", type=float, default=1.0, help="CFG scale; ≤ 1 disables CFG.")
+    group.add_argument("--negative-prompt", default="", help="Negative prompt of the CFG branch.")
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("checkpoints")
+    group.add_argument("--save", default=None, help="Checkpoint dir: DIR/iter_XXXXXXX/{role}/.")
+    group.add_argument("--save-interval", type=int, default=None, help="Save every N rollouts (and at the end).")
+    group.add_argument("--load", default=None, help="Resume from the latest checkpoint in DIR.")
+    group.add_argument("--no-load-optim", action="store_true", help="With --load: weights only, fresh optimizer.")
+    group.add_argument("--save-hf", default=None, help="At the end, write a diffusers pipeline folder with the result.")
+
+
+def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("logging")
+    group.add_argument("--output-dir", default="outputs/run", help="metrics.jsonl, train.log and images go here.")
+    group.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    group.add_argument("--no-progress", action="store_true", help="No tqdm progress bar.")
+
+
+ARGUMENT_GROUPS = (
+    add_cluster_arguments,
+    add_model_arguments,
+    add_train_arguments,
+    add_custom_hook_arguments,
+    add_critic_arguments,
+    add_rollout_arguments,
+    add_checkpoint_arguments,
+    add_logging_arguments,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="train_diffusion.py",
+        description="miles: post-train diffusion / flow-matching models (SFT, Flow-GRPO, NFT, DMD2, custom).",
+    )
+    parser.add_argument("--config", default=None, help="YAML of flag defaults (command line wins).")
+    for add_group in ARGUMENT_GROUPS:
+        add_group(parser)
+    return parser
+
+
+def load_config_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """Read a YAML mapping of flag -> value; keys may use dashes or underscores; unknown keys are errors."""
+    if not os.path.isfile(path):
+        raise ArgumentError(f"--config {path}: file not found")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as exc:
+            raise ArgumentError(f"--config {path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ArgumentError(f"--config {path}: expected a mapping of flag names to values")
+    known = {action.dest for action in parser._actions if action.dest not in ("help", "config")}
+    defaults = {}
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in known:
+            close = difflib.get_close_matches(dest, known, n=1)
+            hint = f"; did you mean {flag(close[0])}?" if close else ""
+            raise ArgumentError(f"--config {path}: unknown key {key!r}{hint}")
+        defaults[dest] = value
+    return defaults
+
+
+def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True) -> argparse.Namespace:
+    parser = build_parser()
+    first, _ = parser.parse_known_args(argv)
+    if first.config:
+        try:
+            parser.set_defaults(**load_config_defaults(parser, first.config))
+        except ArgumentError as exc:
+            parser.error(str(exc))
+    args = parser.parse_args(argv)
+    if validate:
+        try:
+            validate_args(args)
+        except ArgumentError as exc:
+            parser.error(str(exc))
+    return args
+
+
+def trained_steps_per_sample(args: argparse.Namespace) -> int:
+    """Train pairs one sample yields (one per trained SDE step for policy_loss; one otherwise)."""
+    return 1
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Every cross-flag rule of ARCHITECTURE §8, checked before any actor starts; fills derived defaults."""
+    loss = args.loss_type
+    if args.diffusion_recompute_old_log_prob and loss in RECOMPUTE_REJECTED:
+        raise ArgumentError(
+            f"--diffusion-recompute-old-log-prob is not supported with --loss-type {loss} (it has no log-prob ratio)"
+        )
+    if loss == "dmd2" and not args.teacher_load:
+        raise ArgumentError("--loss-type dmd2 requires --teacher-load (the frozen teacher the critic scores against)")
+    given_hooks = [flag(d) for d in TRAIN_HOOK_FLAGS if getattr(args, d)]
+    if given_hooks and loss != "custom_loss":
+        raise ArgumentError(
+            f"{', '.join(given_hooks)} only apply to --loss-type custom_loss (under {loss} the loss hub picks the hooks)"
+        )
+    if loss == "custom_loss":
+        for dest in ("custom_prepare_train_batch_path", "custom_loss_function_path"):
+            if not getattr(args, dest):
+                raise ArgumentError(f"--loss-type custom_loss requires {flag(dest)}")
+    given_critic = [flag(d) for d in CRITIC_FLAGS if getattr(args, d) is not None]
+    if given_critic and loss != "dmd2":
+        raise ArgumentError(f"{', '.join(given_critic)} only apply to --loss-type dmd2 (the only loss with a critic)")
+    _validate_positive(args)
+    if not args.hf_checkpoint:
+        raise ArgumentError("--hf-checkpoint DIR is required (a local diffusers pipeline folder)")
+    if loss == "sft_loss" and not args.train_only:
+        raise ArgumentError("--loss-type sft_loss trains on dataset pairs: pass --train-only")
+    if not args.prompt_data:
+        raise ArgumentError("--prompt-data is required (a JSONL file or builtin:shapes)")
+    if args.global_batch_size is None:
+        total = args.rollout_batch_size * args.n_samples_per_prompt
+        if total % args.num_steps_per_rollout != 0:
+            raise ArgumentError(
+                f"--rollout-batch-size {args.rollout_batch_size} x --n-samples-per-prompt {args.n_samples_per_prompt}"
+                f" is not divisible by --num-steps-per-rollout {args.num_steps_per_rollout}"
+            )
+        args.global_batch_size = total // args.num_steps_per_rollout
+    _validate_batch_invariant(args)
+    if args.save_interval is not None and not args.save:
+        raise ArgumentError("--save-interval needs --save DIR")
+    if args.load and not os.path.isdir(args.load) and args.load != args.save:
+        raise ArgumentError(f"--load {args.load}: directory not found (pass --load equal to --save to auto-resume)")
+    if loss == "sft_loss" and args.n_samples_per_prompt != 1:
+        raise ArgumentError("--loss-type sft_loss trains each dataset pair once: --n-samples-per-prompt must be 1")
+    if loss == "dmd2":
+        args.critic_lr = args.lr if args.critic_lr is None else args.critic_lr
+        args.critic_num_steps_per_rollout = args.critic_num_steps_per_rollout or args.num_steps_per_rollout
+        args.critic_micro_batch_size = args.critic_micro_batch_size or args.micro_batch_size
+        args.critic_load = args.critic_load or args.load
+        args.critic_save = args.critic_save or args.save
+        args.critic_checkpoint = args.critic_checkpoint or args.teacher_load
+
+
+def _validate_positive(args: argparse.Namespace) -> None:
+    for dest in (
+        "dp_size",
+        "micro_batch_size",
+        "num_steps_per_rollout",
+        "num_rollout",
+        "rollout_batch_size",
+        "n_samples_per_prompt",
+        "diffusion_num_steps",
+    ):
+        if getattr(args, dest) < 1:
+            raise ArgumentError(f"{flag(dest)} must be ≥ 1, got {getattr(args, dest)}")
+    if args.lr <= 0:
+        raise ArgumentError(f"--lr must be > 0, got {args.lr}")
+    if args.clip_grad < 0:
+        raise ArgumentError(f"--clip-grad must be ≥ 0 (0 disables), got {args.clip_grad}")
+
+
+def _validate_batch_invariant(args: argparse.Namespace) -> None:
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    if samples != args.global_batch_size * args.num_steps_per_rollout:
+        raise ArgumentError(
+            f"batch invariant broken: --rollout-batch-size {args.rollout_batch_size} x --n-samples-per-prompt "
+            f"{args.n_samples_per_prompt} = {samples} must equal --global-batch-size {args.global_batch_size} x "
+            f"--num-steps-per-rollout {args.num_steps_per_rollout} = "
+            f"{args.global_batch_size * args.num_steps_per_rollout}"
+        )
+    if args.global_batch_size % args.dp_size != 0:
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} must be divisible by --dp-size {args.dp_size}"
+        )

@@ -1,0 +1,98 @@
+"""Process-group helpers: init (nccl on CUDA, gloo on CPU), free ports, and mean/sum reductions of metrics."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+_REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def init_process_group(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: str | torch.device,
+    *,
+    timeout: timedelta | None = None,
+) -> None:
+    """Join the default process group: nccl when `device` is CUDA (after selecting this rank's GPU), else gloo.
+
+    A CUDA device without an index (`"cuda"`) picks GPU `rank % device_count()`: under Ray each actor usually
+    sees only its own GPU, so that is GPU 0.
+    """
+    if dist.is_initialized():
+        raise RuntimeError(
+            f"init_process_group(rank={rank}, world_size={world_size}): a default process group already exists "
+            f"(rank {dist.get_rank()} of {dist.get_world_size()}); call destroy_process_group() first"
+        )
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        **kwargs,
+    )
+    logger.info("process group up: rank %d/%d, backend %s, %s:%d", rank, world_size, backend, master_addr, master_port)
+
+
+def destroy_process_group() -> None:
+    """Tear down the default process group; a no-op when there is none (safe to call twice)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def find_free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it; another process may still race for it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _collective_device() -> torch.device:
+    # nccl only reduces CUDA tensors; gloo reduces CPU tensors.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """The mean of `tensor` over all ranks, as a new tensor (the input is unchanged); identity without a group."""
+    if not dist.is_initialized():
+        return tensor.clone()
+    out = tensor.detach().to(_collective_device(), copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    out /= dist.get_world_size()
+    return out.to(tensor.device)
+
+
+def all_reduce_dict(metrics: dict[str, float], op: str = "mean") -> dict[str, float]:
+    """Reduce scalar metrics over all ranks with one all_reduce (`op`: mean, sum, max or min).
+
+    Every rank must pass the same keys (they are sorted, then stacked into one float64 tensor).
+    """
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce_dict: unknown op {op!r}; valid: {sorted(_REDUCE_OPS)}")
+    if not metrics or not dist.is_initialized():
+        return {key: float(value) for key, value in metrics.items()}
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[key]) for key in keys], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(values, op=_REDUCE_OPS[op])
+    if op == "mean":
+        values /= dist.get_world_size()
+    return dict(zip(keys, values.tolist()))

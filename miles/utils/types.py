@@ -1,0 +1,56 @@
+"""Plain data that crosses process boundaries: samples and columnar train pairs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Train pairs are columnar: every value is a tensor whose first dimension indexes the pair.
+TrainPairs = dict[str, torch.Tensor]
+
+
+@dataclass
+class Sample:
+    """One generated or dataset item; for RL it also carries its denoising trajectory and reward."""
+
+    index: int
+    prompt: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    group_index: int = 0
+    seed: int = 0
+    image: Any = None
+    reward: float | None = None
+    advantage: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def num_pairs(pairs: TrainPairs) -> int:
+    """Number of pairs; every column must agree."""
+    lengths = {key: value.shape[0] for key, value in pairs.items()}
+    if not lengths:
+        return 0
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"train pair columns disagree in length: {lengths}")
+    return next(iter(lengths.values()))
+
+
+def slice_pairs(pairs: TrainPairs, start: int, end: int) -> TrainPairs:
+    """Rows [start, end) as views, so a hook writing into a slice writes into the pairs."""
+    return {key: value[start:end] for key, value in pairs.items()}
+
+
+def shard_pairs(pairs: TrainPairs, dp_size: int) -> list[TrainPairs]:
+    """Split pairs into `dp_size` contiguous, equal shards (rank i gets shard i)."""
+    total = num_pairs(pairs)
+    if total % dp_size != 0:
+        raise ValueError(f"{total} train pairs cannot be split evenly over {dp_size} data-parallel ranks")
+    per_rank = total // dp_size
+    return [{k: v[r * per_rank : (r + 1) * per_rank].clone() for k, v in pairs.items()} for r in range(dp_size)]
+
+
+def cat_pairs(parts: list[TrainPairs]) -> TrainPairs:
+    if not parts:
+        return {}
+    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}

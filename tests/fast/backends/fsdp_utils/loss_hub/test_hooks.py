@@ -1,0 +1,122 @@
+import argparse
+import dataclasses
+from types import MappingProxyType
+
+import pytest
+import torch
+
+from miles.backends.fsdp_utils.loss_hub import HookSignatureError, get_loss_hooks
+from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext
+
+
+def make_args(**overrides):
+    base = dict(
+        loss_type="custom_loss",
+        custom_prepare_train_batch_path=None,
+        custom_loss_function_path=None,
+        custom_train_input_postprocess_path=None,
+        custom_train_output_path=None,
+    )
+    base.update(overrides)
+    return argparse.Namespace(**base)
+
+
+GOOD = """
+def prepare(ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len=None):
+    return None
+
+def formula(ctx, batch, prepared, **kwargs):
+    return None
+
+def output(ctx, train_pairs, train_output_inputs):
+    return None
+"""
+OLD = """
+def prepare(ctx, batch, *, pad_to_len=None):
+    return None
+
+def output(ctx, train_pairs):
+    return None
+
+def formula(ctx, batch, prepared, *, new_pred, metrics):
+    return None
+"""
+
+
+@pytest.fixture
+def hook_file(tmp_path):
+    (tmp_path / "good.py").write_text(GOOD)
+    (tmp_path / "old.py").write_text(OLD)
+    return tmp_path
+
+
+def test_custom_loss_hooks_load_from_files(hook_file):
+    good = hook_file / "good.py"
+    hooks = get_loss_hooks(
+        make_args(
+            custom_prepare_train_batch_path=f"{good}:prepare",
+            custom_loss_function_path=f"{good}:formula",
+            custom_train_output_path=f"{good}:output",
+        ),
+        "actor",
+    )
+    assert hooks.prepare.__name__ == "prepare" and hooks.train_output.__name__ == "output"
+
+
+def test_old_prepare_signature_rejected_naming_file_hook_and_params(hook_file):
+    old, good = hook_file / "old.py", hook_file / "good.py"
+    args = make_args(custom_prepare_train_batch_path=f"{old}:prepare", custom_loss_function_path=f"{good}:formula")
+    with pytest.raises(HookSignatureError) as exc:
+        get_loss_hooks(args, "actor")
+    message = str(exc.value)
+    assert "prepare" in message and str(old) in message
+    assert "microbatch_id" in message and "optim_step_idx" in message
+
+
+def test_two_parameter_train_output_rejected(hook_file):
+    old, good = hook_file / "old.py", hook_file / "good.py"
+    args = make_args(
+        custom_prepare_train_batch_path=f"{good}:prepare",
+        custom_loss_function_path=f"{good}:formula",
+        custom_train_output_path=f"{old}:output",
+    )
+    with pytest.raises(HookSignatureError, match=r"train_output hook .*old\.py.*train_output_inputs"):
+        get_loss_hooks(args, "actor")
+
+
+def test_formula_without_kwargs_must_name_every_keyword(hook_file):
+    old, good = hook_file / "old.py", hook_file / "good.py"
+    args = make_args(custom_prepare_train_batch_path=f"{good}:prepare", custom_loss_function_path=f"{old}:formula")
+    with pytest.raises(HookSignatureError, match="optim_step_idx.*train_output_inputs"):
+        get_loss_hooks(args, "actor")
+
+
+def test_builtin_sft_hooks_pass_the_check():
+    hooks = get_loss_hooks(make_args(loss_type="sft_loss"), "actor")
+    assert hooks.prepare.__name__ == "prepare_sft_batch"
+
+
+def make_context():
+    return DiffusionLossContext(
+        args=argparse.Namespace(),
+        role="actor",
+        rollout_id=0,
+        dp_rank=0,
+        dp_size=1,
+        device=torch.device("cpu"),
+        forward_dtype=torch.float32,
+        family=None,
+        networks=MappingProxyType({}),
+    )
+
+
+def test_context_is_frozen():
+    ctx = make_context()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.rollout_id = 1
+
+
+@pytest.mark.parametrize("name", ["microbatch_id", "optim_step_idx", "train_output_inputs"])
+def test_context_carries_no_loop_state(name):
+    with pytest.raises(AttributeError):
+        getattr(make_context(), name)

@@ -1,0 +1,40 @@
+"""A custom_loss that records what the trunk passes each hook (used by the wiring test)."""
+
+from miles.backends.fsdp_utils.loss_hub import sft
+
+CALLS: list = []
+LIST_IDS: set = set()
+
+
+def prepare(ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len=None):
+    prepared = sft.prepare_sft_batch(ctx, batch, microbatch_id=microbatch_id, optim_step_idx=optim_step_idx)
+    prepared.extras["microbatch_id"] = microbatch_id
+    prepared.extras["prepare_step"] = optim_step_idx
+    return prepared
+
+
+def formula(ctx, batch, prepared, *, optim_step_idx, train_output_inputs, write_old_log_prob=False, **kwargs):
+    CALLS.append(
+        {
+            "microbatch_id": prepared.extras["microbatch_id"],
+            "prepare_step": prepared.extras["prepare_step"],
+            "optim_step_idx": optim_step_idx,
+            "write_old_log_prob": write_old_log_prob,
+            "old_log_prob_from_new": kwargs["old_log_prob_from_new"],
+        }
+    )
+    LIST_IDS.add(id(train_output_inputs))
+    train_output_inputs.append(prepared.extras["microbatch_id"])
+    if write_old_log_prob:
+        return None
+    return sft.sft_formula(
+        ctx, batch, prepared, optim_step_idx=optim_step_idx, train_output_inputs=train_output_inputs, **kwargs
+    )
+
+
+def train_output(ctx, train_pairs, train_output_inputs):
+    calls = list(CALLS)
+    CALLS.clear()
+    ids = set(LIST_IDS)
+    LIST_IDS.clear()
+    return {"calls": calls, "same_list": ids == {id(train_output_inputs)}, "appended": list(train_output_inputs)}

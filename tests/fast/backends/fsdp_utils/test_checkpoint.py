@@ -1,0 +1,220 @@
+"""Checkpoints: bitwise restore and exact resume on 2 ranks, the on-disk layout, the latest pointer, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from miles import __version__
+from miles.backends.fsdp_utils import checkpoint
+from miles.backends.fsdp_utils.checkpoint import (
+    LATEST_FILE,
+    checkpoint_dir,
+    load_checkpoint,
+    read_latest,
+    save_checkpoint,
+    write_latest,
+)
+from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group
+from tests.fast.backends.fsdp_utils.fsdp_workers import DIM, build_trainer, run_ranks, save_and_resume
+
+
+def assert_bitwise_equal(actual: Any, expected: Any, where: str = "") -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, where
+        assert torch.equal(actual, expected), where
+    elif isinstance(expected, np.ndarray):
+        assert np.array_equal(actual, expected), where
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), where
+        for key in expected:
+            assert_bitwise_equal(actual[key], expected[key], f"{where}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_bitwise_equal(a, e, f"{where}[{i}]")
+    else:
+        assert actual == expected, where
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> tuple[str, list[dict]]:
+    out_dir = str(tmp_path_factory.mktemp("ckpt_ws2"))
+    return os.path.join(out_dir, "ckpt"), run_ranks(save_and_resume, 2, out_dir)
+
+
+@pytest.fixture(scope="module")
+def gloo_world_of_one():
+    init_process_group(0, 1, "127.0.0.1", find_free_port(), "cpu", timeout=timedelta(seconds=60))
+    yield
+    destroy_process_group()
+
+
+@pytest.fixture
+def trainer(gloo_world_of_one):
+    model, optimizer, scheduler = build_trainer(0)
+    return {"model": model, "optimizer": optimizer, "lr_scheduler": scheduler}
+
+
+@pytest.mark.parametrize("how", ["in_place", "fresh"])
+def test_load_restores_the_saved_state_bitwise(two_rank_run, how):
+    _, reports = two_rank_run
+    for rank, report in enumerate(reports):
+        restored, saved = report[f"restored_{how}"], report["saved"]
+        assert saved["optimizer"]["state"]  # AdamW moments exist, so they were really compared
+        for part in ("params", "optimizer", "scheduler", "rng"):
+            assert_bitwise_equal(restored[part], saved[part], f"rank{rank}/{part}")
+
+
+@pytest.mark.parametrize("how", ["in_place", "fresh"])
+def test_step_after_load_equals_the_uninterrupted_step(two_rank_run, how):
+    _, reports = two_rank_run
+    for report in reports:
+        assert not torch.equal(report["uninterrupted"]["head.weight"], report["saved"]["params"]["head.weight"])
+        assert_bitwise_equal(report[f"resumed_{how}"], report["uninterrupted"])
+
+
+def test_ranks_keep_their_own_rng_streams(two_rank_run):
+    _, (rank0, rank1) = two_rank_run
+    assert not torch.equal(rank0["saved"]["rng"]["torch"], rank1["saved"]["rng"]["torch"])
+
+
+def test_loaded_checkpoint_reports_rollout_extra_and_meta(two_rank_run):
+    _, reports = two_rank_run
+    for report in reports:
+        loaded = report["loaded"]
+        assert loaded["rollout_id"] == 3
+        assert_bitwise_equal(
+            loaded["extra"], {"ema": {"head.weight": torch.ones(2, DIM)}, "data_source": {"epoch": 1, "offset": 5}}
+        )
+        meta = loaded["meta"]
+        assert (meta["rollout_id"], meta["role"], meta["world_size"]) == (3, "actor", 2)
+        assert meta["miles_version"] == __version__ and meta["loss_type"] == "sft_loss" and meta["time"]
+
+
+def test_load_without_optimizer_only_restores_weights(two_rank_run):
+    _, reports = two_rank_run
+    for report in reports:
+        assert_bitwise_equal(report["weights_only"]["params"], report["saved"]["params"])
+        before = report["weights_only_before"]
+        assert_bitwise_equal(report["weights_only"]["optimizer"], before["optimizer"])
+        assert_bitwise_equal(report["weights_only"]["scheduler"], before["scheduler"])
+
+
+def test_layout_on_disk(two_rank_run):
+    save_dir, _ = two_rank_run
+    role_dir = checkpoint_dir(save_dir, 3, "actor")
+    assert role_dir == os.path.join(save_dir, "iter_0000003", "actor")
+    expected = {"dcp", "rng_rank0.pt", "rng_rank1.pt", "lr_scheduler.pt", "extra.pt", "meta.json"}
+    assert set(os.listdir(role_dir)) == expected
+    assert os.path.isfile(os.path.join(role_dir, "dcp", ".metadata"))
+    assert set(os.listdir(save_dir)) == {LATEST_FILE, "iter_0000003"}  # no temporary file left behind
+    with open(os.path.join(save_dir, LATEST_FILE)) as f:
+        assert f.read() == "3\n"
+    assert read_latest(save_dir) == 3
+
+
+def test_world_size_mismatch_is_named(two_rank_run, trainer):
+    save_dir, _ = two_rank_run
+    with pytest.raises(ValueError, match=r"meta\.json: saved with world size 2, but the current world size is 1"):
+        load_checkpoint(save_dir, "actor", **trainer)
+
+
+def test_missing_directory(tmp_path, trainer):
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=f"checkpoint directory {missing} does not exist"):
+        load_checkpoint(missing, "actor", **trainer)
+
+
+def test_missing_latest_file(tmp_path, trainer):
+    assert read_latest(str(tmp_path)) is None
+    with pytest.raises(FileNotFoundError, match=f"{LATEST_FILE} does not exist"):
+        load_checkpoint(str(tmp_path), "actor", **trainer)
+
+
+def test_latest_pointing_at_missing_iteration(tmp_path, trainer):
+    (tmp_path / LATEST_FILE).write_text("9\n")
+    with pytest.raises(FileNotFoundError, match=r"points at rollout 9, but .*iter_0000009/actor does not exist"):
+        load_checkpoint(str(tmp_path), "actor", **trainer)
+    with pytest.raises(FileNotFoundError, match="no critic checkpoint for rollout 4"):
+        load_checkpoint(str(tmp_path), "critic", rollout_id=4, **trainer)
+
+
+def test_garbled_latest_file(tmp_path):
+    (tmp_path / LATEST_FILE).write_text("iter_3")
+    with pytest.raises(ValueError, match=f"{LATEST_FILE} contains 'iter_3'; expected a rollout id"):
+        read_latest(str(tmp_path))
+
+
+def test_corrupt_meta_json(tmp_path, trainer):
+    path = save_checkpoint(str(tmp_path), 1, "actor", **trainer)
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        f.write('{"rollout_id": 1, "role"')
+    with pytest.raises(ValueError, match=r"meta\.json is corrupt \(not valid JSON"):
+        load_checkpoint(str(tmp_path), "actor", rollout_id=1, **trainer)
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump({"rollout_id": 1, "role": "actor"}, f)
+    with pytest.raises(ValueError, match=r"meta\.json is corrupt: missing fields \['world_size'"):
+        load_checkpoint(str(tmp_path), "actor", rollout_id=1, **trainer)
+
+
+def test_reserved_meta_keys_are_refused(tmp_path, trainer):
+    with pytest.raises(ValueError, match=r"meta keys \['world_size'\] are reserved"):
+        save_checkpoint(str(tmp_path), 1, "actor", meta={"world_size": 8}, **trainer)
+    with pytest.raises(TypeError, match="meta must be JSON-serialisable"):
+        save_checkpoint(str(tmp_path), 1, "actor", meta={"weights": torch.zeros(1)}, **trainer)
+    assert not os.path.exists(checkpoint_dir(str(tmp_path), 1, "actor"))
+
+
+def test_failed_save_keeps_the_previous_pointer(tmp_path, trainer):
+    save_dir = str(tmp_path)
+    save_checkpoint(save_dir, 1, "actor", **trainer)
+    write_latest(save_dir, 1)
+    with pytest.raises(Exception, match="lambda"):  # a lambda cannot be pickled: the save dies half-way
+        save_checkpoint(save_dir, 2, "actor", extra={"hook": lambda: 0}, **trainer)
+    assert read_latest(save_dir) == 1
+    with pytest.raises(RuntimeError, match=r"unfinished saves for roles \['actor'\] \(no meta\.json\)"):
+        write_latest(save_dir, 2)
+    with pytest.raises(FileNotFoundError, match="iter_0000002/actor has no meta.json: the save did not finish"):
+        load_checkpoint(save_dir, "actor", rollout_id=2, **trainer)
+    with pytest.raises(FileNotFoundError, match="no checkpoint in .*iter_0000005"):
+        write_latest(save_dir, 5)
+    assert read_latest(save_dir) == 1
+    assert load_checkpoint(save_dir, "actor", **trainer).rollout_id == 1
+
+
+def test_pointer_write_is_atomic(tmp_path, trainer, monkeypatch):
+    save_dir = str(tmp_path)
+    for rollout_id in (1, 2):
+        save_checkpoint(save_dir, rollout_id, "actor", **trainer)
+    write_latest(save_dir, 1)
+
+    def crash(src: str, dst: str) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        write_latest(save_dir, 2)
+    monkeypatch.undo()
+    with open(os.path.join(save_dir, LATEST_FILE)) as f:
+        assert f.read() == "1\n"  # the old pointer is whole, never half-written
+    assert set(os.listdir(save_dir)) == {LATEST_FILE, "iter_0000001", "iter_0000002"}
+    write_latest(save_dir, 2)
+    assert read_latest(save_dir) == 2
+
+
+def test_resaving_an_iteration_drops_stale_files(tmp_path, trainer):
+    save_dir = str(tmp_path)
+    path = save_checkpoint(save_dir, 1, "actor", extra={"epoch": 1}, **trainer)
+    save_checkpoint(save_dir, 1, "actor", **{**trainer, "lr_scheduler": None})
+    assert not os.path.exists(os.path.join(path, "extra.pt"))
+    loaded = load_checkpoint(save_dir, "actor", rollout_id=1, **{**trainer, "lr_scheduler": None})
+    assert loaded.extra is None
+    with pytest.raises(FileNotFoundError, match="saved without an LR scheduler"):
+        load_checkpoint(save_dir, "actor", rollout_id=1, **trainer)

@@ -1,0 +1,27 @@
+"""Docs that must match the code."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_cli_reference_is_generated_from_the_parser():
+    spec = importlib.util.spec_from_file_location("gen_cli", os.path.join(ROOT, "scripts", "gen_cli_reference.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with open(os.path.join(ROOT, "docs", "user-guide", "cli-reference.md")) as f:
+        assert f.read() == module.render(), "run: python scripts/gen_cli_reference.py"
+
+
+def test_train_diffusion_help_parses():
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train_diffusion.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "--loss-type" in out.stdout

@@ -1,0 +1,93 @@
+import pytest
+
+from miles.utils.arguments import parse_args
+
+BASE = ["--hf-checkpoint", "/tmp/x", "--prompt-data", "builtin:shapes"]
+SFT = BASE + ["--loss-type", "sft_loss", "--train-only"]
+
+
+def parse_error(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    return capsys.readouterr().err
+
+
+def test_help_parses(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--help"])
+    assert exc.value.code == 0
+    assert "--loss-type" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("loss", ["sft_loss", "nft", "dmd2"])
+def test_recompute_flag_rejected_without_log_prob_ratio(loss, capsys):
+    argv = BASE + ["--loss-type", loss, "--diffusion-recompute-old-log-prob", "--teacher-load", "/t", "--train-only"]
+    assert "--diffusion-recompute-old-log-prob" in parse_error(argv, capsys)
+
+
+def test_dmd2_requires_teacher(capsys):
+    assert "--loss-type dmd2 requires --teacher-load" in parse_error(BASE + ["--loss-type", "dmd2"], capsys)
+
+
+@pytest.mark.parametrize("loss", ["sft_loss", "policy_loss", "nft", "dmd2"])
+def test_teacher_load_accepted_under_every_loss(loss):
+    argv = BASE + ["--loss-type", loss, "--teacher-load", "/t"] + (["--train-only"] if loss == "sft_loss" else [])
+    assert parse_args(argv).teacher_load == "/t"
+
+
+def test_training_hook_paths_only_under_custom_loss(capsys):
+    err = parse_error(SFT + ["--custom-train-output-path", "a.b"], capsys)
+    assert "--custom-train-output-path" in err and "custom_loss" in err
+    args = parse_args(
+        BASE
+        + [
+            "--loss-type",
+            "custom_loss",
+            "--custom-prepare-train-batch-path",
+            "m.p",
+            "--custom-loss-function-path",
+            "m.f",
+            "--custom-train-output-path",
+            "m.o",
+        ]
+    )
+    assert args.custom_train_output_path == "m.o"
+
+
+def test_critic_overrides_only_under_dmd2(capsys):
+    assert "--critic-lr" in parse_error(SFT + ["--critic-lr", "1e-5"], capsys)
+    args = parse_args(BASE + ["--loss-type", "dmd2", "--teacher-load", "/t", "--critic-lr", "1e-5"])
+    assert args.critic_lr == 1e-5 and args.critic_checkpoint == "/t"
+    assert args.critic_micro_batch_size == args.micro_batch_size
+
+
+def test_batch_invariant_names_the_flags(capsys):
+    err = parse_error(SFT + ["--rollout-batch-size", "8", "--global-batch-size", "3"], capsys)
+    assert "--rollout-batch-size" in err and "--global-batch-size" in err and "--num-steps-per-rollout" in err
+    err = parse_error(SFT + ["--rollout-batch-size", "6", "--global-batch-size", "6", "--dp-size", "4"], capsys)
+    assert "divisible by --dp-size" in err
+
+
+def test_global_batch_size_derived_from_rollout():
+    args = parse_args(SFT + ["--rollout-batch-size", "8", "--num-steps-per-rollout", "2"])
+    assert args.global_batch_size == 4
+
+
+def test_config_file_gives_defaults_and_command_line_wins(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lr: 0.5\nmicro-batch-size: 3\nloss_type: sft_loss\ntrain-only: true\n")
+    args = parse_args(BASE + ["--config", str(cfg), "--lr", "0.25"])
+    assert args.lr == 0.25 and args.micro_batch_size == 3 and args.train_only
+
+
+def test_config_unknown_key_suggests_the_flag(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("micro-batch-sise: 3\n")
+    err = parse_error(SFT + ["--config", str(cfg)], capsys)
+    assert "micro-batch-sise" in err and "did you mean --micro-batch-size" in err
+
+
+def test_missing_load_dir_is_an_error(tmp_path, capsys):
+    assert "--load" in parse_error(SFT + ["--load", str(tmp_path / "nope")], capsys)
+    args = parse_args(SFT + ["--load", str(tmp_path / "run"), "--save", str(tmp_path / "run")])
+    assert args.load == args.save

@@ -1,0 +1,118 @@
+"""The miles driver (ARCHITECTURE §4): parse flags, start the groups, loop generate -> train -> save."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+logger = logging.getLogger("miles.driver")
+
+
+def training_order(args: argparse.Namespace) -> list[str]:
+    """Roles in the order they train each rollout; each group's boxes feed the next."""
+    return ["critic", "actor"] if args.loss_type == "dmd2" else ["actor"]
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    os.makedirs(args.output_dir, exist_ok=True)
+    handlers = [logging.StreamHandler(sys.stderr), logging.FileHandler(os.path.join(args.output_dir, "train.log"))]
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=handlers,
+        force=True,
+    )
+
+
+def is_due(rollout_id: int, interval: int | None, last: int) -> bool:
+    return rollout_id == last or (interval is not None and (rollout_id + 1) % interval == 0)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the whole job; returns a summary (first and last train loss, rollouts run, wall time)."""
+    import ray
+    from tqdm import tqdm
+
+    from miles.backends.fsdp_utils.checkpoint import write_latest
+    from miles.ray.rollout_manager import RolloutManager
+    from miles.ray.train_group import RayTrainGroup
+    from miles.utils.tracking import MetricsWriter
+
+    started = time.perf_counter()
+    writer = MetricsWriter(args.output_dir)
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True)
+    groups: dict = {}
+    summary: dict = {"losses": []}
+    try:
+        rollout_manager = RolloutManager(args)
+        groups = {role: RayTrainGroup(args, role) for role in training_order(args)}
+        starts = {role: group.init() for role, group in groups.items()}
+        start_rollout_id = min(starts.values())
+        last = args.num_rollout - 1
+        bar = tqdm(
+            range(start_rollout_id, args.num_rollout), desc="rollouts", disable=args.no_progress, dynamic_ncols=True
+        )
+        for rollout_id in bar:
+            t0 = time.perf_counter()
+            data = rollout_manager.generate(rollout_id)
+            t1 = time.perf_counter()
+            peer = None
+            for role in training_order(args):
+                peer = groups[role].train(rollout_id, data, peer)
+            t2 = time.perf_counter()
+            records = [m for group in groups.values() for m in group.pop_metrics()]
+            for record in records:
+                writer.log(record)
+            summary["losses"] += [r["train/loss"] for r in records if "train/loss" in r and r["role"] == "actor"]
+            rollout_record = {
+                "rollout_id": rollout_id,
+                "step": records[-1]["step"] if records else None,
+                "perf/rollout_s": t1 - t0,
+                "perf/train_s": t2 - t1,
+                **rollout_manager.metrics(rollout_id),
+            }
+            if args.save and is_due(rollout_id, args.save_interval, last):
+                for group in groups.values():
+                    group.save(rollout_id)
+                write_latest(args.save, rollout_id)
+                rollout_record["perf/save_s"] = time.perf_counter() - t2
+            writer.log(rollout_record)
+            if summary["losses"]:
+                bar.set_postfix(loss=f"{summary['losses'][-1]:.4f}")
+        if args.save_hf:
+            groups["actor"].save_hf(args.save_hf)
+            logger.info("wrote a diffusers pipeline folder to %s", args.save_hf)
+    finally:
+        for group in groups.values():
+            group.shutdown()
+        writer.close()
+        if own_ray:
+            ray.shutdown()
+    summary["wall_s"] = time.perf_counter() - started
+    logger.info("done in %.1fs; metrics in %s", summary["wall_s"], writer.path)
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from miles.models.builtin import resolve_checkpoint
+    from miles.utils.arguments import parse_args
+
+    args = parse_args(argv)
+    setup_logging(args)
+    args.hf_checkpoint = resolve_checkpoint(args.hf_checkpoint)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
