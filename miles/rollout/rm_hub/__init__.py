@@ -1,0 +1,202 @@
+"""Reward registry (`--rm-type`, `--custom-rm-path`), weighted reward specs, and `compute_rewards`, which runs every
+reward of a spec on a batch and turns a bad result (raise, NaN/inf, wrong count) into a `RewardError` naming the sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from miles.rollout.rm_hub.clip import clip_score, pickscore
+from miles.rollout.rm_hub.jpeg import jpeg_compressibility, jpeg_incompressibility, sample_pil_image
+from miles.rollout.rm_hub.shapes import shapes_reward
+from miles.utils.misc import load_function
+from miles.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[[argparse.Namespace, list[Sample]], Any]
+CUSTOM = "custom"
+SHAPES_EXTRA_KEY = "shapes"
+
+
+class RewardError(RuntimeError):
+    """A reward raised or returned an unusable result; the message names the reward and the sample."""
+
+
+async def shapes_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
+    """Mean of the color/shape/count/position scores (see `rm_hub/shapes.py`); every `ShapeScore` field, including
+    `all_correct`, is also stored in `sample.extra["shapes"]` for metrics."""
+    scores = shapes_reward([sample_pil_image(s) for s in samples], [s.metadata for s in samples])
+    for sample, score in zip(samples, scores):
+        sample.extra[SHAPES_EXTRA_KEY] = asdict(score)
+    return [score.reward for score in scores]
+
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "shapes": shapes_rm,
+    "jpeg_compressibility": jpeg_compressibility,
+    "jpeg_incompressibility": jpeg_incompressibility,
+    "clip_score": clip_score,
+    "pickscore": pickscore,
+}
+
+
+def _valid_names() -> str:
+    return ", ".join([*REWARD_FUNCTIONS, CUSTOM])
+
+
+def get_reward_function(name: str | None, custom_path: str | None = None) -> RewardFn:
+    """The reward called `name`; `custom` (the default when `custom_path` is given) loads `--custom-rm-path`."""
+    if name is None:
+        name = CUSTOM if custom_path else "shapes"
+    if name == CUSTOM:
+        if not custom_path:
+            raise ValueError(
+                "--rm-type names 'custom' but --custom-rm-path is not set (path/to/file.py:fn or pkg.mod.fn)"
+            )
+        return load_function(custom_path)
+    if name not in REWARD_FUNCTIONS:
+        raise ValueError(f"unknown reward {name!r} in --rm-type; valid rewards: {_valid_names()}")
+    return REWARD_FUNCTIONS[name]
+
+
+def parse_reward_spec(text: str) -> list[tuple[str, float]]:
+    """'shapes' -> [('shapes', 1.0)]; 'shapes:1.0,jpeg_compressibility:0.1' -> both, weighted. Weights are finite
+    floats (negative and zero allowed: a zero-weight reward is still computed and logged)."""
+    if not text or not text.strip():
+        raise ValueError(f"--rm-type is empty; give a reward name or name:weight list from: {_valid_names()}")
+    spec: list[tuple[str, float]] = []
+    for item in text.split(","):
+        name, sep, weight_text = item.strip().partition(":")
+        name = name.strip()
+        if name not in REWARD_FUNCTIONS and name != CUSTOM:
+            raise ValueError(f"--rm-type {text!r}: unknown reward {name!r}; valid rewards: {_valid_names()}")
+        weight = 1.0
+        if sep:
+            try:
+                weight = float(weight_text)
+            except ValueError:
+                weight = math.nan
+            if not math.isfinite(weight):
+                raise ValueError(
+                    f"--rm-type {text!r}: weight {weight_text.strip()!r} of {name!r} is not a finite number"
+                )
+        if name in dict(spec):
+            raise ValueError(f"--rm-type {text!r}: reward {name!r} is listed twice")
+        spec.append((name, weight))
+    return spec
+
+
+def reward_spec_from_args(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """The spec of `--rm-type` (unset: `custom` with `--custom-rm-path`, else `shapes`); a `--custom-rm-path` that
+    the spec leaves out would be ignored silently, so it is an error."""
+    custom_path = getattr(args, "custom_rm_path", None)
+    text = getattr(args, "rm_type", None) or (CUSTOM if custom_path else "shapes")
+    spec = parse_reward_spec(text)
+    names = [name for name, _ in spec]
+    if CUSTOM in names and not custom_path:
+        raise ValueError(f"--rm-type {text!r} names 'custom' but --custom-rm-path is not set")
+    if custom_path and CUSTOM not in names:
+        raise ValueError(
+            f"--custom-rm-path is set but --rm-type {text!r} does not include 'custom'; use --rm-type custom "
+            f"or weight it in, e.g. --rm-type custom:1.0,{names[0]}:0.5"
+        )
+    return spec
+
+
+def _describe(sample: Sample) -> str:
+    prompt = sample.prompt if len(sample.prompt) <= 80 else sample.prompt[:77] + "..."
+    return f"sample index={sample.index} prompt={prompt!r}"
+
+
+async def _call(fn: RewardFn, args: argparse.Namespace, samples: list[Sample]) -> Any:
+    result = fn(args, samples)
+    return await result if inspect.isawaitable(result) else result
+
+
+async def _locate_failure(fn: RewardFn, args: argparse.Namespace, samples: list[Sample]) -> str:
+    """Which sample a batched reward chokes on: score them one by one (error path only) until one raises."""
+    if len(samples) > 1:
+        for sample in samples:
+            try:
+                await _call(fn, args, [sample])
+            except Exception:
+                return _describe(sample)
+    if len(samples) == 1:
+        return _describe(samples[0])
+    return f"the batch of {len(samples)} samples (indices {samples[0].index}..{samples[-1].index}; each alone passes)"
+
+
+async def _score_one(name: str, fn: RewardFn, args: argparse.Namespace, samples: list[Sample]) -> list[float]:
+    try:
+        result = await _call(fn, args, samples)
+    except Exception as exc:
+        where = await _locate_failure(fn, args, samples)
+        raise RewardError(f"reward {name!r} raised on {where}: {type(exc).__name__}: {exc}") from exc
+    try:
+        values = list(result)
+    except TypeError:
+        raise RewardError(
+            f"reward {name!r} returned {type(result).__name__}, expected one float per sample "
+            f"({len(samples)} samples from {_describe(samples[0])})"
+        ) from None
+    if len(values) != len(samples):
+        culprit = samples[len(values)] if len(values) < len(samples) else samples[-1]
+        what = "has no value" if len(values) < len(samples) else "is the last sample; extra values follow it"
+        raise RewardError(
+            f"reward {name!r} returned {len(values)} values for {len(samples)} samples: {_describe(culprit)} {what}"
+        )
+    scores = []
+    for sample, value in zip(samples, values):
+        try:
+            score = float(value)
+        except (TypeError, ValueError):
+            raise RewardError(f"reward {name!r} returned a non-number {value!r} for {_describe(sample)}") from None
+        if not math.isfinite(score):
+            raise RewardError(f"reward {name!r} returned {score} for {_describe(sample)}")
+        scores.append(score)
+    return scores
+
+
+async def compute_rewards(
+    args: argparse.Namespace, samples: list[Sample], spec: list[tuple[str, float]]
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Every reward of `spec` on the batch: (weighted totals per sample, raw values per reward name)."""
+    custom_path = getattr(args, "custom_rm_path", None)
+    functions = [get_reward_function(name, custom_path) for name, _ in spec]
+    if not samples:
+        return [], {name: [] for name, _ in spec}
+    outcomes = await asyncio.gather(
+        *(_score_one(name, fn, args, samples) for (name, _), fn in zip(spec, functions)), return_exceptions=True
+    )
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    per_reward = {name: values for (name, _), values in zip(spec, outcomes)}
+    totals = [sum(weight * per_reward[name][i] for name, weight in spec) for i in range(len(samples))]
+    return totals, per_reward
+
+
+def reward_metrics(
+    totals: list[float], per_reward: dict[str, list[float]], samples: list[Sample] | None = None
+) -> dict[str, float]:
+    """`rollout/reward_mean`, `rollout/reward_<name>_mean`, and `rollout/shapes_<field>_mean` from the samples'
+    `extra["shapes"]` (all_correct as a rate)."""
+    metrics: dict[str, float] = {}
+    if totals:
+        metrics["rollout/reward_mean"] = sum(totals) / len(totals)
+    for name, values in per_reward.items():
+        if values:
+            metrics[f"rollout/reward_{name}_mean"] = sum(values) / len(values)
+    infos = [s.extra[SHAPES_EXTRA_KEY] for s in samples or [] if SHAPES_EXTRA_KEY in s.extra]
+    for field in ("color", "shape", "count", "position", "num_objects", "all_correct"):
+        if infos:
+            metrics[f"rollout/shapes_{field}_mean"] = sum(float(info[field]) for info in infos) / len(infos)
+    return metrics

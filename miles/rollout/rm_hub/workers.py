@@ -1,0 +1,129 @@
+"""Reward workers (`--rm-num-workers`): Ray actors that each score a contiguous chunk of the batch.
+
+With zero workers the pool scores in-process; either way `score` returns what `compute_rewards` returns, in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from miles.rollout.rm_hub import RewardError, compute_rewards
+from miles.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+RewardResult = tuple[list[float], dict[str, list[float]]]
+
+
+def split_contiguous(total: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of `parts` contiguous chunks of sizes differing by at most one (the first ones larger)."""
+    base, extra = divmod(total, parts)
+    bounds, start = [], 0
+    for part in range(parts):
+        end = start + base + (1 if part < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def _run_sync(coroutine: Coroutine[Any, Any, RewardResult]) -> RewardResult:
+    """Run a coroutine to completion, also from code that already runs inside an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
+        return executor.submit(asyncio.run, coroutine).result()
+
+
+class RewardWorker:
+    """One reward process; models a reward loads (CLIP) stay cached in it between calls."""
+
+    def __init__(self, args: argparse.Namespace, spec: list[tuple[str, float]]) -> None:
+        self.args, self.spec = args, spec
+
+    async def ready(self) -> bool:
+        return True
+
+    async def score(self, samples: list[Sample]) -> tuple[list[float], dict[str, list[float]], list[dict[str, Any]]]:
+        """compute_rewards plus, per sample, the `extra` entries the rewards added or replaced (the driver's
+        samples are other objects, so these are copied back there)."""
+        before = [dict(sample.extra) for sample in samples]
+        totals, per_reward = await compute_rewards(self.args, samples, self.spec)
+        added = [
+            {key: value for key, value in sample.extra.items() if key not in old or old[key] is not value}
+            for sample, old in zip(samples, before)
+        ]
+        return totals, per_reward, added
+
+
+class RewardWorkerPool:
+    """`num_workers` Ray actors with fractional CPUs; `score(samples)` splits the batch into contiguous chunks."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        spec: list[tuple[str, float]],
+        num_workers: int,
+        num_cpus_per_worker: float = 0.25,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        if num_workers < 0:
+            raise ValueError(f"--rm-num-workers must be >= 0 (0 scores in the driver), got {num_workers}")
+        self.args, self.spec, self.timeout_s = args, spec, timeout_s
+        self.workers: list[Any] = []
+        if num_workers == 0:
+            return
+        import ray
+
+        remote_cls = ray.remote(RewardWorker)
+        self.workers = [remote_cls.options(num_cpus=num_cpus_per_worker).remote(args, spec) for _ in range(num_workers)]
+        try:
+            ray.get([worker.ready.remote() for worker in self.workers], timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise TimeoutError(
+                f"{num_workers} reward workers (--rm-num-workers) with {num_cpus_per_worker} CPUs each did not start "
+                f"within {timeout_s}s; does the Ray cluster have {num_workers * num_cpus_per_worker} free CPUs?"
+            ) from None
+
+    def score(self, samples: list[Sample]) -> RewardResult:
+        """(weighted totals, raw values per reward) for `samples` in order; a worker's RewardError is re-raised."""
+        if not self.workers:
+            return _run_sync(compute_rewards(self.args, samples, self.spec))
+        import ray
+
+        chunks = [(a, b) for a, b in split_contiguous(len(samples), len(self.workers)) if b > a]
+        refs = [worker.score.remote(samples[a:b]) for worker, (a, b) in zip(self.workers, chunks)]
+        try:
+            results = ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"reward workers did not score {len(samples)} samples within {self.timeout_s}s"
+            ) from None
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, RewardError):
+                raise RewardError(str(exc.cause)) from None
+            raise
+        totals: list[float] = []
+        per_reward: dict[str, list[float]] = {name: [] for name, _ in self.spec}
+        for (start, _), (chunk_totals, chunk_rewards, added) in zip(chunks, results):
+            totals.extend(chunk_totals)
+            for name, values in chunk_rewards.items():
+                per_reward[name].extend(values)
+            for sample, entries in zip(samples[start:], added):
+                sample.extra.update(entries)
+        return totals, per_reward
+
+    def shutdown(self) -> None:
+        if self.workers:
+            import ray
+
+            for worker in self.workers:
+                ray.kill(worker)
+        self.workers = []
