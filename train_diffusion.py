@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -36,8 +36,11 @@ def is_due(rollout_id: int, interval: int | None, last: int) -> bool:
     return rollout_id == last or (interval is not None and (rollout_id + 1) % interval == 0)
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Run the whole job; returns a summary (first and last train loss, rollouts run, wall time)."""
+def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None = None) -> dict:
+    """Run the whole job; returns a summary (actor losses, wall time).
+
+    `before_shutdown(groups)` lets tools and tests inspect the live groups after the last rollout.
+    """
     import ray
     from tqdm import tqdm
 
@@ -92,6 +95,8 @@ def run(args: argparse.Namespace) -> dict:
         if args.save_hf:
             groups["actor"].save_hf(args.save_hf)
             logger.info("wrote a diffusers pipeline folder to %s", args.save_hf)
+        if before_shutdown is not None:
+            before_shutdown(groups)
     finally:
         for group in groups.values():
             group.shutdown()
