@@ -55,12 +55,14 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     if own_ray:
         ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True)
     groups: dict = {}
+    rollout_manager = None
     summary: dict = {"losses": []}
     try:
         rollout_manager = RolloutManager(args)
         groups = {role: RayTrainGroup(args, role) for role in training_order(args)}
         starts = {role: group.init() for role, group in groups.items()}
         start_rollout_id = min(starts.values())
+        rollout_manager.update_weights(groups["actor"])
         last = args.num_rollout - 1
         bar = tqdm(
             range(start_rollout_id, args.num_rollout), desc="rollouts", disable=args.no_progress, dynamic_ncols=True
@@ -70,9 +72,11 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
             data = rollout_manager.generate(rollout_id)
             t1 = time.perf_counter()
             peer = None
-            for role in training_order(args):
-                peer = groups[role].train(rollout_id, data, peer)
+            if not args.debug_rollout_only:
+                for role in training_order(args):
+                    peer = groups[role].train(rollout_id, data, peer)
             t2 = time.perf_counter()
+            weight_sync_s = rollout_manager.update_weights(groups["actor"]) if not args.debug_rollout_only else 0.0
             records = [m for group in groups.values() for m in group.pop_metrics()]
             for record in records:
                 writer.log(record)
@@ -80,8 +84,9 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
             rollout_record = {
                 "rollout_id": rollout_id,
                 "step": records[-1]["step"] if records else None,
-                "perf/rollout_s": t1 - t0,
+                "perf/generate_total_s": t1 - t0,
                 "perf/train_s": t2 - t1,
+                "perf/weight_sync_s": weight_sync_s,
                 **rollout_manager.metrics(rollout_id),
             }
             if args.save and is_due(rollout_id, args.save_interval, last):
@@ -90,8 +95,13 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
                 write_latest(args.save, rollout_id)
                 rollout_record["perf/save_s"] = time.perf_counter() - t2
             writer.log(rollout_record)
+            summary.setdefault("rollouts", []).append(rollout_record)
+            postfix = {}
+            if "rollout/reward_mean" in rollout_record:
+                postfix["reward"] = f"{rollout_record['rollout/reward_mean']:.3f}"
             if summary["losses"]:
-                bar.set_postfix(loss=f"{summary['losses'][-1]:.4f}")
+                postfix["loss"] = f"{summary['losses'][-1]:.4f}"
+            bar.set_postfix(postfix)
         if args.save_hf:
             groups["actor"].save_hf(args.save_hf)
             logger.info("wrote a diffusers pipeline folder to %s", args.save_hf)
@@ -100,6 +110,8 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     finally:
         for group in groups.values():
             group.shutdown()
+        if rollout_manager is not None:
+            rollout_manager.shutdown()
         writer.close()
         if own_ray:
             ray.shutdown()

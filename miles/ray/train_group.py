@@ -73,7 +73,17 @@ class RayTrainGroup:
         self._get([a.save.remote(rollout_id, extra) for a in self.actors])
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        return self._get([a.export_weights.remote() for a in self.actors])[0]
+        """The weights for rollout engines, fetched into the caller (tools and tests)."""
+        return ray.get(self.export_weights_ref(), timeout=self.timeout)
+
+    def export_weights_ref(self) -> ray.ObjectRef:
+        """Rank 0's exported weights as an object ref (every rank takes part in the gather); engines resolve it."""
+        refs = [a.export_weights.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout)
+        if len(ready) != len(refs):
+            raise TimeoutError(f"{self.role}: export_weights did not finish within {self.timeout}s")
+        self._get(refs[1:])  # surface errors of the other ranks
+        return refs[0]
 
     def save_hf(self, out_dir: str) -> str:
         return self._get([a.save_hf.remote(out_dir) for a in self.actors])[0]

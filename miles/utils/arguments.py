@@ -10,6 +10,8 @@ from typing import Any
 
 import yaml
 
+from miles.utils.rl_arguments import RL_ARGUMENT_GROUPS, validate_rl_args
+
 LOSS_TYPES = ("sft_loss", "policy_loss", "nft", "dmd2", "custom_loss")
 TRAIN_HOOK_FLAGS = (
     "custom_prepare_train_batch_path",
@@ -168,6 +170,7 @@ ARGUMENT_GROUPS = (
     add_custom_hook_arguments,
     add_critic_arguments,
     add_rollout_arguments,
+    *RL_ARGUMENT_GROUPS,
     add_checkpoint_arguments,
     add_logging_arguments,
 )
@@ -224,11 +227,6 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True) -> a
     return args
 
 
-def trained_steps_per_sample(args: argparse.Namespace) -> int:
-    """Train pairs one sample yields (one per trained SDE step for policy_loss; one otherwise)."""
-    return 1
-
-
 def validate_args(args: argparse.Namespace) -> None:
     """Every cross-flag rule of ARCHITECTURE §8, checked before any actor starts; fills derived defaults."""
     loss = args.loss_type
@@ -272,6 +270,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--load {args.load}: directory not found (pass --load equal to --save to auto-resume)")
     if loss == "sft_loss" and args.n_samples_per_prompt != 1:
         raise ArgumentError("--loss-type sft_loss trains each dataset pair once: --n-samples-per-prompt must be 1")
+    validate_rl_args(args, _raise)
     if loss == "dmd2":
         args.critic_lr = args.lr if args.critic_lr is None else args.critic_lr
         args.critic_num_steps_per_rollout = args.critic_num_steps_per_rollout or args.num_steps_per_rollout
@@ -279,6 +278,10 @@ def validate_args(args: argparse.Namespace) -> None:
         args.critic_load = args.critic_load or args.load
         args.critic_save = args.critic_save or args.save
         args.critic_checkpoint = args.critic_checkpoint or args.teacher_load
+
+
+def _raise(message: str) -> None:
+    raise ArgumentError(message)
 
 
 def _validate_positive(args: argparse.Namespace) -> None:

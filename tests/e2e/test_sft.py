@@ -1,7 +1,5 @@
 """Whole SFT runs through the driver: 2 FSDP ranks learn, checkpoints resume exactly, --save-hf loads."""
 
-import os
-
 import pytest
 import torch
 
@@ -14,12 +12,35 @@ pytestmark = pytest.mark.e2e
 
 
 def sft_args(pipeline_dir, out, *extra):
-    return parse_args([
-        "--loss-type", "sft_loss", "--train-only", "--hf-checkpoint", pipeline_dir, "--dp-size", "2",
-        "--rollout-batch-size", "16", "--global-batch-size", "8", "--num-steps-per-rollout", "2",
-        "--micro-batch-size", "4", "--lr", "1e-3", "--lr-warmup-steps", "4", "--output-dir", str(out),
-        "--no-progress", "--log-level", "WARNING", *extra,
-    ])
+    return parse_args(
+        [
+            "--loss-type",
+            "sft_loss",
+            "--train-only",
+            "--hf-checkpoint",
+            pipeline_dir,
+            "--dp-size",
+            "2",
+            "--rollout-batch-size",
+            "16",
+            "--global-batch-size",
+            "8",
+            "--num-steps-per-rollout",
+            "2",
+            "--micro-batch-size",
+            "4",
+            "--lr",
+            "1e-3",
+            "--lr-warmup-steps",
+            "4",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--log-level",
+            "WARNING",
+            *extra,
+        ]
+    )
 
 
 def actor_steps(path):
@@ -35,8 +56,9 @@ def test_two_rank_sft_from_jsonl_learns_and_exports(ray_cluster, tiny_pipeline_d
         states = groups["actor"].call("full_state_dict_every_rank")
         agreement["max_diff"] = max((states[0][k] - states[1][k]).abs().max().item() for k in states[0])
 
-    args = sft_args(tiny_pipeline_dir, out, "--prompt-data", str(data), "--num-rollout", "30",
-                    "--save-hf", str(tmp_path / "hf"))
+    args = sft_args(
+        tiny_pipeline_dir, out, "--prompt-data", str(data), "--num-rollout", "30", "--save-hf", str(tmp_path / "hf")
+    )
     train_diffusion.run(args, before_shutdown=check_ranks)
     losses = [m["train/loss"] for m in actor_steps(out / "metrics.jsonl")]
     assert len(losses) == 60
@@ -47,8 +69,15 @@ def test_two_rank_sft_from_jsonl_learns_and_exports(ray_cluster, tiny_pipeline_d
     from diffusers import StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline.from_pretrained(str(tmp_path / "hf"))
-    image = pipe("two red circles on the left", num_inference_steps=4, height=32, width=32,
-                 max_sequence_length=32, generator=torch.Generator().manual_seed(0), output_type="np").images[0]
+    image = pipe(
+        "two red circles on the left",
+        num_inference_steps=4,
+        height=32,
+        width=32,
+        max_sequence_length=32,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).images[0]
     assert image.shape == (32, 32, 3) and float(image.std()) > 0
 
 

@@ -8,6 +8,8 @@ import os
 import random
 import socket
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import MappingProxyType
 from typing import Any
 
@@ -107,6 +109,7 @@ class FSDPTrainRayActor:
         total_steps = args.num_rollout * self.settings["num_steps_per_rollout"]
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, self.settings["lr"], total_steps)
         self.networks = MappingProxyType({"policy": self.model})
+        self.frozen_views: dict[str, Callable[[], AbstractContextManager]] = {}
         return self._load()
 
     def _seed_everything(self, seed: int) -> None:
@@ -234,15 +237,23 @@ class FSDPTrainRayActor:
                 )
 
     def _forward(self, prepared: PreparedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The actor owns every forward: the policy, and the frozen network the hook names, on the same inputs."""
-        new_pred = self._predict(self.model, prepared)
+        """The actor owns every forward: the frozen network the hook names first, then the trained one."""
         ref_pred = None
         if prepared.ref_network is not None:
-            if prepared.ref_network not in self.networks:
-                raise KeyError(f"hook asked for network {prepared.ref_network!r}; have {sorted(self.networks)}")
             with torch.no_grad():
-                ref_pred = self._predict(self.networks[prepared.ref_network], prepared)
-        return new_pred, ref_pred
+                ref_pred = self._predict_frozen(prepared.ref_network, prepared)
+        return self._predict(self.model, prepared), ref_pred
+
+    def _predict_frozen(self, name: str, prepared: PreparedBatch) -> torch.Tensor:
+        """A frozen view of the trained module (LoRA base, EMA / old weights swapped in) or a separate network."""
+        if name in self.frozen_views:
+            with self.frozen_views[name]():
+                pred = self._predict(self.model, prepared)
+            self.model.reshard()  # the unsharded root params hold the view's values: drop them
+            return pred
+        if name in self.networks:
+            return self._predict(self.networks[name], prepared)
+        raise KeyError(f"hook asked for network {name!r}; have {sorted({*self.networks, *self.frozen_views})}")
 
     def _predict(self, network: torch.nn.Module, prepared: PreparedBatch) -> torch.Tensor:
         return self.family.predict_velocity(

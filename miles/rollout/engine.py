@@ -1,0 +1,274 @@
+"""The rollout engine: the `RolloutEngine` interface, its request/result dataclasses, and `DiffusionEngine`, the
+built-in implementation that denoises with a model family's networks and records SDE trajectories and log-probs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from miles.diffusion.guidance import uses_cfg
+from miles.diffusion.schedule import sampling_sigmas
+from miles.diffusion.sde import SDE_KERNELS, get_sde_kernel
+from miles.models.base import PromptEmbeds, get_train_pipeline_config
+
+logger = logging.getLogger(__name__)
+
+# The version an engine reports before any update: the checkpoint as loaded. Any sync (version >= 0) replaces it.
+INITIAL_WEIGHTS_VERSION = -1
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One batch to generate: prompt i is sampled from noise seeded by seeds[i]."""
+
+    prompts: list[str]
+    seeds: list[int]
+    num_steps: int
+    guidance_scale: float
+    negative_prompt: str
+    sde_type: str  # "sde" | "cps" | "ode"
+    noise_level: float
+    trained_steps: list[int]  # steps sampled with the `sde_type` kernel and recorded; the others run `ode`
+    resolution: int | None = None
+    decode: bool = True
+
+    def __post_init__(self) -> None:
+        if len(self.prompts) != len(self.seeds):
+            raise ValueError(f"GenerateRequest has {len(self.prompts)} prompts but {len(self.seeds)} seeds")
+        if self.sde_type not in SDE_KERNELS:
+            raise ValueError(f"unknown --diffusion-sde-type {self.sde_type!r}; valid: {', '.join(sorted(SDE_KERNELS))}")
+        if self.num_steps < 1:
+            raise ValueError(f"--diffusion-num-steps must be >= 1, got {self.num_steps}")
+        steps = list(self.trained_steps)
+        if steps != sorted(set(steps)) or (steps and (steps[0] < 0 or steps[-1] > self.num_steps - 2)):
+            raise ValueError(
+                f"trained_steps {steps} must be sorted, unique and in [0, {self.num_steps - 2}] "
+                "(the last step is never trained)"
+            )
+        if steps and self.sde_type == "ode":
+            raise ValueError("--diffusion-sde-type ode has no log-probs to record: pass trained_steps=[]")
+
+
+@dataclass
+class GenerateResult:
+    """Batch-first float32 CPU tensors; K = len(trained_steps)."""
+
+    images: np.ndarray | None  # (B, H, W, 3) uint8, None without decode
+    final_latents: torch.Tensor  # (B, C, h, w) x0 after the last step
+    latents: torch.Tensor  # (B, K, C, h, w) inputs of the trained steps
+    next_latents: torch.Tensor  # (B, K, C, h, w) their sampled outputs
+    log_probs: torch.Tensor  # (B, K) the kernel's per-step log-prob (mean over dims)
+    sigmas: torch.Tensor  # (num_steps + 1,) the grid used
+    trained_steps: list[int]
+    prompt_embeds: torch.Tensor  # (B, L, D)
+    pooled_prompt_embeds: torch.Tensor  # (B, P)
+    negative_prompt_embeds: torch.Tensor | None  # (1, L, D), None without CFG
+    negative_pooled_prompt_embeds: torch.Tensor | None  # (1, P)
+    weights_version: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.final_latents.shape[0]
+
+    @staticmethod
+    def concat(parts: list[GenerateResult]) -> GenerateResult:
+        """Results of consecutive chunks of one request, joined in order along the batch."""
+        if not parts:
+            raise ValueError("GenerateResult.concat needs at least one result")
+        first = parts[0]
+        versions = sorted({p.weights_version for p in parts})
+        if len(versions) > 1:
+            raise ValueError(f"engines answered with different weights versions {versions}: a weight sync was missed")
+        images = None if first.images is None else np.concatenate([p.images for p in parts])
+        return GenerateResult(
+            images=images,
+            final_latents=torch.cat([p.final_latents for p in parts]),
+            latents=torch.cat([p.latents for p in parts]),
+            next_latents=torch.cat([p.next_latents for p in parts]),
+            log_probs=torch.cat([p.log_probs for p in parts]),
+            sigmas=first.sigmas,
+            trained_steps=list(first.trained_steps),
+            prompt_embeds=torch.cat([p.prompt_embeds for p in parts]),
+            pooled_prompt_embeds=torch.cat([p.pooled_prompt_embeds for p in parts]),
+            negative_prompt_embeds=first.negative_prompt_embeds,
+            negative_pooled_prompt_embeds=first.negative_pooled_prompt_embeds,
+            weights_version=versions[0],
+        )
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the rollout side needs from a generation engine (built-in, or a serving engine over HTTP)."""
+
+    def generate(self, request: GenerateRequest) -> GenerateResult: ...
+
+    def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None: ...
+
+    def get_version(self) -> int: ...
+
+    def health(self) -> bool: ...
+
+
+class DiffusionEngine:
+    """A model family's transformer, text encoders and VAE (eval, no grad) on one device.
+
+    With `lora_config` (kwargs of `peft.LoraConfig`) an adapter is injected at init and `update_weights` takes
+    only its weights; otherwise it takes the full transformer state dict. Wrapped by `ray.remote` where used.
+    """
+
+    def __init__(
+        self,
+        hf_checkpoint: str,
+        *,
+        model_family: str = "auto",
+        device: str = "cpu",
+        forward_dtype: torch.dtype = torch.float32,
+        lora_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.family = get_train_pipeline_config(hf_checkpoint, model_family)
+        self.transformer = self.family.load_transformer(dtype=forward_dtype).to(self.device).eval()
+        self.family.load_text_encoders(device=self.device, dtype=forward_dtype)
+        self.family.load_vae(device=self.device, dtype=forward_dtype)
+        self.lora_config = dict(lora_config) if lora_config is not None else None
+        self._lora_names: dict[str, str] = {}
+        if self.lora_config is not None:
+            self._inject_lora(self.lora_config)
+        self.transformer.requires_grad_(False)
+        self.version = INITIAL_WEIGHTS_VERSION
+        logger.info("engine ready: %s on %s (%s)", self.family, self.device, "LoRA" if lora_config else "full")
+
+    def _inject_lora(self, lora_config: dict[str, Any]) -> None:
+        from peft import LoraConfig
+
+        self.transformer.add_adapter(LoraConfig(**lora_config))
+        names = [n for n, _ in self.transformer.named_parameters() if "lora_" in n]
+        # accept the engine's own names and PEFT's adapter-less export names (".lora_A.weight")
+        self._lora_names = {n: n for n in names} | {n.replace(".default.", "."): n for n in names}
+
+    # the interface
+    def get_version(self) -> int:
+        return self.version
+
+    def health(self) -> bool:
+        return True
+
+    @torch.no_grad()
+    def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Load new transformer weights (full state dict, or LoRA weights only) unless `version` is stale."""
+        if version <= self.version:
+            logger.warning("ignoring weights version %d: engine already holds version %d", version, self.version)
+            return
+        if self.lora_config is None:
+            self.transformer.load_state_dict(weights, strict=True)
+        else:
+            self._load_lora(weights)
+        self.version = int(version)
+        logger.info("engine loaded weights version %d (%d tensors)", version, len(weights))
+
+    def _load_lora(self, weights: dict[str, torch.Tensor]) -> None:
+        unknown = sorted(k for k in weights if self._lora_key(k) not in self._lora_names)
+        if unknown:
+            raise KeyError(
+                f"update_weights got {len(unknown)} keys that are not LoRA weights of this engine's adapter, "
+                f"e.g. {unknown[:3]}; a LoRA engine takes only keys containing 'lora_'"
+            )
+        targets = {self._lora_names[self._lora_key(k)]: v for k, v in weights.items()}
+        missing = sorted(set(self._lora_names.values()) - set(targets))
+        if missing:
+            raise KeyError(f"update_weights is missing {len(missing)} LoRA weights, e.g. {missing[:3]}")
+        params = dict(self.transformer.named_parameters())
+        for name, value in targets.items():
+            params[name].copy_(value.to(device=params[name].device, dtype=params[name].dtype))
+
+    @staticmethod
+    def _lora_key(key: str) -> str:
+        return key.removeprefix("transformer.")  # diffusers' LoRA files prefix keys with the component name
+
+    @torch.no_grad()
+    def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Denoise the batch from σ = 1 on the family's sampling grid; see `GenerateResult` for what comes back."""
+        family, batch = self.family, len(request.prompts)
+        shape = family.latent_shape(request.resolution)
+        sigmas = sampling_sigmas(request.num_steps, family.scheduler_shift)
+        sigmas_dev = sigmas.to(self.device)
+        embeds = family.encode_prompts(list(request.prompts), device=self.device)
+        negative = (
+            family.encode_negative(1, request.negative_prompt, device=self.device)
+            if uses_cfg(request.guidance_scale)
+            else None
+        )
+        noise = draw_sample_noise(request.seeds, request.num_steps, shape).to(self.device)
+        x = noise[:, 0].contiguous()
+        kernel, ode = get_sde_kernel(request.sde_type), get_sde_kernel("ode")
+        trained = set(request.trained_steps)
+        recorded_in, recorded_out, log_probs = [], [], []
+        for i in range(request.num_steps):
+            sigma, sigma_next = sigmas_dev[i].expand(batch), sigmas_dev[i + 1].expand(batch)
+            velocity = family.predict_velocity(
+                self.transformer, x, sigma, embeds, guidance_scale=request.guidance_scale, negative=negative
+            )
+            step = kernel if i in trained else ode
+            result = step(
+                x,
+                velocity,
+                sigma,
+                sigma_next,
+                noise_level=request.noise_level,
+                sigma_max=float(sigmas[1]),
+                noise=noise[:, i + 1],
+            )
+            if i in trained:
+                recorded_in.append(x.float())  # kept on the device: a copy per step would sync the GPU
+                recorded_out.append(result.next_latents)
+                log_probs.append(result.log_prob)
+            x = result.next_latents
+        images = _to_uint8(family.decode_latents(x)) if request.decode else None
+        return GenerateResult(
+            images=images,
+            final_latents=x.float().cpu(),
+            latents=_stack_steps(recorded_in, batch, shape),
+            next_latents=_stack_steps(recorded_out, batch, shape),
+            log_probs=torch.stack(log_probs, dim=1).cpu() if log_probs else torch.zeros(batch, 0),
+            sigmas=sigmas,
+            trained_steps=list(request.trained_steps),
+            prompt_embeds=embeds.prompt_embeds.float().cpu(),
+            pooled_prompt_embeds=embeds.pooled_prompt_embeds.float().cpu(),
+            negative_prompt_embeds=None if negative is None else negative.prompt_embeds.float().cpu(),
+            negative_pooled_prompt_embeds=None if negative is None else negative.pooled_prompt_embeds.float().cpu(),
+            weights_version=self.version,
+        )
+
+
+def draw_sample_noise(seeds: list[int], num_steps: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """(B, num_steps + 1, *shape) float32 CPU: per sample, from `torch.Generator().manual_seed(seed)`, the initial
+    latent then one draw per step, in that order. A sample's noise depends on its seed only, never on its
+    batch-mates or on which steps are trained (`ode` steps draw and ignore theirs)."""
+    out = torch.empty(len(seeds), num_steps + 1, *shape)
+    for row, seed in enumerate(seeds):
+        generator = torch.Generator().manual_seed(int(seed))
+        for i in range(num_steps + 1):
+            out[row, i] = torch.randn(shape, generator=generator)
+    return out
+
+
+def _stack_steps(steps: list[torch.Tensor], batch: int, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.stack(steps, dim=1).cpu() if steps else torch.zeros(batch, 0, *shape)
+
+
+def _to_uint8(images: torch.Tensor) -> np.ndarray:
+    """(B, 3, H, W) in [0, 1] -> (B, H, W, 3) uint8, rounded as diffusers' image processor does."""
+    return (images.permute(0, 2, 3, 1).float().cpu().numpy() * 255).round().astype(np.uint8)
+
+
+def prompt_embeds_of(result: GenerateResult) -> tuple[PromptEmbeds, PromptEmbeds | None]:
+    """The positive (B rows) and negative (1 row, or None) embeddings of a result, as the train side uses them."""
+    positive = PromptEmbeds(result.prompt_embeds, result.pooled_prompt_embeds)
+    if result.negative_prompt_embeds is None:
+        return positive, None
+    return positive, PromptEmbeds(result.negative_prompt_embeds, result.negative_pooled_prompt_embeds)

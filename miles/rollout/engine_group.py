@@ -1,0 +1,124 @@
+"""RolloutEngineGroup: N Ray actors of `DiffusionEngine` behind one `generate` / `update_weights`.
+
+A batch is split into contiguous chunks (seeds travel with their prompts) and joined back in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """A rollout engine died or did not answer in time."""
+
+
+class RolloutEngineGroup:
+    """`num_engines` engine actors; each asks for `num_gpus_per_engine` GPUs (then runs on cuda) or, without
+    GPUs, `num_cpus_per_engine` (fractional) CPUs. Every wait is bounded by `timeout_s`."""
+
+    def __init__(
+        self,
+        hf_checkpoint: str,
+        *,
+        num_engines: int = 1,
+        model_family: str = "auto",
+        num_cpus_per_engine: float = 1.0,
+        num_gpus_per_engine: float = 0.0,
+        forward_dtype: torch.dtype = torch.float32,
+        lora_config: dict[str, Any] | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        self.timeout_s = timeout_s
+        device = "cuda" if num_gpus_per_engine > 0 else "cpu"
+        remote_cls = ray.remote(DiffusionEngine).options(num_cpus=num_cpus_per_engine, num_gpus=num_gpus_per_engine)
+        self.engines = [
+            remote_cls.remote(
+                hf_checkpoint,
+                model_family=model_family,
+                device=device,
+                forward_dtype=forward_dtype,
+                lora_config=lora_config,
+            )
+            for _ in range(num_engines)
+        ]
+        self._gather({i: e.health.remote() for i, e in enumerate(self.engines)}, "starting")
+        logger.info("%d rollout engine(s) ready on %s", num_engines, device)
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.engines)
+
+    def generate(self, request: GenerateRequest, rollout_id: int | None = None) -> GenerateResult:
+        """The whole batch, generated in contiguous chunks, one per engine, joined in order."""
+        refs = {}
+        for index, (start, end) in enumerate(split_evenly(len(request.prompts), self.num_engines)):
+            if end > start:
+                chunk = dataclasses.replace(
+                    request, prompts=list(request.prompts[start:end]), seeds=list(request.seeds[start:end])
+                )
+                refs[index] = self.engines[index].generate.remote(chunk)
+        where = "generate" if rollout_id is None else f"generate of rollout {rollout_id}"
+        results = self._gather(refs, where)
+        return GenerateResult.concat([results[i] for i in sorted(results)])
+
+    def update_weights(self, weights: dict[str, torch.Tensor] | ray.ObjectRef, version: int) -> None:
+        """Put the weights in the object store once (or take a ref already there); every engine loads them."""
+        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
+        self._gather({i: e.update_weights.remote(ref, version) for i, e in enumerate(self.engines)}, "update_weights")
+
+    def get_versions(self) -> list[int]:
+        results = self._gather({i: e.get_version.remote() for i, e in enumerate(self.engines)}, "get_version")
+        return [results[i] for i in range(self.num_engines)]
+
+    def health(self) -> list[bool]:
+        """Per engine: answered `health` in time (False for a dead or stuck engine, never an exception)."""
+        alive = []
+        for engine in self.engines:
+            try:
+                alive.append(bool(ray.get(engine.health.remote(), timeout=self.timeout_s)))
+            except (RayActorError, GetTimeoutError):
+                alive.append(False)
+        return alive
+
+    def shutdown(self) -> None:
+        for engine in self.engines:
+            ray.kill(engine)
+
+    def _gather(self, refs: dict[int, ray.ObjectRef], what: str) -> dict[int, Any]:
+        """ray.get each engine's answer within one shared deadline; failures name the engine index."""
+        deadline = time.monotonic() + self.timeout_s
+        out = {}
+        for index, ref in refs.items():
+            try:
+                out[index] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+            except RayActorError as exc:
+                raise EngineError(f"rollout engine {index} of {self.num_engines} died during {what}: {exc}") from exc
+            except GetTimeoutError as exc:
+                raise EngineError(
+                    f"rollout engine {index} of {self.num_engines} did not answer {what} within {self.timeout_s:.0f}s"
+                ) from exc
+        return out
+
+
+def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
+    """`parts` contiguous [start, end) ranges covering `total` items, sizes differing by at most one."""
+    base, extra = divmod(total, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds

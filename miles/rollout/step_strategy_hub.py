@@ -1,0 +1,105 @@
+"""Step strategies: which of the sampling steps are stochastic (SDE) and trained; the rest run the `ode` kernel.
+
+The final step (tiny σ') is never trained. Choices are a pure function of (args, rollout_id), so every engine
+and every rank agree without talking.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from miles.utils.misc import load_function
+
+logger = logging.getLogger(__name__)
+
+# Mixed into the window's seed so its draws are independent of the other (rollout_seed, rollout_id) streams.
+_WINDOW_STREAM = 0x5DE
+
+
+def select_trained_steps(args: Any, rollout_id: int) -> list[int]:
+    """The sorted step indices (in [0, num_steps - 2]) that sample with the SDE kernel and are trained."""
+    num_steps = int(args.diffusion_num_steps)
+    if num_steps < 1:
+        raise ValueError(f"--diffusion-num-steps must be >= 1, got {num_steps}")
+    path = getattr(args, "diffusion_step_strategy_path", None)
+    num_sde_steps = getattr(args, "diffusion_num_sde_steps", None)
+    window_range = getattr(args, "diffusion_sde_window_range", None)
+    if path:
+        if num_sde_steps is not None or window_range is not None:
+            raise ValueError(
+                "--diffusion-step-strategy-path replaces the built-in strategies; do not combine it with "
+                "--diffusion-num-sde-steps or --diffusion-sde-window-range"
+            )
+        return custom_steps(args, rollout_id, num_steps, path)
+    if num_sde_steps is None:
+        if window_range is not None:
+            raise ValueError(
+                "--diffusion-sde-window-range needs --diffusion-num-sde-steps (the window length K to place in it)"
+            )
+        return all_but_last(num_steps)
+    start, end = parse_window_range(window_range, num_steps)
+    return window_steps(
+        num_steps, int(num_sde_steps), start, end, seed=int(getattr(args, "rollout_seed", 0)), rollout_id=rollout_id
+    )
+
+
+def all_but_last(num_steps: int) -> list[int]:
+    """Steps 0 .. num_steps - 2: every step but the final one."""
+    return list(range(num_steps - 1))
+
+
+def parse_window_range(value: str | Sequence[int] | None, num_steps: int) -> tuple[int, int]:
+    """`--diffusion-sde-window-range "a,b"` (or a pair) as ints; default (0, num_steps - 1)."""
+    if value is None:
+        return 0, num_steps - 1
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        start, end = (int(str(p).strip()) for p in parts)
+    except ValueError as exc:
+        raise ValueError(f"--diffusion-sde-window-range must be two integers 'a,b', got {value!r}") from exc
+    return start, end
+
+
+def window_steps(num_steps: int, num_sde_steps: int, start: int, end: int, *, seed: int, rollout_id: int) -> list[int]:
+    """A contiguous window of `num_sde_steps` steps inside [start, end), its first step drawn uniformly in
+    [start, end - num_sde_steps] from (seed, rollout_id)."""
+    if not 1 <= num_sde_steps <= num_steps - 1:
+        raise ValueError(
+            f"--diffusion-num-sde-steps {num_sde_steps} must be in [1, {num_steps - 1}] "
+            f"(the last of --diffusion-num-steps {num_steps} steps is never trained)"
+        )
+    if not 0 <= start < end <= num_steps - 1:
+        raise ValueError(
+            f"--diffusion-sde-window-range {start},{end} must satisfy 0 <= a < b <= {num_steps - 1} "
+            f"(b is exclusive; the last of --diffusion-num-steps {num_steps} steps is never trained)"
+        )
+    if end - start < num_sde_steps:
+        raise ValueError(
+            f"--diffusion-num-sde-steps {num_sde_steps} does not fit in --diffusion-sde-window-range {start},{end} "
+            f"({end - start} steps); widen the range or lower the count"
+        )
+    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(rollout_id), _WINDOW_STREAM])
+    first = int(rng.integers(start, end - num_sde_steps + 1))
+    return list(range(first, first + num_sde_steps))
+
+
+def custom_steps(args: Any, rollout_id: int, num_steps: int, path: str) -> list[int]:
+    """`fn(args, rollout_id, num_steps) -> list[int]` from `--diffusion-step-strategy-path`, validated."""
+    steps = load_function(path)(args, rollout_id, num_steps)
+    where = f"--diffusion-step-strategy-path {path!r} (rollout {rollout_id}, {num_steps} steps)"
+    if not isinstance(steps, (list, tuple)) or not all(
+        isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in steps
+    ):
+        raise ValueError(f"{where} must return a list of ints, got {steps!r}")
+    steps = [int(s) for s in steps]
+    if steps != sorted(set(steps)):
+        raise ValueError(f"{where} must return sorted, unique step indices, got {steps}")
+    if steps and (steps[0] < 0 or steps[-1] > num_steps - 2):
+        raise ValueError(
+            f"{where} returned {steps}: indices must be in [0, {num_steps - 2}] (the last step is never trained)"
+        )
+    return steps

@@ -1,0 +1,246 @@
+"""The rollout engine against independent computations: train-side log-prob recompute, a plain Euler loop,
+diffusers' own pipeline, per-sample determinism, weight sync (full and LoRA), and Ray engine groups."""
+
+import logging
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from miles.diffusion.sde import get_sde_kernel
+from miles.models.base import get_train_pipeline_config
+from miles.rollout.engine import DiffusionEngine, GenerateRequest, RolloutEngine, prompt_embeds_of
+from miles.rollout.engine_group import EngineError, RolloutEngineGroup, split_evenly
+
+logger = logging.getLogger(__name__)
+TIMEOUT = 120
+PROMPTS = ["a red circle", "two blue squares on the left", "a green triangle", "three yellow circles"]
+SEEDS = [11, 22, 33, 44]
+LORA = dict(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=True)
+
+
+def request(**overrides):
+    values = dict(
+        prompts=PROMPTS,
+        seeds=SEEDS,
+        num_steps=4,
+        guidance_scale=4.5,
+        negative_prompt="",
+        sde_type="sde",
+        noise_level=0.7,
+        trained_steps=[0, 1, 2],
+        decode=False,
+    )
+    values.update(overrides)
+    return GenerateRequest(**values)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pipeline_dir):
+    return DiffusionEngine(tiny_pipeline_dir)
+
+
+@pytest.fixture(scope="module")
+def family(tiny_pipeline_dir):
+    return get_train_pipeline_config(tiny_pipeline_dir)
+
+
+@pytest.fixture(scope="module")
+def fresh_transformer(family):
+    return family.load_transformer().requires_grad_(False)
+
+
+def initial_latents(family, seeds):
+    return torch.stack([torch.randn(family.latent_shape(), generator=torch.Generator().manual_seed(s)) for s in seeds])
+
+
+def test_engine_satisfies_the_interface(engine):
+    assert isinstance(engine, RolloutEngine)
+    assert engine.health() and engine.get_version() == -1
+
+
+def test_result_shapes(engine, family):
+    result = engine.generate(request(decode=True))
+    c, h, w = family.latent_shape()
+    assert result.images.shape == (4, family.default_resolution, family.default_resolution, 3)
+    assert result.images.dtype == np.uint8
+    assert result.final_latents.shape == (4, c, h, w)
+    assert result.latents.shape == result.next_latents.shape == (4, 3, c, h, w)
+    assert result.log_probs.shape == (4, 3) and torch.isfinite(result.log_probs).all()
+    assert result.sigmas.shape == (5,) and result.sigmas[0] == 1 and result.sigmas[-1] == 0
+    assert result.negative_prompt_embeds.shape[0] == 1 and result.negative_pooled_prompt_embeds.shape[0] == 1
+    assert result.prompt_embeds.shape[0] == result.pooled_prompt_embeds.shape[0] == 4
+    assert torch.equal(result.latents[:, 1:], result.next_latents[:, :-1])  # consecutive trained steps chain
+    no_cfg = engine.generate(request(guidance_scale=1.0, prompts=PROMPTS[:1], seeds=SEEDS[:1], trained_steps=[]))
+    assert no_cfg.negative_prompt_embeds is None and no_cfg.latents.shape == (1, 0, c, h, w)
+    assert no_cfg.log_probs.shape == (1, 0)
+
+
+@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+@pytest.mark.parametrize("guidance_scale", [1.0, 4.5])
+def test_recorded_log_probs_match_train_side_recompute(engine, family, fresh_transformer, sde_type, guidance_scale):
+    result = engine.generate(request(sde_type=sde_type, guidance_scale=guidance_scale, trained_steps=[0, 2]))
+    kernel = get_sde_kernel(sde_type)
+    positive, negative = prompt_embeds_of(result)
+    batch = len(PROMPTS)
+    for k, step in enumerate(result.trained_steps):
+        sigma, sigma_next = result.sigmas[step].expand(batch), result.sigmas[step + 1].expand(batch)
+        velocity = family.predict_velocity(
+            fresh_transformer, result.latents[:, k], sigma, positive, guidance_scale=guidance_scale, negative=negative
+        )
+        recomputed = kernel(
+            result.latents[:, k],
+            velocity,
+            sigma,
+            sigma_next,
+            noise_level=0.7,
+            sigma_max=float(result.sigmas[1]),
+            prev_sample=result.next_latents[:, k],
+        ).log_prob
+        diff = (recomputed - result.log_probs[:, k]).abs().max().item()
+        logger.info("log-prob recompute |diff| %s cfg %s step %d: %.2e", sde_type, guidance_scale, step, diff)
+        assert diff <= 1e-6
+
+
+def test_sample_trajectory_does_not_depend_on_batch_mates(engine):
+    alone = engine.generate(request(prompts=PROMPTS[2:3], seeds=SEEDS[2:3]))
+    together = engine.generate(request())
+    reordered = engine.generate(request(prompts=PROMPTS[::-1], seeds=SEEDS[::-1]))
+    for other, row in ((together, 2), (reordered, 1)):
+        for name in ("final_latents", "latents", "next_latents", "log_probs"):
+            diff = (getattr(alone, name)[0] - getattr(other, name)[row]).abs().max().item()
+            logger.info("batch-of-1 vs batch-of-4 max |diff| %s: %.2e", name, diff)
+            assert diff <= 1e-5, name
+
+
+def test_other_seed_other_trajectory(engine):
+    result = engine.generate(request(prompts=PROMPTS[:1] * 2, seeds=[1, 2]))
+    assert (result.final_latents[0] - result.final_latents[1]).abs().max() > 1e-2
+
+
+def test_ode_without_recording_is_a_plain_euler_loop(engine, family, fresh_transformer):
+    result = engine.generate(request(sde_type="ode", trained_steps=[]))
+    positive, negative = prompt_embeds_of(result)
+    x = initial_latents(family, SEEDS)
+    for i in range(4):
+        s, s_next = result.sigmas[i], result.sigmas[i + 1]
+        v = family.predict_velocity(fresh_transformer, x, s.expand(4), positive, guidance_scale=4.5, negative=negative)
+        x = x + (s_next - s) * v
+    assert (result.final_latents - x).abs().max().item() <= 1e-5
+
+
+def test_ode_with_cfg_matches_the_diffusers_pipeline(engine, family, tiny_pipeline_dir):
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_pipeline_dir, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = dict(prompt=PROMPTS, num_inference_steps=2, guidance_scale=4.5, max_sequence_length=32)
+    start = initial_latents(family, SEEDS)
+    expected = pipe(**kwargs, latents=start.clone(), output_type="latent").images
+    result = engine.generate(request(num_steps=2, sde_type="ode", trained_steps=[], decode=True))
+    latent_diff = (result.final_latents - expected).abs().max().item()
+    logger.info("ode + CFG vs StableDiffusion3Pipeline: max |latent diff| %.2e", latent_diff)
+    assert latent_diff <= 1e-5
+    images = pipe(**kwargs, latents=start.clone(), output_type="np").images
+    assert np.abs(result.images.astype(np.float64) - images * 255).max() <= 1.0
+
+
+def test_full_update_ignores_stale_versions_and_is_strict(tiny_pipeline_dir, caplog):
+    local = DiffusionEngine(tiny_pipeline_dir)
+    req = request(prompts=PROMPTS[:2], seeds=SEEDS[:2])
+    base = local.generate(req).final_latents
+    original = {k: v.clone() for k, v in local.transformer.state_dict().items()}
+    changed = {k: v * 1.1 if k == "proj_out.weight" else v.clone() for k, v in original.items()}
+    local.update_weights(changed, version=3)
+    after = local.generate(req)
+    assert after.weights_version == 3 and local.get_version() == 3
+    assert (after.final_latents - base).abs().max() > 1e-3
+    with caplog.at_level(logging.WARNING, logger="miles.rollout.engine"):
+        local.update_weights(original, version=3)  # not newer: ignored
+    assert "ignoring weights version 3" in caplog.text
+    assert torch.equal(local.generate(req).final_latents, after.final_latents)
+    local.update_weights(original, version=4)
+    assert torch.equal(local.generate(req).final_latents, base)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        local.update_weights({k: v for k, v in original.items() if k != "proj_out.weight"}, version=5)
+
+
+def lora_weights(engine, scale=0.05):
+    gen = torch.Generator().manual_seed(0)
+    named = {n: p for n, p in engine.transformer.named_parameters() if "lora_" in n}
+    # PEFT's export names carry no adapter name; the engine maps them onto its own
+    return {n.replace(".default.", "."): torch.randn(p.shape, generator=gen) * scale for n, p in named.items()}
+
+
+def test_lora_update_equals_merged_full_weights(tiny_pipeline_dir, engine):
+    lora_engine = DiffusionEngine(tiny_pipeline_dir, lora_config=LORA)
+    req = request(prompts=PROMPTS[:2], seeds=SEEDS[:2])
+    base = engine.generate(req).final_latents
+    assert (lora_engine.generate(req).final_latents - base).abs().max() <= 1e-6  # B = 0 at init
+    weights = lora_weights(lora_engine)
+    lora_engine.update_weights(weights, version=1)
+    with_lora = lora_engine.generate(req)
+    assert with_lora.weights_version == 1 and (with_lora.final_latents - base).abs().max() > 1e-3
+
+    merged = {k: v.clone() for k, v in DiffusionEngine(tiny_pipeline_dir).transformer.state_dict().items()}
+    for key in [k for k in weights if ".lora_A." in k]:
+        module = key.split(".lora_A.")[0]
+        delta = weights[f"{module}.lora_B.weight"] @ weights[key]
+        merged[f"{module}.weight"] += LORA["lora_alpha"] / LORA["r"] * delta
+    full_engine = DiffusionEngine(tiny_pipeline_dir)
+    full_engine.update_weights(merged, version=1)
+    assert (full_engine.generate(req).final_latents - with_lora.final_latents).abs().max().item() <= 1e-5
+
+    with pytest.raises(KeyError, match="not LoRA weights"):
+        lora_engine.update_weights({**weights, "proj_out.weight": torch.zeros(1)}, version=2)
+    with pytest.raises(KeyError, match="missing"):
+        lora_engine.update_weights(dict(list(weights.items())[1:]), version=2)
+    assert lora_engine.get_version() == 1
+
+
+def test_request_validation():
+    with pytest.raises(ValueError, match="2 prompts but 1 seeds"):
+        request(prompts=PROMPTS[:2], seeds=[1])
+    with pytest.raises(ValueError, match=r"\[0, 2\]"):
+        request(trained_steps=[3])
+    with pytest.raises(ValueError, match="sorted, unique"):
+        request(trained_steps=[1, 0])
+    with pytest.raises(ValueError, match="ode has no log-probs"):
+        request(sde_type="ode")
+    with pytest.raises(ValueError, match="--diffusion-sde-type"):
+        request(sde_type="euler")
+
+
+def test_split_evenly():
+    assert split_evenly(5, 2) == [(0, 3), (3, 5)]
+    assert split_evenly(1, 3) == [(0, 1), (1, 1), (1, 1)]
+
+
+def test_engine_group_matches_one_engine_syncs_weights_and_names_a_dead_engine(ray_cluster, tiny_pipeline_dir, engine):
+    group = RolloutEngineGroup(tiny_pipeline_dir, num_engines=2, num_cpus_per_engine=0.5, timeout_s=TIMEOUT)
+    try:
+        for size in (4, 3):
+            req = request(prompts=PROMPTS[:size], seeds=SEEDS[:size])
+            split, single = group.generate(req, rollout_id=0), engine.generate(req)
+            for name in ("final_latents", "latents", "next_latents", "log_probs", "prompt_embeds"):
+                diff = (getattr(split, name) - getattr(single, name)).abs().max().item()
+                logger.info("2 engines vs 1, batch %d, max |diff| %s: %.2e", size, name, diff)
+                assert diff <= 1e-5, name
+        original = engine.transformer.state_dict()
+        changed = {k: v * 1.1 if k == "proj_out.weight" else v for k, v in original.items()}
+        group.update_weights(changed, version=1)
+        group.update_weights(original, version=0)  # stale: ignored by every engine
+        assert group.get_versions() == [1, 1]
+        result = group.generate(request(prompts=PROMPTS[:2], seeds=SEEDS[:2]))
+        assert result.weights_version == 1
+        assert (
+            result.final_latents - engine.generate(request(prompts=PROMPTS[:2], seeds=SEEDS[:2])).final_latents
+        ).abs().max() > 1e-3
+
+        ray.kill(group.engines[1])
+        assert group.health() == [True, False]
+        with pytest.raises(EngineError, match="rollout engine 1 of 2 died during generate of rollout 5"):
+            group.generate(request(), rollout_id=5)
+    finally:
+        group.shutdown()

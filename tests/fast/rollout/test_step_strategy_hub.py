@@ -1,0 +1,133 @@
+"""Step strategies: all-but-last default, seeded windows, custom hooks, and errors that name the flags."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from miles.rollout.step_strategy_hub import select_trained_steps
+from miles.utils.misc import HookLoadError, function_registry
+
+
+def make_args(**overrides):
+    values = dict(
+        diffusion_num_steps=10,
+        diffusion_num_sde_steps=None,
+        diffusion_sde_window_range=None,
+        diffusion_step_strategy_path=None,
+        rollout_seed=42,
+    )
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def test_default_trains_every_step_but_the_last():
+    assert select_trained_steps(make_args(), 0) == list(range(9))
+    assert select_trained_steps(make_args(diffusion_num_steps=2), 5) == [0]
+    assert select_trained_steps(make_args(diffusion_num_steps=1), 0) == []
+
+
+def test_default_reads_only_num_steps_when_other_flags_are_absent():
+    assert select_trained_steps(SimpleNamespace(diffusion_num_steps=4), 3) == [0, 1, 2]
+
+
+def test_window_is_contiguous_and_inside_the_default_range():
+    starts = set()
+    for rollout_id in range(200):
+        steps = select_trained_steps(make_args(diffusion_num_sde_steps=3), rollout_id)
+        assert steps == list(range(steps[0], steps[0] + 3))
+        assert 0 <= steps[0] and steps[-1] <= 8
+        starts.add(steps[0])
+    assert starts == set(range(7))  # every start in [0, 9 - 3] is reachable
+
+
+def test_window_respects_the_given_range():
+    starts = set()
+    for rollout_id in range(200):
+        steps = select_trained_steps(make_args(diffusion_num_sde_steps=2, diffusion_sde_window_range="2,6"), rollout_id)
+        assert len(steps) == 2 and steps[1] == steps[0] + 1
+        assert 2 <= steps[0] and steps[-1] <= 5
+        starts.add(steps[0])
+    assert starts == {2, 3, 4}
+
+
+def test_window_is_a_function_of_seed_and_rollout_id():
+    args = make_args(diffusion_num_sde_steps=2)
+    first = [select_trained_steps(args, r) for r in range(50)]
+    assert first == [select_trained_steps(make_args(diffusion_num_sde_steps=2), r) for r in range(50)]
+    assert len({tuple(s) for s in first}) > 1  # it moves between rollouts
+    other_seed = [select_trained_steps(make_args(diffusion_num_sde_steps=2, rollout_seed=7), r) for r in range(50)]
+    assert other_seed != first
+
+
+def test_window_covering_the_whole_range_is_all_but_last():
+    assert select_trained_steps(make_args(diffusion_num_sde_steps=9), 3) == list(range(9))
+    assert select_trained_steps(make_args(diffusion_num_sde_steps=2, diffusion_sde_window_range=(4, 6)), 1) == [4, 5]
+
+
+@pytest.mark.parametrize(
+    "overrides, flag",
+    [
+        (dict(diffusion_num_sde_steps=10), "--diffusion-num-sde-steps 10"),
+        (dict(diffusion_num_sde_steps=0), "--diffusion-num-sde-steps 0"),
+        (dict(diffusion_num_sde_steps=3, diffusion_sde_window_range="2,4"), "does not fit"),
+        (dict(diffusion_num_sde_steps=2, diffusion_sde_window_range="0,10"), "--diffusion-sde-window-range 0,10"),
+        (dict(diffusion_num_sde_steps=2, diffusion_sde_window_range="5,3"), "--diffusion-sde-window-range 5,3"),
+        (dict(diffusion_num_sde_steps=2, diffusion_sde_window_range="a,b"), "--diffusion-sde-window-range"),
+        (dict(diffusion_sde_window_range="0,5"), "needs --diffusion-num-sde-steps"),
+        (dict(diffusion_num_steps=0), "--diffusion-num-steps"),
+    ],
+)
+def test_bad_window_settings_name_the_flag(overrides, flag):
+    with pytest.raises(ValueError, match=flag):
+        select_trained_steps(make_args(**overrides), 0)
+
+
+def test_custom_strategy_from_a_file(tmp_path):
+    hook = tmp_path / "strategy.py"
+    hook.write_text(
+        "def every_other(args, rollout_id, num_steps):\n    return list(range(rollout_id % 2, num_steps - 1, 2))\n"
+    )
+    args = make_args(diffusion_step_strategy_path=f"{hook}:every_other")
+    assert select_trained_steps(args, 0) == [0, 2, 4, 6, 8]
+    assert select_trained_steps(args, 1) == [1, 3, 5, 7]
+
+
+def test_custom_strategy_receives_args_rollout_id_and_num_steps():
+    seen = []
+
+    def record(args, rollout_id, num_steps):
+        seen.append((args.rollout_seed, rollout_id, num_steps))
+        return []
+
+    with function_registry.temporary("test.record_strategy", record) as name:
+        assert select_trained_steps(make_args(diffusion_step_strategy_path=name), 7) == []
+    assert seen == [(42, 7, 10)]
+
+
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        ([2, 1], "sorted, unique"),
+        ([1, 1], "sorted, unique"),
+        ([0, 9], r"\[0, 8\]"),
+        ([-1], r"\[0, 8\]"),
+        ([0.5], "list of ints"),
+        ([True], "list of ints"),
+        (3, "list of ints"),
+    ],
+)
+def test_custom_strategy_output_is_validated(returned, message):
+    with function_registry.temporary("test.bad_strategy", lambda args, rollout_id, num_steps: returned) as name:
+        with pytest.raises(ValueError, match=f"--diffusion-step-strategy-path.*{message}"):
+            select_trained_steps(make_args(diffusion_step_strategy_path=name), 0)
+
+
+def test_custom_strategy_cannot_be_combined_with_a_window():
+    with function_registry.temporary("test.any", lambda *a: [0]) as name:
+        with pytest.raises(ValueError, match="--diffusion-step-strategy-path.*--diffusion-num-sde-steps"):
+            select_trained_steps(make_args(diffusion_step_strategy_path=name, diffusion_num_sde_steps=2), 0)
+
+
+def test_missing_custom_strategy_file_is_a_load_error(tmp_path):
+    with pytest.raises(HookLoadError, match="does not exist"):
+        select_trained_steps(make_args(diffusion_step_strategy_path=f"{tmp_path}/nope.py:fn"), 0)
