@@ -67,7 +67,10 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lora-alpha", type=float, default=None, help="Default: the rank.")
     group.add_argument("--lora-target-modules", default=None, help="Comma list; default per model family.")
     group.add_argument(
-        "--lora-init-weights", default="true", help="peft init: true (B = 0), gaussian, false, pissa, ..."
+        "--lora-init-weights",
+        choices=("true", "false", "gaussian"),
+        default="true",
+        help="peft init: true (B = 0, starts at the base model), gaussian, false (random A and B).",
     )
 
 
@@ -75,7 +78,9 @@ def add_ema_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("EMA")
     group.add_argument("--use-ema", action="store_true", help="Keep an EMA of the trained weights.")
     group.add_argument("--ema-decay", type=float, default=0.995)
-    group.add_argument("--ema-warmup", choices=("none", "power"), default="power", help="power: min(d, (1+s)/(10+s)).")
+    group.add_argument(
+        "--ema-warmup", choices=("none", "power"), default="power", help="power: decay min(d, (1+s)/(10+s))."
+    )
     group.add_argument("--ema-update-interval", type=int, default=1, help="Update every N optimizer steps.")
     group.add_argument(
         "--ema-rollout-policy", choices=("live", "ema"), default="live", help="Which weights the engines sample."

@@ -8,8 +8,6 @@ import os
 import random
 import socket
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from types import MappingProxyType
 from typing import Any
 
@@ -18,7 +16,15 @@ import torch
 import torch.distributed as dist
 
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_latest, save_checkpoint
+from miles.backends.fsdp_utils.ema import ShadowWeights, ema_config_from_args
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2, clip_grad_norm_, full_state_dict, parse_dtype
+from miles.backends.fsdp_utils.lora import (
+    LoraBaseNetwork,
+    apply_lora,
+    lora_config_from_args,
+    lora_state_dict,
+    save_lora_adapter,
+)
 from miles.backends.fsdp_utils.loss_hub import LossHooks, get_loss_hooks
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, PreparedBatch, WindowMetrics
 from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_schedule, pairs_in_window
@@ -98,6 +104,9 @@ class FSDPTrainRayActor:
         self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family)
         self.model = self.family.load_transformer(self.settings["checkpoint"]).to(self.device)
         self.model.train()
+        self.lora_config = lora_config_from_args(args, self.family.name) if args.use_lora else None
+        if self.lora_config is not None:
+            apply_lora(self.model, self.lora_config)
         apply_fsdp2(
             self.model,
             self.family.transformer_blocks(self.model),
@@ -108,9 +117,22 @@ class FSDPTrainRayActor:
         self.optimizer = build_optimizer(self.model.parameters(), args, self.settings["lr"])
         total_steps = args.num_rollout * self.settings["num_steps_per_rollout"]
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, self.settings["lr"], total_steps)
-        self.networks = MappingProxyType({"policy": self.model})
-        self.frozen_views: dict[str, Callable[[], AbstractContextManager]] = {}
+        self.ema_config = ema_config_from_args(args)
+        self.ema = ShadowWeights(self.model) if self.ema_config.enabled else None
+        self.networks = MappingProxyType(self._build_networks())
         return self._load()
+
+    def _build_networks(self) -> dict[str, torch.nn.Module]:
+        """The trained network and the frozen views the hooks may name (`ref`: LoRA base or EMA weights)."""
+        networks: dict[str, torch.nn.Module] = {"policy": self.model}
+        if self.args.ref_mode == "lora_base":
+            networks["ref"] = LoraBaseNetwork(self.model)
+        elif self.args.ref_mode == "ema":
+            networks["ref"] = self.ema.network(self.model)
+        return networks
+
+    def _sharded_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {"ema": self.ema.state_dict()} if self.ema is not None else {}
 
     def _seed_everything(self, seed: int) -> None:
         random.seed(seed)
@@ -130,6 +152,7 @@ class FSDPTrainRayActor:
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
             load_optimizer=not self.args.no_load_optim,
+            sharded=self._sharded_state(),
         )
         self.global_step = int(loaded.meta.get("global_step", 0))
         logger.info("%s rank %d resumed from %s at rollout %d", self.role, self.rank, load_dir, loaded.rollout_id)
@@ -208,6 +231,8 @@ class FSDPTrainRayActor:
             self.optimizer.step()
             self.lr_scheduler.step()
             self.global_step += 1
+            if self.ema is not None and self.ema_config.due(self.global_step):
+                self.ema.update(self.ema_config.decay_at(self.global_step))
             self._record_window(ctx, metrics, grad_norm, lr, time.perf_counter() - started)
         return train_output_inputs
 
@@ -245,15 +270,10 @@ class FSDPTrainRayActor:
         return self._predict(self.model, prepared), ref_pred
 
     def _predict_frozen(self, name: str, prepared: PreparedBatch) -> torch.Tensor:
-        """A frozen view of the trained module (LoRA base, EMA / old weights swapped in) or a separate network."""
-        if name in self.frozen_views:
-            with self.frozen_views[name]():
-                pred = self._predict(self.model, prepared)
-            self.model.reshard()  # the unsharded root params hold the view's values: drop them
-            return pred
-        if name in self.networks:
-            return self._predict(self.networks[name], prepared)
-        raise KeyError(f"hook asked for network {name!r}; have {sorted({*self.networks, *self.frozen_views})}")
+        """A frozen network by name: a view of the trained module (LoRA base, EMA weights) or a separate one."""
+        if name not in self.networks:
+            raise KeyError(f"hook asked for network {name!r}; this {self.role} has {sorted(self.networks)}")
+        return self._predict(self.networks[name], prepared)
 
     def _predict(self, network: torch.nn.Module, prepared: PreparedBatch) -> torch.Tensor:
         return self.family.predict_velocity(
@@ -293,24 +313,37 @@ class FSDPTrainRayActor:
             lr_scheduler=self.lr_scheduler,
             extra=extra,
             meta={"global_step": self.global_step, "loss_type": self.args.loss_type},
+            sharded=self._sharded_state(),
         )
 
     def export_weights(self) -> dict[str, torch.Tensor] | None:
-        """Full (unsharded) weights on rank 0, None elsewhere; every rank must call it (collective)."""
-        state = full_state_dict(self.model)
-        return state if self.rank == 0 else None
+        """Weights for the rollout engines on rank 0 (None elsewhere); collective.
+
+        EMA weights with `--ema-rollout-policy ema`, the live ones otherwise; only the LoRA entries with LoRA.
+        """
+        if self.ema is not None and self.args.ema_rollout_policy == "ema":
+            state = self.ema.full_state_dict(self.model)
+        else:
+            state = full_state_dict(self.model)
+        if self.rank != 0:
+            return None
+        return lora_state_dict(state) if self.lora_config is not None else state
 
     def full_state_dict_every_rank(self) -> dict[str, torch.Tensor]:
         """Each rank's own gather of the full weights (to check that ranks agree)."""
         return {k: v.detach().cpu() for k, v in full_state_dict(self.model, cpu_offload=False).items()}
 
     def save_hf(self, out_dir: str) -> str | None:
-        state = self.export_weights()
-        if self.rank == 0:
-            os.makedirs(out_dir, exist_ok=True)
+        """A diffusers pipeline folder with the trained transformer, or a PEFT LoRA adapter folder with LoRA."""
+        state = full_state_dict(self.model)
+        if self.rank != 0:
+            return None
+        os.makedirs(out_dir, exist_ok=True)
+        if self.lora_config is not None:
+            save_lora_adapter(lora_state_dict(state), self.lora_config, out_dir, self.family.pipeline_class_name)
+        else:
             self.family.save_transformer(state, out_dir)
-            return out_dir
-        return None
+        return out_dir
 
     def shutdown(self) -> None:
         destroy_process_group()

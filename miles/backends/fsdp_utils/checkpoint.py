@@ -104,11 +104,12 @@ def save_checkpoint(
     lr_scheduler: LRScheduler | None,
     extra: dict[str, Any] | None = None,
     meta: dict[str, Any] | None = None,
+    sharded: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> str:
     """Save one role's training state (collective: every rank of the group calls it). Returns the role dir.
 
-    `extra` (EMA weights, data-source state, ...) must be the same on every rank, plain or full tensors: rank 0
-    writes it. `meta.json` is written last, so a role dir without it is an unfinished save. The latest pointer
+    `extra` (data-source state, ...) must be the same on every rank, plain or full tensors: rank 0 writes it.
+    `sharded` (EMA / old-policy shadow weights, ...) holds per-rank DTensor state saved with the model by DCP. `meta.json` is written last, so a role dir without it is an unfinished save. The latest pointer
     is not touched: the driver calls `write_latest` once every group has saved.
     """
     clashes = sorted(set(meta or {}) & set(_RESERVED_META))
@@ -131,7 +132,10 @@ def save_checkpoint(
     _barrier()
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(path, DCP_DIR))
+    dcp.save(
+        {"model": model_state, "optimizer": optim_state, **(sharded or {})},
+        checkpoint_id=os.path.join(path, DCP_DIR),
+    )
     torch.save(_rng_state(), os.path.join(path, f"rng_rank{rank}.pt"))
     if rank == 0:
         if lr_scheduler is not None:
@@ -237,6 +241,7 @@ def load_checkpoint(
     lr_scheduler: LRScheduler | None,
     rollout_id: int | None = None,
     load_optimizer: bool = True,
+    sharded: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> LoadedCheckpoint:
     """Restore one role's state saved by `save_checkpoint` (collective); `rollout_id=None` reads the latest pointer.
 
@@ -264,13 +269,13 @@ def load_checkpoint(
     dcp_path = os.path.join(path, DCP_DIR)
     if load_optimizer:
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
+        state = {"model": model_state, "optimizer": optim_state, **(sharded or {})}
         dcp.load(state, checkpoint_id=dcp_path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         if lr_scheduler is not None:
             lr_scheduler.load_state_dict(torch.load(scheduler_path, weights_only=False))
     else:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model), **(sharded or {})}
         dcp.load(state, checkpoint_id=dcp_path)
         set_model_state_dict(model, state["model"])
 
