@@ -144,15 +144,17 @@ def _t5_encoder(tokenizer: T5Tokenizer, d_model: int) -> T5EncoderModel:
     return T5EncoderModel(config)
 
 
-def _vae(resolution: int) -> AutoencoderKL:
-    n = len(VAE_BLOCK_OUT_CHANNELS)
+def _vae(
+    resolution: int, block_out_channels: tuple[int, ...] = VAE_BLOCK_OUT_CHANNELS, layers_per_block: int = 1
+) -> AutoencoderKL:
+    n = len(block_out_channels)
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * n,
         up_block_types=("UpDecoderBlock2D",) * n,
-        block_out_channels=VAE_BLOCK_OUT_CHANNELS,
-        layers_per_block=1,
+        block_out_channels=block_out_channels,
+        layers_per_block=layers_per_block,
         latent_channels=LATENT_CHANNELS,
         norm_num_groups=8,
         sample_size=resolution,
@@ -171,9 +173,21 @@ def _calibrate_vae(vae: AutoencoderKL, resolution: int, generator: torch.Generat
     return float(latents.mean()), float(1.0 / latents.std().clamp_min(1e-6))
 
 
-def build_tiny_sd3_pipeline(seed: int = 0, resolution: int = 32) -> StableDiffusion3Pipeline:
-    """The tiny SD3 pipeline in float32, eval mode, with seeded random weights (a few MB in all)."""
-    vae_factor = 2 ** (len(VAE_BLOCK_OUT_CHANNELS) - 1)
+def build_tiny_sd3_pipeline(
+    seed: int = 0,
+    resolution: int = 32,
+    *,
+    transformer_layers: int = 2,
+    transformer_heads: int = 4,
+    transformer_head_dim: int = 16,
+    vae_block_out_channels: tuple[int, ...] = VAE_BLOCK_OUT_CHANNELS,
+    vae_layers_per_block: int = 1,
+) -> StableDiffusion3Pipeline:
+    """The tiny SD3 pipeline in float32, eval mode, with seeded random weights (a few MB in all).
+
+    The keyword-only sizes default to the test-tiny model; `scripts/pretrain_tiny_shapes.py` picks larger ones.
+    """
+    vae_factor = 2 ** (len(vae_block_out_channels) - 1)
     if resolution % (2 * vae_factor) != 0:
         raise ValueError(f"resolution {resolution} must be a multiple of {2 * vae_factor} (VAE factor x patch size)")
     tokenizer, tokenizer_2, tokenizer_3 = build_clip_tokenizer(), build_clip_tokenizer(), build_t5_tokenizer()
@@ -183,13 +197,13 @@ def build_tiny_sd3_pipeline(seed: int = 0, resolution: int = 32) -> StableDiffus
     text_encoder = _clip_text_encoder(tokenizer, hidden=clip_widths[0], projection=32)
     text_encoder_2 = _clip_text_encoder(tokenizer_2, hidden=clip_widths[1], projection=32)
     text_encoder_3 = _t5_encoder(tokenizer_3, d_model=t5_width)
-    vae = _vae(resolution)
-    heads, head_dim = 4, 16
+    vae = _vae(resolution, vae_block_out_channels, vae_layers_per_block)
+    heads, head_dim = transformer_heads, transformer_head_dim
     transformer = SD3Transformer2DModel(
         sample_size=resolution // vae_factor,
         patch_size=2,
         in_channels=LATENT_CHANNELS,
-        num_layers=2,
+        num_layers=transformer_layers,
         attention_head_dim=head_dim,
         num_attention_heads=heads,
         joint_attention_dim=t5_width,  # CLIP embeddings (32 + 32 wide) are zero-padded to the T5 width

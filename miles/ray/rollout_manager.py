@@ -130,6 +130,7 @@ class RolloutManager:
     def _rl_rollout(self, rollout_id: int) -> TrainPairs:
         from miles.rollout.advantages import compute_grpo_advantages
         from miles.rollout.data_conversion_hub.flow_grpo import expand_samples_to_train_pairs
+        from miles.rollout.data_conversion_hub.nft import expand_samples_to_nft_pairs, nft_pairs_per_sample
         from miles.rollout.engine import GenerateRequest
         from miles.rollout.rm_hub import reward_metrics
         from miles.rollout.step_strategy_hub import select_trained_steps
@@ -137,15 +138,16 @@ class RolloutManager:
         args = self.args
         t0 = time.perf_counter()
         samples = self.make_samples(rollout_id)
+        nft = args.loss_type == "nft"  # NFT samples deterministic ODE trajectories and trains on clean latents
         request = GenerateRequest(
             prompts=[s.prompt for s in samples],
             seeds=[s.seed for s in samples],
             num_steps=args.diffusion_num_steps,
             guidance_scale=args.diffusion_guidance_scale,
             negative_prompt=args.negative_prompt,
-            sde_type=args.diffusion_sde_type,
+            sde_type="ode" if nft else args.diffusion_sde_type,
             noise_level=args.diffusion_noise_level,
-            trained_steps=select_trained_steps(args, rollout_id),
+            trained_steps=[] if nft else select_trained_steps(args, rollout_id),
             resolution=self.resolution,
         )
         result = self.engines.generate(request, rollout_id=rollout_id)
@@ -168,19 +170,30 @@ class RolloutManager:
         t2 = time.perf_counter()
         if args.custom_expand_samples_to_train_pairs_path:
             pairs = load_function(args.custom_expand_samples_to_train_pairs_path)(args, result, advantages)
-        else:  # whole samples in a seeded order, so every window mixes prompt groups
+            steps = None
+        elif nft:
+            pairs = expand_samples_to_nft_pairs(
+                result,
+                advantages,
+                timestep_fraction=args.diffusion_nft_timestep_fraction,
+                seed=args.rollout_seed,
+                rollout_id=rollout_id,
+            )
+            steps = nft_pairs_per_sample(args.diffusion_num_steps, args.diffusion_nft_timestep_fraction)
+        else:
             pairs = expand_samples_to_train_pairs(result, advantages)
+            steps = len(request.trained_steps)
+        if steps is not None:  # whole samples in a seeded order, so every window mixes prompt groups
             order = torch.from_numpy(
                 np.random.default_rng([args.rollout_seed, rollout_id, 7]).permutation(len(samples))
             )
-            steps = len(request.trained_steps)
             rows = (order[:, None] * steps + torch.arange(steps)[None, :]).reshape(-1)
             pairs = {key: value[rows] for key, value in pairs.items()}
         self.last_metrics = {
             **reward_metrics(totals, per_reward, samples),
             "rollout/reward_std": float(rewards.std(unbiased=False)),
             "rollout/advantage_abs_mean": float(advantages.abs().mean()),
-            "rollout/trained_steps": len(request.trained_steps),
+            "rollout/trained_steps": steps if steps is not None else len(request.trained_steps),
             "rollout/weights_version": result.weights_version,
             "perf/rollout_s": t1 - t0,
             "perf/reward_s": t2 - t1,

@@ -60,6 +60,28 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ref-mode", choices=("none", "lora_base", "ema"), default="none", help="The KL reference.")
 
 
+def add_nft_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("nft (DiffusionNFT)")
+    group.add_argument("--diffusion-nft-beta", type=float, default=1.0, help="Mixing β of the implicit policies.")
+    group.add_argument(
+        "--diffusion-nft-timestep-fraction", type=float, default=0.6, help="Share of sampling steps trained per sample."
+    )
+    group.add_argument(
+        "--diffusion-nft-disable-adaptive-weight", action="store_true", help="w = 1 instead of the x̂₀-error weight."
+    )
+    group.add_argument(
+        "--diffusion-nft-guidance-scale", type=float, default=1.0, help="CFG of the training forwards (1: CFG-free)."
+    )
+    group.add_argument("--diffusion-nft-kl-beta", type=float, default=0.0, help="Weight of mean((v − v_ref)²).")
+    group.add_argument(
+        "--diffusion-nft-old-decay-rate", type=float, default=0.001, help="d = min(rate·(s − flat), max)."
+    )
+    group.add_argument("--diffusion-nft-old-decay-max", type=float, default=0.5, help="Cap of the old-policy decay d.")
+    group.add_argument(
+        "--diffusion-nft-old-decay-flat-steps", type=int, default=0, help="d = 0 for this many optimizer steps."
+    )
+
+
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("LoRA")
     group.add_argument("--use-lora", action="store_true", help="Train LoRA adapters instead of full weights.")
@@ -91,6 +113,7 @@ RL_ARGUMENT_GROUPS = (
     add_sampling_arguments,
     add_reward_arguments,
     add_policy_arguments,
+    add_nft_arguments,
     add_lora_arguments,
     add_ema_arguments,
 )
@@ -104,8 +127,17 @@ def validate_rl_args(args: argparse.Namespace, error) -> None:
         error("--ref-mode ema needs --use-ema")
     if args.ema_rollout_policy == "ema" and not args.use_ema:
         error("--ema-rollout-policy ema needs --use-ema")
-    if args.diffusion_kl_beta > 0 and args.ref_mode == "none":
+    if args.loss_type == "policy_loss" and args.diffusion_kl_beta > 0 and args.ref_mode == "none":
         error("--diffusion-kl-beta > 0 needs a reference: --ref-mode lora_base or ema")
+    if args.loss_type == "nft":
+        if args.diffusion_nft_kl_beta > 0 and args.ref_mode == "none":
+            error("--diffusion-nft-kl-beta > 0 needs a reference: --ref-mode lora_base or ema")
+        if args.diffusion_nft_guidance_scale > 1 and args.diffusion_guidance_scale <= 1:
+            error("--diffusion-nft-guidance-scale > 1 needs --diffusion-guidance-scale > 1 (negative embeddings)")
+        if not 0 < args.diffusion_nft_timestep_fraction <= 1:
+            error("--diffusion-nft-timestep-fraction must be in (0, 1]")
+        if args.diffusion_nft_beta <= 0:
+            error("--diffusion-nft-beta must be > 0")
     if args.rollout_num_engines < 1:
         error("--rollout-num-engines must be ≥ 1")
     if args.rm_num_workers < 0:

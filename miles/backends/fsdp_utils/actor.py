@@ -26,6 +26,7 @@ from miles.backends.fsdp_utils.lora import (
     save_lora_adapter,
 )
 from miles.backends.fsdp_utils.loss_hub import LossHooks, get_loss_hooks
+from miles.backends.fsdp_utils.loss_hub.nft import nft_old_decay
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, PreparedBatch, WindowMetrics
 from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_schedule, pairs_in_window
 from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
@@ -119,6 +120,7 @@ class FSDPTrainRayActor:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, self.settings["lr"], total_steps)
         self.ema_config = ema_config_from_args(args)
         self.ema = ShadowWeights(self.model) if self.ema_config.enabled else None
+        self.old = ShadowWeights(self.model) if args.loss_type == "nft" else None  # NFT's decayed old policy
         self.networks = MappingProxyType(self._build_networks())
         return self._load()
 
@@ -129,10 +131,17 @@ class FSDPTrainRayActor:
             networks["ref"] = LoraBaseNetwork(self.model)
         elif self.args.ref_mode == "ema":
             networks["ref"] = self.ema.network(self.model)
+        if self.old is not None:
+            networks["old"] = self.old.network(self.model)
         return networks
 
     def _sharded_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {"ema": self.ema.state_dict()} if self.ema is not None else {}
+        state = {}
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict()
+        if self.old is not None:
+            state["nft_old"] = self.old.state_dict()
+        return state
 
     def _seed_everything(self, seed: int) -> None:
         random.seed(seed)
@@ -173,6 +182,8 @@ class FSDPTrainRayActor:
         )
         self._check_same_schedule_on_all_ranks(schedule)
         train_output_inputs = self._train_core(ctx, pairs, schedule)
+        if self.old is not None:  # θ_old ← d·θ_old + (1 − d)·θ once per rollout (DiffusionNFT)
+            self.old.update(nft_old_decay(self.args, self.global_step))
         output = self.hooks.train_output(ctx, pairs, train_output_inputs)
         return Box(ray.put(output))
 
@@ -321,7 +332,9 @@ class FSDPTrainRayActor:
 
         EMA weights with `--ema-rollout-policy ema`, the live ones otherwise; only the LoRA entries with LoRA.
         """
-        if self.ema is not None and self.args.ema_rollout_policy == "ema":
+        if self.old is not None:  # NFT samples its rollouts with the old policy
+            state = self.old.full_state_dict(self.model)
+        elif self.ema is not None and self.args.ema_rollout_policy == "ema":
             state = self.ema.full_state_dict(self.model)
         else:
             state = full_state_dict(self.model)

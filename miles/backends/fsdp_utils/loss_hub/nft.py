@@ -1,0 +1,138 @@
+"""nft (DiffusionNFT): implicit positive/negative policy loss on re-noised clean latents against the `old` policy,
+optional KL to a reference, and the old-policy decay read from the flags (ALGORITHMS.md, nft)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from miles.backends.fsdp_utils.loss_hub.sft import microbatch_generator
+from miles.backends.fsdp_utils.loss_hub.types import (
+    DiffusionLossContext,
+    PreparedBatch,
+    WindowMetrics,
+    prompt_embeds_from_pairs,
+)
+from miles.diffusion.nft import advantage_to_r, nft_kl, nft_loss, old_policy_decay
+from miles.diffusion.schedule import add_noise
+from miles.utils.types import TrainPairs
+
+OLD_NETWORK = "old"
+REF_NETWORK = "ref"
+
+
+def nft_old_decay(args: argparse.Namespace, step: int) -> float:
+    """Decay d of θ_old ← d·θ_old + (1 − d)·θ after a rollout's training, `step` = optimizer steps done so far."""
+    return old_policy_decay(
+        step,
+        rate=args.diffusion_nft_old_decay_rate,
+        max_decay=args.diffusion_nft_old_decay_max,
+        flat_steps=args.diffusion_nft_old_decay_flat_steps,
+    )
+
+
+def prepare_nft_batch(
+    ctx: DiffusionLossContext,
+    batch: TrainPairs,
+    *,
+    microbatch_id: int,
+    optim_step_idx: int,
+    pad_to_len: int | None = None,
+) -> PreparedBatch:
+    """x_t = (1 − t)·x₀ + t·ε with fresh ε seeded by ids; the trunk runs `old` on the same inputs (`ref_pred`)."""
+    args = ctx.args
+    x0, t = batch["x0"].float(), batch["t"].float()
+    noise = torch.randn(x0.shape, generator=microbatch_generator(ctx, microbatch_id), dtype=torch.float32)
+    x0, noise, t = x0.to(ctx.device), noise.to(ctx.device), t.to(ctx.device)
+    guidance = float(args.diffusion_nft_guidance_scale)
+    negative = None
+    if guidance > 1.0:
+        if "negative_prompt_embeds" not in batch:
+            raise ValueError(
+                "--diffusion-nft-guidance-scale > 1 needs negative prompt embeddings in the train pairs: "
+                "sample the rollout with --diffusion-guidance-scale > 1, or train CFG-free (scale 1.0)"
+            )
+        negative = prompt_embeds_from_pairs(batch, ctx.device, prefix="negative_")
+    return PreparedBatch(
+        latents=add_noise(x0, noise, t),
+        sigmas=t,
+        embeds=prompt_embeds_from_pairs(batch, ctx.device),
+        negative=negative,
+        guidance_scale=guidance,
+        ref_network=OLD_NETWORK,
+        extras={"x0": x0, "noise": noise, "t": t},
+    )
+
+
+def reference_velocity(ctx: DiffusionLossContext, prepared: PreparedBatch) -> torch.Tensor:
+    """v_ref on the prepared inputs, without grad. The trunk's one frozen forward per micro-batch is the old
+    policy, which is not the KL reference, so the formula runs `ref` itself."""
+    if REF_NETWORK not in ctx.networks:
+        raise KeyError(
+            f"--diffusion-nft-kl-beta > 0 needs a 'ref' network (--ref-mode lora_base or ema); "
+            f"this {ctx.role} has {sorted(ctx.networks)}"
+        )
+    with torch.no_grad():
+        return ctx.family.predict_velocity(
+            ctx.networks[REF_NETWORK],
+            prepared.latents,
+            prepared.sigmas,
+            prepared.embeds,
+            guidance_scale=prepared.guidance_scale,
+            negative=prepared.negative,
+        )
+
+
+def nft_formula(
+    ctx: DiffusionLossContext,
+    batch: TrainPairs,
+    prepared: PreparedBatch,
+    *,
+    new_pred: torch.Tensor,
+    ref_pred: torch.Tensor | None,
+    metrics: WindowMetrics,
+    optim_step_idx: int,
+    train_output_inputs: list,
+    write_old_log_prob: bool = False,
+    old_log_prob_from_new: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """Sum over pairs of the NFT loss (v_θ = `new_pred`, v_old = `ref_pred`), plus kl_beta·mean((v_θ − v_ref)²)."""
+    if write_old_log_prob:
+        raise ValueError(
+            "--loss-type nft has no old log-probs to recompute (the old policy is a network): "
+            "drop --diffusion-recompute-old-log-prob"
+        )
+    if ref_pred is None:
+        raise ValueError(
+            f"nft needs the old policy's velocity as ref_pred: prepare must name ref_network={OLD_NETWORK!r} "
+            f"and the {ctx.role} must hold an {OLD_NETWORK!r} network (has {sorted(ctx.networks)})"
+        )
+    args = ctx.args
+    clip = args.diffusion_adv_clip_max
+    r = advantage_to_r(batch["advantage"].to(new_pred.device), clip)
+    loss, parts = nft_loss(
+        new_pred,
+        ref_pred,
+        prepared.extras["x0"],
+        prepared.latents,
+        prepared.sigmas,
+        r,
+        beta=args.diffusion_nft_beta,
+        adv_clip_max=clip,
+        adaptive_weight=not args.diffusion_nft_disable_adaptive_weight,
+    )
+    n = loss.shape[0]
+    # nft_loss reports micro-batch means; n copies of a mean sum to the per-pair sum, so window means stay per pair
+    metrics.add("train/nft_policy_loss", loss)
+    metrics.add("train/nft_positive_loss", parts["positive_loss"].expand(n))
+    metrics.add("train/nft_negative_loss", parts["negative_loss"].expand(n))
+    metrics.add("train/nft_old_deviate", parts["old_deviate"].expand(n))
+    metrics.add("train/r_mean", r)
+    if args.diffusion_nft_kl_beta > 0:
+        kl = nft_kl(new_pred, reference_velocity(ctx, prepared))
+        metrics.add("train/kl", kl)
+        loss = loss + args.diffusion_nft_kl_beta * kl
+    metrics.add("train/loss", loss)
+    return loss.sum()

@@ -1,0 +1,70 @@
+"""nft conversion: one ODE rollout's clean latents -> DiffusionNFT train pairs, one per (sample, drawn timestep).
+
+The fresh noise ε of a pair is not stored: `loss_hub.nft.prepare_nft_batch` draws it from ids.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from miles.utils.types import TrainPairs
+
+# Keeps the per-sample timestep streams apart from other seeded streams of the same (seed, rollout).
+_TIMESTEP_SALT = 0x4E4654
+
+
+def nft_pairs_per_sample(num_steps: int, timestep_fraction: float) -> int:
+    """How many distinct grid timesteps each sample trains on: max(1, round(fraction·num_steps))."""
+    if not 0.0 < timestep_fraction <= 1.0:
+        raise ValueError(f"--diffusion-nft-timestep-fraction must lie in (0, 1], got {timestep_fraction}")
+    return max(1, round(timestep_fraction * num_steps))
+
+
+def draw_timestep_indices(num_steps: int, count: int, *, seed: int, rollout_id: int, sample: int) -> torch.Tensor:
+    """`count` distinct indices into the grid's nonzero sigmas (0 .. num_steps−1), shuffled per sample."""
+    rng = np.random.default_rng([seed, rollout_id, sample, _TIMESTEP_SALT])
+    return torch.from_numpy(rng.permutation(num_steps)[:count].copy()).long()
+
+
+def expand_samples_to_nft_pairs(
+    result,
+    advantages: torch.Tensor,
+    *,
+    timestep_fraction: float,
+    seed: int,
+    rollout_id: int,
+) -> TrainPairs:
+    """Sample-major pairs: sample b's K pairs are rows b·K .. b·K+K−1, K = `nft_pairs_per_sample`.
+
+    `result` is the engine's `GenerateResult` of deterministic (ODE) sampling; `advantages` (B,) one per sample.
+    Columns: x0 (the clean latent), t (a σ of `result.sigmas[:-1]`, never 0), advantage, prompt embeddings,
+    sample_index (and negative prompt embeddings when the engine sampled with CFG).
+    """
+    batch = result.final_latents.shape[0]
+    if advantages.shape != (batch,):
+        raise ValueError(f"expected one advantage per sample ({batch},), got {tuple(advantages.shape)}")
+    grid = result.sigmas.float()[:-1]  # σ = 0 is the clean end: nothing to denoise there
+    num_steps = grid.shape[0]
+    steps = nft_pairs_per_sample(num_steps, timestep_fraction)
+    index = torch.cat(
+        [draw_timestep_indices(num_steps, steps, seed=seed, rollout_id=rollout_id, sample=b) for b in range(batch)]
+    )
+
+    def per_pair(x: torch.Tensor) -> torch.Tensor:  # (B, ...) -> (B·K, ...)
+        return x.repeat_interleave(steps, dim=0)
+
+    pairs: TrainPairs = {
+        "x0": per_pair(result.final_latents.float()),
+        "t": grid[index].clone(),
+        "advantage": per_pair(advantages.float()),
+        "prompt_embeds": per_pair(result.prompt_embeds.float()),
+        "pooled_prompt_embeds": per_pair(result.pooled_prompt_embeds.float()),
+        "sample_index": per_pair(torch.arange(batch)),
+    }
+    if result.negative_prompt_embeds is not None:
+        pairs["negative_prompt_embeds"] = result.negative_prompt_embeds.float().expand(batch * steps, -1, -1).clone()
+        pairs["negative_pooled_prompt_embeds"] = (
+            result.negative_pooled_prompt_embeds.float().expand(batch * steps, -1).clone()
+        )
+    return pairs

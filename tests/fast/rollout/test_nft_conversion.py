@@ -1,0 +1,106 @@
+"""The nft conversion: pairs per sample, distinct nonzero grid timesteps, seeded determinism, sample-major rows."""
+
+import pytest
+import torch
+
+from miles.diffusion.schedule import sampling_sigmas
+from miles.rollout.data_conversion_hub.nft import expand_samples_to_nft_pairs, nft_pairs_per_sample
+from miles.rollout.engine import GenerateResult
+
+B, C, H, W, L, D, P = 4, 2, 3, 3, 5, 6, 7
+NUM_STEPS = 10
+
+
+def make_result(batch=B, num_steps=NUM_STEPS, cfg=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return GenerateResult(
+        images=None,
+        final_latents=torch.randn(batch, C, H, W, generator=g),
+        latents=torch.zeros(batch, 0, C, H, W),
+        next_latents=torch.zeros(batch, 0, C, H, W),
+        log_probs=torch.zeros(batch, 0),
+        sigmas=sampling_sigmas(num_steps),
+        trained_steps=[],
+        prompt_embeds=torch.randn(batch, L, D, generator=g),
+        pooled_prompt_embeds=torch.randn(batch, P, generator=g),
+        negative_prompt_embeds=torch.randn(1, L, D, generator=g) if cfg else None,
+        negative_pooled_prompt_embeds=torch.randn(1, P, generator=g) if cfg else None,
+        weights_version=0,
+    )
+
+
+def convert(result, fraction=0.6, seed=1, rollout_id=3, advantages=None):
+    if advantages is None:
+        advantages = torch.linspace(-1.0, 1.0, result.batch_size)
+    return expand_samples_to_nft_pairs(result, advantages, timestep_fraction=fraction, seed=seed, rollout_id=rollout_id)
+
+
+@pytest.mark.parametrize("fraction, expected", [(0.6, 6), (1.0, 10), (0.01, 1), (0.25, 2), (0.99, 10)])
+def test_pairs_per_sample_is_rounded_fraction_of_steps(fraction, expected):
+    assert nft_pairs_per_sample(NUM_STEPS, fraction) == expected
+    pairs = convert(make_result(), fraction=fraction)
+    assert all(v.shape[0] == B * expected for v in pairs.values())
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5])
+def test_fraction_outside_unit_interval_is_rejected(fraction):
+    with pytest.raises(ValueError, match="timestep-fraction"):
+        convert(make_result(), fraction=fraction)
+
+
+def test_each_sample_trains_on_distinct_nonzero_grid_timesteps():
+    result = make_result()
+    grid = result.sigmas[:-1].tolist()
+    pairs = convert(result, fraction=1.0)
+    t = pairs["t"].reshape(B, NUM_STEPS)
+    for b in range(B):
+        values = t[b].tolist()
+        assert len(set(values)) == NUM_STEPS
+        assert sorted(values) == sorted(grid)  # fraction 1: the whole grid but σ = 0
+        assert min(values) > 0.0
+    partial = convert(result, fraction=0.6)["t"].reshape(B, 6)
+    for b in range(B):
+        assert len(set(partial[b].tolist())) == 6 and set(partial[b].tolist()) <= set(grid)
+
+
+def test_timesteps_are_deterministic_per_seed_and_rollout():
+    result = make_result()
+    first, again = convert(result), convert(result)
+    assert torch.equal(first["t"], again["t"])
+    other_rollout = convert(result, rollout_id=4)
+    other_seed = convert(result, seed=2)
+    assert not torch.equal(first["t"], other_rollout["t"])
+    assert not torch.equal(first["t"], other_seed["t"])
+    per_sample = first["t"].reshape(B, -1)
+    assert len({tuple(row.tolist()) for row in per_sample}) > 1  # shuffled per sample, not one order for all
+
+
+def test_columns_are_sample_major_with_expected_shapes():
+    result = make_result()
+    advantages = torch.tensor([0.5, -2.0, 3.0, 0.0])
+    pairs = convert(result, fraction=0.3, advantages=advantages)
+    k = 3
+    assert set(pairs) == {"x0", "t", "advantage", "prompt_embeds", "pooled_prompt_embeds", "sample_index"}
+    assert pairs["x0"].shape == (B * k, C, H, W) and pairs["t"].shape == (B * k,)
+    assert pairs["prompt_embeds"].shape == (B * k, L, D) and pairs["pooled_prompt_embeds"].shape == (B * k, P)
+    for row in range(B * k):
+        b = row // k
+        assert pairs["sample_index"][row] == b
+        assert torch.equal(pairs["x0"][row], result.final_latents[b])
+        assert pairs["advantage"][row] == advantages[b]
+        assert torch.equal(pairs["prompt_embeds"][row], result.prompt_embeds[b])
+        assert torch.equal(pairs["pooled_prompt_embeds"][row], result.pooled_prompt_embeds[b])
+    assert all(v.dtype == torch.float32 for n, v in pairs.items() if n != "sample_index")
+
+
+def test_negative_embeddings_travel_when_sampled_with_cfg():
+    result = make_result(cfg=True)
+    pairs = convert(result, fraction=0.2)
+    assert pairs["negative_prompt_embeds"].shape == (B * 2, L, D)
+    assert torch.equal(pairs["negative_prompt_embeds"][5], result.negative_prompt_embeds[0])
+    assert pairs["negative_pooled_prompt_embeds"].shape == (B * 2, P)
+
+
+def test_advantages_must_be_one_per_sample():
+    with pytest.raises(ValueError, match="one advantage per sample"):
+        convert(make_result(), advantages=torch.zeros(B + 1))
