@@ -59,10 +59,12 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     summary: dict = {"losses": []}
     try:
         rollout_manager = RolloutManager(args)
-        groups = {role: RayTrainGroup(args, role) for role in training_order(args)}
+        roles = [] if args.debug_rollout_only else training_order(args)  # debug rollouts need no trainer
+        groups = {role: RayTrainGroup(args, role) for role in roles}
         starts = {role: group.init() for role, group in groups.items()}
-        start_rollout_id = min(starts.values())
-        rollout_manager.update_weights(groups["actor"])
+        start_rollout_id = min(starts.values(), default=0)
+        if groups:
+            rollout_manager.update_weights(groups["actor"])
         last = args.num_rollout - 1
         bar = tqdm(
             range(start_rollout_id, args.num_rollout), desc="rollouts", disable=args.no_progress, dynamic_ncols=True
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
                 "perf/weight_sync_s": weight_sync_s,
                 **rollout_manager.metrics(rollout_id),
             }
-            if args.save and is_due(rollout_id, args.save_interval, last):
+            if args.save and groups and is_due(rollout_id, args.save_interval, last):
                 for group in groups.values():
                     group.save(rollout_id)
                 write_latest(args.save, rollout_id)
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
             if summary["losses"]:
                 postfix["loss"] = f"{summary['losses'][-1]:.4f}"
             bar.set_postfix(postfix)
-        if args.save_hf:
+        if args.save_hf and groups:
             groups["actor"].save_hf(args.save_hf)
             logger.info("wrote a diffusers pipeline folder to %s", args.save_hf)
         if before_shutdown is not None:

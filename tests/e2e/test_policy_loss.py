@@ -127,3 +127,45 @@ def test_policy_loss_with_lora_raises_brightness(ray_cluster, tiny_pipeline_dir,
         "to_q,to_k,to_v,to_out.0,ff.net.0.proj,ff.net.2,proj_out",
     )
     assert after - before > 0.003, (before, after)
+
+
+def test_saved_rollout_replays_without_an_engine(ray_cluster, tiny_pipeline_dir, tmp_path, monkeypatch):
+    saved = tmp_path / "rollouts"
+    common = (
+        "--dp-size",
+        "1",
+        "--num-rollout",
+        "1",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--image-grid-interval",
+        "0",
+    )
+    train_diffusion.run(
+        policy_args(
+            tiny_pipeline_dir,
+            tmp_path / "gen",
+            *common,
+            "--debug-rollout-only",
+            "--save-debug-rollout-data",
+            str(saved),
+        )
+    )
+    assert os.path.isfile(saved / "rollout_0000000.pt")
+    assert not any(m.get("role") for m in read_metrics(tmp_path / "gen" / "metrics.jsonl")), "debug rollout trained"
+
+    import miles.rollout.engine_group as engine_group
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was started while replaying")
+
+    monkeypatch.setattr(engine_group, "RolloutEngineGroup", no_engine)
+    train_diffusion.run(
+        policy_args(tiny_pipeline_dir, tmp_path / "replay", *common, "--load-debug-rollout-data", str(saved))
+    )
+    window = first_window(tmp_path / "replay")
+    assert window["train/log_prob_abs_diff"] <= 1e-6 and window["train/ratio_mean"] == pytest.approx(1.0, abs=1e-6)

@@ -1,0 +1,149 @@
+"""Trunk training throughput vs a plain PyTorch loop doing identical maths on the same model (ARCHITECTURE §11).
+
+Both sides train the same transformer with the flow-matching (sft_loss) objective on the same pairs: the trunk
+through a 1-rank `RayTrainGroup` (Ray actor, FSDP2, hooks, metrics), the plain loop in this process. Runs are
+interleaved and the median of several repetitions is reported, as train pairs/s and the ratio trunk / plain.
+
+    python benchmarks/bench_train.py                      # the tiny pipeline, built offline
+    python benchmarks/bench_train.py --hf-checkpoint DIR --pairs 64 --micro-batch-size 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch  # noqa: E402
+from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext  # noqa: E402
+from miles.diffusion.schedule import flow_matching_loss  # noqa: E402
+from miles.models.base import get_train_pipeline_config  # noqa: E402
+from miles.utils.arguments import parse_args  # noqa: E402
+from miles.utils.box import put_box  # noqa: E402
+
+
+def make_pairs(family, n: int) -> dict[str, torch.Tensor]:
+    family.load_text_encoders()
+    embeds = family.encode_prompts([f"{i % 3 + 1} red circles on the left" for i in range(n)])
+    g = torch.Generator().manual_seed(0)
+    return {
+        "x0": torch.randn((n, *family.latent_shape()), generator=g),
+        "prompt_embeds": embeds.prompt_embeds.float(),
+        "pooled_prompt_embeds": embeds.pooled_prompt_embeds.float(),
+    }
+
+
+def plain_loop(args, family, pairs, windows: int) -> float:
+    """Seconds for `windows` optimizer steps of the same maths, no Ray, no FSDP, no hooks."""
+    model = family.load_transformer()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    ctx = DiffusionLossContext(
+        args=args,
+        role="actor",
+        rollout_id=0,
+        dp_rank=0,
+        dp_size=1,
+        device=torch.device("cpu"),
+        forward_dtype=torch.float32,
+        family=family,
+        networks={},
+    )
+    n, mb = pairs["x0"].shape[0], args.micro_batch_size
+    started = time.perf_counter()
+    mb_id = 0
+    for _ in range(windows):
+        opt.zero_grad(set_to_none=True)
+        for start in range(0, n, mb):
+            batch = {k: v[start : start + mb] for k, v in pairs.items()}
+            prepared = prepare_sft_batch(ctx, batch, microbatch_id=mb_id, optim_step_idx=0)
+            mb_id += 1
+            v = family.predict_velocity(model, prepared.latents, prepared.sigmas, prepared.embeds)
+            loss = flow_matching_loss(v, prepared.extras["x0"], prepared.extras["noise"], prepared.sigmas).sum()
+            (loss / n).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        opt.step()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hf-checkpoint", default=None)
+    parser.add_argument("--pairs", type=int, default=32, help="pairs per optimizer step")
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--windows", type=int, default=8, help="optimizer steps per measured call")
+    parser.add_argument("--repeats", type=int, default=5)
+    opts = parser.parse_args()
+    tmp = tempfile.mkdtemp(prefix="miles-bench-")
+    path = opts.hf_checkpoint
+    if path is None:
+        from miles.models.tiny import save_tiny_sd3_pipeline
+
+        path = save_tiny_sd3_pipeline(os.path.join(tmp, "tiny"), seed=0)
+    total = opts.pairs * opts.windows
+    args = parse_args(
+        [
+            "--loss-type",
+            "sft_loss",
+            "--train-only",
+            "--hf-checkpoint",
+            path,
+            "--prompt-data",
+            "builtin:shapes",
+            "--dp-size",
+            "1",
+            "--rollout-batch-size",
+            str(total),
+            "--global-batch-size",
+            str(opts.pairs),
+            "--num-steps-per-rollout",
+            str(opts.windows),
+            "--micro-batch-size",
+            str(opts.micro_batch_size),
+            "--num-rollout",
+            str(opts.repeats + 1),
+            "--cpus-per-rank",
+            str(os.cpu_count() or 1),
+            "--log-level",
+            "WARNING",
+        ]
+    )
+    torch.set_num_threads(max(1, round(args.cpus_per_rank)))
+    family = get_train_pipeline_config(path)
+    pairs = make_pairs(family, total)
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _temp_dir=os.path.join(tmp, "ray"), log_to_driver=False)
+    from miles.ray.train_group import RayTrainGroup
+
+    group = RayTrainGroup(args, "actor", timeout=600)
+    try:
+        group.init()
+        group.train(0, [put_box(pairs)])  # warm-up
+        plain_loop(args, family, {k: v[: opts.pairs] for k, v in pairs.items()}, 1)  # warm-up
+        trunk_s, plain_s = [], []
+        for rep in range(opts.repeats):
+            started = time.perf_counter()
+            group.train(rep + 1, [put_box(pairs)])
+            trunk_s.append(time.perf_counter() - started)
+            plain_s.append(plain_loop(args, family, {k: v[: opts.pairs] for k, v in pairs.items()}, opts.windows))
+    finally:
+        group.shutdown()
+        ray.shutdown()
+    trunk = total / statistics.median(trunk_s)
+    plain = total / statistics.median(plain_s)
+    print(f"{'runner':<28}{'pairs/s':>10}")
+    print(f"{'plain PyTorch loop':<28}{plain:>10.1f}")
+    print(f"{'miles trunk (Ray + FSDP2)':<28}{trunk:>10.1f}")
+    print(f"ratio trunk / plain = {trunk / plain:.3f}  (target ≥ 0.9; {opts.repeats} repeats, median)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+"""The GPU tier: the same checks as tests/fast on CUDA / NCCL; every test here skips without a GPU."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "fast-gpu" in str(item.fspath):
+            item.add_marker(skip)
