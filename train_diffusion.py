@@ -45,8 +45,10 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     from tqdm import tqdm
 
     from miles.backends.fsdp_utils.checkpoint import write_latest
+    from miles.ray.evaluator import Evaluator
     from miles.ray.rollout_manager import RolloutManager
     from miles.ray.train_group import RayTrainGroup
+    from miles.utils.eval_arguments import eval_enabled
     from miles.utils.tracking import MetricsWriter
 
     started = time.perf_counter()
@@ -59,12 +61,25 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     summary: dict = {"losses": []}
     try:
         rollout_manager = RolloutManager(args)
-        roles = [] if args.debug_rollout_only else training_order(args)  # debug rollouts need no trainer
+        # debug rollouts and evaluating the pipeline as loaded need no trainer
+        roles = [] if args.debug_rollout_only or (args.eval_only and not args.load) else training_order(args)
         groups = {role: RayTrainGroup(args, role) for role in roles}
         starts = {role: group.init() for role, group in groups.items()}
         start_rollout_id = min(starts.values(), default=0)
         if groups:
             rollout_manager.update_weights(groups["actor"])
+        evaluator = Evaluator(args) if eval_enabled(args) else None
+        step = 0
+        if evaluator is not None:  # the baseline, before any update of this run
+            writer.log(
+                {
+                    "rollout_id": start_rollout_id,
+                    "step": step,
+                    **evaluator.evaluate(rollout_manager.engines, start_rollout_id),
+                }
+            )
+        if args.eval_only:
+            return summary
         last = args.num_rollout - 1
         bar = tqdm(
             range(start_rollout_id, args.num_rollout), desc="rollouts", disable=args.no_progress, dynamic_ncols=True
@@ -96,9 +111,14 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
                     group.save(rollout_id)
                 write_latest(args.save, rollout_id)
                 rollout_record["perf/save_s"] = time.perf_counter() - t2
+            step = rollout_record["step"] or step
+            if evaluator is not None and is_due(rollout_id, args.eval_interval, last):
+                rollout_record.update(evaluator.evaluate(rollout_manager.engines, rollout_id + 1))
             writer.log(rollout_record)
             summary.setdefault("rollouts", []).append(rollout_record)
             postfix = {}
+            if "eval/shapes_accuracy" in rollout_record:
+                postfix["acc"] = f"{rollout_record['eval/shapes_accuracy']:.2f}"
             if "rollout/reward_mean" in rollout_record:
                 postfix["reward"] = f"{rollout_record['rollout/reward_mean']:.3f}"
             if summary["losses"]:

@@ -1,4 +1,5 @@
-"""One reverse step of flow-matching sampling (Flow-GRPO `sde`, `cps`, plain `ode`) and its log-prob.
+"""One reverse step of flow-matching sampling (Flow-GRPO `sde`, `cps`, plain `ode`, DMD2's `renoise`) and its
+log-prob.
 
 Every step computes in float32 whatever the input dtype; log-probs are means over non-batch dims, never sums.
 """
@@ -129,7 +130,48 @@ def ode_step(
     return StepResult(next_latents, next_latents, zeros, zeros, None)
 
 
-SDE_KERNELS: dict[str, Callable[..., StepResult]] = {"sde": sde_step, "cps": cps_step, "ode": ode_step}
+def renoise_step(
+    latents: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma: torch.Tensor | float,
+    sigma_next: torch.Tensor | float,
+    *,
+    noise_level: float = 0.0,
+    sigma_max: float = 1.0,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+) -> StepResult:
+    """Few-step generator step (DMD2): x̂₀ = x − σ·v, then x' = (1 − σ')·x̂₀ + σ'·ε with fresh ε; at σ' = 0,
+    x' = x̂₀. No log-prob. `mean` is the x̂₀ of the step (the generator's output); `std_t` = `step_std` = σ'.
+    `noise_level`, `sigma_max` and `prev_sample` are accepted and ignored (uniform API)."""
+    del noise_level, sigma_max, prev_sample
+    x, v, s, s_next = _prepare(latents, velocity, sigma, sigma_next)
+    x0_hat = x - s * v
+    drawn = _draw(x0_hat, None, generator, noise)
+    next_latents = (1 - s_next) * x0_hat + s_next * drawn
+    return StepResult(next_latents, x0_hat, s_next.flatten(), s_next.flatten(), None)
+
+
+def renoise_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
+    """The k-step generator grid: σ_i = shift·u/(1 + (shift − 1)·u) at u = 1 − i/k, i = 0..k−1, then 0.
+
+    Uniform in u and shifted like the training timesteps (k = 4, shift 1: 1, .75, .5, .25, 0 — DMD2's
+    999/749/499/249); not the diffusers sampling grid, whose k = 2 grid ends at σ ≈ 0.003 (a wasted step).
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    u = 1.0 - torch.arange(num_steps, dtype=torch.float64) / num_steps
+    sigma = shift * u / (1 + (shift - 1) * u)
+    return torch.cat([sigma, torch.zeros(1, dtype=torch.float64)]).float()
+
+
+SDE_KERNELS: dict[str, Callable[..., StepResult]] = {
+    "sde": sde_step,
+    "cps": cps_step,
+    "ode": ode_step,
+    "renoise": renoise_step,
+}
 
 
 def get_sde_kernel(name: str) -> Callable[..., StepResult]:

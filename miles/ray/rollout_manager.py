@@ -79,7 +79,8 @@ class RolloutManager:
             num_gpus_per_engine=args.rollout_gpus_per_engine if gpu else 0.0,
             lora_config=self._lora_config(),
         )
-        self.rewards = RewardWorkerPool(args, reward_spec_from_args(args), num_workers=args.rm_num_workers)
+        if args.loss_type != "dmd2" or args.rm_type or args.custom_rm_path:  # dmd2 scores only when asked (metrics)
+            self.rewards = RewardWorkerPool(args, reward_spec_from_args(args), num_workers=args.rm_num_workers)
 
     def _lora_config(self) -> dict | None:
         if not self.args.use_lora:
@@ -129,6 +130,7 @@ class RolloutManager:
 
     def _rl_rollout(self, rollout_id: int) -> TrainPairs:
         from miles.rollout.advantages import compute_grpo_advantages
+        from miles.rollout.data_conversion_hub.dmd2 import expand_samples_to_dmd2_pairs
         from miles.rollout.data_conversion_hub.flow_grpo import expand_samples_to_train_pairs
         from miles.rollout.data_conversion_hub.nft import expand_samples_to_nft_pairs, nft_pairs_per_sample
         from miles.rollout.engine import GenerateRequest
@@ -139,25 +141,32 @@ class RolloutManager:
         t0 = time.perf_counter()
         samples = self.make_samples(rollout_id)
         nft = args.loss_type == "nft"  # NFT samples deterministic ODE trajectories and trains on clean latents
-        request = GenerateRequest(
-            prompts=[s.prompt for s in samples],
-            seeds=[s.seed for s in samples],
-            num_steps=args.diffusion_num_steps,
-            guidance_scale=args.diffusion_guidance_scale,
-            negative_prompt=args.negative_prompt,
-            sde_type="ode" if nft else args.diffusion_sde_type,
-            noise_level=args.diffusion_noise_level,
-            trained_steps=[] if nft else select_trained_steps(args, rollout_id),
-            resolution=self.resolution,
-        )
+        dmd2 = args.loss_type == "dmd2"  # DMD2 samples the few-step generator, CFG-free, and trains one step j
+        if dmd2:
+            request = self._dmd2_request(samples, rollout_id)
+        else:
+            request = GenerateRequest(
+                prompts=[s.prompt for s in samples],
+                seeds=[s.seed for s in samples],
+                num_steps=args.diffusion_num_steps,
+                guidance_scale=args.diffusion_guidance_scale,
+                negative_prompt=args.negative_prompt,
+                sde_type="ode" if nft else args.diffusion_sde_type,
+                noise_level=args.diffusion_noise_level,
+                trained_steps=[] if nft else select_trained_steps(args, rollout_id),
+                resolution=self.resolution,
+            )
         result = self.engines.generate(request, rollout_id=rollout_id)
         for sample, image in zip(samples, result.images):
             sample.image = image
         t1 = time.perf_counter()
-        totals, per_reward = self.rewards.score(samples)
+        if self.rewards is not None:
+            totals, per_reward = self.rewards.score(samples)
+        else:  # dmd2 without a reward flag: nothing to score, rewards are only metrics there
+            totals, per_reward = [0.0] * len(samples), {}
         rewards = torch.tensor(totals, dtype=torch.float32)
         for sample, value in zip(samples, totals):
-            sample.reward = value
+            sample.reward = value if self.rewards is not None else None
         if args.custom_reward_post_process_path:
             advantages = torch.as_tensor(load_function(args.custom_reward_post_process_path)(args, samples, rewards))
         else:
@@ -171,6 +180,9 @@ class RolloutManager:
         if args.custom_expand_samples_to_train_pairs_path:
             pairs = load_function(args.custom_expand_samples_to_train_pairs_path)(args, result, advantages)
             steps = None
+        elif dmd2:
+            pairs = expand_samples_to_dmd2_pairs(result)
+            steps = 1
         elif nft:
             pairs = expand_samples_to_nft_pairs(
                 result,
@@ -189,12 +201,14 @@ class RolloutManager:
             )
             rows = (order[:, None] * steps + torch.arange(steps)[None, :]).reshape(-1)
             pairs = {key: value[rows] for key, value in pairs.items()}
+        scored = self.rewards is not None
         self.last_metrics = {
-            **reward_metrics(totals, per_reward, samples),
-            "rollout/reward_std": float(rewards.std(unbiased=False)),
-            "rollout/advantage_abs_mean": float(advantages.abs().mean()),
+            **(reward_metrics(totals, per_reward, samples) if scored else {}),
+            **({"rollout/reward_std": float(rewards.std(unbiased=False))} if scored else {}),
+            **({"rollout/advantage_abs_mean": float(advantages.abs().mean())} if scored else {}),
             "rollout/trained_steps": steps if steps is not None else len(request.trained_steps),
             "rollout/weights_version": result.weights_version,
+            **({"rollout/dmd2_generator_step": request.trained_steps[0]} if dmd2 else {}),
             "perf/rollout_s": t1 - t0,
             "perf/reward_s": t2 - t1,
         }
@@ -204,6 +218,28 @@ class RolloutManager:
             path = os.path.join(args.output_dir, "images", f"rollout_{rollout_id:07d}.png")
             save_image_grid(result.images, path, columns=args.n_samples_per_prompt)
         return pairs
+
+    def _dmd2_request(self, samples: list[Sample], rollout_id: int) -> Any:
+        """The generator's k-step `renoise` run, CFG-free, recording the step j drawn for this rollout; the
+        negative prompt is encoded for the teacher's CFG on the train side."""
+        from miles.rollout.data_conversion_hub.dmd2 import dmd2_trained_step
+        from miles.rollout.engine import GenerateRequest
+
+        args = self.args
+        k = args.dmd2_generator_steps
+        return GenerateRequest(
+            prompts=[s.prompt for s in samples],
+            seeds=[s.seed for s in samples],
+            num_steps=k,
+            guidance_scale=1.0,
+            negative_prompt=args.negative_prompt,
+            sde_type="renoise",
+            noise_level=0.0,
+            trained_steps=[dmd2_trained_step(k, seed=args.rollout_seed, rollout_id=rollout_id)],
+            resolution=self.resolution,
+            shift=args.dmd2_timestep_shift,
+            return_negative=True,
+        )
 
     def update_weights(self, actor_group: Any) -> float:
         """Push the actor's weights (or LoRA / EMA weights, as the actor decides) to every engine; seconds taken."""

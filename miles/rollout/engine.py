@@ -13,7 +13,7 @@ import torch
 
 from miles.diffusion.guidance import uses_cfg
 from miles.diffusion.schedule import sampling_sigmas
-from miles.diffusion.sde import SDE_KERNELS, get_sde_kernel
+from miles.diffusion.sde import SDE_KERNELS, get_sde_kernel, renoise_sigmas
 from miles.models.base import PromptEmbeds, get_train_pipeline_config
 
 logger = logging.getLogger(__name__)
@@ -31,11 +31,14 @@ class GenerateRequest:
     num_steps: int
     guidance_scale: float
     negative_prompt: str
-    sde_type: str  # "sde" | "cps" | "ode"
+    sde_type: str  # "sde" | "cps" | "ode" | "renoise" (DMD2's few-step generator, on the `renoise_sigmas` grid)
     noise_level: float
     trained_steps: list[int]  # steps sampled with the `sde_type` kernel and recorded; the others run `ode`
+    # (except under `renoise`, which runs every step)
     resolution: int | None = None
     decode: bool = True
+    shift: float | None = None  # σ-grid shift; None: the family's scheduler shift
+    return_negative: bool = False  # encode the negative prompt even without CFG (DMD2's teacher needs it)
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.seeds):
@@ -45,10 +48,11 @@ class GenerateRequest:
         if self.num_steps < 1:
             raise ValueError(f"--diffusion-num-steps must be >= 1, got {self.num_steps}")
         steps = list(self.trained_steps)
-        if steps != sorted(set(steps)) or (steps and (steps[0] < 0 or steps[-1] > self.num_steps - 2)):
+        last = self.num_steps - 1 if self.sde_type == "renoise" else self.num_steps - 2
+        if steps != sorted(set(steps)) or (steps and (steps[0] < 0 or steps[-1] > last)):
             raise ValueError(
-                f"trained_steps {steps} must be sorted, unique and in [0, {self.num_steps - 2}] "
-                "(the last step is never trained)"
+                f"trained_steps {steps} must be sorted, unique and in [0, {last}] "
+                "(the last step is never trained, except by the renoise generator)"
             )
         if steps and self.sde_type == "ode":
             raise ValueError("--diffusion-sde-type ode has no log-probs to record: pass trained_steps=[]")
@@ -62,7 +66,7 @@ class GenerateResult:
     final_latents: torch.Tensor  # (B, C, h, w) x0 after the last step
     latents: torch.Tensor  # (B, K, C, h, w) inputs of the trained steps
     next_latents: torch.Tensor  # (B, K, C, h, w) their sampled outputs
-    log_probs: torch.Tensor  # (B, K) the kernel's per-step log-prob (mean over dims)
+    log_probs: torch.Tensor  # (B, K) the kernel's per-step log-prob (mean over dims); NaN for `renoise`
     sigmas: torch.Tensor  # (num_steps + 1,) the grid used
     trained_steps: list[int]
     prompt_embeds: torch.Tensor  # (B, L, D)
@@ -70,6 +74,7 @@ class GenerateResult:
     negative_prompt_embeds: torch.Tensor | None  # (1, L, D), None without CFG
     negative_pooled_prompt_embeds: torch.Tensor | None  # (1, P)
     weights_version: int
+    denoised: torch.Tensor | None = None  # (B, K, C, h, w) x̂₀ = x − σ·v of the trained steps; `renoise` only
 
     @property
     def batch_size(self) -> int:
@@ -98,6 +103,7 @@ class GenerateResult:
             negative_prompt_embeds=first.negative_prompt_embeds,
             negative_pooled_prompt_embeds=first.negative_pooled_prompt_embeds,
             weights_version=versions[0],
+            denoised=None if first.denoised is None else torch.cat([p.denoised for p in parts]),
         )
 
 
@@ -192,28 +198,31 @@ class DiffusionEngine:
 
     @torch.no_grad()
     def generate(self, request: GenerateRequest) -> GenerateResult:
-        """Denoise the batch from σ = 1 on the family's sampling grid; see `GenerateResult` for what comes back."""
+        """Denoise the batch from σ = 1 on the family's sampling grid (`renoise`: the generator grid); see
+        `GenerateResult` for what comes back."""
         family, batch = self.family, len(request.prompts)
         shape = family.latent_shape(request.resolution)
-        sigmas = sampling_sigmas(request.num_steps, family.scheduler_shift)
+        shift = family.scheduler_shift if request.shift is None else request.shift
+        grid = renoise_sigmas if request.sde_type == "renoise" else sampling_sigmas
+        sigmas = grid(request.num_steps, shift)
         sigmas_dev = sigmas.to(self.device)
         embeds = family.encode_prompts(list(request.prompts), device=self.device)
         negative = (
             family.encode_negative(1, request.negative_prompt, device=self.device)
-            if uses_cfg(request.guidance_scale)
+            if uses_cfg(request.guidance_scale) or request.return_negative
             else None
         )
         noise = draw_sample_noise(request.seeds, request.num_steps, shape).to(self.device)
         x = noise[:, 0].contiguous()
         kernel, ode = get_sde_kernel(request.sde_type), get_sde_kernel("ode")
         trained = set(request.trained_steps)
-        recorded_in, recorded_out, log_probs = [], [], []
+        recorded_in, recorded_out, log_probs, denoised = [], [], [], []
         for i in range(request.num_steps):
             sigma, sigma_next = sigmas_dev[i].expand(batch), sigmas_dev[i + 1].expand(batch)
             velocity = family.predict_velocity(
                 self.transformer, x, sigma, embeds, guidance_scale=request.guidance_scale, negative=negative
             )
-            step = kernel if i in trained else ode
+            step = kernel if i in trained or request.sde_type == "renoise" else ode  # the generator always renoises
             result = step(
                 x,
                 velocity,
@@ -226,7 +235,9 @@ class DiffusionEngine:
             if i in trained:
                 recorded_in.append(x.float())  # kept on the device: a copy per step would sync the GPU
                 recorded_out.append(result.next_latents)
-                log_probs.append(result.log_prob)
+                log_probs.append(result.log_prob if result.log_prob is not None else torch.full_like(sigma, torch.nan))
+                if request.sde_type == "renoise":
+                    denoised.append(result.mean)  # renoise's mean is the step's x̂₀
             x = result.next_latents
         images = _to_uint8(family.decode_latents(x)) if request.decode else None
         return GenerateResult(
@@ -242,6 +253,7 @@ class DiffusionEngine:
             negative_prompt_embeds=None if negative is None else negative.prompt_embeds.float().cpu(),
             negative_pooled_prompt_embeds=None if negative is None else negative.pooled_prompt_embeds.float().cpu(),
             weights_version=self.version,
+            denoised=_stack_steps(denoised, batch, shape) if request.sde_type == "renoise" else None,
         )
 
 

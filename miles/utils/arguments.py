@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from miles.utils.eval_arguments import add_eval_arguments, validate_eval_args
 from miles.utils.rl_arguments import RL_ARGUMENT_GROUPS, validate_rl_args
 
 LOSS_TYPES = ("sft_loss", "policy_loss", "nft", "dmd2", "custom_loss")
@@ -171,6 +172,7 @@ ARGUMENT_GROUPS = (
     add_critic_arguments,
     add_rollout_arguments,
     *RL_ARGUMENT_GROUPS,
+    add_eval_arguments,
     add_checkpoint_arguments,
     add_logging_arguments,
 )
@@ -271,6 +273,7 @@ def validate_args(args: argparse.Namespace) -> None:
     if loss == "sft_loss" and args.n_samples_per_prompt != 1:
         raise ArgumentError("--loss-type sft_loss trains each dataset pair once: --n-samples-per-prompt must be 1")
     validate_rl_args(args, _raise)
+    validate_eval_args(args, _raise)
     if loss == "dmd2":
         args.critic_lr = args.lr if args.critic_lr is None else args.critic_lr
         args.critic_num_steps_per_rollout = args.critic_num_steps_per_rollout or args.num_steps_per_rollout

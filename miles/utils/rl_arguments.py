@@ -82,6 +82,30 @@ def add_nft_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_dmd2_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("dmd2 (distribution-matching distillation)")
+    group.add_argument(
+        "--dmd2-generator-steps", type=int, default=1, help="k: generator sampling steps (1-4), renoise kernel."
+    )
+    group.add_argument(
+        "--dmd2-real-guidance-scale", type=float, default=4.5, help="CFG scale of the teacher's real score."
+    )
+    group.add_argument(
+        "--dmd2-critic-updates-per-step",
+        type=int,
+        default=5,
+        help="Critic updates per generator update: critic steps = this x --num-steps-per-rollout.",
+    )
+    group.add_argument("--dmd2-t-min", type=float, default=0.02, help="Lower clamp of the critic/DMD timestep.")
+    group.add_argument("--dmd2-t-max", type=float, default=0.98, help="Upper clamp of the critic/DMD timestep.")
+    group.add_argument(
+        "--dmd2-timestep-shift",
+        type=float,
+        default=None,
+        help="Shift of the timestep draw and generator grid (default: the model's scheduler shift).",
+    )
+
+
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("LoRA")
     group.add_argument("--use-lora", action="store_true", help="Train LoRA adapters instead of full weights.")
@@ -114,6 +138,7 @@ RL_ARGUMENT_GROUPS = (
     add_reward_arguments,
     add_policy_arguments,
     add_nft_arguments,
+    add_dmd2_arguments,
     add_lora_arguments,
     add_ema_arguments,
 )
@@ -138,6 +163,8 @@ def validate_rl_args(args: argparse.Namespace, error) -> None:
             error("--diffusion-nft-timestep-fraction must be in (0, 1]")
         if args.diffusion_nft_beta <= 0:
             error("--diffusion-nft-beta must be > 0")
+    if args.loss_type == "dmd2":
+        _validate_dmd2(args, error)
     if args.rollout_num_engines < 1:
         error("--rollout-num-engines must be ≥ 1")
     if args.rm_num_workers < 0:
@@ -155,3 +182,28 @@ def validate_rl_args(args: argparse.Namespace, error) -> None:
             reward_spec_from_args(args)
     except ValueError as exc:
         error(str(exc))
+
+
+def _validate_dmd2(args: argparse.Namespace, error) -> None:
+    """dmd2's ranges; fills the critic's steps per rollout from the update ratio unless given."""
+    if not 1 <= args.dmd2_generator_steps <= 4:
+        error(f"--dmd2-generator-steps must be in 1..4, got {args.dmd2_generator_steps}")
+    if args.dmd2_critic_updates_per_step < 1:
+        error(f"--dmd2-critic-updates-per-step must be ≥ 1, got {args.dmd2_critic_updates_per_step}")
+    if not 0 <= args.dmd2_t_min < args.dmd2_t_max <= 1:
+        error(f"--dmd2-t-min / --dmd2-t-max must satisfy 0 ≤ min < max ≤ 1, got {args.dmd2_t_min}, {args.dmd2_t_max}")
+    if args.dmd2_timestep_shift is not None and args.dmd2_timestep_shift <= 0:
+        error(f"--dmd2-timestep-shift must be > 0, got {args.dmd2_timestep_shift}")
+    if args.dmd2_real_guidance_scale < 1:
+        error(f"--dmd2-real-guidance-scale must be ≥ 1 (1: no CFG), got {args.dmd2_real_guidance_scale}")
+    if args.diffusion_guidance_scale > 1:
+        error(
+            "--loss-type dmd2 samples the generator without CFG: drop --diffusion-guidance-scale "
+            "(the teacher's scale is --dmd2-real-guidance-scale)"
+        )
+    if args.critic_micro_batch_size is not None and args.critic_micro_batch_size < 1:
+        error(f"--critic-micro-batch-size must be ≥ 1, got {args.critic_micro_batch_size}")
+    if args.critic_num_steps_per_rollout is None:
+        args.critic_num_steps_per_rollout = args.dmd2_critic_updates_per_step * args.num_steps_per_rollout
+    elif args.critic_num_steps_per_rollout < 1:
+        error(f"--critic-num-steps-per-rollout must be ≥ 1, got {args.critic_num_steps_per_rollout}")

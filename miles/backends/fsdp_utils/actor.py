@@ -67,6 +67,14 @@ def role_settings(args: argparse.Namespace, role: str) -> dict[str, Any]:
     }
 
 
+def holds_teacher(args: argparse.Namespace, role: str) -> bool:
+    """Where the frozen `--teacher-load` network lives: the dmd2 critic (its train-output hook runs it), or the
+    custom_loss actor (its hooks may read `ctx.networks["teacher"]`); the built-in losses elsewhere never read it."""
+    if not args.teacher_load:
+        return False
+    return (args.loss_type, role) in (("dmd2", "critic"), ("custom_loss", "actor"))
+
+
 def merge_peer_output(shard: TrainPairs, peer_output: Any) -> TrainPairs:
     """The previous group's train output (per-pair columns) joins this rank's pairs as `peer/<name>` columns."""
     if peer_output is None:
@@ -133,7 +141,20 @@ class FSDPTrainRayActor:
             networks["ref"] = self.ema.network(self.model)
         if self.old is not None:
             networks["old"] = self.old.network(self.model)
+        if holds_teacher(self.args, self.role):
+            networks["teacher"] = self._load_frozen(self.args.teacher_load)
         return networks
+
+    def _load_frozen(self, path: str) -> torch.nn.Module:
+        """A frozen network (eval, no grad, no optimizer), sharded with FSDP2 like the trained one."""
+        network = self.family.load_transformer(path).to(self.device).eval()
+        network.requires_grad_(False)
+        return apply_fsdp2(
+            network,
+            self.family.transformer_blocks(network),
+            param_dtype=self.forward_dtype,
+            reduce_dtype=parse_dtype(self.args.fsdp_reduce_dtype),
+        )
 
     def _sharded_state(self) -> dict[str, dict[str, torch.Tensor]]:
         state = {}
@@ -345,6 +366,11 @@ class FSDPTrainRayActor:
     def full_state_dict_every_rank(self) -> dict[str, torch.Tensor]:
         """Each rank's own gather of the full weights (to check that ranks agree)."""
         return {k: v.detach().cpu() for k, v in full_state_dict(self.model, cpu_offload=False).items()}
+
+    def network_state_dict_every_rank(self, name: str) -> dict[str, torch.Tensor]:
+        """Each rank's gather of a named network's full weights (`policy`, `teacher`, ...; tests and tools)."""
+        network = self.networks[name]
+        return {k: v.detach().cpu() for k, v in full_state_dict(network, cpu_offload=False).items()}
 
     def save_hf(self, out_dir: str) -> str | None:
         """A diffusers pipeline folder with the trained transformer, or a PEFT LoRA adapter folder with LoRA."""

@@ -14,6 +14,8 @@ from miles.diffusion.sde import (
     get_sde_kernel,
     kl_to_reference,
     ode_step,
+    renoise_sigmas,
+    renoise_step,
     sde_step,
 )
 
@@ -133,7 +135,7 @@ def test_log_prob_is_a_mean_not_a_sum_over_dims():
 
 
 def test_unknown_kernel_lists_valid_names():
-    with pytest.raises(ValueError, match="cps, ode, sde"):
+    with pytest.raises(ValueError, match="cps, ode, renoise, sde"):
         get_sde_kernel("ddim")
 
 
@@ -142,3 +144,22 @@ def test_kl_is_zero_for_equal_means_and_matches_formula():
     torch.testing.assert_close(kl_to_reference(mean, mean.clone(), std), torch.zeros(3))
     ref = mean + 0.1
     torch.testing.assert_close(kl_to_reference(mean, ref, std), 0.01 / (2 * std**2))
+
+
+def test_renoise_step_renoises_the_x0_prediction_and_ends_clean():
+    x, v, eps = torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4)
+    sigma = torch.tensor([1.0, 0.75])
+    out = renoise_step(x, v, sigma, 0.5, noise=eps)
+    x0_hat = x - sigma[:, None] * v
+    torch.testing.assert_close(out.mean, x0_hat)
+    torch.testing.assert_close(out.next_latents, 0.5 * x0_hat + 0.5 * eps)
+    assert out.log_prob is None
+    last = renoise_step(x, v, sigma, 0.0, noise=eps)
+    torch.testing.assert_close(last.next_latents, x0_hat)
+
+
+def test_renoise_grid_is_uniform_in_u_then_shifted():
+    torch.testing.assert_close(renoise_sigmas(4, shift=1.0), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
+    torch.testing.assert_close(renoise_sigmas(1, shift=3.0), torch.tensor([1.0, 0.0]))
+    grid = renoise_sigmas(2, shift=3.0)
+    assert grid[1].item() == pytest.approx(3 * 0.5 / (1 + 2 * 0.5))

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from miles.backends.fsdp_utils.loss_hub import flow_grpo, nft, sft
+from miles.backends.fsdp_utils.loss_hub import dmd2, flow_grpo, nft, sft
 from miles.utils.misc import load_function
 
 PrepareFn = Callable[..., Any]  # (ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len=None) -> PreparedBatch
@@ -40,6 +40,13 @@ LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
     ("sft_loss", "actor"): LossHooks(prepare=sft.prepare_sft_batch, formula=sft.sft_formula),
     ("policy_loss", "actor"): LossHooks(prepare=flow_grpo.prepare_policy_batch, formula=flow_grpo.policy_formula),
     ("nft", "actor"): LossHooks(prepare=nft.prepare_nft_batch, formula=nft.nft_formula),
+    ("dmd2", "critic"): LossHooks(
+        prepare=dmd2.prepare_critic_batch,
+        formula=dmd2.critic_formula,
+        train_input=dmd2.tile_critic_pairs,
+        train_output=dmd2.critic_train_output,
+    ),
+    ("dmd2", "actor"): LossHooks(prepare=dmd2.prepare_generator_batch, formula=dmd2.generator_formula),
 }
 
 # What each hook must accept (by name, or through **kwargs): the trunk passes all of these.

@@ -1,0 +1,194 @@
+"""dmd2: the critic (fake score) hooks, whose train output is the per-pair DMD target x − g from the teacher, and
+the generator (actor) hooks that regress x̂₀ onto it (ALGORITHMS.md, dmd2; ARCHITECTURE §4-§6)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from miles.backends.fsdp_utils.loss_hub.sft import microbatch_generator
+from miles.backends.fsdp_utils.loss_hub.types import (
+    DiffusionLossContext,
+    PreparedBatch,
+    WindowMetrics,
+    prompt_embeds_from_pairs,
+)
+from miles.diffusion.dmd import critic_loss, dmd_gradient, generator_loss, sample_dmd_timesteps, x0_from_velocity
+from miles.diffusion.schedule import add_noise
+from miles.utils.types import TrainPairs, num_pairs
+
+TEACHER_NETWORK = "teacher"
+ROW = "critic_row"  # the critic's tiled pairs remember their row in the rank's shard
+TARGET = "dmd_target"  # the critic's train-output column; the actor reads it as `peer/dmd_target`
+_CRITIC_SALT = 0x444D43
+
+
+def critic_windows(args: argparse.Namespace) -> int:
+    return int(args.critic_num_steps_per_rollout)
+
+
+def timestep_shift(ctx: DiffusionLossContext) -> float:
+    shift = ctx.args.dmd2_timestep_shift
+    return float(ctx.family.scheduler_shift if shift is None else shift)
+
+
+# ---- critic -------------------------------------------------------------------------------------------------------
+def tile_critic_pairs(ctx: DiffusionLossContext, train_pairs: TrainPairs) -> TrainPairs:
+    """Every critic window runs over all of the rank's pairs: the pairs tiled once per window, so the last
+    (scoring) window covers each pair exactly once, with a `critic_row` column naming its row in the shard."""
+    windows = critic_windows(ctx.args)
+    rows = torch.arange(num_pairs(train_pairs))
+    tiled = {key: torch.cat([value] * windows) for key, value in train_pairs.items()}
+    tiled[ROW] = torch.cat([rows] * windows)
+    return tiled
+
+
+def prepare_critic_batch(
+    ctx: DiffusionLossContext,
+    batch: TrainPairs,
+    *,
+    microbatch_id: int,
+    optim_step_idx: int,
+    pad_to_len: int | None = None,
+) -> PreparedBatch:
+    """x_t = (1 − t)·x + t·ε on the detached generator sample x, t shifted and clamped, both seeded by ids; no CFG."""
+    args = ctx.args
+    x = batch["x"].float()
+    generator = microbatch_generator(ctx, microbatch_id, salt=_CRITIC_SALT)
+    t = sample_dmd_timesteps(
+        x.shape[0], shift=timestep_shift(ctx), t_min=args.dmd2_t_min, t_max=args.dmd2_t_max, generator=generator
+    )
+    noise = torch.randn(x.shape, generator=generator, dtype=torch.float32)
+    x, noise, t = x.to(ctx.device), noise.to(ctx.device), t.to(ctx.device)
+    return PreparedBatch(
+        latents=add_noise(x, noise, t),
+        sigmas=t,
+        embeds=prompt_embeds_from_pairs(batch, ctx.device),
+        extras={"x": x, "noise": noise},
+    )
+
+
+def critic_formula(
+    ctx: DiffusionLossContext,
+    batch: TrainPairs,
+    prepared: PreparedBatch,
+    *,
+    new_pred: torch.Tensor,
+    ref_pred: torch.Tensor | None,
+    metrics: WindowMetrics,
+    optim_step_idx: int,
+    train_output_inputs: list,
+    write_old_log_prob: bool = False,
+    old_log_prob_from_new: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """Sum of the critic's flow-matching losses; in the scoring (last) window it also appends its scoring inputs
+    (x_t, t, x, x̂_fake, embeddings, rows) for the train-output hook."""
+    if write_old_log_prob:
+        raise ValueError("--loss-type dmd2 has no old log-probs to recompute: drop --diffusion-recompute-old-log-prob")
+    x, noise = prepared.extras["x"], prepared.extras["noise"]
+    loss = critic_loss(new_pred, noise, x)
+    metrics.add("train/critic_loss", loss)
+    metrics.add("train/loss", loss)
+    metrics.add("train/t_mean", prepared.sigmas)
+    if optim_step_idx == critic_windows(ctx.args) - 1:
+        train_output_inputs.append(
+            {
+                "rows": batch[ROW].clone(),
+                "x_t": prepared.latents.detach(),
+                "t": prepared.sigmas.detach(),
+                "x": x.detach(),
+                "x_hat_fake": x0_from_velocity(prepared.latents, new_pred.detach(), prepared.sigmas),
+                "embeds": prepared.embeds,
+                "negative": prompt_embeds_from_pairs(batch, ctx.device, prefix="negative_"),
+            }
+        )
+    return loss.sum()
+
+
+@torch.no_grad()
+def critic_train_output(ctx: DiffusionLossContext, train_pairs: TrainPairs, train_output_inputs: list) -> Any:
+    """The teacher's x̂_real with CFG on the scoring inputs, g = dmd_gradient(x, x̂_fake, x̂_real), and per pair of
+    the rank's shard `{"dmd_target": x − g}` (float32, CPU), for the paired actor rank."""
+    if TEACHER_NETWORK not in ctx.networks:
+        raise KeyError(
+            f"the dmd2 critic needs a {TEACHER_NETWORK!r} network; this {ctx.role} has {sorted(ctx.networks)}"
+        )
+    teacher, scale = ctx.networks[TEACHER_NETWORK], float(ctx.args.dmd2_real_guidance_scale)
+    total = num_pairs(train_pairs) // critic_windows(ctx.args)
+    target: torch.Tensor | None = None
+    covered = torch.zeros(total, dtype=torch.long)
+    for entry in train_output_inputs:
+        x_t, t, x = entry["x_t"], entry["t"], entry["x"]
+        v_real = ctx.family.predict_velocity(
+            teacher, x_t, t, entry["embeds"], guidance_scale=scale, negative=entry["negative"] if scale > 1 else None
+        )
+        g = dmd_gradient(x, entry["x_hat_fake"], x0_from_velocity(x_t, v_real, t))
+        if target is None:
+            target = torch.empty(total, *x.shape[1:], dtype=torch.float32)
+        rows = entry["rows"].cpu()
+        target[rows] = (x.float() - g).cpu()
+        covered[rows] += 1
+    if target is None or not bool((covered == 1).all()):
+        raise RuntimeError(
+            f"the dmd2 critic's scoring window must cover each of the rank's {total} pairs once; coverage "
+            f"{covered.tolist()} (was the train-input hook replaced?)"
+        )
+    return {TARGET: target}
+
+
+# ---- generator (actor) --------------------------------------------------------------------------------------------
+def prepare_generator_batch(
+    ctx: DiffusionLossContext,
+    batch: TrainPairs,
+    *,
+    microbatch_id: int,
+    optim_step_idx: int,
+    pad_to_len: int | None = None,
+) -> PreparedBatch:
+    """The generator's recorded input x_t at σ_j with its prompt; CFG-free, as the engine sampled it."""
+    return PreparedBatch(
+        latents=batch["latents"].to(ctx.device),
+        sigmas=batch["sigma"].to(ctx.device),
+        embeds=prompt_embeds_from_pairs(batch, ctx.device),
+    )
+
+
+def generator_formula(
+    ctx: DiffusionLossContext,
+    batch: TrainPairs,
+    prepared: PreparedBatch,
+    *,
+    new_pred: torch.Tensor,
+    ref_pred: torch.Tensor | None,
+    metrics: WindowMetrics,
+    optim_step_idx: int,
+    train_output_inputs: list,
+    write_old_log_prob: bool = False,
+    old_log_prob_from_new: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """Sum over pairs of 0.5·mean((x_θ − (x − g))²), x_θ = x_t − σ_j·v_θ: its gradient at x_θ = x is g/numel."""
+    if write_old_log_prob:
+        raise ValueError("--loss-type dmd2 has no old log-probs to recompute: drop --diffusion-recompute-old-log-prob")
+    key = "peer/" + TARGET
+    if key not in batch:
+        raise KeyError(
+            f"the dmd2 generator needs {key!r} from the critic group's train output; pairs have {sorted(batch)}"
+        )
+    x_theta = x0_from_velocity(prepared.latents, new_pred, prepared.sigmas)
+    target = batch[key].to(x_theta.device).float()
+    loss = generator_loss(x_theta, target, reduction="none")
+    with torch.no_grad():
+        x = batch["x"].to(x_theta.device).float()
+        g = (x - target).flatten(1)
+        metrics.add("train/dmd_loss", loss)
+        metrics.add("train/dmd_grad_norm_mean", g.norm(dim=1))
+        metrics.add("train/dmd_grad_abs_mean", g.abs().mean(dim=1))
+        metrics.add("train/sigma_mean", prepared.sigmas)
+        if optim_step_idx == 0:  # before this call's first update x_θ must reproduce the engine's x̂₀
+            metrics.add("train/generator_x0_abs_diff", (x_theta.detach() - x).flatten(1).abs().mean(dim=1))
+    metrics.add("train/loss", loss)
+    return loss.sum()

@@ -1,0 +1,51 @@
+"""Held-out evaluation during training: deterministic ODE samples of the eval prompts on the rollout engines."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from typing import Any
+
+from miles.data.shapes import BUILTIN_SHAPES, ShapeScene, shapes_prompts
+from miles.rollout.data_source import read_jsonl_records
+from miles.rollout.evaluation import evaluate_shapes
+from miles.rollout.image_grid import save_image_grid
+
+logger = logging.getLogger(__name__)
+
+
+def load_eval_records(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """builtin:shapes -> its eval split (disjoint seeds from training); a JSONL must carry shapes metadata."""
+    if args.eval_prompt_data == BUILTIN_SHAPES:
+        return shapes_prompts(args.eval_num_prompts, seed=args.eval_seed, split="eval")
+    records = read_jsonl_records(args.eval_prompt_data, input_key=args.input_key, metadata_key=args.metadata_key)
+    for line, record in enumerate(records, start=1):
+        try:
+            ShapeScene.from_metadata(record["metadata"])
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"--eval-prompt-data {args.eval_prompt_data} record {line}: {exc}") from exc
+    return records
+
+
+class Evaluator:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.records = load_eval_records(args)
+
+    def evaluate(self, engine: Any, rollout_id: int) -> dict[str, float]:
+        args, started = self.args, time.perf_counter()
+        metrics, images = evaluate_shapes(
+            engine,
+            self.records,
+            num_samples_per_prompt=args.n_samples_per_eval_prompt,
+            num_steps=args.diffusion_eval_num_steps,
+            guidance_scale=args.diffusion_guidance_scale,
+            seed=args.eval_seed,
+            resolution=args.resolution,
+            negative_prompt=args.negative_prompt,
+        )
+        save_image_grid(images, os.path.join(args.output_dir, "images", f"eval_{rollout_id:07d}.png"), max_images=64)
+        metrics["perf/eval_s"] = time.perf_counter() - started
+        return metrics

@@ -1,0 +1,48 @@
+"""Flags of held-out evaluation: which prompts, how often, how they are sampled."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("evaluation")
+    group.add_argument(
+        "--eval-interval",
+        type=int,
+        default=None,
+        help="Evaluate every N rollouts (and before training, and at the end).",
+    )
+    group.add_argument(
+        "--eval-prompt-data",
+        default="builtin:shapes",
+        help="Held-out shapes prompts: builtin:shapes (its eval split) or a JSONL with shapes metadata.",
+    )
+    group.add_argument(
+        "--eval-num-prompts", type=int, default=100, help="Prompts taken from builtin:shapes' eval split."
+    )
+    group.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="Samples per eval prompt.")
+    group.add_argument(
+        "--diffusion-eval-num-steps",
+        type=int,
+        default=None,
+        help="ODE steps of eval sampling (default: --diffusion-num-steps).",
+    )
+    group.add_argument("--eval-seed", type=int, default=0, help="Seeds the eval noise: the same images every time.")
+    group.add_argument("--eval-only", action="store_true", help="Evaluate the model (or --load checkpoint) and exit.")
+
+
+def validate_eval_args(args: argparse.Namespace, error) -> None:
+    if args.eval_interval is not None and args.eval_interval < 1:
+        error("--eval-interval must be ≥ 1")
+    if args.eval_only and args.train_only:
+        error("--eval-only samples with the rollout engine; it cannot be combined with --train-only")
+    for dest in ("eval_num_prompts", "n_samples_per_eval_prompt"):
+        if getattr(args, dest) < 1:
+            error(f"--{dest.replace('_', '-')} must be ≥ 1")
+    if args.diffusion_eval_num_steps is None:
+        args.diffusion_eval_num_steps = args.diffusion_num_steps
+
+
+def eval_enabled(args: argparse.Namespace) -> bool:
+    return args.eval_only or args.eval_interval is not None

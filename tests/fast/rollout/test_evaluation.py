@@ -1,0 +1,138 @@
+"""Held-out shapes evaluation: identical repeated evals, metrics against an independent scoring of the returned
+images, and the aggregation against dataset images (true scenes score ~100%, a wrong color scores 0 on color)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from miles.data.shapes import ShapeScene, render_scene, shapes_items, shapes_prompts
+from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
+from miles.rollout.evaluation import eval_seed, evaluate_shapes
+from miles.rollout.rm_hub.shapes import score_shapes_image
+
+ATTRIBUTES = ("color", "shape", "count", "position")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pipeline_dir):
+    return DiffusionEngine(tiny_pipeline_dir)
+
+
+class FakeEngine:
+    """Answers each request with the next images of a fixed stack, and records the requests."""
+
+    def __init__(self, images: np.ndarray) -> None:
+        self.images, self.used, self.requests = images, 0, []
+
+    def generate(self, request: GenerateRequest) -> GenerateResult:
+        self.requests.append(request)
+        batch = len(request.prompts)
+        images = self.images[self.used : self.used + batch]
+        self.used += batch
+        empty = torch.zeros(batch, 0, 4, 8, 8)
+        return GenerateResult(
+            images=images,
+            final_latents=torch.zeros(batch, 4, 8, 8),
+            latents=empty,
+            next_latents=empty,
+            log_probs=torch.zeros(batch, 0),
+            sigmas=torch.linspace(1, 0, request.num_steps + 1),
+            trained_steps=[],
+            prompt_embeds=torch.zeros(batch, 1, 1),
+            pooled_prompt_embeds=torch.zeros(batch, 1),
+            negative_prompt_embeds=None,
+            negative_pooled_prompt_embeds=None,
+            weights_version=0,
+        )
+
+
+def test_repeated_evals_are_identical_and_batching_does_not_matter(engine):
+    records = shapes_prompts(5, seed=3, split="eval")
+    kwargs = dict(num_samples_per_prompt=2, num_steps=3, guidance_scale=3.0, seed=11)
+    metrics_a, images_a = evaluate_shapes(engine, records, batch_size=4, **kwargs)
+    metrics_b, images_b = evaluate_shapes(engine, records, batch_size=4, **kwargs)
+    assert images_a.shape == (10, 32, 32, 3) and images_a.dtype == np.uint8
+    assert np.array_equal(images_a, images_b) and metrics_a == metrics_b
+    _, images_one_batch = evaluate_shapes(engine, records, batch_size=64, **kwargs)
+    assert np.abs(images_a.astype(int) - images_one_batch.astype(int)).max() <= 1
+    _, other_seed = evaluate_shapes(engine, records, batch_size=4, **{**kwargs, "seed": 12})
+    assert not np.array_equal(images_a, other_seed)
+
+
+def test_metrics_match_an_independent_scoring_of_the_images(engine):
+    records = shapes_prompts(6, seed=0, split="eval")
+    metrics, images = evaluate_shapes(engine, records, num_samples_per_prompt=2, num_steps=2, guidance_scale=1.0)
+    scores = [score_shapes_image(image, records[i // 2]["metadata"]) for i, image in enumerate(images)]
+    assert metrics["eval/shapes_accuracy"] == pytest.approx(sum(s.all_correct for s in scores) / 12)
+    assert metrics["eval/shapes_reward_mean"] == pytest.approx(sum(s.reward for s in scores) / 12)
+    expected = {
+        "color": [s.color > 0.5 for s in scores],
+        "shape": [s.shape >= 0.5 for s in scores],
+        "count": [s.count == 1.0 for s in scores],
+        "position": [s.position >= 0.5 for s in scores],
+    }
+    for name, flags in expected.items():
+        assert metrics[f"eval/shapes_{name}_accuracy"] == pytest.approx(sum(flags) / 12)
+
+
+def test_requests_are_deterministic_ode_with_per_prompt_seeds():
+    records = shapes_prompts(5, seed=0, split="eval")
+    fake = FakeEngine(np.full((15, 32, 32, 3), 255, dtype=np.uint8))
+    evaluate_shapes(fake, records, num_samples_per_prompt=3, num_steps=7, guidance_scale=4.5, seed=5, batch_size=4)
+    assert [len(r.prompts) for r in fake.requests] == [4, 4, 4, 3]
+    assert all(r.sde_type == "ode" and r.trained_steps == [] and r.noise_level == 0.0 for r in fake.requests)
+    assert all(r.num_steps == 7 and r.guidance_scale == 4.5 for r in fake.requests)
+    prompts = [p for r in fake.requests for p in r.prompts]
+    seeds = [s for r in fake.requests for s in r.seeds]
+    assert prompts == [r["prompt"] for r in records for _ in range(3)]
+    assert seeds == [eval_seed(5, i, k) for i in range(5) for k in range(3)]
+    assert len(set(seeds)) == 15
+
+
+def test_true_dataset_images_score_about_all_correct():
+    items = shapes_items(60, seed=0, split="eval")
+    images = np.stack([np.asarray(item["image"]) for item in items])
+    records = [{"prompt": item["prompt"], "metadata": item["metadata"]} for item in items]
+    metrics, returned = evaluate_shapes(FakeEngine(images), records, num_steps=4, guidance_scale=1.0, batch_size=16)
+    assert np.array_equal(returned, images)
+    assert metrics["eval/shapes_accuracy"] >= 0.95
+    for name in ATTRIBUTES:
+        assert metrics[f"eval/shapes_{name}_accuracy"] >= 0.95, name
+
+
+def test_a_wrong_color_fails_color_and_all_correct_only():
+    items = shapes_items(20, seed=1, split="eval")
+    records = [{"prompt": item["prompt"], "metadata": item["metadata"]} for item in items]
+    rng = np.random.default_rng(0)
+    recolored = []
+    for item in items:
+        scene = ShapeScene.from_metadata(item["metadata"])
+        other = "green" if scene.color != "green" else "red"
+        recolored.append(np.asarray(render_scene(dataclasses.replace(scene, color=other), rng)))
+    metrics, _ = evaluate_shapes(FakeEngine(np.stack(recolored)), records, num_steps=4, guidance_scale=1.0)
+    assert metrics["eval/shapes_accuracy"] == 0.0 and metrics["eval/shapes_color_accuracy"] == 0.0
+    for name in ("shape", "count", "position"):
+        assert metrics[f"eval/shapes_{name}_accuracy"] >= 0.9, name
+
+
+def test_blank_images_score_zero():
+    records = shapes_prompts(4, seed=0, split="eval")
+    metrics, _ = evaluate_shapes(
+        FakeEngine(np.full((4, 32, 32, 3), 255, dtype=np.uint8)), records, num_steps=4, guidance_scale=1.0
+    )
+    assert all(value == 0.0 for value in metrics.values())
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="at least one record"):
+        evaluate_shapes(FakeEngine(np.zeros((0, 32, 32, 3), np.uint8)), [], num_steps=4, guidance_scale=1.0)
+    with pytest.raises(ValueError, match="num_samples_per_prompt"):
+        evaluate_shapes(
+            FakeEngine(np.zeros((1, 32, 32, 3), np.uint8)),
+            shapes_prompts(1, seed=0),
+            num_samples_per_prompt=0,
+            num_steps=4,
+            guidance_scale=1.0,
+        )
