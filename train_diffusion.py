@@ -45,6 +45,7 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     from tqdm import tqdm
 
     from miles.backends.fsdp_utils.checkpoint import write_latest
+    from miles.models.builtin import resolve_checkpoint
     from miles.ray.evaluator import Evaluator
     from miles.ray.rollout_manager import RolloutManager
     from miles.ray.train_group import RayTrainGroup
@@ -52,6 +53,8 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     from miles.utils.tracking import MetricsWriter
 
     started = time.perf_counter()
+    for dest in ("hf_checkpoint", "teacher_load", "critic_checkpoint"):  # builtin:NAME -> the packaged folder
+        setattr(args, dest, resolve_checkpoint(getattr(args, dest, None)))
     writer = MetricsWriter(args.output_dir)
     own_ray = not ray.is_initialized()
     if own_ray:
@@ -143,12 +146,10 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from miles.models.builtin import resolve_checkpoint
     from miles.utils.arguments import parse_args
 
     args = parse_args(argv)
     setup_logging(args)
-    args.hf_checkpoint = resolve_checkpoint(args.hf_checkpoint)
     run(args)
     return 0
 

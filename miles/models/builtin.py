@@ -1,4 +1,4 @@
-"""Named built-in checkpoints (`--hf-checkpoint builtin:tiny-sd3`), materialised once in a local cache."""
+"""Named built-in checkpoints: `builtin:tiny-shapes` (shipped, pretrained) and `builtin:tiny-sd3` (random, cached)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ import os
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_TINY = "builtin:tiny-sd3"
+BUILTIN_TINY = "builtin:tiny-sd3"  # random weights, built on first use (tests, plumbing)
+BUILTIN_SHAPES_MODEL = "builtin:tiny-shapes"  # pretrained on the shapes world, shipped in the package (§9)
+SHIPPED_SHAPES_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny_shapes_sd3"
+)
 
 
 def cache_dir() -> str:
@@ -17,6 +21,13 @@ def cache_dir() -> str:
 
 def resolve_checkpoint(path: str | None) -> str | None:
     """Map a builtin name to a pipeline folder, building it under a file lock the first time; other paths pass."""
+    if path == BUILTIN_SHAPES_MODEL:
+        if not os.path.isfile(os.path.join(SHIPPED_SHAPES_DIR, "model_index.json")):
+            raise FileNotFoundError(
+                f"--hf-checkpoint {BUILTIN_SHAPES_MODEL}: the shipped folder {SHIPPED_SHAPES_DIR} is missing; "
+                "reinstall miles or rebuild it with scripts/pretrain_tiny_shapes.py"
+            )
+        return SHIPPED_SHAPES_DIR
     if path != BUILTIN_TINY:
         return path
     from miles.models.tiny import save_tiny_sd3_pipeline
