@@ -28,14 +28,14 @@ def select_trained_steps(args: Any, rollout_id: int) -> list[int]:
     path = getattr(args, "diffusion_step_strategy_path", None)
     num_sde_steps = getattr(args, "diffusion_num_sde_steps", None)
     window_range = getattr(args, "diffusion_sde_window_range", None)
-    if path:
-        if num_sde_steps is not None or window_range is not None:
+    if path:  # the user's strategy replaces the window (whose K has a default)
+        if window_range is not None:
             raise ValueError(
                 "--diffusion-step-strategy-path replaces the built-in strategies; do not combine it with "
-                "--diffusion-num-sde-steps or --diffusion-sde-window-range"
+                "--diffusion-sde-window-range"
             )
         return custom_steps(args, rollout_id, num_steps, path)
-    if num_sde_steps is None:
+    if not num_sde_steps:
         if window_range is not None:
             raise ValueError(
                 "--diffusion-sde-window-range needs --diffusion-num-sde-steps (the window length K to place in it)"

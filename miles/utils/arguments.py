@@ -42,7 +42,7 @@ def flag(dest: str) -> str:
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cluster")
     group.add_argument("--ray-address", default=None, help="Ray cluster address; default starts a local one.")
-    group.add_argument("--dp-size", type=int, default=1, help="Data-parallel ranks (Ray actors) per trained role.")
+    group.add_argument("--dp-size", type=int, default=2, help="Data-parallel ranks (Ray actors) per trained role.")
     group.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available, else cpu."
     )
@@ -54,7 +54,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument(
-        "--hf-checkpoint", default=None, help="Local diffusers pipeline folder (never downloaded). Required for now."
+        "--hf-checkpoint",
+        default="builtin:tiny-shapes",
+        help="Local diffusers pipeline folder (never downloaded); builtin:tiny-shapes is the shipped shapes model.",
     )
     group.add_argument("--model-family", default="auto", help="Model family (auto: from model_index.json).")
     group.add_argument(
@@ -71,7 +73,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("train")
-    group.add_argument("--loss-type", choices=LOSS_TYPES, default="sft_loss", help="The algorithm (ARCHITECTURE §1).")
+    group.add_argument(
+        "--loss-type", choices=LOSS_TYPES, default="policy_loss", help="The algorithm (ARCHITECTURE §1)."
+    )
     group.add_argument("--lr", type=float, default=1e-4, help="Peak learning rate (AdamW).")
     group.add_argument(
         "--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant", help="After warm-up."
@@ -86,12 +90,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)
     group.add_argument("--clip-grad", type=float, default=1.0, help="Max gradient norm; 0 disables clipping.")
-    group.add_argument("--micro-batch-size", type=int, default=1, help="Train pairs per forward/backward.")
+    group.add_argument("--micro-batch-size", type=int, default=32, help="Train pairs per forward/backward.")
     group.add_argument(
         "--global-batch-size", type=int, default=None, help="Samples per optimizer step over all ranks (§7)."
     )
     group.add_argument("--num-steps-per-rollout", type=int, default=1, help="Optimizer steps per rollout.")
-    group.add_argument("--num-rollout", type=int, default=10, help="Rollouts (outer iterations) to run.")
+    group.add_argument("--num-rollout", type=int, default=40, help="Rollouts (outer iterations) to run.")
     group.add_argument("--train-only", action="store_true", help="No rollout engine: train on dataset pairs (SFT).")
     group.add_argument(
         "--diffusion-recompute-old-log-prob",
@@ -134,17 +138,19 @@ def add_critic_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("rollout and data")
-    group.add_argument("--prompt-data", default=None, help="JSONL of prompts (and images for SFT), or builtin:shapes.")
+    group.add_argument(
+        "--prompt-data", default="builtin:shapes", help="JSONL of prompts (and images for SFT), or builtin:shapes."
+    )
     group.add_argument("--input-key", default="prompt", help="JSONL key of the prompt.")
     group.add_argument("--image-key", default="image", help="JSONL key of the image path (SFT), relative to the file.")
     group.add_argument("--metadata-key", default="metadata", help="JSONL key of per-prompt metadata.")
     group.add_argument("--builtin-dataset-size", type=int, default=2048, help="Items of builtin:shapes.")
     group.add_argument("--rollout-batch-size", type=int, default=8, help="Prompts per rollout.")
-    group.add_argument("--n-samples-per-prompt", type=int, default=1, help="Samples per prompt (a GRPO group).")
+    group.add_argument("--n-samples-per-prompt", type=int, default=8, help="Samples per prompt (a GRPO group).")
     group.add_argument("--rollout-seed", type=int, default=42, help="Seeds data order and per-sample noise.")
     group.add_argument("--no-rollout-shuffle", action="store_true", help="Keep the file order every epoch.")
     group.add_argument("--diffusion-num-steps", type=int, default=10, help="Sampling steps.")
-    group.add_argument("--diffusion-guidance-scale", type=float, default=1.0, help="CFG scale; ≤ 1 disables CFG.")
+    group.add_argument("--diffusion-guidance-scale", type=float, default=4.5, help="CFG scale; ≤ 1 disables CFG.")
     group.add_argument("--negative-prompt", default="", help="Negative prompt of the CFG branch.")
 
 
@@ -250,6 +256,8 @@ def validate_args(args: argparse.Namespace) -> None:
     given_critic = [flag(d) for d in CRITIC_FLAGS if getattr(args, d) is not None]
     if given_critic and loss != "dmd2":
         raise ArgumentError(f"{', '.join(given_critic)} only apply to --loss-type dmd2 (the only loss with a critic)")
+    if loss == "sft_loss":  # SFT trains each dataset pair once: there are no sample groups
+        args.n_samples_per_prompt = 1
     _validate_positive(args)
     if not args.hf_checkpoint:
         raise ArgumentError("--hf-checkpoint DIR is required (a local diffusers pipeline folder)")
@@ -270,8 +278,6 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--save-interval needs --save DIR")
     if args.load and not os.path.isdir(args.load) and args.load != args.save:
         raise ArgumentError(f"--load {args.load}: directory not found (pass --load equal to --save to auto-resume)")
-    if loss == "sft_loss" and args.n_samples_per_prompt != 1:
-        raise ArgumentError("--loss-type sft_loss trains each dataset pair once: --n-samples-per-prompt must be 1")
     validate_rl_args(args, _raise)
     validate_eval_args(args, _raise)
     if loss == "dmd2":

@@ -11,7 +11,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--eval-interval",
         type=int,
         default=None,
-        help="Evaluate every N rollouts (and before training, and at the end).",
+        help="Evaluate every N rollouts, before training and at the end "
+        "(default: 10 for policy_loss / nft on builtin:shapes, otherwise off; 0: off).",
     )
     group.add_argument(
         "--eval-prompt-data",
@@ -25,23 +26,26 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--diffusion-eval-num-steps",
         type=int,
-        default=None,
-        help="ODE steps of eval sampling (default: --diffusion-num-steps).",
+        default=20,
+        help="ODE steps of eval sampling.",
     )
     group.add_argument("--eval-seed", type=int, default=0, help="Seeds the eval noise: the same images every time.")
     group.add_argument("--eval-only", action="store_true", help="Evaluate the model (or --load checkpoint) and exit.")
 
 
 def validate_eval_args(args: argparse.Namespace, error) -> None:
-    if args.eval_interval is not None and args.eval_interval < 1:
-        error("--eval-interval must be ≥ 1")
+    if args.eval_interval is not None and args.eval_interval < 0:
+        error("--eval-interval must be ≥ 0 (0: no evaluation)")
     if args.eval_only and args.train_only:
         error("--eval-only samples with the rollout engine; it cannot be combined with --train-only")
     for dest in ("eval_num_prompts", "n_samples_per_eval_prompt"):
         if getattr(args, dest) < 1:
             error(f"--{dest.replace('_', '-')} must be ≥ 1")
-    if args.diffusion_eval_num_steps is None:
-        args.diffusion_eval_num_steps = args.diffusion_num_steps
+    shapes_rl = args.loss_type in ("policy_loss", "nft") and args.prompt_data == "builtin:shapes"
+    if args.eval_interval is None and shapes_rl and not args.debug_rollout_only:
+        args.eval_interval = 10
+    if args.eval_interval == 0:
+        args.eval_interval = None
 
 
 def eval_enabled(args: argparse.Namespace) -> bool:

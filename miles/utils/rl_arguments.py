@@ -13,7 +13,10 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--diffusion-sde-type", choices=("sde", "cps", "ode"), default="sde", help="Step kernel.")
     group.add_argument("--diffusion-noise-level", type=float, default=0.7, help="SDE noise level a.")
     group.add_argument(
-        "--diffusion-num-sde-steps", type=int, default=None, help="Trained steps as one contiguous window of K."
+        "--diffusion-num-sde-steps",
+        type=int,
+        default=3,
+        help="Trained steps: one contiguous window of K (0: all but the last); ignored with a strategy path.",
     )
     group.add_argument(
         "--diffusion-sde-window-range", default=None, help="a,b: the window starts in [a, b-K] (default 0,N-1)."
@@ -196,11 +199,7 @@ def _validate_dmd2(args: argparse.Namespace, error) -> None:
         error(f"--dmd2-timestep-shift must be > 0, got {args.dmd2_timestep_shift}")
     if args.dmd2_real_guidance_scale < 1:
         error(f"--dmd2-real-guidance-scale must be ≥ 1 (1: no CFG), got {args.dmd2_real_guidance_scale}")
-    if args.diffusion_guidance_scale > 1:
-        error(
-            "--loss-type dmd2 samples the generator without CFG: drop --diffusion-guidance-scale "
-            "(the teacher's scale is --dmd2-real-guidance-scale)"
-        )
+    args.diffusion_guidance_scale = 1.0  # the generator samples CFG-free; the teacher's is --dmd2-real-guidance-scale
     if args.critic_micro_batch_size is not None and args.critic_micro_batch_size < 1:
         error(f"--critic-micro-batch-size must be ≥ 1, got {args.critic_micro_batch_size}")
     if args.critic_num_steps_per_rollout is None:

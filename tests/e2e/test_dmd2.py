@@ -34,6 +34,8 @@ def dmd2_args(pipeline_dir, out):
             "2",
             "--rollout-batch-size",
             "4",
+            "--n-samples-per-prompt",
+            "1",
             "--num-steps-per-rollout",
             str(ACTOR_STEPS),
             "--micro-batch-size",

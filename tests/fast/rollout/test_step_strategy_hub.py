@@ -68,7 +68,7 @@ def test_window_covering_the_whole_range_is_all_but_last():
     "overrides, flag",
     [
         (dict(diffusion_num_sde_steps=10), "--diffusion-num-sde-steps 10"),
-        (dict(diffusion_num_sde_steps=0), "--diffusion-num-sde-steps 0"),
+        (dict(diffusion_num_sde_steps=-1), "--diffusion-num-sde-steps -1"),
         (dict(diffusion_num_sde_steps=3, diffusion_sde_window_range="2,4"), "does not fit"),
         (dict(diffusion_num_sde_steps=2, diffusion_sde_window_range="0,10"), "--diffusion-sde-window-range 0,10"),
         (dict(diffusion_num_sde_steps=2, diffusion_sde_window_range="5,3"), "--diffusion-sde-window-range 5,3"),
@@ -122,10 +122,24 @@ def test_custom_strategy_output_is_validated(returned, message):
             select_trained_steps(make_args(diffusion_step_strategy_path=name), 0)
 
 
-def test_custom_strategy_cannot_be_combined_with_a_window():
+def test_custom_strategy_cannot_be_combined_with_a_window_range():
     with function_registry.temporary("test.any", lambda *a: [0]) as name:
-        with pytest.raises(ValueError, match="--diffusion-step-strategy-path.*--diffusion-num-sde-steps"):
-            select_trained_steps(make_args(diffusion_step_strategy_path=name, diffusion_num_sde_steps=2), 0)
+        with pytest.raises(ValueError, match="--diffusion-step-strategy-path.*--diffusion-sde-window-range"):
+            args = make_args(
+                diffusion_step_strategy_path=name, diffusion_num_sde_steps=2, diffusion_sde_window_range="0,3"
+            )
+            select_trained_steps(args, 0)
+
+
+def test_custom_strategy_replaces_the_default_window():
+    with function_registry.temporary("test.any", lambda *a: [1]) as name:
+        assert select_trained_steps(make_args(diffusion_step_strategy_path=name, diffusion_num_sde_steps=3), 0) == [1]
+
+
+def test_zero_window_means_all_but_last():
+    assert select_trained_steps(make_args(diffusion_num_sde_steps=0), 0) == list(
+        range(make_args().diffusion_num_steps - 1)
+    )
 
 
 def test_missing_custom_strategy_file_is_a_load_error(tmp_path):

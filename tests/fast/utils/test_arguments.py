@@ -91,3 +91,14 @@ def test_missing_load_dir_is_an_error(tmp_path, capsys):
     assert "--load" in parse_error(SFT + ["--load", str(tmp_path / "nope")], capsys)
     args = parse_args(SFT + ["--load", str(tmp_path / "run"), "--save", str(tmp_path / "run")])
     assert args.load == args.save
+
+
+def test_no_flags_is_the_shipped_shapes_rl_run():
+    args = parse_args([])
+    assert (args.loss_type, args.hf_checkpoint, args.prompt_data) == (
+        "policy_loss",
+        "builtin:tiny-shapes",
+        "builtin:shapes",
+    )
+    assert args.dp_size == 2 and args.eval_interval == 10
+    assert parse_args(["--loss-type", "dmd2", "--teacher-load", "/t"]).diffusion_guidance_scale == 1.0

@@ -245,7 +245,6 @@ def test_critic_windows_follow_the_update_ratio_unless_given():
         (["--dmd2-generator-steps", "0"], "--dmd2-generator-steps must be in 1..4"),
         (["--dmd2-critic-updates-per-step", "0"], "--dmd2-critic-updates-per-step"),
         (["--dmd2-t-min", "0.5", "--dmd2-t-max", "0.4"], "--dmd2-t-min"),
-        (["--diffusion-guidance-scale", "4.5"], "without CFG"),
         (["--dmd2-real-guidance-scale", "0.5"], "--dmd2-real-guidance-scale"),
     ],
 )
