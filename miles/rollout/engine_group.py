@@ -15,6 +15,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
+from miles.utils.misc import split_contiguous
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class RolloutEngineGroup:
     def generate(self, request: GenerateRequest, rollout_id: int | None = None) -> GenerateResult:
         """The whole batch, generated in contiguous chunks, one per engine, joined in order."""
         refs = {}
-        for index, (start, end) in enumerate(split_evenly(len(request.prompts), self.num_engines)):
+        for index, (start, end) in enumerate(split_contiguous(len(request.prompts), self.num_engines)):
             if end > start:
                 chunk = dataclasses.replace(
                     request, prompts=list(request.prompts[start:end]), seeds=list(request.seeds[start:end])
@@ -111,14 +112,3 @@ class RolloutEngineGroup:
                     f"rollout engine {index} of {self.num_engines} did not answer {what} within {self.timeout_s:.0f}s"
                 ) from exc
         return out
-
-
-def split_evenly(total: int, parts: int) -> list[tuple[int, int]]:
-    """`parts` contiguous [start, end) ranges covering `total` items, sizes differing by at most one."""
-    base, extra = divmod(total, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds

@@ -95,3 +95,14 @@ def load_function(path: str) -> Callable[..., Any]:
     except ModuleNotFoundError as exc:
         raise HookLoadError(f"hook {path!r}: module {module_name!r} not found ({exc})") from exc
     return _get_attr(module, attr, path, module_name)
+
+
+def split_contiguous(total: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of `parts` contiguous chunks of sizes differing by at most one (the first ones larger)."""
+    base, extra = divmod(total, parts)
+    bounds, start = [], 0
+    for part in range(parts):
+        end = start + base + (1 if part < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds

@@ -13,22 +13,12 @@ from collections.abc import Coroutine
 from typing import Any
 
 from miles.rollout.rm_hub import RewardError, compute_rewards
+from miles.utils.misc import split_contiguous
 from miles.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
 RewardResult = tuple[list[float], dict[str, list[float]]]
-
-
-def split_contiguous(total: int, parts: int) -> list[tuple[int, int]]:
-    """[start, end) ranges of `parts` contiguous chunks of sizes differing by at most one (the first ones larger)."""
-    base, extra = divmod(total, parts)
-    bounds, start = [], 0
-    for part in range(parts):
-        end = start + base + (1 if part < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 def _run_sync(coroutine: Coroutine[Any, Any, RewardResult]) -> RewardResult:

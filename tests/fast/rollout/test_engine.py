@@ -11,7 +11,8 @@ import torch
 from miles.diffusion.sde import get_sde_kernel
 from miles.models.base import get_train_pipeline_config
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, RolloutEngine, prompt_embeds_of
-from miles.rollout.engine_group import EngineError, RolloutEngineGroup, split_evenly
+from miles.rollout.engine_group import EngineError, RolloutEngineGroup
+from miles.utils.misc import split_contiguous as split_evenly
 
 logger = logging.getLogger(__name__)
 TIMEOUT = 120

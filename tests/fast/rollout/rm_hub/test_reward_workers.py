@@ -7,7 +7,8 @@ import pytest
 
 from miles.data.shapes import shapes_items
 from miles.rollout.rm_hub import RewardError, compute_rewards
-from miles.rollout.rm_hub.workers import RewardWorkerPool, split_contiguous
+from miles.rollout.rm_hub.workers import RewardWorkerPool
+from miles.utils.misc import split_contiguous
 from miles.utils.types import Sample
 
 SPEC = [("shapes", 1.0), ("jpeg_compressibility", 0.1), ("custom", 0.5)]
