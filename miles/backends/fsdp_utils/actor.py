@@ -121,6 +121,8 @@ class FSDPTrainRayActor:
             self.family.transformer_blocks(self.model),
             param_dtype=self.forward_dtype,
             reduce_dtype=parse_dtype(args.fsdp_reduce_dtype),
+            # one rank holds every shard anyway: keep blocks gathered from forward to backward (no second gather)
+            reshard_after_forward=self.world_size > 1,
         )
         self.hooks: LossHooks = get_loss_hooks(args, self.role)
         self.optimizer = build_optimizer(self.model.parameters(), args, self.settings["lr"])
