@@ -28,6 +28,8 @@ def trunk_args(pipeline_dir, dp_size, *extra):
         "--loss-type",
         "sft_loss",
         "--train-only",
+        "--n-samples-per-prompt",
+        "1",
         "--dp-size",
         str(dp_size),
         "--rollout-batch-size",
