@@ -91,6 +91,7 @@ class FSDPTrainRayActor:
         self.world_size, self.rank, self.role = world_size, rank, role
         self.global_step = 0
         self.pending_metrics: list[dict[str, Any]] = []
+        self._gradient_sync = True  # FSDP2's default: reduce-scatter and reshard after every backward
 
     # ---- set-up -------------------------------------------------------------------------------
     def get_master_address(self) -> tuple[str, int]:
@@ -121,8 +122,6 @@ class FSDPTrainRayActor:
             self.family.transformer_blocks(self.model),
             param_dtype=self.forward_dtype,
             reduce_dtype=parse_dtype(args.fsdp_reduce_dtype),
-            # one rank holds every shard anyway: keep blocks gathered from forward to backward (no second gather)
-            reshard_after_forward=self.world_size > 1,
         )
         self.hooks: LossHooks = get_loss_hooks(args, self.role)
         self.optimizer = build_optimizer(self.model.parameters(), args, self.settings["lr"])
@@ -243,7 +242,8 @@ class FSDPTrainRayActor:
             self.optimizer.zero_grad(set_to_none=True)
             metrics = WindowMetrics()
             denominator = pairs_in_window(window)
-            for mb in window:
+            for mb_idx, mb in enumerate(window):
+                self._set_gradient_sync(mb_idx == len(window) - 1)
                 batch = slice_pairs(pairs, mb.start, mb.end)
                 prepared = self.hooks.prepare(ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=optim_step_idx)
                 new_pred, ref_pred = self._forward(prepared)
@@ -269,6 +269,18 @@ class FSDPTrainRayActor:
                 self.ema.update(self.ema_config.decay_at(self.global_step))
             self._record_window(ctx, metrics, grad_norm, lr, time.perf_counter() - started)
         return train_output_inputs
+
+    def _set_gradient_sync(self, last_in_window: bool) -> None:
+        """At world size 1 one rank holds every shard: accumulate full gradients and keep the blocks gathered
+        until the window's last backward, instead of a reduce-scatter and a reshard after every micro-batch.
+
+        With more ranks every backward reduce-scatters, so gradients stay sharded (the memory FSDP2 is for).
+        """
+        if self.world_size > 1 or self._gradient_sync == last_in_window:
+            return
+        self.model.set_requires_gradient_sync(last_in_window)
+        self.model.set_reshard_after_backward(last_in_window)
+        self._gradient_sync = last_in_window
 
     @torch.no_grad()
     def recompute_old_log_probs(

@@ -45,16 +45,21 @@ def apply_fsdp2(
 
     Needs a default process group (gloo at world size 1 is fine). Gradients are averaged over ranks, so each
     rank's loss should be the mean over its own share of the batch. Returns `model`, now an FSDPModule.
+
+    At world size 1 the one rank holds every shard, so per-block groups would only add a gather, a reduce and
+    Python hooks per block and micro-batch: the whole model becomes one root group instead.
     """
     if not dist.is_initialized():
         raise RuntimeError("apply_fsdp2 needs a process group; call miles.utils.distributed.init_process_group first")
+    if dist.get_world_size() == 1:
+        blocks = []
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
         fully_shard(block, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     # The root keeps torch's default (no reshard after forward): its parameters are needed again first in backward.
     fully_shard(model, mp_policy=mp_policy)
     logger.info(
-        "FSDP2 applied: %d blocks + root, param_dtype=%s, reduce_dtype=%s", len(blocks), param_dtype, reduce_dtype
+        "FSDP2 applied: %d block groups + root, param_dtype=%s, reduce_dtype=%s", len(blocks), param_dtype, reduce_dtype
     )
     return model
 
