@@ -69,6 +69,8 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
         groups = {role: RayTrainGroup(args, role) for role in roles}
         starts = {role: group.init() for role, group in groups.items()}
         start_rollout_id = min(starts.values(), default=0)
+        if args.load and start_rollout_id > 0:
+            check_data_source_resume(args.load, start_rollout_id, rollout_manager.source)
         if groups:
             rollout_manager.update_weights(groups["actor"])
         evaluator = Evaluator(args) if eval_enabled(args) else None
@@ -110,8 +112,9 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
                 **rollout_manager.metrics(rollout_id),
             }
             if args.save and groups and is_due(rollout_id, args.save_interval, last):
+                extra = {"data_source": rollout_manager.source.state_dict(rollout_id + 1)}
                 for group in groups.values():
-                    group.save(rollout_id)
+                    group.save(rollout_id, extra)
                 write_latest(args.save, rollout_id)
                 rollout_record["perf/save_s"] = time.perf_counter() - t2
             step = rollout_record["step"] or step
@@ -143,6 +146,31 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     summary["wall_s"] = time.perf_counter() - started
     logger.info("done in %.1fs; metrics in %s", summary["wall_s"], writer.path)
     return summary
+
+
+def check_data_source_resume(load_dir: str, start_rollout_id: int, source) -> None:
+    """Warn when a resumed run would not continue the saved prompt stream (other data, seed or batch size)."""
+    from miles.backends.fsdp_utils.checkpoint import read_extra
+
+    extra = read_extra(load_dir, start_rollout_id - 1, "actor") or {}
+    state = extra.get("data_source")
+    if state is None:
+        logger.warning(
+            "%s holds no data-source state: cannot confirm that rollout %d continues the saved prompt stream",
+            load_dir,
+            start_rollout_id,
+        )
+        return
+    mismatches = source.resume_mismatches(state, start_rollout_id)
+    if mismatches:
+        logger.warning(
+            "resuming from %s with different prompt data or settings; the prompt stream will not continue the "
+            "saved one (%s)",
+            load_dir,
+            "; ".join(mismatches),
+        )
+    else:
+        logger.info("prompt stream resumes at rollout %d (epoch %d)", start_rollout_id, state["epoch"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

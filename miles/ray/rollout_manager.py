@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from miles.models.base import get_train_pipeline_config
-from miles.rollout.data_source import PromptDataSource, load_records
+from miles.rollout.data_source import PromptDataSource, load_records, records_digest
 from miles.utils.box import Box, put_box
 from miles.utils.misc import load_function
 from miles.utils.types import Sample, TrainPairs, shard_pairs
@@ -50,19 +50,23 @@ class RolloutManager:
         self.family.load_text_encoders()
         self.sft_pairs = encode_sft_records(self.family, records, self.resolution)
         logger.info("encoded %d SFT records in %.1fs", len(records), time.perf_counter() - started)
-        self.source = self._source(len(records))
+        self.source = self._source(records)
 
-    def _source(self, num_records: int) -> PromptDataSource:
+    def _source(self, records: list[dict[str, Any]]) -> PromptDataSource:
         args = self.args
         return PromptDataSource(
-            num_records, args.rollout_batch_size, seed=args.rollout_seed, shuffle=not args.no_rollout_shuffle
+            len(records),
+            args.rollout_batch_size,
+            seed=args.rollout_seed,
+            shuffle=not args.no_rollout_shuffle,
+            digest=records_digest(records),
         )
 
     # ---- RL -----------------------------------------------------------------------------------
     def _init_rl(self) -> None:
         args = self.args
         self.records = load_records(args, with_images=False, resolution=self.resolution)
-        self.source = self._source(len(self.records))
+        self.source = self._source(self.records)
         if args.load_debug_rollout_data:
             logger.info("replaying rollouts from %s: no engine started", args.load_debug_rollout_data)
             return

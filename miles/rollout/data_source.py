@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -55,6 +56,15 @@ def read_jsonl_records(
     return records
 
 
+def records_digest(records: list[dict[str, Any]]) -> str:
+    """A short fingerprint of the prompts in order: resuming over a changed prompt file is reported."""
+    h = hashlib.sha256()
+    for record in records:
+        h.update(str(record["prompt"]).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
 def load_records(args: argparse.Namespace, *, with_images: bool, resolution: int) -> list[dict[str, Any]]:
     if args.prompt_data == BUILTIN_SHAPES:
         from miles.data.shapes import shapes_items, shapes_prompts
@@ -73,14 +83,36 @@ def load_records(args: argparse.Namespace, *, with_images: bool, resolution: int
 class PromptDataSource:
     """Serves `batch_size` record indices per rollout, reshuffled every epoch by (seed, epoch).
 
-    The indices of rollout r depend only on r, so resuming at rollout r continues the same stream:
-    the checkpointed state is the rollout id itself.
+    The indices of rollout r depend only on r, so resuming at rollout r continues the same stream. Checkpoints
+    still record `state_dict` (position, epoch, and what the stream is a function of: seed, batch size, record
+    count and a digest of the records) so that a resume over different data or settings is reported.
     """
 
-    def __init__(self, num_records: int, batch_size: int, *, seed: int, shuffle: bool = True) -> None:
+    def __init__(self, num_records: int, batch_size: int, *, seed: int, shuffle: bool = True, digest: str = "") -> None:
         if num_records < 1:
             raise PromptDataError("the prompt data has no records")
         self.num_records, self.batch_size, self.seed, self.shuffle = num_records, batch_size, seed, shuffle
+        self.digest = digest
+
+    def state_dict(self, next_rollout_id: int) -> dict[str, Any]:
+        """What a checkpoint saved after rollout `next_rollout_id - 1` records about the stream."""
+        return {
+            "next_rollout_id": next_rollout_id,
+            "epoch": self.epoch_of(next_rollout_id),
+            "num_records": self.num_records,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "digest": self.digest,
+        }
+
+    def resume_mismatches(self, state: dict[str, Any], next_rollout_id: int) -> list[str]:
+        """How resuming at `next_rollout_id` with this source differs from the saved `state` (empty: it continues
+        the saved stream exactly)."""
+        mine = self.state_dict(next_rollout_id)
+        return [
+            f"{key}: saved {state.get(key)!r}, now {value!r}" for key, value in mine.items() if state.get(key) != value
+        ]
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:

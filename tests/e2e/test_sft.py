@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import train_diffusion
+from miles.backends.fsdp_utils.checkpoint import read_extra
 from miles.data.shapes import write_shapes_jsonl
 from miles.utils.arguments import parse_args
 from miles.utils.tracking import read_metrics
@@ -92,5 +93,7 @@ def test_resume_continues_the_metric_series_exactly(ray_cluster, tiny_pipeline_d
     train_diffusion.run(sft_args(tiny_pipeline_dir, resumed, *common, "--save", ckpt, "--load", ckpt))
     a, b = actor_steps(straight / "metrics.jsonl"), actor_steps(resumed / "metrics.jsonl")
     assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6, 7, 8]
+    saved = read_extra(ckpt, 1, "actor")["data_source"]
+    assert saved["next_rollout_id"] == 2 and saved["num_records"] == 64
     for x, y in zip(a, b):
         assert x["train/loss"] == y["train/loss"] and x["train/grad_norm"] == y["train/grad_norm"], (x, y)

@@ -232,6 +232,13 @@ def _resolve_checkpoint(load_dir: str, role: str, rollout_id: int | None) -> tup
     return rollout_id, path
 
 
+def read_extra(load_dir: str, rollout_id: int, role: str) -> dict[str, Any] | None:
+    """The `extra` dict a role saved at `rollout_id` (None if it saved none), without touching the model."""
+    _, path = _resolve_checkpoint(load_dir, role, rollout_id)
+    extra_path = os.path.join(path, EXTRA_FILE)
+    return torch.load(extra_path, weights_only=False) if os.path.isfile(extra_path) else None
+
+
 def load_checkpoint(
     load_dir: str,
     role: str,

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from miles.rollout.data_source import PromptDataError, PromptDataSource, read_jsonl_records
+from miles.rollout.data_source import PromptDataError, PromptDataSource, read_jsonl_records, records_digest
 
 
 def write_jsonl(path, rows):
@@ -17,6 +17,23 @@ def test_epochs_cover_every_record_once_and_resume_is_stateless():
     assert PromptDataSource(10, 4, seed=3).indices(3) == source.indices(3)
     assert PromptDataSource(10, 4, seed=4).indices(0) != source.indices(0)
     assert PromptDataSource(10, 4, seed=3, shuffle=False).indices(1) == [4, 5, 6, 7]
+
+
+def test_checkpointed_state_reports_a_resume_over_other_data_or_settings():
+    records = [{"prompt": f"p{i}"} for i in range(10)]
+    source = PromptDataSource(10, 4, seed=3, digest=records_digest(records))
+    state = source.state_dict(5)
+    assert state["next_rollout_id"] == 5 and state["epoch"] == 2  # 5 rollouts x 4 prompts over 10 records
+    assert source.resume_mismatches(state, 5) == []
+    edited = [*records[:9], {"prompt": "other"}]
+    changed = PromptDataSource(10, 4, seed=3, digest=records_digest(edited))
+    assert [m.split(":")[0] for m in changed.resume_mismatches(state, 5)] == ["digest"]
+    assert [m.split(":")[0] for m in PromptDataSource(10, 8, seed=4).resume_mismatches(state, 5)] == [
+        "epoch",
+        "batch_size",
+        "seed",
+        "digest",
+    ]
 
 
 def test_image_paths_resolve_relative_to_the_file(tmp_path):
