@@ -1,4 +1,5 @@
-"""Held-out evaluation during training: deterministic ODE samples of the eval prompts on the rollout engines."""
+"""Held-out evaluation during training: fixed-seed samples of the eval prompts on the rollout engines (ODE, or
+the k-step generator of a dmd2 run)."""
 
 from __future__ import annotations
 
@@ -36,15 +37,19 @@ class Evaluator:
 
     def evaluate(self, engine: Any, rollout_id: int) -> dict[str, float]:
         args, started = self.args, time.perf_counter()
+        if args.loss_type == "dmd2":  # the few-step generator, sampled exactly as its rollouts are (CFG-free)
+            sampler = {"sde_type": "renoise", "num_steps": args.dmd2_generator_steps, "shift": args.dmd2_timestep_shift}
+        else:
+            sampler = {"sde_type": "ode", "num_steps": args.diffusion_eval_num_steps}
         metrics, images = evaluate_shapes(
             engine,
             self.records,
             num_samples_per_prompt=args.n_samples_per_eval_prompt,
-            num_steps=args.diffusion_eval_num_steps,
             guidance_scale=args.diffusion_guidance_scale,
             seed=args.eval_seed,
             resolution=args.resolution,
             negative_prompt=args.negative_prompt,
+            **sampler,
         )
         save_image_grid(images, os.path.join(args.output_dir, "images", f"eval_{rollout_id:07d}.png"), max_images=64)
         metrics["perf/eval_s"] = time.perf_counter() - started

@@ -1,4 +1,4 @@
-"""Held-out evaluation on the shapes world: deterministic ODE samples of a prompt set, scored by the shapes reward.
+"""Held-out evaluation on the shapes world: deterministic samples of a prompt set, scored by the shapes reward.
 
 `evaluate_shapes` works with any engine that has `generate(GenerateRequest) -> GenerateResult` (an in-process
 `DiffusionEngine` or the Ray `RolloutEngineGroup`); `shapes_eval_metrics` is the aggregation on its own.
@@ -59,8 +59,11 @@ def evaluate_shapes(
     resolution: int | None = None,
     batch_size: int = 64,
     negative_prompt: str = "",
+    sde_type: str = "ode",
+    shift: float | None = None,
 ) -> tuple[dict[str, float], np.ndarray]:
-    """Sample every record's prompt `num_samples_per_prompt` times with the deterministic ODE kernel and score it.
+    """Sample every record's prompt `num_samples_per_prompt` times and score it: the deterministic ODE kernel, or
+    `sde_type="renoise"` for a DMD2 few-step generator (its fresh noise is drawn from the same fixed seeds).
 
     `records` are {"prompt", "metadata"} dicts (`miles.data.shapes.shapes_prompts`, e.g. its "eval" split). Sample k
     of record i starts from the noise of `eval_seed(seed, i, k)`, so repeated evals give identical images. Returns
@@ -83,10 +86,11 @@ def evaluate_shapes(
             num_steps=num_steps,
             guidance_scale=guidance_scale,
             negative_prompt=negative_prompt,
-            sde_type="ode",
+            sde_type=sde_type,
             noise_level=0.0,
             trained_steps=[],
             resolution=resolution,
+            shift=shift,
         )
         result = engine.generate(request)
         if result.images is None:
@@ -95,9 +99,10 @@ def evaluate_shapes(
     images_array = np.concatenate(images)
     metrics = shapes_eval_metrics(shapes_reward(list(images_array), metadatas))
     logger.info(
-        "shapes eval: %d samples, %d steps, cfg %.2f: accuracy %.3f",
+        "shapes eval: %d samples, %d %s steps, cfg %.2f: accuracy %.3f",
         len(prompts),
         num_steps,
+        sde_type,
         guidance_scale,
         metrics[f"{METRIC_PREFIX}_accuracy"],
     )

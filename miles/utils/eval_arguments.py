@@ -12,7 +12,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="Evaluate every N rollouts, before training and at the end "
-        "(default: 10 for policy_loss / nft on builtin:shapes, otherwise off; 0: off).",
+        "(default: 10 for policy_loss / nft / dmd2 on builtin:shapes, otherwise off; 0: off). "
+        "dmd2 runs evaluate the generator with its --dmd2-generator-steps.",
     )
     group.add_argument(
         "--eval-prompt-data",
@@ -27,7 +28,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--diffusion-eval-num-steps",
         type=int,
         default=20,
-        help="ODE steps of eval sampling.",
+        help="ODE steps of eval sampling (dmd2: the generator's --dmd2-generator-steps instead).",
     )
     group.add_argument("--eval-seed", type=int, default=0, help="Seeds the eval noise: the same images every time.")
     group.add_argument("--eval-only", action="store_true", help="Evaluate the model (or --load checkpoint) and exit.")
@@ -41,7 +42,7 @@ def validate_eval_args(args: argparse.Namespace, error) -> None:
     for dest in ("eval_num_prompts", "n_samples_per_eval_prompt"):
         if getattr(args, dest) < 1:
             error(f"--{dest.replace('_', '-')} must be ≥ 1")
-    shapes_rl = args.loss_type in ("policy_loss", "nft") and args.prompt_data == "builtin:shapes"
+    shapes_rl = args.loss_type in ("policy_loss", "nft", "dmd2") and args.prompt_data == "builtin:shapes"
     if args.eval_interval is None and shapes_rl and not args.debug_rollout_only:
         args.eval_interval = 10
     if args.eval_interval == 0:

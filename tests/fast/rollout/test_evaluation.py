@@ -61,6 +61,19 @@ def test_repeated_evals_are_identical_and_batching_does_not_matter(engine):
     assert not np.array_equal(images_a, other_seed)
 
 
+def test_generator_eval_is_fixed_seed_and_one_step_matches_one_euler_step(engine):
+    """A dmd2 run evaluates its k-step generator (renoise); at k = 1 that is one Euler step from σ = 1 to 0."""
+    records = shapes_prompts(4, seed=3, split="eval")
+    kwargs = dict(guidance_scale=1.0, seed=5)
+    _, euler = evaluate_shapes(engine, records, num_steps=1, **kwargs)
+    _, one = evaluate_shapes(engine, records, num_steps=1, sde_type="renoise", **kwargs)
+    assert np.abs(euler.astype(int) - one.astype(int)).max() <= 1
+    _, two_a = evaluate_shapes(engine, records, num_steps=2, sde_type="renoise", **kwargs)
+    _, two_b = evaluate_shapes(engine, records, num_steps=2, sde_type="renoise", **kwargs)
+    assert np.array_equal(two_a, two_b)  # the re-noising draws come from the fixed seeds too
+    assert not np.array_equal(two_a, one)
+
+
 def test_metrics_match_an_independent_scoring_of_the_images(engine):
     records = shapes_prompts(6, seed=0, split="eval")
     metrics, images = evaluate_shapes(engine, records, num_samples_per_prompt=2, num_steps=2, guidance_scale=1.0)
