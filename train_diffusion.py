@@ -21,6 +21,25 @@ def training_order(args: argparse.Namespace) -> list[str]:
     return ["critic", "actor"] if args.loss_type == "dmd2" else ["actor"]
 
 
+def local_ray_cpus(args: argparse.Namespace) -> int:
+    """Logical CPUs for a Ray cluster this driver starts: the machine's, or enough for every actor's share.
+
+    Shares are scheduling labels, not pinned cores: a dmd2 run (actor and critic groups, an engine) asks for more
+    than a 2-core laptop has, and Ray would wait forever for CPUs that never come.
+    """
+    import math
+
+    from miles.ray.train_group import uses_gpu
+    from miles.rollout.rm_hub.workers import REWARD_WORKER_CPUS
+
+    gpu = uses_gpu(args)
+    shares = 0.0 if gpu else args.dp_size * args.cpus_per_rank * len(training_order(args))
+    if args.loss_type != "sft_loss":
+        shares += args.rollout_num_engines * (1.0 if gpu else args.rollout_cpus_per_engine)
+        shares += REWARD_WORKER_CPUS * args.rm_num_workers
+    return max(os.cpu_count() or 1, math.ceil(shares))
+
+
 def setup_logging(args: argparse.Namespace) -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     handlers = [logging.StreamHandler(sys.stderr), logging.FileHandler(os.path.join(args.output_dir, "train.log"))]
@@ -58,7 +77,8 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     writer = MetricsWriter(args.output_dir)
     own_ray = not ray.is_initialized()
     if own_ray:
-        ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True)
+        local = {} if args.ray_address else {"num_cpus": local_ray_cpus(args)}
+        ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True, **local)
     groups: dict = {}
     rollout_manager = None
     summary: dict = {"losses": []}

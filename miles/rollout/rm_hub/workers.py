@@ -52,6 +52,9 @@ class RewardWorker:
         return totals, per_reward, added
 
 
+REWARD_WORKER_CPUS = 0.25  # each worker's logical CPU share
+
+
 class RewardWorkerPool:
     """`num_workers` Ray actors with fractional CPUs; `score(samples)` splits the batch into contiguous chunks."""
 
@@ -60,7 +63,7 @@ class RewardWorkerPool:
         args: argparse.Namespace,
         spec: list[tuple[str, float]],
         num_workers: int,
-        num_cpus_per_worker: float = 0.25,
+        num_cpus_per_worker: float = REWARD_WORKER_CPUS,
         timeout_s: float = 1800.0,
     ) -> None:
         if num_workers < 0:

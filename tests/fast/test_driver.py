@@ -1,0 +1,15 @@
+"""The driver's own helpers (no Ray cluster started)."""
+
+import os
+
+import train_diffusion
+from miles.utils.arguments import parse_args
+
+
+def test_a_local_cluster_has_room_for_every_actor_share():
+    common = ["--hf-checkpoint", "unused", "--cpus-per-rank", "4", "--device", "cpu"]
+    dmd2 = parse_args(["--loss-type", "dmd2", "--teacher-load", "unused", "--dp-size", "2", *common])
+    # actor and critic groups (2 x 2 x 4) plus one engine's 0.5: Ray would otherwise wait for CPUs forever
+    assert train_diffusion.local_ray_cpus(dmd2) == max(os.cpu_count() or 1, 17)
+    rl = parse_args(["--loss-type", "policy_loss", "--dp-size", "1", "--rm-num-workers", "2", *common])
+    assert train_diffusion.local_ray_cpus(rl) == max(os.cpu_count() or 1, 5)  # 4 + 0.5 + 2 x 0.25
