@@ -40,6 +40,31 @@ def local_ray_cpus(args: argparse.Namespace) -> int:
     return max(os.cpu_count() or 1, math.ceil(shares))
 
 
+def check_gpus_fit(args: argparse.Namespace, cluster_gpus: float) -> None:
+    """Fail at once, naming the flags, when the trainer ranks and engines ask for more GPUs than the cluster has
+    (otherwise a placement group waits for GPUs that never come)."""
+    from miles.ray.train_group import uses_gpu
+
+    if not uses_gpu(args):
+        return
+    roles = training_order(args)
+    trainers = args.dp_size * args.gpus_per_rank * len(roles)
+    engines = 0.0 if args.loss_type == "sft_loss" else args.rollout_num_engines * args.rollout_gpus_per_engine
+    if trainers + engines <= cluster_gpus + 1e-9:
+        return
+    if args.dp_size > cluster_gpus:
+        hint = f"lower --dp-size to at most {int(cluster_gpus)} (ranks of one group need distinct GPUs under nccl)"
+    else:
+        users = len(roles) * args.dp_size + (0 if args.loss_type == "sft_loss" else args.rollout_num_engines)
+        share = int(cluster_gpus * 100 // users) / 100
+        hint = f"share them, e.g. --gpus-per-rank {share:g} --rollout-gpus-per-engine {share:g}"
+    raise ValueError(
+        f"the run needs {trainers + engines:g} GPUs ({len(roles)} group(s) x --dp-size {args.dp_size} x "
+        f"--gpus-per-rank {args.gpus_per_rank:g}, plus {engines:g} for the rollout engines) but the Ray cluster has "
+        f"{cluster_gpus:g}: {hint}"
+    )
+
+
 def setup_logging(args: argparse.Namespace) -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     handlers = [logging.StreamHandler(sys.stderr), logging.FileHandler(os.path.join(args.output_dir, "train.log"))]
@@ -83,6 +108,7 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     rollout_manager = None
     summary: dict = {"losses": []}
     try:
+        check_gpus_fit(args, ray.cluster_resources().get("GPU", 0.0))
         rollout_manager = RolloutManager(args)
         # debug rollouts and evaluating the pipeline as loaded need no trainer
         roles = [] if args.debug_rollout_only or (args.eval_only and not args.load) else training_order(args)

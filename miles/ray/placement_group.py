@@ -22,6 +22,6 @@ def create_placement_group(
         ray.util.remove_placement_group(pg)
         raise RuntimeError(
             f"could not reserve {num_bundles} x {bundle} within {timeout:.0f}s (cluster has {available}); "
-            "lower --dp-size or --cpus-per-rank"
+            + ("lower --dp-size or --gpus-per-rank" if use_gpu else "lower --dp-size or --cpus-per-rank")
         )
     return pg

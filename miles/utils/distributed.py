@@ -23,7 +23,8 @@ def init_process_group(
     *,
     timeout: timedelta | None = None,
 ) -> None:
-    """Join the default process group: nccl when `device` is CUDA (after selecting this rank's GPU), else gloo.
+    """Join the default process group: nccl (plus gloo for CPU tensors) when `device` is CUDA, after selecting
+    this rank's GPU; else gloo.
 
     A CUDA device without an index (`"cuda"`) picks GPU `rank % device_count()`: under Ray each actor usually
     sees only its own GPU, so that is GPU 0.
@@ -37,7 +38,8 @@ def init_process_group(
     if device.type == "cuda":
         index = device.index if device.index is not None else rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
-        backend = "nccl"
+        # nccl for CUDA tensors, gloo for any CPU tensor a collective is handed (nccl alone rejects them)
+        backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
     kwargs = {"timeout": timeout} if timeout is not None else {}
@@ -64,9 +66,9 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _collective_device() -> torch.device:
-    # nccl only reduces CUDA tensors; gloo reduces CPU tensors.
-    if dist.get_backend() == "nccl":
+def collective_device() -> torch.device:
+    """Where small collectives (metrics, checks) run: this rank's GPU under nccl, else the CPU (gloo)."""
+    if "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -75,7 +77,7 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     """The mean of `tensor` over all ranks, as a new tensor (the input is unchanged); identity without a group."""
     if not dist.is_initialized():
         return tensor.clone()
-    out = tensor.detach().to(_collective_device(), copy=True)
+    out = tensor.detach().to(collective_device(), copy=True)
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     out /= dist.get_world_size()
     return out.to(tensor.device)
@@ -91,7 +93,7 @@ def all_reduce_dict(metrics: dict[str, float], op: str = "mean") -> dict[str, fl
     if not metrics or not dist.is_initialized():
         return {key: float(value) for key, value in metrics.items()}
     keys = sorted(metrics)
-    values = torch.tensor([float(metrics[key]) for key in keys], dtype=torch.float64, device=_collective_device())
+    values = torch.tensor([float(metrics[key]) for key in keys], dtype=torch.float64, device=collective_device())
     dist.all_reduce(values, op=_REDUCE_OPS[op])
     if op == "mean":
         values /= dist.get_world_size()

@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 import train_diffusion
 from miles.utils.arguments import parse_args
 
@@ -13,3 +15,16 @@ def test_a_local_cluster_has_room_for_every_actor_share():
     assert train_diffusion.local_ray_cpus(dmd2) == max(os.cpu_count() or 1, 17)
     rl = parse_args(["--loss-type", "policy_loss", "--dp-size", "1", "--rm-num-workers", "2", *common])
     assert train_diffusion.local_ray_cpus(rl) == max(os.cpu_count() or 1, 5)  # 4 + 0.5 + 2 x 0.25
+
+
+def test_too_few_gpus_fail_at_once_naming_the_flags():
+    base = ["--hf-checkpoint", "unused", "--device", "cuda", "--loss-type", "policy_loss"]
+    one_rank = parse_args([*base, "--dp-size", "1"])
+    with pytest.raises(ValueError, match=r"needs 2 GPUs .* has 1: share them, e.g. --gpus-per-rank 0.5"):
+        train_diffusion.check_gpus_fit(one_rank, 1.0)
+    shared = parse_args([*base, "--dp-size", "1", "--gpus-per-rank", "0.5", "--rollout-gpus-per-engine", "0.5"])
+    train_diffusion.check_gpus_fit(shared, 1.0)
+    with pytest.raises(ValueError, match=r"lower --dp-size to at most 1"):
+        train_diffusion.check_gpus_fit(parse_args([*base, "--dp-size", "2"]), 1.0)
+    train_diffusion.check_gpus_fit(parse_args([*base, "--dp-size", "2"]), 4.0)
+    train_diffusion.check_gpus_fit(parse_args([*base, "--dp-size", "2", "--device", "cpu"]), 0.0)

@@ -32,7 +32,7 @@ from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_sc
 from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
 from miles.models.base import get_train_pipeline_config
 from miles.utils.box import Box
-from miles.utils.distributed import destroy_process_group, init_process_group
+from miles.utils.distributed import collective_device, destroy_process_group, init_process_group
 from miles.utils.types import TrainPairs, num_pairs, slice_pairs
 
 logger = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class FSDPTrainRayActor:
 
     def _check_same_schedule_on_all_ranks(self, schedule: list[list[MicroBatch]]) -> None:
         """Different micro-batch counts would hang the collectives: fail on every rank before any forward."""
-        count = torch.tensor([sum(len(w) for w in schedule)], dtype=torch.int64)
+        count = torch.tensor([sum(len(w) for w in schedule)], dtype=torch.int64, device=collective_device())
         counts = [torch.zeros_like(count) for _ in range(self.world_size)]
         dist.all_gather(counts, count)
         values = [int(c.item()) for c in counts]
@@ -337,7 +337,9 @@ class FSDPTrainRayActor:
         names = sorted(metrics.sums)
         totals = torch.tensor([[metrics.sums[n], metrics.counts[n]] for n in names], dtype=torch.float64)
         if self.world_size > 1 and names:
+            totals = totals.to(collective_device())
             dist.all_reduce(totals)
+            totals = totals.cpu()
         record: dict[str, Any] = {"rollout_id": ctx.rollout_id, "step": self.global_step, "role": self.role}
         record.update({n: float(s / max(c, 1.0)) for n, (s, c) in zip(names, totals.tolist())})
         record.update({"train/grad_norm": float(grad_norm), "train/lr": float(lr), "perf/train_step_s": seconds})
