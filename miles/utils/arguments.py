@@ -150,7 +150,13 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rollout-seed", type=int, default=42, help="Seeds data order and per-sample noise.")
     group.add_argument("--no-rollout-shuffle", action="store_true", help="Keep the file order every epoch.")
     group.add_argument("--diffusion-num-steps", type=int, default=10, help="Sampling steps.")
-    group.add_argument("--diffusion-guidance-scale", type=float, default=4.5, help="CFG scale; ≤ 1 disables CFG.")
+    group.add_argument(
+        "--diffusion-guidance-scale",
+        type=float,
+        default=None,
+        help="CFG scale of sampling; ≤ 1 disables CFG (default 4.5; nft: 1, CFG-free like DiffusionNFT; "
+        "dmd2's generator is always CFG-free).",
+    )
     group.add_argument("--negative-prompt", default="", help="Negative prompt of the CFG branch.")
 
 
@@ -258,6 +264,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"{', '.join(given_critic)} only apply to --loss-type dmd2 (the only loss with a critic)")
     if loss == "sft_loss":  # SFT trains each dataset pair once: there are no sample groups
         args.n_samples_per_prompt = 1
+    if args.diffusion_guidance_scale is None:  # DiffusionNFT samples and trains CFG-free
+        args.diffusion_guidance_scale = 1.0 if loss == "nft" else 4.5
     _validate_positive(args)
     if not args.hf_checkpoint:
         raise ArgumentError("--hf-checkpoint DIR is required (a local diffusers pipeline folder)")
