@@ -91,12 +91,18 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> float:
     Works on DTensor (sharded) gradients: the norm is reduced over all shards, so it equals the norm of the
     full gradient on every rank (collective when grads are DTensors).
     """
-    params = [p for p in params if p.grad is not None]
-    if not params:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
         return 0.0
-    grads = [p.grad for p in params]
-    total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
-    return float(total_norm.item())
+    # FSDP2 shards every gradient along dim 0 (Shard(0)): the squared norms of the local shards add up to the full
+    # one. Working on the local tensors skips a DTensor dispatch per op; they share storage with the grads.
+    sharded = any(isinstance(g, DTensor) for g in grads)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    squares = torch.stack([n.float() for n in torch._foreach_norm(local, 2.0)]).pow(2).sum()
+    if sharded and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(squares)
+    total_norm = float(squares.sqrt().item())
+    clip_coef = max_norm / (total_norm + 1e-6)
+    if clip_coef < 1.0:
+        torch._foreach_mul_(local, clip_coef)
+    return total_norm
