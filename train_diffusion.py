@@ -21,6 +21,13 @@ def training_order(args: argparse.Namespace) -> list[str]:
     return ["critic", "actor"] if args.loss_type == "dmd2" else ["actor"]
 
 
+def actor_shares(args: argparse.Namespace, per_rank: float, per_engine: float) -> tuple[float, float]:
+    """(trainer ranks' total, rollout engines' total) of one resource, given each actor's share of it."""
+    trainers = args.dp_size * per_rank * len(training_order(args))
+    engines = 0.0 if args.loss_type == "sft_loss" else args.rollout_num_engines * per_engine
+    return trainers, engines
+
+
 def local_ray_cpus(args: argparse.Namespace) -> int:
     """Logical CPUs for a Ray cluster this driver starts: the machine's, or enough for every actor's share.
 
@@ -33,11 +40,11 @@ def local_ray_cpus(args: argparse.Namespace) -> int:
     from miles.rollout.rm_hub.workers import REWARD_WORKER_CPUS
 
     gpu = uses_gpu(args)
-    shares = 0.0 if gpu else args.dp_size * args.cpus_per_rank * len(training_order(args))
-    if args.loss_type != "sft_loss":
-        shares += args.rollout_num_engines * (1.0 if gpu else args.rollout_cpus_per_engine)
-        shares += REWARD_WORKER_CPUS * args.rm_num_workers
-    return max(os.cpu_count() or 1, math.ceil(shares))
+    trainers, engines = actor_shares(
+        args, 0.0 if gpu else args.cpus_per_rank, 1.0 if gpu else args.rollout_cpus_per_engine
+    )
+    workers = 0.0 if args.loss_type == "sft_loss" else REWARD_WORKER_CPUS * args.rm_num_workers
+    return max(os.cpu_count() or 1, math.ceil(trainers + engines + workers))
 
 
 def check_gpus_fit(args: argparse.Namespace, cluster_gpus: float) -> None:
@@ -48,15 +55,13 @@ def check_gpus_fit(args: argparse.Namespace, cluster_gpus: float) -> None:
     if not uses_gpu(args):
         return
     roles = training_order(args)
-    trainers = args.dp_size * args.gpus_per_rank * len(roles)
-    engines = 0.0 if args.loss_type == "sft_loss" else args.rollout_num_engines * args.rollout_gpus_per_engine
+    trainers, engines = actor_shares(args, args.gpus_per_rank, args.rollout_gpus_per_engine)
     if trainers + engines <= cluster_gpus + 1e-9:
         return
     if args.dp_size > cluster_gpus:
         hint = f"lower --dp-size to at most {int(cluster_gpus)} (ranks of one group need distinct GPUs under nccl)"
     else:
-        users = len(roles) * args.dp_size + (0 if args.loss_type == "sft_loss" else args.rollout_num_engines)
-        share = int(cluster_gpus * 100 // users) / 100
+        share = int(cluster_gpus * 100 // sum(actor_shares(args, 1.0, 1.0))) / 100  # an equal share per actor
         hint = f"share them, e.g. --gpus-per-rank {share:g} --rollout-gpus-per-engine {share:g}"
     raise ValueError(
         f"the run needs {trainers + engines:g} GPUs ({len(roles)} group(s) x --dp-size {args.dp_size} x "
