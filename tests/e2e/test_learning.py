@@ -1,9 +1,10 @@
-"""Distillation standard from the shipped shapes model (§9; issue 5), measured over several seeds.
+"""Learning standards from the shipped shapes model (§9; issues 4 and 5), measured over several seeds.
 
 DMD2 distils `builtin:tiny-shapes` (the teacher: 20 ODE steps, CFG 4.5) into CFG-free 1- and 2-step generators on
 2 CPU ranks, and the held-out `builtin:shapes` eval prompts (fixed noise) score them against the same teacher sampled with
-plain Euler steps of its own scheduler. `python tests/e2e/test_learning.py dmd2 SEED...` re-measures every number
-below (1- and 2-step generators); `nft` or `policy_loss` in place of `dmd2` measures those runs' before/after.
+plain Euler steps of its own scheduler. DiffusionNFT fine-tunes the shipped model itself (CFG-free, as it samples).
+`python tests/e2e/test_learning.py dmd2 SEED...` re-measures every dmd2 number below (1- and 2-step generators);
+`nft` or `policy_loss` in place of `dmd2` measures those runs' before/after.
 
 Measured on this machine (2 CPU cores), `eval/shapes_accuracy` on 500 eval prompts:
 
@@ -15,9 +16,21 @@ Measured on this machine (2 CPU cores), `eval/shapes_accuracy` on 500 eval promp
 | dmd2 2-step generator, 30 rollouts | 0.192 | 0.162 |
 
 The generators beat as many Euler steps by 5.0 / 1.8 points (k = 1) and 6.0 / 3.0 (k = 2); the committed standards are
-1 and 2 points. Neither came within a few points of the teacher in 30 rollouts (they close 15-45% of the gap), so
-that is not asserted.
+1 and 2 points (the suite runs k = 2; k = 1 is re-measured by the command above). Neither came within a few points
+of the teacher in 30 rollouts (they close 15-45% of the gap), so that is not asserted.
 (The scheduler's 2-step grid ends at σ ≈ 0.003, so its second Euler step barely moves the sample.)
+
+nft, lr 1e-4, 20 rollouts, CFG-free eval (20 ODE steps), seeds 1 / 2 / 3, from 0.188 accuracy and 0.757 reward:
+
+| | seed 1 | seed 2 | seed 3 |
+|---|---|---|---|
+| `eval/shapes_reward_mean` after 20 rollouts | 0.780 (+0.024) | 0.773 (+0.017) | 0.778 (+0.022) |
+| `eval/shapes_accuracy` after 20 rollouts | 0.230 (+4.2 pts) | 0.202 (+1.4) | 0.186 (-0.2) |
+| colour / position accuracy after (0.946 / 0.940 before) | 0.988 / 0.980 | 0.996 / 0.964 | 0.998 / 0.984 |
+
+nft learns what CFG otherwise supplies (colour and position) in every seed, so the committed standard is the eval
+reward: +0.01. The all-correct accuracy is capped by shapes the shipped model draws near chance (shape accuracy ~0.34;
+squares are never recognised), and it rose in two seeds of three, so it is reported, not asserted.
 """
 
 from __future__ import annotations
@@ -37,10 +50,13 @@ SEED = 1
 EVAL_PROMPTS = 500
 # k-step generator vs k Euler steps of the teacher; the two seeds gave +0.050 / +0.018 (k = 1), +0.060 / +0.030 (k = 2)
 MIN_GAIN_OVER_EULER = {1: 0.01, 2: 0.02}
+# nft: eval reward after 20 rollouts minus before; seeds 1 / 2 / 3 gave +0.024 / +0.017 / +0.022
+MIN_NFT_REWARD_GAIN = 0.01
+REWARD = "eval/shapes_reward_mean"
 
-RL_RUNS = {  # what `measure` runs for nft / policy_loss (no committed standard: see the issue notes)
-    "policy_loss": ("--loss-type", "policy_loss", "--lr", "3e-4", "--diffusion-guidance-scale", "1"),
-    "nft": ("--loss-type", "nft", "--lr", "3e-4"),
+RL_RUNS = {  # what `measure` runs: nft as its standard; policy_loss with the defaults (no standard, see issue 4)
+    "policy_loss": ("--loss-type", "policy_loss"),
+    "nft": ("--loss-type", "nft", "--lr", "1e-4"),
 }
 
 
@@ -54,8 +70,8 @@ def shapes_args(out, seed: int, *extra: str):
     return args
 
 
-def eval_accuracies(out) -> list[float]:
-    return [m[ACC] for m in read_metrics(out / "metrics.jsonl") if ACC in m]
+def eval_accuracies(out, key: str = ACC) -> list[float]:
+    return [m[key] for m in read_metrics(out / "metrics.jsonl") if key in m]
 
 
 def teacher_accuracies(steps: tuple[int, ...] = (20, 1, 2)) -> dict[int, float]:
@@ -77,18 +93,22 @@ def dmd2_run(k: int, seed: int, out) -> float:
     return eval_accuracies(out)[-1]
 
 
-def rl_run(loss: str, seed: int, out) -> tuple[float, float]:
-    """Accuracy before the first update and after 20 rollouts."""
+def rl_run(loss: str, seed: int, out) -> dict[str, tuple[float, float]]:
+    """Eval accuracy and eval reward, each before the first update and after 20 rollouts."""
     train_diffusion.run(shapes_args(out, seed, *RL_RUNS[loss], "--num-rollout", "20"))
-    accuracies = eval_accuracies(out)
-    return accuracies[0], accuracies[-1]
+    return {key: (values[0], values[-1]) for key in (ACC, REWARD) for values in [eval_accuracies(out, key)]}
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_dmd2_generator_beats_as_many_euler_steps_of_its_teacher(ray_cluster, tmp_path, k):
+def test_dmd2_generator_beats_as_many_euler_steps_of_its_teacher(ray_cluster, tmp_path, k=2):
     euler = teacher_accuracies((k,))[k]
     generator = dmd2_run(k, SEED, tmp_path)
     assert generator >= euler + MIN_GAIN_OVER_EULER[k], (k, generator, euler)
+
+
+def test_nft_raises_the_eval_reward_of_the_shipped_model(ray_cluster, tmp_path):
+    result = rl_run("nft", SEED, tmp_path)
+    before, after = result[REWARD]
+    assert after >= before + MIN_NFT_REWARD_GAIN, result
 
 
 def measure(which: list[str], seeds: list[int]) -> None:
@@ -107,8 +127,10 @@ def measure(which: list[str], seeds: list[int]) -> None:
                 for k in (1, 2):
                     print(f"dmd2 k={k} seed {seed}: {dmd2_run(k, seed, root / f'dmd2_{k}_{seed}'):.3f}", flush=True)
             else:
-                before, after = rl_run(name, seed, root / f"{name}_{seed}")
-                print(f"{name} seed {seed}: {before:.3f} -> {after:.3f}", flush=True)
+                result = rl_run(name, seed, root / f"{name}_{seed}")
+                print(
+                    f"{name} seed {seed}:", *(f"{key} {a:.3f} -> {b:.3f}" for key, (a, b) in result.items()), flush=True
+                )
 
 
 if __name__ == "__main__":
