@@ -36,12 +36,16 @@ squares are never recognised), and it rose in two seeds of three, so it is repor
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
-import train_diffusion
-from miles.utils.arguments import parse_args
-from miles.utils.tracking import read_metrics
+if __name__ == "__main__":  # run as a script (`measure`): the driver module lives at the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import train_diffusion  # noqa: E402
+from miles.utils.arguments import parse_args  # noqa: E402
+from miles.utils.tracking import read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 ACC = "eval/shapes_accuracy"
@@ -115,7 +119,6 @@ def measure(which: list[str], seeds: list[int]) -> None:
     """Re-measure: prints one line per run and seed."""
     import os
     import tempfile
-    from pathlib import Path
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     root = Path(tempfile.mkdtemp(prefix="miles-standards-"))
