@@ -6,31 +6,42 @@ plain Euler steps of its own scheduler. DiffusionNFT fine-tunes the shipped mode
 `python tests/e2e/test_learning.py dmd2 SEED...` re-measures every dmd2 number below (1- and 2-step generators);
 `nft` or `policy_loss` in place of `dmd2` measures those runs' before/after.
 
-Measured on this machine (2 CPU cores), `eval/shapes_accuracy` on 500 eval prompts:
+Measured on this machine (2 CPU cores), `eval/shapes_accuracy` on 500 eval prompts (the teacher rows are the same
+for every seed: fixed eval noise):
 
 | | seed 1 | seed 2 |
 |---|---|---|
-| teacher, 20 steps, CFG 4.5 | 0.262 | 0.262 |
-| teacher, 1 Euler step / 2 Euler steps, CFG 4.5 | 0.132 / 0.132 | 0.132 / 0.132 |
-| dmd2 1-step generator, 30 rollouts | 0.182 | 0.150 |
-| dmd2 2-step generator, 30 rollouts | 0.192 | 0.162 |
+| teacher, 20 steps, CFG 4.5 | 0.566 | 0.566 |
+| teacher, 1 Euler step / 2 Euler steps, CFG 4.5 | 0.192 / 0.194 | 0.192 / 0.194 |
+| dmd2 1-step generator, 30 rollouts | 0.400 | 0.442 |
+| dmd2 2-step generator, 30 rollouts | 0.540 | 0.502 |
 
-The generators beat as many Euler steps by 5.0 / 1.8 points (k = 1) and 6.0 / 3.0 (k = 2); the committed standards are
-1 and 2 points (the suite runs k = 2; k = 1 is re-measured by the command above). Neither came within a few points
-of the teacher in 30 rollouts (they close 15-45% of the gap), so that is not asserted.
-(The scheduler's 2-step grid ends at σ ≈ 0.003, so its second Euler step barely moves the sample.)
+The 2-step generator comes within 2.6 / 6.4 points of the teacher and beats 2 Euler steps by 34.6 / 30.8 points; the
+1-step generator stays 16.6 / 12.4 points short of the teacher and beats 1 Euler step by 20.8 / 25.0. The committed
+standards (`MIN_GAIN_OVER_EULER`, `MAX_GAP_TO_TEACHER`) sit below what both seeds showed; the suite runs k = 2, and
+k = 1 is re-measured by the command above. (The scheduler's 2-step grid ends at σ ≈ 0.003, so its second Euler step
+barely moves the sample.)
 
-nft, lr 1e-4, 20 rollouts, CFG-free eval (20 ODE steps), seeds 1 / 2 / 3, from 0.188 accuracy and 0.757 reward:
+nft, lr 1e-4, 20 rollouts, CFG-free eval (20 ODE steps), from 0.420 accuracy and 0.861 reward:
 
-| | seed 1 | seed 2 | seed 3 |
-|---|---|---|---|
-| `eval/shapes_reward_mean` after 20 rollouts | 0.780 (+0.024) | 0.773 (+0.017) | 0.778 (+0.022) |
-| `eval/shapes_accuracy` after 20 rollouts | 0.230 (+4.2 pts) | 0.202 (+1.4) | 0.186 (-0.2) |
-| colour / position accuracy after (0.946 / 0.940 before) | 0.988 / 0.980 | 0.996 / 0.964 | 0.998 / 0.984 |
+| | seed 1 | seed 2 | seed 3 | seed 4 |
+|---|---|---|---|---|
+| `eval/shapes_reward_mean` after 20 rollouts | 0.874 (+0.013) | 0.875 (+0.014) | 0.874 (+0.013) | 0.879 (+0.018) |
+| `eval/shapes_accuracy` after 20 rollouts | 0.444 (+2.4 pts) | 0.426 (+0.6) | 0.418 (-0.2) | 0.456 (+3.6) |
 
-nft learns what CFG otherwise supplies (colour and position) in every seed, so the committed standard is the eval
-reward: +0.01. The all-correct accuracy is capped by shapes the shipped model draws near chance (shape accuracy ~0.34;
-squares are never recognised), and it rose in two seeds of three, so it is reported, not asserted.
+The eval reward rose in every seed, so the committed standard is +0.01; the all-correct accuracy rose in three seeds
+of four, so it is reported, not asserted.
+
+policy_loss (Flow-GRPO) with the default flags (lr 1e-4, CFG 4.5, per-group std), 20 rollouts, from 0.566 accuracy:
+
+| | seed 1 | seed 2 | seed 3 | seed 4 |
+|---|---|---|---|---|
+| `eval/shapes_accuracy` after 20 rollouts | 0.584 (+1.8 pts) | 0.582 (+1.6) | 0.572 (+0.6) | 0.558 (-0.8) |
+| the same with `--globalize-reward-std` | 0.578 (+1.2) | 0.574 (+0.8) | 0.594 (+2.8) | |
+
+The eval reward stayed within ±0.004 of 0.908 in all of them; 40 rollouts (seed 1) reached 0.588; lr 3e-4 and 1e-3
+(seed 3) lowered accuracy to 0.34 and 0.04. No seed-independent margin, so policy_loss has no learning standard here
+(issue 4 stays open on it); tests/e2e/test_policy_loss.py checks that its reward rises on a simpler objective.
 """
 
 from __future__ import annotations
@@ -52,14 +63,16 @@ ACC = "eval/shapes_accuracy"
 SEED = 1
 # 100 prompts leave a binomial std of ~4 points on a ~20% accuracy, as large as the effects measured here
 EVAL_PROMPTS = 500
-# k-step generator vs k Euler steps of the teacher; the two seeds gave +0.050 / +0.018 (k = 1), +0.060 / +0.030 (k = 2)
-MIN_GAIN_OVER_EULER = {1: 0.01, 2: 0.02}
+# k-step generator vs k Euler steps of the teacher; the two seeds gave +0.208 / +0.250 (k = 1), +0.346 / +0.308 (k = 2)
+MIN_GAIN_OVER_EULER = {1: 0.15, 2: 0.25}
+# teacher (20 steps, CFG 4.5) minus the k-step generator; the two seeds gave 0.166 / 0.124 (k = 1), 0.026 / 0.064 (k = 2)
+MAX_GAP_TO_TEACHER = {1: 0.20, 2: 0.08}
 SUITE_K = 2  # the generator the suite distils; `measure` runs both
-# nft: eval reward after 20 rollouts minus before; seeds 1 / 2 / 3 gave +0.024 / +0.017 / +0.022
+# nft: eval reward after 20 rollouts minus before; seeds 1 / 2 / 3 / 4 gave +0.013 / +0.014 / +0.013 / +0.018
 MIN_NFT_REWARD_GAIN = 0.01
 REWARD = "eval/shapes_reward_mean"
 
-RL_RUNS = {  # what `measure` runs: nft as its standard; policy_loss with the defaults (no standard, see issue 4)
+RL_RUNS = {  # what `measure` runs: nft as its standard; policy_loss with the defaults (no standard, see above)
     "policy_loss": ("--loss-type", "policy_loss"),
     "nft": ("--loss-type", "nft", "--lr", "1e-4"),
 }
@@ -106,10 +119,11 @@ def rl_run(loss: str, seed: int, out) -> dict[str, tuple[float, float]]:
     return {key: (values[0], values[-1]) for key, values in eval_series(out, (ACC, REWARD)).items()}
 
 
-def test_dmd2_generator_beats_as_many_euler_steps_of_its_teacher(ray_cluster, tmp_path):
-    euler = teacher_accuracies((SUITE_K,))[SUITE_K]
+def test_dmd2_generator_nears_its_teacher_and_beats_as_many_euler_steps(ray_cluster, tmp_path):
+    teacher = teacher_accuracies((20, SUITE_K))
     generator = dmd2_run(SUITE_K, SEED, tmp_path)
-    assert generator >= euler + MIN_GAIN_OVER_EULER[SUITE_K], (SUITE_K, generator, euler)
+    assert generator >= teacher[SUITE_K] + MIN_GAIN_OVER_EULER[SUITE_K], (SUITE_K, generator, teacher)
+    assert generator >= teacher[20] - MAX_GAP_TO_TEACHER[SUITE_K], (SUITE_K, generator, teacher)
 
 
 def test_nft_raises_the_eval_reward_of_the_shipped_model(ray_cluster, tmp_path):

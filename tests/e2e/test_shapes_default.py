@@ -29,4 +29,6 @@ def test_shipped_model_loads_in_plain_diffusers_and_draws_shapes():
         [(np.asarray(im) * 255).round().astype("uint8") for im in images],
         [{"color": "red", "shape": "circle", "count": 2, "position": "left"}] * 4,
     )
-    assert np.mean([s.color for s in scores]) > 0.5  # recognisable red ink, where a random model draws noise
+    # red ink, two objects, on the left: what the shipped model gets right (~99%) and a random model draws as noise
+    for attribute in ("color", "count", "position"):
+        assert np.mean([getattr(s, attribute) for s in scores]) > 0.75, attribute
