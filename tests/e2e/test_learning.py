@@ -39,9 +39,10 @@ policy_loss (Flow-GRPO) with the default flags (lr 1e-4, CFG 4.5, per-group std)
 | `eval/shapes_accuracy` after 20 rollouts | 0.584 (+1.8 pts) | 0.582 (+1.6) | 0.572 (+0.6) | 0.558 (-0.8) |
 | the same with `--globalize-reward-std` | 0.578 (+1.2) | 0.574 (+0.8) | 0.594 (+2.8) | |
 
-The eval reward stayed within ±0.004 of 0.908 in all of them; 40 rollouts (seed 1) reached 0.588; lr 3e-4 and 1e-3
-(seed 3) lowered accuracy to 0.34 and 0.04. No seed-independent margin, so policy_loss has no learning standard here
-(issue 4 stays open on it); tests/e2e/test_policy_loss.py checks that its reward rises on a simpler objective.
+The eval reward stayed within ±0.004 of 0.908 in all of them; 40 rollouts gave 0.588 / 0.560 (seeds 1 / 2); lr 3e-4
+and 1e-3 (seed 3) lowered accuracy to 0.34 and 0.04. No seed-independent margin, so policy_loss has no learning
+standard here (issue 4 stays open on it); tests/e2e/test_policy_loss.py checks that its reward rises on a simpler
+objective.
 """
 
 from __future__ import annotations
