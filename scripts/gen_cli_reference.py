@@ -21,7 +21,9 @@ Cross-flag rules (ARCHITECTURE §8) are checked by `validate_args` before any ac
 RULES = """## Rules checked before start-up
 
 - `--diffusion-recompute-old-log-prob` is rejected under `sft_loss`, `nft` and `dmd2` (no log-prob ratio).
-- `--loss-type dmd2` requires `--teacher-load`; `--teacher-load` is accepted under every loss type.
+- `--loss-type dmd2` requires `--teacher-load`; `--teacher-load` is accepted under every loss type. Under `dmd2`,
+  `--diffusion-guidance-scale` above 1 is rejected (the generator is CFG-free; the teacher's CFG is
+  `--dmd2-real-guidance-scale`).
 - `--custom-prepare-train-batch-path`, `--custom-loss-function-path`, `--custom-train-input-postprocess-path`,
   `--custom-train-output-path` only under `custom_loss`, which requires the first two.
 - The `--critic-*` overrides only under `dmd2`; unset ones take the actor's values (`--critic-checkpoint`

@@ -155,7 +155,7 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="CFG scale of sampling; ≤ 1 disables CFG (default 4.5; nft: 1, CFG-free like DiffusionNFT; "
-        "dmd2's generator is always CFG-free).",
+        "dmd2: 1, its generator is CFG-free and a scale > 1 is an error).",
     )
     group.add_argument("--negative-prompt", default="", help="Negative prompt of the CFG branch.")
 
@@ -264,8 +264,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"{', '.join(given_critic)} only apply to --loss-type dmd2 (the only loss with a critic)")
     if loss == "sft_loss":  # SFT trains each dataset pair once: there are no sample groups
         args.n_samples_per_prompt = 1
-    if args.diffusion_guidance_scale is None:  # DiffusionNFT samples and trains CFG-free
-        args.diffusion_guidance_scale = 1.0 if loss == "nft" else 4.5
+    if args.diffusion_guidance_scale is None:  # DiffusionNFT and the DMD2 generator sample CFG-free
+        args.diffusion_guidance_scale = 1.0 if loss in ("nft", "dmd2") else 4.5
     _validate_positive(args)
     if not args.hf_checkpoint:
         raise ArgumentError("--hf-checkpoint DIR is required (a local diffusers pipeline folder)")

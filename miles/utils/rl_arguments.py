@@ -199,7 +199,11 @@ def _validate_dmd2(args: argparse.Namespace, error) -> None:
         error(f"--dmd2-timestep-shift must be > 0, got {args.dmd2_timestep_shift}")
     if args.dmd2_real_guidance_scale < 1:
         error(f"--dmd2-real-guidance-scale must be ≥ 1 (1: no CFG), got {args.dmd2_real_guidance_scale}")
-    args.diffusion_guidance_scale = 1.0  # the generator samples CFG-free; the teacher's is --dmd2-real-guidance-scale
+    if args.diffusion_guidance_scale > 1:
+        error(
+            f"--diffusion-guidance-scale {args.diffusion_guidance_scale} does not apply to --loss-type dmd2: the generator"
+            " samples CFG-free; the teacher's CFG is --dmd2-real-guidance-scale"
+        )
     if args.critic_micro_batch_size is not None and args.critic_micro_batch_size < 1:
         error(f"--critic-micro-batch-size must be ≥ 1, got {args.critic_micro_batch_size}")
     if args.critic_num_steps_per_rollout is None:

@@ -54,6 +54,14 @@ def test_training_hook_paths_only_under_custom_loss(capsys):
     assert args.custom_train_output_path == "m.o"
 
 
+def test_dmd2_rejects_a_sampling_guidance_scale(capsys):
+    dmd2 = BASE + ["--loss-type", "dmd2", "--teacher-load", "/t"]
+    err = parse_error(dmd2 + ["--diffusion-guidance-scale", "4.5"], capsys)
+    assert "--diffusion-guidance-scale 4.5 does not apply to --loss-type dmd2" in err
+    assert "--dmd2-real-guidance-scale" in err
+    assert parse_args(dmd2 + ["--diffusion-guidance-scale", "1"]).diffusion_guidance_scale == 1.0
+
+
 def test_critic_overrides_only_under_dmd2(capsys):
     assert "--critic-lr" in parse_error(SFT + ["--critic-lr", "1e-5"], capsys)
     args = parse_args(BASE + ["--loss-type", "dmd2", "--teacher-load", "/t", "--critic-lr", "1e-5"])
