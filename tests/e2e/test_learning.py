@@ -25,15 +25,18 @@ k = 1 is re-measured by the command above. Twice the rollouts bring the 2-step g
 the teacher and the 1-step one within 4.0 / 12.8; the suite keeps 30 (2.5 min). (The scheduler's 2-step grid ends at
 σ ≈ 0.003, so its second Euler step barely moves the sample.)
 
-nft, lr 1e-4, 20 rollouts, CFG-free eval (20 ODE steps), from 0.420 accuracy and 0.861 reward:
+nft, lr 1e-4, CFG-free eval (20 ODE steps), from 0.420 accuracy and 0.861 reward (the same model at CFG 4.5: 0.566):
 
 | | seed 1 | seed 2 | seed 3 | seed 4 |
 |---|---|---|---|---|
-| `eval/shapes_reward_mean` after 20 rollouts | 0.874 (+0.013) | 0.875 (+0.014) | 0.874 (+0.013) | 0.879 (+0.018) |
 | `eval/shapes_accuracy` after 20 rollouts | 0.444 (+2.4 pts) | 0.426 (+0.6) | 0.418 (-0.2) | 0.456 (+3.6) |
+| `eval/shapes_reward_mean` after 20 rollouts | 0.874 (+0.013) | 0.875 (+0.014) | 0.874 (+0.013) | 0.879 (+0.018) |
+| `eval/shapes_accuracy` after 40 rollouts | 0.540 (+12.0 pts) | 0.508 (+8.8) | 0.496 (+7.6) | |
+| `eval/shapes_reward_mean` after 40 rollouts | 0.893 (+0.032) | 0.893 (+0.032) | 0.885 (+0.024) | |
 
-The eval reward rose in every seed, so the committed standard is +0.01; the all-correct accuracy rose in three seeds
-of four, so it is reported, not asserted.
+After 40 rollouts (4.5 min) the CFG-free model nears what CFG gives the shipped one (count accuracy 0.91 → 0.99 in
+seed 2, shape 0.58 → 0.63); the committed standards are +4 points of accuracy and +0.015 reward after 40 rollouts.
+lr 3e-4 (seed 3, 20 rollouts) lowered accuracy to 0.396.
 
 policy_loss (Flow-GRPO) with the default flags (lr 1e-4, CFG 4.5, per-group std), 20 rollouts, from 0.566 accuracy:
 
@@ -72,13 +75,15 @@ MIN_GAIN_OVER_EULER = {1: 0.15, 2: 0.25}
 # teacher (20 steps, CFG 4.5) minus the k-step generator; the two seeds gave 0.166 / 0.124 (k = 1), 0.026 / 0.064 (k = 2)
 MAX_GAP_TO_TEACHER = {1: 0.20, 2: 0.08}
 SUITE_K = 2  # the generator the suite distils; `measure` runs both
-# nft: eval reward after 20 rollouts minus before; seeds 1 / 2 / 3 / 4 gave +0.013 / +0.014 / +0.013 / +0.018
-MIN_NFT_REWARD_GAIN = 0.01
+# nft after 40 rollouts minus before; seeds 1 / 2 / 3: accuracy +0.120 / +0.088 / +0.076, reward +0.032 / +0.032 / +0.024
+NFT_ROLLOUTS = 40
+MIN_NFT_ACCURACY_GAIN = 0.04
+MIN_NFT_REWARD_GAIN = 0.015
 REWARD = "eval/shapes_reward_mean"
 
 RL_RUNS = {  # what `measure` runs: nft as its standard; policy_loss with the defaults (no standard, see above)
-    "policy_loss": ("--loss-type", "policy_loss"),
-    "nft": ("--loss-type", "nft", "--lr", "1e-4"),
+    "policy_loss": ("--loss-type", "policy_loss", "--num-rollout", "20"),
+    "nft": ("--loss-type", "nft", "--lr", "1e-4", "--num-rollout", str(NFT_ROLLOUTS)),
 }
 
 
@@ -118,8 +123,8 @@ def dmd2_run(k: int, seed: int, out) -> float:
 
 
 def rl_run(loss: str, seed: int, out) -> dict[str, tuple[float, float]]:
-    """Eval accuracy and eval reward, each before the first update and after 20 rollouts."""
-    train_diffusion.run(shapes_args(out, seed, *RL_RUNS[loss], "--num-rollout", "20"))
+    """Eval accuracy and eval reward, each before the first update and after the run's rollouts."""
+    train_diffusion.run(shapes_args(out, seed, *RL_RUNS[loss]))
     return {key: (values[0], values[-1]) for key, values in eval_series(out, (ACC, REWARD)).items()}
 
 
@@ -130,10 +135,10 @@ def test_dmd2_generator_nears_its_teacher_and_beats_as_many_euler_steps(ray_clus
     assert generator >= teacher[20] - MAX_GAP_TO_TEACHER[SUITE_K], (SUITE_K, generator, teacher)
 
 
-def test_nft_raises_the_eval_reward_of_the_shipped_model(ray_cluster, tmp_path):
+def test_nft_raises_the_accuracy_of_the_shipped_model(ray_cluster, tmp_path):
     result = rl_run("nft", SEED, tmp_path)
-    before, after = result[REWARD]
-    assert after >= before + MIN_NFT_REWARD_GAIN, result
+    assert result[ACC][1] >= result[ACC][0] + MIN_NFT_ACCURACY_GAIN, result
+    assert result[REWARD][1] >= result[REWARD][0] + MIN_NFT_REWARD_GAIN, result
 
 
 def measure(which: list[str], seeds: list[int]) -> None:
