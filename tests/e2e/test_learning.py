@@ -128,11 +128,20 @@ def rl_run(loss: str, seed: int, out) -> dict[str, tuple[float, float]]:
     return {key: (values[0], values[-1]) for key, values in eval_series(out, (ACC, REWARD)).items()}
 
 
+def dmd2_shortfalls(k: int, generator: float, teacher: dict[int, float]) -> list[str]:
+    """The committed k-step standards the generator misses (teacher: accuracy by step count, 20 and k at least)."""
+    shortfalls = []
+    if generator < teacher[k] + MIN_GAIN_OVER_EULER[k]:
+        shortfalls.append(f"less than {MIN_GAIN_OVER_EULER[k]} above {k} Euler steps ({teacher[k]:.3f})")
+    if generator < teacher[20] - MAX_GAP_TO_TEACHER[k]:
+        shortfalls.append(f"more than {MAX_GAP_TO_TEACHER[k]} below the teacher ({teacher[20]:.3f})")
+    return shortfalls
+
+
 def test_dmd2_generator_nears_its_teacher_and_beats_as_many_euler_steps(ray_cluster, tmp_path):
     teacher = teacher_accuracies((20, SUITE_K))
     generator = dmd2_run(SUITE_K, SEED, tmp_path)
-    assert generator >= teacher[SUITE_K] + MIN_GAIN_OVER_EULER[SUITE_K], (SUITE_K, generator, teacher)
-    assert generator >= teacher[20] - MAX_GAP_TO_TEACHER[SUITE_K], (SUITE_K, generator, teacher)
+    assert not dmd2_shortfalls(SUITE_K, generator, teacher), (SUITE_K, generator, teacher)
 
 
 def test_nft_raises_the_accuracy_of_the_shipped_model(ray_cluster, tmp_path):
@@ -149,12 +158,15 @@ def measure(which: list[str], seeds: list[int]) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     root = Path(tempfile.mkdtemp(prefix="miles-standards-"))
     if "dmd2" in which:
-        print("teacher (steps: accuracy)", teacher_accuracies(), flush=True)
+        teacher = teacher_accuracies()
+        print("teacher (steps: accuracy)", teacher, flush=True)
     for seed in seeds:
         for name in which:
             if name == "dmd2":
                 for k in (1, 2):
-                    print(f"dmd2 k={k} seed {seed}: {dmd2_run(k, seed, root / f'dmd2_{k}_{seed}'):.3f}", flush=True)
+                    generator = dmd2_run(k, seed, root / f"dmd2_{k}_{seed}")
+                    verdict = "; ".join(dmd2_shortfalls(k, generator, teacher)) or "meets the standards"
+                    print(f"dmd2 k={k} seed {seed}: {generator:.3f} ({verdict})", flush=True)
             else:
                 result = rl_run(name, seed, root / f"{name}_{seed}")
                 print(
