@@ -31,6 +31,8 @@ RULES = """## Rules checked before start-up
 - Batch invariant: `--rollout-batch-size` x `--n-samples-per-prompt` = `--global-batch-size` x
   `--num-steps-per-rollout`; `--global-batch-size` divisible by `--dp-size` (it defaults to the value that
   satisfies the invariant).
+- `--diffusion-shared-initial-noise` is rejected under `nft` (its ODE samples of a prompt would all be one image)
+  and `dmd2`.
 - `--loss-type sft_loss` needs `--train-only` and `--n-samples-per-prompt 1`.
 - `--load DIR` must exist unless it equals `--save` (auto-resume).
 """

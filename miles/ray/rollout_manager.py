@@ -25,6 +25,14 @@ def sample_seed(rollout_seed: int, rollout_id: int, index: int) -> int:
     return int(np.random.SeedSequence([rollout_seed, rollout_id, index]).generate_state(1)[0])
 
 
+def group_initial_seeds(samples: list[Sample]) -> list[int]:
+    """--diffusion-shared-initial-noise: every sample starts from its group's first sample's initial latent."""
+    first: dict[int, int] = {}
+    for sample in samples:
+        first.setdefault(sample.group_index, sample.seed)
+    return [first[sample.group_index] for sample in samples]
+
+
 class RolloutManager:
     """--train-only (SFT): dataset pairs encoded once. Otherwise: engines generate, rewards score, pairs go out."""
 
@@ -152,6 +160,7 @@ class RolloutManager:
             request = GenerateRequest(
                 prompts=[s.prompt for s in samples],
                 seeds=[s.seed for s in samples],
+                initial_seeds=group_initial_seeds(samples) if args.diffusion_shared_initial_noise else None,
                 num_steps=args.diffusion_num_steps,
                 guidance_scale=args.diffusion_guidance_scale,
                 negative_prompt=args.negative_prompt,

@@ -39,10 +39,13 @@ class GenerateRequest:
     decode: bool = True
     shift: float | None = None  # σ-grid shift; None: the family's scheduler shift
     return_negative: bool = False  # encode the negative prompt even without CFG (DMD2's teacher needs it)
+    initial_seeds: list[int] | None = None  # prompt i's initial latent from initial_seeds[i]; its steps' from seeds[i]
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.seeds):
             raise ValueError(f"GenerateRequest has {len(self.prompts)} prompts but {len(self.seeds)} seeds")
+        if self.initial_seeds is not None and len(self.initial_seeds) != len(self.seeds):
+            raise ValueError(f"GenerateRequest has {len(self.seeds)} seeds but {len(self.initial_seeds)} initial_seeds")
         if self.sde_type not in SDE_KERNELS:
             raise ValueError(f"unknown --diffusion-sde-type {self.sde_type!r}; valid: {', '.join(sorted(SDE_KERNELS))}")
         if self.num_steps < 1:
@@ -212,7 +215,7 @@ class DiffusionEngine:
             if uses_cfg(request.guidance_scale) or request.return_negative
             else None
         )
-        noise = draw_sample_noise(request.seeds, request.num_steps, shape).to(self.device)
+        noise = draw_sample_noise(request.seeds, request.num_steps, shape, request.initial_seeds).to(self.device)
         x = noise[:, 0].contiguous()
         kernel, ode = get_sde_kernel(request.sde_type), get_sde_kernel("ode")
         trained = set(request.trained_steps)
@@ -257,15 +260,20 @@ class DiffusionEngine:
         )
 
 
-def draw_sample_noise(seeds: list[int], num_steps: int, shape: tuple[int, ...]) -> torch.Tensor:
+def draw_sample_noise(
+    seeds: list[int], num_steps: int, shape: tuple[int, ...], initial_seeds: list[int] | None = None
+) -> torch.Tensor:
     """(B, num_steps + 1, *shape) float32 CPU: per sample, from `torch.Generator().manual_seed(seed)`, the initial
     latent then one draw per step, in that order. A sample's noise depends on its seed only, never on its
-    batch-mates or on which steps are trained (`ode` steps draw and ignore theirs)."""
+    batch-mates or on which steps are trained (`ode` steps draw and ignore theirs). With `initial_seeds`, row i's
+    initial latent is the first draw of `initial_seeds[i]` instead; its step noise stays that of `seeds[i]`."""
     out = torch.empty(len(seeds), num_steps + 1, *shape)
     for row, seed in enumerate(seeds):
         generator = torch.Generator().manual_seed(int(seed))
         for i in range(num_steps + 1):
             out[row, i] = torch.randn(shape, generator=generator)
+        if initial_seeds is not None:
+            out[row, 0] = torch.randn(shape, generator=torch.Generator().manual_seed(int(initial_seeds[row])))
     return out
 
 

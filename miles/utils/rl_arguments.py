@@ -13,6 +13,11 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--diffusion-sde-type", choices=("sde", "cps", "ode"), default="sde", help="Step kernel.")
     group.add_argument("--diffusion-noise-level", type=float, default=0.7, help="SDE noise level a.")
     group.add_argument(
+        "--diffusion-shared-initial-noise",
+        action="store_true",
+        help="A prompt's samples start from one latent; they differ by their SDE noise only (policy_loss).",
+    )
+    group.add_argument(
         "--diffusion-num-sde-steps",
         type=int,
         default=3,
@@ -174,6 +179,11 @@ def validate_rl_args(args: argparse.Namespace, error) -> None:
         error("--rm-num-workers must be ≥ 0")
     if args.loss_type == "policy_loss" and args.diffusion_sde_type == "ode":
         error("--loss-type policy_loss needs stochastic steps: --diffusion-sde-type sde or cps")
+    if args.diffusion_shared_initial_noise and args.loss_type in ("nft", "dmd2"):
+        error(
+            f"--diffusion-shared-initial-noise is for SDE rollouts (policy_loss, custom_loss); --loss-type "
+            f"{args.loss_type} samples {'deterministic ODE' if args.loss_type == 'nft' else 'generator'} trajectories"
+        )
     if args.save_debug_rollout_data and args.load_debug_rollout_data:
         error("--save-debug-rollout-data and --load-debug-rollout-data exclude each other")
     if args.loss_type in ("policy_loss", "nft", "dmd2") and args.train_only:

@@ -120,6 +120,20 @@ def test_other_seed_other_trajectory(engine):
     assert (result.final_latents[0] - result.final_latents[1]).abs().max() > 1e-2
 
 
+def test_shared_initial_latent_leaves_only_the_sde_noise_to_differ(engine):
+    """--diffusion-shared-initial-noise: the same start, each sample's own step noise; the group's first sample is
+    exactly the one it would be without sharing."""
+    shared = engine.generate(request(prompts=PROMPTS[:1] * 2, seeds=[1, 2], initial_seeds=[1, 1]))
+    own = engine.generate(request(prompts=PROMPTS[:1], seeds=[1]))
+    assert torch.equal(shared.latents[0, 0], shared.latents[1, 0])  # step 0's input: the initial latent
+    assert (shared.next_latents[0, 0] - shared.next_latents[1, 0]).abs().max() > 1e-2
+    assert (shared.final_latents[0] - own.final_latents[0]).abs().max() <= 1e-5
+    ode = engine.generate(
+        request(prompts=PROMPTS[:1] * 2, seeds=[1, 2], initial_seeds=[1, 1], sde_type="ode", trained_steps=[])
+    )
+    assert torch.equal(ode.final_latents[0], ode.final_latents[1])
+
+
 def test_ode_without_recording_is_a_plain_euler_loop(engine, family, fresh_transformer):
     result = engine.generate(request(sde_type="ode", trained_steps=[]))
     positive, negative = prompt_embeds_of(result)
@@ -203,6 +217,8 @@ def test_lora_update_equals_merged_full_weights(tiny_pipeline_dir, engine):
 def test_request_validation():
     with pytest.raises(ValueError, match="2 prompts but 1 seeds"):
         request(prompts=PROMPTS[:2], seeds=[1])
+    with pytest.raises(ValueError, match="4 seeds but 1 initial_seeds"):
+        request(initial_seeds=[1])
     with pytest.raises(ValueError, match=r"\[0, 2\]"):
         request(trained_steps=[3])
     with pytest.raises(ValueError, match="sorted, unique"):

@@ -110,3 +110,11 @@ def test_no_flags_is_the_shipped_shapes_rl_run():
     )
     assert args.dp_size == 2 and args.eval_interval == 10
     assert parse_args(["--loss-type", "dmd2", "--teacher-load", "/t"]).diffusion_guidance_scale == 1.0
+
+
+@pytest.mark.parametrize("loss", ["nft", "dmd2"])
+def test_shared_initial_noise_only_for_sde_rollouts(loss, capsys):
+    shared = ["--diffusion-shared-initial-noise"]
+    err = parse_error(BASE + ["--loss-type", loss, "--teacher-load", "/t"] + shared, capsys)
+    assert "--diffusion-shared-initial-noise" in err and loss in err
+    assert parse_args(BASE + ["--loss-type", "policy_loss"] + shared).diffusion_shared_initial_noise
