@@ -110,7 +110,7 @@ def add_dmd2_arguments(parser: argparse.ArgumentParser) -> None:
         "--dmd2-timestep-shift",
         type=float,
         default=None,
-        help="Shift of the timestep draw and generator grid (default: the model's scheduler shift).",
+        help="Shift of the timestep draw and generator grid (default: the model's scheduler shift; 1-step: try 1).",
     )
 
 
