@@ -18,7 +18,7 @@ the result on 200 eval prompts with 20 ODE steps: 54.0% at CFG 4.5 (shape 0.67, 
 56.5% at CFG 3, 39.0% CFG-free. An earlier revision of this script with the same settings gave a bit-identical VAE and
 a transformer of equal quality but other weights (55.5 / 57.5 / 40.0%): SFT through Ray is not bit-deterministic. The
 previously shipped folder (`--sft-steps 1200`, 26% at CFG 4.5) drew shapes near chance (shape accuracy 0.40, squares
-never recognised); from this one DMD2 distils a 2-step generator within 3-6 points of it and DiffusionNFT
+never recognised); from this one DMD2 distils 1- and 2-step generators within 3 points of it and DiffusionNFT
 raises CFG-free accuracy by 8-12 points in 40 rollouts (see tests/e2e/test_learning.py).
 """
 

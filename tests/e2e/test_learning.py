@@ -25,16 +25,15 @@ At a constant lr, 30 rollouts bring the 2-step generator within 2.6 / 6.4 points
 recipe (`DMD2_RECIPES`) ends in a cosine learning-rate decay: the 2-step generator then scores 0.586 / 0.548 after 60
 rollouts (2.0 above / 1.8 below the teacher, +39.2 / +35.4 over 2 Euler steps; 30 rollouts with the decay gave
 0.548 / 0.490). The committed standards (`MIN_GAIN_OVER_EULER`, `MAX_GAP_TO_TEACHER`) sit below what every seed
-showed with each recipe; the suite distils k = 2 (3.5 min), and k = 1 is re-measured by the command above. (The
-scheduler's 2-step grid ends at σ ≈ 0.003, so its second Euler step barely moves the sample.)
+showed with each recipe; the suite distils k = 2 (3.5 min), and k = 1 (5 min) is re-measured by the command above.
+(The scheduler's 2-step grid ends at σ ≈ 0.003, so its second Euler step barely moves the sample.)
 
-The 1-step generator needs its own recipe (`DMD2_RECIPES`): DMD timesteps drawn unshifted (`--dmd2-timestep-shift
-1`; the scheduler's shift 3 favours high noise, where layout is learnt, and left its shapes behind: shape accuracy
-0.59 vs 0.66 at 60 rollouts, seed 2), 90 rollouts, and a cosine learning-rate decay: at a constant lr its accuracy
-swings by ±4 points from one 30-rollout eval to the next (seed 1: 0.432 / 0.534 / 0.492 / 0.456 at 30 / 60 / 90 /
-120 rollouts), and the decay lets it settle. Seeds 1 / 2 / 3 give 0.538 / 0.536 / 0.536: 2.8 / 3.0 / 3.0 points below
-the teacher and 34.6 / 34.4 / 34.4 above one Euler step (5 min per run, so `measure` runs it and the suite does not).
-Shift 1 or 2 at a constant lr for 60 rollouts gave 0.534 / 0.480 and 0.518 / 0.488 (seeds 1 / 2).
+The 1-step recipe also draws the DMD timesteps unshifted (`--dmd2-timestep-shift 1`; the scheduler's shift 3 favours
+high noise, where layout is learnt, and left its shapes behind: shape accuracy 0.59 vs 0.66 at 60 rollouts, seed 2)
+and runs 90 rollouts. At a constant lr its accuracy swings by ±4 points from one 30-rollout eval to the next (seed 1:
+0.432 / 0.534 / 0.492 / 0.456 at 30 / 60 / 90 / 120 rollouts), and the decay lets it settle. Seeds 1 / 2 / 3 give
+0.538 / 0.536 / 0.536: 2.8 / 3.0 / 3.0 points below the teacher and 34.6 / 34.4 / 34.4 above one Euler step. Shift 1
+or 2 at a constant lr for 60 rollouts gave 0.534 / 0.480 and 0.518 / 0.488 (seeds 1 / 2).
 
 nft, lr 1e-4, CFG-free eval (20 ODE steps), from 0.420 accuracy and 0.861 reward (the same model at CFG 4.5: 0.566):
 
@@ -91,7 +90,7 @@ from miles.utils.tracking import read_metrics  # noqa: E402
 pytestmark = pytest.mark.e2e
 ACC = "eval/shapes_accuracy"
 SEED = 1
-# 100 prompts leave a binomial std of ~4 points on a ~20% accuracy, as large as the effects measured here
+# 100 prompts leave a binomial std of ~5 points on a ~55% accuracy, as large as the effects measured here
 EVAL_PROMPTS = 500
 # How each generator is distilled (besides `--lr 1e-3`); the suite runs k = 2.
 DMD2_RECIPES = {
