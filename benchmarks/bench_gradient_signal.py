@@ -98,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--repeats must be >= 2: the agreement compares pairs of gradients")
     if args.samples_per_prompt < 2:
         parser.error("--samples-per-prompt must be >= 2: GRPO advantages need a group")
+    if args.prompts < 1:
+        parser.error("--prompts must be >= 1")
+    if not 1 <= args.num_sde_steps <= args.num_steps - 1:
+        parser.error(
+            f"--num-sde-steps must lie in [1, --num-steps - 1 = {args.num_steps - 1}] (the last step is never trained)"
+        )
     return args
 
 

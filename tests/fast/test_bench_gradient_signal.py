@@ -60,6 +60,8 @@ def test_samples_for_half_signal(bench):
         (["--losses", "ppo"], "unknown"),
         (["--repeats", "1"], "--repeats"),
         (["--samples-per-prompt", "1"], "--samples-per-prompt"),
+        (["--prompts", "0"], "--prompts"),
+        (["--num-steps", "4", "--num-sde-steps", "4"], "--num-sde-steps"),
     ],
 )
 def test_bad_flags_are_named(bench, capsys, argv, message):
