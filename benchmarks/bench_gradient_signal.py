@@ -34,7 +34,7 @@ reading: a sample's correctness turns on a few latent directions that the 1024-d
 rarely moves, while nft regresses on whole clean samples.
 Training agrees: 150 CFG-free policy_loss rollouts (9 600 samples, lr 1e-4 or 5e-5) left accuracy at 0.404 / 0.410
 (from 0.420), where 40 nft rollouts (2 560 samples) gain 8-12 points; only after 300 rollouts at lr 5e-5 (19 200
-samples, 16 min) did policy_loss gain, 6.2 / 5.8 points in two seeds (tests/e2e/test_learning.py).
+samples, 16 min) did policy_loss gain, 6.2 / 5.8 / 8.2 points in three seeds (tests/e2e/test_learning.py).
 """
 
 from __future__ import annotations

@@ -69,16 +69,17 @@ CFG-free):
 | the same, 150 rollouts (9 min), lr 1e-4 / 5e-5 | 0.404 / 0.410 | 1 |
 | the same, 400 rollouts (21 min), lr 5e-5: after 100 / 200 / 300 / 400 rollouts | 0.412 / 0.402 / 0.482 / 0.448 | 1 |
 | | 0.420 / 0.452 / 0.478 / 0.470 | 2 |
+| | 0.444 / 0.474 / 0.502 / 0.522 | 3 |
 
 The CFG-free rows are where nft gains 12 points in 40 rollouts from the same model and prompts. policy_loss gets
 there only with about ten times the samples: after 300 CFG-free rollouts at lr 5e-5 (19 200 samples, 16 min) it
-scored 0.482 / 0.478 (+6.2 / +5.8 points, seeds 1 / 2), after 400 0.448 / 0.470 with the eval reward up 0.021 /
-0.024 and the rollout reward up 0.018 / 0.012 (second half of the run against the first); `policy_loss_long` above
-re-measures it.
+scored 0.482 / 0.478 / 0.502 (+6.2 / +5.8 / +8.2 points, seeds 1 / 2 / 3), after 400 0.448 / 0.470 / 0.522 with the
+eval reward up 0.021 / 0.024 / 0.015 and the rollout reward up 0.018 / 0.012 / 0.012 (second half of the run
+against the first); `policy_loss_long` above re-measures it.
 `benchmarks/bench_gradient_signal.py` measures why: the gradients of independent 64-sample rollouts agree at
 0.0025 ± 0.0032 for policy_loss and 0.024 ± 0.008 for nft (CFG-free; with CFG 4.5 neither agrees at all), so a
 policy_loss update is noise, and its noise walks the weights off (larger learning rates only lower accuracy). No
-seed-independent margin, so policy_loss has no learning standard here (issue 4 stays open on it);
+margin within the suite's minutes, so policy_loss has no learning standard in the suite (issue 4 is blocked on it);
 tests/e2e/test_policy_loss.py checks that its reward rises on a simpler objective.
 """
 
