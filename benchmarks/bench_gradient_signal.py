@@ -1,12 +1,12 @@
 """How much of one update's gradient is signal: Flow-GRPO (`policy_loss`) against DiffusionNFT (`nft`), side by side.
 
 Each repeat draws a fresh rollout (new prompts, new noise) from the same weights, scores it, computes GRPO
-advantages and takes the gradient of the loss at those weights, as the first window of a train step sees it: the
-ratio is 1 for policy_loss, and nft's old policy is the current one. Every coordinate is divided by its RMS over the
-repeats (what Adam divides by), and the mean cosine between two repeats' gradients estimates the share of signal in
-one update: with g_r = g + n_r, E[cos] ≈ |g|² / (|g|² + E|n_r|²). An update is half signal at about N·(1 − c)/c
-samples (N per rollout, c the agreement). Both losses see the same prompts, rewards and advantages' recipe; the
-rollout of policy_loss samples its SDE window, the one of nft the ODE.
+advantages and takes the gradient of the loss at those weights through the trainer's own loss hooks, as the first
+window of a train step sees it: the ratio is 1 for policy_loss, and nft's old policy is the current one. Every
+coordinate is divided by its RMS over the repeats (what Adam divides by), and the mean cosine between two repeats'
+gradients estimates the share of signal in one update: with g_r = g + n_r, E[cos] ≈ |g|² / (|g|² + E|n_r|²). An
+update is half signal at about N·(1 − c)/c samples (N per rollout, c the agreement). Both losses see the same
+prompts, rewards and advantages' recipe; the rollout of policy_loss samples its SDE window, the one of nft the ODE.
 
     python benchmarks/bench_gradient_signal.py                       # shipped shapes model, CFG-free, 8 x 8
     python benchmarks/bench_gradient_signal.py --reward brightness   # a smooth reward, for contrast
@@ -17,14 +17,15 @@ agreement ± its standard error:
 
 | reward, CFG (rollouts and training) | policy_loss | nft | nft / policy_loss |
 |---|---|---|---|
-| shapes, CFG-free | 0.0025 ± 0.0032 | 0.0237 ± 0.0075 | 9.6 |
-| shapes, CFG 4.5 | -0.0001 ± 0.0022 | 0.0002 ± 0.0061 | |
-| brightness, CFG-free | 0.092 ± 0.016 | 0.290 ± 0.011 | 3.2 |
+| shapes, CFG-free | 0.0025 ± 0.0032 | 0.032 ± 0.008 | 12.8 |
+| shapes, CFG 4.5 | -0.0001 ± 0.0022 | 0.0004 ± 0.0056 | |
+| brightness, CFG-free | 0.092 ± 0.016 | 0.285 ± 0.010 | 3.1 |
 
 The policy-gradient estimator works (the smooth brightness reward gets a clear signal), but on the shapes reward a
-policy_loss update of 64 samples is noise: half signal would take ~26 000 samples, ten times what nft needs (~2 600,
-about what its 40-rollout standard run sees in all). With CFG 4.5, the default run's setting, neither loss shows a
-signal: a group's samples differ less (reward spread 0.034 against 0.055) and not in ways the gradient can use.
+policy_loss update of 64 samples is noise: half signal would take ~26 000 samples, over ten times what nft needs
+(~2 000, less than its 40-rollout standard run sees in all). With CFG 4.5, the default run's setting, neither loss
+shows a signal: a group's samples differ less (reward spread 0.034 against 0.055) and not in ways the gradient can
+use.
 policy_loss on the shapes reward stayed below 0.012 whatever else was varied (the same statistic, 16-32 repeats
 each, CFG-free unless said): CFG 4.5; a one-step window at step 0, 1, 2, 3, 4, 6 or 8; one start latent per prompt
 with a one-step window among the first three; the `cps` kernel at noise level 0.5 and 0.7; four- and ten-times
@@ -52,12 +53,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from miles.backends.fsdp_utils.loss_hub.types import prompt_embeds_from_pairs  # noqa: E402
+from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS  # noqa: E402
+from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, WindowMetrics  # noqa: E402
 from miles.data.shapes import shapes_prompts  # noqa: E402
-from miles.diffusion.grpo import clipped_policy_loss  # noqa: E402
-from miles.diffusion.nft import advantage_to_r, nft_loss  # noqa: E402
-from miles.diffusion.schedule import add_noise  # noqa: E402
-from miles.diffusion.sde import get_sde_kernel  # noqa: E402
 from miles.models.builtin import resolve_checkpoint  # noqa: E402
 from miles.rollout.advantages import compute_grpo_advantages  # noqa: E402
 from miles.rollout.data_conversion_hub.flow_grpo import expand_samples_to_train_pairs  # noqa: E402
@@ -65,6 +63,7 @@ from miles.rollout.data_conversion_hub.nft import expand_samples_to_nft_pairs  #
 from miles.rollout.engine import DiffusionEngine, GenerateRequest  # noqa: E402
 from miles.rollout.rm_hub.shapes import shapes_reward  # noqa: E402
 from miles.rollout.step_strategy_hub import window_steps  # noqa: E402
+from miles.utils.arguments import parse_args as parse_train_args  # noqa: E402
 
 logger = logging.getLogger("bench_gradient_signal")
 LOSSES = ("policy_loss", "nft")
@@ -112,21 +111,18 @@ def agreement(grads: torch.Tensor) -> tuple[float, float]:
     jackknife standard error over the repeats."""
     if grads.ndim != 2 or grads.shape[0] < 2:
         raise ValueError(f"agreement needs a (R >= 2, P) matrix of gradients, got shape {tuple(grads.shape)}")
-    scaled = grads.double() / grads.double().pow(2).mean(dim=0).sqrt().clamp_min(1e-300)
+    grads = grads.double()
+    scaled = grads / grads.pow(2).mean(dim=0).sqrt().clamp_min(1e-300)
     unit = scaled / scaled.norm(dim=1, keepdim=True).clamp_min(1e-300)
-    cos = (unit @ unit.T).numpy()
+    cos = unit @ unit.T
     repeats = cos.shape[0]
-    off = ~np.eye(repeats, dtype=bool)
-    mean = float(cos[off].mean())
+    rows = cos.sum(dim=1) - cos.diagonal()  # each repeat's cosines with the others
+    total = rows.sum()  # every off-diagonal entry, each pair twice
+    mean = float(total / (repeats * (repeats - 1)))
     if repeats < 3:
         return mean, math.nan
-    leave_out = []
-    for r in range(repeats):
-        keep = np.arange(repeats) != r
-        sub = cos[np.ix_(keep, keep)]
-        leave_out.append(sub[~np.eye(repeats - 1, dtype=bool)].mean())
-    leave_out = np.asarray(leave_out)
-    return mean, float(math.sqrt((repeats - 1) / repeats * ((leave_out - leave_out.mean()) ** 2).sum()))
+    leave_out = (total - 2 * rows) / ((repeats - 1) * (repeats - 2))  # the mean without repeat r
+    return mean, float(((repeats - 1) / repeats * (leave_out - leave_out.mean()).pow(2).sum()).sqrt())
 
 
 def samples_for_half_signal(agree: float, samples: int) -> float:
@@ -175,53 +171,76 @@ def rollout(engine: DiffusionEngine, args: argparse.Namespace, loss: str, repeat
     return pairs, spread
 
 
-def pair_loss(engine: DiffusionEngine, args: argparse.Namespace, loss: str, batch: dict, generator) -> torch.Tensor:
-    """Per-pair loss of one micro-batch at the current weights (the first window of a train step)."""
-    guided = args.guidance_scale > 1.0
-    embeds = prompt_embeds_from_pairs(batch, torch.device("cpu"))
-    negative = prompt_embeds_from_pairs(batch, torch.device("cpu"), prefix="negative_") if guided else None
-    if loss == "nft":
-        x0, t = batch["x0"], batch["t"]
-        x_t = add_noise(x0, torch.randn(x0.shape, generator=generator), t)
-        v = engine.family.predict_velocity(
-            engine.transformer, x_t, t, embeds, guidance_scale=args.guidance_scale, negative=negative
-        )
-        r = advantage_to_r(batch["advantage"], args.adv_clip_max)
-        return nft_loss(v, v.detach(), x0, x_t, t, r, beta=args.nft_beta, adv_clip_max=args.adv_clip_max)[0]
-    v = engine.family.predict_velocity(
-        engine.transformer,
-        batch["latents"],
-        batch["sigma"],
-        embeds,
-        guidance_scale=args.guidance_scale,
-        negative=negative,
+def train_context(engine: DiffusionEngine, args: argparse.Namespace, loss: str, repeat: int) -> DiffusionLossContext:
+    """What the trainer's hooks see for this loss, with the benchmark's settings as trainer flags."""
+    train_args = parse_train_args(
+        [
+            "--loss-type",
+            loss,
+            "--diffusion-guidance-scale",
+            str(args.guidance_scale),
+            "--diffusion-nft-guidance-scale",
+            str(args.guidance_scale),
+            "--diffusion-sde-type",
+            args.sde_type,
+            "--diffusion-noise-level",
+            str(args.noise_level),
+            "--diffusion-nft-beta",
+            str(args.nft_beta),
+            "--diffusion-adv-clip-max",
+            str(args.adv_clip_max),
+            "--seed",
+            str(args.seed),
+        ]
     )
-    step = get_sde_kernel(args.sde_type)(
-        batch["latents"],
-        v,
-        batch["sigma"],
-        batch["sigma_next"],
-        noise_level=args.noise_level,
-        sigma_max=float(batch["sigma_max"][0]),
-        prev_sample=batch["next_latents"],
+    return DiffusionLossContext(
+        args=train_args,
+        role="actor",
+        rollout_id=repeat,
+        dp_rank=0,
+        dp_size=1,
+        device=torch.device("cpu"),
+        forward_dtype=torch.float32,
+        family=engine.family,
+        networks={"actor": engine.transformer},
     )
-    old = step.log_prob.detach()  # ratio exactly 1: the clip never binds in a train step's first window
-    return clipped_policy_loss(step.log_prob, old, batch["advantage"], clip_range=0.2, adv_clip_max=args.adv_clip_max)[
-        0
-    ]
 
 
 def gradient(engine: DiffusionEngine, args: argparse.Namespace, loss: str, pairs: dict, repeat: int) -> torch.Tensor:
-    """d(mean per-pair loss)/dθ over the whole rollout, flattened."""
+    """d(mean per-pair loss)/dθ over the whole rollout, flattened: the trainer's own prepare and formula hooks, as
+    in a train step's first window (policy_loss's old log-probs taken from this forward, so the ratio is 1)."""
+    hooks = LOSS_HOOKS[(loss, "actor")]
+    ctx = train_context(engine, args, loss, repeat)
     params = [p for p in engine.transformer.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
     total = len(next(iter(pairs.values())))
-    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + repeat)
     with torch.enable_grad():
-        for start in range(0, total, args.micro_batch_size):
+        for microbatch_id, start in enumerate(range(0, total, args.micro_batch_size)):
             batch = {key: value[start : start + args.micro_batch_size] for key, value in pairs.items()}
-            (pair_loss(engine, args, loss, batch, generator).sum() / total).backward()
+            prepared = hooks.prepare(ctx, batch, microbatch_id=microbatch_id, optim_step_idx=0)
+            new_pred = engine.family.predict_velocity(
+                engine.transformer,
+                prepared.latents,
+                prepared.sigmas,
+                prepared.embeds,
+                guidance_scale=prepared.guidance_scale,
+                negative=prepared.negative,
+            )
+            # The only frozen network these hooks name here is nft's old policy, which is the current weights.
+            ref_pred = new_pred.detach() if prepared.ref_network is not None else None
+            loss_sum = hooks.formula(
+                ctx,
+                batch,
+                prepared,
+                new_pred=new_pred,
+                ref_pred=ref_pred,
+                metrics=WindowMetrics(),
+                optim_step_idx=0,
+                train_output_inputs=[],
+                old_log_prob_from_new=True,
+            )
+            (loss_sum / total).backward()
     return torch.cat([p.grad.flatten() for p in params if p.grad is not None])
 
 

@@ -77,7 +77,7 @@ scored 0.482 / 0.478 / 0.502 (+6.2 / +5.8 / +8.2 points, seeds 1 / 2 / 3), after
 eval reward up 0.021 / 0.024 / 0.015 and the rollout reward up 0.018 / 0.012 / 0.012 (second half of the run
 against the first); `policy_loss_long` above re-measures it.
 `benchmarks/bench_gradient_signal.py` measures why: the gradients of independent 64-sample rollouts agree at
-0.0025 ± 0.0032 for policy_loss and 0.024 ± 0.008 for nft (CFG-free; with CFG 4.5 neither agrees at all), so a
+0.0025 ± 0.0032 for policy_loss and 0.032 ± 0.008 for nft (CFG-free; with CFG 4.5 neither agrees at all), so a
 policy_loss update is noise, and its noise walks the weights off (larger learning rates only lower accuracy). No
 margin within the suite's minutes, so policy_loss has no learning standard in the suite (issue 4 is blocked on it);
 tests/e2e/test_policy_loss.py checks that its reward rises on a simpler objective.
