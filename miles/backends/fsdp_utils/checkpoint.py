@@ -1,5 +1,6 @@
 """Resumable checkpoints (ARCHITECTURE §10): `SAVE_DIR/iter_{rollout_id:07d}/{role}/` holding a sharded DCP save of
-model + optimizer, the LR schedule, per-rank RNG, an `extra` dict and `meta.json`; plus the latest-iteration pointer."""
+model + optimizer, the LR schedule, per-rank RNG and an `extra` dict (JSON + safetensors, no pickled code), a manifest
+of every file's size and CRC32, and `meta.json` (written last); plus each save folder's latest-iteration pointer."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import random
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,15 +29,32 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from miles import __version__
+from miles.backends.fsdp_utils.checkpoint_files import (
+    MANIFEST_FILE,
+    CheckpointError,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    check_sizes,
+    describe_files,
+    encode_tree,
+    identity_mismatch,
+    list_files,
+    model_identity,
+    read_manifest,
+    read_tree,
+    write_tree,
+)
+from miles.backends.fsdp_utils.checkpoint_files import verify_checksums as verify_checksums_of
 
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 META_FILE = "meta.json"
 DCP_DIR = "dcp"
-LR_SCHEDULER_FILE = "lr_scheduler.pt"
-EXTRA_FILE = "extra.pt"
-_RESERVED_META = ("rollout_id", "role", "world_size", "miles_version", "time")
+LR_SCHEDULER_STEM = "lr_scheduler"
+EXTRA_STEM = "extra"
+_REQUIRED_META = ("rollout_id", "role", "world_size", "miles_version", "time")
+_RESERVED_META = (*_REQUIRED_META, "model")
 
 
 @dataclass(frozen=True)
@@ -78,20 +97,29 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
+    """This rank's RNG streams as JSON data and tensors (no pickled tuples or arrays)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": [version, list(internal), gauss],
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rng_stem(rank: int) -> str:
+    return f"rng_rank{rank}"
 
 
 def save_checkpoint(
@@ -108,7 +136,7 @@ def save_checkpoint(
 ) -> str:
     """Save one role's training state (collective: every rank of the group calls it). Returns the role dir.
 
-    `extra` (data-source state, ...) must be the same on every rank, plain or full tensors: rank 0 writes it.
+    `extra` (data-source state, ...) must be the same on every rank, JSON data or full tensors: rank 0 writes it.
     `sharded` (EMA / old-policy shadow weights, ...) holds per-rank DTensor state saved with the model by DCP. `meta.json` is written last, so a role dir without it is an unfinished save. The latest pointer
     is not touched: the driver calls `write_latest` once every group has saved.
     """
@@ -119,16 +147,20 @@ def save_checkpoint(
         json.dumps(meta)  # checked on every rank before any collective, not on rank 0 at the end
     except TypeError as err:
         raise TypeError(f"save_checkpoint: meta must be JSON-serialisable for meta.json: {err}") from None
+    # encoded before any collective, so a bad `extra` fails on every rank and leaves nothing on disk
+    encoded_extra = encode_tree(extra, "extra") if extra is not None else None
+    encoded_schedule = encode_tree(lr_scheduler.state_dict(), "lr_scheduler") if lr_scheduler is not None else None
     path = checkpoint_dir(save_dir, rollout_id, role)
     rank, world_size = _rank(), _world_size()
     os.makedirs(path, exist_ok=True)
-    meta_path = os.path.join(path, META_FILE)
     if rank == 0:
         # Re-saving an iteration: it is incomplete until the new meta.json lands, and no stale file may survive.
-        for name in (META_FILE, LR_SCHEDULER_FILE, EXTRA_FILE):
-            if os.path.exists(os.path.join(path, name)):
-                os.remove(os.path.join(path, name))
-        shutil.rmtree(os.path.join(path, DCP_DIR), ignore_errors=True)
+        for name in [META_FILE, *os.listdir(path)]:
+            target = os.path.join(path, name)
+            if os.path.isdir(target):
+                shutil.rmtree(target)
+            elif os.path.exists(target):
+                os.remove(target)
     _barrier()
 
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -136,14 +168,14 @@ def save_checkpoint(
         {"model": model_state, "optimizer": optim_state, **(sharded or {})},
         checkpoint_id=os.path.join(path, DCP_DIR),
     )
-    torch.save(_rng_state(), os.path.join(path, f"rng_rank{rank}.pt"))
+    write_tree(encode_tree(_rng_state(), "rng"), os.path.join(path, _rng_stem(rank)))
     if rank == 0:
-        if lr_scheduler is not None:
-            torch.save(lr_scheduler.state_dict(), os.path.join(path, LR_SCHEDULER_FILE))
-        if extra is not None:
-            torch.save(extra, os.path.join(path, EXTRA_FILE))
+        if encoded_schedule is not None:
+            write_tree(encoded_schedule, os.path.join(path, LR_SCHEDULER_STEM))
+        if encoded_extra is not None:
+            write_tree(encoded_extra, os.path.join(path, EXTRA_STEM))
     _barrier()
-
+    _write_manifest(path, rank, world_size)
     if rank == 0:
         record = {
             "rollout_id": rollout_id,
@@ -151,12 +183,27 @@ def save_checkpoint(
             "world_size": world_size,
             "miles_version": __version__,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": model_identity(model),
             **(meta or {}),
         }
-        _atomic_write_text(meta_path, json.dumps(record, indent=2) + "\n")
+        _atomic_write_text(os.path.join(path, META_FILE), json.dumps(record, indent=2) + "\n")
     _barrier()
     logger.info("saved %s checkpoint of rollout %d to %s", role, rollout_id, path)
     return path
+
+
+def _write_manifest(path: str, rank: int, world_size: int) -> None:
+    """Size and CRC32 of every file; the ranks hash their share of the files and rank 0 writes the list."""
+    names = list_files(path, skip=(MANIFEST_FILE, META_FILE))
+    mine = describe_files(path, names[rank::world_size])
+    shares = [mine]
+    if world_size > 1:
+        shares = [None] * world_size
+        dist.all_gather_object(shares, mine)
+    if rank == 0:
+        files = {name: entry for share in shares for name, entry in share.items()}
+        text = json.dumps({"algorithm": "crc32", "files": dict(sorted(files.items()))}, indent=1) + "\n"
+        _atomic_write_text(os.path.join(path, MANIFEST_FILE), text)
 
 
 def read_latest(load_dir: str) -> int | None:
@@ -204,7 +251,7 @@ def _read_meta(path: str) -> dict[str, Any]:
             meta = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{meta_path} is corrupt (not valid JSON: {err})") from None
-    missing = [key for key in _RESERVED_META if not isinstance(meta, dict) or key not in meta]
+    missing = [key for key in _REQUIRED_META if not isinstance(meta, dict) or key not in meta]
     if missing:
         raise ValueError(f"{meta_path} is corrupt: missing fields {missing}")
     return meta
@@ -233,10 +280,16 @@ def _resolve_checkpoint(load_dir: str, role: str, rollout_id: int | None) -> tup
 
 
 def read_extra(load_dir: str, rollout_id: int, role: str) -> dict[str, Any] | None:
-    """The `extra` dict a role saved at `rollout_id` (None if it saved none), without touching the model."""
+    """The `extra` dict a role saved at `rollout_id` (None if it saved none), checked against the manifest, without
+    touching the model."""
     _, path = _resolve_checkpoint(load_dir, role, rollout_id)
-    extra_path = os.path.join(path, EXTRA_FILE)
-    return torch.load(extra_path, weights_only=False) if os.path.isfile(extra_path) else None
+    manifest = read_manifest(path)
+    names = [n for n in manifest if n.startswith(EXTRA_STEM + ".")]
+    if not names:
+        return None
+    check_sizes(path, manifest, names)
+    verify_checksums_of(path, manifest, names)
+    return read_tree(os.path.join(path, EXTRA_STEM))
 
 
 def load_checkpoint(
@@ -249,14 +302,77 @@ def load_checkpoint(
     rollout_id: int | None = None,
     load_optimizer: bool = True,
     sharded: dict[str, dict[str, torch.Tensor]] | None = None,
+    verify_checksums: bool = True,
 ) -> LoadedCheckpoint:
     """Restore one role's state saved by `save_checkpoint` (collective); `rollout_id=None` reads the latest pointer.
 
     Restores model, optimizer and LR schedule (the last two only with `load_optimizer`) and this rank's RNG;
-    returns the rollout id, the `extra` dict (None if none was saved) and meta.json. The world size must match
-    the saved one (RNG streams are per rank).
+    returns the rollout id, the `extra` dict (None if none was saved) and meta.json. Refused up front: another
+    world size (RNG streams are per rank), another model (meta.json's identity), a file missing or of the wrong size.
+    Every file's CRC32 is checked against the manifest (the shards in a thread beside the load, split over the
+    ranks) unless `verify_checksums=False`. The ranks decide together whether all loaded (one all-gather), so a
+    failure on one rank raises on every rank, naming the file, instead of leaving the others waiting.
     """
-    rollout_id, path = _resolve_checkpoint(load_dir, role, rollout_id)
+    rank = _rank()
+    error: BaseException | None = None
+    hashing = None
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify")
+    path = load_dir
+    try:
+        rollout_id, path = _resolve_checkpoint(load_dir, role, rollout_id)
+        meta = _check_meta(path, role, rollout_id, model)
+        manifest = read_manifest(path)
+        # What every rank reads alike is checked alike (same files, same verdict) before DCP's own collectives.
+        shared = [n for n in manifest if not n.startswith("rng_rank")]
+        check_sizes(path, manifest, shared)
+        shards = [n for n in shared if n.startswith(DCP_DIR + "/") and n.endswith(".distcp")]
+        if verify_checksums:  # the small files are parsed, so they are checked before; the shards beside the load
+            verify_checksums_of(path, manifest, [n for n in shared if n not in shards])
+            hashing = pool.submit(verify_checksums_of, path, manifest, shards[rank :: _world_size()])
+        state = {"model": get_model_state_dict(model), **(sharded or {})}
+        if load_optimizer:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optim_state, **(sharded or {})}
+        dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(path, DCP_DIR)), planner=SafeLoadPlanner())
+        rng_names = [n for n in manifest if n.startswith(_rng_stem(rank) + ".")]
+        if not rng_names:
+            raise CheckpointError(f"{os.path.join(path, _rng_stem(rank))}.json is not listed in {MANIFEST_FILE}")
+        check_sizes(path, manifest, rng_names)
+        if verify_checksums:
+            verify_checksums_of(path, manifest, rng_names)
+        rng = read_tree(os.path.join(path, _rng_stem(rank)))
+        schedule = None
+        if load_optimizer and lr_scheduler is not None:
+            if f"{LR_SCHEDULER_STEM}.json" not in manifest:
+                raise FileNotFoundError(
+                    f"{os.path.join(path, LR_SCHEDULER_STEM)}.json does not exist: the checkpoint was saved without "
+                    "an LR scheduler"
+                )
+            schedule = read_tree(os.path.join(path, LR_SCHEDULER_STEM))
+        extra = read_tree(os.path.join(path, EXTRA_STEM)) if f"{EXTRA_STEM}.json" in manifest else None
+    except Exception as err:
+        error = err
+    finally:
+        if hashing is not None:  # a damaged shard explains whatever the load made of it: it is the error to name
+            damaged = hashing.exception()
+            if damaged is not None:
+                damaged.__context__, error = error, damaged
+        pool.shutdown(wait=True)
+    _decide_together(error, role, path)
+
+    if load_optimizer:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if schedule is not None:
+            lr_scheduler.load_state_dict(schedule)
+    else:
+        set_model_state_dict(model, state["model"])
+    _set_rng_state(rng)
+    logger.info("loaded %s checkpoint of rollout %d from %s", role, rollout_id, path)
+    return LoadedCheckpoint(rollout_id=rollout_id, extra=extra, meta=meta)
+
+
+def _check_meta(path: str, role: str, rollout_id: int, model: nn.Module) -> dict[str, Any]:
+    """meta.json against this run: the same ranks, the same place, the same model."""
     meta = _read_meta(path)
     meta_path = os.path.join(path, META_FILE)
     if meta["world_size"] != _world_size():
@@ -269,26 +385,24 @@ def load_checkpoint(
             f"{meta_path} records rollout {meta['rollout_id']} role {meta['role']!r}, "
             f"but it sits where rollout {rollout_id} role {role!r} belongs"
         )
-    scheduler_path = os.path.join(path, LR_SCHEDULER_FILE)
-    if load_optimizer and lr_scheduler is not None and not os.path.isfile(scheduler_path):
-        raise FileNotFoundError(f"{scheduler_path} does not exist: the checkpoint was saved without an LR scheduler")
+    mismatch = identity_mismatch(meta.get("model"), model_identity(model))
+    if mismatch is not None:
+        raise CheckpointError(f"{meta_path}: refusing to load this {role} checkpoint: {mismatch}")
+    return meta
 
-    dcp_path = os.path.join(path, DCP_DIR)
-    if load_optimizer:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optim_state, **(sharded or {})}
-        dcp.load(state, checkpoint_id=dcp_path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        if lr_scheduler is not None:
-            lr_scheduler.load_state_dict(torch.load(scheduler_path, weights_only=False))
-    else:
-        state = {"model": get_model_state_dict(model), **(sharded or {})}
-        dcp.load(state, checkpoint_id=dcp_path)
-        set_model_state_dict(model, state["model"])
 
-    _set_rng_state(torch.load(os.path.join(path, f"rng_rank{_rank()}.pt"), weights_only=False))
-    extra_path = os.path.join(path, EXTRA_FILE)
-    extra = torch.load(extra_path, weights_only=False) if os.path.isfile(extra_path) else None
-    _barrier()
-    logger.info("loaded %s checkpoint of rollout %d from %s", role, rollout_id, path)
-    return LoadedCheckpoint(rollout_id=rollout_id, extra=extra, meta=meta)
+def _decide_together(error: BaseException | None, role: str, path: str) -> None:
+    """One all-gather of every rank's outcome: all loaded, or every rank raises the most telling failure."""
+    if _world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else (isinstance(error, CheckpointError), f"{type(error).__name__}: {error}")
+    outcomes: list = [None] * _world_size()
+    dist.all_gather_object(outcomes, mine)
+    failed = [(rank, outcome) for rank, outcome in enumerate(outcomes) if outcome is not None]
+    if not failed:
+        return
+    # a named damaged / foreign file first: the other ranks' errors are often its consequences
+    rank, (_, message) = min(failed, key=lambda item: (not item[1][0], item[0]))
+    raise CheckpointError(f"loading the {role} checkpoint {path} failed on rank {rank}: {message}") from error

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from datetime import timedelta
 from typing import Any
 
@@ -111,9 +112,22 @@ def test_layout_on_disk(two_rank_run):
     save_dir, _ = two_rank_run
     role_dir = checkpoint_dir(save_dir, 3, "actor")
     assert role_dir == os.path.join(save_dir, "iter_0000003", "actor")
-    expected = {"dcp", "rng_rank0.pt", "rng_rank1.pt", "lr_scheduler.pt", "extra.pt", "meta.json"}
-    assert set(os.listdir(role_dir)) == expected
+    rng = {f"rng_rank{r}.{ext}" for r in (0, 1) for ext in ("json", "safetensors")}
+    expected = {"dcp", *rng, "lr_scheduler.json", "extra.json", "extra.safetensors", "manifest.json", "meta.json"}
+    assert set(os.listdir(role_dir)) == expected  # no .pt: nothing pickled
     assert os.path.isfile(os.path.join(role_dir, "dcp", ".metadata"))
+    with open(os.path.join(role_dir, "manifest.json")) as f:
+        listed = json.load(f)["files"]
+    on_disk = {
+        os.path.relpath(os.path.join(folder, name), role_dir)
+        for folder, _, names in os.walk(role_dir)
+        for name in names
+    }
+    assert set(listed) == on_disk - {"manifest.json", "meta.json"}
+    for name, entry in listed.items():
+        with open(os.path.join(role_dir, name), "rb") as f:
+            data = f.read()
+        assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
     assert set(os.listdir(save_dir)) == {LATEST_FILE, "iter_0000003"}  # no temporary file left behind
     with open(os.path.join(save_dir, LATEST_FILE)) as f:
         assert f.read() == "3\n"
@@ -172,12 +186,24 @@ def test_reserved_meta_keys_are_refused(tmp_path, trainer):
     assert not os.path.exists(checkpoint_dir(str(tmp_path), 1, "actor"))
 
 
-def test_failed_save_keeps_the_previous_pointer(tmp_path, trainer):
+def test_extra_that_is_not_data_is_refused_before_writing(tmp_path, trainer):
+    with pytest.raises(TypeError, match=r"extra\['hook'\] holds a function .*never pickled objects"):
+        save_checkpoint(str(tmp_path), 2, "actor", extra={"hook": lambda: 0}, **trainer)
+    assert not os.path.exists(checkpoint_dir(str(tmp_path), 2, "actor"))
+
+
+def test_failed_save_keeps_the_previous_pointer(tmp_path, trainer, monkeypatch):
     save_dir = str(tmp_path)
     save_checkpoint(save_dir, 1, "actor", **trainer)
     write_latest(save_dir, 1)
-    with pytest.raises(Exception, match="lambda"):  # a lambda cannot be pickled: the save dies half-way
-        save_checkpoint(save_dir, 2, "actor", extra={"hook": lambda: 0}, **trainer)
+
+    def disk_full(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "write_tree", disk_full)  # the save dies half-way, after the DCP shards
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(save_dir, 2, "actor", **trainer)
+    monkeypatch.undo()
     assert read_latest(save_dir) == 1
     with pytest.raises(RuntimeError, match=r"unfinished saves for roles \['actor'\] \(no meta\.json\)"):
         write_latest(save_dir, 2)
@@ -213,7 +239,7 @@ def test_resaving_an_iteration_drops_stale_files(tmp_path, trainer):
     save_dir = str(tmp_path)
     path = save_checkpoint(save_dir, 1, "actor", extra={"epoch": 1}, **trainer)
     save_checkpoint(save_dir, 1, "actor", **{**trainer, "lr_scheduler": None})
-    assert not os.path.exists(os.path.join(path, "extra.pt"))
+    assert not os.path.exists(os.path.join(path, "extra.json"))
     loaded = load_checkpoint(save_dir, "actor", rollout_id=1, **{**trainer, "lr_scheduler": None})
     assert loaded.extra is None
     with pytest.raises(FileNotFoundError, match="saved without an LR scheduler"):
