@@ -166,6 +166,12 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--save-interval", type=int, default=None, help="Save every N rollouts (and at the end).")
     group.add_argument("--load", default=None, help="Resume from the latest checkpoint in DIR.")
     group.add_argument("--no-load-optim", action="store_true", help="With --load: weights only, fresh optimizer.")
+    group.add_argument(
+        "--skip-checkpoint-checksums",
+        action="store_true",
+        help="At load, check file sizes against the checkpoint's manifest but not CRC32s (very large checkpoints "
+        "on trusted storage; flipped bytes then go unnoticed).",
+    )
     group.add_argument("--save-hf", default=None, help="At the end, write a diffusers pipeline folder with the result.")
 
 

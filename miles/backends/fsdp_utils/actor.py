@@ -184,6 +184,7 @@ class FSDPTrainRayActor:
             lr_scheduler=self.lr_scheduler,
             load_optimizer=not self.args.no_load_optim,
             sharded=self._sharded_state(),
+            verify_checksums=not self.args.skip_checkpoint_checksums,
         )
         self.global_step = int(loaded.meta.get("global_step", 0))
         logger.info("%s rank %d resumed from %s at rollout %d", self.role, self.rank, load_dir, loaded.rollout_id)

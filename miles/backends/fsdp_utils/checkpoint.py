@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -40,6 +41,7 @@ from miles.backends.fsdp_utils.checkpoint_files import (
     identity_mismatch,
     list_files,
     model_identity,
+    read_dcp_metadata,
     read_manifest,
     read_tree,
     write_tree,
@@ -333,6 +335,7 @@ def load_checkpoint(
         if load_optimizer:
             model_state, optim_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optimizer": optim_state, **(sharded or {})}
+        read_dcp_metadata(os.path.join(path, DCP_DIR, ".metadata"))  # refused here, alike on every rank
         dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(path, DCP_DIR)), planner=SafeLoadPlanner())
         rng_names = [n for n in manifest if n.startswith(_rng_stem(rank) + ".")]
         if not rng_names:
@@ -350,7 +353,7 @@ def load_checkpoint(
                 )
             schedule = read_tree(os.path.join(path, LR_SCHEDULER_STEM))
         extra = read_tree(os.path.join(path, EXTRA_STEM)) if f"{EXTRA_STEM}.json" in manifest else None
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         error = err
     finally:
         if hashing is not None:  # a damaged shard explains whatever the load made of it: it is the error to name

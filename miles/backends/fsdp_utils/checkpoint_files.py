@@ -232,22 +232,29 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise CheckpointError(f"{self.path} asks to load {module}.{name}: refused (checkpoints may not hold code)")
 
 
+def read_dcp_metadata(path: str) -> Any:
+    """DCP's `.metadata` through `_MetadataUnpickler`; anything else in it is refused naming the file."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(f"{path} is damaged ({type(err).__name__}: {err})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
 class SafeFileSystemReader(FileSystemReader):
     """`FileSystemReader` whose metadata is read by `_MetadataUnpickler` instead of `pickle.load`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        path = str(self._get_metadata_path(kwargs.get("rank")))
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f, path).load()
-        except CheckpointError:
-            raise
-        except Exception as err:
-            raise CheckpointError(f"{path} is damaged ({type(err).__name__}: {err})") from None
-        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+        from torch.distributed.checkpoint.metadata import StorageMeta
 
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+        metadata = read_dcp_metadata(str(self._get_metadata_path(kwargs.get("rank"))))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
