@@ -93,32 +93,38 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     import ray
     from tqdm import tqdm
 
-    from miles.backends.fsdp_utils.checkpoint import write_latest
     from miles.models.builtin import resolve_checkpoint
+    from miles.ray.checkpoint_folders import check_roles_agree, lock_save_folders, save_folders, write_latest_pointers
     from miles.ray.evaluator import Evaluator
     from miles.ray.rollout_manager import RolloutManager
     from miles.ray.train_group import RayTrainGroup
     from miles.utils.eval_arguments import eval_enabled
+    from miles.utils.failures import run_cleanup, set_current_rollout
+    from miles.utils.input_files import check_input_files
     from miles.utils.tracking import MetricsWriter
 
     started = time.perf_counter()
     for dest in ("hf_checkpoint", "teacher_load", "critic_checkpoint"):  # builtin:NAME -> the packaged folder
         setattr(args, dest, resolve_checkpoint(getattr(args, dest, None)))
+    check_input_files(args)  # before Ray and any actor: FILE:LINE errors
+    check_roles_agree(args, training_order(args))
+    locks = lock_save_folders(args)  # held until the end of the run (and released if the process dies)
     writer = MetricsWriter(args.output_dir)
     own_ray = not ray.is_initialized()
-    if own_ray:
-        local = {} if args.ray_address else {"num_cpus": local_ray_cpus(args)}
-        ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True, **local)
     groups: dict = {}
     rollout_manager = None
     summary: dict = {"losses": []}
     try:
+        if own_ray:
+            local = {} if args.ray_address else {"num_cpus": local_ray_cpus(args)}
+            ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True, **local)
         check_gpus_fit(args, ray.cluster_resources().get("GPU", 0.0))
         rollout_manager = RolloutManager(args)
         # debug rollouts and evaluating the pipeline as loaded need no trainer
         roles = [] if args.debug_rollout_only or (args.eval_only and not args.load) else training_order(args)
         groups = {role: RayTrainGroup(args, role) for role in roles}
         starts = {role: group.init() for role, group in groups.items()}
+        check_roles_agree(args, list(starts), starts)
         start_rollout_id = min(starts.values(), default=0)
         if args.load and start_rollout_id > 0:
             check_data_source_resume(args.load, start_rollout_id, rollout_manager.source)
@@ -140,7 +146,9 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
         bar = tqdm(
             range(start_rollout_id, args.num_rollout), desc="rollouts", disable=args.no_progress, dynamic_ncols=True
         )
+        folders = save_folders(args, list(groups))
         for rollout_id in bar:
+            set_current_rollout(rollout_id)
             t0 = time.perf_counter()
             data = rollout_manager.generate(rollout_id)
             t1 = time.perf_counter()
@@ -162,11 +170,11 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
                 "perf/weight_sync_s": weight_sync_s,
                 **rollout_manager.metrics(rollout_id),
             }
-            if args.save and groups and is_due(rollout_id, args.save_interval, last):
+            if folders and is_due(rollout_id, args.save_interval, last):
                 extra = {"data_source": rollout_manager.source.state_dict(rollout_id + 1)}
-                for group in groups.values():
-                    group.save(rollout_id, extra)
-                write_latest(args.save, rollout_id)
+                for role in folders:
+                    groups[role].save(rollout_id, extra)
+                write_latest_pointers(folders, rollout_id)
                 rollout_record["perf/save_s"] = time.perf_counter() - t2
             step = rollout_record["step"] or step
             if evaluator is not None and is_due(rollout_id, args.eval_interval, last):
@@ -186,14 +194,16 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
             logger.info("wrote a diffusers pipeline folder to %s", args.save_hf)
         if before_shutdown is not None:
             before_shutdown(groups)
-    finally:
-        for group in groups.values():
-            group.shutdown()
+    finally:  # every step runs; a failing one does not hide the error that stopped the run
+        steps = [(f"shutdown of the {role} group", group.shutdown) for role, group in groups.items()]
         if rollout_manager is not None:
-            rollout_manager.shutdown()
-        writer.close()
+            steps.append(("shutdown of the rollout manager", rollout_manager.shutdown))
+        steps.append(("closing metrics.jsonl", writer.close))
         if own_ray:
-            ray.shutdown()
+            steps.append(("ray.shutdown", ray.shutdown))
+        steps.append(("releasing the save-folder locks", locks.release))
+        run_cleanup(steps)
+        set_current_rollout(None)
     summary["wall_s"] = time.perf_counter() - started
     logger.info("done in %.1fs; metrics in %s", summary["wall_s"], writer.path)
     return summary

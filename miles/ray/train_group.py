@@ -13,6 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
 from miles.ray.placement_group import create_placement_group
 from miles.utils.box import Box
+from miles.utils.failures import gather
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ class RayTrainGroup:
     def __init__(self, args: argparse.Namespace, role: str, *, timeout: float | None = None) -> None:
         self.args, self.role, self.timeout = args, role, timeout
         self.world_size = args.dp_size
+        self.last_rollout_id: int | None = None  # named by failures of calls that are not told the rollout
+        self.failed = False
         gpu = uses_gpu(args)
         self.placement_group = create_placement_group(
             self.world_size, use_gpu=gpu, cpus_per_bundle=args.cpus_per_rank, gpus_per_bundle=args.gpus_per_rank
@@ -43,13 +46,18 @@ class RayTrainGroup:
             for rank in range(self.world_size)
         ]
 
-    def _get(self, refs: list) -> list:
-        return ray.get(refs, timeout=self.timeout)
+    def _get(self, refs: list, phase: str, rollout_id: int | None = None) -> list:
+        """Every rank's answer; a failure names this role, the rank, the phase and the rollout (`failures.gather`)."""
+        try:
+            return gather(refs, role=f"{self.role} rank", phase=phase, rollout_id=rollout_id, timeout=self.timeout)
+        except BaseException:
+            self.failed = True
+            raise
 
     def init(self) -> int:
         """Rendezvous at rank 0's address, build every rank; returns the rollout id to start from."""
-        master_addr, master_port = self._get([self.actors[0].get_master_address.remote()])[0]
-        starts = self._get([a.init.remote(self.args, master_addr, master_port) for a in self.actors])
+        master_addr, master_port = self._get([self.actors[0].get_master_address.remote()], "init")[0]
+        starts = self._get([a.init.remote(self.args, master_addr, master_port) for a in self.actors], "init (load)")
         if len(set(starts)) != 1:
             raise RuntimeError(f"{self.role} ranks resumed at different rollouts: {starts}")
         return starts[0]
@@ -64,37 +72,44 @@ class RayTrainGroup:
             actor.train.remote(rollout_id, data[rank], None if peer is None else peer[rank])
             for rank, actor in enumerate(self.actors)
         ]
-        return self._get(refs)
+        self.last_rollout_id = rollout_id
+        return self._get(refs, "train", rollout_id)
 
     def pop_metrics(self) -> list[dict[str, Any]]:
-        return self._get([self.actors[0].pop_metrics.remote()])[0]
+        return self._get([self.actors[0].pop_metrics.remote()], "metrics", self.last_rollout_id)[0]
 
     def save(self, rollout_id: int, extra: dict | None = None) -> None:
-        self._get([a.save.remote(rollout_id, extra) for a in self.actors])
+        self._get([a.save.remote(rollout_id, extra) for a in self.actors], "save", rollout_id)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The weights for rollout engines, fetched into the caller (tools and tests)."""
         return ray.get(self.export_weights_ref(), timeout=self.timeout)
 
     def export_weights_ref(self) -> ray.ObjectRef:
-        """Rank 0's exported weights as an object ref (every rank takes part in the gather); engines resolve it."""
+        """Rank 0's exported weights as an object ref (every rank takes part in the gather); engines resolve it.
+
+        The driver never fetches the payload: rank 0's ref goes to the engines as it is.
+        """
         refs = [a.export_weights.remote() for a in self.actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout, fetch_local=False)
         if len(ready) != len(refs):
             raise TimeoutError(f"{self.role}: export_weights did not finish within {self.timeout}s")
-        self._get(refs[1:])  # surface errors of the other ranks
+        self._get(refs[1:], "weight sync", self.last_rollout_id)  # rank 0's errors surface where engines resolve it
         return refs[0]
 
     def save_hf(self, out_dir: str) -> str:
-        return self._get([a.save_hf.remote(out_dir) for a in self.actors])[0]
+        return self._get([a.save_hf.remote(out_dir) for a in self.actors], "save_hf", self.last_rollout_id)[0]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Broadcast any actor method to all ranks (tests and tools)."""
-        return self._get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+        return self._get([getattr(a, method).remote(*args, **kwargs) for a in self.actors], method)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """Tear the ranks down gracefully within `timeout`, then kill them whatever happened. After a failure, kill
+        at once: the surviving ranks may be blocked in a collective with the dead one and would never answer."""
         try:
-            self._get([a.shutdown.remote() for a in self.actors])
+            if not self.failed:
+                ray.get([a.shutdown.remote() for a in self.actors], timeout=timeout)
         finally:
             for actor in self.actors:
                 ray.kill(actor)

@@ -28,8 +28,15 @@ def read_jsonl_records(
         raise PromptDataError(f"--prompt-data {path}: file not found")
     base = os.path.dirname(os.path.abspath(path))
     records = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, start=1):
+    line_no = 0
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PromptDataError(
+                    f"{path}:{line_no}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -41,7 +48,10 @@ def read_jsonl_records(
             prompt = row.get(input_key)
             if not isinstance(prompt, str):
                 raise PromptDataError(f"{path}:{line_no}: missing string field {input_key!r} (--input-key)")
-            record: dict[str, Any] = {"prompt": prompt, "metadata": row.get(metadata_key) or {}}
+            metadata = row.get(metadata_key) or {}
+            if not isinstance(metadata, dict):
+                raise PromptDataError(f"{path}:{line_no}: field {metadata_key!r} (--metadata-key) must be an object")
+            record: dict[str, Any] = {"prompt": prompt, "metadata": metadata}
             if image_key is not None:
                 image = row.get(image_key)
                 if not isinstance(image, str):
@@ -52,8 +62,24 @@ def read_jsonl_records(
                 record["image"] = image_path
             records.append(record)
     if not records:
-        raise PromptDataError(f"--prompt-data {path}: no records (the file is empty)")
+        what = "the file is empty" if line_no == 0 else f"its {line_no} line(s) are blank"
+        raise PromptDataError(f"{path}:{max(line_no, 1)}: no records ({what})")
     return records
+
+
+def check_distinct_prompts(records: list[dict[str, Any]], args: argparse.Namespace, source: str) -> None:
+    """A rollout's prompt groups must be distinct prompts unless `--allow-repeated-prompts`: otherwise a short file
+    would silently train on the same prompt several times in every rollout."""
+    # SFT: the same caption with another image is another item (in-memory images are always distinct)
+    keys = {(r["prompt"], r["image"] if isinstance(r.get("image"), str) else i) for i, r in enumerate(records)}
+    if "image" not in records[0]:
+        keys = {r["prompt"] for r in records}
+    if len(keys) < args.rollout_batch_size and not args.allow_repeated_prompts:
+        raise PromptDataError(
+            f"--prompt-data {source}: {len(keys)} distinct prompt(s), fewer than --rollout-batch-size "
+            f"{args.rollout_batch_size}: every rollout would repeat prompts; add prompts, lower --rollout-batch-size, "
+            "or pass --allow-repeated-prompts"
+        )
 
 
 def records_digest(records: list[dict[str, Any]]) -> str:
@@ -70,14 +96,20 @@ def load_records(args: argparse.Namespace, *, with_images: bool, resolution: int
         from miles.data.shapes import shapes_items, shapes_prompts
 
         if with_images:
-            return shapes_items(args.builtin_dataset_size, seed=args.rollout_seed, split="train", resolution=resolution)
-        return shapes_prompts(args.builtin_dataset_size, seed=args.rollout_seed, split="train")
-    return read_jsonl_records(
-        args.prompt_data,
-        input_key=args.input_key,
-        metadata_key=args.metadata_key,
-        image_key=args.image_key if with_images else None,
-    )
+            records = shapes_items(
+                args.builtin_dataset_size, seed=args.rollout_seed, split="train", resolution=resolution
+            )
+        else:
+            records = shapes_prompts(args.builtin_dataset_size, seed=args.rollout_seed, split="train")
+    else:
+        records = read_jsonl_records(
+            args.prompt_data,
+            input_key=args.input_key,
+            metadata_key=args.metadata_key,
+            image_key=args.image_key if with_images else None,
+        )
+    check_distinct_prompts(records, args, args.prompt_data)
+    return records
 
 
 class PromptDataSource:

@@ -15,6 +15,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
+from miles.utils.failures import current_rollout, where
 from miles.utils.misc import split_contiguous
 
 logger = logging.getLogger(__name__)
@@ -71,14 +72,14 @@ class RolloutEngineGroup:
                     request, prompts=list(request.prompts[start:end]), seeds=list(request.seeds[start:end])
                 )
                 refs[index] = self.engines[index].generate.remote(chunk)
-        where = "generate" if rollout_id is None else f"generate of rollout {rollout_id}"
-        results = self._gather(refs, where)
+        results = self._gather(refs, where("generate", rollout_id if rollout_id is not None else current_rollout()))
         return GenerateResult.concat([results[i] for i in sorted(results)])
 
     def update_weights(self, weights: dict[str, torch.Tensor] | ray.ObjectRef, version: int) -> None:
         """Put the weights in the object store once (or take a ref already there); every engine loads them."""
         ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
-        self._gather({i: e.update_weights.remote(ref, version) for i, e in enumerate(self.engines)}, "update_weights")
+        refs = {i: e.update_weights.remote(ref, version) for i, e in enumerate(self.engines)}
+        self._gather(refs, where(f"weight sync (version {version})", current_rollout()))
 
     def get_versions(self) -> list[int]:
         results = self._gather({i: e.get_version.remote() for i, e in enumerate(self.engines)}, "get_version")

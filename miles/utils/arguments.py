@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from miles.utils.eval_arguments import add_eval_arguments, validate_eval_args
+from miles.utils.ranges import range_violation
 from miles.utils.rl_arguments import RL_ARGUMENT_GROUPS, validate_rl_args
 
 LOSS_TYPES = ("sft_loss", "policy_loss", "nft", "dmd2", "custom_loss")
@@ -149,6 +150,11 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--n-samples-per-prompt", type=int, default=8, help="Samples per prompt (a GRPO group).")
     group.add_argument("--rollout-seed", type=int, default=42, help="Seeds data order and per-sample noise.")
     group.add_argument("--no-rollout-shuffle", action="store_true", help="Keep the file order every epoch.")
+    group.add_argument(
+        "--allow-repeated-prompts",
+        action="store_true",
+        help="Accept prompt data with fewer distinct prompts than --rollout-batch-size (rollouts then repeat them).",
+    )
     group.add_argument("--diffusion-num-steps", type=int, default=10, help="Sampling steps.")
     group.add_argument(
         "--diffusion-guidance-scale",
@@ -218,7 +224,7 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str
             raise ArgumentError(f"--config {path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ArgumentError(f"--config {path}: expected a mapping of flag names to values")
-    known = {action.dest for action in parser._actions if action.dest not in ("help", "config")}
+    known = {action.dest: action for action in parser._actions if action.dest not in ("help", "config")}
     defaults = {}
     for key, value in data.items():
         dest = str(key).lstrip("-").replace("-", "_")
@@ -226,8 +232,33 @@ def load_config_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str
             close = difflib.get_close_matches(dest, known, n=1)
             hint = f"; did you mean {flag(close[0])}?" if close else ""
             raise ArgumentError(f"--config {path}: unknown key {key!r}{hint}")
-        defaults[dest] = value
+        defaults[dest] = _config_value(known[dest], value, f"--config {path}: key {key!r}")
     return defaults
+
+
+def _config_value(action: argparse.Action, value: Any, where: str) -> Any:
+    """A YAML value through what the command line applies: the flag's type, its choices and its numeric range."""
+    if value is None:
+        return None
+    if action.nargs == 0:  # store_true / store_false
+        if not isinstance(value, bool):
+            raise ArgumentError(f"{where} ({flag(action.dest)}) takes true or false, got {value!r}")
+        return value
+    if isinstance(value, (bool, list, dict)):
+        raise ArgumentError(f"{where} ({flag(action.dest)}) takes one value, got {value!r}")
+    converted = str(value)
+    if action.type is not None:
+        try:
+            converted = action.type(converted)
+        except (TypeError, ValueError):
+            name = getattr(action.type, "__name__", "value")
+            raise ArgumentError(f"{where} ({flag(action.dest)}): invalid {name} value {value!r}") from None
+    if action.choices is not None and converted not in action.choices:
+        raise ArgumentError(f"{where} ({flag(action.dest)}): {value!r} is not one of {list(action.choices)}")
+    problem = range_violation(action.dest, converted)
+    if problem is not None:
+        raise ArgumentError(f"{where}: {problem}")
+    return converted
 
 
 def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True) -> argparse.Namespace:
@@ -250,6 +281,10 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True) -> a
 def validate_args(args: argparse.Namespace) -> None:
     """Every cross-flag rule of ARCHITECTURE §8, checked before any actor starts; fills derived defaults."""
     loss = args.loss_type
+    for dest, value in sorted(vars(args).items()):  # numeric ranges first: later rules assume them
+        problem = range_violation(dest, value)
+        if problem is not None:
+            raise ArgumentError(problem)
     if args.diffusion_recompute_old_log_prob and loss in RECOMPUTE_REJECTED:
         raise ArgumentError(
             f"--diffusion-recompute-old-log-prob is not supported with --loss-type {loss} (it has no log-prob ratio)"
@@ -272,7 +307,6 @@ def validate_args(args: argparse.Namespace) -> None:
         args.n_samples_per_prompt = 1
     if args.diffusion_guidance_scale is None:  # DiffusionNFT and the DMD2 generator sample CFG-free
         args.diffusion_guidance_scale = 1.0 if loss in ("nft", "dmd2") else 4.5
-    _validate_positive(args)
     if not args.hf_checkpoint:
         raise ArgumentError("--hf-checkpoint DIR is required (a local diffusers pipeline folder)")
     if loss == "sft_loss" and not args.train_only:
@@ -288,8 +322,8 @@ def validate_args(args: argparse.Namespace) -> None:
             )
         args.global_batch_size = total // args.num_steps_per_rollout
     _validate_batch_invariant(args)
-    if args.save_interval is not None and not args.save:
-        raise ArgumentError("--save-interval needs --save DIR")
+    if args.save_interval is not None and not (args.save or args.critic_save):
+        raise ArgumentError("--save-interval needs --save DIR (or, under dmd2, --critic-save DIR)")
     if args.load and not os.path.isdir(args.load) and args.load != args.save:
         raise ArgumentError(f"--load {args.load}: directory not found (pass --load equal to --save to auto-resume)")
     validate_rl_args(args, _raise)
@@ -298,31 +332,17 @@ def validate_args(args: argparse.Namespace) -> None:
         args.critic_lr = args.lr if args.critic_lr is None else args.critic_lr
         args.critic_num_steps_per_rollout = args.critic_num_steps_per_rollout or args.num_steps_per_rollout
         args.critic_micro_batch_size = args.critic_micro_batch_size or args.micro_batch_size
-        args.critic_load = args.critic_load or args.load
+        separate = args.critic_save is not None and args.critic_save != args.save
         args.critic_save = args.critic_save or args.save
+        if args.critic_load is None:  # a critic with its own save folder resumes from it (docs/user-guide/failures.md)
+            args.critic_load = args.critic_save if separate and args.load else args.load
+        if args.critic_load and not os.path.isdir(args.critic_load) and args.critic_load != args.critic_save:
+            raise ArgumentError(f"--critic-load {args.critic_load}: directory not found")
         args.critic_checkpoint = args.critic_checkpoint or args.teacher_load
 
 
 def _raise(message: str) -> None:
     raise ArgumentError(message)
-
-
-def _validate_positive(args: argparse.Namespace) -> None:
-    for dest in (
-        "dp_size",
-        "micro_batch_size",
-        "num_steps_per_rollout",
-        "num_rollout",
-        "rollout_batch_size",
-        "n_samples_per_prompt",
-        "diffusion_num_steps",
-    ):
-        if getattr(args, dest) < 1:
-            raise ArgumentError(f"{flag(dest)} must be ≥ 1, got {getattr(args, dest)}")
-    if args.lr <= 0:
-        raise ArgumentError(f"--lr must be > 0, got {args.lr}")
-    if args.clip_grad < 0:
-        raise ArgumentError(f"--clip-grad must be ≥ 0 (0 disables), got {args.clip_grad}")
 
 
 def _validate_batch_invariant(args: argparse.Namespace) -> None:

@@ -91,10 +91,14 @@ class RewardWorkerPool:
             return _run_sync(compute_rewards(self.args, samples, self.spec))
         import ray
 
+        from miles.utils.failures import current_rollout, gather
+
         chunks = [(a, b) for a, b in split_contiguous(len(samples), len(self.workers)) if b > a]
         refs = [worker.score.remote(samples[a:b]) for worker, (a, b) in zip(self.workers, chunks)]
-        try:
-            results = ray.get(refs, timeout=self.timeout_s)
+        try:  # a dead worker raises ActorDied naming it, the phase and the rollout
+            results = gather(
+                refs, role="reward worker", phase="score", rollout_id=current_rollout(), timeout=self.timeout_s
+            )
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
                 f"reward workers did not score {len(samples)} samples within {self.timeout_s}s"

@@ -1,0 +1,93 @@
+"""Naming what failed: the role, rank, rollout and phase of a dead or failing Ray actor; and a cleanup that runs every
+step even when some fail, without hiding the error that stopped the run."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_current_rollout: int | None = None
+
+
+def set_current_rollout(rollout_id: int | None) -> None:
+    """The driver's rollout, named by failures of actors that are not told it (engines, reward workers)."""
+    global _current_rollout
+    _current_rollout = rollout_id
+
+
+def current_rollout() -> int | None:
+    return _current_rollout
+
+
+def where(phase: str, rollout_id: int | None) -> str:
+    return phase if rollout_id is None else f"{phase} of rollout {rollout_id}"
+
+
+class ActorDied(RuntimeError):
+    """A Ray actor of the run died; the message names its role, rank, phase and rollout."""
+
+    def __init__(self, role: str, rank: int, phase: str, rollout_id: int | None, cause: BaseException) -> None:
+        self.role, self.rank, self.phase, self.rollout_id = role, rank, phase, rollout_id
+        super().__init__(f"{role} {rank} died during {where(phase, rollout_id)}: {type(cause).__name__}: {cause}")
+
+
+def gather(
+    refs: Sequence[Any], *, role: str, phase: str, rollout_id: int | None = None, timeout: float | None = None
+) -> list:
+    """`ray.get` of one ref per rank, taken as they finish, so the failure reported is the first one that happened
+    (a dead rank's ref fails at once while its peers wait in a collective for it).
+
+    A dead actor raises `ActorDied`; an exception raised inside an actor is re-raised with a note naming the actor.
+    `role` reads as a prefix of the rank: "actor rank", "reward worker".
+    """
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    rank_of = {ref: rank for rank, ref in enumerate(refs)}
+    results: list = [None] * len(refs)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pending = list(refs)
+    while pending:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            raise GetTimeoutError(
+                f"{role}s {sorted(rank_of[r] for r in pending)} did not finish {where(phase, rollout_id)} "
+                f"within {timeout}s"
+            )
+        for ref in ready:
+            rank = rank_of[ref]
+            try:
+                results[rank] = ray.get(ref)
+            except RayActorError as exc:
+                raise ActorDied(role, rank, phase, rollout_id, exc) from exc
+            except RayTaskError as exc:
+                exc.add_note(f"raised by {role} {rank} during {where(phase, rollout_id)}")
+                raise
+    return results
+
+
+def run_cleanup(steps: Sequence[tuple[str, Callable[[], Any]]]) -> None:
+    """Run every step in order, whatever the others do.
+
+    Called from a `finally` block: while an exception is already propagating, each failed step is logged and added
+    to it as a note (the error that stopped the run stays the one reported); otherwise the first failure is raised
+    once every step has run.
+    """
+    in_flight = sys.exc_info()[1]
+    first: BaseException | None = None
+    for name, step in steps:
+        try:
+            step()
+        except Exception as exc:
+            logger.error("cleanup: %s failed: %s: %s", name, type(exc).__name__, exc)
+            if in_flight is not None:
+                in_flight.add_note(f"cleanup: {name} also failed: {type(exc).__name__}: {exc}")
+            first = first or exc
+    if first is not None and in_flight is None:
+        raise first

@@ -1,0 +1,55 @@
+"""Input files checked before any actor starts: pipeline folders' model_index.json and JSONL prompt files, with
+errors that name FILE:LINE."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from miles.rollout.data_source import BUILTIN_SHAPES, check_distinct_prompts, read_jsonl_records
+
+
+class InputFileError(ValueError):
+    """An input file that cannot be read; the message names the file, the line and the flag."""
+
+
+def check_model_index(folder: str | None, flag: str) -> None:
+    """A pipeline folder's model_index.json must be a UTF-8 JSON object (a transformer-only folder has none)."""
+    if not folder or not os.path.isdir(folder):
+        return
+    path = os.path.join(folder, "model_index.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise InputFileError(f"{path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x}) ({flag} {folder})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputFileError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}) ({flag} {folder})") from None
+    if not isinstance(data, dict):
+        raise InputFileError(f"{path}:1: expected a JSON object, got {type(data).__name__} ({flag} {folder})")
+
+
+def check_input_files(args: argparse.Namespace) -> None:
+    """Every file the run reads at start-up, before Ray or any actor starts."""
+    check_model_index(args.hf_checkpoint, "--hf-checkpoint")
+    check_model_index(getattr(args, "teacher_load", None), "--teacher-load")
+    check_model_index(getattr(args, "critic_checkpoint", None), "--critic-checkpoint")
+    with_images = args.loss_type == "sft_loss"
+    if args.prompt_data != BUILTIN_SHAPES:
+        records = read_jsonl_records(
+            args.prompt_data,
+            input_key=args.input_key,
+            metadata_key=args.metadata_key,
+            image_key=args.image_key if with_images else None,
+        )
+        check_distinct_prompts(records, args, args.prompt_data)
+    eval_data = getattr(args, "eval_prompt_data", BUILTIN_SHAPES)
+    if (args.eval_only or args.eval_interval is not None) and eval_data != BUILTIN_SHAPES:
+        read_jsonl_records(eval_data, input_key=args.input_key, metadata_key=args.metadata_key)
