@@ -1,8 +1,15 @@
 import json
+from argparse import Namespace
 
 import pytest
 
-from miles.rollout.data_source import PromptDataError, PromptDataSource, read_jsonl_records, records_digest
+from miles.rollout.data_source import (
+    PromptDataError,
+    PromptDataSource,
+    check_distinct_prompts,
+    read_jsonl_records,
+    records_digest,
+)
 
 
 def write_jsonl(path, rows):
@@ -50,7 +57,9 @@ def test_image_paths_resolve_relative_to_the_file(tmp_path):
         ([{"prompt": "ok", "image": "a.png"}, "{not json"], r"d\.jsonl:2: not valid JSON"),
         ([{"text": "x"}], r"d\.jsonl:1: missing string field 'prompt'"),
         ([{"prompt": "x", "image": "missing.png"}], r"d\.jsonl:1: image .*missing\.png not found"),
-        ([], "empty"),
+        ([], r"d\.jsonl:1: no records \(the file is empty\)"),
+        (["", "  "], r"d\.jsonl:2: no records \(its 2 line\(s\) are blank\)"),
+        ([{"prompt": "x", "image": "a.png", "metadata": [1]}], r"d\.jsonl:1: field 'metadata' .* must be an object"),
     ],
 )
 def test_bad_prompt_files_name_file_and_line(tmp_path, rows, message):
@@ -63,3 +72,21 @@ def test_bad_prompt_files_name_file_and_line(tmp_path, rows, message):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(PromptDataError, match="nope.jsonl: file not found"):
         read_jsonl_records(str(tmp_path / "nope.jsonl"), input_key="prompt", metadata_key="metadata")
+
+
+def test_undecodable_bytes_name_file_line_and_byte(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(PromptDataError, match=r"d\.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\)"):
+        read_jsonl_records(str(path), input_key="prompt", metadata_key="metadata")
+
+
+def test_fewer_distinct_prompts_than_a_rollout_needs_is_refused_unless_allowed(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "a"}])
+    records = read_jsonl_records(path, input_key="prompt", metadata_key="metadata")
+    args = Namespace(rollout_batch_size=3, allow_repeated_prompts=False)
+    with pytest.raises(PromptDataError, match=r"2 distinct prompt\(s\), fewer than --rollout-batch-size 3.*"
+                       r"--allow-repeated-prompts"):  # fmt: skip
+        check_distinct_prompts(records, args, path)
+    check_distinct_prompts(records, Namespace(rollout_batch_size=2, allow_repeated_prompts=False), path)
+    check_distinct_prompts(records, Namespace(rollout_batch_size=4, allow_repeated_prompts=True), path)

@@ -1,0 +1,67 @@
+"""Failures name the actor: a dead rank names role, rank, phase and rollout; cleanup runs every step and keeps the
+error that stopped the run in front."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from miles.utils.failures import ActorDied, gather, run_cleanup
+
+
+def test_cleanup_runs_every_step_and_keeps_the_first_error_in_front():
+    ran = []
+
+    def failing(name):
+        def step():
+            ran.append(name)
+            raise RuntimeError(f"{name} broke")
+
+        return step
+
+    with pytest.raises(ValueError, match="the run's own error") as info:
+        try:
+            raise ValueError("the run's own error")
+        finally:
+            run_cleanup([("groups", failing("groups")), ("writer", lambda: ran.append("writer")),
+                         ("ray", failing("ray"))])  # fmt: skip
+    assert ran == ["groups", "writer", "ray"]
+    assert info.value.__notes__ == [
+        "cleanup: groups also failed: RuntimeError: groups broke",
+        "cleanup: ray also failed: RuntimeError: ray broke",
+    ]
+
+
+def test_cleanup_failure_is_raised_when_nothing_else_went_wrong():
+    ran = []
+    with pytest.raises(RuntimeError, match="first"):
+        run_cleanup([("a", lambda: (_ for _ in ()).throw(RuntimeError("first"))), ("b", lambda: ran.append("b"))])
+    assert ran == ["b"] and sys.exc_info()[1] is None
+
+
+class Rank:
+    def work(self, die: bool) -> int:
+        if die:
+            os._exit(1)
+        return 7
+
+    def fail(self) -> None:
+        raise KeyError("inside the actor")
+
+
+def test_a_dead_rank_is_named_with_role_phase_and_rollout(ray_cluster):
+    import ray
+
+    actors = [ray.remote(num_cpus=0.01)(Rank).remote() for _ in range(2)]
+    assert gather([a.work.remote(False) for a in actors], role="actor rank", phase="train", timeout=60) == [7, 7]
+    with pytest.raises(ActorDied, match=r"^actor rank 1 died during train of rollout 3: ") as info:
+        gather([a.work.remote(rank == 1) for rank, a in enumerate(actors)], role="actor rank", phase="train",
+               rollout_id=3, timeout=60)  # fmt: skip
+    assert (info.value.role, info.value.rank, info.value.phase, info.value.rollout_id) == ("actor rank", 1, "train", 3)
+    with pytest.raises(ray.exceptions.RayTaskError) as raised:
+        gather([actors[0].fail.remote()], role="reward worker", phase="score", rollout_id=2, timeout=60)
+    assert "raised by reward worker 0 during score of rollout 2" in raised.value.__notes__
+    for actor in actors:
+        ray.kill(actor)

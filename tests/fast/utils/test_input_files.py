@@ -1,0 +1,50 @@
+"""Input files fail before Ray or any actor starts, naming FILE:LINE."""
+
+from __future__ import annotations
+
+import pytest
+
+import train_diffusion
+from miles.rollout.data_source import PromptDataError
+from miles.utils.arguments import parse_args
+from miles.utils.input_files import InputFileError, check_model_index
+
+
+@pytest.fixture
+def pipeline(tmp_path):
+    folder = tmp_path / "pipe"
+    folder.mkdir()
+    return folder
+
+
+def test_model_index_that_is_not_json_names_file_and_line(pipeline):
+    (pipeline / "model_index.json").write_text('{\n  "_class_name": "StableDiffusion3Pipeline",\n  "vae": [\n')
+    with pytest.raises(InputFileError, match=rf"{pipeline}/model_index\.json:4: not valid JSON .*--hf-checkpoint"):
+        check_model_index(str(pipeline), "--hf-checkpoint")
+
+
+def test_model_index_with_bad_bytes_names_file_and_line(pipeline):
+    (pipeline / "model_index.json").write_bytes(b'{\n"_class_name": "x\xff"}\n')
+    with pytest.raises(InputFileError, match=r"model_index\.json:2: not UTF-8 \(byte 0xff\) \(--teacher-load"):
+        check_model_index(str(pipeline), "--teacher-load")
+    check_model_index(str(pipeline / "missing"), "--teacher-load")  # not a folder: the loader names it later
+
+
+def test_the_driver_checks_prompt_files_before_ray_starts(tmp_path, monkeypatch):
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("ray.init was called before the input files were checked")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    data = tmp_path / "p.jsonl"
+    data.write_bytes(b'{"prompt": "a"}\n{"prompt": "b\xc3"}\n')
+    args = parse_args(["--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--output-dir",
+                       str(tmp_path / "out"), "--rollout-batch-size", "1", "--n-samples-per-prompt", "2"])  # fmt: skip
+    with pytest.raises(PromptDataError, match=r"p\.jsonl:2: not UTF-8"):
+        train_diffusion.run(args)
+    data.write_text('{"prompt": "a"}\n')
+    args.rollout_batch_size = 4
+    with pytest.raises(PromptDataError, match=r"1 distinct prompt\(s\), fewer than --rollout-batch-size 4"):
+        train_diffusion.run(args)

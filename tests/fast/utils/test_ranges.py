@@ -1,0 +1,99 @@
+"""Every numeric flag has a declared range, and a value outside it fails at parse time naming the flag, from the
+command line and from --config alike."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from miles.utils.arguments import build_parser, parse_args
+from miles.utils.ranges import FLAG_RANGES, Range
+
+BASE = ["--hf-checkpoint", "/tmp/x", "--prompt-data", "builtin:shapes"]
+NUMERIC = sorted(a.dest for a in build_parser()._actions if a.type in (int, float))
+TYPES = {a.dest: a.type for a in build_parser()._actions}
+
+
+def outside(bounds: Range, kind: type) -> list[str]:
+    """Values just outside `bounds`, worked out here from the interval (plus nan for floats)."""
+    step = 1 if kind is int else 1e-3
+    values = []
+    if bounds.low is not None:
+        values.append(bounds.low if bounds.low_open else bounds.low - step)
+    if bounds.high is not None:
+        values.append(bounds.high if bounds.high_open else bounds.high + step)
+    out = [str(kind(v)) if kind is int else repr(float(v)) for v in values]
+    return out + (["nan", "inf"] if kind is float else [])
+
+
+CASES = [(dest, value) for dest in NUMERIC for value in outside(FLAG_RANGES.get(dest, Range()), TYPES[dest])]
+
+
+def test_every_numeric_flag_declares_a_range():
+    missing = [dest for dest in NUMERIC if dest not in FLAG_RANGES]
+    assert not missing, f"numeric flags without a range in miles/utils/ranges.py: {missing}"
+    assert not set(FLAG_RANGES) - set(NUMERIC), "ranges of flags that do not exist"
+    assert all(outside(FLAG_RANGES[d], TYPES[d]) for d in NUMERIC)  # every flag has something to reject
+
+
+def test_defaults_are_in_range():
+    args = parse_args(BASE)
+    for dest in NUMERIC:
+        value = getattr(args, dest)
+        assert value is None or FLAG_RANGES[dest].contains(value), (dest, value)
+
+
+@pytest.mark.parametrize(("dest", "value"), CASES, ids=[f"{d}={v}" for d, v in CASES])
+def test_out_of_range_value_is_rejected_naming_the_flag(dest, value, capsys):
+    name = "--" + dest.replace("_", "-")
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, name, value])
+    assert f"{name} must be {FLAG_RANGES[dest].describe()}, got" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("bounds", "inside", "rejected"),
+    [
+        (Range(0, 1, low_open=True), [1e-9, 1.0], [0.0, 1.0000001, -1.0]),
+        (Range(0, 1, high_open=True), [0.0, 0.999], [1.0, -1e-9]),
+        (Range(1), [1, 10**9], [0, -3]),
+        (Range(), [-1e30, 0.0], [math.nan, math.inf, -math.inf]),
+    ],
+)
+def test_range_bounds(bounds, inside, rejected):
+    assert all(bounds.contains(v) for v in inside)
+    assert not any(bounds.contains(v) for v in rejected)
+
+
+def test_noise_level_below_zero_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, "--diffusion-noise-level", "-1"])
+    assert "--diffusion-noise-level must be ≥ 0, got -1.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("yaml_line", "message"),
+    [
+        ("micro-batch-size: 2.5", "key 'micro-batch-size' (--micro-batch-size): invalid int value 2.5"),
+        ("lr: -0.1", "key 'lr': --lr must be > 0, got -0.1"),
+        ("adam_beta2: 1.0", "key 'adam_beta2': --adam-beta2 must be in [0, 1), got 1.0"),
+        ("use-lora: 1", "key 'use-lora' (--use-lora) takes true or false, got 1"),
+        ("loss-type: ppo", "key 'loss-type' (--loss-type): 'ppo' is not one of"),
+        ("dp-size: [1, 2]", "key 'dp-size' (--dp-size) takes one value"),
+    ],
+)
+def test_config_values_are_converted_and_checked_naming_file_and_key(tmp_path, capsys, yaml_line, message):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml_line + "\n")
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, "--config", str(config)])
+    assert f"--config {config}: {message}" in capsys.readouterr().err
+
+
+def test_config_values_get_the_flags_types(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("lr: 1e-4\nmicro-batch-size: 4\nrollout-batch-size: '4'\n")  # YAML reads 1e-4 as a string
+    args = parse_args([*BASE, "--config", str(config), "--n-samples-per-prompt", "2"])
+    assert (args.lr, args.micro_batch_size, args.rollout_batch_size) == (1e-4, 4, 4)
+    assert type(args.lr) is float and type(args.rollout_batch_size) is int
