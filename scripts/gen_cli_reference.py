@@ -9,12 +9,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from miles.utils.arguments import build_parser  # noqa: E402
+from miles.utils.ranges import FLAG_RANGES  # noqa: E402
 
 HEADER = """# CLI reference
 
 Every flag of `python train_diffusion.py`. Generated from `miles/utils/arguments.py` by
 `python scripts/gen_cli_reference.py`; the test suite fails when this page and the parser disagree.
-Any flag can also be given in a `--config file.yaml` (keys with dashes or underscores; the command line wins).
+Any flag can also be given in a `--config file.yaml` (keys with dashes or underscores; the command line wins); its
+values go through the same type conversion, choices and ranges as the command line, and errors name the file and key.
 Cross-flag rules (ARCHITECTURE §8) are checked by `validate_args` before any actor starts; see the end of this page.
 """
 
@@ -26,15 +28,21 @@ RULES = """## Rules checked before start-up
   `--dmd2-real-guidance-scale`).
 - `--custom-prepare-train-batch-path`, `--custom-loss-function-path`, `--custom-train-input-postprocess-path`,
   `--custom-train-output-path` only under `custom_loss`, which requires the first two.
+- Every numeric flag must lie in the range its row shows (floats must also be finite).
 - The `--critic-*` overrides only under `dmd2`; unset ones take the actor's values (`--critic-checkpoint`
-  defaults to `--teacher-load`).
+  defaults to `--teacher-load`). `--critic-save` defaults to `--save`. `--critic-load` defaults to `--load`, except
+  when the critic saves to its own folder (`--critic-save` other than `--save`) and `--load` is given: then it
+  resumes from `--critic-save`. The run resumes only when every role's folder points at the same rollout
+  (see `failures.md`).
+- `--save-interval` needs `--save` (or, under `dmd2`, `--critic-save`).
+- Prompt data with fewer distinct prompts than `--rollout-batch-size` is refused unless `--allow-repeated-prompts`.
 - Batch invariant: `--rollout-batch-size` x `--n-samples-per-prompt` = `--global-batch-size` x
   `--num-steps-per-rollout`; `--global-batch-size` divisible by `--dp-size` (it defaults to the value that
   satisfies the invariant).
 - `--diffusion-shared-initial-noise` is rejected under `nft` (its ODE samples of a prompt would all be one image)
   and `dmd2`.
 - `--loss-type sft_loss` needs `--train-only` and `--n-samples-per-prompt 1`.
-- `--load DIR` must exist unless it equals `--save` (auto-resume).
+- `--load DIR` must exist unless it equals `--save` (auto-resume); likewise `--critic-load` and `--critic-save`.
 """
 
 
@@ -54,9 +62,11 @@ def render() -> str:
         if not actions:
             continue
         title = "general" if group.title in ("options", "optional arguments") else group.title
-        lines += [f"## {title}", "", "| flag | default | choices | description |", "|---|---|---|---|"]
+        lines += [f"## {title}", "", "| flag | default | choices / range | description |", "|---|---|---|---|"]
         for action in actions:
             choices = ", ".join(f"`{c}`" for c in action.choices) if action.choices else ""
+            if action.dest in FLAG_RANGES:
+                choices = FLAG_RANGES[action.dest].describe()
             help_text = (action.help or "").replace("|", "\\|")
             lines.append(f"| `{action.option_strings[-1]}` | {_default(action)} | {choices} | {help_text} |")
         lines.append("")

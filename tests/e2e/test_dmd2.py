@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 ROLLOUTS, RATIO, ACTOR_STEPS = 3, 2, 1
 
 
-def dmd2_args(pipeline_dir, out):
+def dmd2_args(pipeline_dir, out, *extra):
     return parse_args(
         [
             "--loss-type",
@@ -55,6 +55,7 @@ def dmd2_args(pipeline_dir, out):
             "--no-progress",
             "--log-level",
             "WARNING",
+            *extra,
         ]
     )
 
@@ -113,3 +114,39 @@ def test_dmd2_trains_critic_and_generator_against_a_frozen_teacher(
     fetched_ids = {ref.hex() for ref in fetched if isinstance(ref, ray.ObjectRef)}
     assert fetched_ids  # the recorder saw the driver's ray.get calls (the train tasks' small results)
     assert not fetched_ids & {ref.hex() for ref in payloads}
+
+
+def test_dmd2_resumes_from_separate_actor_and_critic_folders_bit_for_bit(ray_cluster, tiny_pipeline_dir, tmp_path):
+    from miles.backends.fsdp_utils.checkpoint import read_latest
+
+    def run(out, *extra, num_rollout=2):
+        args = dmd2_args(
+            tiny_pipeline_dir,
+            str(out),
+            "--num-rollout",
+            "2",
+            "--eval-interval",
+            "0",
+            "--rollout-batch-size",
+            "2",
+            *extra,
+        )
+        args.num_rollout = num_rollout  # the first half of the run: same schedule, stops after rollout 0
+        train_diffusion.run(args)
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    actor_dir, critic_dir = str(tmp_path / "actor_ckpt"), str(tmp_path / "critic_ckpt")
+    run(straight)
+    folders = ("--save", actor_dir, "--critic-save", critic_dir)
+    run(resumed, *folders, "--save-interval", "1", num_rollout=1)
+    assert read_latest(actor_dir) == 0 and read_latest(critic_dir) == 0  # each folder has its own pointer
+    assert os.listdir(os.path.join(actor_dir, "iter_0000000")) == ["actor"]
+    assert os.listdir(os.path.join(critic_dir, "iter_0000000")) == ["critic"]
+    run(resumed, *folders, "--load", actor_dir)  # --critic-load defaults to --critic-save
+    a = [m for m in read_metrics(os.path.join(straight, "metrics.jsonl")) if "role" in m]
+    b = [m for m in read_metrics(os.path.join(resumed, "metrics.jsonl")) if "role" in m]
+    assert [(m["role"], m["rollout_id"], m["step"]) for m in a] == [(m["role"], m["rollout_id"], m["step"]) for m in b]
+    assert {m["role"] for m in b} == {"actor", "critic"} and {m["rollout_id"] for m in b} == {0, 1}
+    for x, y in zip(a, b):
+        train = sorted(k for k in x if k.startswith("train/"))
+        assert train and [x[k] for k in train] == [y[k] for k in train], (x, y)
