@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -44,6 +42,8 @@ from miles.backends.fsdp_utils.checkpoint_files import (
     read_dcp_metadata,
     read_manifest,
     read_tree,
+    rng_state,
+    set_rng_state,
     write_tree,
 )
 from miles.backends.fsdp_utils.checkpoint_files import verify_checksums as verify_checksums_of
@@ -98,28 +98,6 @@ def _atomic_write_text(path: str, text: str) -> None:
             os.remove(tmp)
 
 
-def _rng_state() -> dict[str, Any]:
-    """This rank's RNG streams as JSON data and tensors (no pickled tuples or arrays)."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": [version, list(internal), gauss],
-        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-    }
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def _rng_stem(rank: int) -> str:
     return f"rng_rank{rank}"
 
@@ -170,7 +148,7 @@ def save_checkpoint(
         {"model": model_state, "optimizer": optim_state, **(sharded or {})},
         checkpoint_id=os.path.join(path, DCP_DIR),
     )
-    write_tree(encode_tree(_rng_state(), "rng"), os.path.join(path, _rng_stem(rank)))
+    write_tree(encode_tree(rng_state(), "rng"), os.path.join(path, _rng_stem(rank)))
     if rank == 0:
         if encoded_schedule is not None:
             write_tree(encoded_schedule, os.path.join(path, LR_SCHEDULER_STEM))
@@ -369,7 +347,7 @@ def load_checkpoint(
             lr_scheduler.load_state_dict(schedule)
     else:
         set_model_state_dict(model, state["model"])
-    _set_rng_state(rng)
+    set_rng_state(rng)
     logger.info("loaded %s checkpoint of rollout %d from %s", role, rollout_id, path)
     return LoadedCheckpoint(rollout_id=rollout_id, extra=extra, meta=meta)
 

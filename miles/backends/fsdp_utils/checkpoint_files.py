@@ -1,5 +1,5 @@
 """What a checkpoint holds on disk, without pickled code: JSON + safetensors trees, the checksum manifest, the model
-identity, and a DCP reader that refuses anything but DCP's own metadata classes."""
+identity, RNG streams, and a DCP reader that refuses anything but DCP's own metadata classes."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import random
 import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -98,6 +99,29 @@ def read_tree(stem: str) -> Any:
         except Exception as err:  # safetensors raises its own error types for a bad header
             raise CheckpointError(f"{tensor_path} is damaged ({err})") from None
     return _decode(data, tensors, json_path)
+
+
+# ---- RNG streams as JSON data and tensors -------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """This rank's RNG streams as JSON data and tensors (no pickled tuples or arrays)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 # ---- the manifest: size and CRC32 of every file ---------------------------------------------
