@@ -87,3 +87,19 @@ def test_zero_workers_score_in_process_also_inside_an_event_loop(rm_args):
 def test_negative_worker_count_names_the_flag(rm_args):
     with pytest.raises(ValueError, match="--rm-num-workers"):
         RewardWorkerPool(rm_args, SPEC, num_workers=-1)
+
+
+def test_a_dead_worker_is_named_with_the_rollout(ray_cluster, rm_args):
+    import ray
+
+    from miles.utils.failures import ActorDied, set_current_rollout
+
+    dying = RewardWorkerPool(rm_args, SPEC, num_workers=2, timeout_s=120)
+    try:
+        ray.kill(dying.workers[1])
+        set_current_rollout(4)  # the driver's loop sets it
+        with pytest.raises(ActorDied, match=r"^reward worker 1 died during score of rollout 4: "):
+            dying.score(shape_samples(4))
+    finally:
+        set_current_rollout(None)
+        dying.shutdown()
