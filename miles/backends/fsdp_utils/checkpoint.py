@@ -376,6 +376,7 @@ def _decide_together(error: BaseException | None, role: str, path: str) -> None:
     """One all-gather of every rank's outcome: all loaded, or every rank raises the most telling failure."""
     if _world_size() == 1:
         if error is not None:
+            error.add_note(f"while loading the {role} checkpoint {path}")
             raise error
         return
     mine = None if error is None else (isinstance(error, CheckpointError), f"{type(error).__name__}: {error}")
