@@ -69,8 +69,11 @@ def test_an_old_style_pickle_in_the_folder_is_never_read(saved, tmp_path):
 def test_flipped_bytes_in_a_shard_fail_naming_the_file(saved):
     save_dir, role_dir, trainer = saved
     flip_bytes(os.path.join(role_dir, "dcp", "__0_0.distcp"))
-    with pytest.raises(CheckpointError, match=r"dcp/__0_0\.distcp is damaged: its CRC32 is [0-9a-f]{8}, manifest"):
+    with pytest.raises(
+        CheckpointError, match=r"dcp/__0_0\.distcp is damaged: its CRC32 is [0-9a-f]{8}, manifest"
+    ) as info:
         load_checkpoint(save_dir, "actor", rollout_id=1, **trainer)
+    assert info.value.__notes__ == [f"while loading the actor checkpoint {role_dir}"]
 
 
 def test_skipping_checksums_still_checks_sizes(saved):
