@@ -4,6 +4,7 @@ the generator (actor) hooks that regress x̂₀ onto it (ALGORITHMS.md, dmd2; AR
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -77,6 +78,7 @@ def critic_formula(
     *,
     new_pred: torch.Tensor,
     ref_pred: torch.Tensor | None,
+    frozen_preds: Mapping[str, torch.Tensor],
     metrics: WindowMetrics,
     optim_step_idx: int,
     train_output_inputs: list,
@@ -163,6 +165,7 @@ def generator_formula(
     *,
     new_pred: torch.Tensor,
     ref_pred: torch.Tensor | None,
+    frozen_preds: Mapping[str, torch.Tensor],
     metrics: WindowMetrics,
     optim_step_idx: int,
     train_output_inputs: list,

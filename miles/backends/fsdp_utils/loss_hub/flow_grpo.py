@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from miles.backends.fsdp_utils.loss_hub.types import (
@@ -60,6 +62,7 @@ def policy_formula(
     *,
     new_pred: torch.Tensor,
     ref_pred: torch.Tensor | None,
+    frozen_preds: Mapping[str, torch.Tensor],
     metrics: WindowMetrics,
     optim_step_idx: int,
     train_output_inputs: list,

@@ -27,12 +27,12 @@ class DiffusionLossContext:
     forward_dtype: torch.dtype
     family: Any
     networks: Mapping[str, torch.nn.Module]
-    sde_kernel: Any = None
 
 
 @dataclass
 class PreparedBatch:
-    """Inputs of one micro-batch's forward; the trunk runs `policy` (and `ref_network` when named) on them."""
+    """Inputs of one micro-batch's forward. The trunk runs `policy` on them, and without grad each frozen network
+    named: `ref_network` (its prediction is the formula's `ref_pred`) and `frozen_networks` (in `frozen_preds`)."""
 
     latents: torch.Tensor
     sigmas: torch.Tensor
@@ -40,6 +40,7 @@ class PreparedBatch:
     negative: Any = None
     guidance_scale: float = 1.0
     ref_network: str | None = None
+    frozen_networks: tuple[str, ...] = ()
     extras: dict[str, Any] = field(default_factory=dict)
 
 

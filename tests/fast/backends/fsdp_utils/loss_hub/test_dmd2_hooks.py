@@ -93,6 +93,7 @@ def formula(fn, ctx, batch, prepared, new_pred, optim_step_idx=0, inputs=None, m
         prepared,
         new_pred=new_pred,
         ref_pred=None,
+        frozen_preds={},
         metrics=metrics if metrics is not None else WindowMetrics(),
         optim_step_idx=optim_step_idx,
         train_output_inputs=inputs if inputs is not None else [],

@@ -79,13 +79,14 @@ def make_batch(advantage=None, negative=False, seed=0):
     return batch
 
 
-def run_formula(ctx, batch, prepared, new_pred, ref_pred, metrics=None, **kwargs):
+def run_formula(ctx, batch, prepared, new_pred, ref_pred, metrics=None, frozen_preds=None, **kwargs):
     return nft_formula(
         ctx,
         batch,
         prepared,
         new_pred=new_pred,
         ref_pred=ref_pred,
+        frozen_preds=frozen_preds or {},
         metrics=metrics if metrics is not None else WindowMetrics(),
         optim_step_idx=0,
         train_output_inputs=[],
@@ -190,30 +191,31 @@ def test_metrics_are_per_pair():
     assert metrics.means()["train/r_mean"] == pytest.approx(0.5)
 
 
-def test_kl_runs_the_ref_network_and_adds_its_weighted_mean_squared_gap():
-    ref = ScaledNetwork(0.5)
+def test_kl_names_the_ref_network_and_adds_its_weighted_mean_squared_gap():
     kl_beta = 0.25
-    ctx = make_ctx(networks={"policy": ScaledNetwork(1.0), "ref": ref}, diffusion_nft_kl_beta=kl_beta)
+    ctx = make_ctx(diffusion_nft_kl_beta=kl_beta)
     plain = make_ctx()
     batch = make_batch(advantage=[1.0, -2.0, 0.5])
     prepared = prepare_nft_batch(ctx, batch, microbatch_id=0, optim_step_idx=0)
+    assert prepared.ref_network == "old" and prepared.frozen_networks == ("ref",)
+    assert prepare_nft_batch(plain, batch, microbatch_id=0, optim_step_idx=0).frozen_networks == ()
     v_theta = torch.randn(B, C, H, W, generator=torch.Generator().manual_seed(9))
-    v_old = v_theta + 0.05
+    v_old, v_ref = v_theta + 0.05, 0.5 * prepared.latents
     metrics = WindowMetrics()
-    with_kl = run_formula(ctx, batch, prepared, v_theta, v_old, metrics=metrics)
+    with_kl = run_formula(ctx, batch, prepared, v_theta, v_old, metrics=metrics, frozen_preds={"ref": v_ref})
     without = run_formula(plain, batch, prepared, v_theta, v_old)
-    kl = ((v_theta - 0.5 * prepared.latents) ** 2).reshape(B, -1).mean(dim=1)
+    kl = ((v_theta - v_ref) ** 2).reshape(B, -1).mean(dim=1)
     torch.testing.assert_close(with_kl - without, kl_beta * kl.sum())
     assert metrics.counts["train/kl"] == B
     assert metrics.means()["train/kl"] == pytest.approx(kl.mean().item(), rel=1e-5)
 
 
-def test_kl_without_a_ref_network_names_the_flag():
-    ctx = make_ctx(networks={"policy": ScaledNetwork(1.0)}, diffusion_nft_kl_beta=0.1)
+def test_kl_without_the_ref_prediction_names_what_is_missing():
+    ctx = make_ctx(diffusion_nft_kl_beta=0.1)
     batch = make_batch()
     prepared = prepare_nft_batch(ctx, batch, microbatch_id=0, optim_step_idx=0)
     v = torch.randn(B, C, H, W)
-    with pytest.raises(KeyError, match="ref-mode"):
+    with pytest.raises(KeyError, match="frozen_networks"):
         run_formula(ctx, batch, prepared, v, v)
 
 
