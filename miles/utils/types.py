@@ -23,6 +23,7 @@ class Sample:
     image: Any = None
     reward: float | None = None
     advantage: float | None = None
+    remove_sample: bool = False  # set by a --rollout-sample-filter-path hook: trains with advantage 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
