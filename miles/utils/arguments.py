@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from miles.utils.eval_arguments import add_eval_arguments, validate_eval_args
+from miles.utils.misc import HookLoadError, load_module
 from miles.utils.rl_arguments import RL_ARGUMENT_GROUPS, validate_rl_args
 
 LOSS_TYPES = ("sft_loss", "policy_loss", "nft", "dmd2", "custom_loss")
@@ -74,7 +75,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("train")
     group.add_argument(
-        "--loss-type", choices=LOSS_TYPES, default="policy_loss", help="The algorithm (ARCHITECTURE §1)."
+        "--loss-type",
+        default="policy_loss",
+        help=f"The algorithm (ARCHITECTURE §1): {', '.join(LOSS_TYPES)}, or one an --algorithm-path registers.",
+    )
+    group.add_argument(
+        "--algorithm-path",
+        default=None,
+        help="A module or file.py imported in every process first; it registers new loss types in the loss hub "
+        "and the rollout hub (docs/user-guide/customization.md).",
     )
     group.add_argument("--lr", type=float, default=1e-4, help="Peak learning rate (AdamW).")
     group.add_argument(
@@ -244,6 +253,16 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True) -> a
 def validate_args(args: argparse.Namespace) -> None:
     """Every cross-flag rule of ARCHITECTURE §8, checked before any actor starts; fills derived defaults."""
     loss = args.loss_type
+    if args.algorithm_path:
+        try:
+            load_module(args.algorithm_path)  # its registrations are checked before any actor starts
+        except HookLoadError as exc:
+            raise ArgumentError(f"--algorithm-path: {exc}") from exc
+    elif loss not in LOSS_TYPES:
+        raise ArgumentError(
+            f"--loss-type {loss!r} is unknown: choose one of {', '.join(LOSS_TYPES)}, or register it with "
+            "--algorithm-path"
+        )
     if args.diffusion_recompute_old_log_prob and loss in RECOMPUTE_REJECTED:
         raise ArgumentError(
             f"--diffusion-recompute-old-log-prob is not supported with --loss-type {loss} (it has no log-prob ratio)"

@@ -11,18 +11,20 @@ from typing import Any
 
 from miles.utils.misc import HookLoadError, load_function
 
-RL_LOSS_TYPES = ("policy_loss", "nft", "dmd2", "custom_loss")  # the loss types with a generating rollout
-REWARD_LOSS_TYPES = ("policy_loss", "nft", "custom_loss")  # ... whose training reads rewards
+# Loss types that never read a flag (every path flag also needs a generating rollout: not --train-only / sft_loss).
+ANY = ()
+NO_REWARDS = ("dmd2",)  # trains on no reward: filters and advantages are never read
+NO_SDE = ("nft", "dmd2")  # samples no SDE trajectories: no step strategy
 
 
 @dataclass(frozen=True)
 class PathFlag:
-    """One path flag: its parameters (positional, in order), what it returns, and the loss types that read it."""
+    """One path flag: its parameters (positional, in order), what it returns, and the loss types that never read it."""
 
     flag: str
     params: tuple[str, ...]
     returns: str
-    loss_types: tuple[str, ...]
+    unread_by: tuple[str, ...] = ANY
 
     @property
     def dest(self) -> str:
@@ -34,23 +36,25 @@ class PathFlag:
 
 
 PATH_FLAGS: tuple[PathFlag, ...] = (
-    PathFlag("--rollout-function-path", ("args", "rollout_id", "manager"), "TrainPairs", RL_LOSS_TYPES),
-    PathFlag("--data-source-path", ("args", "rollout_id", "num_prompts", "attempt"), "list[dict]", RL_LOSS_TYPES),
-    PathFlag("--custom-generate-function-path", ("args", "engines", "request"), "GenerateResult", RL_LOSS_TYPES),
-    PathFlag("--custom-rm-path", ("args", "samples"), "list[float]", RL_LOSS_TYPES),
-    PathFlag("--dynamic-sampling-filter-path", ("args", "group"), "bool", REWARD_LOSS_TYPES),
-    PathFlag("--rollout-sample-filter-path", ("args", "samples"), "None", REWARD_LOSS_TYPES),
-    PathFlag("--custom-reward-post-process-path", ("args", "samples", "rewards"), "advantages", REWARD_LOSS_TYPES),
+    PathFlag("--rollout-function-path", ("args", "rollout_id", "manager"), "TrainPairs"),
+    PathFlag("--data-source-path", ("args", "rollout_id", "num_prompts", "attempt"), "list[dict]"),
+    PathFlag("--custom-generate-function-path", ("args", "engines", "request"), "GenerateResult"),
+    PathFlag("--custom-rm-path", ("args", "samples"), "list[float]"),
+    PathFlag("--dynamic-sampling-filter-path", ("args", "group"), "bool", NO_REWARDS),
+    PathFlag("--rollout-sample-filter-path", ("args", "samples"), "None", NO_REWARDS),
+    PathFlag("--custom-reward-post-process-path", ("args", "samples", "rewards"), "advantages", NO_REWARDS),
     PathFlag(
-        "--custom-convert-samples-to-train-data-path", ("args", "result", "advantages"), "TrainPairs", RL_LOSS_TYPES
+        "--custom-convert-samples-to-train-data-path",
+        ("args", "result", "advantages"),
+        "TrainPairs",
     ),
     PathFlag(
         "--diffusion-step-strategy-path",
         ("args", "rollout_id", "num_steps"),
         "list[int]",
-        ("policy_loss", "custom_loss"),
+        NO_SDE,
     ),
-    PathFlag("--eval-function-path", ("args", "engines", "rollout_id"), "dict[str, float]", RL_LOSS_TYPES),
+    PathFlag("--eval-function-path", ("args", "engines", "rollout_id"), "dict[str, float]"),
 )
 
 
@@ -94,10 +98,13 @@ def add_rollout_step_arguments(parser: argparse.ArgumentParser) -> None:
 def validate_rollout_step_args(args: argparse.Namespace, error: Callable[[str], Any]) -> None:
     """Parse time: a path flag the chosen loss type never reads is an error (it would be silently ignored)."""
     for spec in PATH_FLAGS:
-        if getattr(args, spec.dest, None) and args.loss_type not in spec.loss_types:
+        if not getattr(args, spec.dest, None):
+            continue
+        if args.train_only:
+            error(f"{spec.flag} replaces a rollout step; --train-only ({args.loss_type}) has no generating rollout")
+        if args.loss_type in spec.unread_by:
             error(
-                f"{spec.flag} is not read under --loss-type {args.loss_type} "
-                f"(it applies to {', '.join(spec.loss_types)})"
+                f"{spec.flag} is not read under --loss-type {args.loss_type} (never under {', '.join(spec.unread_by)})"
             )
     if args.dynamic_sampling_max_rounds < 0:
         error(f"--dynamic-sampling-max-rounds must be ≥ 0, got {args.dynamic_sampling_max_rounds}")

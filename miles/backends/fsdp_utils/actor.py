@@ -30,6 +30,7 @@ from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
 from miles.backends.fsdp_utils.train_loop import TrainLoop
 from miles.models.base import get_train_pipeline_config
 from miles.utils.distributed import destroy_process_group, init_process_group
+from miles.utils.misc import load_module
 
 logger = logging.getLogger(__name__)
 SHADOW_CHECKPOINT_KEYS = {"old": "nft_old"}  # the name checkpoints written before the loss-hub declarations use
@@ -103,6 +104,8 @@ class FSDPTrainRayActor(TrainLoop):
             param_dtype=self.forward_dtype,
             reduce_dtype=parse_dtype(args.fsdp_reduce_dtype),
         )
+        if args.algorithm_path:  # registers its loss types in this process too
+            load_module(args.algorithm_path)
         self.hooks: LossHooks = get_loss_hooks(args, self.role)
         self.optimizer = build_optimizer(self.model.parameters(), args, self.settings["lr"])
         total_steps = args.num_rollout * self.settings["num_steps_per_rollout"]
