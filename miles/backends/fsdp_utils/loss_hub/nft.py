@@ -48,7 +48,7 @@ def prepare_nft_batch(
     guidance = float(args.diffusion_nft_guidance_scale)
     negative = None
     if guidance > 1.0:
-        if "negative_prompt_embeds" not in batch:
+        if not any(key.startswith("negative_cond/") for key in batch):
             raise ValueError(
                 "--diffusion-nft-guidance-scale > 1 needs negative prompt embeddings in the train pairs: "
                 "sample the rollout with --diffusion-guidance-scale > 1, or train CFG-free (scale 1.0)"
