@@ -4,6 +4,7 @@ built-in implementation that denoises with a model family's networks and records
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -40,6 +41,13 @@ class GenerateRequest:
     shift: float | None = None  # σ-grid shift; None: the family's scheduler shift
     return_negative: bool = False  # encode the negative prompt even without CFG (DMD2's teacher needs it)
     initial_seeds: list[int] | None = None  # prompt i's initial latent from initial_seeds[i]; its steps' from seeds[i]
+
+    def rows(self, start: int, end: int) -> GenerateRequest:
+        """The request for prompts [start, end) only, with their seeds and initial seeds."""
+        initial = None if self.initial_seeds is None else list(self.initial_seeds[start:end])
+        return dataclasses.replace(
+            self, prompts=list(self.prompts[start:end]), seeds=list(self.seeds[start:end]), initial_seeds=initial
+        )
 
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.seeds):

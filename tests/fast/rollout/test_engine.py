@@ -238,8 +238,9 @@ def test_split_evenly():
 def test_engine_group_matches_one_engine_syncs_weights_and_names_a_dead_engine(ray_cluster, tiny_pipeline_dir, engine):
     group = RolloutEngineGroup(tiny_pipeline_dir, num_engines=2, num_cpus_per_engine=0.5, timeout_s=TIMEOUT)
     try:
-        for size in (4, 3):
-            req = request(prompts=PROMPTS[:size], seeds=SEEDS[:size])
+        # initial seeds (--diffusion-shared-initial-noise) travel with their prompts to each engine
+        for size, initial_seeds in ((4, None), (3, None), (4, [SEEDS[0]] * 2 + [SEEDS[2]] * 2)):
+            req = request(prompts=PROMPTS[:size], seeds=SEEDS[:size], initial_seeds=initial_seeds)
             split, single = group.generate(req, rollout_id=0), engine.generate(req)
             for name in ("final_latents", "latents", "next_latents", "log_probs"):
                 diff = (getattr(split, name) - getattr(single, name)).abs().max().item()
@@ -247,6 +248,8 @@ def test_engine_group_matches_one_engine_syncs_weights_and_names_a_dead_engine(r
                 assert diff <= 1e-5, name
             for name in single.conditioning:  # encoded per engine: thread counts differ at ~1e-8
                 assert (split.conditioning[name] - single.conditioning[name]).abs().max() <= 1e-5, name
+            if initial_seeds is not None:  # rows 2, 3 ran on engine 1 from row 2's start
+                assert torch.equal(split.latents[2, 0], split.latents[3, 0])
         original = engine.transformer.state_dict()
         changed = {k: v * 1.1 if k == "proj_out.weight" else v for k, v in original.items()}
         group.update_weights(changed, version=1)
