@@ -144,6 +144,20 @@ def check_pipeline_folder(path: str | Path) -> Path:
     return folder
 
 
+def strip_name_or_path(folder: str | Path) -> list[Path]:
+    """Remove `_name_or_path` from every JSON file under `folder`: from_pretrained records the folder a component
+    was loaded from there, and save_pretrained writes it back, so a saved pipeline would name the machine it was
+    built on. Returns the files rewritten."""
+    rewritten = []
+    for file in sorted(Path(folder).rglob("*.json")):
+        data = json.loads(file.read_text())
+        if isinstance(data, dict) and "_name_or_path" in data:
+            del data["_name_or_path"]
+            file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+            rewritten.append(file)
+    return rewritten
+
+
 TRAIN_PIPELINE_CONFIGS: dict[str, type[TrainPipelineConfig]] = {}
 
 _C = TypeVar("_C", bound=type[TrainPipelineConfig])

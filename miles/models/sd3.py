@@ -16,7 +16,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from torch import nn
 
-from miles.models.base import TrainPipelineConfig, register_train_pipeline_config
+from miles.models.base import TrainPipelineConfig, register_train_pipeline_config, strip_name_or_path
 from miles.models.conditioning import Conditioning
 from miles.models.media import Media
 
@@ -78,6 +78,7 @@ class SD3PipelineConfig(TrainPipelineConfig):
                 f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
             )
         shutil.copytree(src, out, ignore=shutil.ignore_patterns("transformer"), dirs_exist_ok=True)
+        strip_name_or_path(out)  # the source's components may name the folder they were built in
         if (out / "transformer").exists():
             shutil.rmtree(out / "transformer")  # stale shards of an earlier save would be picked up
         (out / "transformer").mkdir(parents=True)

@@ -1,14 +1,17 @@
-"""The family registry: auto-detection, clear errors for bad folders, pickling."""
+"""The family registry: auto-detection, clear errors for bad folders, pickling, saved folders free of local paths."""
 
 from __future__ import annotations
 
 import json
 import pickle
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from miles.models import TRAIN_PIPELINE_CONFIGS, SD3PipelineConfig, get_train_pipeline_config
+from miles.models.base import strip_name_or_path
 
 
 def test_auto_detects_sd3_from_model_index(tiny_pipeline_dir):
@@ -47,3 +50,41 @@ def test_pickled_config_carries_the_path_not_loaded_models(tiny_pipeline_dir):
     assert restored.path == config.path and restored._loaded == {}
     assert "vae" in config._loaded
 
+
+def _absolute_paths(value) -> list[str]:
+    """Every string inside a JSON value that looks like an absolute path of two or more parts (vocabularies hold
+    tokens like "/")."""
+    if isinstance(value, dict):
+        return [p for v in value.values() for p in _absolute_paths(v)]
+    if isinstance(value, list):
+        return [p for v in value for p in _absolute_paths(v)]
+    return [value] if isinstance(value, str) and value.startswith("/") and value.count("/") >= 2 else []
+
+
+def test_strip_name_or_path_removes_only_that_key(tmp_path):
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text(json.dumps({"_name_or_path": "/home/me/vae", "latent_channels": 4}))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    assert strip_name_or_path(tmp_path) == [tmp_path / "vae" / "config.json"]
+    assert json.loads((tmp_path / "vae" / "config.json").read_text()) == {"latent_channels": 4}
+    assert json.loads((tmp_path / "model_index.json").read_text()) == {"_class_name": "StableDiffusion3Pipeline"}
+
+
+def test_shipped_and_saved_pipelines_name_no_absolute_path(tmp_path):
+    from diffusers import AutoencoderKL
+
+    from miles.models.builtin import SHIPPED_SHAPES_DIR
+
+    shipped = {str(f): _absolute_paths(json.loads(f.read_text())) for f in Path(SHIPPED_SHAPES_DIR).rglob("*.json")}
+    assert not any(shipped.values()), shipped
+    # a component loaded from a folder records it in its config, which save_pretrained writes back
+    source = tmp_path / "source"
+    shutil.copytree(SHIPPED_SHAPES_DIR, source)
+    AutoencoderKL.from_pretrained(str(source), subfolder="vae").save_pretrained(str(source / "vae"))
+    assert _absolute_paths(json.loads((source / "vae" / "config.json").read_text()))  # the leak being guarded
+    family = get_train_pipeline_config(str(source))
+    state = family.load_transformer().state_dict()
+    out = Path(family.save_transformer(state, str(tmp_path / "saved")))
+    saved = {str(f): _absolute_paths(json.loads(f.read_text())) for f in out.rglob("*.json")}
+    assert not any(saved.values()), saved
+    assert not any(str(tmp_path) in f.read_text() for f in out.rglob("*.json"))
