@@ -16,7 +16,7 @@ import torch
 
 from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS, LossHooks
 from miles.backends.fsdp_utils.loss_hub.sft import microbatch_generator
-from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, WindowMetrics, prompt_embeds_from_pairs
+from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, WindowMetrics, conditioning_from_pairs
 from miles.diffusion.schedule import add_noise
 from miles.rollout.rollout_hub import ROLLOUT_SPECS, RolloutSpec, nft_pairs, nft_pairs_count, ode_request
 
@@ -40,7 +40,7 @@ def prepare(ctx, batch, *, microbatch_id: int, optim_step_idx: int, pad_to_len=N
     return PreparedBatch(
         latents=add_noise(x0, noise, t),
         sigmas=t,
-        embeds=prompt_embeds_from_pairs(batch, ctx.device),
+        embeds=conditioning_from_pairs(batch, ctx.device),
         extras={"x0": x0, "noise": noise},
     )
 

@@ -93,8 +93,8 @@ def select_rows(result: Any, rows: Sequence[int]) -> Any:
             changes[field.name] = value[index.numpy()]
         elif isinstance(value, torch.Tensor) and value.shape[:1] == (batch,):
             changes[field.name] = value[index]
-        elif hasattr(value, "batch_size") and hasattr(value, "__getitem__") and value.batch_size == batch:
-            changes[field.name] = value[index]
+        elif hasattr(value, "rows") and getattr(value, "batch_size", None) == batch:  # a Conditioning
+            changes[field.name] = value.rows(index)
     return dataclasses.replace(result, **changes)
 
 

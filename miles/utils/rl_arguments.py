@@ -190,7 +190,7 @@ def validate_rl_args(args: argparse.Namespace, error) -> None:
     if args.loss_type in ("policy_loss", "nft", "dmd2") and args.train_only:
         error(f"--train-only skips the rollout engine, which --loss-type {args.loss_type} needs")
     try:
-        from miles.rollout.rm_hub import reward_spec_from_args
+        from miles.utils.reward_spec import reward_spec_from_args
 
         if args.loss_type in ("policy_loss", "nft"):
             reward_spec_from_args(args)

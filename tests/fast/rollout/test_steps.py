@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from miles.models.conditioning import Conditioning
 from miles.rollout import steps
 from miles.utils.types import Sample
 
@@ -21,6 +22,7 @@ class Result:
     images: np.ndarray
     negative_prompt_embeds: torch.Tensor
     trained_steps: list
+    conditioning: Conditioning
 
     @property
     def batch_size(self):
@@ -35,8 +37,11 @@ def test_select_rows_indexes_per_sample_fields_and_keeps_shared_ones():
         images=np.arange(b * 3).reshape(b, 3),
         negative_prompt_embeds=torch.zeros(1, 5),
         trained_steps=[0, 1],
+        conditioning=Conditioning({"seq": torch.arange(b * 6.0).reshape(b, 3, 2), "mask": torch.ones(b, 3).bool()}),
     )
     picked = steps.select_rows(result, [3, 1])
+    assert torch.equal(picked.conditioning["seq"], result.conditioning["seq"][[3, 1]])
+    assert picked.conditioning["mask"].dtype == torch.bool and picked.conditioning.batch_size == 2
     assert torch.equal(picked.final_latents, result.final_latents[[3, 1]])
     assert np.array_equal(picked.images, result.images[[3, 1]])
     assert torch.equal(picked.sigmas, result.sigmas) and picked.negative_prompt_embeds is result.negative_prompt_embeds

@@ -14,7 +14,7 @@ from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
     PreparedBatch,
     WindowMetrics,
-    prompt_embeds_from_pairs,
+    conditioning_from_pairs,
 )
 from miles.diffusion.dmd import critic_loss, dmd_gradient, generator_loss, sample_dmd_timesteps, x0_from_velocity
 from miles.diffusion.schedule import add_noise
@@ -66,7 +66,7 @@ def prepare_critic_batch(
     return PreparedBatch(
         latents=add_noise(x, noise, t),
         sigmas=t,
-        embeds=prompt_embeds_from_pairs(batch, ctx.device),
+        embeds=conditioning_from_pairs(batch, ctx.device),
         extras={"x": x, "noise": noise},
     )
 
@@ -104,7 +104,7 @@ def critic_formula(
                 "x": x.detach(),
                 "x_hat_fake": x0_from_velocity(prepared.latents, new_pred.detach(), prepared.sigmas),
                 "embeds": prepared.embeds,
-                "negative": prompt_embeds_from_pairs(batch, ctx.device, prefix="negative_"),
+                "negative": conditioning_from_pairs(batch, ctx.device, prefix="negative_"),
             }
         )
     return loss.sum()
@@ -154,7 +154,7 @@ def prepare_generator_batch(
     return PreparedBatch(
         latents=batch["latents"].to(ctx.device),
         sigmas=batch["sigma"].to(ctx.device),
-        embeds=prompt_embeds_from_pairs(batch, ctx.device),
+        embeds=conditioning_from_pairs(batch, ctx.device),
     )
 
 

@@ -13,7 +13,7 @@ from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
     PreparedBatch,
     WindowMetrics,
-    prompt_embeds_from_pairs,
+    conditioning_from_pairs,
 )
 from miles.diffusion.nft import advantage_to_r, nft_kl, nft_loss, old_policy_decay
 from miles.diffusion.schedule import add_noise
@@ -55,16 +55,16 @@ def prepare_nft_batch(
     guidance = float(args.diffusion_nft_guidance_scale)
     negative = None
     if guidance > 1.0:
-        if "negative_prompt_embeds" not in batch:
+        if not any(key.startswith("negative_cond/") for key in batch):
             raise ValueError(
                 "--diffusion-nft-guidance-scale > 1 needs negative prompt embeddings in the train pairs: "
                 "sample the rollout with --diffusion-guidance-scale > 1, or train CFG-free (scale 1.0)"
             )
-        negative = prompt_embeds_from_pairs(batch, ctx.device, prefix="negative_")
+        negative = conditioning_from_pairs(batch, ctx.device, prefix="negative_")
     return PreparedBatch(
         latents=add_noise(x0, noise, t),
         sigmas=t,
-        embeds=prompt_embeds_from_pairs(batch, ctx.device),
+        embeds=conditioning_from_pairs(batch, ctx.device),
         negative=negative,
         guidance_scale=guidance,
         ref_network=OLD_NETWORK,

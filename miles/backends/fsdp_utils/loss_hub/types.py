@@ -60,11 +60,8 @@ class WindowMetrics:
         return {k: self.sums[k] / max(self.counts[k], 1.0) for k in sorted(self.sums)}
 
 
-def prompt_embeds_from_pairs(batch: dict[str, torch.Tensor], device: torch.device, prefix: str = "") -> Any:
-    """The prompt conditioning stored in train pairs (`prompt_embeds`, `pooled_prompt_embeds` columns)."""
-    from miles.models.base import PromptEmbeds
+def conditioning_from_pairs(batch: dict[str, torch.Tensor], device: torch.device, prefix: str = "") -> Any:
+    """The family's `Conditioning` stored in train pairs (`{prefix}cond/<name>` columns), on `device`."""
+    from miles.models.conditioning import Conditioning
 
-    return PromptEmbeds(
-        prompt_embeds=batch[prefix + "prompt_embeds"].to(device),
-        pooled_prompt_embeds=batch[prefix + "pooled_prompt_embeds"].to(device),
-    )
+    return Conditioning.from_columns(batch, prefix).to(device)

@@ -69,13 +69,13 @@ def make_batch(advantage=None, negative=False, seed=0):
         "x0": torch.randn(B, C, H, W, generator=g),
         "t": torch.tensor([0.9, 0.5, 0.2]),
         "advantage": torch.zeros(B) if advantage is None else torch.as_tensor(advantage, dtype=torch.float32),
-        "prompt_embeds": torch.randn(B, L, D, generator=g),
-        "pooled_prompt_embeds": torch.randn(B, P, generator=g),
+        "cond/prompt_embeds": torch.randn(B, L, D, generator=g),
+        "cond/pooled_prompt_embeds": torch.randn(B, P, generator=g),
         "sample_index": torch.arange(B),
     }
     if negative:
-        batch["negative_prompt_embeds"] = torch.zeros(B, L, D)
-        batch["negative_pooled_prompt_embeds"] = torch.zeros(B, P)
+        batch["negative_cond/prompt_embeds"] = torch.zeros(B, L, D)
+        batch["negative_cond/pooled_prompt_embeds"] = torch.zeros(B, P)
     return batch
 
 
@@ -123,7 +123,7 @@ def test_prepare_renoises_x0_with_noise_seeded_by_the_microbatch_id():
 def test_prepare_with_guidance_uses_negative_columns_and_requires_them():
     ctx = make_ctx(diffusion_nft_guidance_scale=4.5)
     prepared = prepare_nft_batch(ctx, make_batch(negative=True), microbatch_id=0, optim_step_idx=0)
-    assert prepared.guidance_scale == 4.5 and prepared.negative.prompt_embeds.shape == (B, L, D)
+    assert prepared.guidance_scale == 4.5 and prepared.negative["prompt_embeds"].shape == (B, L, D)
     with pytest.raises(ValueError, match="negative prompt embeddings"):
         prepare_nft_batch(ctx, make_batch(), microbatch_id=0, optim_step_idx=0)
 
