@@ -95,6 +95,10 @@ def check_startup(args: argparse.Namespace) -> None:
     from miles.utils.hook_paths import load_path_flags
 
     load_path_flags(args)
+    if args.train_pipeline_config_path:
+        from miles.models.base import load_family_class
+
+        load_family_class(args.train_pipeline_config_path)
     for role in training_order(args):
         get_loss_hooks(args, role)
     if not args.train_only:

@@ -175,9 +175,35 @@ def _known_families() -> str:
     return ", ".join(f"{n} ({c.pipeline_class_name})" for n, c in sorted(TRAIN_PIPELINE_CONFIGS.items())) or "none"
 
 
+def is_family_class_path(family: str) -> bool:
+    """`file.py:Class` or `package.module.Class` (a user's family class), as opposed to a registered name."""
+    return ":" in family or "." in family
+
+
+def load_family_class(spec: str) -> type[TrainPipelineConfig]:
+    """A user's model family class from `file.py:Class` or `package.module.Class`, registered under its `name`
+    (--train-pipeline-config-path); a clear error when it is not a complete TrainPipelineConfig."""
+    from miles.utils.misc import load_function
+
+    cls = load_function(spec)
+    if not (isinstance(cls, type) and issubclass(cls, TrainPipelineConfig)):
+        raise TypeError(f"--train-pipeline-config-path {spec}: {cls!r} is not a TrainPipelineConfig subclass")
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    unnamed = [attr for attr in ("name", "pipeline_class_name") if not isinstance(getattr(cls, attr, None), str)]
+    if missing or unnamed:
+        raise TypeError(
+            f"--train-pipeline-config-path {spec}: {cls.__name__} must define "
+            + ", ".join([*(f"class attribute {a}" for a in unnamed), *(f"method {m}" for m in missing)])
+        )
+    return register_train_pipeline_config(cls)
+
+
 def get_train_pipeline_config(path: str, family: str = "auto") -> TrainPipelineConfig:
-    """The family config for the pipeline folder `path`; "auto" picks it by model_index.json's `_class_name`."""
+    """The family config for the pipeline folder `path`; "auto" picks it by model_index.json's `_class_name`, a
+    class path (`file.py:Class`, from --train-pipeline-config-path) loads and registers the user's family."""
     folder = check_pipeline_folder(path)
+    if is_family_class_path(family):
+        return load_family_class(family)(str(folder))
     if family != "auto":
         if family not in TRAIN_PIPELINE_CONFIGS:
             raise ValueError(f"unknown model family {family!r}; known families: {_known_families()}")

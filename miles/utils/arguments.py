@@ -61,6 +61,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--model-family", default="auto", help="Model family (auto: from model_index.json).")
     group.add_argument(
+        "--train-pipeline-config-path",
+        default=None,
+        help="Your own model family: file.py:Class or package.module.Class, a TrainPipelineConfig subclass "
+        "(loaded in every process; docs/user-guide/customization.md).",
+    )
+    group.add_argument(
         "--teacher-load", default=None, help="Frozen teacher (diffusers pipeline or transformer folder)."
     )
     group.add_argument(
@@ -263,6 +269,10 @@ def validate_args(args: argparse.Namespace) -> None:
             f"--loss-type {loss!r} is unknown: choose one of {', '.join(LOSS_TYPES)}, or register it with "
             "--algorithm-path"
         )
+    if args.train_pipeline_config_path:
+        if args.model_family != "auto":
+            raise ArgumentError("give --model-family or --train-pipeline-config-path, not both")
+        args.model_family = args.train_pipeline_config_path  # every process resolves the family from it
     if args.diffusion_recompute_old_log_prob and loss in RECOMPUTE_REJECTED:
         raise ArgumentError(
             f"--diffusion-recompute-old-log-prob is not supported with --loss-type {loss} (it has no log-prob ratio)"
