@@ -70,11 +70,13 @@ def read_jsonl_records(
 def check_distinct_prompts(records: list[dict[str, Any]], args: argparse.Namespace, source: str) -> None:
     """A rollout's prompt groups must be distinct prompts unless `--allow-repeated-prompts`: otherwise a short file
     would silently train on the same prompt several times in every rollout."""
+    if args.allow_repeated_prompts or getattr(args, "data_source_path", None):  # the user's own stream
+        return
     # SFT: the same caption with another image is another item (in-memory images are always distinct)
     keys = {(r["prompt"], r["image"] if isinstance(r.get("image"), str) else i) for i, r in enumerate(records)}
     if "image" not in records[0]:
         keys = {r["prompt"] for r in records}
-    if len(keys) < args.rollout_batch_size and not args.allow_repeated_prompts:
+    if len(keys) < args.rollout_batch_size:
         raise PromptDataError(
             f"--prompt-data {source}: {len(keys)} distinct prompt(s), fewer than --rollout-batch-size "
             f"{args.rollout_batch_size}: every rollout would repeat prompts; add prompts, lower --rollout-batch-size, "

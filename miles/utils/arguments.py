@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from miles.utils.eval_arguments import add_eval_arguments, validate_eval_args
+from miles.utils.misc import HookLoadError, load_module
 from miles.utils.ranges import range_violation
 from miles.utils.rl_arguments import RL_ARGUMENT_GROUPS, validate_rl_args
 
@@ -61,6 +62,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--model-family", default="auto", help="Model family (auto: from model_index.json).")
     group.add_argument(
+        "--train-pipeline-config-path",
+        default=None,
+        help="Your own model family: file.py:Class or package.module.Class, a TrainPipelineConfig subclass "
+        "(loaded in every process; docs/user-guide/customization.md).",
+    )
+    group.add_argument(
         "--teacher-load", default=None, help="Frozen teacher (diffusers pipeline or transformer folder)."
     )
     group.add_argument(
@@ -75,7 +82,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("train")
     group.add_argument(
-        "--loss-type", choices=LOSS_TYPES, default="policy_loss", help="The algorithm (ARCHITECTURE §1)."
+        "--loss-type",
+        default="policy_loss",
+        help=f"The algorithm (ARCHITECTURE §1): {', '.join(LOSS_TYPES)}, or one an --algorithm-path registers.",
+    )
+    group.add_argument(
+        "--algorithm-path",
+        default=None,
+        help="A module or file.py imported in every process first; it registers new loss types in the loss hub "
+        "and the rollout hub (docs/user-guide/customization.md).",
     )
     group.add_argument("--lr", type=float, default=1e-4, help="Peak learning rate (AdamW).")
     group.add_argument(
@@ -285,6 +300,20 @@ def validate_args(args: argparse.Namespace) -> None:
         problem = range_violation(dest, value)
         if problem is not None:
             raise ArgumentError(problem)
+    if args.algorithm_path:
+        try:
+            load_module(args.algorithm_path)  # its registrations are checked before any actor starts
+        except HookLoadError as exc:
+            raise ArgumentError(f"--algorithm-path: {exc}") from exc
+    elif loss not in LOSS_TYPES:
+        raise ArgumentError(
+            f"--loss-type {loss!r} is unknown: choose one of {', '.join(LOSS_TYPES)}, or register it with "
+            "--algorithm-path"
+        )
+    if args.train_pipeline_config_path:
+        if args.model_family != "auto":
+            raise ArgumentError("give --model-family or --train-pipeline-config-path, not both")
+        args.model_family = args.train_pipeline_config_path  # every process resolves the family from it
     if args.diffusion_recompute_old_log_prob and loss in RECOMPUTE_REJECTED:
         raise ArgumentError(
             f"--diffusion-recompute-old-log-prob is not supported with --loss-type {loss} (it has no log-prob ratio)"

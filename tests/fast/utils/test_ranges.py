@@ -79,7 +79,7 @@ def test_noise_level_below_zero_is_refused(capsys):
         ("lr: -0.1", "key 'lr': --lr must be > 0, got -0.1"),
         ("adam_beta2: 1.0", "key 'adam_beta2': --adam-beta2 must be in [0, 1), got 1.0"),
         ("use-lora: 1", "key 'use-lora' (--use-lora) takes true or false, got 1"),
-        ("loss-type: ppo", "key 'loss-type' (--loss-type): 'ppo' is not one of"),
+        ("sft-timestep-sampling: beta", "key 'sft-timestep-sampling' (--sft-timestep-sampling): 'beta' is not one of"),
         ("dp-size: [1, 2]", "key 'dp-size' (--dp-size) takes one value"),
     ],
 )
