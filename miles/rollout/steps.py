@@ -15,6 +15,7 @@ import torch
 
 from miles.rollout.advantages import compute_grpo_advantages
 from miles.utils.box import Box, put_box
+from miles.utils.seeding import stream_rng, stream_seed
 from miles.utils.types import Sample, TrainPairs, shard_pairs
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ _REFILL_STREAM = 0x52464C  # the prompts drawn to refill a batch after dynamic-s
 
 def sample_seed(rollout_seed: int, rollout_id: int, index: int) -> int:
     """Per-sample noise seed from (--rollout-seed, rollout id, index in the rollout)."""
-    return int(np.random.SeedSequence([rollout_seed, rollout_id, index]).generate_state(1)[0])
+    return stream_seed(rollout_seed, rollout_id, index)
 
 
 # ---- sample ---------------------------------------------------------------------------------------------------------
@@ -58,7 +59,7 @@ def make_samples(
 def refill_record_indices(num_records: int, count: int, *, seed: int, rollout_id: int, round_index: int) -> list[int]:
     """Prompts for a dynamic-sampling refill round: `count` records drawn without replacement (with, when the data
     has fewer), from a stream of (--rollout-seed, rollout id, round)."""
-    rng = np.random.default_rng([seed, rollout_id, round_index, _REFILL_STREAM])
+    rng = stream_rng(seed, rollout_id, round_index, _REFILL_STREAM)
     return rng.choice(num_records, size=count, replace=count > num_records).tolist()
 
 
@@ -134,7 +135,7 @@ def compute_advantages(
 # ---- order and shard ------------------------------------------------------------------------------------------------
 def order_pairs(pairs: TrainPairs, num_samples: int, per_sample: int, *, seed: int, rollout_id: int) -> TrainPairs:
     """Whole samples (their `per_sample` consecutive pairs) in a seeded order, so every window mixes prompt groups."""
-    order = torch.from_numpy(np.random.default_rng([seed, rollout_id, _ORDER_STREAM]).permutation(num_samples))
+    order = torch.from_numpy(stream_rng(seed, rollout_id, _ORDER_STREAM).permutation(num_samples))
     rows = (order[:, None] * per_sample + torch.arange(per_sample)[None, :]).reshape(-1)
     return {key: value[rows] for key, value in pairs.items()}
 

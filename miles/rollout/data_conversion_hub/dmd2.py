@@ -5,10 +5,10 @@ The engine samples the generator with the `renoise` kernel and records the one t
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from miles.rollout.data_conversion_hub.conditioning import negative_columns
+from miles.utils.seeding import stream_rng
 from miles.utils.types import TrainPairs
 
 # Keeps the per-rollout step draw apart from other seeded streams of the same (seed, rollout).
@@ -19,7 +19,7 @@ def dmd2_trained_step(num_steps: int, *, seed: int, rollout_id: int) -> int:
     """The generator step j ∈ [0, k) trained this rollout (backward simulation), drawn from (seed, rollout)."""
     if num_steps < 1:
         raise ValueError(f"--dmd2-generator-steps must be >= 1, got {num_steps}")
-    return int(np.random.default_rng([seed, rollout_id, _STEP_SALT]).integers(num_steps))
+    return int(stream_rng(seed, rollout_id, _STEP_SALT).integers(num_steps))
 
 
 def expand_samples_to_dmd2_pairs(result) -> TrainPairs:

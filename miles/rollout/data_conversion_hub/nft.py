@@ -5,10 +5,10 @@ The fresh noise ε of a pair is not stored: `loss_hub.nft.prepare_nft_batch` dra
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from miles.rollout.data_conversion_hub.conditioning import negative_columns
+from miles.utils.seeding import stream_rng
 from miles.utils.types import TrainPairs
 
 # Keeps the per-sample timestep streams apart from other seeded streams of the same (seed, rollout).
@@ -24,7 +24,7 @@ def nft_pairs_per_sample(num_steps: int, timestep_fraction: float) -> int:
 
 def draw_timestep_indices(num_steps: int, count: int, *, seed: int, rollout_id: int, sample: int) -> torch.Tensor:
     """`count` distinct indices into the grid's nonzero sigmas (0 .. num_steps−1), shuffled per sample."""
-    rng = np.random.default_rng([seed, rollout_id, sample, _TIMESTEP_SALT])
+    rng = stream_rng(seed, rollout_id, sample, _TIMESTEP_SALT)
     return torch.from_numpy(rng.permutation(num_steps)[:count].copy()).long()
 
 

@@ -20,6 +20,7 @@ from miles.diffusion.schedule import (
     sigmas_from_u,
     training_sigmas,
 )
+from miles.utils.seeding import stream_generator
 from miles.utils.types import TrainPairs
 
 
@@ -30,8 +31,7 @@ def _sigma_table(shift: float) -> torch.Tensor:
 
 def microbatch_generator(ctx: DiffusionLossContext, microbatch_id: int, salt: int = 0) -> torch.Generator:
     """Noise seeded by (seed, rollout, rank, micro-batch): identical in every pass over the same micro-batch."""
-    seed = hash((ctx.args.seed, ctx.rollout_id, ctx.dp_rank, microbatch_id, salt)) % (2**63)
-    return torch.Generator(device="cpu").manual_seed(seed)
+    return stream_generator(ctx.args.seed, ctx.rollout_id, ctx.dp_rank, microbatch_id, salt)
 
 
 def prepare_sft_batch(
