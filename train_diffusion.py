@@ -121,11 +121,16 @@ def start_groups(args: argparse.Namespace, rollout_manager) -> tuple[dict, int]:
     resumed; the engines get the actor's weights. Returns (groups, first rollout id)."""
     from miles.ray.checkpoint_folders import check_roles_agree
     from miles.ray.train_group import RayTrainGroup
+    from miles.utils.failures import run_cleanup
 
     roles = [] if args.debug_rollout_only or (args.eval_only and not args.load) else training_order(args)
     groups = {role: RayTrainGroup(args, role) for role in roles}
-    starts = {role: group.init() for role, group in groups.items()}
-    check_roles_agree(args, list(starts), starts)
+    try:
+        starts = {role: group.init() for role, group in groups.items()}
+        check_roles_agree(args, list(starts), starts)
+    except BaseException:  # the caller never sees these groups: end them here (a failed load, a dead rank)
+        run_cleanup([(f"shutdown of the {role} group", group.shutdown) for role, group in groups.items()])
+        raise
     start_rollout_id = min(starts.values(), default=0)
     if args.load and start_rollout_id > 0:
         check_data_source_resume(args.load, start_rollout_id, rollout_manager.source)

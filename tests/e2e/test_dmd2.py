@@ -117,36 +117,30 @@ def test_dmd2_trains_critic_and_generator_against_a_frozen_teacher(
 
 
 def test_dmd2_resumes_from_separate_actor_and_critic_folders_bit_for_bit(ray_cluster, tiny_pipeline_dir, tmp_path):
-    from miles.backends.fsdp_utils.checkpoint import read_latest
+    from miles.backends.fsdp_utils.checkpoint import LATEST_FILE, read_latest
 
-    def run(out, *extra, num_rollout=2):
-        args = dmd2_args(
-            tiny_pipeline_dir,
-            str(out),
-            "--num-rollout",
-            "2",
-            "--eval-interval",
-            "0",
-            "--rollout-batch-size",
-            "2",
-            *extra,
-        )
-        args.num_rollout = num_rollout  # the first half of the run: same schedule, stops after rollout 0
-        train_diffusion.run(args)
-
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     actor_dir, critic_dir = str(tmp_path / "actor_ckpt"), str(tmp_path / "critic_ckpt")
-    run(straight)
-    folders = ("--save", actor_dir, "--critic-save", critic_dir)
-    run(resumed, *folders, "--save-interval", "1", num_rollout=1)
-    assert read_latest(actor_dir) == 0 and read_latest(critic_dir) == 0  # each folder has its own pointer
+    folders = ("--save", actor_dir, "--critic-save", critic_dir, "--save-interval", "1")
+
+    def run(out, *extra):
+        train_diffusion.run(
+            dmd2_args(tiny_pipeline_dir, str(out), "--num-rollout", "2", "--eval-interval", "0",
+                      "--rollout-batch-size", "2", *folders, *extra)
+        )  # fmt: skip
+
+    run(tmp_path / "straight")  # saves after rollouts 0 and 1
+    assert read_latest(actor_dir) == 1 and read_latest(critic_dir) == 1  # each folder has its own pointer
     assert os.listdir(os.path.join(actor_dir, "iter_0000000")) == ["actor"]
     assert os.listdir(os.path.join(critic_dir, "iter_0000000")) == ["critic"]
-    run(resumed, *folders, "--load", actor_dir)  # --critic-load defaults to --critic-save
-    a = [m for m in read_metrics(os.path.join(straight, "metrics.jsonl")) if "role" in m]
-    b = [m for m in read_metrics(os.path.join(resumed, "metrics.jsonl")) if "role" in m]
-    assert [(m["role"], m["rollout_id"], m["step"]) for m in a] == [(m["role"], m["rollout_id"], m["step"]) for m in b]
-    assert {m["role"] for m in b} == {"actor", "critic"} and {m["rollout_id"] for m in b} == {0, 1}
-    for x, y in zip(a, b):
+    for folder in (actor_dir, critic_dir):  # as if the run had stopped after rollout 0's save
+        with open(os.path.join(folder, LATEST_FILE), "w") as f:
+            f.write("0\n")
+    run(tmp_path / "resumed", "--load", actor_dir)  # --critic-load defaults to --critic-save
+    a = [m for m in read_metrics(os.path.join(tmp_path, "straight", "metrics.jsonl")) if m.get("rollout_id") == 1]
+    b = [m for m in read_metrics(os.path.join(tmp_path, "resumed", "metrics.jsonl")) if m.get("rollout_id") == 1]
+    a, b = [m for m in a if "role" in m], [m for m in b if "role" in m]
+    assert [(m["role"], m["step"]) for m in b] == [("critic", 3), ("critic", 4), ("actor", 2)]
+    assert [(m["role"], m["step"]) for m in a] == [(m["role"], m["step"]) for m in b]
+    for x, y in zip(a, b):  # the resumed rollout 1 is the uninterrupted one, bit for bit, for both roles
         train = sorted(k for k in x if k.startswith("train/"))
         assert train and [x[k] for k in train] == [y[k] for k in train], (x, y)
