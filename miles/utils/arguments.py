@@ -105,6 +105,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)
     group.add_argument("--clip-grad", type=float, default=1.0, help="Max gradient norm; 0 disables clipping.")
+    group.add_argument(
+        "--max-skipped-steps",
+        type=int,
+        default=3,
+        help="Stop after this many consecutive optimizer steps skipped for a non-finite loss or gradient norm.",
+    )
     group.add_argument("--micro-batch-size", type=int, default=32, help="Train pairs per forward/backward.")
     group.add_argument(
         "--global-batch-size", type=int, default=None, help="Samples per optimizer step over all ranks (§7)."
@@ -346,6 +352,8 @@ def _validate_positive(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--lr must be > 0, got {args.lr}")
     if args.clip_grad < 0:
         raise ArgumentError(f"--clip-grad must be ≥ 0 (0 disables), got {args.clip_grad}")
+    if args.max_skipped_steps < 1:
+        raise ArgumentError(f"--max-skipped-steps must be ≥ 1, got {args.max_skipped_steps}")
 
 
 def _validate_batch_invariant(args: argparse.Namespace) -> None:
