@@ -106,6 +106,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)
     group.add_argument("--clip-grad", type=float, default=1.0, help="Max gradient norm; 0 disables clipping.")
+    group.add_argument(
+        "--max-skipped-steps",
+        type=int,
+        default=3,
+        help="Stop after this many consecutive optimizer steps skipped for a non-finite loss or gradient norm.",
+    )
     group.add_argument("--micro-batch-size", type=int, default=32, help="Train pairs per forward/backward.")
     group.add_argument(
         "--global-batch-size", type=int, default=None, help="Samples per optimizer step over all ranks (§7)."

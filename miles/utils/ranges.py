@@ -43,7 +43,7 @@ FLAG_RANGES: dict[str, Range] = {
     # optimizer and schedule
     "lr": POSITIVE, "critic_lr": POSITIVE, "min_lr": AT_LEAST_0, "lr_warmup_steps": AT_LEAST_0,
     "lr_decay_steps": AT_LEAST_1, "weight_decay": AT_LEAST_0, "adam_beta1": BETA, "adam_beta2": BETA,
-    "adam_eps": POSITIVE, "clip_grad": AT_LEAST_0,
+    "adam_eps": POSITIVE, "clip_grad": AT_LEAST_0, "max_skipped_steps": AT_LEAST_1,
     # batches and steps
     "micro_batch_size": AT_LEAST_1, "critic_micro_batch_size": AT_LEAST_1, "global_batch_size": AT_LEAST_1,
     "num_steps_per_rollout": AT_LEAST_1, "critic_num_steps_per_rollout": AT_LEAST_1, "num_rollout": AT_LEAST_1,

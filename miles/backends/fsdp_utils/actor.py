@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_latest, save_checkpoint
 from miles.backends.fsdp_utils.ema import ShadowWeights, ema_config_from_args
@@ -29,7 +31,7 @@ from miles.backends.fsdp_utils.loss_hub import TEACHER, LossHooks, checkpoint_me
 from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
 from miles.backends.fsdp_utils.train_loop import TrainLoop
 from miles.models.base import get_train_pipeline_config
-from miles.utils.distributed import destroy_process_group, init_process_group
+from miles.utils.distributed import collective_device, destroy_process_group, init_process_group
 from miles.utils.misc import load_module
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ class FSDPTrainRayActor(TrainLoop):
     def __init__(self, world_size: int, rank: int, role: str) -> None:
         self.world_size, self.rank, self.role = world_size, rank, role
         self.global_step = 0
+        self.consecutive_skips, self.first_non_finite = 0, ""  # the non-finite guard's state (train_loop.py)
         self.pending_metrics: list[dict[str, Any]] = []
         self._gradient_sync = True  # FSDP2's default: reduce-scatter and reshard after every backward
 
@@ -176,7 +179,18 @@ class FSDPTrainRayActor(TrainLoop):
         return loaded.rollout_id + 1
 
     # ---- weights and checkpoints --------------------------------------------------------------
+    def check_finite_weights(self, purpose: str) -> None:
+        """Refuse, on every rank together, to write weights that are not finite (trained or shadow)."""
+        tensors = [*self.model.parameters(), *(t for s in self.shadows.values() for t in s.state_dict().values())]
+        bad = any(not bool(torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all()) for t in tensors)
+        flag = torch.tensor([float(bad)], device=collective_device())
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            raise RuntimeError(f"{self.role}: the weights hold NaN or inf values; refusing to {purpose}")
+
     def save(self, rollout_id: int, extra: dict | None = None) -> str:
+        self.check_finite_weights(f"save rollout {rollout_id} to {self.settings['save']}")
         return save_checkpoint(
             self.settings["save"],
             rollout_id,
@@ -216,6 +230,7 @@ class FSDPTrainRayActor(TrainLoop):
 
     def save_hf(self, out_dir: str) -> str | None:
         """A diffusers pipeline folder with the trained transformer, or a PEFT LoRA adapter folder with LoRA."""
+        self.check_finite_weights(f"write --save-hf {out_dir}")
         state = full_state_dict(self.model)
         if self.rank != 0:
             return None

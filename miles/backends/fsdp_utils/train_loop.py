@@ -3,6 +3,8 @@ loop, the training loop (every forward run here, frozen ones by name), the per-r
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from types import MappingProxyType
 from typing import Any
@@ -16,6 +18,12 @@ from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_sc
 from miles.utils.box import Box
 from miles.utils.distributed import collective_device
 from miles.utils.types import TrainPairs, num_pairs, slice_pairs
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many consecutive optimizer steps were skipped because a loss or gradient norm was not finite."""
 
 
 def merge_peer_output(shard: TrainPairs, peer_output: Any) -> TrainPairs:
@@ -88,6 +96,7 @@ class TrainLoop:
             self.optimizer.zero_grad(set_to_none=True)
             metrics = WindowMetrics()
             denominator = pairs_in_window(window)
+            losses_finite = True
             for mb_idx, mb in enumerate(window):
                 self._set_gradient_sync(mb_idx == len(window) - 1)
                 batch = slice_pairs(pairs, mb.start, mb.end)
@@ -103,16 +112,47 @@ class TrainLoop:
                     write_old_log_prob=False,
                     old_log_prob_from_new=recompute and optim_step_idx == 0,
                 )
+                losses_finite = losses_finite and bool(torch.isfinite(loss_sum.detach()).all())
                 (loss_sum / denominator).backward()
             grad_norm = clip_grad_norm_(self.model.parameters(), self.args.clip_grad)
             lr = self.optimizer.param_groups[0]["lr"]
-            self.optimizer.step()
-            self.lr_scheduler.step()
-            self.global_step += 1
-            if self.ema is not None and self.ema_config.due(self.global_step):
-                self.ema.update(self.ema_config.decay_at(self.global_step))
+            skipped = self._skip_non_finite(ctx, optim_step_idx, losses_finite, grad_norm)
+            if not skipped:
+                self.optimizer.step()
+                self.lr_scheduler.step()
+                self.global_step += 1
+                if self.ema is not None and self.ema_config.due(self.global_step):
+                    self.ema.update(self.ema_config.decay_at(self.global_step))
+            metrics.add("train/skipped_steps", float(skipped))
             self._record_window(ctx, metrics, grad_norm, lr, time.perf_counter() - started)
         return train_output_inputs
+
+    def _skip_non_finite(self, ctx: DiffusionLossContext, window: int, losses_finite: bool, grad_norm: float) -> bool:
+        """The non-finite guard: one decision for every rank (any rank's non-finite loss or gradient norm skips the
+        window's optimizer step everywhere). After --max-skipped-steps consecutive skips the run stops, naming
+        what went non-finite first, before anything is saved."""
+        bad = [not losses_finite, not math.isfinite(grad_norm)]
+        if self.world_size > 1:
+            flags = torch.tensor(bad, dtype=torch.float32, device=collective_device())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            bad = [bool(f) for f in flags.tolist()]
+        if not any(bad):
+            self.consecutive_skips = 0
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        what = "the loss" if bad[0] else f"the gradient norm ({grad_norm})"
+        where = f"{self.role} rollout {ctx.rollout_id} window {window}"
+        if self.consecutive_skips == 0:
+            self.first_non_finite = f"{what} at {where}"
+        self.consecutive_skips += 1
+        logger.warning("%s: %s is not finite; optimizer step skipped on every rank", where, what)
+        if self.consecutive_skips >= self.args.max_skipped_steps:
+            raise NonFiniteTrainingError(
+                f"{self.role}: {self.consecutive_skips} consecutive optimizer steps skipped (--max-skipped-steps "
+                f"{self.args.max_skipped_steps}); first non-finite: {self.first_non_finite}. Stopped before any "
+                "save: check the loss formula and out-of-range settings (e.g. --diffusion-noise-level)."
+            )
+        return True
 
     def _set_gradient_sync(self, last_in_window: bool) -> None:
         """At world size 1 one rank holds every shard: accumulate full gradients and keep the blocks gathered
