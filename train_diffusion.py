@@ -39,8 +39,8 @@ def local_ray_cpus(args: argparse.Namespace) -> int:
     """
     import math
 
+    from miles.ray.reward_workers import REWARD_WORKER_CPUS
     from miles.ray.train_group import uses_gpu
-    from miles.rollout.rm_hub.workers import REWARD_WORKER_CPUS
 
     gpu = uses_gpu(args)
     trainers, engines = actor_shares(

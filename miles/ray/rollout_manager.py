@@ -70,9 +70,9 @@ class RolloutManager:
         if args.load_debug_rollout_data:
             logger.info("replaying rollouts from %s: no engine started", args.load_debug_rollout_data)
             return
-        from miles.rollout.engine_group import RolloutEngineGroup
+        from miles.ray.engine_group import RolloutEngineGroup
+        from miles.ray.reward_workers import RewardWorkerPool
         from miles.rollout.rm_hub import reward_spec_from_args
-        from miles.rollout.rm_hub.workers import RewardWorkerPool
 
         gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         self.engines = RolloutEngineGroup(

@@ -164,7 +164,7 @@ def test_saved_rollout_replays_without_an_engine(ray_cluster, tiny_pipeline_dir,
     assert os.path.isfile(saved / "rollout_0000000.pt")
     assert not any(m.get("role") for m in read_metrics(tmp_path / "gen" / "metrics.jsonl")), "debug rollout trained"
 
-    import miles.rollout.engine_group as engine_group
+    import miles.ray.engine_group as engine_group
 
     def no_engine(*args, **kwargs):
         raise AssertionError("an engine was started while replaying")

@@ -56,8 +56,8 @@ def test_filters_and_data_source_shape_the_rollout(ray_cluster, tiny_pipeline_di
 
 
 def test_a_hook_with_the_wrong_signature_fails_before_any_actor_starts(ray_cluster, tiny_pipeline_dir, tmp_path):
+    import miles.ray.engine_group as engine_group
     import miles.ray.train_group as train_group
-    import miles.rollout.engine_group as engine_group
 
     args = steps_args(tiny_pipeline_dir, tmp_path, "--dynamic-sampling-filter-path", f"{HOOKS}:bad_filter")
     started = []

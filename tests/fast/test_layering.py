@@ -41,3 +41,12 @@ def test_the_check_sees_imports_inside_functions(tmp_path):
     file = tmp_path / "m.py"
     file.write_text("def f():\n    from miles.rollout.rm_hub import x\n")
     assert imported_modules(file) == ["miles.rollout.rm_hub"]
+
+
+def test_only_the_ray_layer_creates_actors():
+    creators = {
+        str(file.relative_to(PACKAGE.parent))
+        for file in PACKAGE.rglob("*.py")
+        if "ray.remote(" in file.read_text() and file.parent.name != "ray"
+    }
+    assert not creators, f"Ray actors are created outside miles/ray/: {sorted(creators)}"

@@ -10,8 +10,8 @@ import torch
 
 from miles.diffusion.sde import get_sde_kernel
 from miles.models.base import get_train_pipeline_config
+from miles.ray.engine_group import EngineError, RolloutEngineGroup
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, RolloutEngine
-from miles.rollout.engine_group import EngineError, RolloutEngineGroup
 from miles.utils.failures import set_current_rollout
 from miles.utils.misc import split_contiguous as split_evenly
 

@@ -6,8 +6,8 @@ import pytest
 
 import train_diffusion
 from miles.rollout.data_source import PromptDataError
-from miles.utils.arguments import parse_args
 from miles.rollout.input_files import InputFileError, check_model_index
+from miles.utils.arguments import parse_args
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import asyncio
 import pytest
 
 from miles.data.shapes import shapes_items
+from miles.ray.reward_workers import RewardWorkerPool
 from miles.rollout.rm_hub import RewardError, compute_rewards
-from miles.rollout.rm_hub.workers import RewardWorkerPool
 from miles.utils.misc import split_contiguous
 from miles.utils.types import Sample
 
