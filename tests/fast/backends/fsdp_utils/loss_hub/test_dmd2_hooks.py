@@ -242,8 +242,8 @@ def test_critic_windows_follow_the_update_ratio_unless_given():
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--dmd2-generator-steps", "5"], "--dmd2-generator-steps must be in 1..4"),
-        (["--dmd2-generator-steps", "0"], "--dmd2-generator-steps must be in 1..4"),
+        (["--dmd2-generator-steps", "5"], "--dmd2-generator-steps must be in [1, 4]"),
+        (["--dmd2-generator-steps", "0"], "--dmd2-generator-steps must be in [1, 4]"),
         (["--dmd2-critic-updates-per-step", "0"], "--dmd2-critic-updates-per-step"),
         (["--dmd2-t-min", "0.5", "--dmd2-t-max", "0.4"], "--dmd2-t-min"),
         (["--dmd2-real-guidance-scale", "0.5"], "--dmd2-real-guidance-scale"),
