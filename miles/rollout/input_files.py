@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 
-from miles.rollout.data_source import BUILTIN_SHAPES, check_distinct_prompts, read_jsonl_records
+from miles.rollout.data_source import BUILTIN_SHAPES, load_records, read_jsonl_records
 
 
 class InputFileError(ValueError):
@@ -43,13 +43,7 @@ def check_input_files(args: argparse.Namespace) -> None:
     check_model_index(getattr(args, "critic_checkpoint", None), "--critic-checkpoint")
     with_images = args.loss_type == "sft_loss"
     if args.prompt_data != BUILTIN_SHAPES:
-        records = read_jsonl_records(
-            args.prompt_data,
-            input_key=args.input_key,
-            metadata_key=args.metadata_key,
-            image_key=args.image_key if with_images else None,
-        )
-        check_distinct_prompts(records, args, args.prompt_data)
+        load_records(args, with_images=with_images, resolution=None)
     eval_data = getattr(args, "eval_prompt_data", BUILTIN_SHAPES)
     if (args.eval_only or args.eval_interval is not None) and eval_data != BUILTIN_SHAPES:
         read_jsonl_records(eval_data, input_key=args.input_key, metadata_key=args.metadata_key)

@@ -53,10 +53,10 @@ class RolloutSpec:
 
 
 # ---- Flow-GRPO (and custom losses): SDE trajectories with per-step log-probs ---------------------------------------
-def sde_request(
-    args: argparse.Namespace, samples: list[Sample], *, rollout_id: int, resolution: int
+def sampler_request(
+    args: argparse.Namespace, samples: list[Sample], *, resolution: int, sde_type: str, trained_steps: list[int]
 ) -> GenerateRequest:
-    """The --diffusion-sde-type kernel on the steps the step strategy picks, with CFG as configured."""
+    """The sampling flags' request for `samples` (CFG, steps, noise, shared initial noise) with the given kernel."""
     return GenerateRequest(
         prompts=[s.prompt for s in samples],
         seeds=[s.seed for s in samples],
@@ -64,10 +64,20 @@ def sde_request(
         num_steps=args.diffusion_num_steps,
         guidance_scale=args.diffusion_guidance_scale,
         negative_prompt=args.negative_prompt,
-        sde_type=args.diffusion_sde_type,
+        sde_type=sde_type,
         noise_level=args.diffusion_noise_level,
-        trained_steps=select_trained_steps(args, rollout_id),
+        trained_steps=trained_steps,
         resolution=resolution,
+    )
+
+
+def sde_request(
+    args: argparse.Namespace, samples: list[Sample], *, rollout_id: int, resolution: int
+) -> GenerateRequest:
+    """The --diffusion-sde-type kernel on the steps the step strategy picks, with CFG as configured."""
+    trained = select_trained_steps(args, rollout_id)
+    return sampler_request(
+        args, samples, resolution=resolution, sde_type=args.diffusion_sde_type, trained_steps=trained
     )
 
 
@@ -86,27 +96,12 @@ def trained_steps_per_sample(args: argparse.Namespace, request: GenerateRequest)
     return len(request.trained_steps)
 
 
-def trained_steps_metric(request: GenerateRequest) -> dict[str, Any]:
-    return {}
-
-
 # ---- DiffusionNFT: deterministic ODE samples, clean latents -------------------------------------------------------
 def ode_request(
     args: argparse.Namespace, samples: list[Sample], *, rollout_id: int, resolution: int
 ) -> GenerateRequest:
     """Deterministic ODE sampling, nothing recorded but the clean latents."""
-    return GenerateRequest(
-        prompts=[s.prompt for s in samples],
-        seeds=[s.seed for s in samples],
-        initial_seeds=group_initial_seeds(samples) if args.diffusion_shared_initial_noise else None,
-        num_steps=args.diffusion_num_steps,
-        guidance_scale=args.diffusion_guidance_scale,
-        negative_prompt=args.negative_prompt,
-        sde_type="ode",
-        noise_level=args.diffusion_noise_level,
-        trained_steps=[],
-        resolution=resolution,
-    )
+    return sampler_request(args, samples, resolution=resolution, sde_type="ode", trained_steps=[])
 
 
 def nft_pairs(

@@ -43,23 +43,28 @@ class FunctionRegistry:
 function_registry = FunctionRegistry()
 
 
-def _load_from_file(file_path: str, attr: str, spec_text: str) -> Callable[..., Any]:
+def _import_file(file_path: str, what: str) -> Any:
+    """`file_path` imported as a module, once per process (hooks and modules from one file share its state)."""
     if not os.path.isfile(file_path):
-        raise HookLoadError(f"hook {spec_text!r}: file {file_path!r} does not exist")
-    module_name = f"miles_user_hook_{abs(hash(os.path.abspath(file_path)))}"
-    if module_name in sys.modules:  # hooks from one file share one module (and its state)
-        return _get_attr(sys.modules[module_name], attr, spec_text, file_path)
+        raise HookLoadError(f"{what}: file {file_path!r} does not exist")
+    module_name = f"miles_user_module_{abs(hash(os.path.abspath(file_path)))}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, file_path)
     if spec is None or spec.loader is None:
-        raise HookLoadError(f"hook {spec_text!r}: cannot import {file_path!r} as a Python module")
+        raise HookLoadError(f"{what}: cannot import {file_path!r} as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(module_name, None)
-        raise HookLoadError(f"hook {spec_text!r}: importing {file_path!r} failed: {type(exc).__name__}: {exc}") from exc
-    return _get_attr(module, attr, spec_text, file_path)
+        raise HookLoadError(f"{what}: importing {file_path!r} failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def _load_from_file(file_path: str, attr: str, spec_text: str) -> Callable[..., Any]:
+    return _get_attr(_import_file(file_path, f"hook {spec_text!r}"), attr, spec_text, file_path)
 
 
 def _get_attr(module: Any, attr: str, spec_text: str, where: str) -> Callable[..., Any]:
@@ -100,22 +105,7 @@ def load_function(path: str) -> Callable[..., Any]:
 def load_module(path: str) -> Any:
     """Import `pkg.module` or `path/to/file.py` (once per process: a second call returns the same module)."""
     if path.endswith(".py") or os.sep in path:
-        if not os.path.isfile(path):
-            raise HookLoadError(f"module {path!r}: file does not exist")
-        module_name = f"miles_user_module_{abs(hash(os.path.abspath(path)))}"
-        if module_name in sys.modules:
-            return sys.modules[module_name]
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        if spec is None or spec.loader is None:
-            raise HookLoadError(f"module {path!r}: cannot import it as a Python module")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            sys.modules.pop(module_name, None)
-            raise HookLoadError(f"module {path!r}: importing it failed: {type(exc).__name__}: {exc}") from exc
-        return module
+        return _import_file(path, f"module {path!r}")
     try:
         return importlib.import_module(path)
     except ModuleNotFoundError as exc:
