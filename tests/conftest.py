@@ -26,6 +26,16 @@ def tiny_pipeline_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_sd35_dir(tmp_path_factory):
+    """A tiny SD3.5-Medium-style pipeline folder (RMS qk-norm, a dual-attention MMDiT-X block), built once."""
+    from miles.models.tiny import save_tiny_sd3_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_sd35") / "pipeline"
+    save_tiny_sd3_pipeline(str(path), seed=2, qk_norm="rms_norm", dual_attention_layers=(0,))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_flux_dev_dir(tmp_path_factory):
     """A tiny FLUX.1-dev-style (guidance-embedding) pipeline folder, built offline once per session."""
     from miles.models.tiny_flux import save_tiny_flux_pipeline
@@ -75,6 +85,16 @@ FAMILY_CASES = [
         "sd3",
         "sd3",
         "tiny_pipeline_dir",
+        "StableDiffusion3Pipeline",
+        lambda w: {"guidance_scale": w},
+        _same_layout,
+        loss_runs=False,
+    ),
+    # SD3.5 on the sd3 family; the pipeline's default skip_guidance_layers is None (no skip-layer guidance)
+    FamilyCase(
+        "sd3.5",
+        "sd3",
+        "tiny_sd35_dir",
         "StableDiffusion3Pipeline",
         lambda w: {"guidance_scale": w},
         _same_layout,
