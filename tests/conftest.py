@@ -1,8 +1,12 @@
-"""Shared, expensive fixtures: the tiny pipeline folder and one Ray cluster per test session."""
+"""Shared, expensive fixtures: the tiny pipeline folders, one Ray cluster per test session, and the model-family
+cases of the family contract suite (`FAMILY_CASES`: one line per family configuration)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -19,6 +23,103 @@ def tiny_pipeline_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_sd3") / "pipeline"
     save_tiny_sd3_pipeline(str(path), seed=0)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd35_dir(tmp_path_factory):
+    """A tiny SD3.5-Medium-style pipeline folder (RMS qk-norm, a dual-attention MMDiT-X block), built once."""
+    from miles.models.tiny import save_tiny_sd3_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_sd35") / "pipeline"
+    save_tiny_sd3_pipeline(str(path), seed=2, qk_norm="rms_norm", dual_attention_layers=(0,))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dev_dir(tmp_path_factory):
+    """A tiny FLUX.1-dev-style (guidance-embedding) pipeline folder, built offline once per session."""
+    from miles.models.tiny_flux import save_tiny_flux_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_flux_dev") / "pipeline"
+    save_tiny_flux_pipeline(str(path), seed=0, guidance_embeds=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_schnell_dir(tmp_path_factory):
+    """A tiny FLUX.1-schnell-style (no guidance embedding: true CFG) pipeline folder, built once per session."""
+    from miles.models.tiny_flux import save_tiny_flux_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_flux_schnell") / "pipeline"
+    save_tiny_flux_pipeline(str(path), seed=1, guidance_embeds=False)
+    return str(path)
+
+
+def _same_layout(pipe: Any, latents: Any, resolution: int) -> Any:
+    return latents
+
+
+def _flux_unpacked(pipe: Any, latents: Any, resolution: int) -> Any:
+    return pipe._unpack_latents(latents, resolution, resolution, pipe.vae_scale_factor)
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """How the family contract suite drives one family configuration through its own diffusers pipeline."""
+
+    id: str
+    family: str  # the registered model family name
+    fixture: str  # the session fixture that builds its tiny pipeline folder
+    pipeline_class: str  # the diffusers class that loads the folder
+    cfg_kwargs: Callable[[float], dict[str, Any]]  # the pipeline __call__ kwargs of miles' guidance scale w
+    to_family_latents: Callable[[Any, Any, int], Any]  # the pipeline's latents -> the family's latent layout
+    call_kwargs: dict[str, Any] = field(default_factory=lambda: {"max_sequence_length": 32})
+    resolution: int = 32
+    # one run of every loss type at dp 2; off where another test already runs them on the same family code
+    loss_runs: bool = True
+
+
+FAMILY_CASES = [
+    # test_golden.py runs every loss type on SD3 at dp 2 already
+    FamilyCase(
+        "sd3",
+        "sd3",
+        "tiny_pipeline_dir",
+        "StableDiffusion3Pipeline",
+        lambda w: {"guidance_scale": w},
+        _same_layout,
+        loss_runs=False,
+    ),
+    # SD3.5 on the sd3 family; the pipeline's default skip_guidance_layers is None (no skip-layer guidance)
+    FamilyCase(
+        "sd3.5",
+        "sd3",
+        "tiny_sd35_dir",
+        "StableDiffusion3Pipeline",
+        lambda w: {"guidance_scale": w},
+        _same_layout,
+        loss_runs=False,
+    ),
+    FamilyCase(
+        "flux-dev", "flux", "tiny_flux_dev_dir", "FluxPipeline", lambda w: {"guidance_scale": w}, _flux_unpacked
+    ),
+    # the same family code as flux-dev but for guidance, which the parity runs cover
+    FamilyCase(
+        "flux-schnell",
+        "flux",
+        "tiny_flux_schnell_dir",
+        "FluxPipeline",
+        lambda w: {"true_cfg_scale": w, "negative_prompt": "", "guidance_scale": 0.0},
+        _flux_unpacked,
+        loss_runs=False,
+    ),
+]
+
+
+@pytest.fixture(params=FAMILY_CASES, ids=[case.id for case in FAMILY_CASES])
+def family_case(request):
+    """(case, pipeline folder) for every family configuration of FAMILY_CASES."""
+    return request.param, request.getfixturevalue(request.param.fixture)
 
 
 @pytest.fixture(scope="session")

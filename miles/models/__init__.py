@@ -1,6 +1,6 @@
 """Model families (ARCHITECTURE §3): importing this package registers the built-in ones."""
 
-from miles.models import sd3  # noqa: F401  (fills TRAIN_PIPELINE_CONFIGS)
+from miles.models import flux, sd3  # noqa: F401  (fill TRAIN_PIPELINE_CONFIGS)
 from miles.models.base import (
     TRAIN_PIPELINE_CONFIGS,
     TrainPipelineConfig,
@@ -8,12 +8,14 @@ from miles.models.base import (
     register_train_pipeline_config,
 )
 from miles.models.conditioning import Conditioning
+from miles.models.flux import FluxPipelineConfig
 from miles.models.media import Media
 from miles.models.sd3 import SD3PipelineConfig
 
 __all__ = [
     "TRAIN_PIPELINE_CONFIGS",
     "Conditioning",
+    "FluxPipelineConfig",
     "Media",
     "SD3PipelineConfig",
     "TrainPipelineConfig",

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import nn
 
+from miles.diffusion.schedule import sampling_sigmas as static_shift_sampling_sigmas
 from miles.models.conditioning import Conditioning
 from miles.models.media import Media
 
@@ -109,10 +110,17 @@ class TrainPipelineConfig(ABC):
     ) -> torch.Tensor:
         """The velocity (float32, the latents' shape) at noise levels `sigmas` (B,), with the family's guidance."""
 
+    def sampling_sigmas(self, num_steps: int, resolution: int | None = None) -> torch.Tensor:
+        """The σ grid the family's pipeline samples `num_steps` steps on at `resolution`: num_steps + 1 float32
+        values from 1 down to 0. Default: the static-shift scheduler grid at `scheduler_shift`; a family whose
+        pipeline shifts by resolution (FLUX's `mu`) overrides it."""
+        return static_shift_sampling_sigmas(num_steps, self.scheduler_shift)
+
     # geometry
     @property
     @abstractmethod
-    def scheduler_shift(self) -> float: ...
+    def scheduler_shift(self) -> float:
+        """The static shift of the scheduler's training σ table (sft_loss draws, DMD2's default timestep shift)."""
 
     @property
     @abstractmethod

@@ -36,9 +36,10 @@ class SD3PipelineConfig(TrainPipelineConfig):
     pipeline_class_name = "StableDiffusion3Pipeline"
     # joint attention of SD3's JointTransformerBlock: image-stream and context-stream projections
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    transformer_class: type[nn.Module] = SD3Transformer2DModel  # what load_transformer builds
 
     # networks
-    def load_transformer(self, path: str | None = None, dtype: torch.dtype = torch.float32) -> SD3Transformer2DModel:
+    def load_transformer(self, path: str | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
         """The transformer from a pipeline folder (its `transformer/`) or a folder with config.json at the top."""
         root = Path(path or self.path)
         if (root / "transformer" / "config.json").is_file():
@@ -47,9 +48,9 @@ class SD3PipelineConfig(TrainPipelineConfig):
             subfolder = None
         else:
             raise FileNotFoundError(
-                f"{root} holds neither transformer/config.json nor config.json (an SD3 transformer)"
+                f"{root} holds neither transformer/config.json nor config.json (a {self.transformer_class.__name__})"
             )
-        model = SD3Transformer2DModel.from_pretrained(
+        model = self.transformer_class.from_pretrained(
             str(root), subfolder=subfolder, **{_DTYPE_KW: dtype}, local_files_only=True
         )
         return model.eval()
@@ -90,7 +91,7 @@ class SD3PipelineConfig(TrainPipelineConfig):
         save_torch_state_dict(state, str(out / "transformer"), filename_pattern=_WEIGHTS_NAME)
         for file in (out / "transformer").iterdir():
             file.chmod(0o644)  # the hub writer creates files 0600; keep them readable like the copied components
-        logger.info("saved SD3 pipeline with new transformer weights to %s", out)
+        logger.info("saved %s pipeline with new transformer weights to %s", self.name, out)
         return str(out)
 
     def _checkpoint_dtypes(self) -> dict[str, torch.dtype]:

@@ -9,6 +9,7 @@ import logging
 import string
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import (
@@ -184,10 +185,13 @@ def build_tiny_sd3_pipeline(
     transformer_head_dim: int = 16,
     vae_block_out_channels: tuple[int, ...] = VAE_BLOCK_OUT_CHANNELS,
     vae_layers_per_block: int = 1,
+    qk_norm: str | None = None,
+    dual_attention_layers: tuple[int, ...] = (),
 ) -> StableDiffusion3Pipeline:
     """The tiny SD3 pipeline in float32, eval mode, with seeded random weights (a few MB in all).
 
     The keyword-only sizes default to the test-tiny model; `scripts/pretrain_tiny_shapes.py` picks larger ones.
+    `qk_norm="rms_norm"` with `dual_attention_layers` gives SD3.5's transformer layout (Medium: MMDiT-X).
     """
     vae_factor = 2 ** (len(vae_block_out_channels) - 1)
     if resolution % (2 * vae_factor) != 0:
@@ -213,6 +217,8 @@ def build_tiny_sd3_pipeline(
         pooled_projection_dim=text_encoder.config.projection_dim + text_encoder_2.config.projection_dim,
         out_channels=LATENT_CHANNELS,
         pos_embed_max_size=4 * resolution // vae_factor // 2,  # room for up to 4x the default resolution
+        qk_norm=qk_norm,
+        dual_attention_layers=dual_attention_layers,
     )
     shift, scale = _calibrate_vae(vae, resolution, torch.Generator().manual_seed(seed))
     vae.register_to_config(shift_factor=shift, scaling_factor=scale)
@@ -234,9 +240,10 @@ def build_tiny_sd3_pipeline(
     return pipe
 
 
-def save_tiny_sd3_pipeline(path: str, seed: int = 0, resolution: int = 32) -> str:
-    """Build the tiny pipeline and write it as a diffusers folder (safetensors); returns `path`."""
-    pipe = build_tiny_sd3_pipeline(seed=seed, resolution=resolution)
+def save_tiny_sd3_pipeline(path: str, seed: int = 0, resolution: int = 32, **sizes: Any) -> str:
+    """Build the tiny pipeline (`sizes`: build_tiny_sd3_pipeline's keywords) and write it as a diffusers folder
+    (safetensors); returns `path`."""
+    pipe = build_tiny_sd3_pipeline(seed=seed, resolution=resolution, **sizes)
     Path(path).mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path, safe_serialization=True)
     strip_name_or_path(path)

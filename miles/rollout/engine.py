@@ -225,8 +225,12 @@ class DiffusionEngine:
                 f"{family.name} has a second (audio) latent; the built-in engine denoises one latent per sample"
             )
         shift = family.scheduler_shift if request.shift is None else request.shift
-        grid = renoise_sigmas if request.sde_type == "renoise" else sampling_sigmas
-        sigmas = grid(request.num_steps, shift)
+        if request.sde_type == "renoise":
+            sigmas = renoise_sigmas(request.num_steps, shift)
+        elif request.shift is None:  # the family's own grid (FLUX shifts it by resolution)
+            sigmas = family.sampling_sigmas(request.num_steps, request.resolution)
+        else:
+            sigmas = sampling_sigmas(request.num_steps, shift)
         sigmas_dev = sigmas.to(self.device)
         embeds = family.encode_prompts(list(request.prompts), device=self.device)
         negative = (

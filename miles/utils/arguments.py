@@ -60,7 +60,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default="builtin:tiny-shapes",
         help="Local diffusers pipeline folder (never downloaded); builtin:tiny-shapes is the shipped shapes model.",
     )
-    group.add_argument("--model-family", default="auto", help="Model family (auto: from model_index.json).")
+    group.add_argument(
+        "--model-family",
+        default="auto",
+        help="Model family (auto: from model_index.json's _class_name); built in: sd3 (StableDiffusion3Pipeline), "
+        "flux (FluxPipeline).",
+    )
     group.add_argument(
         "--train-pipeline-config-path",
         default=None,

@@ -1,0 +1,108 @@
+"""The family contract in whole runs through the driver at dp size 2, for every case of `FAMILY_CASES` (conftest):
+train/rollout parity before the first update with and without guidance, every loss type end to end, and a
+`--save-hf` folder that the family's own diffusers pipeline class loads and samples from."""
+
+from __future__ import annotations
+
+import os
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+
+import train_diffusion
+from miles.data.shapes import write_shapes_jsonl
+from miles.utils.arguments import parse_args
+from miles.utils.tracking import read_metrics
+
+pytestmark = pytest.mark.e2e
+BRIGHTNESS = os.path.join(os.path.dirname(__file__), "rewards.py") + ":brightness"
+TINY = [  # 4 samples, 4 steps, one window per rank
+    "--prompt-data",
+    "builtin:shapes",
+    "--dp-size",
+    "2",
+    "--num-rollout",
+    "1",
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--num-steps-per-rollout",
+    "1",
+    "--diffusion-num-steps",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--eval-interval",
+    "0",
+    "--image-grid-interval",
+    "0",
+    "--no-progress",
+    "--log-level",
+    "WARNING",
+]
+REWARD = ["--custom-rm-path", BRIGHTNESS]
+LOSS_RUNS = {
+    "sft_loss": ["--train-only", "--rollout-batch-size", "4", "--n-samples-per-prompt", "1"],
+    "nft": REWARD,
+    "dmd2": ["--dmd2-generator-steps", "2", "--dmd2-critic-updates-per-step", "2", "--diffusion-guidance-scale", "1.0"],
+}
+
+
+def run(path, out, *extra):
+    train_diffusion.run(parse_args(["--hf-checkpoint", path, *TINY, "--output-dir", str(out), *extra]))
+    return [m for m in read_metrics(os.path.join(out, "metrics.jsonl")) if m.get("role") in ("actor", "critic")]
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.5])
+def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, family_case, tmp_path, guidance):
+    case, path = family_case
+    hf = tmp_path / "hf"
+    windows = run(
+        path,
+        tmp_path / "run",
+        "--loss-type",
+        "policy_loss",
+        *REWARD,
+        "--diffusion-num-sde-steps",
+        "2",
+        "--diffusion-guidance-scale",
+        str(guidance),
+        *(["--save-hf", str(hf)] if guidance == 1.0 else []),
+    )
+    first = windows[0]
+    # the engine's and the trainer's batches differ in size, so the forwards agree to float rounding (~1e-8)
+    assert abs(first["train/ratio_mean"] - 1.0) <= 1e-6, first
+    assert first["train/log_prob_abs_diff"] <= 1e-6, first
+    if guidance != 1.0:
+        return
+    pipe = getattr(diffusers, case.pipeline_class).from_pretrained(str(hf), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe(
+        "two red circles",
+        num_inference_steps=2,
+        height=case.resolution,
+        width=case.resolution,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+        **case.call_kwargs,
+    ).images[0]
+    assert image.shape == (case.resolution, case.resolution, 3) and np.isfinite(image).all() and image.std() > 0
+
+
+@pytest.mark.parametrize("loss_type", sorted(LOSS_RUNS))
+def test_every_loss_type_runs_at_dp_size_2(ray_cluster, family_case, tmp_path, loss_type):
+    case, path = family_case
+    if not case.loss_runs:
+        pytest.skip(f"{case.id}: its loss types run elsewhere (see FAMILY_CASES)")
+    extra = list(LOSS_RUNS[loss_type])
+    if loss_type == "sft_loss":
+        extra[-4:-4] = ["--prompt-data", str(write_shapes_jsonl(tmp_path / "shapes.jsonl", 4, seed=0))]
+    if loss_type == "dmd2":
+        extra += ["--teacher-load", path]
+    windows = run(path, tmp_path / "run", "--loss-type", loss_type, *extra)
+    assert windows and all(np.isfinite(m["train/loss"]) for m in windows), windows
+    if loss_type == "dmd2":
+        assert {m["role"] for m in windows} == {"actor", "critic"}
