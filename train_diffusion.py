@@ -72,7 +72,9 @@ def check_gpus_fit(args: argparse.Namespace, cluster_gpus: float) -> None:
 
 def setup_logging(args: argparse.Namespace) -> None:
     os.makedirs(args.output_dir, exist_ok=True)
-    handlers = [logging.StreamHandler(sys.stderr), logging.FileHandler(os.path.join(args.output_dir, "train.log"))]
+    from miles.utils.console import TqdmHandler
+
+    handlers = [TqdmHandler(sys.stderr), logging.FileHandler(os.path.join(args.output_dir, "train.log"))]
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -90,25 +92,28 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
 
     `before_shutdown(groups)` lets tools and tests inspect the live groups after the last rollout.
     """
+    from miles.utils.console import ProgressLine, progress_bar, quiet_third_party, ray_init_kwargs, summary_line
+
+    quiet_third_party()  # before diffusers is imported
     import ray
-    from tqdm import tqdm
 
     from miles.backends.fsdp_utils.checkpoint import write_latest
     from miles.models.builtin import resolve_checkpoint
+    from miles.plot import plot_run
     from miles.ray.evaluator import Evaluator
     from miles.ray.rollout_manager import RolloutManager
     from miles.ray.train_group import RayTrainGroup
     from miles.utils.eval_arguments import eval_enabled
-    from miles.utils.tracking import MetricsWriter
+    from miles.utils.tracking import open_tracking, read_metrics
 
     started = time.perf_counter()
     for dest in ("hf_checkpoint", "teacher_load", "critic_checkpoint"):  # builtin:NAME -> the packaged folder
         setattr(args, dest, resolve_checkpoint(getattr(args, dest, None)))
-    writer = MetricsWriter(args.output_dir)
+    writer = open_tracking(args)
     own_ray = not ray.is_initialized()
     if own_ray:
         local = {} if args.ray_address else {"num_cpus": local_ray_cpus(args)}
-        ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True, **local)
+        ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True, **local, **ray_init_kwargs())
     groups: dict = {}
     rollout_manager = None
     summary: dict = {"losses": []}
@@ -137,9 +142,7 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
         if args.eval_only:
             return summary
         last = args.num_rollout - 1
-        bar = tqdm(
-            range(start_rollout_id, args.num_rollout), desc="rollouts", disable=args.no_progress, dynamic_ncols=True
-        )
+        bar, progress = progress_bar(range(start_rollout_id, args.num_rollout), args), ProgressLine(args.loss_type)
         for rollout_id in bar:
             t0 = time.perf_counter()
             data = rollout_manager.generate(rollout_id)
@@ -173,14 +176,7 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
                 rollout_record.update(evaluator.evaluate(rollout_manager.engines, rollout_id + 1))
             writer.log(rollout_record)
             summary.setdefault("rollouts", []).append(rollout_record)
-            postfix = {}
-            if "eval/shapes_accuracy" in rollout_record:
-                postfix["acc"] = f"{rollout_record['eval/shapes_accuracy']:.2f}"
-            if "rollout/reward_mean" in rollout_record:
-                postfix["reward"] = f"{rollout_record['rollout/reward_mean']:.3f}"
-            if summary["losses"]:
-                postfix["loss"] = f"{summary['losses'][-1]:.4f}"
-            bar.set_postfix(postfix)
+            bar.set_postfix(progress.update([*records, rollout_record]))
         if args.save_hf and groups:
             groups["actor"].save_hf(args.save_hf)
             logger.info("wrote a diffusers pipeline folder to %s", args.save_hf)
@@ -195,7 +191,8 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
         if own_ray:
             ray.shutdown()
     summary["wall_s"] = time.perf_counter() - started
-    logger.info("done in %.1fs; metrics in %s", summary["wall_s"], writer.path)
+    summary["plot"] = plot_run(args.output_dir, args.loss_type)
+    logger.info(summary_line(args, read_metrics(writer.path), summary["wall_s"], summary["plot"]))
     return summary
 
 

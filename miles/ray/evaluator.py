@@ -13,6 +13,7 @@ from miles.data.shapes import BUILTIN_SHAPES, ShapeScene, shapes_prompts
 from miles.rollout.data_source import read_jsonl_records
 from miles.rollout.evaluation import evaluate_shapes
 from miles.rollout.image_grid import save_image_grid
+from miles.utils.tracking import EVAL_AXIS
 
 logger = logging.getLogger(__name__)
 
@@ -53,4 +54,5 @@ class Evaluator:
         )
         save_image_grid(images, os.path.join(args.output_dir, "images", f"eval_{rollout_id:07d}.png"), max_images=64)
         metrics["perf/eval_s"] = time.perf_counter() - started
+        metrics[EVAL_AXIS] = rollout_id  # the x of this eval in plots and trackers: 0 is the baseline
         return metrics
