@@ -153,6 +153,7 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+        self._wandb.teardown()  # finish() returns before wandb's writer process has flushed the run's files
 
 
 class Tracking:

@@ -2,9 +2,11 @@
 
 DMD2 distils `builtin:tiny-shapes` (the teacher: 20 ODE steps, CFG 4.5) into CFG-free 1- and 2-step generators on
 2 CPU ranks, and the held-out `builtin:shapes` eval prompts (fixed noise) score them against the same teacher sampled with
-plain Euler steps of its own scheduler. DiffusionNFT fine-tunes the shipped model itself (CFG-free, as it samples).
+plain Euler steps of its own scheduler. DiffusionNFT fine-tunes the shipped model itself (CFG-free, as it samples):
+it is the no-flag run (`./scripts/demo.sh`), and its standard is the default run's.
 `python tests/e2e/test_learning.py dmd2 SEED...` re-measures every dmd2 number below (1- and 2-step generators);
-`nft`, `policy_loss` or `policy_loss_long` in place of `dmd2` measures those runs' before/after.
+`default` (the no-flag run: nft, lr 1e-4, 40 rollouts), `policy_loss` or `policy_loss_long` in place of `dmd2`
+measures those runs' before/after.
 
 Measured on this machine (2 CPU cores), `eval/shapes_accuracy` on 500 eval prompts (the teacher rows are the same
 for every seed: fixed eval noise):
@@ -35,7 +37,8 @@ and runs 90 rollouts. At a constant lr its accuracy swings by ±4 points from on
 0.538 / 0.536 / 0.536: 2.8 / 3.0 / 3.0 points below the teacher and 34.6 / 34.4 / 34.4 above one Euler step. Shift 1
 or 2 at a constant lr for 60 rollouts gave 0.534 / 0.480 and 0.518 / 0.488 (seeds 1 / 2).
 
-nft, lr 1e-4, CFG-free eval (20 ODE steps), from 0.420 accuracy and 0.861 reward (the same model at CFG 4.5: 0.566):
+nft, lr 1e-4 (the defaults), CFG-free eval (20 ODE steps), from 0.420 accuracy and 0.861 reward (the same model at
+CFG 4.5: 0.566):
 
 | | seed 1 | seed 2 | seed 3 | seed 4 |
 |---|---|---|---|---|
@@ -112,13 +115,13 @@ MIN_GAIN_OVER_EULER = {1: 0.30, 2: 0.30}
 # teacher (20 steps, CFG 4.5) minus the k-step generator; seeds gave 0.028 / 0.030 / 0.030 (k = 1), -0.020 / 0.018 (k = 2)
 MAX_GAP_TO_TEACHER = {1: 0.05, 2: 0.05}
 SUITE_K = 2  # the generator the suite distils; `measure` runs both
-# nft after 40 rollouts minus before; seeds 1 / 2 / 3: accuracy +0.120 / +0.088 / +0.076, reward +0.032 / +0.032 / +0.024
-NFT_ROLLOUTS = 40
+# the default run (nft, 40 rollouts) after minus before; seeds 1 / 2 / 3: accuracy +0.120 / +0.088 / +0.076, reward
+# +0.032 / +0.032 / +0.024; with --lr 0 both gains are exactly 0
 MIN_NFT_ACCURACY_GAIN = 0.04
 MIN_NFT_REWARD_GAIN = 0.015
 REWARD = "eval/shapes_reward_mean"
 
-RL_RUNS = {  # what `measure` runs: nft as its standard; policy_loss with the defaults and long (no standard, see above)
+RL_RUNS = {  # what `measure` runs: the default (nft) as its standard; policy_loss short and long (no standard, see above)
     "policy_loss": ("--loss-type", "policy_loss", "--num-rollout", "20"),
     "policy_loss_long": (
         "--loss-type",
@@ -130,7 +133,7 @@ RL_RUNS = {  # what `measure` runs: nft as its standard; policy_loss with the de
         "--num-rollout",
         "400",
     ),
-    "nft": ("--loss-type", "nft", "--lr", "1e-4", "--num-rollout", str(NFT_ROLLOUTS)),
+    "default": (),
 }
 
 
@@ -191,8 +194,8 @@ def test_dmd2_generator_nears_its_teacher_and_beats_as_many_euler_steps(ray_clus
     assert not dmd2_shortfalls(SUITE_K, generator, teacher), (SUITE_K, generator, teacher)
 
 
-def test_nft_raises_the_accuracy_of_the_shipped_model(ray_cluster, tmp_path):
-    result = rl_run("nft", SEED, tmp_path)
+def test_the_default_run_raises_the_accuracy_of_the_shipped_model(ray_cluster, tmp_path):
+    result = rl_run("default", SEED, tmp_path)
     assert result[ACC][1] >= result[ACC][0] + MIN_NFT_ACCURACY_GAIN, result
     assert result[REWARD][1] >= result[REWARD][0] + MIN_NFT_REWARD_GAIN, result
 
