@@ -78,6 +78,11 @@ def series(records: list[dict[str, Any]]) -> dict[str, tuple[str, list[int], lis
     return out
 
 
+def running_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the window - 1 before it (fewer at the start)."""
+    return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
+
+
 def plot_panels(records: list[dict[str, Any]], loss_type: str) -> list[tuple[str, tuple[str, ...]]]:
     """The panels of PANELS[loss_type] with at least one series in the run, each keeping only the logged keys."""
     logged = series(records)
@@ -114,8 +119,12 @@ def plot_run(output_dir: str, loss_type: str | None = None, filename: str = PLOT
     for ax, (title, keys) in zip(axes.flat, panels):
         for key in keys:
             axis, xs, values = logged[key]
-            marker = "o" if axis == "eval/rollouts_trained" or len(xs) < 30 else None
-            ax.plot(xs, values, marker=marker, markersize=3, label=key.split("/", 1)[-1])
+            label = key.split("/", 1)[-1]
+            if len(xs) < 30:
+                ax.plot(xs, values, marker="o", markersize=3, label=label)
+                continue
+            (line,) = ax.plot(xs, values, alpha=0.35, linewidth=0.8)  # noisy per-rollout values, and their trend
+            ax.plot(xs, running_mean(values, max(2, len(values) // 10)), color=line.get_color(), label=label)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(AXIS_LABELS.get(logged[keys[0]][0], logged[keys[0]][0]), fontsize=8)
         ax.tick_params(labelsize=8)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from miles.plot import infer_loss_type, main, plot_panels, plot_run
+from miles.plot import infer_loss_type, main, plot_panels, plot_run, running_mean
 from miles.utils.tracking import MetricsWriter
 
 
@@ -75,3 +75,8 @@ def test_the_cli_writes_the_plot(tmp_path):
     assert (tmp_path / "metrics.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         main([str(tmp_path), "--loss-type", "ppo"])
+
+
+def test_running_mean_averages_the_last_window_values():
+    assert running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert running_mean([2.0, 4.0], 5) == [2.0, 3.0]
