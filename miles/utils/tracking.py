@@ -74,6 +74,8 @@ def scalar_points(record: dict[str, Any]) -> list[tuple[str, str, int, float]]:
 
 
 class TensorBoardSink:
+    """Event files under OUTPUT_DIR/tensorboard (`tensorboard --logdir` reads them)."""
+
     def __init__(self, logdir: str) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -109,6 +111,8 @@ def wandb_mode() -> str:
 
 
 class WandbSink:
+    """A wandb run in OUTPUT_DIR/wandb: `--wandb-project`, `--wandb-group`, `--wandb-run-name`, the flags as config."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         try:
             import wandb
@@ -130,7 +134,8 @@ class WandbSink:
         self._defined: set[str] = set()
 
     def _define(self, tag: str, axis: str) -> None:
-        """wandb plots each series against its own axis, logged with it (its `step` must only grow)."""
+        """Plot `tag` against `axis` (a value logged beside it): wandb's own step must only grow, and the
+        optimizer-step, rollout and eval axes here interleave."""
         if axis not in self._defined:
             self.run.define_metric(axis)
             self._defined.add(axis)
