@@ -17,8 +17,11 @@ logger = logging.getLogger("miles.driver")
 
 
 def training_order(args: argparse.Namespace) -> list[str]:
-    """Roles in the order they train each rollout; each group's boxes feed the next."""
-    return ["critic", "actor"] if args.loss_type == "dmd2" else ["actor"]
+    """Roles in the order they train each rollout, from the loss hub's entries (a critic trains before the actor
+    it scores for); each group's boxes feed the next."""
+    from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS
+
+    return ["critic", "actor"] if (args.loss_type, "critic") in LOSS_HOOKS else ["actor"]
 
 
 def actor_shares(args: argparse.Namespace, per_rank: float, per_engine: float) -> tuple[float, float]:
@@ -87,96 +90,142 @@ def is_due(rollout_id: int, interval: int | None, last: int) -> bool:
     return rollout_id == last or (interval is not None and (rollout_id + 1) % interval == 0)
 
 
+def check_startup(args: argparse.Namespace) -> None:
+    """Before Ray and any actor: every path flag loads with the right signature, the loss type has its entries."""
+    from miles.backends.fsdp_utils.loss_hub import get_loss_hooks
+    from miles.rollout.rollout_hub import get_rollout_spec
+    from miles.utils.hook_paths import load_path_flags
+
+    load_path_flags(args)
+    if args.train_pipeline_config_path:
+        from miles.models.base import load_family_class
+
+        load_family_class(args.train_pipeline_config_path)
+    for role in training_order(args):
+        get_loss_hooks(args, role)
+    if not args.train_only:
+        get_rollout_spec(args.loss_type)
+
+
+def start_ray(args: argparse.Namespace) -> bool:
+    """A local cluster sized for every actor's share, or the --ray-address one; True when this driver started it."""
+    import ray
+
+    from miles.utils.console import ray_init_kwargs
+
+    if ray.is_initialized():
+        return False
+    local = {} if args.ray_address else {"num_cpus": local_ray_cpus(args)}
+    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True, **local, **ray_init_kwargs())
+    return True
+
+
+def start_groups(args: argparse.Namespace, rollout_manager) -> tuple[dict, int]:
+    """The trainer groups (none for debug rollouts or evaluating the pipeline as loaded), initialised and
+    resumed; the engines get the actor's weights. Returns (groups, first rollout id)."""
+    from miles.ray.train_group import RayTrainGroup
+
+    roles = [] if args.debug_rollout_only or (args.eval_only and not args.load) else training_order(args)
+    groups = {role: RayTrainGroup(args, role) for role in roles}
+    starts = {role: group.init() for role, group in groups.items()}
+    start_rollout_id = min(starts.values(), default=0)
+    if args.load and start_rollout_id > 0:
+        check_data_source_resume(args.load, start_rollout_id, rollout_manager.source)
+    if groups:
+        rollout_manager.update_weights(groups["actor"])
+    return groups, start_rollout_id
+
+
+def run_rollout(args: argparse.Namespace, rollout_id: int, groups: dict, rollout_manager, evaluator, writer) -> dict:
+    """One rollout: generate, train each group in order, sync weights, save and eval when due; returns its record
+    (the trainer windows' records are logged as they come)."""
+    from miles.backends.fsdp_utils.checkpoint import write_latest
+
+    last = args.num_rollout - 1
+    t0 = time.perf_counter()
+    data = rollout_manager.generate(rollout_id)
+    t1 = time.perf_counter()
+    peer = None
+    if not args.debug_rollout_only:
+        for role in training_order(args):
+            peer = groups[role].train(rollout_id, data, peer)
+    t2 = time.perf_counter()
+    weight_sync_s = rollout_manager.update_weights(groups["actor"]) if not args.debug_rollout_only else 0.0
+    records = [m for group in groups.values() for m in group.pop_metrics()]
+    for record in records:
+        writer.log(record)
+    rollout_record = {
+        "rollout_id": rollout_id,
+        "step": records[-1]["step"] if records else None,
+        "perf/generate_total_s": t1 - t0,
+        "perf/train_s": t2 - t1,
+        "perf/weight_sync_s": weight_sync_s,
+        **rollout_manager.metrics(rollout_id),
+    }
+    if args.save and groups and is_due(rollout_id, args.save_interval, last):
+        extra = {"data_source": rollout_manager.source.state_dict(rollout_id + 1)}
+        for group in groups.values():
+            group.save(rollout_id, extra)
+        write_latest(args.save, rollout_id)
+        rollout_record["perf/save_s"] = time.perf_counter() - t2
+    if evaluator is not None and is_due(rollout_id, args.eval_interval, last):
+        rollout_record.update(evaluator.evaluate(rollout_manager.engines, rollout_id + 1))
+    writer.log(rollout_record)
+    rollout_record["_actor_losses"] = [r["train/loss"] for r in records if "train/loss" in r and r["role"] == "actor"]
+    rollout_record["_train_records"] = records
+    return rollout_record
+
+
+def train_rollouts(args, groups, rollout_manager, evaluator, writer, start_rollout_id: int, summary: dict) -> None:
+    """The outer loop (ARCHITECTURE §4) with a progress bar."""
+    from miles.utils.console import ProgressLine, progress_bar
+
+    bar, progress = progress_bar(range(start_rollout_id, args.num_rollout), args), ProgressLine(args.loss_type)
+    for rollout_id in bar:
+        record = run_rollout(args, rollout_id, groups, rollout_manager, evaluator, writer)
+        summary["losses"] += record.pop("_actor_losses")
+        train_records = record.pop("_train_records")
+        summary.setdefault("rollouts", []).append(record)
+        bar.set_postfix(progress.update([*train_records, record]))
+
+
 def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None = None) -> dict:
     """Run the whole job; returns a summary (actor losses, wall time).
 
     `before_shutdown(groups)` lets tools and tests inspect the live groups after the last rollout.
     """
-    from miles.utils.console import ProgressLine, progress_bar, quiet_third_party, ray_init_kwargs, summary_line
+    from miles.utils.console import quiet_third_party, summary_line
 
     quiet_third_party()  # before diffusers is imported
     import ray
 
-    from miles.backends.fsdp_utils.checkpoint import write_latest
     from miles.models.builtin import resolve_checkpoint
     from miles.plot import plot_run
     from miles.ray.evaluator import Evaluator
     from miles.ray.rollout_manager import RolloutManager
-    from miles.ray.train_group import RayTrainGroup
     from miles.utils.eval_arguments import eval_enabled
     from miles.utils.tracking import open_tracking, read_metrics
 
     started = time.perf_counter()
     for dest in ("hf_checkpoint", "teacher_load", "critic_checkpoint"):  # builtin:NAME -> the packaged folder
         setattr(args, dest, resolve_checkpoint(getattr(args, dest, None)))
+    check_startup(args)
     writer = open_tracking(args)
-    own_ray = not ray.is_initialized()
-    if own_ray:
-        local = {} if args.ray_address else {"num_cpus": local_ray_cpus(args)}
-        ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True, **local, **ray_init_kwargs())
+    own_ray = start_ray(args)
     groups: dict = {}
     rollout_manager = None
     summary: dict = {"losses": []}
     try:
         check_gpus_fit(args, ray.cluster_resources().get("GPU", 0.0))
         rollout_manager = RolloutManager(args)
-        # debug rollouts and evaluating the pipeline as loaded need no trainer
-        roles = [] if args.debug_rollout_only or (args.eval_only and not args.load) else training_order(args)
-        groups = {role: RayTrainGroup(args, role) for role in roles}
-        starts = {role: group.init() for role, group in groups.items()}
-        start_rollout_id = min(starts.values(), default=0)
-        if args.load and start_rollout_id > 0:
-            check_data_source_resume(args.load, start_rollout_id, rollout_manager.source)
-        if groups:
-            rollout_manager.update_weights(groups["actor"])
+        groups, start_rollout_id = start_groups(args, rollout_manager)
         evaluator = Evaluator(args) if eval_enabled(args) else None
-        step = 0
         if evaluator is not None:  # the baseline, before any update of this run
-            writer.log(
-                {
-                    "rollout_id": start_rollout_id,
-                    "step": step,
-                    **evaluator.evaluate(rollout_manager.engines, start_rollout_id),
-                }
-            )
+            baseline = evaluator.evaluate(rollout_manager.engines, start_rollout_id)
+            writer.log({"rollout_id": start_rollout_id, "step": 0, **baseline})
         if args.eval_only:
             return summary
-        last = args.num_rollout - 1
-        bar, progress = progress_bar(range(start_rollout_id, args.num_rollout), args), ProgressLine(args.loss_type)
-        for rollout_id in bar:
-            t0 = time.perf_counter()
-            data = rollout_manager.generate(rollout_id)
-            t1 = time.perf_counter()
-            peer = None
-            if not args.debug_rollout_only:
-                for role in training_order(args):
-                    peer = groups[role].train(rollout_id, data, peer)
-            t2 = time.perf_counter()
-            weight_sync_s = rollout_manager.update_weights(groups["actor"]) if not args.debug_rollout_only else 0.0
-            records = [m for group in groups.values() for m in group.pop_metrics()]
-            for record in records:
-                writer.log(record)
-            summary["losses"] += [r["train/loss"] for r in records if "train/loss" in r and r["role"] == "actor"]
-            rollout_record = {
-                "rollout_id": rollout_id,
-                "step": records[-1]["step"] if records else None,
-                "perf/generate_total_s": t1 - t0,
-                "perf/train_s": t2 - t1,
-                "perf/weight_sync_s": weight_sync_s,
-                **rollout_manager.metrics(rollout_id),
-            }
-            if args.save and groups and is_due(rollout_id, args.save_interval, last):
-                extra = {"data_source": rollout_manager.source.state_dict(rollout_id + 1)}
-                for group in groups.values():
-                    group.save(rollout_id, extra)
-                write_latest(args.save, rollout_id)
-                rollout_record["perf/save_s"] = time.perf_counter() - t2
-            step = rollout_record["step"] or step
-            if evaluator is not None and is_due(rollout_id, args.eval_interval, last):
-                rollout_record.update(evaluator.evaluate(rollout_manager.engines, rollout_id + 1))
-            writer.log(rollout_record)
-            summary.setdefault("rollouts", []).append(rollout_record)
-            bar.set_postfix(progress.update([*records, rollout_record]))
+        train_rollouts(args, groups, rollout_manager, evaluator, writer, start_rollout_id, summary)
         if args.save_hf and groups:
             groups["actor"].save_hf(args.save_hf)
             logger.info("wrote a diffusers pipeline folder to %s", args.save_hf)

@@ -235,6 +235,7 @@ def gradient(engine: DiffusionEngine, args: argparse.Namespace, loss: str, pairs
                 prepared,
                 new_pred=new_pred,
                 ref_pred=ref_pred,
+                frozen_preds={},
                 metrics=WindowMetrics(),
                 optim_step_idx=0,
                 train_output_inputs=[],

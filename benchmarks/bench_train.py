@@ -37,8 +37,7 @@ def make_pairs(family, n: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {
         "x0": torch.randn((n, *family.latent_shape()), generator=g),
-        "prompt_embeds": embeds.prompt_embeds.float(),
-        "pooled_prompt_embeds": embeds.pooled_prompt_embeds.float(),
+        **embeds.to(dtype=torch.float32).to_columns(),
     }
 
 

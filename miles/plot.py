@@ -87,7 +87,7 @@ def plot_panels(records: list[dict[str, Any]], loss_type: str) -> list[tuple[str
     """The panels of PANELS[loss_type] with at least one series in the run, each keeping only the logged keys."""
     logged = series(records)
     panels = []
-    for title, keys in PANELS[loss_type]:
+    for title, keys in PANELS.get(loss_type, PANELS["custom_loss"]):  # a loss type an --algorithm-path registers
         present = tuple(k for k in keys if k in logged)
         if present:
             panels.append((title, present))

@@ -35,6 +35,11 @@ RULES = """## Rules checked before start-up
   and `dmd2`.
 - `--loss-type sft_loss` needs `--train-only` and `--n-samples-per-prompt 1`.
 - `--load DIR` must exist unless it equals `--save` (auto-resume).
+- A rollout-step path flag the loss type never reads is rejected: every one of them needs a generating rollout
+  (not `sft_loss`); `--dynamic-sampling-filter-path`, `--rollout-sample-filter-path` and
+  `--custom-reward-post-process-path` need a loss that trains on rewards (not `dmd2`);
+  `--diffusion-step-strategy-path` only under `policy_loss` and `custom_loss` (SDE rollouts). Every path flag given
+  is loaded and its signature checked before any actor starts (docs/user-guide/customization.md lists them).
 """
 
 
@@ -58,7 +63,8 @@ def render() -> str:
         for action in actions:
             choices = ", ".join(f"`{c}`" for c in action.choices) if action.choices else ""
             help_text = (action.help or "").replace("|", "\\|")
-            lines.append(f"| `{action.option_strings[-1]}` | {_default(action)} | {choices} | {help_text} |")
+            flags = " ".join(f"`{flag}`" for flag in action.option_strings)  # the name, then any older aliases
+            lines.append(f"| {flags} | {_default(action)} | {choices} | {help_text} |")
         lines.append("")
     lines.append(RULES)
     return "\n".join(lines)

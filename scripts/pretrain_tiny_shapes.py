@@ -157,6 +157,7 @@ def write_init_pipeline(args: argparse.Namespace, vae, path: Path) -> None:
     """The tiny pipeline at the chosen sizes with the trained VAE in place of its random one."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
+    from miles.models.base import strip_name_or_path
     from miles.models.tiny import build_tiny_sd3_pipeline
 
     pipe = build_tiny_sd3_pipeline(
@@ -172,6 +173,7 @@ def write_init_pipeline(args: argparse.Namespace, vae, path: Path) -> None:
         tokenizer.model_max_length = args.clip_length  # StableDiffusion3Pipeline pads CLIP prompts to this length
     shutil.rmtree(path, ignore_errors=True)
     pipe.save_pretrained(str(path), safe_serialization=True)
+    strip_name_or_path(path)  # the trained VAE was loaded from a folder of this machine
 
 
 def write_sft_data(args: argparse.Namespace, path: Path) -> Path:

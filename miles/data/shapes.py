@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from miles.utils.seeding import stream_rng
+
 logger = logging.getLogger(__name__)
 
 BUILTIN_SHAPES = "builtin:shapes"
@@ -158,7 +160,7 @@ def render_scene(scene: ShapeScene, rng: np.random.Generator, resolution: int = 
 def _item_rng(seed: int, split: str, index: int) -> np.random.Generator:
     if split not in SPLITS:
         raise ValueError(f"unknown shapes split {split!r}; use one of {list(SPLITS)}")
-    return np.random.default_rng([seed, SPLITS[split], index])
+    return stream_rng(seed, SPLITS[split], index)
 
 
 def shapes_prompts(num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:

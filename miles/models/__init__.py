@@ -3,16 +3,18 @@
 from miles.models import sd3  # noqa: F401  (fills TRAIN_PIPELINE_CONFIGS)
 from miles.models.base import (
     TRAIN_PIPELINE_CONFIGS,
-    PromptEmbeds,
     TrainPipelineConfig,
     get_train_pipeline_config,
     register_train_pipeline_config,
 )
+from miles.models.conditioning import Conditioning
+from miles.models.media import Media
 from miles.models.sd3 import SD3PipelineConfig
 
 __all__ = [
     "TRAIN_PIPELINE_CONFIGS",
-    "PromptEmbeds",
+    "Conditioning",
+    "Media",
     "SD3PipelineConfig",
     "TrainPipelineConfig",
     "get_train_pipeline_config",

@@ -1,6 +1,8 @@
-"""Model families: the `TrainPipelineConfig` interface, the `PromptEmbeds` it produces, and the family registry.
+"""Model families: the `TrainPipelineConfig` interface (the family contract) and the family registry.
 
-A family knows how to load one kind of diffusers pipeline folder and run its networks the way its pipeline does.
+A family knows how to load one kind of diffusers pipeline folder and run its networks the way its pipeline does:
+its conditioning (`Conditioning`, names of its choosing), its latent geometry (any rank), its decoded media (`Media`)
+and its default LoRA targets. Code outside `miles/models/` relies on this interface only.
 """
 
 from __future__ import annotations
@@ -8,74 +10,16 @@ from __future__ import annotations
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
 
+from miles.models.conditioning import Conditioning
+from miles.models.media import Media
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, eq=False)
-class PromptEmbeds:
-    """Text conditioning of a batch, batch-first: the joint token sequence and the pooled vector."""
-
-    prompt_embeds: torch.Tensor  # (B, L, D)
-    pooled_prompt_embeds: torch.Tensor  # (B, P)
-
-    def __post_init__(self) -> None:
-        if self.prompt_embeds.shape[0] != self.pooled_prompt_embeds.shape[0]:
-            raise ValueError(
-                f"PromptEmbeds batch sizes differ: prompt_embeds {tuple(self.prompt_embeds.shape)}, "
-                f"pooled_prompt_embeds {tuple(self.pooled_prompt_embeds.shape)}"
-            )
-
-    @property
-    def batch_size(self) -> int:
-        return self.prompt_embeds.shape[0]
-
-    def __len__(self) -> int:
-        return self.batch_size
-
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> PromptEmbeds:
-        return PromptEmbeds(
-            self.prompt_embeds.to(device=device, dtype=dtype), self.pooled_prompt_embeds.to(device=device, dtype=dtype)
-        )
-
-    def __getitem__(self, index: int | slice | Sequence[int] | torch.Tensor) -> PromptEmbeds:
-        """Rows of the batch; an integer index keeps the batch dimension (size 1)."""
-        if isinstance(index, int):
-            index = slice(index, index + 1 if index != -1 else None)
-        return PromptEmbeds(self.prompt_embeds[index], self.pooled_prompt_embeds[index])
-
-    def expand(self, batch_size: int) -> PromptEmbeds:
-        """A batch-1 embedding broadcast to `batch_size` rows (a view, no copy)."""
-        if self.batch_size == batch_size:
-            return self
-        if self.batch_size != 1:
-            raise ValueError(f"can only expand a batch of 1 to {batch_size}, got a batch of {self.batch_size}")
-        return PromptEmbeds(
-            self.prompt_embeds.expand(batch_size, -1, -1), self.pooled_prompt_embeds.expand(batch_size, -1)
-        )
-
-    def repeat_interleave(self, repeats: int) -> PromptEmbeds:
-        """Each row `repeats` times in a row (prompt i -> rows i*repeats .. i*repeats+repeats-1)."""
-        return PromptEmbeds(
-            self.prompt_embeds.repeat_interleave(repeats, dim=0),
-            self.pooled_prompt_embeds.repeat_interleave(repeats, dim=0),
-        )
-
-    @staticmethod
-    def cat(items: Sequence[PromptEmbeds]) -> PromptEmbeds:
-        """Concatenate along the batch dimension."""
-        if not items:
-            raise ValueError("PromptEmbeds.cat needs at least one item")
-        return PromptEmbeds(
-            torch.cat([e.prompt_embeds for e in items]), torch.cat([e.pooled_prompt_embeds for e in items])
-        )
 
 
 class TrainPipelineConfig(ABC):
@@ -86,6 +30,8 @@ class TrainPipelineConfig(ABC):
 
     name: ClassVar[str]
     pipeline_class_name: ClassVar[str]  # the model_index.json "_class_name" this family handles
+    # module names `--use-lora` targets unless --lora-target-modules is given; empty: the flag is required
+    default_lora_targets: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, path: str) -> None:
         self.path = str(check_pipeline_folder(path))
@@ -121,12 +67,13 @@ class TrainPipelineConfig(ABC):
     def load_text_encoders(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Any: ...
 
     @abstractmethod
-    def encode_prompts(self, prompts: list[str], device: torch.device | str | None = None) -> PromptEmbeds: ...
+    def encode_prompts(self, prompts: list[str], device: torch.device | str | None = None) -> Conditioning:
+        """One row per prompt; the names and shapes are the family's (what `predict_velocity` reads)."""
 
     def encode_negative(
         self, batch_size: int, negative_prompt: str = "", device: torch.device | str | None = None
-    ) -> PromptEmbeds:
-        """Embeddings of `negative_prompt` for `batch_size` rows; encoded once per prompt and device, then cached."""
+    ) -> Conditioning:
+        """Conditioning of `negative_prompt` for `batch_size` rows; encoded once per prompt and device, then cached."""
         key = ("negative", negative_prompt, None if device is None else str(device))
         if key not in self._loaded:
             self._loaded[key] = self.encode_prompts([negative_prompt], device=device)
@@ -136,15 +83,17 @@ class TrainPipelineConfig(ABC):
         """Forget encode_negative's cache (after reloading the text encoders)."""
         self._loaded = {k: v for k, v in self._loaded.items() if not (isinstance(k, tuple) and k[0] == "negative")}
 
-    # images
+    # media
     @abstractmethod
     def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module: ...
 
     @abstractmethod
-    def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor: ...
+    def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Normalized latents (B, *latent_shape) of images (B, 3, H, W) in [-1, 1] (what `sft_loss` trains on)."""
 
     @abstractmethod
-    def decode_latents(self, x0: torch.Tensor) -> torch.Tensor: ...
+    def decode_latents(self, x0: torch.Tensor) -> Media:
+        """The media of normalized latents (B, *latent_shape): images, or frames (and audio) for video families."""
 
     # the flow
     @abstractmethod
@@ -153,11 +102,12 @@ class TrainPipelineConfig(ABC):
         transformer: nn.Module,
         latents: torch.Tensor,
         sigmas: torch.Tensor,
-        embeds: PromptEmbeds,
+        embeds: Conditioning,
         *,
         guidance_scale: float = 1.0,
-        negative: PromptEmbeds | None = None,
-    ) -> torch.Tensor: ...
+        negative: Conditioning | None = None,
+    ) -> torch.Tensor:
+        """The velocity (float32, the latents' shape) at noise levels `sigmas` (B,), with the family's guidance."""
 
     # geometry
     @property
@@ -173,7 +123,12 @@ class TrainPipelineConfig(ABC):
     def default_resolution(self) -> int: ...
 
     @abstractmethod
-    def latent_shape(self, resolution: int | None = None) -> tuple[int, int, int]: ...
+    def latent_shape(self, resolution: int | None = None) -> tuple[int, ...]:
+        """One sample's latent without the batch dimension: (C, H, W) for images, (C, F, H, W) for video."""
+
+    def audio_latent_shape(self, resolution: int | None = None) -> tuple[int, ...] | None:
+        """A second, audio latent per sample (joint audio-video families), or None: this family has none."""
+        return None
 
 
 def check_pipeline_folder(path: str | Path) -> Path:
@@ -187,6 +142,20 @@ def check_pipeline_folder(path: str | Path) -> Path:
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(f"{str(path)!r} has no model_index.json; {hint}")
     return folder
+
+
+def strip_name_or_path(folder: str | Path) -> list[Path]:
+    """Remove `_name_or_path` from every JSON file under `folder`: from_pretrained records the folder a component
+    was loaded from there, and save_pretrained writes it back, so a saved pipeline would name the machine it was
+    built on. Returns the files rewritten."""
+    rewritten = []
+    for file in sorted(Path(folder).rglob("*.json")):
+        data = json.loads(file.read_text())
+        if isinstance(data, dict) and "_name_or_path" in data:
+            del data["_name_or_path"]
+            file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+            rewritten.append(file)
+    return rewritten
 
 
 TRAIN_PIPELINE_CONFIGS: dict[str, type[TrainPipelineConfig]] = {}
@@ -206,9 +175,35 @@ def _known_families() -> str:
     return ", ".join(f"{n} ({c.pipeline_class_name})" for n, c in sorted(TRAIN_PIPELINE_CONFIGS.items())) or "none"
 
 
+def is_family_class_path(family: str) -> bool:
+    """`file.py:Class` or `package.module.Class` (a user's family class), as opposed to a registered name."""
+    return ":" in family or "." in family
+
+
+def load_family_class(spec: str) -> type[TrainPipelineConfig]:
+    """A user's model family class from `file.py:Class` or `package.module.Class`, registered under its `name`
+    (--train-pipeline-config-path); a clear error when it is not a complete TrainPipelineConfig."""
+    from miles.utils.misc import load_function
+
+    cls = load_function(spec)
+    if not (isinstance(cls, type) and issubclass(cls, TrainPipelineConfig)):
+        raise TypeError(f"--train-pipeline-config-path {spec}: {cls!r} is not a TrainPipelineConfig subclass")
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    unnamed = [attr for attr in ("name", "pipeline_class_name") if not isinstance(getattr(cls, attr, None), str)]
+    if missing or unnamed:
+        raise TypeError(
+            f"--train-pipeline-config-path {spec}: {cls.__name__} must define "
+            + ", ".join([*(f"class attribute {a}" for a in unnamed), *(f"method {m}" for m in missing)])
+        )
+    return register_train_pipeline_config(cls)
+
+
 def get_train_pipeline_config(path: str, family: str = "auto") -> TrainPipelineConfig:
-    """The family config for the pipeline folder `path`; "auto" picks it by model_index.json's `_class_name`."""
+    """The family config for the pipeline folder `path`; "auto" picks it by model_index.json's `_class_name`, a
+    class path (`file.py:Class`, from --train-pipeline-config-path) loads and registers the user's family."""
     folder = check_pipeline_folder(path)
+    if is_family_class_path(family):
+        return load_family_class(family)(str(folder))
     if family != "auto":
         if family not in TRAIN_PIPELINE_CONFIGS:
             raise ValueError(f"unknown model family {family!r}; known families: {_known_families()}")

@@ -16,7 +16,9 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from torch import nn
 
-from miles.models.base import PromptEmbeds, TrainPipelineConfig, register_train_pipeline_config
+from miles.models.base import TrainPipelineConfig, register_train_pipeline_config, strip_name_or_path
+from miles.models.conditioning import Conditioning
+from miles.models.media import Media
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,8 @@ class SD3PipelineConfig(TrainPipelineConfig):
 
     name = "sd3"
     pipeline_class_name = "StableDiffusion3Pipeline"
+    # joint attention of SD3's JointTransformerBlock: image-stream and context-stream projections
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
     # networks
     def load_transformer(self, path: str | None = None, dtype: torch.dtype = torch.float32) -> SD3Transformer2DModel:
@@ -74,6 +78,7 @@ class SD3PipelineConfig(TrainPipelineConfig):
                 f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
             )
         shutil.copytree(src, out, ignore=shutil.ignore_patterns("transformer"), dirs_exist_ok=True)
+        strip_name_or_path(out)  # the source's components may name the folder they were built in
         if (out / "transformer").exists():
             shutil.rmtree(out / "transformer")  # stale shards of an earlier save would be picked up
         (out / "transformer").mkdir(parents=True)
@@ -122,10 +127,11 @@ class SD3PipelineConfig(TrainPipelineConfig):
         return int(min(limit, _SD3_DEFAULT_T5_LENGTH))
 
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str], device: torch.device | str | None = None) -> PromptEmbeds:
+    def encode_prompts(self, prompts: list[str], device: torch.device | str | None = None) -> Conditioning:
         """CLIP-L, CLIP-G and T5 embeddings as `StableDiffusion3Pipeline.encode_prompt(max_sequence_length=...)`.
 
-        The sequence is 77 CLIP tokens (both CLIPs side by side, zero-padded to the T5 width) then the T5 tokens.
+        `prompt_embeds` (B, L, D): 77 CLIP tokens (both CLIPs side by side, zero-padded to the T5 width) then the T5
+        tokens; `pooled_prompt_embeds` (B, P): both CLIPs' pooled outputs.
         Loads the text encoders (CPU, float32) on first use unless `load_text_encoders` ran; `device` moves the result.
         """
         if not prompts:
@@ -140,9 +146,9 @@ class SD3PipelineConfig(TrainPipelineConfig):
             do_classifier_free_guidance=False,
             max_sequence_length=self.max_sequence_length,
         )
-        return PromptEmbeds(prompt_embeds, pooled).to(device=device)
+        return Conditioning({"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}).to(device=device)
 
-    # images
+    # media
     def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AutoencoderKL:
         """The VAE in eval mode, cached."""
         vae = AutoencoderKL.from_pretrained(self.path, subfolder="vae", **{_DTYPE_KW: dtype}, local_files_only=True)
@@ -169,13 +175,13 @@ class SD3PipelineConfig(TrainPipelineConfig):
         return ((z - shift) * scale).float()
 
     @torch.no_grad()
-    def decode_latents(self, x0: torch.Tensor) -> torch.Tensor:
+    def decode_latents(self, x0: torch.Tensor) -> Media:
         """Images (B, 3, H, W) in [0, 1], float32, from normalized latents (the inverse of encode_images)."""
         vae = self._vae()
         shift, scale = self._vae_normalization(vae)
         z = x0.to(device=vae.device, dtype=vae.dtype) / scale + shift
         images = vae.decode(z, return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return Media((images.float() / 2 + 0.5).clamp(0, 1))
 
     # the flow
     def predict_velocity(
@@ -183,10 +189,10 @@ class SD3PipelineConfig(TrainPipelineConfig):
         transformer: nn.Module,
         latents: torch.Tensor,
         sigmas: torch.Tensor,
-        embeds: PromptEmbeds,
+        embeds: Conditioning,
         *,
         guidance_scale: float = 1.0,
-        negative: PromptEmbeds | None = None,
+        negative: Conditioning | None = None,
     ) -> torch.Tensor:
         """The network's velocity at noise levels `sigmas` (B,), timestep 1000 * sigma, float32, latents' shape.
 
@@ -205,14 +211,14 @@ class SD3PipelineConfig(TrainPipelineConfig):
         if guided:
             if negative is None:
                 raise ValueError("guidance_scale > 1 needs negative embeddings (see encode_negative)")
-            cond = PromptEmbeds.cat([negative.expand(batch), embeds])
+            cond = Conditioning.cat([negative.expand(batch), embeds])
             hidden, timestep = torch.cat([latents, latents]), torch.cat([timestep, timestep])
         cond = cond.to(device=latents.device, dtype=dtype)
         pred = transformer(
             hidden_states=hidden.to(dtype),
             timestep=timestep,
-            encoder_hidden_states=cond.prompt_embeds,
-            pooled_projections=cond.pooled_prompt_embeds,
+            encoder_hidden_states=cond["prompt_embeds"],
+            pooled_projections=cond["pooled_prompt_embeds"],
             return_dict=False,
         )[0].float()
         if not guided:

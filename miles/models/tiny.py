@@ -26,6 +26,8 @@ from transformers import (
     T5Tokenizer,
 )
 
+from miles.models.base import strip_name_or_path
+
 logger = logging.getLogger(__name__)
 
 SHAPES_WORDS: tuple[str, ...] = tuple(
@@ -237,5 +239,6 @@ def save_tiny_sd3_pipeline(path: str, seed: int = 0, resolution: int = 32) -> st
     pipe = build_tiny_sd3_pipeline(seed=seed, resolution=resolution)
     Path(path).mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path, safe_serialization=True)
+    strip_name_or_path(path)
     logger.info("wrote tiny SD3 pipeline (seed %d, %dx%d) to %s", seed, resolution, resolution, path)
     return path

@@ -32,16 +32,26 @@ def load_eval_records(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 class Evaluator:
+    """The loss type's eval sampler (its rollout entry's) on the eval prompts, or --eval-function-path."""
+
     def __init__(self, args: argparse.Namespace) -> None:
+        from miles.rollout.rollout_hub import ROLLOUT_SPECS, ode_eval
+        from miles.utils.hook_paths import load_path_flags
+
         self.args = args
-        self.records = load_eval_records(args)
+        self.custom = load_path_flags(args).get("eval_function_path")
+        self.records = load_eval_records(args) if self.custom is None else []
+        spec = ROLLOUT_SPECS.get(args.loss_type)
+        self.sampler = ode_eval if spec is None else spec.eval_sampler
 
     def evaluate(self, engine: Any, rollout_id: int) -> dict[str, float]:
         args, started = self.args, time.perf_counter()
-        if args.loss_type == "dmd2":  # the few-step generator, sampled exactly as its rollouts are (CFG-free)
-            sampler = {"sde_type": "renoise", "num_steps": args.dmd2_generator_steps, "shift": args.dmd2_timestep_shift}
-        else:
-            sampler = {"sde_type": "ode", "num_steps": args.diffusion_eval_num_steps}
+        if self.custom is not None:
+            metrics = {k: float(v) for k, v in dict(self.custom(args, engine, rollout_id)).items()}
+            metrics["perf/eval_s"] = time.perf_counter() - started
+            metrics[EVAL_AXIS] = rollout_id
+            return metrics
+        sampler = self.sampler(args)
         metrics, images = evaluate_shapes(
             engine,
             self.records,

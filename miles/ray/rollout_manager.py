@@ -8,29 +8,19 @@ import os
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from miles.models.base import get_train_pipeline_config
+from miles.rollout import steps
 from miles.rollout.data_source import PromptDataSource, load_records, records_digest
-from miles.utils.box import Box, put_box
-from miles.utils.misc import load_function
-from miles.utils.types import Sample, TrainPairs, shard_pairs
+from miles.rollout.engine import GenerateResult
+from miles.rollout.rollout_hub import get_rollout_spec
+from miles.utils.box import Box
+from miles.utils.hook_paths import load_path_flags
+from miles.utils.types import Sample, TrainPairs
 
 logger = logging.getLogger(__name__)
-
-
-def sample_seed(rollout_seed: int, rollout_id: int, index: int) -> int:
-    """Per-sample noise seed from (--rollout-seed, rollout id, index in the rollout)."""
-    return int(np.random.SeedSequence([rollout_seed, rollout_id, index]).generate_state(1)[0])
-
-
-def group_initial_seeds(samples: list[Sample]) -> list[int]:
-    """--diffusion-shared-initial-noise: every sample starts from its group's first sample's initial latent."""
-    first: dict[int, int] = {}
-    for sample in samples:
-        first.setdefault(sample.group_index, sample.seed)
-    return [first[sample.group_index] for sample in samples]
+REWARD_TERMS = "reward_terms"  # Sample.extra key: the sample's value of each weighted reward
 
 
 class RolloutManager:
@@ -43,6 +33,7 @@ class RolloutManager:
         self.engines = self.rewards = None
         self.weights_version = 0
         self.last_metrics: dict[str, float] = {}
+        self.hooks = load_path_flags(args)  # the rollout steps the path flags replace, {flag dest: function}
         if args.train_only:
             self._init_sft()
         else:
@@ -73,6 +64,7 @@ class RolloutManager:
     # ---- RL -----------------------------------------------------------------------------------
     def _init_rl(self) -> None:
         args = self.args
+        self.spec = get_rollout_spec(args.loss_type)
         self.records = load_records(args, with_images=False, resolution=self.resolution)
         self.source = self._source(self.records)
         if args.load_debug_rollout_data:
@@ -91,7 +83,7 @@ class RolloutManager:
             num_gpus_per_engine=args.rollout_gpus_per_engine if gpu else 0.0,
             lora_config=self._lora_config(),
         )
-        if args.loss_type != "dmd2" or args.rm_type or args.custom_rm_path:  # dmd2 scores only when asked (metrics)
+        if self.spec.scores_rewards or args.rm_type or args.custom_rm_path:  # else rewards only when asked (metrics)
             self.rewards = RewardWorkerPool(args, reward_spec_from_args(args), num_workers=args.rm_num_workers)
 
     def _lora_config(self) -> dict | None:
@@ -107,14 +99,17 @@ class RolloutManager:
             return self._boxes({key: value[index] for key, value in self.sft_pairs.items()})
         if self.args.load_debug_rollout_data:
             return self._boxes(torch.load(self._debug_path(self.args.load_debug_rollout_data, rollout_id)))
-        pairs = self._rl_rollout(rollout_id)
+        if "rollout_function_path" in self.hooks:
+            pairs = self.hooks["rollout_function_path"](self.args, rollout_id, self)
+        else:
+            pairs = self._rl_rollout(rollout_id)
         if self.args.save_debug_rollout_data:
             os.makedirs(self.args.save_debug_rollout_data, exist_ok=True)
             torch.save(pairs, self._debug_path(self.args.save_debug_rollout_data, rollout_id))
         return self._boxes(pairs)
 
     def _boxes(self, pairs: TrainPairs) -> list[Box]:
-        return [put_box(shard) for shard in shard_pairs(pairs, self.args.dp_size)]
+        return steps.shard(pairs, self.args.dp_size)
 
     @staticmethod
     def _debug_path(directory: str, rollout_id: int) -> str:
@@ -123,105 +118,37 @@ class RolloutManager:
             raise FileNotFoundError(f"--load-debug-rollout-data {directory}: directory not found")
         return path
 
-    def make_samples(self, rollout_id: int) -> list[Sample]:
-        args, samples = self.args, []
-        for group, record_index in enumerate(self.source.indices(rollout_id)):
-            record = self.records[record_index]
-            for _ in range(args.n_samples_per_prompt):
-                index = len(samples)
-                samples.append(
-                    Sample(
-                        index=index,
-                        prompt=record["prompt"],
-                        metadata=record.get("metadata") or {},
-                        group_index=group,
-                        seed=sample_seed(args.rollout_seed, rollout_id, index),
-                    )
-                )
-        return samples
-
     def _rl_rollout(self, rollout_id: int) -> TrainPairs:
-        from miles.rollout.advantages import compute_grpo_advantages
-        from miles.rollout.data_conversion_hub.dmd2 import expand_samples_to_dmd2_pairs
-        from miles.rollout.data_conversion_hub.flow_grpo import expand_samples_to_train_pairs
-        from miles.rollout.data_conversion_hub.nft import expand_samples_to_nft_pairs, nft_pairs_per_sample
-        from miles.rollout.engine import GenerateRequest
-        from miles.rollout.rm_hub import reward_metrics
-        from miles.rollout.step_strategy_hub import select_trained_steps
-
-        args = self.args
+        """sample -> generate -> score -> filter (with refills) -> advantages -> convert -> order; timed per phase."""
+        args, spec = self.args, self.spec
         t0 = time.perf_counter()
-        samples = self.make_samples(rollout_id)
-        nft = args.loss_type == "nft"  # NFT samples deterministic ODE trajectories and trains on clean latents
-        dmd2 = args.loss_type == "dmd2"  # DMD2 samples the few-step generator, CFG-free, and trains one step j
-        if dmd2:
-            request = self._dmd2_request(samples, rollout_id)
-        else:
-            request = GenerateRequest(
-                prompts=[s.prompt for s in samples],
-                seeds=[s.seed for s in samples],
-                initial_seeds=group_initial_seeds(samples) if args.diffusion_shared_initial_noise else None,
-                num_steps=args.diffusion_num_steps,
-                guidance_scale=args.diffusion_guidance_scale,
-                negative_prompt=args.negative_prompt,
-                sde_type="ode" if nft else args.diffusion_sde_type,
-                noise_level=args.diffusion_noise_level,
-                trained_steps=[] if nft else select_trained_steps(args, rollout_id),
-                resolution=self.resolution,
-            )
-        result = self.engines.generate(request, rollout_id=rollout_id)
-        for sample, image in zip(samples, result.images):
-            sample.image = image
+        samples, result, request, rounds = self._collect(rollout_id)
         t1 = time.perf_counter()
-        if self.rewards is not None:
-            totals, per_reward = self.rewards.score(samples)
-        else:  # dmd2 without a reward flag: nothing to score, rewards are only metrics there
-            totals, per_reward = [0.0] * len(samples), {}
-        rewards = torch.tensor(totals, dtype=torch.float32)
-        for sample, value in zip(samples, totals):
-            sample.reward = value if self.rewards is not None else None
-        if args.custom_reward_post_process_path:
-            advantages = torch.as_tensor(load_function(args.custom_reward_post_process_path)(args, samples, rewards))
-        else:
-            advantages = compute_grpo_advantages(
-                rewards,
-                args.n_samples_per_prompt,
-                globalize_std=args.globalize_reward_std,
-                normalize_std=not args.disable_grpo_std_normalization,
-            )
+        scored = self.rewards is not None
+        rewards = torch.tensor([s.reward if scored else 0.0 for s in samples], dtype=torch.float32)
+        if "rollout_sample_filter_path" in self.hooks:
+            self.hooks["rollout_sample_filter_path"](args, samples)
+        advantages = steps.compute_advantages(args, samples, rewards, self.hooks.get("custom_reward_post_process_path"))
         t2 = time.perf_counter()
-        if args.custom_expand_samples_to_train_pairs_path:
-            pairs = load_function(args.custom_expand_samples_to_train_pairs_path)(args, result, advantages)
-            steps = None
-        elif dmd2:
-            pairs = expand_samples_to_dmd2_pairs(result)
-            steps = 1
-        elif nft:
-            pairs = expand_samples_to_nft_pairs(
-                result,
-                advantages,
-                timestep_fraction=args.diffusion_nft_timestep_fraction,
+        convert = self.hooks.get("custom_convert_samples_to_train_data_path")
+        if convert is not None:  # the user's pairs, in the user's order
+            pairs, per_sample = convert(args, result, advantages), None
+        else:
+            per_sample = spec.pairs_per_sample(args, request)
+            pairs = steps.order_pairs(
+                spec.convert(args, samples, result, advantages, rollout_id=rollout_id),
+                len(samples),
+                per_sample,
                 seed=args.rollout_seed,
                 rollout_id=rollout_id,
             )
-            steps = nft_pairs_per_sample(args.diffusion_num_steps, args.diffusion_nft_timestep_fraction)
-        else:
-            pairs = expand_samples_to_train_pairs(result, advantages)
-            steps = len(request.trained_steps)
-        if steps is not None:  # whole samples in a seeded order, so every window mixes prompt groups
-            order = torch.from_numpy(
-                np.random.default_rng([args.rollout_seed, rollout_id, 7]).permutation(len(samples))
-            )
-            rows = (order[:, None] * steps + torch.arange(steps)[None, :]).reshape(-1)
-            pairs = {key: value[rows] for key, value in pairs.items()}
-        scored = self.rewards is not None
         self.last_metrics = {
-            **(reward_metrics(totals, per_reward, samples) if scored else {}),
-            **({"rollout/reward_std": float(rewards.std(unbiased=False))} if scored else {}),
-            **({"rollout/advantage_abs_mean": float(advantages.abs().mean())} if scored else {}),
-            "rollout/trained_steps": steps if steps is not None else len(request.trained_steps),
+            **(self._reward_metrics(samples, rewards, advantages) if scored else {}),
+            "rollout/trained_steps": per_sample if per_sample is not None else len(request.trained_steps),
             "rollout/weights_version": result.weights_version,
-            **({"rollout/dmd2_generator_step": request.trained_steps[0]} if dmd2 else {}),
+            **spec.metrics(request),
+            **({"rollout/dynamic_sampling_rounds": rounds} if "dynamic_sampling_filter_path" in self.hooks else {}),
+            **self._removed_metric(samples),
             "perf/rollout_s": t1 - t0,
             "perf/reward_s": t2 - t1,
         }
@@ -232,27 +159,100 @@ class RolloutManager:
             save_image_grid(result.images, path, columns=args.n_samples_per_prompt)
         return pairs
 
-    def _dmd2_request(self, samples: list[Sample], rollout_id: int) -> Any:
-        """The generator's k-step `renoise` run, CFG-free, recording the step j drawn for this rollout; the
-        negative prompt is encoded for the teacher's CFG on the train side."""
-        from miles.rollout.data_conversion_hub.dmd2 import dmd2_trained_step
-        from miles.rollout.engine import GenerateRequest
+    def _collect(self, rollout_id: int) -> tuple[list[Sample], Any, Any, int]:
+        """Samples of the rollout's prompt groups, generated and scored. With a dynamic-sampling filter, dropped
+        groups are refilled with new prompts for up to --dynamic-sampling-max-rounds rounds (then the batch is
+        completed with dropped groups, with a warning). Returns (samples, engine result, request, refill rounds)."""
+        args, wanted = self.args, self.args.rollout_batch_size
+        keep = self.hooks.get("dynamic_sampling_filter_path")
+        kept: list[tuple[list[Sample], list[int], Any]] = []  # (group, its rows in its round's result, that result)
+        dropped: list[tuple[list[Sample], list[int], Any]] = []
+        first_index, rounds = 0, 0
+        while True:
+            samples = self._sample(rollout_id, wanted - len(kept), attempt=rounds, first_index=first_index)
+            first_index += len(samples)
+            request = self.spec.build_request(args, samples, rollout_id=rollout_id, resolution=self.resolution)
+            result = self._generate(request, rollout_id)
+            self._score(samples, result)
+            for group in steps.split_groups(samples):
+                rows = [s.index - samples[0].index for s in group]
+                keeps = keep is None or steps.keeps_group(keep, args, group)
+                (kept if keeps else dropped).append((group, rows, result))
+            if len(kept) >= wanted or rounds >= args.dynamic_sampling_max_rounds:
+                break
+            rounds += 1
+        if rounds == 0 and not dropped:
+            return samples, result, request, rounds  # nothing dropped: the one generated batch as it is
+        if len(kept) < wanted:
+            logger.warning(
+                "rollout %d: the dynamic-sampling filter kept %d of %d prompt groups after %d refill round(s); "
+                "completing the batch with dropped groups",
+                rollout_id,
+                len(kept),
+                wanted,
+                rounds,
+            )
+            kept += dropped[: wanted - len(kept)]
+        samples = [s for group, _, _ in kept for s in group]
+        result = GenerateResult.concat([steps.select_rows(res, rows) for _, rows, res in kept])
+        steps.renumber(samples)
+        return samples, result, request, rounds
 
+    def _sample(self, rollout_id: int, num_prompts: int, *, attempt: int, first_index: int) -> list[Sample]:
+        """The sample step: prompt records (the data source's, or --data-source-path's) -> samples. Refill rounds
+        (attempt ≥ 1) draw fresh prompts from a seeded stream."""
         args = self.args
-        k = args.dmd2_generator_steps
-        return GenerateRequest(
-            prompts=[s.prompt for s in samples],
-            seeds=[s.seed for s in samples],
-            num_steps=k,
-            guidance_scale=1.0,
-            negative_prompt=args.negative_prompt,
-            sde_type="renoise",
-            noise_level=0.0,
-            trained_steps=[dmd2_trained_step(k, seed=args.rollout_seed, rollout_id=rollout_id)],
-            resolution=self.resolution,
-            shift=args.dmd2_timestep_shift,
-            return_negative=True,
-        )
+        first_group = first_index // args.n_samples_per_prompt
+        if "data_source_path" in self.hooks:
+            records = list(self.hooks["data_source_path"](args, rollout_id, num_prompts, attempt))
+            if len(records) != num_prompts:
+                raise ValueError(
+                    f"--data-source-path returned {len(records)} prompt records for rollout {rollout_id} "
+                    f"(attempt {attempt}); {num_prompts} were asked for"
+                )
+            indices: Any = range(len(records))
+        elif attempt == 0:
+            records, indices = self.records, self.source.indices(rollout_id)
+        else:
+            records = self.records
+            indices = steps.refill_record_indices(
+                len(records), num_prompts, seed=args.rollout_seed, rollout_id=rollout_id, round_index=attempt
+            )
+        return steps.make_samples(args, records, indices, rollout_id, first_index=first_index, first_group=first_group)
+
+    def _generate(self, request: Any, rollout_id: int) -> Any:
+        """The generate step: the engines, or --custom-generate-function-path with the engines at hand."""
+        if "custom_generate_function_path" in self.hooks:
+            return self.hooks["custom_generate_function_path"](self.args, self.engines, request)
+        return self.engines.generate(request, rollout_id=rollout_id)
+
+    def _score(self, samples: list[Sample], result: Any) -> None:
+        """The score step: each sample gets its image and, when rewards are scored, its weighted reward and terms."""
+        for sample, image in zip(samples, result.images):
+            sample.image = image
+        if self.rewards is None:
+            return
+        totals, per_reward = self.rewards.score(samples)
+        for i, (sample, value) in enumerate(zip(samples, totals)):
+            sample.reward = value
+            sample.extra[REWARD_TERMS] = {name: values[i] for name, values in per_reward.items()}
+
+    @staticmethod
+    def _reward_metrics(samples: list[Sample], rewards: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
+        from miles.rollout.rm_hub import reward_metrics
+
+        names = list(samples[0].extra.get(REWARD_TERMS, {})) if samples else []
+        per_reward = {name: [s.extra[REWARD_TERMS][name] for s in samples] for name in names}
+        return {
+            **reward_metrics([s.reward for s in samples], per_reward, samples),
+            "rollout/reward_std": float(rewards.std(unbiased=False)),
+            "rollout/advantage_abs_mean": float(advantages.abs().mean()),
+        }
+
+    def _removed_metric(self, samples: list[Sample]) -> dict[str, float]:
+        if "rollout_sample_filter_path" not in self.hooks:
+            return {}
+        return {"rollout/removed_samples_frac": sum(s.remove_sample for s in samples) / max(len(samples), 1)}
 
     def update_weights(self, actor_group: Any) -> float:
         """Push the actor's weights (or LoRA / EMA weights, as the actor decides) to every engine; seconds taken."""

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from miles.utils.seeding import stream_rng
+
 logger = logging.getLogger(__name__)
 
 BUILTIN_SHAPES = "builtin:shapes"
@@ -117,7 +119,7 @@ class PromptDataSource:
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(self.num_records)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_records)
+        return stream_rng(self.seed, epoch).permutation(self.num_records)
 
     def indices(self, rollout_id: int) -> list[int]:
         out = []

@@ -4,6 +4,7 @@ built-in implementation that denoises with a model family's networks and records
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -11,10 +12,10 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from miles.diffusion.guidance import uses_cfg
 from miles.diffusion.schedule import sampling_sigmas
 from miles.diffusion.sde import SDE_KERNELS, get_sde_kernel, renoise_sigmas
-from miles.models.base import PromptEmbeds, get_train_pipeline_config
+from miles.models.base import get_train_pipeline_config
+from miles.models.conditioning import Conditioning
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,13 @@ class GenerateRequest:
     return_negative: bool = False  # encode the negative prompt even without CFG (DMD2's teacher needs it)
     initial_seeds: list[int] | None = None  # prompt i's initial latent from initial_seeds[i]; its steps' from seeds[i]
 
+    def rows(self, start: int, end: int) -> GenerateRequest:
+        """The request for prompts [start, end) only, with their seeds and initial seeds."""
+        initial = None if self.initial_seeds is None else list(self.initial_seeds[start:end])
+        return dataclasses.replace(
+            self, prompts=list(self.prompts[start:end]), seeds=list(self.seeds[start:end]), initial_seeds=initial
+        )
+
     def __post_init__(self) -> None:
         if len(self.prompts) != len(self.seeds):
             raise ValueError(f"GenerateRequest has {len(self.prompts)} prompts but {len(self.seeds)} seeds")
@@ -63,21 +71,26 @@ class GenerateRequest:
 
 @dataclass
 class GenerateResult:
-    """Batch-first float32 CPU tensors; K = len(trained_steps)."""
+    """Batch-first float32 CPU tensors; K = len(trained_steps); `*latent` is the family's `latent_shape` (any rank).
 
-    images: np.ndarray | None  # (B, H, W, 3) uint8, None without decode
-    final_latents: torch.Tensor  # (B, C, h, w) x0 after the last step
-    latents: torch.Tensor  # (B, K, C, h, w) inputs of the trained steps
-    next_latents: torch.Tensor  # (B, K, C, h, w) their sampled outputs
+    Decoded media travel as uint8, channels last: `images` holds (B, H, W, 3) images, or (B, F, H, W, 3) frames of
+    a video family (then `fps`, and `audio` (B, channels, samples) at `sample_rate` Hz when the family has sound).
+    """
+
+    images: np.ndarray | None  # None without decode
+    final_latents: torch.Tensor  # (B, *latent) x0 after the last step
+    latents: torch.Tensor  # (B, K, *latent) inputs of the trained steps
+    next_latents: torch.Tensor  # (B, K, *latent) their sampled outputs
     log_probs: torch.Tensor  # (B, K) the kernel's per-step log-prob (mean over dims); NaN for `renoise`
     sigmas: torch.Tensor  # (num_steps + 1,) the grid used
     trained_steps: list[int]
-    prompt_embeds: torch.Tensor  # (B, L, D)
-    pooled_prompt_embeds: torch.Tensor  # (B, P)
-    negative_prompt_embeds: torch.Tensor | None  # (1, L, D), None without CFG
-    negative_pooled_prompt_embeds: torch.Tensor | None  # (1, P)
+    conditioning: Conditioning  # B rows, the family's named tensors
+    negative: Conditioning | None  # 1 row; None without CFG (or return_negative)
     weights_version: int
-    denoised: torch.Tensor | None = None  # (B, K, C, h, w) x̂₀ = x − σ·v of the trained steps; `renoise` only
+    denoised: torch.Tensor | None = None  # (B, K, *latent) x̂₀ = x − σ·v of the trained steps; `renoise` only
+    fps: float | None = None
+    audio: torch.Tensor | None = None
+    sample_rate: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -93,6 +106,7 @@ class GenerateResult:
         if len(versions) > 1:
             raise ValueError(f"engines answered with different weights versions {versions}: a weight sync was missed")
         images = None if first.images is None else np.concatenate([p.images for p in parts])
+        audio = None if first.audio is None else torch.cat([p.audio for p in parts])
         return GenerateResult(
             images=images,
             final_latents=torch.cat([p.final_latents for p in parts]),
@@ -101,12 +115,13 @@ class GenerateResult:
             log_probs=torch.cat([p.log_probs for p in parts]),
             sigmas=first.sigmas,
             trained_steps=list(first.trained_steps),
-            prompt_embeds=torch.cat([p.prompt_embeds for p in parts]),
-            pooled_prompt_embeds=torch.cat([p.pooled_prompt_embeds for p in parts]),
-            negative_prompt_embeds=first.negative_prompt_embeds,
-            negative_pooled_prompt_embeds=first.negative_pooled_prompt_embeds,
+            conditioning=Conditioning.cat([p.conditioning for p in parts]),
+            negative=first.negative,
             weights_version=versions[0],
             denoised=None if first.denoised is None else torch.cat([p.denoised for p in parts]),
+            fps=first.fps,
+            audio=audio,
+            sample_rate=first.sample_rate,
         )
 
 
@@ -205,6 +220,10 @@ class DiffusionEngine:
         `GenerateResult` for what comes back."""
         family, batch = self.family, len(request.prompts)
         shape = family.latent_shape(request.resolution)
+        if family.audio_latent_shape(request.resolution) is not None:
+            raise NotImplementedError(
+                f"{family.name} has a second (audio) latent; the built-in engine denoises one latent per sample"
+            )
         shift = family.scheduler_shift if request.shift is None else request.shift
         grid = renoise_sigmas if request.sde_type == "renoise" else sampling_sigmas
         sigmas = grid(request.num_steps, shift)
@@ -212,7 +231,7 @@ class DiffusionEngine:
         embeds = family.encode_prompts(list(request.prompts), device=self.device)
         negative = (
             family.encode_negative(1, request.negative_prompt, device=self.device)
-            if uses_cfg(request.guidance_scale) or request.return_negative
+            if request.guidance_scale > 1.0 or request.return_negative  # scale 1 is the conditional branch alone
             else None
         )
         noise = draw_sample_noise(request.seeds, request.num_steps, shape, request.initial_seeds).to(self.device)
@@ -242,21 +261,22 @@ class DiffusionEngine:
                 if request.sde_type == "renoise":
                     denoised.append(result.mean)  # renoise's mean is the step's x̂₀
             x = result.next_latents
-        images = _to_uint8(family.decode_latents(x)) if request.decode else None
+        media = family.decode_latents(x) if request.decode else None
         return GenerateResult(
-            images=images,
+            images=None if media is None else media.pixels_uint8(),
             final_latents=x.float().cpu(),
             latents=_stack_steps(recorded_in, batch, shape),
             next_latents=_stack_steps(recorded_out, batch, shape),
             log_probs=torch.stack(log_probs, dim=1).cpu() if log_probs else torch.zeros(batch, 0),
             sigmas=sigmas,
             trained_steps=list(request.trained_steps),
-            prompt_embeds=embeds.prompt_embeds.float().cpu(),
-            pooled_prompt_embeds=embeds.pooled_prompt_embeds.float().cpu(),
-            negative_prompt_embeds=None if negative is None else negative.prompt_embeds.float().cpu(),
-            negative_pooled_prompt_embeds=None if negative is None else negative.pooled_prompt_embeds.float().cpu(),
+            conditioning=embeds.to(device="cpu", dtype=torch.float32),
+            negative=None if negative is None else negative.to(device="cpu", dtype=torch.float32),
             weights_version=self.version,
             denoised=_stack_steps(denoised, batch, shape) if request.sde_type == "renoise" else None,
+            fps=None if media is None else media.fps,
+            audio=None if media is None or media.audio is None else media.audio.float().cpu(),
+            sample_rate=None if media is None else media.sample_rate,
         )
 
 
@@ -279,16 +299,3 @@ def draw_sample_noise(
 
 def _stack_steps(steps: list[torch.Tensor], batch: int, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.stack(steps, dim=1).cpu() if steps else torch.zeros(batch, 0, *shape)
-
-
-def _to_uint8(images: torch.Tensor) -> np.ndarray:
-    """(B, 3, H, W) in [0, 1] -> (B, H, W, 3) uint8, rounded as diffusers' image processor does."""
-    return (images.permute(0, 2, 3, 1).float().cpu().numpy() * 255).round().astype(np.uint8)
-
-
-def prompt_embeds_of(result: GenerateResult) -> tuple[PromptEmbeds, PromptEmbeds | None]:
-    """The positive (B rows) and negative (1 row, or None) embeddings of a result, as the train side uses them."""
-    positive = PromptEmbeds(result.prompt_embeds, result.pooled_prompt_embeds)
-    if result.negative_prompt_embeds is None:
-        return positive, None
-    return positive, PromptEmbeds(result.negative_prompt_embeds, result.negative_pooled_prompt_embeds)

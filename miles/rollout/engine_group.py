@@ -1,11 +1,10 @@
 """RolloutEngineGroup: N Ray actors of `DiffusionEngine` behind one `generate` / `update_weights`.
 
-A batch is split into contiguous chunks (seeds travel with their prompts) and joined back in order.
+A batch is split into contiguous chunks (seeds and initial seeds travel with their prompts) and joined back in order.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -67,10 +66,7 @@ class RolloutEngineGroup:
         refs = {}
         for index, (start, end) in enumerate(split_contiguous(len(request.prompts), self.num_engines)):
             if end > start:
-                chunk = dataclasses.replace(
-                    request, prompts=list(request.prompts[start:end]), seeds=list(request.seeds[start:end])
-                )
-                refs[index] = self.engines[index].generate.remote(chunk)
+                refs[index] = self.engines[index].generate.remote(request.rows(start, end))
         where = "generate" if rollout_id is None else f"generate of rollout {rollout_id}"
         results = self._gather(refs, where)
         return GenerateResult.concat([results[i] for i in sorted(results)])

@@ -13,6 +13,7 @@ import numpy as np
 
 from miles.rollout.engine import GenerateRequest, GenerateResult
 from miles.rollout.rm_hub.shapes import ShapeScore, shapes_reward
+from miles.utils.seeding import stream_seed
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class GenerateEngine(Protocol):
 
 def eval_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """The noise seed of sample `sample_index` of prompt `prompt_index`: fixed by (seed, indices), batch-independent."""
-    return int(np.random.SeedSequence([seed, prompt_index, sample_index]).generate_state(1)[0])
+    return stream_seed(seed, prompt_index, sample_index)
 
 
 def shapes_eval_metrics(scores: list[ShapeScore]) -> dict[str, float]:

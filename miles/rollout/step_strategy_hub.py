@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from miles.utils.misc import load_function
+from miles.utils.seeding import stream_rng
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def window_steps(num_steps: int, num_sde_steps: int, start: int, end: int, *, se
             f"--diffusion-num-sde-steps {num_sde_steps} does not fit in --diffusion-sde-window-range {start},{end} "
             f"({end - start} steps); widen the range or lower the count"
         )
-    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(rollout_id), _WINDOW_STREAM])
+    rng = stream_rng(seed, rollout_id, _WINDOW_STREAM)
     first = int(rng.integers(start, end - num_sde_steps + 1))
     return list(range(first, first + num_sde_steps))
 

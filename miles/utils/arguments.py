@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from miles.utils.eval_arguments import add_eval_arguments, validate_eval_args
+from miles.utils.misc import HookLoadError, load_module
 from miles.utils.rl_arguments import RL_ARGUMENT_GROUPS, validate_rl_args
 
 LOSS_TYPES = ("sft_loss", "policy_loss", "nft", "dmd2", "custom_loss")
@@ -60,6 +61,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--model-family", default="auto", help="Model family (auto: from model_index.json).")
     group.add_argument(
+        "--train-pipeline-config-path",
+        default=None,
+        help="Your own model family: file.py:Class or package.module.Class, a TrainPipelineConfig subclass "
+        "(loaded in every process; docs/user-guide/customization.md).",
+    )
+    group.add_argument(
         "--teacher-load", default=None, help="Frozen teacher (diffusers pipeline or transformer folder)."
     )
     group.add_argument(
@@ -73,7 +80,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("train")
-    group.add_argument("--loss-type", choices=LOSS_TYPES, default="nft", help="The algorithm (ARCHITECTURE §1).")
+    group.add_argument(
+        "--loss-type",
+        default="nft",
+        help=f"The algorithm (ARCHITECTURE §1): {', '.join(LOSS_TYPES)}, or one an --algorithm-path registers.",
+    )
+    group.add_argument(
+        "--algorithm-path",
+        default=None,
+        help="A module or file.py imported in every process first; it registers new loss types in the loss hub "
+        "and the rollout hub (docs/user-guide/customization.md).",
+    )
     group.add_argument("--lr", type=float, default=1e-4, help="Peak learning rate (AdamW).")
     group.add_argument(
         "--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant", help="After warm-up."
@@ -88,6 +105,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-8)
     group.add_argument("--clip-grad", type=float, default=1.0, help="Max gradient norm; 0 disables clipping.")
+    group.add_argument(
+        "--max-skipped-steps",
+        type=int,
+        default=3,
+        help="Stop after this many consecutive optimizer steps skipped for a non-finite loss or gradient norm.",
+    )
     group.add_argument("--micro-batch-size", type=int, default=32, help="Train pairs per forward/backward.")
     group.add_argument(
         "--global-batch-size", type=int, default=None, help="Samples per optimizer step over all ranks (§7)."
@@ -251,6 +274,20 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True) -> a
 def validate_args(args: argparse.Namespace) -> None:
     """Every cross-flag rule of ARCHITECTURE §8, checked before any actor starts; fills derived defaults."""
     loss = args.loss_type
+    if args.algorithm_path:
+        try:
+            load_module(args.algorithm_path)  # its registrations are checked before any actor starts
+        except HookLoadError as exc:
+            raise ArgumentError(f"--algorithm-path: {exc}") from exc
+    elif loss not in LOSS_TYPES:
+        raise ArgumentError(
+            f"--loss-type {loss!r} is unknown: choose one of {', '.join(LOSS_TYPES)}, or register it with "
+            "--algorithm-path"
+        )
+    if args.train_pipeline_config_path:
+        if args.model_family != "auto":
+            raise ArgumentError("give --model-family or --train-pipeline-config-path, not both")
+        args.model_family = args.train_pipeline_config_path  # every process resolves the family from it
     if args.diffusion_recompute_old_log_prob and loss in RECOMPUTE_REJECTED:
         raise ArgumentError(
             f"--diffusion-recompute-old-log-prob is not supported with --loss-type {loss} (it has no log-prob ratio)"
@@ -324,6 +361,8 @@ def _validate_positive(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--lr must be > 0, got {args.lr}")
     if args.clip_grad < 0:
         raise ArgumentError(f"--clip-grad must be ≥ 0 (0 disables), got {args.clip_grad}")
+    if args.max_skipped_steps < 1:
+        raise ArgumentError(f"--max-skipped-steps must be ≥ 1, got {args.max_skipped_steps}")
 
 
 def _validate_batch_invariant(args: argparse.Namespace) -> None:

@@ -1,4 +1,4 @@
-"""Process-group helpers: init (nccl on CUDA, gloo on CPU), free ports, and mean/sum reductions of metrics."""
+"""Process-group helpers: init (nccl on CUDA, gloo on CPU), teardown, free ports, where small collectives run."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
-
-_REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def init_process_group(
@@ -71,30 +69,3 @@ def collective_device() -> torch.device:
     if "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
-    """The mean of `tensor` over all ranks, as a new tensor (the input is unchanged); identity without a group."""
-    if not dist.is_initialized():
-        return tensor.clone()
-    out = tensor.detach().to(collective_device(), copy=True)
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    out /= dist.get_world_size()
-    return out.to(tensor.device)
-
-
-def all_reduce_dict(metrics: dict[str, float], op: str = "mean") -> dict[str, float]:
-    """Reduce scalar metrics over all ranks with one all_reduce (`op`: mean, sum, max or min).
-
-    Every rank must pass the same keys (they are sorted, then stacked into one float64 tensor).
-    """
-    if op not in _REDUCE_OPS:
-        raise ValueError(f"all_reduce_dict: unknown op {op!r}; valid: {sorted(_REDUCE_OPS)}")
-    if not metrics or not dist.is_initialized():
-        return {key: float(value) for key, value in metrics.items()}
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[key]) for key in keys], dtype=torch.float64, device=collective_device())
-    dist.all_reduce(values, op=_REDUCE_OPS[op])
-    if op == "mean":
-        values /= dist.get_world_size()
-    return dict(zip(keys, values.tolist()))

@@ -97,6 +97,31 @@ def load_function(path: str) -> Callable[..., Any]:
     return _get_attr(module, attr, path, module_name)
 
 
+def load_module(path: str) -> Any:
+    """Import `pkg.module` or `path/to/file.py` (once per process: a second call returns the same module)."""
+    if path.endswith(".py") or os.sep in path:
+        if not os.path.isfile(path):
+            raise HookLoadError(f"module {path!r}: file does not exist")
+        module_name = f"miles_user_module_{abs(hash(os.path.abspath(path)))}"
+        if module_name in sys.modules:
+            return sys.modules[module_name]
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            raise HookLoadError(f"module {path!r}: cannot import it as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            sys.modules.pop(module_name, None)
+            raise HookLoadError(f"module {path!r}: importing it failed: {type(exc).__name__}: {exc}") from exc
+        return module
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError as exc:
+        raise HookLoadError(f"module {path!r} not found ({exc})") from exc
+
+
 def split_contiguous(total: int, parts: int) -> list[tuple[int, int]]:
     """[start, end) ranges of `parts` contiguous chunks of sizes differing by at most one (the first ones larger)."""
     base, extra = divmod(total, parts)

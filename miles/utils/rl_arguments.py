@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from miles.utils.hook_paths import add_rollout_step_arguments, validate_rollout_step_args
+
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (rollout engine)")
@@ -55,9 +57,6 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--diffusion-adv-clip-max", type=float, default=5.0, help="Clamp advantages to ± this.")
     group.add_argument(
         "--custom-reward-post-process-path", default=None, help="fn(args, samples, rewards) -> advantages."
-    )
-    group.add_argument(
-        "--custom-expand-samples-to-train-pairs-path", default=None, help="fn(args, result, advantages) -> pairs."
     )
 
 
@@ -149,6 +148,7 @@ RL_ARGUMENT_GROUPS = (
     add_dmd2_arguments,
     add_lora_arguments,
     add_ema_arguments,
+    add_rollout_step_arguments,
 )
 
 
@@ -184,12 +184,13 @@ def validate_rl_args(args: argparse.Namespace, error) -> None:
             f"--diffusion-shared-initial-noise is for SDE rollouts (policy_loss, custom_loss); --loss-type "
             f"{args.loss_type} samples {'deterministic ODE' if args.loss_type == 'nft' else 'generator'} trajectories"
         )
+    validate_rollout_step_args(args, error)
     if args.save_debug_rollout_data and args.load_debug_rollout_data:
         error("--save-debug-rollout-data and --load-debug-rollout-data exclude each other")
     if args.loss_type in ("policy_loss", "nft", "dmd2") and args.train_only:
         error(f"--train-only skips the rollout engine, which --loss-type {args.loss_type} needs")
     try:
-        from miles.rollout.rm_hub import reward_spec_from_args
+        from miles.utils.reward_spec import reward_spec_from_args
 
         if args.loss_type in ("policy_loss", "nft"):
             reward_spec_from_args(args)

@@ -22,7 +22,7 @@ class Sample:
     seed: int = 0
     image: Any = None
     reward: float | None = None
-    advantage: float | None = None
+    remove_sample: bool = False  # set by a --rollout-sample-filter-path hook: trains with advantage 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -48,9 +48,3 @@ def shard_pairs(pairs: TrainPairs, dp_size: int) -> list[TrainPairs]:
         raise ValueError(f"{total} train pairs cannot be split evenly over {dp_size} data-parallel ranks")
     per_rank = total // dp_size
     return [{k: v[r * per_rank : (r + 1) * per_rank].clone() for k, v in pairs.items()} for r in range(dp_size)]
-
-
-def cat_pairs(parts: list[TrainPairs]) -> TrainPairs:
-    if not parts:
-        return {}
-    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}

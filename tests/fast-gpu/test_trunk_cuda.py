@@ -68,7 +68,6 @@ def test_fsdp2_group_trains_on_cuda_with_nccl(ray_cluster, tiny_pipeline_dir, dt
 
 def test_engine_log_probs_match_trainer_recompute_on_cuda(tiny_pipeline_dir):
     from miles.diffusion.sde import sde_step
-    from miles.models.base import PromptEmbeds
     from miles.rollout.engine import DiffusionEngine, GenerateRequest
 
     engine = DiffusionEngine(tiny_pipeline_dir, device="cuda")
@@ -85,7 +84,7 @@ def test_engine_log_probs_match_trainer_recompute_on_cuda(tiny_pipeline_dir):
         )
     )
     family, transformer = engine.family, engine.transformer
-    embeds = PromptEmbeds(result.prompt_embeds.cuda(), result.pooled_prompt_embeds.cuda())
+    embeds = result.conditioning.to(device="cuda")
     for k, step in enumerate(result.trained_steps):
         x = result.latents[:, k].cuda()
         sigma = result.sigmas[step].expand(2).cuda()

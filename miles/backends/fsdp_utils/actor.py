@@ -1,4 +1,6 @@
-"""The trunk: one FSDP2 trainer actor class for every role, running the recompute and training loops (§5)."""
+"""The trunk: one FSDP2 trainer actor class for every role; its life cycle (set-up, networks, checkpoints, weights
+for the engines) lives here, its loops in `train_loop.py` (§5). It names no loss type: the role's loss-hub entry
+declares what it holds."""
 
 from __future__ import annotations
 
@@ -7,17 +9,17 @@ import logging
 import os
 import random
 import socket
-import time
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_latest, save_checkpoint
 from miles.backends.fsdp_utils.ema import ShadowWeights, ema_config_from_args
-from miles.backends.fsdp_utils.fsdp import apply_fsdp2, clip_grad_norm_, full_state_dict, parse_dtype
+from miles.backends.fsdp_utils.fsdp import apply_fsdp2, full_state_dict, parse_dtype
 from miles.backends.fsdp_utils.lora import (
     LoraBaseNetwork,
     apply_lora,
@@ -25,17 +27,15 @@ from miles.backends.fsdp_utils.lora import (
     lora_state_dict,
     save_lora_adapter,
 )
-from miles.backends.fsdp_utils.loss_hub import LossHooks, get_loss_hooks
-from miles.backends.fsdp_utils.loss_hub.nft import nft_old_decay
-from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, PreparedBatch, WindowMetrics
-from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_schedule, pairs_in_window
+from miles.backends.fsdp_utils.loss_hub import TEACHER, LossHooks, checkpoint_meta, get_loss_hooks
 from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
+from miles.backends.fsdp_utils.train_loop import TrainLoop
 from miles.models.base import get_train_pipeline_config
-from miles.utils.box import Box
 from miles.utils.distributed import collective_device, destroy_process_group, init_process_group
-from miles.utils.types import TrainPairs, num_pairs, slice_pairs
+from miles.utils.misc import load_module
 
 logger = logging.getLogger(__name__)
+SHADOW_CHECKPOINT_KEYS = {"old": "nft_old"}  # the name checkpoints written before the loss-hub declarations use
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,29 +67,13 @@ def role_settings(args: argparse.Namespace, role: str) -> dict[str, Any]:
     }
 
 
-def holds_teacher(args: argparse.Namespace, role: str) -> bool:
-    """Where the frozen `--teacher-load` network lives: the dmd2 critic (its train-output hook runs it), or the
-    custom_loss actor (its hooks may read `ctx.networks["teacher"]`); the built-in losses elsewhere never read it."""
-    if not args.teacher_load:
-        return False
-    return (args.loss_type, role) in (("dmd2", "critic"), ("custom_loss", "actor"))
-
-
-def merge_peer_output(shard: TrainPairs, peer_output: Any) -> TrainPairs:
-    """The previous group's train output (per-pair columns) joins this rank's pairs as `peer/<name>` columns."""
-    if peer_output is None:
-        return shard
-    if not isinstance(peer_output, dict):
-        raise TypeError(f"a peer group's train output must be a dict of per-pair tensors, got {type(peer_output)}")
-    return {**shard, **{f"peer/{key}": value for key, value in peer_output.items()}}
-
-
-class FSDPTrainRayActor:
+class FSDPTrainRayActor(TrainLoop):
     """One data-parallel rank of one role; wrapped by `ray.remote` in `miles.ray.train_group`."""
 
     def __init__(self, world_size: int, rank: int, role: str) -> None:
         self.world_size, self.rank, self.role = world_size, rank, role
         self.global_step = 0
+        self.consecutive_skips, self.first_non_finite = 0, ""  # the non-finite guard's state (train_loop.py)
         self.pending_metrics: list[dict[str, Any]] = []
         self._gradient_sync = True  # FSDP2's default: reduce-scatter and reshard after every backward
 
@@ -123,27 +107,31 @@ class FSDPTrainRayActor:
             param_dtype=self.forward_dtype,
             reduce_dtype=parse_dtype(args.fsdp_reduce_dtype),
         )
+        if args.algorithm_path:  # registers its loss types in this process too
+            load_module(args.algorithm_path)
         self.hooks: LossHooks = get_loss_hooks(args, self.role)
         self.optimizer = build_optimizer(self.model.parameters(), args, self.settings["lr"])
         total_steps = args.num_rollout * self.settings["num_steps_per_rollout"]
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, self.settings["lr"], total_steps)
         self.ema_config = ema_config_from_args(args)
         self.ema = ShadowWeights(self.model) if self.ema_config.enabled else None
-        self.old = ShadowWeights(self.model) if args.loss_type == "nft" else None  # NFT's decayed old policy
+        # the entry's shadow networks (NFT's old policy): copies of the trained weights its per-rollout step moves
+        self.shadows = {name: ShadowWeights(self.model) for name in self.hooks.shadows}
         self.networks = MappingProxyType(self._build_networks())
         return self._load()
 
     def _build_networks(self) -> dict[str, torch.nn.Module]:
-        """The trained network and the frozen views the hooks may name (`ref`: LoRA base or EMA weights)."""
+        """The trained network and the frozen ones the hooks may name: `ref` (LoRA base or EMA weights, from
+        --ref-mode), and what the entry declares (shadow views; the `--teacher-load` network when given)."""
         networks: dict[str, torch.nn.Module] = {"policy": self.model}
         if self.args.ref_mode == "lora_base":
             networks["ref"] = LoraBaseNetwork(self.model)
         elif self.args.ref_mode == "ema":
             networks["ref"] = self.ema.network(self.model)
-        if self.old is not None:
-            networks["old"] = self.old.network(self.model)
-        if holds_teacher(self.args, self.role):
-            networks["teacher"] = self._load_frozen(self.args.teacher_load)
+        for name, shadow in self.shadows.items():
+            networks[name] = shadow.network(self.model)
+        if TEACHER in self.hooks.frozen_networks and self.args.teacher_load:
+            networks[TEACHER] = self._load_frozen(self.args.teacher_load)
         return networks
 
     def _load_frozen(self, path: str) -> torch.nn.Module:
@@ -161,8 +149,8 @@ class FSDPTrainRayActor:
         state = {}
         if self.ema is not None:
             state["ema"] = self.ema.state_dict()
-        if self.old is not None:
-            state["nft_old"] = self.old.state_dict()
+        for name, shadow in self.shadows.items():
+            state[SHADOW_CHECKPOINT_KEYS.get(name, f"shadow_{name}")] = shadow.state_dict()
         return state
 
     def _seed_everything(self, seed: int) -> None:
@@ -189,169 +177,19 @@ class FSDPTrainRayActor:
         logger.info("%s rank %d resumed from %s at rollout %d", self.role, self.rank, load_dir, loaded.rollout_id)
         return loaded.rollout_id + 1
 
-    # ---- training -----------------------------------------------------------------------------
-    def train(self, rollout_id: int, data: Box, peer: Box | None = None) -> Box:
-        """Train on this rank's shard; returns `Box(ray.put(train_output))` for the paired rank of the next group."""
-        import ray
-
-        ctx = self._make_context(rollout_id)
-        shard: TrainPairs = ray.get(data.inner)
-        if peer is not None:
-            shard = merge_peer_output(shard, ray.get(peer.inner))
-        pairs = self.hooks.train_input(ctx, shard)
-        schedule = build_microbatch_schedule(
-            num_pairs(pairs), self.settings["num_steps_per_rollout"], self.settings["micro_batch_size"]
-        )
-        self._check_same_schedule_on_all_ranks(schedule)
-        train_output_inputs = self._train_core(ctx, pairs, schedule)
-        if self.old is not None:  # θ_old ← d·θ_old + (1 − d)·θ once per rollout (DiffusionNFT)
-            self.old.update(nft_old_decay(self.args, self.global_step))
-        output = self.hooks.train_output(ctx, pairs, train_output_inputs)
-        return Box(ray.put(output))
-
-    def _make_context(self, rollout_id: int) -> DiffusionLossContext:
-        return DiffusionLossContext(
-            args=self.args,
-            role=self.role,
-            rollout_id=rollout_id,
-            dp_rank=self.rank,
-            dp_size=self.world_size,
-            device=self.device,
-            forward_dtype=self.forward_dtype,
-            family=self.family,
-            networks=self.networks,
-        )
-
-    def _check_same_schedule_on_all_ranks(self, schedule: list[list[MicroBatch]]) -> None:
-        """Different micro-batch counts would hang the collectives: fail on every rank before any forward."""
-        count = torch.tensor([sum(len(w) for w in schedule)], dtype=torch.int64, device=collective_device())
-        counts = [torch.zeros_like(count) for _ in range(self.world_size)]
-        dist.all_gather(counts, count)
-        values = [int(c.item()) for c in counts]
-        if len(set(values)) != 1:
-            raise RuntimeError(f"{self.role} ranks have different micro-batch counts {values}: shards must be equal")
-
-    def _train_core(self, ctx: DiffusionLossContext, pairs: TrainPairs, schedule: list[list[MicroBatch]]) -> list:
-        """The recompute loop (windows 1..), then the training loop; owns the list the train-output hook reads."""
-        train_output_inputs: list = []
-        recompute = bool(self.args.diffusion_recompute_old_log_prob)
-        if recompute:
-            self.recompute_old_log_probs(ctx, pairs, schedule, train_output_inputs)
-        for optim_step_idx, window in enumerate(schedule):
-            started = time.perf_counter()
-            self.optimizer.zero_grad(set_to_none=True)
-            metrics = WindowMetrics()
-            denominator = pairs_in_window(window)
-            for mb_idx, mb in enumerate(window):
-                self._set_gradient_sync(mb_idx == len(window) - 1)
-                batch = slice_pairs(pairs, mb.start, mb.end)
-                prepared = self.hooks.prepare(ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=optim_step_idx)
-                new_pred, ref_pred = self._forward(prepared)
-                loss_sum = self.hooks.formula(
-                    ctx,
-                    batch,
-                    prepared,
-                    new_pred=new_pred,
-                    ref_pred=ref_pred,
-                    metrics=metrics,
-                    optim_step_idx=optim_step_idx,
-                    train_output_inputs=train_output_inputs,
-                    write_old_log_prob=False,
-                    old_log_prob_from_new=recompute and optim_step_idx == 0,
-                )
-                (loss_sum / denominator).backward()
-            grad_norm = clip_grad_norm_(self.model.parameters(), self.args.clip_grad)
-            lr = self.optimizer.param_groups[0]["lr"]
-            self.optimizer.step()
-            self.lr_scheduler.step()
-            self.global_step += 1
-            if self.ema is not None and self.ema_config.due(self.global_step):
-                self.ema.update(self.ema_config.decay_at(self.global_step))
-            self._record_window(ctx, metrics, grad_norm, lr, time.perf_counter() - started)
-        return train_output_inputs
-
-    def _set_gradient_sync(self, last_in_window: bool) -> None:
-        """At world size 1 one rank holds every shard: accumulate full gradients and keep the blocks gathered
-        until the window's last backward, instead of a reduce-scatter and a reshard after every micro-batch.
-
-        With more ranks every backward reduce-scatters, so gradients stay sharded (the memory FSDP2 is for).
-        """
-        if self.world_size > 1 or self._gradient_sync == last_in_window:
-            return
-        self.model.set_requires_gradient_sync(last_in_window)
-        self.model.set_reshard_after_backward(last_in_window)
-        self._gradient_sync = last_in_window
-
-    @torch.no_grad()
-    def recompute_old_log_probs(
-        self, ctx: DiffusionLossContext, pairs: TrainPairs, schedule: list[list[MicroBatch]], train_output_inputs: list
-    ) -> None:
-        """Before any update, store old log-probs of windows 1.. with the exact ids their training pass uses."""
-        for optim_step_idx, window in enumerate(schedule):
-            if optim_step_idx == 0:
-                continue
-            for mb in window:
-                batch = slice_pairs(pairs, mb.start, mb.end)
-                prepared = self.hooks.prepare(ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=optim_step_idx)
-                new_pred, ref_pred = self._forward(prepared)
-                self.hooks.formula(
-                    ctx,
-                    batch,
-                    prepared,
-                    new_pred=new_pred,
-                    ref_pred=ref_pred,
-                    metrics=WindowMetrics(),
-                    optim_step_idx=optim_step_idx,
-                    train_output_inputs=train_output_inputs,
-                    write_old_log_prob=True,
-                    old_log_prob_from_new=False,
-                )
-
-    def _forward(self, prepared: PreparedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The actor owns every forward: the frozen network the hook names first, then the trained one."""
-        ref_pred = None
-        if prepared.ref_network is not None:
-            with torch.no_grad():
-                ref_pred = self._predict_frozen(prepared.ref_network, prepared)
-        return self._predict(self.model, prepared), ref_pred
-
-    def _predict_frozen(self, name: str, prepared: PreparedBatch) -> torch.Tensor:
-        """A frozen network by name: a view of the trained module (LoRA base, EMA weights) or a separate one."""
-        if name not in self.networks:
-            raise KeyError(f"hook asked for network {name!r}; this {self.role} has {sorted(self.networks)}")
-        return self._predict(self.networks[name], prepared)
-
-    def _predict(self, network: torch.nn.Module, prepared: PreparedBatch) -> torch.Tensor:
-        return self.family.predict_velocity(
-            network,
-            prepared.latents,
-            prepared.sigmas,
-            prepared.embeds,
-            guidance_scale=prepared.guidance_scale,
-            negative=prepared.negative,
-        )
-
-    def _record_window(
-        self, ctx: DiffusionLossContext, metrics: WindowMetrics, grad_norm: float, lr: float, seconds: float
-    ) -> None:
-        names = sorted(metrics.sums)
-        totals = torch.tensor([[metrics.sums[n], metrics.counts[n]] for n in names], dtype=torch.float64)
-        if self.world_size > 1 and names:
-            totals = totals.to(collective_device())
-            dist.all_reduce(totals)
-            totals = totals.cpu()
-        record: dict[str, Any] = {"rollout_id": ctx.rollout_id, "step": self.global_step, "role": self.role}
-        record.update({n: float(s / max(c, 1.0)) for n, (s, c) in zip(names, totals.tolist())})
-        record.update({"train/grad_norm": float(grad_norm), "train/lr": float(lr), "perf/train_step_s": seconds})
-        if self.rank == 0:
-            self.pending_metrics.append(record)
-
-    def pop_metrics(self) -> list[dict[str, Any]]:
-        records, self.pending_metrics = self.pending_metrics, []
-        return records
-
     # ---- weights and checkpoints --------------------------------------------------------------
+    def check_finite_weights(self, purpose: str) -> None:
+        """Refuse, on every rank together, to write weights that are not finite (trained or shadow)."""
+        tensors = [*self.model.parameters(), *(t for s in self.shadows.values() for t in s.state_dict().values())]
+        bad = any(not bool(torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all()) for t in tensors)
+        flag = torch.tensor([float(bad)], device=collective_device())
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            raise RuntimeError(f"{self.role}: the weights hold NaN or inf values; refusing to {purpose}")
+
     def save(self, rollout_id: int, extra: dict | None = None) -> str:
+        self.check_finite_weights(f"save rollout {rollout_id} to {self.settings['save']}")
         return save_checkpoint(
             self.settings["save"],
             rollout_id,
@@ -360,17 +198,18 @@ class FSDPTrainRayActor:
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
             extra=extra,
-            meta={"global_step": self.global_step, "loss_type": self.args.loss_type},
+            meta={"global_step": self.global_step, **checkpoint_meta(self.args)},
             sharded=self._sharded_state(),
         )
 
     def export_weights(self) -> dict[str, torch.Tensor] | None:
         """Weights for the rollout engines on rank 0 (None elsewhere); collective.
 
-        EMA weights with `--ema-rollout-policy ema`, the live ones otherwise; only the LoRA entries with LoRA.
+        The shadow the entry names (`engine_weights`, e.g. NFT's old policy), else EMA weights with
+        `--ema-rollout-policy ema`, else the live ones; only the LoRA entries with LoRA.
         """
-        if self.old is not None:  # NFT samples its rollouts with the old policy
-            state = self.old.full_state_dict(self.model)
+        if self.hooks.engine_weights is not None:
+            state = self.shadows[self.hooks.engine_weights].full_state_dict(self.model)
         elif self.ema is not None and self.args.ema_rollout_policy == "ema":
             state = self.ema.full_state_dict(self.model)
         else:
@@ -390,6 +229,7 @@ class FSDPTrainRayActor:
 
     def save_hf(self, out_dir: str) -> str | None:
         """A diffusers pipeline folder with the trained transformer, or a PEFT LoRA adapter folder with LoRA."""
+        self.check_finite_weights(f"write --save-hf {out_dir}")
         state = full_state_dict(self.model)
         if self.rank != 0:
             return None

@@ -18,14 +18,11 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from miles.models.base import TRAIN_PIPELINE_CONFIGS
+
 logger = logging.getLogger(__name__)
 
 ADAPTER_NAME = "default"  # the name `add_adapter` gives; it appears in the model's state-dict keys
-
-DEFAULT_LORA_TARGETS: dict[str, list[str]] = {
-    # joint attention of SD3's JointTransformerBlock: image-stream and context-stream projections
-    "sd3": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
-}
 
 # Only initialisations that leave the base weights untouched: pissa / olora / corda rewrite W into W - BA, so the
 # base would no longer be the checkpoint (wrong `--ref-mode lora_base`, and a LoRA-only weight sync would miss it).
@@ -36,9 +33,23 @@ def _is_lora_key(name: str) -> bool:
     return any(part.startswith("lora_") for part in name.split("."))
 
 
+def default_lora_targets(family_name: str) -> list[str]:
+    """The registered model family's `default_lora_targets`; an error naming the flag when it declares none."""
+    family = TRAIN_PIPELINE_CONFIGS.get(family_name)
+    if family is None or not family.default_lora_targets:
+        reason = "is not a registered model family" if family is None else "declares no default LoRA targets"
+        raise ValueError(
+            f"model family {family_name!r} {reason} (families with defaults: "
+            f"{sorted(n for n, c in TRAIN_PIPELINE_CONFIGS.items() if c.default_lora_targets)}); "
+            "pass --lora-target-modules name1,name2,..."
+        )
+    return list(family.default_lora_targets)
+
+
 def lora_config_from_args(args: argparse.Namespace, family_name: str) -> dict[str, Any]:
-    """`LoraConfig` keyword arguments from `--lora-rank`, `--lora-alpha`, `--lora-target-modules`,
-    `--lora-init-weights` and `--lora-dropout` (absent flags take their defaults). Plain JSON-able values."""
+    """`LoraConfig` keyword arguments from `--lora-rank`, `--lora-alpha`, `--lora-target-modules` (default: the
+    family's `default_lora_targets`), `--lora-init-weights` and `--lora-dropout` (absent flags take their
+    defaults). Plain JSON-able values."""
     rank = int(getattr(args, "lora_rank", 8) or 8)
     if rank <= 0:
         raise ValueError(f"--lora-rank must be positive, got {rank}")
@@ -46,12 +57,7 @@ def lora_config_from_args(args: argparse.Namespace, family_name: str) -> dict[st
     alpha = float(rank) if alpha is None else float(alpha)
     targets = getattr(args, "lora_target_modules", None)
     if targets is None:
-        if family_name not in DEFAULT_LORA_TARGETS:
-            raise ValueError(
-                f"no default LoRA targets for model family {family_name!r} (known: {sorted(DEFAULT_LORA_TARGETS)}); "
-                "pass --lora-target-modules name1,name2,..."
-            )
-        targets = list(DEFAULT_LORA_TARGETS[family_name])
+        targets = default_lora_targets(family_name)
     elif isinstance(targets, str):
         targets = [t.strip() for t in targets.split(",") if t.strip()]
     else:

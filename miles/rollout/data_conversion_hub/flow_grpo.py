@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from miles.rollout.data_conversion_hub.conditioning import negative_columns
 from miles.utils.types import TrainPairs
 
 
@@ -33,12 +34,8 @@ def expand_samples_to_train_pairs(result, advantages: torch.Tensor) -> TrainPair
         "advantage": per_pair(advantages.float()),
         "sample_index": per_pair(torch.arange(batch)),
         "step_index": index.repeat(batch),
-        "prompt_embeds": per_pair(result.prompt_embeds.float()),
-        "pooled_prompt_embeds": per_pair(result.pooled_prompt_embeds.float()),
+        **result.conditioning.repeat_interleave(steps).to_columns(),
     }
-    if result.negative_prompt_embeds is not None:
-        pairs["negative_prompt_embeds"] = result.negative_prompt_embeds.float().expand(batch * steps, -1, -1).clone()
-        pairs["negative_pooled_prompt_embeds"] = (
-            result.negative_pooled_prompt_embeds.float().expand(batch * steps, -1).clone()
-        )
+    if result.negative is not None:
+        pairs |= negative_columns(result.negative, batch * steps)
     return pairs

@@ -5,9 +5,10 @@ The fresh noise ε of a pair is not stored: `loss_hub.nft.prepare_nft_batch` dra
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from miles.rollout.data_conversion_hub.conditioning import negative_columns
+from miles.utils.seeding import stream_rng
 from miles.utils.types import TrainPairs
 
 # Keeps the per-sample timestep streams apart from other seeded streams of the same (seed, rollout).
@@ -23,7 +24,7 @@ def nft_pairs_per_sample(num_steps: int, timestep_fraction: float) -> int:
 
 def draw_timestep_indices(num_steps: int, count: int, *, seed: int, rollout_id: int, sample: int) -> torch.Tensor:
     """`count` distinct indices into the grid's nonzero sigmas (0 .. num_steps−1), shuffled per sample."""
-    rng = np.random.default_rng([seed, rollout_id, sample, _TIMESTEP_SALT])
+    rng = stream_rng(seed, rollout_id, sample, _TIMESTEP_SALT)
     return torch.from_numpy(rng.permutation(num_steps)[:count].copy()).long()
 
 
@@ -38,8 +39,8 @@ def expand_samples_to_nft_pairs(
     """Sample-major pairs: sample b's K pairs are rows b·K .. b·K+K−1, K = `nft_pairs_per_sample`.
 
     `result` is the engine's `GenerateResult` of deterministic (ODE) sampling; `advantages` (B,) one per sample.
-    Columns: x0 (the clean latent), t (a σ of `result.sigmas[:-1]`, never 0), advantage, prompt embeddings,
-    sample_index (and negative prompt embeddings when the engine sampled with CFG).
+    Columns: x0 (the clean latent), t (a σ of `result.sigmas[:-1]`, never 0), advantage, the conditioning
+    (`cond/*`), sample_index (and the negative conditioning `negative_cond/*` when the engine sampled with CFG).
     """
     batch = result.final_latents.shape[0]
     if advantages.shape != (batch,):
@@ -58,13 +59,9 @@ def expand_samples_to_nft_pairs(
         "x0": per_pair(result.final_latents.float()),
         "t": grid[index].clone(),
         "advantage": per_pair(advantages.float()),
-        "prompt_embeds": per_pair(result.prompt_embeds.float()),
-        "pooled_prompt_embeds": per_pair(result.pooled_prompt_embeds.float()),
+        **result.conditioning.repeat_interleave(steps).to_columns(),
         "sample_index": per_pair(torch.arange(batch)),
     }
-    if result.negative_prompt_embeds is not None:
-        pairs["negative_prompt_embeds"] = result.negative_prompt_embeds.float().expand(batch * steps, -1, -1).clone()
-        pairs["negative_pooled_prompt_embeds"] = (
-            result.negative_pooled_prompt_embeds.float().expand(batch * steps, -1).clone()
-        )
+    if result.negative is not None:
+        pairs |= negative_columns(result.negative, batch * steps)
     return pairs

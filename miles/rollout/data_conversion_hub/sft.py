@@ -1,4 +1,4 @@
-"""sft_loss conversion: (prompt, image) records -> train pairs of clean latents and prompt embeddings."""
+"""sft_loss conversion: (prompt, image) records -> train pairs of clean latents and their conditioning."""
 
 from __future__ import annotations
 
@@ -39,8 +39,7 @@ def encode_sft_records(family: Any, records: list[dict], resolution: int, batch_
         parts.append(
             {
                 "x0": family.encode_images(images).float().cpu(),
-                "prompt_embeds": embeds.prompt_embeds.float().cpu(),
-                "pooled_prompt_embeds": embeds.pooled_prompt_embeds.float().cpu(),
+                **embeds.to(device="cpu", dtype=torch.float32).to_columns(),
             }
         )
     return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}

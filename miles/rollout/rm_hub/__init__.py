@@ -17,12 +17,12 @@ from miles.rollout.rm_hub.clip import clip_score, pickscore
 from miles.rollout.rm_hub.jpeg import jpeg_compressibility, jpeg_incompressibility, sample_pil_image
 from miles.rollout.rm_hub.shapes import shapes_reward
 from miles.utils.misc import load_function
+from miles.utils.reward_spec import CUSTOM, parse_reward_spec, reward_spec_from_args, valid_reward_names  # noqa: F401  (re-exported)
 from miles.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[argparse.Namespace, list[Sample]], Any]
-CUSTOM = "custom"
 SHAPES_EXTRA_KEY = "shapes"
 
 
@@ -48,10 +48,6 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
 }
 
 
-def _valid_names() -> str:
-    return ", ".join([*REWARD_FUNCTIONS, CUSTOM])
-
-
 def get_reward_function(name: str | None, custom_path: str | None = None) -> RewardFn:
     """The reward called `name`; `custom` (the default when `custom_path` is given) loads `--custom-rm-path`."""
     if name is None:
@@ -63,52 +59,8 @@ def get_reward_function(name: str | None, custom_path: str | None = None) -> Rew
             )
         return load_function(custom_path)
     if name not in REWARD_FUNCTIONS:
-        raise ValueError(f"unknown reward {name!r} in --rm-type; valid rewards: {_valid_names()}")
+        raise ValueError(f"unknown reward {name!r} in --rm-type; valid rewards: {valid_reward_names()}")
     return REWARD_FUNCTIONS[name]
-
-
-def parse_reward_spec(text: str) -> list[tuple[str, float]]:
-    """'shapes' -> [('shapes', 1.0)]; 'shapes:1.0,jpeg_compressibility:0.1' -> both, weighted. Weights are finite
-    floats (negative and zero allowed: a zero-weight reward is still computed and logged)."""
-    if not text or not text.strip():
-        raise ValueError(f"--rm-type is empty; give a reward name or name:weight list from: {_valid_names()}")
-    spec: list[tuple[str, float]] = []
-    for item in text.split(","):
-        name, sep, weight_text = item.strip().partition(":")
-        name = name.strip()
-        if name not in REWARD_FUNCTIONS and name != CUSTOM:
-            raise ValueError(f"--rm-type {text!r}: unknown reward {name!r}; valid rewards: {_valid_names()}")
-        weight = 1.0
-        if sep:
-            try:
-                weight = float(weight_text)
-            except ValueError:
-                weight = math.nan
-            if not math.isfinite(weight):
-                raise ValueError(
-                    f"--rm-type {text!r}: weight {weight_text.strip()!r} of {name!r} is not a finite number"
-                )
-        if name in dict(spec):
-            raise ValueError(f"--rm-type {text!r}: reward {name!r} is listed twice")
-        spec.append((name, weight))
-    return spec
-
-
-def reward_spec_from_args(args: argparse.Namespace) -> list[tuple[str, float]]:
-    """The spec of `--rm-type` (unset: `custom` with `--custom-rm-path`, else `shapes`); a `--custom-rm-path` that
-    the spec leaves out would be ignored silently, so it is an error."""
-    custom_path = getattr(args, "custom_rm_path", None)
-    text = getattr(args, "rm_type", None) or (CUSTOM if custom_path else "shapes")
-    spec = parse_reward_spec(text)
-    names = [name for name, _ in spec]
-    if CUSTOM in names and not custom_path:
-        raise ValueError(f"--rm-type {text!r} names 'custom' but --custom-rm-path is not set")
-    if custom_path and CUSTOM not in names:
-        raise ValueError(
-            f"--custom-rm-path is set but --rm-type {text!r} does not include 'custom'; use --rm-type custom "
-            f"or weight it in, e.g. --rm-type custom:1.0,{names[0]}:0.5"
-        )
-    return spec
 
 
 def _describe(sample: Sample) -> str:

@@ -1,14 +1,17 @@
-"""The family registry and PromptEmbeds: auto-detection, clear errors for bad folders, batch helpers."""
+"""The family registry: auto-detection, clear errors for bad folders, pickling, saved folders free of local paths."""
 
 from __future__ import annotations
 
 import json
 import pickle
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from miles.models import TRAIN_PIPELINE_CONFIGS, PromptEmbeds, SD3PipelineConfig, get_train_pipeline_config
+from miles.models import TRAIN_PIPELINE_CONFIGS, SD3PipelineConfig, get_train_pipeline_config
+from miles.models.base import strip_name_or_path
 
 
 def test_auto_detects_sd3_from_model_index(tiny_pipeline_dir):
@@ -48,27 +51,40 @@ def test_pickled_config_carries_the_path_not_loaded_models(tiny_pipeline_dir):
     assert "vae" in config._loaded
 
 
-def _embeds(batch: int) -> PromptEmbeds:
-    return PromptEmbeds(torch.arange(batch * 6.0).view(batch, 3, 2), torch.arange(batch * 4.0).view(batch, 4))
+def _absolute_paths(value) -> list[str]:
+    """Every string inside a JSON value that looks like an absolute path of two or more parts (vocabularies hold
+    tokens like "/")."""
+    if isinstance(value, dict):
+        return [p for v in value.values() for p in _absolute_paths(v)]
+    if isinstance(value, list):
+        return [p for v in value for p in _absolute_paths(v)]
+    return [value] if isinstance(value, str) and value.startswith("/") and value.count("/") >= 2 else []
 
 
-def test_prompt_embeds_index_cat_expand_roundtrip():
-    e = _embeds(3)
-    assert len(e[1]) == 1 and torch.equal(e[1].prompt_embeds, e.prompt_embeds[1:2])
-    assert torch.equal(e[-1].pooled_prompt_embeds, e.pooled_prompt_embeds[2:])
-    joined = PromptEmbeds.cat([e[0:2], e[2]])
-    assert torch.equal(joined.prompt_embeds, e.prompt_embeds)
-    assert torch.equal(joined.pooled_prompt_embeds, e.pooled_prompt_embeds)
-    wide = e[1].expand(4)
-    assert wide.prompt_embeds.shape == (4, 3, 2) and torch.equal(wide.prompt_embeds[3], e.prompt_embeds[1])
-    rep = e.repeat_interleave(2)
-    assert torch.equal(rep.pooled_prompt_embeds[2], e.pooled_prompt_embeds[1])
-    half = e.to(dtype=torch.bfloat16)
-    assert half.prompt_embeds.dtype == half.pooled_prompt_embeds.dtype == torch.bfloat16
+def test_strip_name_or_path_removes_only_that_key(tmp_path):
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text(json.dumps({"_name_or_path": "/home/me/vae", "latent_channels": 4}))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    assert strip_name_or_path(tmp_path) == [tmp_path / "vae" / "config.json"]
+    assert json.loads((tmp_path / "vae" / "config.json").read_text()) == {"latent_channels": 4}
+    assert json.loads((tmp_path / "model_index.json").read_text()) == {"_class_name": "StableDiffusion3Pipeline"}
 
 
-def test_prompt_embeds_rejects_mismatched_batches():
-    with pytest.raises(ValueError, match="batch sizes differ"):
-        PromptEmbeds(torch.zeros(2, 3, 4), torch.zeros(3, 4))
-    with pytest.raises(ValueError, match="expand a batch of 1"):
-        _embeds(2).expand(4)
+def test_shipped_and_saved_pipelines_name_no_absolute_path(tmp_path):
+    from diffusers import AutoencoderKL
+
+    from miles.models.builtin import SHIPPED_SHAPES_DIR
+
+    shipped = {str(f): _absolute_paths(json.loads(f.read_text())) for f in Path(SHIPPED_SHAPES_DIR).rglob("*.json")}
+    assert not any(shipped.values()), shipped
+    # a component loaded from a folder records it in its config, which save_pretrained writes back
+    source = tmp_path / "source"
+    shutil.copytree(SHIPPED_SHAPES_DIR, source)
+    AutoencoderKL.from_pretrained(str(source), subfolder="vae").save_pretrained(str(source / "vae"))
+    assert _absolute_paths(json.loads((source / "vae" / "config.json").read_text()))  # the leak being guarded
+    family = get_train_pipeline_config(str(source))
+    state = family.load_transformer().state_dict()
+    out = Path(family.save_transformer(state, str(tmp_path / "saved")))
+    saved = {str(f): _absolute_paths(json.loads(f.read_text())) for f in out.rglob("*.json")}
+    assert not any(saved.values()), saved
+    assert not any(str(tmp_path) in f.read_text() for f in out.rglob("*.json"))

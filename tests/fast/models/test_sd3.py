@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from diffusers import StableDiffusion3Pipeline
 from safetensors.torch import load_file
 
-from miles.models import PromptEmbeds, SD3PipelineConfig, get_train_pipeline_config
+from miles.models import Conditioning, SD3PipelineConfig, get_train_pipeline_config
 
 PROMPTS = ["two red circles on the left", "a blue square", "Zebra at the TOP!"]
 
@@ -33,6 +33,7 @@ def test_geometry_read_from_folder(config):
     assert config.latent_shape(64) == (4, 16, 16)
     with pytest.raises(ValueError, match="multiple of 8"):
         config.latent_shape(36)
+    assert config.audio_latent_shape() is None  # an image family: one latent per sample
 
 
 def test_load_transformer_from_pipeline_or_transformer_folder(config, tiny_pipeline_dir, tmp_path):
@@ -48,7 +49,7 @@ def test_load_transformer_from_pipeline_or_transformer_folder(config, tiny_pipel
 
 
 @torch.no_grad()
-def _encode_by_hand(pipe: StableDiffusion3Pipeline, prompts: list[str], t5_length: int) -> PromptEmbeds:
+def _encode_by_hand(pipe: StableDiffusion3Pipeline, prompts: list[str], t5_length: int) -> Conditioning:
     clip_seq, clip_pooled = [], []
     for tokenizer, encoder in ((pipe.tokenizer, pipe.text_encoder), (pipe.tokenizer_2, pipe.text_encoder_2)):
         ids = tokenizer(prompts, padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
@@ -58,32 +59,33 @@ def _encode_by_hand(pipe: StableDiffusion3Pipeline, prompts: list[str], t5_lengt
     ids = pipe.tokenizer_3(prompts, padding="max_length", max_length=t5_length, truncation=True, return_tensors="pt")
     t5 = pipe.text_encoder_3(ids.input_ids).last_hidden_state
     clip = F.pad(torch.cat(clip_seq, dim=-1), (0, t5.shape[-1] - 64))
-    return PromptEmbeds(torch.cat([clip, t5], dim=1), torch.cat(clip_pooled, dim=-1))
+    pooled = torch.cat(clip_pooled, dim=-1)
+    return Conditioning({"prompt_embeds": torch.cat([clip, t5], dim=1), "pooled_prompt_embeds": pooled})
 
 
 def test_encode_prompts_matches_hand_computation_and_pipeline_encode_prompt(config, pipe):
     ours = config.encode_prompts(PROMPTS)
-    assert ours.prompt_embeds.shape == (3, 77 + 32, 64) and ours.pooled_prompt_embeds.shape == (3, 64)
+    assert ours["prompt_embeds"].shape == (3, 77 + 32, 64) and ours["pooled_prompt_embeds"].shape == (3, 64)
     hand = _encode_by_hand(pipe, PROMPTS, t5_length=32)
-    torch.testing.assert_close(ours.prompt_embeds, hand.prompt_embeds)
-    torch.testing.assert_close(ours.pooled_prompt_embeds, hand.pooled_prompt_embeds)
+    torch.testing.assert_close(ours["prompt_embeds"], hand["prompt_embeds"])
+    torch.testing.assert_close(ours["pooled_prompt_embeds"], hand["pooled_prompt_embeds"])
     with torch.no_grad():
         ref, _, ref_pooled, _ = pipe.encode_prompt(
             PROMPTS, None, None, do_classifier_free_guidance=False, max_sequence_length=32, device=torch.device("cpu")
         )
-    torch.testing.assert_close(ours.prompt_embeds, ref)
-    torch.testing.assert_close(ours.pooled_prompt_embeds, ref_pooled)
-    assert not ours.prompt_embeds.requires_grad
+    torch.testing.assert_close(ours["prompt_embeds"], ref)
+    torch.testing.assert_close(ours["pooled_prompt_embeds"], ref_pooled)
+    assert not ours["prompt_embeds"].requires_grad
 
 
 def test_negative_embeddings_equal_encoding_empty_prompts(config):
     negative = config.encode_negative(3)
     empty = config.encode_prompts([""] * 3)
-    torch.testing.assert_close(negative.prompt_embeds, empty.prompt_embeds)
-    torch.testing.assert_close(negative.pooled_prompt_embeds, empty.pooled_prompt_embeds)
-    assert config.encode_negative(2).prompt_embeds.data_ptr() == negative.prompt_embeds.data_ptr()  # cached
+    torch.testing.assert_close(negative["prompt_embeds"], empty["prompt_embeds"])
+    torch.testing.assert_close(negative["pooled_prompt_embeds"], empty["pooled_prompt_embeds"])
+    assert config.encode_negative(2)["prompt_embeds"].data_ptr() == negative["prompt_embeds"].data_ptr()  # cached
     other = config.encode_negative(1, "blurry")
-    assert not torch.allclose(other.pooled_prompt_embeds, negative.pooled_prompt_embeds[:1])
+    assert not torch.allclose(other["pooled_prompt_embeds"], negative["pooled_prompt_embeds"][:1])
 
 
 def _inputs(config: SD3PipelineConfig, batch: int = 3):
@@ -99,8 +101,8 @@ def test_predict_velocity_without_guidance_is_one_call_at_timestep_1000_sigma(co
     direct = transformer(
         hidden_states=latents,
         timestep=torch.tensor([900.0, 500.0, 100.0]),
-        encoder_hidden_states=embeds.prompt_embeds,
-        pooled_projections=embeds.pooled_prompt_embeds,
+        encoder_hidden_states=embeds["prompt_embeds"],
+        pooled_projections=embeds["pooled_prompt_embeds"],
     ).sample
     ours = config.predict_velocity(transformer, latents, sigmas, embeds)
     assert ours.dtype == torch.float32 and ours.shape == latents.shape
@@ -113,16 +115,16 @@ def test_predict_velocity_with_guidance_combines_two_separate_calls(config):
     latents, sigmas = _inputs(config)
     embeds, negative = config.encode_prompts(PROMPTS), config.encode_negative(3)
 
-    def call(e: PromptEmbeds) -> torch.Tensor:
+    def call(e: Conditioning) -> torch.Tensor:
         return transformer(
             hidden_states=latents,
             timestep=sigmas * 1000,
-            encoder_hidden_states=e.prompt_embeds,
-            pooled_projections=e.pooled_prompt_embeds,
+            encoder_hidden_states=e["prompt_embeds"],
+            pooled_projections=e["pooled_prompt_embeds"],
         ).sample
 
     cond, uncond = call(embeds), call(negative)
-    ours = config.predict_velocity(transformer, latents, sigmas, embeds, guidance_scale=4.5, negative=negative[0])
+    ours = config.predict_velocity(transformer, latents, sigmas, embeds, guidance_scale=4.5, negative=negative.rows(0))
     torch.testing.assert_close(ours, uncond + 4.5 * (cond - uncond), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="negative"):
         config.predict_velocity(transformer, latents, sigmas, embeds, guidance_scale=4.5)
@@ -160,8 +162,15 @@ def test_vae_encode_decode_shapes_ranges_and_normalization(config):
     shift, scale = vae.config.shift_factor, vae.config.scaling_factor
     z = vae.encode(images).latent_dist.mode()
     torch.testing.assert_close(x0, (z - shift) * scale)
-    decoded = config.decode_latents(x0)
-    assert decoded.shape == (2, 3, 32, 32) and 0 <= decoded.min() and decoded.max() <= 1
+    media = config.decode_latents(x0)
+    decoded = media.images
+    assert (
+        not media.is_video
+        and media.audio is None
+        and decoded.shape == (2, 3, 32, 32)
+        and 0 <= decoded.min()
+        and decoded.max() <= 1
+    )
     torch.testing.assert_close(decoded, ((vae.decode(z).sample + 1) / 2).clamp(0, 1), rtol=1e-4, atol=1e-5)
     sampled = [config.encode_images(images, generator=torch.Generator().manual_seed(7)) for _ in range(2)]
     torch.testing.assert_close(sampled[0], sampled[1])

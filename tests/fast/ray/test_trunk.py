@@ -65,8 +65,7 @@ def make_pairs(family, n, seed=0):
     embeds = family.encode_prompts([f"{['one', 'two', 'three'][i % 3]} red circles on the left" for i in range(n)])
     return {
         "x0": torch.randn((n, *family.latent_shape()), generator=g),
-        "prompt_embeds": embeds.prompt_embeds.float(),
-        "pooled_prompt_embeds": embeds.pooled_prompt_embeds.float(),
+        **embeds.to(dtype=torch.float32).to_columns(),
     }
 
 
@@ -106,8 +105,8 @@ def reference_training(args, family, pairs, rollout_id=0):
                 prepared = sft.prepare_sft_batch(ctx, batch, microbatch_id=mb_id, optim_step_idx=window)
                 v = model(
                     hidden_states=prepared.latents,
-                    encoder_hidden_states=prepared.embeds.prompt_embeds,
-                    pooled_projections=prepared.embeds.pooled_prompt_embeds,
+                    encoder_hidden_states=prepared.embeds["prompt_embeds"],
+                    pooled_projections=prepared.embeds["pooled_prompt_embeds"],
                     timestep=prepared.sigmas * 1000,
                     return_dict=False,
                 )[0]

@@ -68,7 +68,9 @@ def test_pairs_hold_the_generator_input_and_output_at_step_j(engine, family, tra
         assert torch.equal(pairs["latents"], noise[:, 0]) and bool((pairs["sigma"] == 1.0).all())
     if j == k - 1:  # the last step's x̂₀ is the generator's output
         torch.testing.assert_close(result.final_latents, pairs["x"])
-    assert pairs["negative_prompt_embeds"].shape == pairs["prompt_embeds"].shape
+    for name in embeds:
+        assert pairs[f"negative_cond/{name}"].shape == pairs[f"cond/{name}"].shape
+        torch.testing.assert_close(pairs[f"cond/{name}"], embeds[name])
     assert pairs["sample_index"].tolist() == [0, 1, 2] and pairs["step_index"].tolist() == [j] * 3
     assert bool(result.log_probs.isnan().all())
 

@@ -10,7 +10,7 @@ import torch
 
 from miles.diffusion.sde import get_sde_kernel
 from miles.models.base import get_train_pipeline_config
-from miles.rollout.engine import DiffusionEngine, GenerateRequest, RolloutEngine, prompt_embeds_of
+from miles.rollout.engine import DiffusionEngine, GenerateRequest, RolloutEngine
 from miles.rollout.engine_group import EngineError, RolloutEngineGroup
 from miles.utils.misc import split_contiguous as split_evenly
 
@@ -70,11 +70,12 @@ def test_result_shapes(engine, family):
     assert result.latents.shape == result.next_latents.shape == (4, 3, c, h, w)
     assert result.log_probs.shape == (4, 3) and torch.isfinite(result.log_probs).all()
     assert result.sigmas.shape == (5,) and result.sigmas[0] == 1 and result.sigmas[-1] == 0
-    assert result.negative_prompt_embeds.shape[0] == 1 and result.negative_pooled_prompt_embeds.shape[0] == 1
-    assert result.prompt_embeds.shape[0] == result.pooled_prompt_embeds.shape[0] == 4
+    assert result.negative.batch_size == 1 and result.conditioning.batch_size == 4
+    assert list(result.conditioning) == list(result.negative) == ["prompt_embeds", "pooled_prompt_embeds"]
+    assert result.audio is None and result.fps is None  # an image family
     assert torch.equal(result.latents[:, 1:], result.next_latents[:, :-1])  # consecutive trained steps chain
     no_cfg = engine.generate(request(guidance_scale=1.0, prompts=PROMPTS[:1], seeds=SEEDS[:1], trained_steps=[]))
-    assert no_cfg.negative_prompt_embeds is None and no_cfg.latents.shape == (1, 0, c, h, w)
+    assert no_cfg.negative is None and no_cfg.latents.shape == (1, 0, c, h, w)
     assert no_cfg.log_probs.shape == (1, 0)
 
 
@@ -83,7 +84,7 @@ def test_result_shapes(engine, family):
 def test_recorded_log_probs_match_train_side_recompute(engine, family, fresh_transformer, sde_type, guidance_scale):
     result = engine.generate(request(sde_type=sde_type, guidance_scale=guidance_scale, trained_steps=[0, 2]))
     kernel = get_sde_kernel(sde_type)
-    positive, negative = prompt_embeds_of(result)
+    positive, negative = result.conditioning, result.negative
     batch = len(PROMPTS)
     for k, step in enumerate(result.trained_steps):
         sigma, sigma_next = result.sigmas[step].expand(batch), result.sigmas[step + 1].expand(batch)
@@ -136,7 +137,7 @@ def test_shared_initial_latent_leaves_only_the_sde_noise_to_differ(engine):
 
 def test_ode_without_recording_is_a_plain_euler_loop(engine, family, fresh_transformer):
     result = engine.generate(request(sde_type="ode", trained_steps=[]))
-    positive, negative = prompt_embeds_of(result)
+    positive, negative = result.conditioning, result.negative
     x = initial_latents(family, SEEDS)
     for i in range(4):
         s, s_next = result.sigmas[i], result.sigmas[i + 1]
@@ -237,13 +238,18 @@ def test_split_evenly():
 def test_engine_group_matches_one_engine_syncs_weights_and_names_a_dead_engine(ray_cluster, tiny_pipeline_dir, engine):
     group = RolloutEngineGroup(tiny_pipeline_dir, num_engines=2, num_cpus_per_engine=0.5, timeout_s=TIMEOUT)
     try:
-        for size in (4, 3):
-            req = request(prompts=PROMPTS[:size], seeds=SEEDS[:size])
+        # initial seeds (--diffusion-shared-initial-noise) travel with their prompts to each engine
+        for size, initial_seeds in ((4, None), (3, None), (4, [SEEDS[0]] * 2 + [SEEDS[2]] * 2)):
+            req = request(prompts=PROMPTS[:size], seeds=SEEDS[:size], initial_seeds=initial_seeds)
             split, single = group.generate(req, rollout_id=0), engine.generate(req)
-            for name in ("final_latents", "latents", "next_latents", "log_probs", "prompt_embeds"):
+            for name in ("final_latents", "latents", "next_latents", "log_probs"):
                 diff = (getattr(split, name) - getattr(single, name)).abs().max().item()
                 logger.info("2 engines vs 1, batch %d, max |diff| %s: %.2e", size, name, diff)
                 assert diff <= 1e-5, name
+            for name in single.conditioning:  # encoded per engine: thread counts differ at ~1e-8
+                assert (split.conditioning[name] - single.conditioning[name]).abs().max() <= 1e-5, name
+            if initial_seeds is not None:  # rows 2, 3 ran on engine 1 from row 2's start
+                assert torch.equal(split.latents[2, 0], split.latents[3, 0])
         original = engine.transformer.state_dict()
         changed = {k: v * 1.1 if k == "proj_out.weight" else v for k, v in original.items()}
         group.update_weights(changed, version=1)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from miles.data.shapes import ShapeScene, render_scene, shapes_items, shapes_prompts
+from miles.models.conditioning import Conditioning
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
 from miles.rollout.evaluation import eval_seed, evaluate_shapes
 from miles.rollout.rm_hub.shapes import score_shapes_image
@@ -40,10 +41,8 @@ class FakeEngine:
             log_probs=torch.zeros(batch, 0),
             sigmas=torch.linspace(1, 0, request.num_steps + 1),
             trained_steps=[],
-            prompt_embeds=torch.zeros(batch, 1, 1),
-            pooled_prompt_embeds=torch.zeros(batch, 1),
-            negative_prompt_embeds=None,
-            negative_pooled_prompt_embeds=None,
+            conditioning=Conditioning({"prompt_embeds": torch.zeros(batch, 1, 1)}),
+            negative=None,
             weights_version=0,
         )
 

@@ -1,30 +1,36 @@
-"""The nft conversion: pairs per sample, distinct nonzero grid timesteps, seeded determinism, sample-major rows."""
+"""The nft conversion: pairs per sample, distinct nonzero grid timesteps, seeded determinism, sample-major rows.
+
+The result has video-rank latents (C, F, H, W) and a conditioning with a mask: nothing here is SD3's shape."""
 
 import pytest
 import torch
 
 from miles.diffusion.schedule import sampling_sigmas
+from miles.models.conditioning import Conditioning
 from miles.rollout.data_conversion_hub.nft import expand_samples_to_nft_pairs, nft_pairs_per_sample
 from miles.rollout.engine import GenerateResult
 
-B, C, H, W, L, D, P = 4, 2, 3, 3, 5, 6, 7
+B, L, D = 4, 5, 6
+LATENT = (2, 3, 2, 2)  # (C, F, H, W)
 NUM_STEPS = 10
+
+
+def _conditioning(batch, g):
+    return Conditioning({"prompt_embeds": torch.randn(batch, L, D, generator=g), "mask": torch.rand(batch, L) > 0.3})
 
 
 def make_result(batch=B, num_steps=NUM_STEPS, cfg=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     return GenerateResult(
         images=None,
-        final_latents=torch.randn(batch, C, H, W, generator=g),
-        latents=torch.zeros(batch, 0, C, H, W),
-        next_latents=torch.zeros(batch, 0, C, H, W),
+        final_latents=torch.randn(batch, *LATENT, generator=g),
+        latents=torch.zeros(batch, 0, *LATENT),
+        next_latents=torch.zeros(batch, 0, *LATENT),
         log_probs=torch.zeros(batch, 0),
         sigmas=sampling_sigmas(num_steps),
         trained_steps=[],
-        prompt_embeds=torch.randn(batch, L, D, generator=g),
-        pooled_prompt_embeds=torch.randn(batch, P, generator=g),
-        negative_prompt_embeds=torch.randn(1, L, D, generator=g) if cfg else None,
-        negative_pooled_prompt_embeds=torch.randn(1, P, generator=g) if cfg else None,
+        conditioning=_conditioning(batch, g),
+        negative=_conditioning(1, g) if cfg else None,
         weights_version=0,
     )
 
@@ -80,25 +86,28 @@ def test_columns_are_sample_major_with_expected_shapes():
     advantages = torch.tensor([0.5, -2.0, 3.0, 0.0])
     pairs = convert(result, fraction=0.3, advantages=advantages)
     k = 3
-    assert set(pairs) == {"x0", "t", "advantage", "prompt_embeds", "pooled_prompt_embeds", "sample_index"}
-    assert pairs["x0"].shape == (B * k, C, H, W) and pairs["t"].shape == (B * k,)
-    assert pairs["prompt_embeds"].shape == (B * k, L, D) and pairs["pooled_prompt_embeds"].shape == (B * k, P)
+    assert set(pairs) == {"x0", "t", "advantage", "cond/prompt_embeds", "cond/mask", "sample_index"}
+    assert pairs["x0"].shape == (B * k, *LATENT) and pairs["t"].shape == (B * k,)
+    assert pairs["cond/prompt_embeds"].shape == (B * k, L, D) and pairs["cond/mask"].shape == (B * k, L)
     for row in range(B * k):
         b = row // k
         assert pairs["sample_index"][row] == b
         assert torch.equal(pairs["x0"][row], result.final_latents[b])
         assert pairs["advantage"][row] == advantages[b]
-        assert torch.equal(pairs["prompt_embeds"][row], result.prompt_embeds[b])
-        assert torch.equal(pairs["pooled_prompt_embeds"][row], result.pooled_prompt_embeds[b])
-    assert all(v.dtype == torch.float32 for n, v in pairs.items() if n != "sample_index")
+        assert torch.equal(pairs["cond/prompt_embeds"][row], result.conditioning["prompt_embeds"][b])
+        assert torch.equal(pairs["cond/mask"][row], result.conditioning["mask"][b])
+    assert pairs["cond/mask"].dtype == torch.bool
+    assert all(v.dtype == torch.float32 for n, v in pairs.items() if n not in ("sample_index", "cond/mask"))
 
 
 def test_negative_embeddings_travel_when_sampled_with_cfg():
     result = make_result(cfg=True)
     pairs = convert(result, fraction=0.2)
-    assert pairs["negative_prompt_embeds"].shape == (B * 2, L, D)
-    assert torch.equal(pairs["negative_prompt_embeds"][5], result.negative_prompt_embeds[0])
-    assert pairs["negative_pooled_prompt_embeds"].shape == (B * 2, P)
+    assert pairs["negative_cond/prompt_embeds"].shape == (B * 2, L, D)
+    assert torch.equal(pairs["negative_cond/prompt_embeds"][5], result.negative["prompt_embeds"][0])
+    assert torch.equal(pairs["negative_cond/mask"][5], result.negative["mask"][0])
+    assert pairs["negative_cond/mask"].shape == (B * 2, L)
+    assert pairs["negative_cond/mask"].stride(0) != 0  # rows are copies, not a broadcast view
 
 
 def test_advantages_must_be_one_per_sample():

@@ -1,4 +1,5 @@
-"""The loss hub: hooks keyed by (loss type, role), and the start-up check of their signatures."""
+"""The loss hub: one entry per (loss type, role) declaring the hooks and what the trunk must hold and do for
+them (frozen networks, a per-rollout step, the engines' weights), and the start-up check of their signatures."""
 
 from __future__ import annotations
 
@@ -13,10 +14,18 @@ from miles.utils.misc import load_function
 
 PrepareFn = Callable[..., Any]  # (ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len=None) -> PreparedBatch
 FormulaFn = Callable[..., Any]  # (ctx, batch, prepared, *, new_pred, ref_pred, metrics, optim_step_idx,
-#                                  train_output_inputs, write_old_log_prob=False, old_log_prob_from_new=False,
-#                                  **kwargs) -> Tensor | None
+#                                  frozen_preds, train_output_inputs, write_old_log_prob=False,
+#                                  old_log_prob_from_new=False, **kwargs) -> Tensor | None
 TrainInputFn = Callable[..., Any]  # (ctx, train_pairs) -> train_pairs
 TrainOutputFn = Callable[..., Any]  # (ctx, train_pairs, train_output_inputs) -> Any
+AfterTrainFn = Callable[..., Any]  # (ctx, *, global_step) -> {shadow network: decay d}, once per rollout
+
+# Frozen networks an entry may declare. `teacher` is loaded from --teacher-load (when given); a shadow is a copy of
+# the trained weights that only the per-rollout step moves (θ_s ← d·θ_s + (1 − d)·θ). `ref` (LoRA base or EMA,
+# from --ref-mode) is not declared: every role holds it when --ref-mode asks.
+TEACHER = "teacher"
+SHADOW_NETWORKS = ("old",)
+FROZEN_NETWORKS = (TEACHER, *SHADOW_NETWORKS)
 
 
 def identity_train_input(ctx: Any, train_pairs: Any) -> Any:
@@ -28,23 +37,61 @@ def default_train_output(ctx: Any, train_pairs: Any, train_output_inputs: list) 
     return None
 
 
+def no_after_train(ctx: Any, *, global_step: int) -> dict[str, float]:
+    return {}
+
+
 @dataclass(frozen=True)
 class LossHooks:
+    """What one (loss type, role) needs from the trunk: its hooks, and declarations the trunk acts on.
+
+    - `frozen_networks`: names from FROZEN_NETWORKS this role holds besides `policy` (and `ref`); a prepare names
+      the ones a micro-batch needs (`PreparedBatch.ref_network`, `.frozen_networks`), the trunk runs their forwards.
+    - `after_train`: once per rollout after the last window, returns the decay of each shadow network to update.
+    - `engine_weights`: the shadow network the rollout engines sample with (None: the trained weights, or their
+      EMA with --ema-rollout-policy ema).
+    """
+
     prepare: PrepareFn
     formula: FormulaFn
     train_input: TrainInputFn = identity_train_input
     train_output: TrainOutputFn = default_train_output
+    frozen_networks: tuple[str, ...] = ()
+    after_train: AfterTrainFn = no_after_train
+    engine_weights: str | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [n for n in self.frozen_networks if n not in FROZEN_NETWORKS]
+        if unknown:
+            raise ValueError(f"LossHooks.frozen_networks {unknown} unknown; choose from {FROZEN_NETWORKS}")
+        if self.engine_weights is not None and self.engine_weights not in self.frozen_networks:
+            raise ValueError(
+                f"LossHooks.engine_weights {self.engine_weights!r} must be one of its shadow frozen_networks "
+                f"{[n for n in self.frozen_networks if n in SHADOW_NETWORKS]}"
+            )
+
+    @property
+    def shadows(self) -> tuple[str, ...]:
+        """The declared shadow networks (copies of the trained weights kept by the trunk)."""
+        return tuple(n for n in self.frozen_networks if n in SHADOW_NETWORKS)
 
 
 LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
     ("sft_loss", "actor"): LossHooks(prepare=sft.prepare_sft_batch, formula=sft.sft_formula),
     ("policy_loss", "actor"): LossHooks(prepare=flow_grpo.prepare_policy_batch, formula=flow_grpo.policy_formula),
-    ("nft", "actor"): LossHooks(prepare=nft.prepare_nft_batch, formula=nft.nft_formula),
+    ("nft", "actor"): LossHooks(
+        prepare=nft.prepare_nft_batch,
+        formula=nft.nft_formula,
+        frozen_networks=(nft.OLD_NETWORK,),
+        after_train=nft.decay_old_policy,
+        engine_weights=nft.OLD_NETWORK,  # DiffusionNFT samples its rollouts with the old policy
+    ),
     ("dmd2", "critic"): LossHooks(
         prepare=dmd2.prepare_critic_batch,
         formula=dmd2.critic_formula,
         train_input=dmd2.tile_critic_pairs,
         train_output=dmd2.critic_train_output,
+        frozen_networks=(TEACHER,),
     ),
     ("dmd2", "actor"): LossHooks(prepare=dmd2.prepare_generator_batch, formula=dmd2.generator_formula),
 }
@@ -55,14 +102,16 @@ REQUIRED_KEYWORDS = {
     "formula": (
         "new_pred",
         "ref_pred",
+        "frozen_preds",
         "metrics",
         "optim_step_idx",
         "train_output_inputs",
         "write_old_log_prob",
         "old_log_prob_from_new",
     ),
+    "after_train": ("global_step",),
 }
-REQUIRED_POSITIONAL = {"prepare": 2, "formula": 3, "train_input": 2, "train_output": 3}
+REQUIRED_POSITIONAL = {"prepare": 2, "formula": 3, "train_input": 2, "train_output": 3, "after_train": 1}
 
 
 class HookSignatureError(TypeError):
@@ -100,12 +149,13 @@ def _positional_doc(name: str) -> str:
         "formula": "ctx, batch, prepared",
         "train_input": "ctx, train_pairs",
         "train_output": "ctx, train_pairs, train_output_inputs",
+        "after_train": "ctx",
     }[name]
 
 
 def check_loss_hooks(hooks: LossHooks, sources: dict[str, str] | None = None) -> None:
     sources = sources or {}
-    for name in ("prepare", "formula", "train_input", "train_output"):
+    for name in ("prepare", "formula", "train_input", "train_output", "after_train"):
         fn = getattr(hooks, name)
         check_hook_signature(name, fn, sources.get(name, getattr(fn, "__qualname__", repr(fn))))
 
@@ -122,7 +172,8 @@ def _custom_loss_hooks(args: argparse.Namespace) -> tuple[LossHooks, dict[str, s
             "--loss-type custom_loss requires --custom-prepare-train-batch-path and --custom-loss-function-path"
         )
     loaded = {name: load_function(path) for name, path in paths.items() if path}
-    return LossHooks(**loaded), {name: repr(path) for name, path in paths.items() if path}
+    # a custom loss may read the frozen teacher (ctx.networks["teacher"]) when --teacher-load is given
+    return LossHooks(**loaded, frozen_networks=(TEACHER,)), {name: repr(path) for name, path in paths.items() if path}
 
 
 def get_loss_hooks(args: argparse.Namespace, role: str) -> LossHooks:
@@ -141,3 +192,8 @@ def get_loss_hooks(args: argparse.Namespace, role: str) -> LossHooks:
         hooks, sources = LOSS_HOOKS[key], {}
     check_loss_hooks(hooks, sources)
     return hooks
+
+
+def checkpoint_meta(args: argparse.Namespace) -> dict[str, Any]:
+    """What a role's checkpoint records of the algorithm that wrote it."""
+    return {"loss_type": args.loss_type}

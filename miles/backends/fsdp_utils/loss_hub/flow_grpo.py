@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
     PreparedBatch,
     WindowMetrics,
-    prompt_embeds_from_pairs,
+    conditioning_from_pairs,
 )
 from miles.diffusion.grpo import clipped_policy_loss
 from miles.diffusion.sde import get_sde_kernel, kl_to_reference
@@ -33,8 +35,8 @@ def prepare_policy_batch(
     return PreparedBatch(
         latents=batch["latents"].to(ctx.device),
         sigmas=batch["sigma"].to(ctx.device),
-        embeds=prompt_embeds_from_pairs(batch, ctx.device),
-        negative=prompt_embeds_from_pairs(batch, ctx.device, prefix="negative_") if guided else None,
+        embeds=conditioning_from_pairs(batch, ctx.device),
+        negative=conditioning_from_pairs(batch, ctx.device, prefix="negative_") if guided else None,
         guidance_scale=args.diffusion_guidance_scale,
         ref_network="ref" if uses_reference(args) else None,
     )
@@ -60,6 +62,7 @@ def policy_formula(
     *,
     new_pred: torch.Tensor,
     ref_pred: torch.Tensor | None,
+    frozen_preds: Mapping[str, torch.Tensor],
     metrics: WindowMetrics,
     optim_step_idx: int,
     train_output_inputs: list,

@@ -4,6 +4,7 @@ optional KL to a reference, and the old-policy decay read from the flags (ALGORI
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 
 import torch
 
@@ -12,7 +13,7 @@ from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
     PreparedBatch,
     WindowMetrics,
-    prompt_embeds_from_pairs,
+    conditioning_from_pairs,
 )
 from miles.diffusion.nft import advantage_to_r, nft_kl, nft_loss, old_policy_decay
 from miles.diffusion.schedule import add_noise
@@ -32,6 +33,11 @@ def nft_old_decay(args: argparse.Namespace, step: int) -> float:
     )
 
 
+def decay_old_policy(ctx: DiffusionLossContext, *, global_step: int) -> dict[str, float]:
+    """The per-rollout step: θ_old ← d·θ_old + (1 − d)·θ with d from the schedule, once training is done."""
+    return {OLD_NETWORK: nft_old_decay(ctx.args, global_step)}
+
+
 def prepare_nft_batch(
     ctx: DiffusionLossContext,
     batch: TrainPairs,
@@ -40,7 +46,8 @@ def prepare_nft_batch(
     optim_step_idx: int,
     pad_to_len: int | None = None,
 ) -> PreparedBatch:
-    """x_t = (1 − t)·x₀ + t·ε with fresh ε seeded by ids; the trunk runs `old` on the same inputs (`ref_pred`)."""
+    """x_t = (1 − t)·x₀ + t·ε with fresh ε seeded by ids; the trunk runs `old` on the same inputs (`ref_pred`), and
+    `ref` too when the KL term is on (`frozen_preds["ref"]`)."""
     args = ctx.args
     x0, t = batch["x0"].float(), batch["t"].float()
     noise = torch.randn(x0.shape, generator=microbatch_generator(ctx, microbatch_id), dtype=torch.float32)
@@ -48,40 +55,22 @@ def prepare_nft_batch(
     guidance = float(args.diffusion_nft_guidance_scale)
     negative = None
     if guidance > 1.0:
-        if "negative_prompt_embeds" not in batch:
+        if not any(key.startswith("negative_cond/") for key in batch):
             raise ValueError(
                 "--diffusion-nft-guidance-scale > 1 needs negative prompt embeddings in the train pairs: "
                 "sample the rollout with --diffusion-guidance-scale > 1, or train CFG-free (scale 1.0)"
             )
-        negative = prompt_embeds_from_pairs(batch, ctx.device, prefix="negative_")
+        negative = conditioning_from_pairs(batch, ctx.device, prefix="negative_")
     return PreparedBatch(
         latents=add_noise(x0, noise, t),
         sigmas=t,
-        embeds=prompt_embeds_from_pairs(batch, ctx.device),
+        embeds=conditioning_from_pairs(batch, ctx.device),
         negative=negative,
         guidance_scale=guidance,
         ref_network=OLD_NETWORK,
+        frozen_networks=(REF_NETWORK,) if args.diffusion_nft_kl_beta > 0 else (),
         extras={"x0": x0, "noise": noise, "t": t},
     )
-
-
-def reference_velocity(ctx: DiffusionLossContext, prepared: PreparedBatch) -> torch.Tensor:
-    """v_ref on the prepared inputs, without grad. The trunk's one frozen forward per micro-batch is the old
-    policy, which is not the KL reference, so the formula runs `ref` itself."""
-    if REF_NETWORK not in ctx.networks:
-        raise KeyError(
-            f"--diffusion-nft-kl-beta > 0 needs a 'ref' network (--ref-mode lora_base or ema); "
-            f"this {ctx.role} has {sorted(ctx.networks)}"
-        )
-    with torch.no_grad():
-        return ctx.family.predict_velocity(
-            ctx.networks[REF_NETWORK],
-            prepared.latents,
-            prepared.sigmas,
-            prepared.embeds,
-            guidance_scale=prepared.guidance_scale,
-            negative=prepared.negative,
-        )
 
 
 def nft_formula(
@@ -91,6 +80,7 @@ def nft_formula(
     *,
     new_pred: torch.Tensor,
     ref_pred: torch.Tensor | None,
+    frozen_preds: Mapping[str, torch.Tensor],
     metrics: WindowMetrics,
     optim_step_idx: int,
     train_output_inputs: list,
@@ -98,7 +88,8 @@ def nft_formula(
     old_log_prob_from_new: bool = False,
     **kwargs,
 ) -> torch.Tensor:
-    """Sum over pairs of the NFT loss (v_θ = `new_pred`, v_old = `ref_pred`), plus kl_beta·mean((v_θ − v_ref)²)."""
+    """Sum over pairs of the NFT loss (v_θ = `new_pred`, v_old = `ref_pred`), plus kl_beta·mean((v_θ − v_ref)²) with
+    v_ref = `frozen_preds["ref"]`."""
     if write_old_log_prob:
         raise ValueError(
             "--loss-type nft has no old log-probs to recompute (the old policy is a network): "
@@ -131,7 +122,12 @@ def nft_formula(
     metrics.add("train/nft_old_deviate", parts["old_deviate"].expand(n))
     metrics.add("train/r_mean", r)
     if args.diffusion_nft_kl_beta > 0:
-        kl = nft_kl(new_pred, reference_velocity(ctx, prepared))
+        if REF_NETWORK not in frozen_preds:
+            raise KeyError(
+                f"--diffusion-nft-kl-beta > 0 needs the {REF_NETWORK!r} network's prediction: prepare must name it "
+                f"in frozen_networks (got predictions of {sorted(frozen_preds)})"
+            )
+        kl = nft_kl(new_pred, frozen_preds[REF_NETWORK])
         metrics.add("train/kl", kl)
         loss = loss + args.diffusion_nft_kl_beta * kl
     metrics.add("train/loss", loss)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import lru_cache
 
 import torch
@@ -10,7 +11,7 @@ from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
     PreparedBatch,
     WindowMetrics,
-    prompt_embeds_from_pairs,
+    conditioning_from_pairs,
 )
 from miles.diffusion.schedule import (
     add_noise,
@@ -19,6 +20,7 @@ from miles.diffusion.schedule import (
     sigmas_from_u,
     training_sigmas,
 )
+from miles.utils.seeding import stream_generator
 from miles.utils.types import TrainPairs
 
 
@@ -29,8 +31,7 @@ def _sigma_table(shift: float) -> torch.Tensor:
 
 def microbatch_generator(ctx: DiffusionLossContext, microbatch_id: int, salt: int = 0) -> torch.Generator:
     """Noise seeded by (seed, rollout, rank, micro-batch): identical in every pass over the same micro-batch."""
-    seed = hash((ctx.args.seed, ctx.rollout_id, ctx.dp_rank, microbatch_id, salt)) % (2**63)
-    return torch.Generator(device="cpu").manual_seed(seed)
+    return stream_generator(ctx.args.seed, ctx.rollout_id, ctx.dp_rank, microbatch_id, salt)
 
 
 def prepare_sft_batch(
@@ -55,7 +56,7 @@ def prepare_sft_batch(
     sigmas = sigmas_from_u(u, _sigma_table(float(ctx.family.scheduler_shift)))
     noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32)
     x0, noise, sigmas = x0.to(ctx.device), noise.to(ctx.device), sigmas.to(ctx.device)
-    embeds = prompt_embeds_from_pairs(batch, ctx.device)
+    embeds = conditioning_from_pairs(batch, ctx.device)
     return PreparedBatch(
         latents=add_noise(x0, noise, sigmas),
         sigmas=sigmas,
@@ -71,6 +72,7 @@ def sft_formula(
     *,
     new_pred: torch.Tensor,
     ref_pred: torch.Tensor | None,
+    frozen_preds: Mapping[str, torch.Tensor],
     metrics: WindowMetrics,
     optim_step_idx: int,
     train_output_inputs: list,

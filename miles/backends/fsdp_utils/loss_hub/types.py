@@ -27,12 +27,12 @@ class DiffusionLossContext:
     forward_dtype: torch.dtype
     family: Any
     networks: Mapping[str, torch.nn.Module]
-    sde_kernel: Any = None
 
 
 @dataclass
 class PreparedBatch:
-    """Inputs of one micro-batch's forward; the trunk runs `policy` (and `ref_network` when named) on them."""
+    """Inputs of one micro-batch's forward. The trunk runs `policy` on them, and without grad each frozen network
+    named: `ref_network` (its prediction is the formula's `ref_pred`) and `frozen_networks` (in `frozen_preds`)."""
 
     latents: torch.Tensor
     sigmas: torch.Tensor
@@ -40,6 +40,7 @@ class PreparedBatch:
     negative: Any = None
     guidance_scale: float = 1.0
     ref_network: str | None = None
+    frozen_networks: tuple[str, ...] = ()
     extras: dict[str, Any] = field(default_factory=dict)
 
 
@@ -59,11 +60,8 @@ class WindowMetrics:
         return {k: self.sums[k] / max(self.counts[k], 1.0) for k in sorted(self.sums)}
 
 
-def prompt_embeds_from_pairs(batch: dict[str, torch.Tensor], device: torch.device, prefix: str = "") -> Any:
-    """The prompt conditioning stored in train pairs (`prompt_embeds`, `pooled_prompt_embeds` columns)."""
-    from miles.models.base import PromptEmbeds
+def conditioning_from_pairs(batch: dict[str, torch.Tensor], device: torch.device, prefix: str = "") -> Any:
+    """The family's `Conditioning` stored in train pairs (`{prefix}cond/<name>` columns), on `device`."""
+    from miles.models.conditioning import Conditioning
 
-    return PromptEmbeds(
-        prompt_embeds=batch[prefix + "prompt_embeds"].to(device),
-        pooled_prompt_embeds=batch[prefix + "pooled_prompt_embeds"].to(device),
-    )
+    return Conditioning.from_columns(batch, prefix).to(device)

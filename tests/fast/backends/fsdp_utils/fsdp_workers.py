@@ -17,13 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, save_checkpoint, write_latest
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2, clip_grad_norm_, full_state_dict, load_full_state_dict
-from miles.utils.distributed import (
-    all_reduce_dict,
-    all_reduce_mean,
-    destroy_process_group,
-    find_free_port,
-    init_process_group,
-)
+from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group
 
 BATCH = 8
 DIM = 8
@@ -112,9 +106,6 @@ def train_fsdp(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
         "rank0_only": full_rank0_only,
         "source_untouched": all(type(v) is torch.Tensor for v in source.values()),
         "reloaded": {k: v.detach().cpu().clone() for k, v in reloaded.items()},
-        "metrics": all_reduce_dict({"a": float(rank), "b": 10.0 * (rank + 1)}),
-        "metrics_max": all_reduce_dict({"a": float(rank)}, op="max"),
-        "mean": all_reduce_mean(torch.tensor([float(rank), 2.0 * rank])),
     }
 
 

@@ -100,13 +100,6 @@ def test_load_full_state_dict_round_trips_without_touching_the_source(results, w
             assert torch.equal(report["reloaded"][name], tensor), name
 
 
-def test_all_reduce_helpers_over_two_ranks(results):
-    for report in results[2]:
-        assert report["metrics"] == {"a": 0.5, "b": 15.0}
-        assert report["metrics_max"] == {"a": 1.0}
-        assert torch.equal(report["mean"], torch.tensor([0.5, 1.0]))
-
-
 def test_bf16_param_dtype_runs_forward_in_bf16(gloo_world_of_one):
     model = build_model(0)
     reference = build_model(0).to(torch.bfloat16)

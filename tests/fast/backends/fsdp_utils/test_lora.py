@@ -13,7 +13,6 @@ from peft import LoraConfig
 
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2, full_state_dict
 from miles.backends.fsdp_utils.lora import (
-    DEFAULT_LORA_TARGETS,
     LoraBaseNetwork,
     adapters_disabled,
     apply_lora,
@@ -22,7 +21,8 @@ from miles.backends.fsdp_utils.lora import (
     lora_state_dict,
     save_lora_adapter,
 )
-from miles.models.base import PromptEmbeds, get_train_pipeline_config
+from miles.models.base import get_train_pipeline_config
+from miles.models.conditioning import Conditioning
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group
 
 STEPS = 2
@@ -41,7 +41,12 @@ def family(tiny_pipeline_dir):
 @pytest.fixture(scope="module")
 def inputs() -> dict:
     gen = torch.Generator().manual_seed(0)
-    embeds = PromptEmbeds(torch.randn(2, 77 + 32, 64, generator=gen), torch.randn(2, 64, generator=gen))
+    embeds = Conditioning(
+        {
+            "prompt_embeds": torch.randn(2, 77 + 32, 64, generator=gen),
+            "pooled_prompt_embeds": torch.randn(2, 64, generator=gen),
+        }
+    )
     return {
         "latents": torch.randn(2, 4, 8, 8, generator=gen),
         "sigmas": torch.tensor([0.7, 0.3]),
@@ -112,17 +117,18 @@ def base_out(family, inputs) -> torch.Tensor:
 
 def test_default_targets_are_linear_modules_of_the_sd3_transformer(family):
     names = {name: type(m).__name__ for name, m in family.load_transformer().named_modules()}
-    for target in DEFAULT_LORA_TARGETS["sd3"]:
+    assert family.default_lora_targets  # the family names them; lora.py holds none of its own
+    for target in family.default_lora_targets:
         matches = [kind for name, kind in names.items() if name.endswith("." + target)]
         assert matches and set(matches) == {"Linear"}, target
 
 
-def test_lora_config_from_args():
+def test_lora_config_from_args(family):
     config = lora_config_from_args(argparse.Namespace(), "sd3")
     assert config == {
         "r": 8,
         "lora_alpha": 8.0,
-        "target_modules": DEFAULT_LORA_TARGETS["sd3"],
+        "target_modules": list(family.default_lora_targets),
         "init_lora_weights": True,
         "lora_dropout": 0.0,
     }
@@ -138,7 +144,7 @@ def test_lora_config_from_args():
     LoraConfig(**config)
     with pytest.raises(ValueError, match="--lora-init-weights"):
         lora_config_from_args(argparse.Namespace(lora_init_weights="pissa"), "sd3")
-    with pytest.raises(ValueError, match="--lora-target-modules"):
+    with pytest.raises(ValueError, match="'flux' is not a registered model family.*--lora-target-modules"):
         lora_config_from_args(argparse.Namespace(), "flux")
 
 

@@ -13,6 +13,7 @@ from miles.rollout.rm_hub import (
     reward_spec_from_args,
 )
 from miles.utils.misc import HookLoadError
+from miles.utils.reward_spec import BUILTIN_REWARDS
 from miles.utils.types import Sample
 
 
@@ -29,6 +30,10 @@ def test_registry_holds_the_documented_names():
     assert {"shapes", "jpeg_compressibility", "jpeg_incompressibility", "clip_score", "pickscore"} <= set(
         REWARD_FUNCTIONS
     )
+
+
+def test_registry_has_exactly_the_names_argument_validation_accepts():
+    assert tuple(REWARD_FUNCTIONS) == BUILTIN_REWARDS
 
 
 def test_unknown_name_lists_valid_ones():

@@ -31,10 +31,10 @@ class FakeFamily:
     scheduler_shift = 3.0
 
     def predict_velocity(self, network, latents, sigmas, embeds, *, guidance_scale=1.0, negative=None):
-        cond = network(latents, sigmas, embeds.pooled_prompt_embeds)
+        cond = network(latents, sigmas, embeds["pooled_prompt_embeds"])
         if guidance_scale <= 1.0:
             return cond
-        uncond = network(latents, sigmas, negative.pooled_prompt_embeds.expand(latents.shape[0], -1))
+        uncond = network(latents, sigmas, negative["pooled_prompt_embeds"].expand(latents.shape[0], -1))
         return uncond + guidance_scale * (cond - uncond)
 
 
@@ -78,10 +78,10 @@ def make_pairs(seed=0):
         "latents": torch.randn(P, C, H, W, generator=g),
         "sigma": torch.full((P,), 0.75),
         "x": torch.randn(P, C, H, W, generator=g),
-        "prompt_embeds": torch.randn(P, L, D, generator=g),
-        "pooled_prompt_embeds": torch.randn(P, Q, generator=g),
-        "negative_prompt_embeds": torch.zeros(P, L, D),
-        "negative_pooled_prompt_embeds": torch.randn(1, Q, generator=g).expand(P, -1).clone(),
+        "cond/prompt_embeds": torch.randn(P, L, D, generator=g),
+        "cond/pooled_prompt_embeds": torch.randn(P, Q, generator=g),
+        "negative_cond/prompt_embeds": torch.zeros(P, L, D),
+        "negative_cond/pooled_prompt_embeds": torch.randn(1, Q, generator=g).expand(P, -1).clone(),
         "sample_index": torch.arange(P),
     }
 
@@ -93,6 +93,7 @@ def formula(fn, ctx, batch, prepared, new_pred, optim_step_idx=0, inputs=None, m
         prepared,
         new_pred=new_pred,
         ref_pred=None,
+        frozen_preds={},
         metrics=metrics if metrics is not None else WindowMetrics(),
         optim_step_idx=optim_step_idx,
         train_output_inputs=inputs if inputs is not None else [],
@@ -176,8 +177,8 @@ def test_train_output_target_is_x_minus_g_computed_independently():
                 continue
             x_t, t4 = prepared.latents, prepared.sigmas.reshape(-1, 1, 1, 1)
             x = batch["x"]
-            cond = teacher(x_t, prepared.sigmas, batch["pooled_prompt_embeds"])
-            uncond = teacher(x_t, prepared.sigmas, batch["negative_pooled_prompt_embeds"])
+            cond = teacher(x_t, prepared.sigmas, batch["cond/pooled_prompt_embeds"])
+            uncond = teacher(x_t, prepared.sigmas, batch["negative_cond/pooled_prompt_embeds"])
             x_real = x_t - t4 * (uncond + REAL_SCALE * (cond - uncond))
             x_fake = x_t - t4 * v_fake
             norm = (x - x_real).abs().mean(dim=(1, 2, 3), keepdim=True)

@@ -69,23 +69,24 @@ def make_batch(advantage=None, negative=False, seed=0):
         "x0": torch.randn(B, C, H, W, generator=g),
         "t": torch.tensor([0.9, 0.5, 0.2]),
         "advantage": torch.zeros(B) if advantage is None else torch.as_tensor(advantage, dtype=torch.float32),
-        "prompt_embeds": torch.randn(B, L, D, generator=g),
-        "pooled_prompt_embeds": torch.randn(B, P, generator=g),
+        "cond/prompt_embeds": torch.randn(B, L, D, generator=g),
+        "cond/pooled_prompt_embeds": torch.randn(B, P, generator=g),
         "sample_index": torch.arange(B),
     }
     if negative:
-        batch["negative_prompt_embeds"] = torch.zeros(B, L, D)
-        batch["negative_pooled_prompt_embeds"] = torch.zeros(B, P)
+        batch["negative_cond/prompt_embeds"] = torch.zeros(B, L, D)
+        batch["negative_cond/pooled_prompt_embeds"] = torch.zeros(B, P)
     return batch
 
 
-def run_formula(ctx, batch, prepared, new_pred, ref_pred, metrics=None, **kwargs):
+def run_formula(ctx, batch, prepared, new_pred, ref_pred, metrics=None, frozen_preds=None, **kwargs):
     return nft_formula(
         ctx,
         batch,
         prepared,
         new_pred=new_pred,
         ref_pred=ref_pred,
+        frozen_preds=frozen_preds or {},
         metrics=metrics if metrics is not None else WindowMetrics(),
         optim_step_idx=0,
         train_output_inputs=[],
@@ -122,7 +123,7 @@ def test_prepare_renoises_x0_with_noise_seeded_by_the_microbatch_id():
 def test_prepare_with_guidance_uses_negative_columns_and_requires_them():
     ctx = make_ctx(diffusion_nft_guidance_scale=4.5)
     prepared = prepare_nft_batch(ctx, make_batch(negative=True), microbatch_id=0, optim_step_idx=0)
-    assert prepared.guidance_scale == 4.5 and prepared.negative.prompt_embeds.shape == (B, L, D)
+    assert prepared.guidance_scale == 4.5 and prepared.negative["prompt_embeds"].shape == (B, L, D)
     with pytest.raises(ValueError, match="negative prompt embeddings"):
         prepare_nft_batch(ctx, make_batch(), microbatch_id=0, optim_step_idx=0)
 
@@ -190,30 +191,31 @@ def test_metrics_are_per_pair():
     assert metrics.means()["train/r_mean"] == pytest.approx(0.5)
 
 
-def test_kl_runs_the_ref_network_and_adds_its_weighted_mean_squared_gap():
-    ref = ScaledNetwork(0.5)
+def test_kl_names_the_ref_network_and_adds_its_weighted_mean_squared_gap():
     kl_beta = 0.25
-    ctx = make_ctx(networks={"policy": ScaledNetwork(1.0), "ref": ref}, diffusion_nft_kl_beta=kl_beta)
+    ctx = make_ctx(diffusion_nft_kl_beta=kl_beta)
     plain = make_ctx()
     batch = make_batch(advantage=[1.0, -2.0, 0.5])
     prepared = prepare_nft_batch(ctx, batch, microbatch_id=0, optim_step_idx=0)
+    assert prepared.ref_network == "old" and prepared.frozen_networks == ("ref",)
+    assert prepare_nft_batch(plain, batch, microbatch_id=0, optim_step_idx=0).frozen_networks == ()
     v_theta = torch.randn(B, C, H, W, generator=torch.Generator().manual_seed(9))
-    v_old = v_theta + 0.05
+    v_old, v_ref = v_theta + 0.05, 0.5 * prepared.latents
     metrics = WindowMetrics()
-    with_kl = run_formula(ctx, batch, prepared, v_theta, v_old, metrics=metrics)
+    with_kl = run_formula(ctx, batch, prepared, v_theta, v_old, metrics=metrics, frozen_preds={"ref": v_ref})
     without = run_formula(plain, batch, prepared, v_theta, v_old)
-    kl = ((v_theta - 0.5 * prepared.latents) ** 2).reshape(B, -1).mean(dim=1)
+    kl = ((v_theta - v_ref) ** 2).reshape(B, -1).mean(dim=1)
     torch.testing.assert_close(with_kl - without, kl_beta * kl.sum())
     assert metrics.counts["train/kl"] == B
     assert metrics.means()["train/kl"] == pytest.approx(kl.mean().item(), rel=1e-5)
 
 
-def test_kl_without_a_ref_network_names_the_flag():
-    ctx = make_ctx(networks={"policy": ScaledNetwork(1.0)}, diffusion_nft_kl_beta=0.1)
+def test_kl_without_the_ref_prediction_names_what_is_missing():
+    ctx = make_ctx(diffusion_nft_kl_beta=0.1)
     batch = make_batch()
     prepared = prepare_nft_batch(ctx, batch, microbatch_id=0, optim_step_idx=0)
     v = torch.randn(B, C, H, W)
-    with pytest.raises(KeyError, match="ref-mode"):
+    with pytest.raises(KeyError, match="frozen_networks"):
         run_formula(ctx, batch, prepared, v, v)
 
 

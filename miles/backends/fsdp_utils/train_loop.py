@@ -1,0 +1,237 @@
+"""The trunk's loops (ARCHITECTURE §5): one `train` call = train-input hook, micro-batch schedule, the recompute
+loop, the training loop (every forward run here, frozen ones by name), the per-rollout step, the train-output hook."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles.backends.fsdp_utils.fsdp import clip_grad_norm_
+from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, PreparedBatch, WindowMetrics
+from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_schedule, pairs_in_window
+from miles.utils.box import Box
+from miles.utils.distributed import collective_device
+from miles.utils.types import TrainPairs, num_pairs, slice_pairs
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many consecutive optimizer steps were skipped because a loss or gradient norm was not finite."""
+
+
+def merge_peer_output(shard: TrainPairs, peer_output: Any) -> TrainPairs:
+    """The previous group's train output (per-pair columns) joins this rank's pairs as `peer/<name>` columns."""
+    if peer_output is None:
+        return shard
+    if not isinstance(peer_output, dict):
+        raise TypeError(f"a peer group's train output must be a dict of per-pair tensors, got {type(peer_output)}")
+    return {**shard, **{f"peer/{key}": value for key, value in peer_output.items()}}
+
+
+def frozen_forward_order(prepared: PreparedBatch) -> list[str]:
+    """The frozen networks a micro-batch names, each once: `ref_network` first, then `frozen_networks`."""
+    names = [prepared.ref_network] if prepared.ref_network is not None else []
+    return names + [n for n in prepared.frozen_networks if n not in names]
+
+
+class TrainLoop:
+    """The loops of `FSDPTrainRayActor`; the actor supplies the state (model, optimizer, hooks, networks...)."""
+
+    def train(self, rollout_id: int, data: Box, peer: Box | None = None) -> Box:
+        """Train on this rank's shard; returns `Box(ray.put(train_output))` for the paired rank of the next group."""
+        import ray
+
+        ctx = self._make_context(rollout_id)
+        shard: TrainPairs = ray.get(data.inner)
+        if peer is not None:
+            shard = merge_peer_output(shard, ray.get(peer.inner))
+        pairs = self.hooks.train_input(ctx, shard)
+        schedule = build_microbatch_schedule(
+            num_pairs(pairs), self.settings["num_steps_per_rollout"], self.settings["micro_batch_size"]
+        )
+        self._check_same_schedule_on_all_ranks(schedule)
+        train_output_inputs = self._train_core(ctx, pairs, schedule)
+        for name, decay in self.hooks.after_train(ctx, global_step=self.global_step).items():
+            self.shadows[name].update(decay)  # θ_s ← d·θ_s + (1 − d)·θ once per rollout
+        output = self.hooks.train_output(ctx, pairs, train_output_inputs)
+        return Box(ray.put(output))
+
+    def _make_context(self, rollout_id: int) -> DiffusionLossContext:
+        return DiffusionLossContext(
+            args=self.args,
+            role=self.role,
+            rollout_id=rollout_id,
+            dp_rank=self.rank,
+            dp_size=self.world_size,
+            device=self.device,
+            forward_dtype=self.forward_dtype,
+            family=self.family,
+            networks=self.networks,
+        )
+
+    def _check_same_schedule_on_all_ranks(self, schedule: list[list[MicroBatch]]) -> None:
+        """Different micro-batch counts would hang the collectives: fail on every rank before any forward."""
+        count = torch.tensor([sum(len(w) for w in schedule)], dtype=torch.int64, device=collective_device())
+        counts = [torch.zeros_like(count) for _ in range(self.world_size)]
+        dist.all_gather(counts, count)
+        values = [int(c.item()) for c in counts]
+        if len(set(values)) != 1:
+            raise RuntimeError(f"{self.role} ranks have different micro-batch counts {values}: shards must be equal")
+
+    def _train_core(self, ctx: DiffusionLossContext, pairs: TrainPairs, schedule: list[list[MicroBatch]]) -> list:
+        """The recompute loop (windows 1..), then the training loop; owns the list the train-output hook reads."""
+        train_output_inputs: list = []
+        recompute = bool(self.args.diffusion_recompute_old_log_prob)
+        if recompute:
+            self.recompute_old_log_probs(ctx, pairs, schedule, train_output_inputs)
+        for optim_step_idx, window in enumerate(schedule):
+            started = time.perf_counter()
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics = WindowMetrics()
+            denominator = pairs_in_window(window)
+            losses_finite = True
+            for mb_idx, mb in enumerate(window):
+                self._set_gradient_sync(mb_idx == len(window) - 1)
+                batch = slice_pairs(pairs, mb.start, mb.end)
+                prepared = self.hooks.prepare(ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=optim_step_idx)
+                loss_sum = self.hooks.formula(
+                    ctx,
+                    batch,
+                    prepared,
+                    **self._forward(prepared),
+                    metrics=metrics,
+                    optim_step_idx=optim_step_idx,
+                    train_output_inputs=train_output_inputs,
+                    write_old_log_prob=False,
+                    old_log_prob_from_new=recompute and optim_step_idx == 0,
+                )
+                losses_finite = losses_finite and bool(torch.isfinite(loss_sum.detach()).all())
+                (loss_sum / denominator).backward()
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.args.clip_grad)
+            lr = self.optimizer.param_groups[0]["lr"]
+            skipped = self._skip_non_finite(ctx, optim_step_idx, losses_finite, grad_norm)
+            if not skipped:
+                self.optimizer.step()
+                self.lr_scheduler.step()
+                self.global_step += 1
+                if self.ema is not None and self.ema_config.due(self.global_step):
+                    self.ema.update(self.ema_config.decay_at(self.global_step))
+            metrics.add("train/skipped_steps", float(skipped))
+            self._record_window(ctx, metrics, grad_norm, lr, time.perf_counter() - started)
+        return train_output_inputs
+
+    def _skip_non_finite(self, ctx: DiffusionLossContext, window: int, losses_finite: bool, grad_norm: float) -> bool:
+        """The non-finite guard: one decision for every rank (any rank's non-finite loss or gradient norm skips the
+        window's optimizer step everywhere). After --max-skipped-steps consecutive skips the run stops, naming
+        what went non-finite first, before anything is saved."""
+        bad = [not losses_finite, not math.isfinite(grad_norm)]
+        if self.world_size > 1:
+            flags = torch.tensor(bad, dtype=torch.float32, device=collective_device())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            bad = [bool(f) for f in flags.tolist()]
+        if not any(bad):
+            self.consecutive_skips = 0
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        what = "the loss" if bad[0] else f"the gradient norm ({grad_norm})"
+        where = f"{self.role} rollout {ctx.rollout_id} window {window}"
+        if self.consecutive_skips == 0:
+            self.first_non_finite = f"{what} at {where}"
+        self.consecutive_skips += 1
+        logger.warning("%s: %s is not finite; optimizer step skipped on every rank", where, what)
+        if self.consecutive_skips >= self.args.max_skipped_steps:
+            raise NonFiniteTrainingError(
+                f"{self.role}: {self.consecutive_skips} consecutive optimizer steps skipped (--max-skipped-steps "
+                f"{self.args.max_skipped_steps}); first non-finite: {self.first_non_finite}. Stopped before any "
+                "save: check the loss formula and out-of-range settings (e.g. --diffusion-noise-level)."
+            )
+        return True
+
+    def _set_gradient_sync(self, last_in_window: bool) -> None:
+        """At world size 1 one rank holds every shard: accumulate full gradients and keep the blocks gathered
+        until the window's last backward, instead of a reduce-scatter and a reshard after every micro-batch.
+
+        With more ranks every backward reduce-scatters, so gradients stay sharded (the memory FSDP2 is for).
+        """
+        if self.world_size > 1 or self._gradient_sync == last_in_window:
+            return
+        self.model.set_requires_gradient_sync(last_in_window)
+        self.model.set_reshard_after_backward(last_in_window)
+        self._gradient_sync = last_in_window
+
+    @torch.no_grad()
+    def recompute_old_log_probs(
+        self, ctx: DiffusionLossContext, pairs: TrainPairs, schedule: list[list[MicroBatch]], train_output_inputs: list
+    ) -> None:
+        """Before any update, store old log-probs of windows 1.. with the exact ids their training pass uses."""
+        for optim_step_idx, window in enumerate(schedule):
+            if optim_step_idx == 0:
+                continue
+            for mb in window:
+                batch = slice_pairs(pairs, mb.start, mb.end)
+                prepared = self.hooks.prepare(ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=optim_step_idx)
+                self.hooks.formula(
+                    ctx,
+                    batch,
+                    prepared,
+                    **self._forward(prepared),
+                    metrics=WindowMetrics(),
+                    optim_step_idx=optim_step_idx,
+                    train_output_inputs=train_output_inputs,
+                    write_old_log_prob=True,
+                    old_log_prob_from_new=False,
+                )
+
+    def _forward(self, prepared: PreparedBatch) -> dict[str, Any]:
+        """The actor owns every forward: the frozen networks the prepare names (without grad), then the trained one.
+
+        Returns the formula's prediction keywords: `new_pred`, `ref_pred` (of `ref_network`) and `frozen_preds`."""
+        frozen: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name in frozen_forward_order(prepared):
+                frozen[name] = self._predict_frozen(name, prepared)
+        new_pred = self._predict(self.model, prepared)
+        ref_pred = frozen.get(prepared.ref_network) if prepared.ref_network is not None else None
+        return {"new_pred": new_pred, "ref_pred": ref_pred, "frozen_preds": MappingProxyType(frozen)}
+
+    def _predict_frozen(self, name: str, prepared: PreparedBatch) -> torch.Tensor:
+        """A frozen network by name: a view of the trained module (LoRA base, EMA weights) or a separate one."""
+        if name not in self.networks:
+            raise KeyError(f"hook asked for network {name!r}; this {self.role} has {sorted(self.networks)}")
+        return self._predict(self.networks[name], prepared)
+
+    def _predict(self, network: torch.nn.Module, prepared: PreparedBatch) -> torch.Tensor:
+        return self.family.predict_velocity(
+            network,
+            prepared.latents,
+            prepared.sigmas,
+            prepared.embeds,
+            guidance_scale=prepared.guidance_scale,
+            negative=prepared.negative,
+        )
+
+    def _record_window(
+        self, ctx: DiffusionLossContext, metrics: WindowMetrics, grad_norm: float, lr: float, seconds: float
+    ) -> None:
+        names = sorted(metrics.sums)
+        totals = torch.tensor([[metrics.sums[n], metrics.counts[n]] for n in names], dtype=torch.float64)
+        if self.world_size > 1 and names:
+            totals = totals.to(collective_device())
+            dist.all_reduce(totals)
+            totals = totals.cpu()
+        record: dict[str, Any] = {"rollout_id": ctx.rollout_id, "step": self.global_step, "role": self.role}
+        record.update({n: float(s / max(c, 1.0)) for n, (s, c) in zip(names, totals.tolist())})
+        record.update({"train/grad_norm": float(grad_norm), "train/lr": float(lr), "perf/train_step_s": seconds})
+        if self.rank == 0:
+            self.pending_metrics.append(record)
+
+    def pop_metrics(self) -> list[dict[str, Any]]:
+        records, self.pending_metrics = self.pending_metrics, []
+        return records

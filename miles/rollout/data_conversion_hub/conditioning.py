@@ -1,0 +1,15 @@
+"""How every conversion stores the negative (CFG) conditioning in train pairs: one row copied to every pair."""
+
+from __future__ import annotations
+
+import torch
+
+from miles.models.conditioning import Conditioning
+
+NEGATIVE_PREFIX = "negative_"  # the prefix `conditioning_from_pairs(..., prefix="negative_")` reads back
+
+
+def negative_columns(negative: Conditioning, num_pairs: int) -> dict[str, torch.Tensor]:
+    """The engine's one-row negative conditioning as `negative_cond/*` columns of `num_pairs` rows (copies, so a
+    shard or a hook writing one row never aliases the others)."""
+    return negative.expand(num_pairs).map(torch.Tensor.clone).to_columns(prefix=NEGATIVE_PREFIX)

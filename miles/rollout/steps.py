@@ -1,0 +1,145 @@
+"""The rollout as named steps (ARCHITECTURE §7): sample -> generate -> score -> filter -> advantages -> convert ->
+order -> shard. Each step is a short function of plain values; `RolloutManager` runs them in order, and the path
+flags (`miles/rollout/hook_paths.py`) replace single steps or the whole rollout."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from miles.rollout.advantages import compute_grpo_advantages
+from miles.utils.box import Box, put_box
+from miles.utils.seeding import stream_rng, stream_seed
+from miles.utils.types import Sample, TrainPairs, shard_pairs
+
+logger = logging.getLogger(__name__)
+_ORDER_STREAM = 7  # the pair-order permutation's stream id within (rollout seed, rollout id)
+_REFILL_STREAM = 0x52464C  # the prompts drawn to refill a batch after dynamic-sampling drops
+
+
+def sample_seed(rollout_seed: int, rollout_id: int, index: int) -> int:
+    """Per-sample noise seed from (--rollout-seed, rollout id, index in the rollout)."""
+    return stream_seed(rollout_seed, rollout_id, index)
+
+
+# ---- sample ---------------------------------------------------------------------------------------------------------
+def make_samples(
+    args: argparse.Namespace,
+    records: Sequence[dict[str, Any]],
+    record_indices: Sequence[int],
+    rollout_id: int,
+    *,
+    first_index: int = 0,
+    first_group: int = 0,
+) -> list[Sample]:
+    """--n-samples-per-prompt samples per record, consecutive per prompt group, seeded by their rollout index."""
+    samples = []
+    for group, record_index in enumerate(record_indices, start=first_group):
+        record = records[record_index]
+        for _ in range(args.n_samples_per_prompt):
+            index = first_index + len(samples)
+            samples.append(
+                Sample(
+                    index=index,
+                    prompt=record["prompt"],
+                    metadata=record.get("metadata") or {},
+                    group_index=group,
+                    seed=sample_seed(args.rollout_seed, rollout_id, index),
+                )
+            )
+    return samples
+
+
+def refill_record_indices(num_records: int, count: int, *, seed: int, rollout_id: int, round_index: int) -> list[int]:
+    """Prompts for a dynamic-sampling refill round: `count` records drawn without replacement (with, when the data
+    has fewer), from a stream of (--rollout-seed, rollout id, round)."""
+    rng = stream_rng(seed, rollout_id, round_index, _REFILL_STREAM)
+    return rng.choice(num_records, size=count, replace=count > num_records).tolist()
+
+
+# ---- filter ---------------------------------------------------------------------------------------------------------
+def split_groups(samples: list[Sample]) -> list[list[Sample]]:
+    """Consecutive samples of one prompt group together, in order."""
+    groups: list[list[Sample]] = []
+    for sample in samples:
+        if groups and groups[-1][0].group_index == sample.group_index:
+            groups[-1].append(sample)
+        else:
+            groups.append([sample])
+    return groups
+
+
+def keeps_group(filter_fn: Callable[..., Any], args: argparse.Namespace, group: list[Sample]) -> bool:
+    """A dynamic-sampling filter's verdict on one group: a bool, or an object with a `keep` attribute."""
+    verdict = filter_fn(args, group)
+    return bool(getattr(verdict, "keep", verdict))
+
+
+def select_rows(result: Any, rows: Sequence[int]) -> Any:
+    """The engine result of the given samples (per-sample fields indexed, shared ones such as the σ grid and the
+    negative conditioning kept)."""
+    batch, index = result.batch_size, torch.as_tensor(list(rows), dtype=torch.long)
+    changes = {}
+    for field in dataclasses.fields(result):
+        value = getattr(result, field.name)
+        if field.name == "sigmas" or field.name.startswith("negative") or value is None:
+            continue
+        if isinstance(value, np.ndarray) and value.shape[:1] == (batch,):
+            changes[field.name] = value[index.numpy()]
+        elif isinstance(value, torch.Tensor) and value.shape[:1] == (batch,):
+            changes[field.name] = value[index]
+        elif hasattr(value, "rows") and getattr(value, "batch_size", None) == batch:  # a Conditioning
+            changes[field.name] = value.rows(index)
+    return dataclasses.replace(result, **changes)
+
+
+def renumber(samples: list[Sample]) -> None:
+    """Indices 0.. and prompt groups 0.. in batch order, after filtering picked samples from several rounds."""
+    for index, sample in enumerate(samples):
+        sample.index = index
+    for group_index, group in enumerate(split_groups(samples)):
+        for sample in group:
+            sample.group_index = group_index
+
+
+# ---- advantages -----------------------------------------------------------------------------------------------------
+def compute_advantages(
+    args: argparse.Namespace,
+    samples: list[Sample],
+    rewards: torch.Tensor,
+    post_process: Callable[..., Any] | None = None,
+) -> torch.Tensor:
+    """GRPO advantages per prompt group, or --custom-reward-post-process-path's; samples a --rollout-sample-filter-path
+    marked `remove_sample` get 0 (no policy gradient under policy_loss; r = ½ under nft)."""
+    if post_process is not None:
+        advantages = torch.as_tensor(post_process(args, samples, rewards)).float()
+    else:
+        advantages = compute_grpo_advantages(
+            rewards,
+            args.n_samples_per_prompt,
+            globalize_std=args.globalize_reward_std,
+            normalize_std=not args.disable_grpo_std_normalization,
+        )
+    if advantages.shape != rewards.shape:
+        raise ValueError(f"advantages have shape {tuple(advantages.shape)}, expected one per sample {len(samples)}")
+    removed = torch.tensor([s.remove_sample for s in samples], dtype=torch.bool)
+    return advantages.masked_fill(removed, 0.0) if bool(removed.any()) else advantages
+
+
+# ---- order and shard ------------------------------------------------------------------------------------------------
+def order_pairs(pairs: TrainPairs, num_samples: int, per_sample: int, *, seed: int, rollout_id: int) -> TrainPairs:
+    """Whole samples (their `per_sample` consecutive pairs) in a seeded order, so every window mixes prompt groups."""
+    order = torch.from_numpy(stream_rng(seed, rollout_id, _ORDER_STREAM).permutation(num_samples))
+    rows = (order[:, None] * per_sample + torch.arange(per_sample)[None, :]).reshape(-1)
+    return {key: value[rows] for key, value in pairs.items()}
+
+
+def shard(pairs: TrainPairs, dp_size: int) -> list[Box]:
+    """One box per data-parallel rank, its contiguous equal share of the pairs in the object store."""
+    return [put_box(part) for part in shard_pairs(pairs, dp_size)]

@@ -1,0 +1,50 @@
+"""The worked example of a loss type added from outside miles (examples/advantage_weighted_fm.py)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.utils.arguments import parse_args
+from miles.utils.misc import load_module
+
+EXAMPLE = str(Path(__file__).parents[2] / "examples" / "advantage_weighted_fm.py")
+BASE = ["--hf-checkpoint", "builtin:tiny-shapes", "--prompt-data", "builtin:shapes"]
+
+
+def test_the_example_registers_both_sides_of_its_loss_type():
+    from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS, check_loss_hooks
+    from miles.rollout.rollout_hub import ROLLOUT_SPECS
+
+    load_module(EXAMPLE)
+    check_loss_hooks(LOSS_HOOKS[("awfm", "actor")])
+    assert ROLLOUT_SPECS["awfm"].scores_rewards
+
+
+def test_the_example_loss_matches_a_hand_computation():
+    loss_fn = load_module(EXAMPLE).advantage_weighted_fm_loss
+    v, noise, x0 = torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    advantage = torch.tensor([2.0, -1.0, 9.0])
+    got = loss_fn(v, noise, x0, advantage, 5.0)
+    for i, weight in enumerate([2.0 / 5.0, 0.0, 1.0]):
+        expected = (
+            weight
+            * sum(float(v[i].flatten()[k] - noise[i].flatten()[k] + x0[i].flatten()[k]) ** 2 for k in range(8))
+            / 8
+        )
+        assert got[i].item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_an_unknown_loss_type_names_the_choices_and_the_plugin_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, "--loss-type", "awfm"])
+    err = capsys.readouterr().err
+    assert "awfm" in err and "--algorithm-path" in err and "policy_loss" in err
+
+
+def test_a_plugin_that_fails_to_import_names_the_flag(tmp_path, capsys):
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, "--loss-type", "x", "--algorithm-path", str(broken)])
+    assert "--algorithm-path" in capsys.readouterr().err

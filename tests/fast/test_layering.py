@@ -1,0 +1,43 @@
+"""Dependencies point one way (ARCHITECTURE §3), read from the import statements of every module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "miles"
+
+FORBIDDEN = {
+    "utils": ("miles.rollout", "miles.ray", "miles.backends", "miles.models"),
+    "diffusion": ("miles.rollout", "miles.ray", "miles.backends"),
+    "models": ("miles.rollout", "miles.ray", "miles.backends"),
+}
+
+
+def imported_modules(file: Path) -> list[str]:
+    """Every module an import statement in `file` names, including imports inside functions."""
+    names = []
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_nothing_from_the_layers_above(package):
+    offending = {
+        str(file.relative_to(PACKAGE.parent)): bad
+        for file in sorted((PACKAGE / package).rglob("*.py"))
+        if (bad := [m for m in imported_modules(file) if m.startswith(FORBIDDEN[package])])
+    }
+    assert not offending, offending
+
+
+def test_the_check_sees_imports_inside_functions(tmp_path):
+    file = tmp_path / "m.py"
+    file.write_text("def f():\n    from miles.rollout.rm_hub import x\n")
+    assert imported_modules(file) == ["miles.rollout.rm_hub"]
