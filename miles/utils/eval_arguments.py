@@ -25,7 +25,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=500,
         help="Prompts taken from builtin:shapes' eval split (500: an accuracy near 0.5 is known to ±2.2 points, "
-        "one binomial std; 100 prompts leave ±5, too coarse for the 5-12 points 40 nft rollouts gain).",
+        "one binomial std; 100 prompts leave ±5, too coarse for the 4-8 points 40 nft rollouts gain).",
     )
     group.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="Samples per eval prompt.")
     group.add_argument(
