@@ -75,7 +75,9 @@ def check_gpus_fit(args: argparse.Namespace, cluster_gpus: float) -> None:
 
 def setup_logging(args: argparse.Namespace) -> None:
     os.makedirs(args.output_dir, exist_ok=True)
-    handlers = [logging.StreamHandler(sys.stderr), logging.FileHandler(os.path.join(args.output_dir, "train.log"))]
+    from miles.utils.console import TqdmHandler
+
+    handlers = [TqdmHandler(sys.stderr), logging.FileHandler(os.path.join(args.output_dir, "train.log"))]
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -109,10 +111,12 @@ def start_ray(args: argparse.Namespace) -> bool:
     """A local cluster sized for every actor's share, or the --ray-address one; True when this driver started it."""
     import ray
 
+    from miles.utils.console import ray_init_kwargs
+
     if ray.is_initialized():
         return False
     local = {} if args.ray_address else {"num_cpus": local_ray_cpus(args)}
-    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True, **local)
+    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True, **local, **ray_init_kwargs())
     return True
 
 
@@ -178,30 +182,21 @@ def run_rollout(args: argparse.Namespace, rollout_id: int, groups: dict, rollout
         rollout_record.update(evaluator.evaluate(rollout_manager.engines, rollout_id + 1))
     writer.log(rollout_record)
     rollout_record["_actor_losses"] = [r["train/loss"] for r in records if "train/loss" in r and r["role"] == "actor"]
+    rollout_record["_train_records"] = records
     return rollout_record
-
-
-def progress_postfix(record: dict, losses: list[float]) -> dict[str, str]:
-    postfix = {}
-    if "eval/shapes_accuracy" in record:
-        postfix["acc"] = f"{record['eval/shapes_accuracy']:.2f}"
-    if "rollout/reward_mean" in record:
-        postfix["reward"] = f"{record['rollout/reward_mean']:.3f}"
-    if losses:
-        postfix["loss"] = f"{losses[-1]:.4f}"
-    return postfix
 
 
 def train_rollouts(args, groups, rollout_manager, evaluator, writer, start_rollout_id: int, summary: dict) -> None:
     """The outer loop (ARCHITECTURE §4) with a progress bar."""
-    from tqdm import tqdm
+    from miles.utils.console import ProgressLine, progress_bar
 
-    bar = tqdm(range(start_rollout_id, args.num_rollout), desc="rollouts", disable=args.no_progress, dynamic_ncols=True)
+    bar, progress = progress_bar(range(start_rollout_id, args.num_rollout), args), ProgressLine(args.loss_type)
     for rollout_id in bar:
         record = run_rollout(args, rollout_id, groups, rollout_manager, evaluator, writer)
         summary["losses"] += record.pop("_actor_losses")
+        train_records = record.pop("_train_records")
         summary.setdefault("rollouts", []).append(record)
-        bar.set_postfix(progress_postfix(record, summary["losses"]))
+        bar.set_postfix(progress.update([*train_records, record]))
 
 
 def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None = None) -> dict:
@@ -209,16 +204,20 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
 
     `before_shutdown(groups)` lets tools and tests inspect the live groups after the last rollout.
     """
+    from miles.utils.console import quiet_third_party, summary_line
+
+    quiet_third_party()  # before diffusers is imported
     import ray
 
     from miles.models.builtin import resolve_checkpoint
+    from miles.plot import plot_run
     from miles.ray.checkpoint_folders import check_roles_agree, lock_save_folders
     from miles.ray.evaluator import Evaluator
     from miles.ray.rollout_manager import RolloutManager
     from miles.rollout.input_files import check_input_files
     from miles.utils.eval_arguments import eval_enabled
     from miles.utils.failures import run_cleanup, set_current_rollout
-    from miles.utils.tracking import MetricsWriter
+    from miles.utils.tracking import open_tracking, read_metrics
 
     started = time.perf_counter()
     for dest in ("hf_checkpoint", "teacher_load", "critic_checkpoint"):  # builtin:NAME -> the packaged folder
@@ -227,7 +226,7 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     check_input_files(args)  # FILE:LINE errors before Ray and any actor
     check_roles_agree(args, training_order(args))
     locks = lock_save_folders(args)  # held until the end of the run (and released if the process dies)
-    writer = MetricsWriter(args.output_dir)
+    writer = open_tracking(args)
     own_ray = False
     groups: dict = {}
     rollout_manager = None
@@ -260,7 +259,8 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
         run_cleanup(steps)
         set_current_rollout(None)
     summary["wall_s"] = time.perf_counter() - started
-    logger.info("done in %.1fs; metrics in %s", summary["wall_s"], writer.path)
+    summary["plot"] = plot_run(args.output_dir, args.loss_type)
+    logger.info(summary_line(args, read_metrics(writer.path), summary["wall_s"], summary["plot"]))
     return summary
 
 

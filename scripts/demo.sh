@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's main command: installs on first use, then runs the default job (Flow-GRPO on the shipped shapes model).
+# The README's main command: installs on first use, then runs the default job (DiffusionNFT on the shipped shapes model).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/setup.sh"

@@ -13,6 +13,7 @@ from miles.data.shapes import BUILTIN_SHAPES, ShapeScene, shapes_prompts
 from miles.rollout.data_source import read_jsonl_records
 from miles.rollout.evaluation import evaluate_shapes
 from miles.rollout.image_grid import save_image_grid
+from miles.utils.tracking import EVAL_AXIS
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Evaluator:
         if self.custom is not None:
             metrics = {k: float(v) for k, v in dict(self.custom(args, engine, rollout_id)).items()}
             metrics["perf/eval_s"] = time.perf_counter() - started
+            metrics[EVAL_AXIS] = rollout_id
             return metrics
         sampler = self.sampler(args)
         metrics, images = evaluate_shapes(
@@ -62,4 +64,5 @@ class Evaluator:
         )
         save_image_grid(images, os.path.join(args.output_dir, "images", f"eval_{rollout_id:07d}.png"), max_images=64)
         metrics["perf/eval_s"] = time.perf_counter() - started
+        metrics[EVAL_AXIS] = rollout_id  # the x of this eval in plots and trackers: 0 is the baseline
         return metrics

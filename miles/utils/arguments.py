@@ -88,7 +88,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("train")
     group.add_argument(
         "--loss-type",
-        default="policy_loss",
+        default="nft",
         help=f"The algorithm (ARCHITECTURE §1): {', '.join(LOSS_TYPES)}, or one an --algorithm-path registers.",
     )
     group.add_argument(
@@ -212,6 +212,15 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-dir", default="outputs/run", help="metrics.jsonl, train.log and images go here.")
     group.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     group.add_argument("--no-progress", action="store_true", help="No tqdm progress bar.")
+    group.add_argument(
+        "--use-tensorboard",
+        action="store_true",
+        help="Also log to OUTPUT_DIR/tensorboard (pip install 'miles[tensorboard]').",
+    )
+    group.add_argument("--use-wandb", action="store_true", help="Also log to wandb (pip install 'miles[wandb]').")
+    group.add_argument("--wandb-project", default="miles", help="wandb project.")
+    group.add_argument("--wandb-group", default=None, help="wandb group (e.g. one per sweep).")
+    group.add_argument("--wandb-run-name", default=None, help="wandb run name (default: wandb's).")
 
 
 ARGUMENT_GROUPS = (

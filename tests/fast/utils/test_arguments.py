@@ -101,14 +101,11 @@ def test_missing_load_dir_is_an_error(tmp_path, capsys):
     assert args.load == args.save
 
 
-def test_no_flags_is_the_shipped_shapes_rl_run():
+def test_no_flags_is_the_shipped_shapes_nft_run():
     args = parse_args([])
-    assert (args.loss_type, args.hf_checkpoint, args.prompt_data) == (
-        "policy_loss",
-        "builtin:tiny-shapes",
-        "builtin:shapes",
-    )
-    assert args.dp_size == 2 and args.eval_interval == 10
+    assert (args.loss_type, args.hf_checkpoint, args.prompt_data) == ("nft", "builtin:tiny-shapes", "builtin:shapes")
+    assert args.dp_size == 2 and args.eval_interval == 20 and args.eval_num_prompts == 500
+    assert args.diffusion_guidance_scale == 1.0  # nft samples CFG-free
     assert parse_args(["--loss-type", "dmd2", "--teacher-load", "/t"]).diffusion_guidance_scale == 1.0
 
 

@@ -1,0 +1,140 @@
+"""What a run prints: third-party noise silenced (driver and Ray workers), the progress bar's numbers, the closing
+summary line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+from collections.abc import Iterable
+from typing import Any
+
+# transformers >= 5 warns once per process that its CLIP / SigLIP image processors fall back to PIL without
+# torchvision; diffusers' SD3 pipeline imports them, miles never uses them, so the warning only says "install a
+# package you do not need" from every actor
+UNACTIONABLE = {"transformers.utils.import_utils": ("requires torchvision (not installed)",)}
+# Ray workers: no loading bars from diffusers / transformers / huggingface_hub in every actor
+WORKER_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, fragments: tuple[str, ...]) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(fragment in message for fragment in self.fragments)
+
+
+def quiet_third_party() -> None:
+    """Drop the UNACTIONABLE warnings in this process (the driver, and every Ray worker through `ray_init_kwargs`)."""
+    for name, fragments in UNACTIONABLE.items():
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in target.filters):
+            target.addFilter(_DropMessages(fragments))
+
+
+def ray_init_kwargs() -> dict[str, Any]:
+    """`ray.init` settings of a quiet run: no start-up banner, workers quietened before they import anything."""
+    return {
+        "logging_level": logging.WARNING,
+        "runtime_env": {"env_vars": WORKER_ENV, "worker_process_setup_hook": "miles.utils.console.quiet_third_party"},
+    }
+
+
+class TqdmHandler(logging.StreamHandler):
+    """A stderr log handler that writes above the progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging's own contract: report, never raise
+            self.handleError(record)
+
+
+def progress_bar(rollout_ids: Iterable[int], args: argparse.Namespace):
+    from tqdm import tqdm
+
+    return tqdm(rollout_ids, desc=args.loss_type, unit="rollout", disable=args.no_progress, dynamic_ncols=True)
+
+
+# (label, metrics key, format) shown per loss type, besides the last eval accuracy and tqdm's own s/rollout
+PROGRESS_KEYS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "policy_loss": (
+        ("reward", "rollout/reward_mean", ".3f"),
+        ("kl", "train/kl", ".2e"),
+        ("approx_kl", "train/approx_kl", ".2e"),
+        ("clip", "train/clipfrac", ".3f"),
+        ("grad", "train/grad_norm", ".3f"),
+    ),
+    "nft": (
+        ("reward", "rollout/reward_mean", ".3f"),
+        ("loss", "train/loss", ".4f"),
+        ("kl", "train/kl", ".2e"),
+        ("grad", "train/grad_norm", ".3f"),
+    ),
+    "dmd2": (
+        ("dmd", "train/dmd_loss", ".4f"),
+        ("critic", "train/critic_loss", ".4f"),
+        ("reward", "rollout/reward_mean", ".3f"),
+    ),
+    "sft_loss": (("loss", "train/loss", ".4f"), ("lr", "train/lr", ".1e")),
+    "custom_loss": (("reward", "rollout/reward_mean", ".3f"), ("loss", "train/loss", ".4f")),
+}
+ACCURACY = "eval/shapes_accuracy"
+
+
+class ProgressLine:
+    """The bar's postfix: the latest value of each PROGRESS_KEYS entry of the loss type, and the last eval accuracy.
+
+    A number that has been exactly 0 at every rollout so far is left out: Flow-GRPO's loss, ratio KL and clip fraction
+    are 0 by construction with one optimizer step per rollout, and a constant says nothing.
+    """
+
+    def __init__(self, loss_type: str) -> None:
+        self.keys = PROGRESS_KEYS.get(loss_type, PROGRESS_KEYS["custom_loss"])
+        self.latest: dict[str, float] = {}
+        self.moved: set[str] = set()
+
+    def update(self, records: list[dict[str, Any]]) -> dict[str, str]:
+        """`records`: this rollout's train records and its rollout record; returns the postfix to show."""
+        for record in records:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.latest[key] = float(value)
+                    if value != 0:
+                        self.moved.add(key)
+        postfix = {}
+        if ACCURACY in self.latest:
+            postfix["acc"] = f"{self.latest[ACCURACY]:.3f}"
+        for label, key, spec in self.keys:
+            if key in self.moved:
+                postfix[label] = format(self.latest[key], spec)
+        return postfix
+
+
+def format_duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes} min {secs:02d} s" if minutes else f"{seconds:.1f} s"
+
+
+def summary_line(
+    args: argparse.Namespace, records: list[dict[str, Any]], wall_s: float, plot_path: str | None = None
+) -> str:
+    """One line closing a run: wall time, baseline -> last held-out eval, and where the outputs are."""
+    parts = [f"done in {format_duration(wall_s)}"]
+    evals = [r for r in records if isinstance(r.get(ACCURACY), float) and math.isfinite(r[ACCURACY])]
+    if evals:
+        series = f"{evals[0][ACCURACY]:.3f}" + (f" -> {evals[-1][ACCURACY]:.3f}" if len(evals) > 1 else "")
+        parts.append(f"eval accuracy on {args.eval_num_prompts} held-out prompts: {series}")
+    parts.append(f"outputs in {args.output_dir}/ (metrics.jsonl, train.log, images/)")
+    if plot_path:
+        parts.append(f"plot {plot_path}")
+    if getattr(args, "save", None):
+        parts.append(f"checkpoints in {args.save}")
+    if getattr(args, "save_hf", None):
+        parts.append(f"pipeline in {args.save_hf}")
+    return "; ".join(parts)

@@ -1,0 +1,82 @@
+"""The picture of a run: the loss type's panels from metrics.jsonl, a PNG beside it, the CLI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from miles.plot import infer_loss_type, main, plot_panels, plot_run, running_mean
+from miles.utils.tracking import MetricsWriter
+
+
+def nft_records(rollouts: int = 4) -> list[dict]:
+    records = [{"rollout_id": 0, "step": 0, "eval/shapes_accuracy": 0.42, "eval/rollouts_trained": 0}]
+    for r in range(rollouts):
+        records.append(
+            {
+                "role": "actor",
+                "rollout_id": r,
+                "step": r + 1,
+                "train/loss": 4.0 - r / 10,
+                "train/nft_policy_loss": 4.0,
+                "train/grad_norm": 1.0,
+                "train/lr": 1e-4,
+            }
+        )
+        records.append(
+            {
+                "rollout_id": r,
+                "step": r + 1,
+                "rollout/reward_mean": 0.8 + r / 100,
+                "perf/rollout_s": 2.0,
+                "perf/train_s": 3.0,
+            }
+        )
+    records[-1].update({"eval/shapes_accuracy": 0.5, "eval/rollouts_trained": rollouts})
+    return records  # fmt: skip
+
+
+def test_the_loss_type_is_read_from_the_metrics_it_logged():
+    assert infer_loss_type(nft_records()) == "nft"
+    assert infer_loss_type([{"role": "actor", "train/ratio_mean": 1.0, "rollout/reward_mean": 0.5}]) == "policy_loss"
+    assert infer_loss_type([{"role": "critic", "train/critic_loss": 1.0}]) == "dmd2"
+    assert infer_loss_type([{"role": "actor", "train/loss": 1.0, "step": 1}]) == "sft_loss"
+
+
+def test_panels_are_those_of_the_loss_type_that_the_run_logged():
+    titles = [title for title, _ in plot_panels(nft_records(), "nft")]
+    assert titles == ["rollout reward", "held-out accuracy", "NFT loss", "grad norm", "seconds per rollout"]
+    assert dict(plot_panels(nft_records(), "nft"))["seconds per rollout"] == ("perf/rollout_s", "perf/train_s")
+
+
+def test_the_plot_is_a_png_beside_metrics_jsonl(tmp_path):
+    writer = MetricsWriter(str(tmp_path))
+    for record in nft_records():
+        writer.log(record)
+    writer.close()
+    path = plot_run(str(tmp_path))
+    assert path == str(tmp_path / "metrics.png")
+    image = np.asarray(Image.open(path).convert("L"))
+    assert image.shape[0] > 200 and image.shape[1] > 600 and image.std() > 10  # drawn, not blank
+
+
+def test_the_cli_names_a_missing_metrics_file(tmp_path, caplog):
+    assert main([str(tmp_path)]) == 1
+    assert str(tmp_path / "metrics.jsonl") in caplog.text
+
+
+def test_the_cli_writes_the_plot(tmp_path):
+    writer = MetricsWriter(str(tmp_path))
+    for record in nft_records(2):
+        writer.log(record)
+    writer.close()
+    assert main([str(tmp_path), "--loss-type", "nft"]) == 0
+    assert (tmp_path / "metrics.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--loss-type", "ppo"])
+
+
+def test_running_mean_averages_the_last_window_values():
+    assert running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert running_mean([2.0, 4.0], 5) == [2.0, 3.0]
