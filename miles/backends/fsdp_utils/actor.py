@@ -106,6 +106,7 @@ class FSDPTrainRayActor(TrainLoop):
             self.family.transformer_blocks(self.model),
             param_dtype=self.forward_dtype,
             reduce_dtype=parse_dtype(args.fsdp_reduce_dtype),
+            cast_root_inputs=False,  # the family's predict_velocity casts, exactly as in the engines
         )
         if args.algorithm_path:  # registers its loss types in this process too
             load_module(args.algorithm_path)
@@ -143,6 +144,7 @@ class FSDPTrainRayActor(TrainLoop):
             self.family.transformer_blocks(network),
             param_dtype=self.forward_dtype,
             reduce_dtype=parse_dtype(self.args.fsdp_reduce_dtype),
+            cast_root_inputs=False,
         )
 
     def _sharded_state(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -40,11 +40,16 @@ def apply_fsdp2(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool = True,
+    cast_root_inputs: bool = True,
 ) -> nn.Module:
     """Shard each block with `fully_shard`, then the root (which picks up the remaining parameters).
 
     Needs a default process group (gloo at world size 1 is fine). Gradients are averaged over ranks, so each
     rank's loss should be the mean over its own share of the batch. Returns `model`, now an FSDPModule.
+
+    With `cast_root_inputs=False` the root leaves its inputs as given: the caller casts them to `param_dtype` (recorded
+    as `model.compute_dtype`, which `miles.models.base.compute_dtype` reads), so a float timestep can stay fp32 as
+    the rollout engines and diffusers pipelines keep it; FSDP2 would round it to bf16 (857 -> 856).
 
     At world size 1 the one rank holds every shard, so per-block groups would only add a gather, a reduce and
     Python hooks per block and micro-batch: the whole model becomes one root group instead.
@@ -57,7 +62,11 @@ def apply_fsdp2(
     for block in blocks:
         fully_shard(block, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     # The root keeps torch's default (no reshard after forward): its parameters are needed again first in backward.
-    fully_shard(model, mp_policy=mp_policy)
+    root_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_root_inputs
+    )
+    fully_shard(model, mp_policy=root_policy)
+    model.compute_dtype = param_dtype
     logger.info(
         "FSDP2 applied: %d block groups + root, param_dtype=%s, reduce_dtype=%s", len(blocks), param_dtype, reduce_dtype
     )
