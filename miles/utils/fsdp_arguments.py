@@ -19,7 +19,33 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
         help="Dtype of every forward, trainer and rollout engines alike (FSDP2 param dtype; fp16 is refused).",
     )
     group.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="Recompute each transformer block's activations in backward: activation memory down to the blocks' "
+        "inputs, for about one more forward per step (docs/user-guide/memory.md).",
+    )
+    group.add_argument(
         "--fsdp-reduce-dtype", default="fp32", choices=DTYPE_CHOICES, help="FSDP gradient reduce dtype (not fp16)."
+    )
+    group.add_argument(
+        "--fsdp-master-dtype",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="Dtype of the sharded parameters the optimizer updates (and of its moments); forwards cast them to "
+        "--diffusion-forward-dtype. bf16 halves the state, and small updates round away.",
+    )
+    group.add_argument(
+        "--fsdp-cpu-offload",
+        action="store_true",
+        help="FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer state in CPU memory, each block "
+        "copied to the GPU for its forward and backward (CUDA only).",
+    )
+    group.add_argument(
+        "--fsdp-shard-size",
+        type=int,
+        default=None,
+        help="Hybrid sharding: shard within groups of N ranks (e.g. a node's GPUs), replicate across the groups "
+        "(a 2-D mesh; N must divide --dp-size; default: shard over every rank).",
     )
 
 
@@ -42,3 +68,22 @@ def validate_fsdp_args(args: argparse.Namespace, fail: Callable[[str], None]) ->
             "rounding between batch shapes and sharding (one bf16 ulp of the velocity, ~1e-4 in log-prob), which "
             "--diffusion-clip-range would clip; the recompute makes the first ratio exactly 1"
         )
+    if args.fsdp_master_dtype == "bf16" and args.diffusion_forward_dtype == "fp32":
+        fail(
+            "--fsdp-master-dtype bf16 with --diffusion-forward-dtype fp32 stores less precision than it computes "
+            "in: use --diffusion-forward-dtype bf16 (or keep fp32 master weights)"
+        )
+    if args.fsdp_cpu_offload and not uses_cuda(args):
+        fail(
+            "--fsdp-cpu-offload moves GPU state to CPU memory: it needs CUDA (--device cuda, or auto with a GPU); "
+            "on CPU the state is in CPU memory already"
+        )
+    shard = args.fsdp_shard_size
+    if shard is not None and (shard < 1 or args.dp_size % shard != 0):
+        fail(f"--fsdp-shard-size {shard} must be ≥ 1 and divide --dp-size {args.dp_size} (ranks per model copy)")
+
+
+def uses_cuda(args: argparse.Namespace) -> bool:
+    import torch
+
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())

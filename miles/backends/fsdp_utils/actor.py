@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_latest, save_checkpoint
 from miles.backends.fsdp_utils.ema import ShadowWeights, ema_config_from_args
-from miles.backends.fsdp_utils.fsdp import apply_fsdp2, full_state_dict, parse_dtype
+from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, full_state_dict, parse_dtype
 from miles.backends.fsdp_utils.lora import (
     LoraBaseNetwork,
     apply_lora,
@@ -96,7 +96,10 @@ class FSDPTrainRayActor(TrainLoop):
         self._seed_everything(args.seed + self.rank)
         self.forward_dtype = parse_dtype(args.diffusion_forward_dtype)
         self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family)
-        self.model = self.family.load_transformer(self.settings["checkpoint"]).to(self.device)
+        master_dtype = parse_dtype(args.fsdp_master_dtype)  # what the optimizer updates; forwards cast to forward_dtype
+        # with CPU offload the full model never visits the GPU: fully_shard moves each shard to (pinned) CPU memory
+        home = torch.device("cpu") if args.fsdp_cpu_offload else self.device
+        self.model = self.family.load_transformer(self.settings["checkpoint"]).to(home, dtype=master_dtype)
         self.model.train()
         self.lora_config = lora_config_from_args(args, self.family.name) if args.use_lora else None
         if self.lora_config is not None:
@@ -107,6 +110,8 @@ class FSDPTrainRayActor(TrainLoop):
             param_dtype=self.forward_dtype,
             reduce_dtype=parse_dtype(args.fsdp_reduce_dtype),
             cast_root_inputs=False,  # the family's predict_velocity casts, exactly as in the engines
+            gradient_checkpointing=args.gradient_checkpointing,
+            **self._placement(),
         )
         if args.algorithm_path:  # registers its loss types in this process too
             load_module(args.algorithm_path)
@@ -145,7 +150,14 @@ class FSDPTrainRayActor(TrainLoop):
             param_dtype=self.forward_dtype,
             reduce_dtype=parse_dtype(self.args.fsdp_reduce_dtype),
             cast_root_inputs=False,
+            **self._placement(),
         )
+
+    def _placement(self) -> dict[str, Any]:
+        """Where the shards live: the (hybrid) mesh and CPU offload, the same for every network of the role."""
+        if not hasattr(self, "mesh"):
+            self.mesh = build_mesh(self.world_size, self.args.fsdp_shard_size, self.device.type)
+        return {"mesh": self.mesh, "cpu_offload": self.args.fsdp_cpu_offload}
 
     def _sharded_state(self) -> dict[str, dict[str, torch.Tensor]]:
         state = {}

@@ -24,3 +24,24 @@ def test_bf16_policy_loss_requires_the_recompute(capsys):
 def test_bf16_without_a_log_prob_ratio_needs_no_recompute():
     args = parse_args(BASE + ["--loss-type", "nft", "--diffusion-forward-dtype", "bf16"])
     assert args.diffusion_forward_dtype == "bf16"
+
+
+def test_bf16_master_weights_need_a_bf16_forward(capsys):
+    err = parse_error(BASE + ["--loss-type", "nft", "--fsdp-master-dtype", "bf16"], capsys)
+    assert "--fsdp-master-dtype bf16 with --diffusion-forward-dtype fp32" in err
+    args = parse_args(BASE + ["--loss-type", "nft", "--fsdp-master-dtype", "bf16", "--diffusion-forward-dtype", "bf16"])
+    assert args.fsdp_master_dtype == "bf16"
+
+
+def test_cpu_offload_needs_cuda(capsys):
+    assert "--fsdp-cpu-offload" in parse_error(BASE + ["--fsdp-cpu-offload", "--device", "cpu"], capsys)
+
+
+@pytest.mark.parametrize("shard", ["3", "0"])
+def test_shard_size_must_divide_dp_size(shard, capsys):
+    err = parse_error(BASE + ["--dp-size", "4", "--fsdp-shard-size", shard], capsys)
+    assert f"--fsdp-shard-size {shard} must be ≥ 1 and divide --dp-size 4" in err
+
+
+def test_shard_size_dividing_dp_size_is_accepted():
+    assert parse_args(BASE + ["--dp-size", "4", "--fsdp-shard-size", "2"]).fsdp_shard_size == 2
