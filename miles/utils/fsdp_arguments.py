@@ -41,6 +41,12 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
         "copied to the GPU for its forward and backward (CUDA only).",
     )
     group.add_argument(
+        "--deterministic-mode",
+        action="store_true",
+        help="Trainer ranks use deterministic kernels only and fixed reduction orders (cuBLAS workspace, NCCL "
+        "ring); slower on GPU, and an op without a deterministic kernel raises (docs/user-guide/memory.md).",
+    )
+    group.add_argument(
         "--fsdp-shard-size",
         type=int,
         default=None,

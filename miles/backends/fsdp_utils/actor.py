@@ -31,7 +31,12 @@ from miles.backends.fsdp_utils.loss_hub import TEACHER, LossHooks, checkpoint_me
 from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
 from miles.backends.fsdp_utils.train_loop import TrainLoop
 from miles.models.base import get_train_pipeline_config
-from miles.utils.distributed import collective_device, destroy_process_group, init_process_group
+from miles.utils.distributed import (
+    collective_device,
+    destroy_process_group,
+    init_process_group,
+    use_deterministic_algorithms,
+)
 from miles.utils.misc import load_module
 
 logger = logging.getLogger(__name__)
@@ -79,10 +84,13 @@ class FSDPTrainRayActor(TrainLoop):
 
     # ---- set-up -------------------------------------------------------------------------------
     def get_master_address(self) -> tuple[str, int]:
+        """Rank 0's node IP as Ray knows it (reachable from the other nodes, on CPU and GPU alike) and a free port."""
+        import ray
+
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
-        return socket.gethostbyname(socket.gethostname()) if torch.cuda.is_available() else "127.0.0.1", port
+        return ray.util.get_node_ip_address(), port
 
     def init(self, args: argparse.Namespace, master_addr: str, master_port: int) -> int:
         """Process group, network, FSDP2, optimizer, schedule and `--load` state; returns the first rollout id."""
@@ -92,6 +100,8 @@ class FSDPTrainRayActor(TrainLoop):
         self.device = resolve_device(args.device)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, round(args.cpus_per_rank)))
+        if args.deterministic_mode:
+            use_deterministic_algorithms()
         init_process_group(self.rank, self.world_size, master_addr, master_port, self.device)
         self._seed_everything(args.seed + self.rank)
         self.forward_dtype = parse_dtype(args.diffusion_forward_dtype)
