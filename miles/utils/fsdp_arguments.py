@@ -85,8 +85,8 @@ def validate_fsdp_args(args: argparse.Namespace, fail: Callable[[str], None]) ->
             "on CPU the state is in CPU memory already"
         )
     shard = args.fsdp_shard_size
-    if shard is not None and (shard < 1 or args.dp_size % shard != 0):
-        fail(f"--fsdp-shard-size {shard} must be ≥ 1 and divide --dp-size {args.dp_size} (ranks per model copy)")
+    if shard is not None and args.dp_size % shard != 0:  # ≥ 1 is checked with the other ranges
+        fail(f"--fsdp-shard-size {shard} must divide --dp-size {args.dp_size} (ranks per model copy)")
 
 
 def uses_cuda(args: argparse.Namespace) -> bool:
