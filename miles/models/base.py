@@ -139,6 +139,18 @@ class TrainPipelineConfig(ABC):
         return None
 
 
+def compute_dtype(network: nn.Module) -> torch.dtype:
+    """The dtype a network's forward runs in: the `compute_dtype` a mixed-precision wrapper set on it or on a module
+    inside it (FSDP2 stores fp32 master weights and computes in its param dtype), else its parameters' dtype.
+
+    A family's `predict_velocity` casts its inputs to this dtype, so engines and trainer cast alike."""
+    for module in network.modules():
+        dtype = module.__dict__.get("compute_dtype")
+        if dtype is not None:
+            return dtype
+    return next(network.parameters()).dtype
+
+
 def check_pipeline_folder(path: str | Path) -> Path:
     """`path` as a Path if it is a local diffusers pipeline folder (has model_index.json); a clear error otherwise."""
     folder = Path(path).expanduser()

@@ -17,7 +17,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransfo
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import nn
 
-from miles.models.base import register_train_pipeline_config
+from miles.models.base import compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.sd3 import _DTYPE_KW, SD3PipelineConfig
 
@@ -140,7 +140,7 @@ class FluxPipelineConfig(SD3PipelineConfig):
             raise ValueError(f"embeds batch {embeds.batch_size} != latents batch {batch}")
         if height % 2 or width % 2:
             raise ValueError(f"FLUX latents pack 2x2 patches: height and width must be even, got {height}x{width}")
-        dtype = next(transformer.parameters()).dtype
+        dtype = compute_dtype(transformer)
         device = latents.device
         # the pipeline passes scheduler.timesteps (σ·1000, cast to the latents' dtype) divided by 1000
         timestep = (sigmas.to(device=device, dtype=torch.float32) * 1000.0).to(dtype) / 1000

@@ -16,7 +16,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from torch import nn
 
-from miles.models.base import TrainPipelineConfig, register_train_pipeline_config, strip_name_or_path
+from miles.models.base import TrainPipelineConfig, compute_dtype, register_train_pipeline_config, strip_name_or_path
 from miles.models.conditioning import Conditioning
 from miles.models.media import Media
 
@@ -205,7 +205,7 @@ class SD3PipelineConfig(TrainPipelineConfig):
             raise ValueError(f"sigmas must have shape ({batch},), got {tuple(sigmas.shape)}")
         if embeds.batch_size != batch:
             raise ValueError(f"embeds batch {embeds.batch_size} != latents batch {batch}")
-        dtype = next(transformer.parameters()).dtype
+        dtype = compute_dtype(transformer)  # the timestep stays fp32, as in StableDiffusion3Pipeline
         timestep = sigmas.to(device=latents.device, dtype=torch.float32) * 1000.0
         hidden, cond = latents, embeds
         guided = guidance_scale > 1.0

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from miles.backends.fsdp_utils.fsdp import parse_dtype
 from miles.models.base import get_train_pipeline_config
 from miles.rollout import steps
 from miles.rollout.data_source import PromptDataSource, load_records, records_digest
@@ -81,6 +82,7 @@ class RolloutManager:
             model_family=args.model_family,
             num_cpus_per_engine=args.rollout_cpus_per_engine if not gpu else 1.0,
             num_gpus_per_engine=args.rollout_gpus_per_engine if gpu else 0.0,
+            forward_dtype=parse_dtype(args.diffusion_forward_dtype),  # the trainer's: log-probs must match (§7)
             lora_config=self._lora_config(),
         )
         if self.spec.scores_rewards or args.rm_type or args.custom_rm_path:  # else rewards only when asked (metrics)

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from miles.utils.eval_arguments import add_eval_arguments, validate_eval_args
+from miles.utils.fsdp_arguments import add_fsdp_arguments, validate_fsdp_args
 from miles.utils.misc import HookLoadError, load_module
 from miles.utils.ranges import range_violation
 from miles.utils.rl_arguments import RL_ARGUMENT_GROUPS, validate_rl_args
@@ -74,12 +75,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--teacher-load", default=None, help="Frozen teacher (diffusers pipeline or transformer folder)."
-    )
-    group.add_argument(
-        "--diffusion-forward-dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="FSDP param dtype."
-    )
-    group.add_argument(
-        "--fsdp-reduce-dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="FSDP gradient reduce dtype."
     )
     group.add_argument("--resolution", type=int, default=None, help="Image side in pixels (default: the model's).")
 
@@ -227,6 +222,7 @@ ARGUMENT_GROUPS = (
     add_cluster_arguments,
     add_model_arguments,
     add_train_arguments,
+    add_fsdp_arguments,
     add_custom_hook_arguments,
     add_critic_arguments,
     add_rollout_arguments,
@@ -377,6 +373,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--load {args.load}: directory not found (pass --load equal to --save to auto-resume)")
     validate_rl_args(args, _raise)
     validate_eval_args(args, _raise)
+    validate_fsdp_args(args, _raise)
     if loss == "dmd2":
         args.critic_lr = args.lr if args.critic_lr is None else args.critic_lr
         args.critic_num_steps_per_rollout = args.critic_num_steps_per_rollout or args.num_steps_per_rollout

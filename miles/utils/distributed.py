@@ -1,8 +1,10 @@
-"""Process-group helpers: init (nccl on CUDA, gloo on CPU), teardown, free ports, where small collectives run."""
+"""Process-group helpers: init (nccl on CUDA, gloo on CPU), teardown, free ports, where small collectives run,
+deterministic mode."""
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from datetime import timedelta
 
@@ -69,3 +71,14 @@ def collective_device() -> torch.device:
     if "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def use_deterministic_algorithms() -> None:
+    """--deterministic-mode: deterministic kernels only (an op without one raises), cuBLAS with a fixed workspace,
+    no cuDNN autotuning, NCCL's ring algorithm (a fixed reduction order). Call before the process group exists."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NCCL_ALGO", "Ring")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    logger.info("deterministic mode: deterministic algorithms, fixed cuBLAS workspace, NCCL ring reductions")

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_latest, save_checkpoint
 from miles.backends.fsdp_utils.ema import ShadowWeights, ema_config_from_args
-from miles.backends.fsdp_utils.fsdp import apply_fsdp2, full_state_dict, parse_dtype
+from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, full_state_dict, parse_dtype
 from miles.backends.fsdp_utils.lora import (
     LoraBaseNetwork,
     apply_lora,
@@ -31,7 +31,12 @@ from miles.backends.fsdp_utils.loss_hub import TEACHER, LossHooks, checkpoint_me
 from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
 from miles.backends.fsdp_utils.train_loop import TrainLoop
 from miles.models.base import get_train_pipeline_config
-from miles.utils.distributed import collective_device, destroy_process_group, init_process_group
+from miles.utils.distributed import (
+    collective_device,
+    destroy_process_group,
+    init_process_group,
+    use_deterministic_algorithms,
+)
 from miles.utils.misc import load_module
 
 logger = logging.getLogger(__name__)
@@ -79,10 +84,13 @@ class FSDPTrainRayActor(TrainLoop):
 
     # ---- set-up -------------------------------------------------------------------------------
     def get_master_address(self) -> tuple[str, int]:
+        """Rank 0's node IP as Ray knows it (reachable from the other nodes, on CPU and GPU alike) and a free port."""
+        import ray
+
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
-        return socket.gethostbyname(socket.gethostname()) if torch.cuda.is_available() else "127.0.0.1", port
+        return ray.util.get_node_ip_address(), port
 
     def init(self, args: argparse.Namespace, master_addr: str, master_port: int) -> int:
         """Process group, network, FSDP2, optimizer, schedule and `--load` state; returns the first rollout id."""
@@ -92,11 +100,16 @@ class FSDPTrainRayActor(TrainLoop):
         self.device = resolve_device(args.device)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, round(args.cpus_per_rank)))
+        if args.deterministic_mode:
+            use_deterministic_algorithms()
         init_process_group(self.rank, self.world_size, master_addr, master_port, self.device)
         self._seed_everything(args.seed + self.rank)
         self.forward_dtype = parse_dtype(args.diffusion_forward_dtype)
         self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family)
-        self.model = self.family.load_transformer(self.settings["checkpoint"]).to(self.device)
+        master_dtype = parse_dtype(args.fsdp_master_dtype)  # what the optimizer updates; forwards cast to forward_dtype
+        # with CPU offload the full model never visits the GPU: fully_shard moves each shard to (pinned) CPU memory
+        home = torch.device("cpu") if args.fsdp_cpu_offload else self.device
+        self.model = self.family.load_transformer(self.settings["checkpoint"]).to(home, dtype=master_dtype)
         self.model.train()
         self.lora_config = lora_config_from_args(args, self.family.name) if args.use_lora else None
         if self.lora_config is not None:
@@ -106,6 +119,9 @@ class FSDPTrainRayActor(TrainLoop):
             self.family.transformer_blocks(self.model),
             param_dtype=self.forward_dtype,
             reduce_dtype=parse_dtype(args.fsdp_reduce_dtype),
+            cast_root_inputs=False,  # the family's predict_velocity casts, exactly as in the engines
+            gradient_checkpointing=args.gradient_checkpointing,
+            **self._placement(),
         )
         if args.algorithm_path:  # registers its loss types in this process too
             load_module(args.algorithm_path)
@@ -143,7 +159,15 @@ class FSDPTrainRayActor(TrainLoop):
             self.family.transformer_blocks(network),
             param_dtype=self.forward_dtype,
             reduce_dtype=parse_dtype(self.args.fsdp_reduce_dtype),
+            cast_root_inputs=False,
+            **self._placement(),
         )
+
+    def _placement(self) -> dict[str, Any]:
+        """Where the shards live: the (hybrid) mesh and CPU offload, the same for every network of the role."""
+        if not hasattr(self, "mesh"):
+            self.mesh = build_mesh(self.world_size, self.args.fsdp_shard_size, self.device.type)
+        return {"mesh": self.mesh, "cpu_offload": self.args.fsdp_cpu_offload}
 
     def _sharded_state(self) -> dict[str, dict[str, torch.Tensor]]:
         state = {}

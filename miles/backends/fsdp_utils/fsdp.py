@@ -9,8 +9,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
@@ -40,28 +42,65 @@ def apply_fsdp2(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool = True,
+    cast_root_inputs: bool = True,
+    gradient_checkpointing: bool = False,
+    cpu_offload: bool = False,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard each block with `fully_shard`, then the root (which picks up the remaining parameters).
 
     Needs a default process group (gloo at world size 1 is fine). Gradients are averaged over ranks, so each
     rank's loss should be the mean over its own share of the batch. Returns `model`, now an FSDPModule.
 
+    With `cast_root_inputs=False` the root leaves its inputs as given: the caller casts them to `param_dtype` (recorded
+    as `model.compute_dtype`, which `miles.models.base.compute_dtype` reads), so a float timestep can stay fp32 as
+    the rollout engines and diffusers pipelines keep it; FSDP2 would round it to bf16 (857 -> 856).
+
+    With `gradient_checkpointing` each block keeps only its inputs in forward and recomputes its activations in
+    backward, applied before `fully_shard` as torchtitan does (composable, so parameter names do not change).
+
+    With `cpu_offload` (FSDP2's `CPUOffloadPolicy`) sharded parameters, gradients and optimizer state live in CPU
+    memory and each group is copied to the GPU for its forward and backward. `mesh` (from `build_mesh`) shards within
+    its last dimension and replicates across the first (hybrid sharding); None shards over every rank.
+
     At world size 1 the one rank holds every shard, so per-block groups would only add a gather, a reduce and
     Python hooks per block and micro-batch: the whole model becomes one root group instead.
     """
     if not dist.is_initialized():
         raise RuntimeError("apply_fsdp2 needs a process group; call miles.utils.distributed.init_process_group first")
-    if dist.get_world_size() == 1:
+    if gradient_checkpointing:
+        for block in blocks:
+            checkpoint_activations(block)
+    if dist.get_world_size() == 1 and not cpu_offload:  # offloading still moves one block at a time
         blocks = []
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    placement = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
     for block in blocks:
-        fully_shard(block, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, **placement)
     # The root keeps torch's default (no reshard after forward): its parameters are needed again first in backward.
-    fully_shard(model, mp_policy=mp_policy)
+    root_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_root_inputs
+    )
+    fully_shard(model, mp_policy=root_policy, **placement)
+    model.compute_dtype = param_dtype
     logger.info(
-        "FSDP2 applied: %d block groups + root, param_dtype=%s, reduce_dtype=%s", len(blocks), param_dtype, reduce_dtype
+        "FSDP2 applied: %d block groups + root, param_dtype=%s, reduce_dtype=%s, activation checkpointing %s",
+        len(blocks),
+        param_dtype,
+        reduce_dtype,
+        gradient_checkpointing,
     )
     return model
+
+
+def build_mesh(world_size: int, shard_size: int | None, device_type: str) -> DeviceMesh | None:
+    """The 2-D (replicate, shard) mesh of hybrid sharding: ranks [i*N, (i+1)*N) shard one copy of the model, the
+    copies replicate (gradients all-reduced across them). None (plain FSDP2 over every rank) when N is the world."""
+    if shard_size is None or shard_size == world_size:
+        return None
+    if world_size % shard_size != 0:
+        raise ValueError(f"--fsdp-shard-size {shard_size} must divide the world size {world_size}")
+    return init_device_mesh(device_type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
 def full_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
@@ -100,7 +139,9 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> float:
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     squares = torch.stack([n.float() for n in torch._foreach_norm(local, 2.0)]).pow(2).sum()
     if sharded and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(squares)
+        # over the ranks that hold different shards: with hybrid sharding the copies across replicas are equal
+        mesh = next(g for g in grads if isinstance(g, DTensor)).device_mesh
+        dist.all_reduce(squares, group=mesh.get_group("shard") if mesh.ndim > 1 else None)
     total_norm = float(squares.sqrt().item())
     clip_coef = max_norm / (total_norm + 1e-6)
     if clip_coef < 1.0:

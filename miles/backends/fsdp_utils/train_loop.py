@@ -158,9 +158,10 @@ class TrainLoop:
         """At world size 1 one rank holds every shard: accumulate full gradients and keep the blocks gathered
         until the window's last backward, instead of a reduce-scatter and a reshard after every micro-batch.
 
-        With more ranks every backward reduce-scatters, so gradients stay sharded (the memory FSDP2 is for).
+        With more ranks every backward reduce-scatters, so gradients stay sharded (the memory FSDP2 is for); with
+        CPU offload too (unsharded gradients would stay on the GPU).
         """
-        if self.world_size > 1 or self._gradient_sync == last_in_window:
+        if self.world_size > 1 or self.args.fsdp_cpu_offload or self._gradient_sync == last_in_window:
             return
         self.model.set_requires_gradient_sync(last_in_window)
         self.model.set_reshard_after_backward(last_in_window)

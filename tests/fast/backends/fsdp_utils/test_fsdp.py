@@ -138,3 +138,41 @@ def test_parse_dtype():
     assert {parse_dtype(name) for name in DTYPES} == {torch.float32, torch.bfloat16, torch.float16}
     with pytest.raises(ValueError, match="'fp8'.*fp32, float32, bf16"):
         parse_dtype("fp8")
+
+
+@pytest.mark.parametrize("cast_root_inputs", [False, True])
+def test_bf16_trainer_forward_matches_a_bf16_engine_and_keeps_the_timestep_fp32(
+    gloo_world_of_one, tiny_pipeline_dir, cast_root_inputs
+):
+    """The engine is the checkpoint cast to bf16 (what `DiffusionEngine(forward_dtype=bf16)` loads). The trainer's
+    sharded copy, with the root leaving inputs to `predict_velocity`, sees the fp32 timestep and agrees with it to
+    about one bf16 ulp; FSDP2's input cast rounds the timestep to bf16 (e.g. 857 -> 856) and moves the velocity."""
+    from miles.models.base import compute_dtype, get_train_pipeline_config
+
+    family = get_train_pipeline_config(tiny_pipeline_dir)
+    engine = family.load_transformer(dtype=torch.bfloat16).eval()
+    trainer = family.load_transformer().eval()
+    apply_fsdp2(
+        trainer,
+        family.transformer_blocks(trainer),
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        cast_root_inputs=cast_root_inputs,
+    )
+    assert compute_dtype(trainer) is compute_dtype(engine) is torch.bfloat16
+    seen = []
+    trainer.time_text_embed.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(args[0].dtype), with_kwargs=True
+    )
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, *family.latent_shape(), generator=gen)
+    sigmas = torch.tensor([0.857, 0.6, 0.4, 0.93])
+    embeds = family.encode_prompts(["a red circle", "two blue squares", "a green triangle", "one circle"])
+    with torch.no_grad():
+        v_engine = family.predict_velocity(engine, x, sigmas, embeds)
+        v_trainer = family.predict_velocity(trainer, x, sigmas, embeds)
+    diff = (v_engine - v_trainer).abs().max().item()
+    if cast_root_inputs:
+        assert seen == [torch.bfloat16] and diff > 0.03  # measured 0.055
+    else:
+        assert seen == [torch.float32] and diff <= 2 * 2**-7  # measured 2**-7: one ulp at |v| in [1, 2)

@@ -1,0 +1,95 @@
+"""Flags of sharding, precision and memory: activation checkpointing, master dtype, CPU offload, hybrid sharding,
+deterministic mode; and their rules (checked by `validate_args` before any actor starts)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+DTYPE_CHOICES = ("fp32", "bf16", "fp16")
+LOG_PROB_RATIO_LOSSES = ("policy_loss",)  # losses that compare trainer and engine log-probs (the PPO ratio)
+
+
+def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sharding, precision and memory")
+    group.add_argument(
+        "--diffusion-forward-dtype",
+        default="fp32",
+        choices=DTYPE_CHOICES,
+        help="Dtype of every forward, trainer and rollout engines alike (FSDP2 param dtype; fp16 is refused).",
+    )
+    group.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="Recompute each transformer block's activations in backward: activation memory down to the blocks' "
+        "inputs, for about one more forward per step (docs/user-guide/memory.md).",
+    )
+    group.add_argument(
+        "--fsdp-reduce-dtype", default="fp32", choices=DTYPE_CHOICES, help="FSDP gradient reduce dtype (not fp16)."
+    )
+    group.add_argument(
+        "--fsdp-master-dtype",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="Dtype of the sharded parameters the optimizer updates (and of its moments); forwards cast them to "
+        "--diffusion-forward-dtype. bf16 halves the state, and small updates round away.",
+    )
+    group.add_argument(
+        "--fsdp-cpu-offload",
+        action="store_true",
+        help="FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer state in CPU memory, each block "
+        "copied to the GPU for its forward and backward (CUDA only).",
+    )
+    group.add_argument(
+        "--deterministic-mode",
+        action="store_true",
+        help="Trainer ranks use deterministic kernels only and fixed reduction orders (cuBLAS workspace, NCCL "
+        "ring); slower on GPU, and an op without a deterministic kernel raises (docs/user-guide/memory.md).",
+    )
+    group.add_argument(
+        "--fsdp-shard-size",
+        type=int,
+        default=None,
+        help="Hybrid sharding: shard within groups of N ranks (e.g. a node's GPUs), replicate across the groups "
+        "(a 2-D mesh; N must divide --dp-size; default: shard over every rank).",
+    )
+
+
+def validate_fsdp_args(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
+    """The precision and sharding rules; `fail(message)` raises."""
+    for dest in ("diffusion_forward_dtype", "fsdp_reduce_dtype"):
+        if getattr(args, dest) == "fp16":
+            fail(
+                f"--{dest.replace('_', '-')} fp16 is not supported: fp16 gradients need a sharded gradient scaler, "
+                "which miles does not have (small gradients would underflow to zero, silently); use bf16"
+            )
+    if (
+        args.diffusion_forward_dtype != "fp32"
+        and args.loss_type in LOG_PROB_RATIO_LOSSES
+        and not args.diffusion_recompute_old_log_prob
+    ):
+        fail(
+            f"--diffusion-forward-dtype {args.diffusion_forward_dtype} with --loss-type {args.loss_type} requires "
+            "--diffusion-recompute-old-log-prob: the engines sample in the same dtype, but bf16 forwards differ by "
+            "rounding between batch shapes and sharding (one bf16 ulp of the velocity, ~1e-4 in log-prob), which "
+            "--diffusion-clip-range would clip; the recompute makes the first ratio exactly 1"
+        )
+    if args.fsdp_master_dtype == "bf16" and args.diffusion_forward_dtype == "fp32":
+        fail(
+            "--fsdp-master-dtype bf16 with --diffusion-forward-dtype fp32 stores less precision than it computes "
+            "in: use --diffusion-forward-dtype bf16 (or keep fp32 master weights)"
+        )
+    if args.fsdp_cpu_offload and not uses_cuda(args):
+        fail(
+            "--fsdp-cpu-offload moves GPU state to CPU memory: it needs CUDA (--device cuda, or auto with a GPU); "
+            "on CPU the state is in CPU memory already"
+        )
+    shard = args.fsdp_shard_size
+    if shard is not None and args.dp_size % shard != 0:  # ≥ 1 is checked with the other ranges
+        fail(f"--fsdp-shard-size {shard} must divide --dp-size {args.dp_size} (ranks per model copy)")
+
+
+def uses_cuda(args: argparse.Namespace) -> bool:
+    import torch
+
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
