@@ -14,6 +14,9 @@ import torch
 import train_diffusion
 from miles.data.shapes import write_shapes_jsonl
 from miles.utils.arguments import parse_args
+from tests.conftest import FAMILY_CASES
+
+LOSS_CASES = [case for case in FAMILY_CASES if case.loss_runs]  # the others' loss types run elsewhere
 from miles.utils.tracking import read_metrics
 
 pytestmark = pytest.mark.e2e
@@ -92,11 +95,10 @@ def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, family_
     assert image.shape == (case.resolution, case.resolution, 3) and np.isfinite(image).all() and image.std() > 0
 
 
+@pytest.mark.parametrize("case", LOSS_CASES, ids=[case.id for case in LOSS_CASES])
 @pytest.mark.parametrize("loss_type", sorted(LOSS_RUNS))
-def test_every_loss_type_runs_at_dp_size_2(ray_cluster, family_case, tmp_path, loss_type):
-    case, path = family_case
-    if not case.loss_runs:
-        pytest.skip(f"{case.id}: its loss types run elsewhere (see FAMILY_CASES)")
+def test_every_loss_type_runs_at_dp_size_2(ray_cluster, request, tmp_path, case, loss_type):
+    path = request.getfixturevalue(case.fixture)
     extra = list(LOSS_RUNS[loss_type])
     if loss_type == "sft_loss":
         extra[-4:-4] = ["--prompt-data", str(write_shapes_jsonl(tmp_path / "shapes.jsonl", 4, seed=0))]
