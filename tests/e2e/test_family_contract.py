@@ -14,10 +14,10 @@ import torch
 import train_diffusion
 from miles.data.shapes import write_shapes_jsonl
 from miles.utils.arguments import parse_args
+from miles.utils.tracking import read_metrics
 from tests.conftest import FAMILY_CASES
 
 LOSS_CASES = [case for case in FAMILY_CASES if case.loss_runs]  # the others' loss types run elsewhere
-from miles.utils.tracking import read_metrics
 
 pytestmark = pytest.mark.e2e
 BRIGHTNESS = os.path.join(os.path.dirname(__file__), "rewards.py") + ":brightness"
