@@ -109,7 +109,7 @@ class FSDPTrainRayActor(TrainLoop):
         master_dtype = parse_dtype(args.fsdp_master_dtype)  # what the optimizer updates; forwards cast to forward_dtype
         # with CPU offload the full model never visits the GPU: fully_shard moves each shard to (pinned) CPU memory
         home = torch.device("cpu") if args.fsdp_cpu_offload else self.device
-        self.model = self.family.load_transformer(self.settings["checkpoint"]).to(home, dtype=master_dtype)
+        self.model = self.family.load_transformer(self.settings["checkpoint"], dtype=master_dtype).to(home)
         self.model.train()
         self.lora_config = lora_config_from_args(args, self.family.name) if args.use_lora else None
         if self.lora_config is not None:
