@@ -19,7 +19,7 @@ from torch import nn
 
 from miles.models.base import compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
-from miles.models.sd3 import _DTYPE_KW, SD3PipelineConfig
+from miles.models.sd3 import SD3PipelineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class FluxPipelineConfig(SD3PipelineConfig):
     """
 
     name = "flux"
+    text_pipeline_class = FluxPipeline
     pipeline_class_name = "FluxPipeline"
     transformer_class = FluxTransformer2DModel
     # joint attention of the double-stream blocks; the single-stream blocks' to_q/to_k/to_v match too
@@ -77,21 +78,7 @@ class FluxPipelineConfig(SD3PipelineConfig):
             self._loaded["guidance_embeds"] = bool(config.get("guidance_embeds", False))
         return self._loaded["guidance_embeds"]
 
-    # text
-    def load_text_encoders(
-        self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-    ) -> FluxPipeline:
-        """A FluxPipeline holding only the tokenizers and text encoders (eval mode), cached."""
-        pipe = FluxPipeline.from_pretrained(
-            self.path, transformer=None, vae=None, **{_DTYPE_KW: dtype}, local_files_only=True
-        ).to(device)
-        pipe.set_progress_bar_config(disable=True)
-        for encoder in (pipe.text_encoder, pipe.text_encoder_2):
-            encoder.eval().requires_grad_(False)
-        self.drop_cached_negatives()
-        self._loaded["text"] = pipe
-        return pipe
-
+    # text: SD3's load_text_encoders builds `text_pipeline_class`
     @property
     def max_sequence_length(self) -> int:
         """T5 tokens per prompt: the T5 tokenizer's limit, at most FluxPipeline's default (512)."""

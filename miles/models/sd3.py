@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import diffusers.utils.deprecation_utils
 import torch
@@ -37,6 +38,7 @@ class SD3PipelineConfig(TrainPipelineConfig):
     # joint attention of SD3's JointTransformerBlock: image-stream and context-stream projections
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
     transformer_class: type[nn.Module] = SD3Transformer2DModel  # what load_transformer builds
+    text_pipeline_class: type = StableDiffusion3Pipeline  # what load_text_encoders builds (tokenizers + encoders)
 
     # networks
     def load_transformer(self, path: str | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -107,16 +109,15 @@ class SD3PipelineConfig(TrainPipelineConfig):
         return {k: _SAFETENSORS_DTYPES[v] for k, v in dtypes.items()}
 
     # text
-    def load_text_encoders(
-        self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-    ) -> StableDiffusion3Pipeline:
-        """A StableDiffusion3Pipeline holding only the tokenizers and text encoders (eval mode), cached."""
-        pipe = StableDiffusion3Pipeline.from_pretrained(
+    def load_text_encoders(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+        """The family's pipeline holding only the tokenizers and text encoders (eval mode), cached."""
+        pipe = self.text_pipeline_class.from_pretrained(
             self.path, transformer=None, vae=None, **{_DTYPE_KW: dtype}, local_files_only=True
         ).to(device)
         pipe.set_progress_bar_config(disable=True)
-        for encoder in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
-            encoder.eval().requires_grad_(False)
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            if getattr(pipe, name, None) is not None:
+                getattr(pipe, name).eval().requires_grad_(False)
         self.drop_cached_negatives()  # they came from the previous encoders
         self._loaded["text"] = pipe
         return pipe

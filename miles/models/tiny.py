@@ -20,6 +20,7 @@ from diffusers import (
 )
 from transformers import (
     CLIPTextConfig,
+    CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
     T5Config,
@@ -110,12 +111,15 @@ def build_t5_tokenizer(words: tuple[str, ...] = SHAPES_WORDS) -> T5Tokenizer:
     return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=T5_MAX_LENGTH)
 
 
-def _clip_text_encoder(tokenizer: CLIPTokenizer, hidden: int, projection: int) -> CLIPTextModelWithProjection:
+def _clip_text_encoder(
+    tokenizer: CLIPTokenizer, hidden: int, projection: int | None = None
+) -> CLIPTextModelWithProjection | CLIPTextModel:
+    """A 2-layer CLIP text encoder: with a projection head (SD3's two CLIPs) or without (FLUX's pooled CLIP)."""
     config = CLIPTextConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
-        projection_dim=projection,
+        **({} if projection is None else {"projection_dim": projection}),
         num_hidden_layers=2,
         num_attention_heads=2,
         max_position_embeddings=CLIP_MAX_LENGTH,
@@ -124,7 +128,7 @@ def _clip_text_encoder(tokenizer: CLIPTokenizer, hidden: int, projection: int) -
         eos_token_id=tokenizer.eos_token_id,  # pooling reads the first eos position
         pad_token_id=tokenizer.pad_token_id,
     )
-    return CLIPTextModelWithProjection(config)
+    return CLIPTextModel(config) if projection is None else CLIPTextModelWithProjection(config)
 
 
 def _t5_encoder(tokenizer: T5Tokenizer, d_model: int) -> T5EncoderModel:

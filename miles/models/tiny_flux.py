@@ -8,14 +8,13 @@ from pathlib import Path
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from transformers import CLIPTextConfig, CLIPTextModel
 
 from miles.models.base import strip_name_or_path
 from miles.models.tiny import (
-    CLIP_MAX_LENGTH,
     LATENT_CHANNELS,
     VAE_BLOCK_OUT_CHANNELS,
     _calibrate_vae,
+    _clip_text_encoder,
     _t5_encoder,
     _vae,
     build_clip_tokenizer,
@@ -23,22 +22,6 @@ from miles.models.tiny import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def _clip_text_encoder(tokenizer, hidden: int) -> CLIPTextModel:
-    config = CLIPTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=CLIP_MAX_LENGTH,
-        hidden_act="quick_gelu",
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,  # pooling reads the first eos position
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return CLIPTextModel(config)
 
 
 def build_tiny_flux_pipeline(seed: int = 0, resolution: int = 32, *, guidance_embeds: bool = True) -> FluxPipeline:
