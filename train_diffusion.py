@@ -143,6 +143,16 @@ def start_groups(args: argparse.Namespace, rollout_manager) -> tuple[dict, int]:
     return groups, start_rollout_id
 
 
+def record_placement(args: argparse.Namespace, groups: dict, rollout_manager) -> str:
+    """Where every trainer rank and engine runs: `placement.json` in the output folder and a log line per role."""
+    from miles.ray.placement_group import actor_nodes, write_placement
+
+    placement = {role: actor_nodes(group.actors) for role, group in groups.items()}
+    if rollout_manager.engines is not None:
+        placement["engines"] = actor_nodes(rollout_manager.engines.engines)
+    return write_placement(args.output_dir, placement)
+
+
 def run_rollout(args: argparse.Namespace, rollout_id: int, groups: dict, rollout_manager, evaluator, writer) -> dict:
     """One rollout: generate, train each group in order, sync weights, save and eval when due; returns its record
     (the trainer windows' records are logged as they come)."""
@@ -236,6 +246,7 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
         check_gpus_fit(args, ray.cluster_resources().get("GPU", 0.0))
         rollout_manager = RolloutManager(args)
         groups, start_rollout_id = start_groups(args, rollout_manager)
+        record_placement(args, groups, rollout_manager)
         evaluator = Evaluator(args) if eval_enabled(args) else None
         if evaluator is not None:  # the baseline, before any update of this run
             baseline = evaluator.evaluate(rollout_manager.engines, start_rollout_id)

@@ -28,6 +28,8 @@ def resolve_checkpoint(path: str | None) -> str | None:
                 "reinstall miles or rebuild it with scripts/pretrain_tiny_shapes.py"
             )
         return SHIPPED_SHAPES_DIR
+    if path is not None and path.startswith("builtin:") and path != BUILTIN_TINY:
+        raise ValueError(f"unknown built-in checkpoint {path!r}; known: {BUILTIN_SHAPES_MODEL}, {BUILTIN_TINY}")
     if path != BUILTIN_TINY:
         return path
     from miles.models.tiny import save_tiny_sd3_pipeline

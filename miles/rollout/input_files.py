@@ -15,11 +15,21 @@ class InputFileError(ValueError):
 
 
 def check_model_index(folder: str | None, flag: str) -> None:
-    """A pipeline folder's model_index.json must be a UTF-8 JSON object (a transformer-only folder has none)."""
-    if not folder or not os.path.isdir(folder):
+    """`folder` must exist and hold a pipeline (model_index.json, a UTF-8 JSON object) or a transformer
+    (transformer/config.json or config.json): found before Ray starts rather than by a rank loading it."""
+    if not folder:
         return
+    if not os.path.exists(folder):
+        raise InputFileError(f"{flag} {folder}: no such file or folder (a local pipeline or transformer folder)")
+    if not os.path.isdir(folder):
+        raise InputFileError(f"{flag} {folder}: not a folder (a local pipeline or transformer folder)")
     path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(path):
+        if not any(os.path.isfile(os.path.join(folder, *p)) for p in (("config.json",), ("transformer", "config.json"))):
+            raise InputFileError(
+                f"{flag} {folder}: holds neither model_index.json (a pipeline) nor config.json / "
+                "transformer/config.json (a transformer)"
+            )
         return
     with open(path, "rb") as f:
         raw = f.read()

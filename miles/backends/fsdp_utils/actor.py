@@ -151,8 +151,10 @@ class FSDPTrainRayActor(TrainLoop):
         return networks
 
     def _load_frozen(self, path: str) -> torch.nn.Module:
-        """A frozen network (eval, no grad, no optimizer), sharded with FSDP2 like the trained one."""
-        network = self.family.load_transformer(path).to(self.device).eval()
+        """A frozen network (eval, no grad, no optimizer), sharded with FSDP2 like the trained one. Held in the
+        forward dtype: no optimizer steps on it, so fp32 master weights would only double its memory under bf16 (its
+        forwards see the same bf16 values either way: FSDP2 casts fp32 shards to the forward dtype at all-gather)."""
+        network = self.family.load_transformer(path, dtype=self.forward_dtype).to(self.device).eval()
         network.requires_grad_(False)
         return apply_fsdp2(
             network,

@@ -27,7 +27,26 @@ def test_model_index_with_bad_bytes_names_file_and_line(pipeline):
     (pipeline / "model_index.json").write_bytes(b'{\n"_class_name": "x\xff"}\n')
     with pytest.raises(InputFileError, match=r"model_index\.json:2: not UTF-8 \(byte 0xff\) \(--teacher-load"):
         check_model_index(str(pipeline), "--teacher-load")
-    check_model_index(str(pipeline / "missing"), "--teacher-load")  # not a folder: the loader names it later
+
+
+def test_missing_or_empty_model_folders_fail_before_any_rank_loads_them(pipeline):
+    with pytest.raises(InputFileError, match=r"--teacher-load .*/missing: no such file or folder"):
+        check_model_index(str(pipeline / "missing"), "--teacher-load")
+    (pipeline / "file.txt").write_text("x")
+    with pytest.raises(InputFileError, match=r"--critic-checkpoint .*file\.txt: not a folder"):
+        check_model_index(str(pipeline / "file.txt"), "--critic-checkpoint")
+    with pytest.raises(InputFileError, match=r"holds neither model_index\.json .* nor config\.json"):
+        check_model_index(str(pipeline), "--teacher-load")
+    (pipeline / "transformer").mkdir()
+    (pipeline / "transformer" / "config.json").write_text("{}")
+    check_model_index(str(pipeline), "--teacher-load")  # a transformer folder is a valid teacher
+
+
+def test_an_unknown_builtin_checkpoint_names_the_known_ones():
+    from miles.models.builtin import resolve_checkpoint
+
+    with pytest.raises(ValueError, match=r"unknown built-in checkpoint 'builtin:tiny_shapes'; known: builtin:tiny-shapes"):
+        resolve_checkpoint("builtin:tiny_shapes")
 
 
 def test_the_driver_checks_prompt_files_before_ray_starts(tmp_path, monkeypatch):
@@ -38,6 +57,7 @@ def test_the_driver_checks_prompt_files_before_ray_starts(tmp_path, monkeypatch)
 
     monkeypatch.setattr(ray, "init", no_ray)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    (tmp_path / "model_index.json").write_text("{}")  # a pipeline folder as far as the input checks go
     data = tmp_path / "p.jsonl"
     data.write_bytes(b'{"prompt": "a"}\n{"prompt": "b\xc3"}\n')
     args = parse_args(["--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--output-dir",

@@ -1,0 +1,351 @@
+"""One real-size training step on a GPU: SD3.5-Medium, SD3.5-Large and FLUX.1-dev transformers with random weights
+from their published configs, in bf16, at 1024 px: step time, peak GPU memory and model FLOPs utilization (MFU).
+
+    python benchmarks/bench_gpu.py                                   # every preset, 1024 px, batch 1, on cuda:0
+    python benchmarks/bench_gpu.py --preset flux-dev --gradient-checkpointing --master-dtype bf16
+    python benchmarks/bench_gpu.py --rl-pipeline /path/to/stable-diffusion-3.5-medium   # + a whole RL iteration
+
+How it measures, per preset (configurations side by side in one run; nothing here is a timed test):
+- FLOPs of one training step (forward + backward) are counted by `torch.utils.flop_counter` on the meta device (no
+  memory, any machine): matmuls and attention as the model runs them, so the per-sample adaLN modulation is not
+  counted per token (6·N·T would overstate FLOPs by ~45% for FLUX).
+- The step: the transformer built on the meta device, sharded with miles' own `apply_fsdp2` (world size 1, the
+  forward in bf16, the optimizer on `--master-dtype` weights), materialised on the GPU, AdamW; `--warmup` untimed
+  steps then the median of `--steps` timed steps (CUDA-synchronised). Peak memory: `torch.cuda.max_memory_allocated`.
+  A configuration that does not fit is reported as OOM, not a crash (FLUX.1-dev's 12B with fp32 master weights and
+  AdamW needs ~190 GB before activations: use `--master-dtype bf16` or several GPUs).
+- MFU = counted FLOPs x batch / step time / the GPU's dense bf16 peak (a table of known GPUs, or `--peak-tflops`).
+- `--rl-pipeline`: a whole RL iteration at real size, `train_diffusion.py` with Flow-GRPO for `--rl-rollouts`
+  rollouts on that local pipeline folder; prints the per-rollout phase times from its metrics.jsonl.
+
+Without CUDA it prints the FLOP counts only (`--device cpu` with `--preset tiny` runs the whole path on a toy model,
+which the test suite does). GPU numbers go in docs/user-guide/memory.md with the date and GPU once measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from miles.backends.fsdp_utils.fsdp import apply_fsdp2  # noqa: E402
+from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group  # noqa: E402
+
+GIB = 2**30
+
+# dense bf16 tensor-core peaks (TFLOP/s) by a substring of torch.cuda.get_device_name(); no sparsity
+PEAK_BF16_TFLOPS = {
+    "H200": 989.4,
+    "H100 SXM": 989.4,
+    "H100 80GB HBM3": 989.4,
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.4,
+    "GH200": 989.4,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "L40S": 362.1,
+    "A10G": 70.0,
+    "L4": 121.0,
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A transformer class, its published config, the text tokens its pipeline feeds, and its inputs."""
+
+    name: str
+    class_name: str
+    config: dict[str, Any]
+    text_tokens: int  # the pipeline's default prompt length (SD3: 77 CLIP + 256 T5; FLUX: 512 T5)
+    make_inputs: Callable[[dict[str, Any], int, int, int, torch.dtype], dict[str, torch.Tensor]]
+
+    def build(self) -> torch.nn.Module:
+        import diffusers
+
+        return getattr(diffusers, self.class_name)(**self.config)
+
+    def blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        return [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", [])]
+
+
+def _sd3_inputs(config, batch, latent_side, text_tokens, dtype):
+    return dict(
+        hidden_states=torch.randn(batch, config["in_channels"], latent_side, latent_side, dtype=dtype),
+        encoder_hidden_states=torch.randn(batch, text_tokens, config["joint_attention_dim"], dtype=dtype),
+        pooled_projections=torch.randn(batch, config["pooled_projection_dim"], dtype=dtype),
+        timestep=torch.full((batch,), 500.0, dtype=dtype),
+    )
+
+
+def _flux_inputs(config, batch, latent_side, text_tokens, dtype):
+    packed = (latent_side // 2) ** 2  # 2x2 patches of 16-channel latents: in_channels 64
+    return dict(
+        hidden_states=torch.randn(batch, packed, config["in_channels"], dtype=dtype),
+        encoder_hidden_states=torch.randn(batch, text_tokens, config["joint_attention_dim"], dtype=dtype),
+        pooled_projections=torch.randn(batch, config["pooled_projection_dim"], dtype=dtype),
+        timestep=torch.full((batch,), 0.5, dtype=dtype),
+        guidance=torch.full((batch,), 3.5) if config.get("guidance_embeds") else None,
+        img_ids=torch.zeros(packed, 3),
+        txt_ids=torch.zeros(text_tokens, 3),
+    )
+
+
+SD35_MEDIUM = dict(  # stabilityai/stable-diffusion-3.5-medium transformer/config.json (2.5B)
+    sample_size=128,
+    patch_size=2,
+    in_channels=16,
+    out_channels=16,
+    num_layers=24,
+    attention_head_dim=64,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    caption_projection_dim=1536,
+    pooled_projection_dim=2048,
+    pos_embed_max_size=384,
+    qk_norm="rms_norm",
+    dual_attention_layers=tuple(range(13)),
+)
+SD35_LARGE = dict(  # stabilityai/stable-diffusion-3.5-large transformer/config.json (8.1B)
+    sample_size=128,
+    patch_size=2,
+    in_channels=16,
+    out_channels=16,
+    num_layers=38,
+    attention_head_dim=64,
+    num_attention_heads=38,
+    joint_attention_dim=4096,
+    caption_projection_dim=2432,
+    pooled_projection_dim=2048,
+    pos_embed_max_size=192,
+    qk_norm="rms_norm",
+)
+FLUX_DEV = dict(  # black-forest-labs/FLUX.1-dev transformer/config.json (11.9B)
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+TINY = dict(  # a toy SD3 transformer: the whole path on a CPU in a second (the test suite runs it)
+    sample_size=8,
+    patch_size=2,
+    in_channels=4,
+    out_channels=4,
+    num_layers=2,
+    attention_head_dim=8,
+    num_attention_heads=2,
+    joint_attention_dim=16,
+    caption_projection_dim=16,
+    pooled_projection_dim=16,
+    pos_embed_max_size=16,
+)
+
+PRESETS = {
+    "sd3.5-medium": Preset("sd3.5-medium", "SD3Transformer2DModel", SD35_MEDIUM, 77 + 256, _sd3_inputs),
+    "sd3.5-large": Preset("sd3.5-large", "SD3Transformer2DModel", SD35_LARGE, 77 + 256, _sd3_inputs),
+    "flux-dev": Preset("flux-dev", "FluxTransformer2DModel", FLUX_DEV, 512, _flux_inputs),
+    "tiny": Preset("tiny", "SD3Transformer2DModel", TINY, 8, _sd3_inputs),
+}
+REAL_PRESETS = ("sd3.5-medium", "sd3.5-large", "flux-dev")
+
+
+def latent_side(resolution: int) -> int:
+    if resolution % 16:
+        raise ValueError(f"--resolution must be a multiple of 16 (VAE factor 8 x patch 2), got {resolution}")
+    return resolution // 8
+
+
+def _loss(output: Any) -> torch.Tensor:
+    return output[0].float().pow(2).mean()
+
+
+def count_step_flops(preset: Preset, resolution: int) -> tuple[int, int]:
+    """(parameters, FLOPs of one forward + backward of one sample) on the meta device."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = preset.build().to(torch.bfloat16)
+        params = sum(p.numel() for p in model.parameters())
+        inputs = preset.make_inputs(preset.config, 1, latent_side(resolution), preset.text_tokens, torch.bfloat16)
+        with FlopCounterMode(display=False) as counter:
+            _loss(model(**inputs, return_dict=False)).backward()
+    return params, counter.get_total_flops()
+
+
+def peak_tflops(device: torch.device, override: float | None) -> float | None:
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16_TFLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def measure_step(preset: Preset, opts: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Median step time and peak memory of FSDP2 (world size 1) training steps; {"oom": True} when it does not fit."""
+    from miles.backends.fsdp_utils.fsdp import parse_dtype
+
+    cuda = device.type == "cuda"
+    compute = torch.bfloat16
+    master = parse_dtype(opts.master_dtype)
+    model = optimizer = None
+    try:
+        with torch.device("meta"):
+            model = preset.build().to(master)  # the sharded parameters the optimizer updates
+        model.train()
+        apply_fsdp2(
+            model,
+            preset.blocks(model),
+            param_dtype=compute,
+            reduce_dtype=torch.float32,
+            gradient_checkpointing=opts.gradient_checkpointing,
+        )
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0.0, 0.02)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=cuda)
+        inputs = preset.make_inputs(preset.config, opts.batch, latent_side(opts.resolution), preset.text_tokens, master)
+        inputs = {k: None if v is None else v.to(device) for k, v in inputs.items()}
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for i in range(opts.warmup + opts.steps):
+            if cuda:
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            _loss(model(**inputs, return_dict=False)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize(device)
+            if i >= opts.warmup:
+                times.append(time.perf_counter() - started)
+        peak = torch.cuda.max_memory_allocated(device) if cuda else None
+        return {"oom": False, "step_s": statistics.median(times), "peak_bytes": peak}
+    except torch.OutOfMemoryError:
+        return {"oom": True}
+    finally:
+        del model, optimizer
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def rl_iteration(pipeline: str, rollouts: int, extra: list[str]) -> dict[str, float]:
+    """Median per-rollout phase times of a Flow-GRPO run of `rollouts` rollouts on a local pipeline folder."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as out:
+        command = [
+            sys.executable,
+            os.path.join(root, "train_diffusion.py"),
+            "--hf-checkpoint",
+            pipeline,
+            "--loss-type",
+            "policy_loss",
+            "--num-rollout",
+            str(rollouts),
+            "--eval-interval",
+            "0",
+            "--output-dir",
+            out,
+            "--no-progress",
+            *extra,
+        ]
+        print("running:", " ".join(command), flush=True)
+        subprocess.run(command, check=True)
+        records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if line.strip()]
+    series: dict[str, list[float]] = {}
+    for record in records:
+        for key, value in record.items():
+            if key.startswith("perf/") and isinstance(value, (int, float)):
+                series.setdefault(key, []).append(float(value))
+    return {key: statistics.median(values) for key, values in sorted(series.items())}
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="Repeatable; default: all real.")
+    parser.add_argument("--resolution", type=int, default=1024, help="Image side in pixels.")
+    parser.add_argument("--batch", type=int, default=1, help="Images per step.")
+    parser.add_argument("--master-dtype", default="fp32", choices=["fp32", "bf16"], help="Optimizer weights' dtype.")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="Checkpoint every transformer block.")
+    parser.add_argument("--warmup", type=int, default=2, help="Untimed steps first.")
+    parser.add_argument("--steps", type=int, default=5, help="Timed steps (the median is reported).")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (only sensible with --preset tiny).")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="The GPU's dense bf16 peak, if not in the table.")
+    parser.add_argument("--rl-pipeline", default=None, help="A local pipeline folder: also time a whole RL iteration.")
+    parser.add_argument("--rl-rollouts", type=int, default=3, help="Rollouts of the RL iteration run.")
+    parser.add_argument("--rl-args", default="", help="Extra train_diffusion.py arguments for the RL run (one string).")
+    opts = parser.parse_args(argv)
+    import diffusers
+
+    diffusers.utils.logging.set_verbosity_error()  # the bf16 cast warning of from-config models, once per model
+    names = opts.preset or list(REAL_PRESETS)
+    device = torch.device(opts.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: FLOP counts only; step time, memory and MFU are not measured")
+        device = None
+    peak = peak_tflops(device, opts.peak_tflops) if device is not None else None
+    results: dict[str, dict[str, Any]] = {}
+    if device is not None:
+        init_process_group(0, 1, "127.0.0.1", find_free_port(), device, timeout=None)
+    try:
+        for name in names:
+            preset = PRESETS[name]
+            params, flops = count_step_flops(preset, opts.resolution)
+            row: dict[str, Any] = {"params": params, "step_tflop_per_sample": flops / 1e12}
+            if device is not None:
+                row.update(measure_step(preset, opts, device))
+                if not row["oom"] and peak:
+                    row["mfu"] = flops * opts.batch / row["step_s"] / (peak * 1e12)
+            results[name] = row
+    finally:
+        if device is not None:
+            destroy_process_group()
+
+    where = "none" if device is None else torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"{opts.resolution} px, batch {opts.batch}, bf16 forward, {opts.master_dtype} master weights, "
+        f"checkpointing {'on' if opts.gradient_checkpointing else 'off'}, device {where}, "
+        f"bf16 peak {f'{peak:.0f} TFLOP/s' if peak else 'unknown (--peak-tflops)'}"
+    )
+    print(f"{'preset':<14}{'params':>9}{'TFLOP/step':>12}{'step s':>9}{'peak GiB':>10}{'MFU':>7}")
+    for name, r in results.items():
+        measured = ""
+        if "oom" in r:
+            measured = f"{'OOM':>9}" if r["oom"] else f"{r['step_s']:>9.3f}"
+            if not r["oom"]:
+                measured += f"{r['peak_bytes'] / GIB:>10.1f}" if r["peak_bytes"] is not None else f"{'-':>10}"
+                measured += f"{r['mfu']:>7.1%}" if "mfu" in r else f"{'-':>7}"
+        tflop = r["step_tflop_per_sample"] * opts.batch
+        print(f"{name:<14}{r['params'] / 1e9:>8.2f}B{tflop:>12.1f}{measured}")
+    if opts.rl_pipeline:
+        times = rl_iteration(opts.rl_pipeline, opts.rl_rollouts, opts.rl_args.split())
+        results["rl_iteration"] = times
+        print("RL iteration (median per rollout): " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""benchmarks/bench_gpu.py: FLOPs counted on the meta device, and the whole step path on a toy model on CPU."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = os.path.join(ROOT, "benchmarks", "bench_gpu.py")
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_flops_of_a_linear_stack_match_the_textbook_count(bench):
+    # forward ≈ 2·N·T and backward ≈ twice that: the count lies between one forward's worth and twice 6·N·T
+    preset = bench.PRESETS["tiny"]
+    params, flops = bench.count_step_flops(preset, 64)
+    tokens = (64 // 8 // 2) ** 2 + preset.text_tokens
+    assert 0 < flops <= 6 * params * tokens * 2  # attention adds at most a few percent at this size
+    assert flops >= 2 * params * tokens  # at least a forward's worth of the block matmuls
+
+
+def test_flux_dev_step_is_counted_without_materialising_12b_parameters(bench):
+    params, flops = bench.count_step_flops(bench.PRESETS["flux-dev"], 1024)
+    assert 11.8e9 < params < 12.0e9  # FLUX.1-dev's published 12B
+    assert 200e12 < flops < 6 * params * (4096 + 512)  # the per-sample adaLN projections are not per-token FLOPs
+
+
+def test_cpu_step_path_runs_on_the_toy_model(bench, capsys):
+    results = bench.main(["--preset", "tiny", "--device", "cpu", "--resolution", "64", "--warmup", "1", "--steps", "1"])
+    row = results["tiny"]
+    assert row["oom"] is False and row["step_s"] > 0 and row["peak_bytes"] is None
+    assert "tiny" in capsys.readouterr().out
