@@ -62,9 +62,7 @@ def pad_to_even(frames: np.ndarray) -> np.ndarray:
     return np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
 
 
-def write_mp4(
-    path: str, frames: Any, fps: float, audio: Any = None, sample_rate: int | None = None
-) -> str:
+def write_mp4(path: str, frames: Any, fps: float, audio: Any = None, sample_rate: int | None = None) -> str:
     """Write `frames` (F, H, W, 3) uint8 at `fps` as an H.264 yuv420p mp4 (odd sizes padded, see `pad_to_even`);
     `audio` (channels, samples) float in [-1, 1] at `sample_rate` Hz is muxed as AAC, as given (not trimmed)."""
     import av
