@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from miles.rollout.rm_hub import RewardError, compute_rewards
+from miles.rollout.rm_hub.jpeg import jpeg_compressibility
 from miles.rollout.rm_hub.video import frame_consistency, rightward_motion
 from miles.utils.types import Sample
 
@@ -75,6 +76,8 @@ def test_an_image_reward_given_video_names_the_reward_and_the_video_rewards():
         r"temporal_consistency, motion_direction",
     ):
         score([("temporal_consistency", 1.0), ("jpeg_compressibility", 1.0)], samples)
+    with pytest.raises(ValueError, match="sample is video"):  # called directly, past compute_rewards' check
+        asyncio.run(jpeg_compressibility(argparse.Namespace(), samples))
 
 
 def test_a_video_reward_given_images_names_the_reward():
