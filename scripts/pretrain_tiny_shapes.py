@@ -249,7 +249,7 @@ def evaluate(args: argparse.Namespace, folder: Path, name: str) -> dict[str, dic
     results = {}
     for cfg in (float(c) for c in args.eval_cfg.split(",")):
         started = time.perf_counter()
-        metrics, images = evaluate_shapes(
+        metrics, samples = evaluate_shapes(
             engine, records, num_steps=args.eval_steps, guidance_scale=cfg, seed=args.seed
         )
         results[f"{name}_steps{args.eval_steps}_cfg{cfg:g}"] = metrics
@@ -257,7 +257,7 @@ def evaluate(args: argparse.Namespace, folder: Path, name: str) -> dict[str, dic
             f"eval {name} {args.eval_steps} steps, cfg {cfg:g} ({time.perf_counter() - started:.0f}s): "
             + ", ".join(f"{k.removeprefix('eval/shapes_')} {v:.3f}" for k, v in metrics.items())
         )
-        save_image_grid(images, str(Path(args.workdir) / f"eval_{name}_cfg{cfg:g}.png"), columns=16)
+        save_image_grid(samples.images, str(Path(args.workdir) / f"eval_{name}_cfg{cfg:g}.png"), columns=16)
     return results
 
 

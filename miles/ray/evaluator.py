@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from typing import Any
 
 from miles.data.shapes import BUILTIN_SHAPES, ShapeScene, shapes_prompts
 from miles.rollout.data_source import read_jsonl_records
 from miles.rollout.evaluation import evaluate_shapes
-from miles.rollout.image_grid import save_image_grid
+from miles.rollout.media_files import save_media
 from miles.utils.tracking import EVAL_AXIS
 
 logger = logging.getLogger(__name__)
@@ -52,7 +51,7 @@ class Evaluator:
             metrics[EVAL_AXIS] = rollout_id
             return metrics
         sampler = self.sampler(args)
-        metrics, images = evaluate_shapes(
+        metrics, samples = evaluate_shapes(
             engine,
             self.records,
             num_samples_per_prompt=args.n_samples_per_eval_prompt,
@@ -62,7 +61,15 @@ class Evaluator:
             negative_prompt=args.negative_prompt,
             **sampler,
         )
-        save_image_grid(images, os.path.join(args.output_dir, "images", f"eval_{rollout_id:07d}.png"), max_images=64)
+        save_media(
+            args.output_dir,
+            f"eval_{rollout_id:07d}",
+            samples.images,
+            fps=samples.fps,
+            audio=samples.audio,
+            sample_rate=samples.sample_rate,
+            max_samples=args.media_max_samples,
+        )
         metrics["perf/eval_s"] = time.perf_counter() - started
         metrics[EVAL_AXIS] = rollout_id  # the x of this eval in plots and trackers: 0 is the baseline
         return metrics

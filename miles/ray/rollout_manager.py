@@ -154,12 +154,27 @@ class RolloutManager:
             "perf/rollout_s": t1 - t0,
             "perf/reward_s": t2 - t1,
         }
-        if args.image_grid_interval and rollout_id % args.image_grid_interval == 0:
-            from miles.rollout.image_grid import save_image_grid
-
-            path = os.path.join(args.output_dir, "images", f"rollout_{rollout_id:07d}.png")
-            save_image_grid(result.images, path, columns=args.n_samples_per_prompt)
+        self._save_media(rollout_id, result)
         return pairs
+
+    def _save_media(self, rollout_id: int, result: Any) -> None:
+        """Every --image-grid-interval rollouts: the image grid, or for video the first --media-max-samples
+        samples as mp4s (audio muxed when there is sound) and their contact sheet (`media_files.save_media`)."""
+        args = self.args
+        if not args.image_grid_interval or rollout_id % args.image_grid_interval or result.images is None:
+            return
+        from miles.rollout.media_files import save_media
+
+        save_media(
+            args.output_dir,
+            f"rollout_{rollout_id:07d}",
+            result.images,
+            fps=result.fps,
+            audio=result.audio,
+            sample_rate=result.sample_rate,
+            columns=args.n_samples_per_prompt,
+            max_samples=args.media_max_samples,
+        )
 
     def _collect(self, rollout_id: int) -> tuple[list[Sample], Any, Any, int]:
         """Samples of the rollout's prompt groups, generated and scored. With a dynamic-sampling filter, dropped
@@ -229,9 +244,11 @@ class RolloutManager:
         return self.engines.generate(request, rollout_id=rollout_id)
 
     def _score(self, samples: list[Sample], result: Any) -> None:
-        """The score step: each sample gets its image and, when rewards are scored, its weighted reward and terms."""
-        for sample, image in zip(samples, result.images):
-            sample.image = image
+        """The score step: each sample gets its media (`attach_media`: image, or frames + fps + audio) and, when
+        rewards are scored, its weighted reward and terms."""
+        from miles.rollout.rm_hub.media import attach_media
+
+        attach_media(samples, result)
         if self.rewards is None:
             return
         totals, per_reward = self.rewards.score(samples)

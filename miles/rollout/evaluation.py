@@ -1,4 +1,5 @@
-"""Held-out evaluation on the shapes world: deterministic samples of a prompt set, scored by the shapes reward.
+"""Held-out evaluation on the shapes world: deterministic samples of a prompt set (images, or videos scored frame by
+frame), scored by the shapes reward.
 
 `evaluate_shapes` works with any engine that has `generate(GenerateRequest) -> GenerateResult` (an in-process
 `DiffusionEngine` or the Ray `RolloutEngineGroup`); `shapes_eval_metrics` is the aggregation on its own.
@@ -7,9 +8,11 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from miles.rollout.engine import GenerateRequest, GenerateResult
 from miles.rollout.rm_hub.shapes import ShapeScore, shapes_reward
@@ -27,6 +30,17 @@ ATTRIBUTE_CORRECT = {
     "count": lambda score: score.count == 1.0,
     "position": lambda score: score.position >= 0.5,
 }
+
+
+@dataclass(frozen=True)
+class EvalSamples:
+    """The eval's decoded samples, record-major: `images` (N, H, W, 3) uint8, or for a video family frames
+    (N, F, H, W, 3) at `fps` with `audio` (N, channels, samples) at `sample_rate` when it has sound."""
+
+    images: np.ndarray
+    fps: float | None = None
+    audio: torch.Tensor | None = None
+    sample_rate: int | None = None
 
 
 class GenerateEngine(Protocol):
@@ -49,6 +63,29 @@ def shapes_eval_metrics(scores: list[ShapeScore]) -> dict[str, float]:
     return metrics
 
 
+def frame_averaged_score(scores: list[ShapeScore]) -> ShapeScore:
+    """One video's score from its frames' scores: each attribute and the reward averaged over frames, the object
+    count rounded from its mean, and all_correct only when every frame is all correct."""
+    return ShapeScore(
+        color=float(np.mean([s.color for s in scores])),
+        shape=float(np.mean([s.shape for s in scores])),
+        count=float(np.mean([s.count for s in scores])),
+        position=float(np.mean([s.position for s in scores])),
+        num_objects=round(float(np.mean([s.num_objects for s in scores]))),
+        all_correct=all(s.all_correct for s in scores),
+        reward=float(np.mean([s.reward for s in scores])),
+    )
+
+
+def score_shapes_media(images: np.ndarray, metadatas: list[dict[str, Any]]) -> list[ShapeScore]:
+    """Shapes scores of images (N, H, W, 3), or of videos (N, F, H, W, 3) frame by frame (`frame_averaged_score`)."""
+    if images.ndim == 4:
+        return shapes_reward(list(images), metadatas)
+    frames = images.shape[1]
+    flat = shapes_reward(list(images.reshape(-1, *images.shape[2:])), [m for m in metadatas for _ in range(frames)])
+    return [frame_averaged_score(flat[i * frames : (i + 1) * frames]) for i in range(len(images))]
+
+
 def evaluate_shapes(
     engine: GenerateEngine,
     records: list[dict[str, Any]],
@@ -62,13 +99,14 @@ def evaluate_shapes(
     negative_prompt: str = "",
     sde_type: str = "ode",
     shift: float | None = None,
-) -> tuple[dict[str, float], np.ndarray]:
+) -> tuple[dict[str, float], EvalSamples]:
     """Sample every record's prompt `num_samples_per_prompt` times and score it: the deterministic ODE kernel, or
     `sde_type="renoise"` for a DMD2 few-step generator (its fresh noise is drawn from the same fixed seeds).
 
     `records` are {"prompt", "metadata"} dicts (`miles.data.shapes.shapes_prompts`, e.g. its "eval" split). Sample k
     of record i starts from the noise of `eval_seed(seed, i, k)`, so repeated evals give identical images. Returns
-    the metrics of `shapes_eval_metrics` and the images (N, H, W, 3) uint8, record-major (record i, then sample k).
+    the metrics of `shapes_eval_metrics` and the samples (`EvalSamples`), record-major (record i, then sample k).
+    A video family's samples are scored frame by frame (`score_shapes_media`).
     """
     if not records:
         raise ValueError("evaluate_shapes needs at least one record")
@@ -79,7 +117,7 @@ def evaluate_shapes(
     prompts = [r["prompt"] for r in records for _ in range(num_samples_per_prompt)]
     metadatas = [r["metadata"] for r in records for _ in range(num_samples_per_prompt)]
     seeds = [eval_seed(seed, i, k) for i in range(len(records)) for k in range(num_samples_per_prompt)]
-    images = []
+    images, audio, last = [], [], None
     for start in range(0, len(prompts), batch_size):
         request = GenerateRequest(
             prompts=prompts[start : start + batch_size],
@@ -97,8 +135,10 @@ def evaluate_shapes(
         if result.images is None:
             raise ValueError("the engine returned no images; evaluate_shapes needs decoded samples (decode=True)")
         images.append(result.images)
+        audio += [] if result.audio is None else [result.audio]
+        last = result
     images_array = np.concatenate(images)
-    metrics = shapes_eval_metrics(shapes_reward(list(images_array), metadatas))
+    metrics = shapes_eval_metrics(score_shapes_media(images_array, metadatas))
     logger.info(
         "shapes eval: %d samples, %d %s steps, cfg %.2f: accuracy %.3f",
         len(prompts),
@@ -107,4 +147,9 @@ def evaluate_shapes(
         guidance_scale,
         metrics[f"{METRIC_PREFIX}_accuracy"],
     )
-    return metrics, images_array
+    return metrics, EvalSamples(
+        images_array,
+        fps=last.fps,
+        audio=torch.cat(audio) if audio else None,
+        sample_rate=last.sample_rate if audio else None,
+    )

@@ -16,6 +16,8 @@ BUILTIN_REWARDS: tuple[str, ...] = (
     "jpeg_incompressibility",
     "clip_score",
     "pickscore",
+    "temporal_consistency",
+    "motion_direction",
 )
 
 

@@ -36,7 +36,18 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--load-debug-rollout-data", default=None, help="Replay rollouts saved by --save-debug-rollout-data: DIR."
     )
-    group.add_argument("--image-grid-interval", type=int, default=1, help="Save an image grid every N rollouts.")
+    group.add_argument(
+        "--image-grid-interval",
+        type=int,
+        default=1,
+        help="Save an image grid (video: mp4s and a contact sheet) every N rollouts.",
+    )
+    group.add_argument(
+        "--media-max-samples",
+        type=int,
+        default=4,
+        help="Video: samples of a rollout or eval saved as media/NAME/sample_K.mp4 (and contact sheet rows).",
+    )
 
 
 def add_reward_arguments(parser: argparse.ArgumentParser) -> None:

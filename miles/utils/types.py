@@ -20,7 +20,14 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     group_index: int = 0
     seed: int = 0
+    # What rewards see (docs/user-guide/media.md): an image family fills `image` (H, W, 3) uint8; a video family
+    # fills `frames` (F, H, W, 3) uint8 played at `fps`, and `audio` (channels, samples) float32 in [-1, 1] at
+    # `sample_rate` Hz when it has sound.
     image: Any = None
+    frames: Any = None
+    fps: float | None = None
+    audio: Any = None
+    sample_rate: int | None = None
     reward: float | None = None
     remove_sample: bool = False  # set by a --rollout-sample-filter-path hook: trains with advantage 0
     extra: dict[str, Any] = field(default_factory=dict)

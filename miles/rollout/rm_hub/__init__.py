@@ -15,7 +15,9 @@ from typing import Any
 
 from miles.rollout.rm_hub.clip import clip_score, pickscore
 from miles.rollout.rm_hub.jpeg import jpeg_compressibility, jpeg_incompressibility, sample_pil_image
+from miles.rollout.rm_hub.media import IMAGE, VIDEO, media_mismatch
 from miles.rollout.rm_hub.shapes import shapes_reward
+from miles.rollout.rm_hub.video import motion_direction, temporal_consistency
 from miles.utils.misc import load_function
 from miles.utils.reward_spec import CUSTOM, parse_reward_spec, reward_spec_from_args, valid_reward_names  # noqa: F401  (re-exported)
 from miles.utils.types import Sample
@@ -45,7 +47,13 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "jpeg_incompressibility": jpeg_incompressibility,
     "clip_score": clip_score,
     "pickscore": pickscore,
+    "temporal_consistency": temporal_consistency,
+    "motion_direction": motion_direction,
 }
+# The media each built-in scores (custom rewards read what they like): image rewards read sample.image, video
+# rewards sample.frames; compute_rewards refuses a mismatch before calling the reward.
+VIDEO_REWARDS = ["temporal_consistency", "motion_direction"]
+REWARD_MEDIA: dict[str, str] = {name: VIDEO if name in VIDEO_REWARDS else IMAGE for name in REWARD_FUNCTIONS}
 
 
 def get_reward_function(name: str | None, custom_path: str | None = None) -> RewardFn:
@@ -125,6 +133,10 @@ async def compute_rewards(
     functions = [get_reward_function(name, custom_path) for name, _ in spec]
     if not samples:
         return [], {name: [] for name, _ in spec}
+    for name, _ in spec:
+        problem = media_mismatch(name, REWARD_MEDIA[name], samples, VIDEO_REWARDS) if name in REWARD_MEDIA else None
+        if problem:
+            raise RewardError(problem)
     outcomes = await asyncio.gather(
         *(_score_one(name, fn, args, samples) for (name, _), fn in zip(spec, functions)), return_exceptions=True
     )

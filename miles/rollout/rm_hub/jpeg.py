@@ -39,6 +39,8 @@ def as_pil_image(image: Any) -> Image.Image:
 def sample_pil_image(sample: Sample) -> Image.Image:
     """The sample's image as RGB PIL; a sample without an image is an error (the engine did not decode it)."""
     if sample.image is None:
+        if sample.frames is not None:
+            raise ValueError("sample is video (sample.frames), not an image: this reward scores images only")
         raise ValueError("sample has no image (sample.image is None)")
     return as_pil_image(sample.image)
 

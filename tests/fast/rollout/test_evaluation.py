@@ -24,13 +24,15 @@ def engine(tiny_pipeline_dir):
 class FakeEngine:
     """Answers each request with the next images of a fixed stack, and records the requests."""
 
-    def __init__(self, images: np.ndarray) -> None:
+    def __init__(self, images: np.ndarray, fps: float | None = None, audio: torch.Tensor | None = None) -> None:
         self.images, self.used, self.requests = images, 0, []
+        self.fps, self.audio = fps, audio
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
         self.requests.append(request)
         batch = len(request.prompts)
         images = self.images[self.used : self.used + batch]
+        audio = None if self.audio is None else self.audio[self.used : self.used + batch]
         self.used += batch
         empty = torch.zeros(batch, 0, 4, 8, 8)
         return GenerateResult(
@@ -44,19 +46,24 @@ class FakeEngine:
             conditioning=Conditioning({"prompt_embeds": torch.zeros(batch, 1, 1)}),
             negative=None,
             weights_version=0,
+            fps=self.fps,
+            audio=audio,
+            sample_rate=None if audio is None else 16000,
         )
 
 
 def test_repeated_evals_are_identical_and_batching_does_not_matter(engine):
     records = shapes_prompts(5, seed=3, split="eval")
     kwargs = dict(num_samples_per_prompt=2, num_steps=3, guidance_scale=3.0, seed=11)
-    metrics_a, images_a = evaluate_shapes(engine, records, batch_size=4, **kwargs)
-    metrics_b, images_b = evaluate_shapes(engine, records, batch_size=4, **kwargs)
+    metrics_a, samples_a = evaluate_shapes(engine, records, batch_size=4, **kwargs)
+    images_a = samples_a.images
+    metrics_b, samples_b = evaluate_shapes(engine, records, batch_size=4, **kwargs)
+    images_b = samples_b.images
     assert images_a.shape == (10, 32, 32, 3) and images_a.dtype == np.uint8
     assert np.array_equal(images_a, images_b) and metrics_a == metrics_b
-    _, images_one_batch = evaluate_shapes(engine, records, batch_size=64, **kwargs)
+    images_one_batch = evaluate_shapes(engine, records, batch_size=64, **kwargs)[1].images
     assert np.abs(images_a.astype(int) - images_one_batch.astype(int)).max() <= 1
-    _, other_seed = evaluate_shapes(engine, records, batch_size=4, **{**kwargs, "seed": 12})
+    other_seed = evaluate_shapes(engine, records, batch_size=4, **{**kwargs, "seed": 12})[1].images
     assert not np.array_equal(images_a, other_seed)
 
 
@@ -64,18 +71,19 @@ def test_generator_eval_is_fixed_seed_and_one_step_matches_one_euler_step(engine
     """A dmd2 run evaluates its k-step generator (renoise); at k = 1 that is one Euler step from σ = 1 to 0."""
     records = shapes_prompts(4, seed=3, split="eval")
     kwargs = dict(guidance_scale=1.0, seed=5)
-    _, euler = evaluate_shapes(engine, records, num_steps=1, **kwargs)
-    _, one = evaluate_shapes(engine, records, num_steps=1, sde_type="renoise", **kwargs)
+    euler = evaluate_shapes(engine, records, num_steps=1, **kwargs)[1].images
+    one = evaluate_shapes(engine, records, num_steps=1, sde_type="renoise", **kwargs)[1].images
     assert np.abs(euler.astype(int) - one.astype(int)).max() <= 1
-    _, two_a = evaluate_shapes(engine, records, num_steps=2, sde_type="renoise", **kwargs)
-    _, two_b = evaluate_shapes(engine, records, num_steps=2, sde_type="renoise", **kwargs)
+    two_a = evaluate_shapes(engine, records, num_steps=2, sde_type="renoise", **kwargs)[1].images
+    two_b = evaluate_shapes(engine, records, num_steps=2, sde_type="renoise", **kwargs)[1].images
     assert np.array_equal(two_a, two_b)  # the re-noising draws come from the fixed seeds too
     assert not np.array_equal(two_a, one)
 
 
 def test_metrics_match_an_independent_scoring_of_the_images(engine):
     records = shapes_prompts(6, seed=0, split="eval")
-    metrics, images = evaluate_shapes(engine, records, num_samples_per_prompt=2, num_steps=2, guidance_scale=1.0)
+    metrics, samples = evaluate_shapes(engine, records, num_samples_per_prompt=2, num_steps=2, guidance_scale=1.0)
+    images = samples.images
     scores = [score_shapes_image(image, records[i // 2]["metadata"]) for i, image in enumerate(images)]
     assert metrics["eval/shapes_accuracy"] == pytest.approx(sum(s.all_correct for s in scores) / 12)
     assert metrics["eval/shapes_reward_mean"] == pytest.approx(sum(s.reward for s in scores) / 12)
@@ -108,7 +116,7 @@ def test_true_dataset_images_score_about_all_correct():
     images = np.stack([np.asarray(item["image"]) for item in items])
     records = [{"prompt": item["prompt"], "metadata": item["metadata"]} for item in items]
     metrics, returned = evaluate_shapes(FakeEngine(images), records, num_steps=4, guidance_scale=1.0, batch_size=16)
-    assert np.array_equal(returned, images)
+    assert np.array_equal(returned.images, images) and returned.fps is None and returned.audio is None
     assert metrics["eval/shapes_accuracy"] >= 0.95
     for name in ATTRIBUTES:
         assert metrics[f"eval/shapes_{name}_accuracy"] >= 0.95, name
@@ -148,3 +156,29 @@ def test_bad_arguments_are_rejected():
             num_steps=4,
             guidance_scale=1.0,
         )
+
+
+def test_video_is_scored_frame_by_frame_and_keeps_its_fps_and_audio():
+    """Two true frames and one recolored: every attribute averages over frames, and all_correct fails."""
+    items = shapes_items(6, seed=2, split="eval")
+    records = [{"prompt": item["prompt"], "metadata": item["metadata"]} for item in items]
+    rng = np.random.default_rng(0)
+    videos = []
+    for item in items:
+        scene = ShapeScene.from_metadata(item["metadata"])
+        other = np.asarray(
+            render_scene(dataclasses.replace(scene, color="green" if scene.color != "green" else "red"), rng)
+        )
+        videos.append(np.stack([np.asarray(item["image"]), np.asarray(item["image"]), other]))
+    videos = np.stack(videos)
+    audio = torch.linspace(-1, 1, 6 * 2 * 100).reshape(6, 2, 100)
+    engine = FakeEngine(videos, fps=8.0, audio=audio)
+    metrics, samples = evaluate_shapes(engine, records, num_steps=2, guidance_scale=1.0, batch_size=4)
+    frame_scores = [[score_shapes_image(f, r["metadata"]) for f in video] for video, r in zip(videos, records)]
+    assert metrics["eval/shapes_accuracy"] == 0.0
+    expected_reward = np.mean([np.mean([s.reward for s in scores]) for scores in frame_scores])
+    assert metrics["eval/shapes_reward_mean"] == pytest.approx(expected_reward)
+    expected_color = np.mean([np.mean([s.color for s in scores]) > 0.5 for scores in frame_scores])
+    assert metrics["eval/shapes_color_accuracy"] == pytest.approx(expected_color) and expected_color > 0.5
+    assert np.array_equal(samples.images, videos) and samples.fps == 8.0 and samples.sample_rate == 16000
+    assert torch.equal(samples.audio, audio)

@@ -1,0 +1,153 @@
+"""Media files of a rollout or an eval: image grids for images; for video, one mp4 per sample (H.264, with AAC
+audio when the family has sound; encoded by PyAV, which ships its own FFmpeg) and a contact sheet PNG of frames.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from miles.rollout.image_grid import save_image_grid
+
+logger = logging.getLogger(__name__)
+
+VIDEO_CODEC = "libx264"
+VIDEO_PIXEL_FORMAT = "yuv420p"  # what browsers and players decode; it halves chroma, so sizes must be even
+VIDEO_CRF = "18"  # x264's "visually lossless" end; tiny test videos stay close to their frames
+AUDIO_CODEC = "aac"
+AUDIO_LAYOUTS = {1: "mono", 2: "stereo"}
+CONTACT_SHEET_FRAMES = 4
+
+
+def _check_fps(fps: Any) -> Fraction:
+    try:
+        value = float(fps)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"fps must be a positive finite number of frames per second, got {fps!r}")
+    return Fraction(value).limit_denominator(1001)  # 24000/1001 (NTSC 23.976) stays exact
+
+
+def _check_frames(frames: Any, what: str) -> np.ndarray:
+    array = np.asarray(frames)
+    if array.ndim != 4 or array.shape[-1] != 3 or array.shape[0] < 1 or array.dtype != np.uint8:
+        raise ValueError(
+            f"{what} must be uint8 frames (F >= 1, H, W, 3) channels-last, got shape {array.shape} dtype {array.dtype}"
+        )
+    return array
+
+
+def _check_audio(audio: Any, sample_rate: Any) -> np.ndarray:
+    array = np.asarray(audio, dtype=np.float32)
+    if array.ndim != 2 or array.shape[0] not in AUDIO_LAYOUTS or array.shape[1] < 1:
+        raise ValueError(f"audio must be (channels 1 or 2, samples >= 1) float in [-1, 1], got shape {array.shape}")
+    if not np.isfinite(array).all():
+        raise ValueError("audio holds NaN or inf samples")
+    if not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
+        raise ValueError(f"audio needs a positive integer sample_rate in Hz, got {sample_rate!r}")
+    return np.ascontiguousarray(np.clip(array, -1.0, 1.0))
+
+
+def pad_to_even(frames: np.ndarray) -> np.ndarray:
+    """Frames (F, H, W, 3) with an odd H or W grown by one edge-replicated row / column (yuv420p needs even sizes)."""
+    pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
+    if not pad_h and not pad_w:
+        return frames
+    return np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+
+
+def write_mp4(path: str, frames: Any, fps: float, audio: Any = None, sample_rate: int | None = None) -> str:
+    """Write `frames` (F, H, W, 3) uint8 at `fps` as an H.264 yuv420p mp4 (odd sizes padded, see `pad_to_even`);
+    `audio` (channels, samples) float in [-1, 1] at `sample_rate` Hz is muxed as AAC, as given (not trimmed)."""
+    import av
+
+    frames = pad_to_even(_check_frames(frames, "write_mp4 frames"))
+    rate = _check_fps(fps)
+    audio = None if audio is None else _check_audio(audio, sample_rate)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with av.open(path, mode="w") as container:
+        video = container.add_stream(VIDEO_CODEC, rate=rate, options={"crf": VIDEO_CRF})
+        video.width, video.height, video.pix_fmt = frames.shape[2], frames.shape[1], VIDEO_PIXEL_FORMAT
+        video.codec_context.time_base = 1 / rate
+        sound = None
+        if audio is not None:
+            sound = container.add_stream(AUDIO_CODEC, rate=int(sample_rate))
+            sound.layout = AUDIO_LAYOUTS[audio.shape[0]]
+        for index, frame in enumerate(frames):
+            picture = av.VideoFrame.from_ndarray(frame, format="rgb24")
+            picture.pts = index
+            container.mux(video.encode(picture))
+        container.mux(video.encode())
+        if sound is not None:  # one planar frame; the encoder cuts it into AAC's 1024-sample frames
+            wave = av.AudioFrame.from_ndarray(audio, format="fltp", layout=AUDIO_LAYOUTS[audio.shape[0]])
+            wave.sample_rate, wave.pts = int(sample_rate), 0
+            container.mux(sound.encode(wave))
+            container.mux(sound.encode())
+    return path
+
+
+def contact_frame_indices(num_frames: int, per_sample: int = CONTACT_SHEET_FRAMES) -> list[int]:
+    """`per_sample` evenly spaced frame indices, first and last included (all frames when there are fewer)."""
+    if num_frames < 1 or per_sample < 1:
+        raise ValueError(f"contact sheet needs num_frames >= 1 and per_sample >= 1, got {num_frames}, {per_sample}")
+    return sorted({round(i) for i in np.linspace(0, num_frames - 1, min(per_sample, num_frames))})
+
+
+def contact_sheet(videos: Any, path: str, per_sample: int = CONTACT_SHEET_FRAMES) -> str:
+    """One PNG of `videos` (B, F, H, W, 3) uint8: a row per sample, `per_sample` evenly spaced frames across it."""
+    array = np.asarray(videos)
+    if array.ndim != 5 or array.shape[0] < 1:
+        raise ValueError(f"contact_sheet expects videos (B >= 1, F, H, W, 3), got shape {array.shape}")
+    _check_frames(array[0], "contact_sheet videos")
+    picks = contact_frame_indices(array.shape[1], per_sample)
+    tiles = array[:, picks].reshape(-1, *array.shape[2:])
+    return save_image_grid(tiles, path, columns=len(picks), max_images=len(tiles))
+
+
+def save_media(
+    output_dir: str,
+    name: str,
+    images: np.ndarray,
+    *,
+    fps: float | None = None,
+    audio: Any = None,
+    sample_rate: int | None = None,
+    columns: int | None = None,
+    max_samples: int = 64,
+) -> list[str]:
+    """Save a batch under the run's `output_dir` as `name` (`rollout_0000003`, `eval_0000003`); returns the paths.
+
+    Images (B, H, W, 3): the grid `images/{name}.png` (at most 64, `columns` wide). Video (B, F, H, W, 3) at
+    `fps`: the first `max_samples` samples as `media/{name}/sample_{k}.mp4` (with their `audio` (B, channels,
+    samples) muxed when given) and their contact sheet `images/{name}.png`, where trackers pick up image grids.
+    """
+    grid_path = os.path.join(output_dir, "images", f"{name}.png")
+    array = np.asarray(images)
+    if array.ndim == 4:
+        return [save_image_grid(array, grid_path, columns=columns, max_images=64)]
+    if array.ndim != 5:
+        raise ValueError(f"media to save must be images (B, H, W, 3) or frames (B, F, H, W, 3), got {array.shape}")
+    if fps is None:
+        raise ValueError(f"video media {name} {array.shape} has no fps; the engine result must carry one")
+    count = min(max_samples, array.shape[0])
+    if audio is not None:
+        audio = np.asarray(audio.cpu() if hasattr(audio, "cpu") else audio, dtype=np.float32)
+    paths = [
+        write_mp4(
+            os.path.join(output_dir, "media", name, f"sample_{k}.mp4"),
+            array[k],
+            fps,
+            audio=None if audio is None else audio[k],
+            sample_rate=sample_rate,
+        )
+        for k in range(count)
+    ]
+    paths.append(contact_sheet(array[:count], grid_path))
+    logger.info("wrote %d mp4 sample(s) and a contact sheet for %s", count, name)
+    return paths
