@@ -162,7 +162,9 @@ class QwenImagePipelineConfig(SD3PipelineConfig):
         if embeds.batch_size != batch:
             raise ValueError(f"embeds batch {embeds.batch_size} != latents batch {batch}")
         if height % 2 or width % 2:
-            raise ValueError(f"Qwen-Image latents pack 2x2 patches: height and width must be even, got {height}x{width}")
+            raise ValueError(
+                f"Qwen-Image latents pack 2x2 patches: height and width must be even, got {height}x{width}"
+            )
         dtype = compute_dtype(transformer)
         device = latents.device
         # the pipeline passes scheduler.timesteps (σ·1000, cast to the latents' dtype) divided by 1000

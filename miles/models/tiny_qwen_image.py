@@ -186,4 +186,3 @@ def save_tiny_qwen_image_pipeline(path: str, seed: int = 0, resolution: int = 32
     strip_name_or_path(path)
     logger.info("wrote tiny Qwen-Image pipeline (seed %d, %dx%d) to %s", seed, resolution, resolution, path)
     return path
-
