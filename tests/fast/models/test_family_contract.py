@@ -18,6 +18,7 @@ import torch
 from miles.backends.fsdp_utils.lora import apply_lora, lora_config_from_args, lora_state_dict, save_lora_adapter
 from miles.models import get_train_pipeline_config
 from miles.rollout.engine import DiffusionEngine, GenerateRequest
+from tests.conftest import FAMILY_CASES
 
 PROMPTS = ["two red circles on the left", "a blue square"]
 SEEDS = [3, 11]
@@ -109,8 +110,15 @@ def test_engine_ode_sampling_reproduces_the_pipeline(family_case, guidance):
     assert result.images.shape == (len(PROMPTS), case.resolution, case.resolution, 3)
 
 
-def test_default_lora_adapter_loads_through_the_pipelines_load_lora_weights(family_case, tmp_path):
-    case, path = family_case
+# the adapter depends on the family (its targets, its pipeline class), not on the configuration: one case per family
+ONE_CASE_PER_FAMILY = [
+    case for i, case in enumerate(FAMILY_CASES) if case.family not in {c.family for c in FAMILY_CASES[:i]}
+]
+
+
+@pytest.mark.parametrize("case", ONE_CASE_PER_FAMILY, ids=[case.id for case in ONE_CASE_PER_FAMILY])
+def test_default_lora_adapter_loads_through_the_pipelines_load_lora_weights(request, case, tmp_path):
+    path = request.getfixturevalue(case.fixture)
     family = get_train_pipeline_config(path)
     config = lora_config_from_args(argparse.Namespace(lora_rank=4, lora_alpha=8), family.name)
     assert config["target_modules"] == list(family.default_lora_targets)  # no --lora-target-modules: the defaults
