@@ -55,12 +55,26 @@ def tiny_flux_schnell_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen_image_dir(tmp_path_factory):
+    """A tiny Qwen-Image pipeline folder (Qwen2.5-VL text encoder, Qwen's video VAE), built offline once."""
+    from miles.models.tiny_qwen_image import save_tiny_qwen_image_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_qwen_image") / "pipeline"
+    save_tiny_qwen_image_pipeline(str(path), seed=0)
+    return str(path)
+
+
 def _same_layout(pipe: Any, latents: Any, resolution: int) -> Any:
     return latents
 
 
 def _flux_unpacked(pipe: Any, latents: Any, resolution: int) -> Any:
     return pipe._unpack_latents(latents, resolution, resolution, pipe.vae_scale_factor)
+
+
+def _qwen_image_unpacked(pipe: Any, latents: Any, resolution: int) -> Any:
+    return pipe._unpack_latents(latents, resolution, resolution, pipe.vae_scale_factor)[:, :, 0]  # one frame
 
 
 @dataclass(frozen=True)
@@ -112,6 +126,16 @@ FAMILY_CASES = [
         lambda w: {"true_cfg_scale": w, "negative_prompt": "", "guidance_scale": 0.0},
         _flux_unpacked,
         loss_runs=False,
+    ),
+    # the pipeline's default max_sequence_length (512) is the family's
+    FamilyCase(
+        "qwen-image",
+        "qwen-image",
+        "tiny_qwen_image_dir",
+        "QwenImagePipeline",
+        lambda w: {"true_cfg_scale": w, **({"negative_prompt": ""} if w > 1 else {})},
+        _qwen_image_unpacked,
+        call_kwargs={},
     ),
 ]
 

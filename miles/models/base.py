@@ -35,7 +35,7 @@ class TrainPipelineConfig(ABC):
     default_lora_targets: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, path: str) -> None:
-        self.path = str(check_pipeline_folder(path))
+        self.path = str(check_pipeline_components(check_pipeline_folder(path), self.name))
         self._loaded: dict[str, Any] = {}
 
     def __repr__(self) -> str:
@@ -161,6 +161,24 @@ def check_pipeline_folder(path: str | Path) -> Path:
         raise NotADirectoryError(f"pipeline path {str(path)!r} is not a folder; {hint}")
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(f"{str(path)!r} has no model_index.json; {hint}")
+    return folder
+
+
+def check_pipeline_components(folder: Path, family: str) -> Path:
+    """`folder` if every component its model_index.json lists (`"vae": ["diffusers", "AutoencoderKL"]`; null entries
+    are absent by design) has its subfolder; an error naming the first missing component and its class otherwise
+    (diffusers would fail less clearly, and a missing tokenizer folder can even load as an empty tokenizer)."""
+    index = json.loads((folder / "model_index.json").read_text())
+    if not isinstance(index, dict):
+        raise ValueError(f"{folder}/model_index.json is not a JSON object")
+    for component, spec in index.items():
+        if component.startswith("_") or not isinstance(spec, list) or len(spec) != 2 or spec[1] is None:
+            continue
+        if not (folder / component).is_dir():
+            raise FileNotFoundError(
+                f"{folder} is not a complete {family} pipeline folder: model_index.json lists the component "
+                f"{component!r} ({spec[1]}), but {folder / component} is missing"
+            )
     return folder
 
 

@@ -96,15 +96,19 @@ class Conditioning(Mapping[str, torch.Tensor]):
 
     @staticmethod
     def cat(items: Sequence[Conditioning]) -> Conditioning:
-        """Concatenated along the batch; every item must hold the same names (families pad sequences to a fixed
-        length so that batches of different prompts concatenate)."""
+        """Concatenated along the batch; every item must hold the same names.
+
+        Sequences may differ in length: where a name's tensors (rank >= 2) differ in dimension 1 only, the shorter
+        are zero-padded at its end to the longest (`pad_sequences`). A family whose prompt length varies from batch
+        to batch keeps a mask of its own in which 0 marks padding (Qwen-Image's `prompt_embeds_mask`), so this
+        padding changes nothing it computes; families with fixed-length sequences never see it."""
         if not items:
             raise ValueError("Conditioning.cat needs at least one item")
         names = list(items[0])
         for item in items[1:]:
             if list(item) != names:
                 raise ValueError(f"Conditioning.cat: names differ, {names} vs {list(item)}")
-        return Conditioning({name: torch.cat([item[name] for item in items]) for name in names})
+        return Conditioning({name: torch.cat(pad_sequences([item[name] for item in items], name)) for name in names})
 
     # train-pair columns
     def to_columns(self, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -119,6 +123,27 @@ class Conditioning(Mapping[str, torch.Tensor]):
         if not tensors:
             raise KeyError(f"the train pairs hold no {start}* columns (conditioning); columns: {sorted(columns)}")
         return Conditioning(tensors)
+
+
+def pad_sequences(tensors: Sequence[torch.Tensor], name: str = "tensor") -> list[torch.Tensor]:
+    """`tensors` zero-padded at the end of dimension 1 to the longest; every other dimension past the batch must
+    agree (an error naming `name` otherwise). Tensors already of that length are returned as they are."""
+    shapes = {tuple(t.shape[2:]) if t.ndim >= 2 else None for t in tensors}
+    lengths = {t.shape[1] for t in tensors if t.ndim >= 2}
+    if len(lengths) <= 1:
+        return list(tensors)
+    if len(shapes) != 1 or None in shapes:
+        raise ValueError(
+            f"conditioning {name!r}: cannot pad {[tuple(t.shape) for t in tensors]} to one length "
+            "(only dimension 1, the sequence, may differ)"
+        )
+    longest = max(lengths)
+    padded = []
+    for t in tensors:
+        if t.shape[1] < longest:
+            t = torch.cat([t, t.new_zeros(t.shape[0], longest - t.shape[1], *t.shape[2:])], dim=1)
+        padded.append(t)
+    return padded
 
 
 def column_name(name: str, prefix: str = "") -> str:

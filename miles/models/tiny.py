@@ -65,9 +65,11 @@ def _bytes_to_unicode() -> list[str]:
     return chars
 
 
-def _learn_bpe_merges(words: tuple[str, ...]) -> list[tuple[str, str]]:
-    """Plain BPE training until every word is one symbol, so applying the merges in order rebuilds each word."""
-    symbols = {w: list(w[:-1]) + [w[-1] + "</w>"] for w in dict.fromkeys(words)}
+def _learn_bpe_merges(words: tuple[str, ...], end_of_word: str = "</w>") -> list[tuple[str, str]]:
+    """Plain BPE training until every word is one symbol, so applying the merges in order rebuilds each word.
+
+    `end_of_word` marks a word's last symbol (CLIP's "</w>"; "" for byte-level BPE without one, as Qwen2's)."""
+    symbols = {w: list(w[:-1]) + [w[-1] + end_of_word] for w in dict.fromkeys(words)}
     merges: list[tuple[str, str]] = []
     while True:
         pairs = Counter(pair for syms in symbols.values() for pair in zip(syms, syms[1:]))

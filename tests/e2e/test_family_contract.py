@@ -54,8 +54,10 @@ LOSS_RUNS = {
 }
 
 
-def run(path, out, *extra):
-    train_diffusion.run(parse_args(["--hf-checkpoint", path, *TINY, "--output-dir", str(out), *extra]))
+def run(case, path, out, *extra):
+    """A run of `case` at its resolution (Qwen-Image's default is the pipeline's 128 latents per side)."""
+    args = ["--hf-checkpoint", path, "--resolution", str(case.resolution), *TINY, "--output-dir", str(out), *extra]
+    train_diffusion.run(parse_args(args))
     return [m for m in read_metrics(os.path.join(out, "metrics.jsonl")) if m.get("role") in ("actor", "critic")]
 
 
@@ -64,6 +66,7 @@ def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, family_
     case, path = family_case
     hf = tmp_path / "hf"
     windows = run(
+        case,
         path,
         tmp_path / "run",
         "--loss-type",
@@ -104,7 +107,7 @@ def test_every_loss_type_runs_at_dp_size_2(ray_cluster, request, tmp_path, case,
         extra[-4:-4] = ["--prompt-data", str(write_shapes_jsonl(tmp_path / "shapes.jsonl", 4, seed=0))]
     if loss_type == "dmd2":
         extra += ["--teacher-load", path]
-    windows = run(path, tmp_path / "run", "--loss-type", loss_type, *extra)
+    windows = run(case, path, tmp_path / "run", "--loss-type", loss_type, *extra)
     assert windows and all(np.isfinite(m["train/loss"]) for m in windows), windows
     if loss_type == "dmd2":
         assert {m["role"] for m in windows} == {"actor", "critic"}

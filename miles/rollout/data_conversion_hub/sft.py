@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from miles.models.conditioning import Conditioning
 from miles.utils.types import TrainPairs
 
 logger = logging.getLogger(__name__)
@@ -31,15 +32,12 @@ def image_to_tensor(image: Any, resolution: int) -> torch.Tensor:
 @torch.no_grad()
 def encode_sft_records(family: Any, records: list[dict], resolution: int, batch_size: int = 64) -> TrainPairs:
     """Encode every record once with the family's VAE and text encoders (the rollout side owns encoders)."""
-    parts: list[TrainPairs] = []
+    latents: list[torch.Tensor] = []
+    embeds: list[Conditioning] = []
     for start in range(0, len(records), batch_size):
         chunk = records[start : start + batch_size]
         images = torch.stack([image_to_tensor(r["image"], resolution) for r in chunk])
-        embeds = family.encode_prompts([r["prompt"] for r in chunk])
-        parts.append(
-            {
-                "x0": family.encode_images(images).float().cpu(),
-                **embeds.to(device="cpu", dtype=torch.float32).to_columns(),
-            }
-        )
-    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        embeds.append(family.encode_prompts([r["prompt"] for r in chunk]).to(device="cpu", dtype=torch.float32))
+        latents.append(family.encode_images(images).float().cpu())
+    # Conditioning.cat: chunks of a family with variable-length prompts are padded to one length
+    return {"x0": torch.cat(latents), **Conditioning.cat(embeds).to_columns()}

@@ -34,7 +34,10 @@ def test_folder_without_model_index_error_names_path(tmp_path):
 
 def test_unknown_pipeline_class_lists_known_families(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
-    with pytest.raises(ValueError, match=r"WanPipeline.*flux \(FluxPipeline\), sd3 \(StableDiffusion3Pipeline\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"WanPipeline.*flux \(FluxPipeline\), qwen-image \(QwenImagePipeline\), sd3 \(StableDiffusion3Pipeline\)",
+    ):
         get_train_pipeline_config(str(tmp_path))
 
 
@@ -88,3 +91,20 @@ def test_shipped_and_saved_pipelines_name_no_absolute_path(tmp_path):
     saved = {str(f): _absolute_paths(json.loads(f.read_text())) for f in out.rglob("*.json")}
     assert not any(saved.values()), saved
     assert not any(str(tmp_path) in f.read_text() for f in out.rglob("*.json"))
+
+
+def test_a_missing_component_is_named_with_its_class(tmp_path, family_case):
+    case, path = family_case
+    index = json.loads((Path(path) / "model_index.json").read_text())
+    components = [name for name, spec in index.items() if isinstance(spec, list) and spec[1] is not None]
+    assert {"transformer", "vae", "scheduler"} <= set(components)
+    for component in components:
+        folder = tmp_path / component  # the pipeline folder without that component (links to the others)
+        folder.mkdir()
+        for child in Path(path).iterdir():
+            if child.name != component:
+                (folder / child.name).symlink_to(child)
+        with pytest.raises(
+            FileNotFoundError, match=rf"complete {case.family} pipeline.*'{component}' \({index[component][1]}\)"
+        ):
+            get_train_pipeline_config(str(folder))

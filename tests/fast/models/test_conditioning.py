@@ -80,3 +80,19 @@ def test_pickles_and_refuses_bad_batches():
         Conditioning.cat([cond, Conditioning({"prompt_embeds": torch.zeros(1, 5, 3)})])
     with pytest.raises(KeyError, match="no 'pooled_prompt_embeds'"):
         _ = cond["pooled_prompt_embeds"]
+
+
+def test_cat_zero_pads_variable_length_sequences_to_the_longest():
+    short = Conditioning(
+        {"embeds": torch.ones(2, 3, 4), "mask": torch.ones(2, 3, dtype=torch.long), "p": torch.ones(2, 5)}
+    )
+    long = Conditioning(
+        {"embeds": torch.full((1, 6, 4), 2.0), "mask": torch.ones(1, 6, dtype=torch.long), "p": torch.ones(1, 5)}
+    )
+    cat = Conditioning.cat([short, long])
+    assert cat["embeds"].shape == (3, 6, 4) and cat["mask"].shape == (3, 6) and cat["p"].shape == (3, 5)
+    assert cat["mask"].dtype == torch.long and cat["mask"].tolist() == [[1, 1, 1, 0, 0, 0]] * 2 + [[1] * 6]
+    assert torch.equal(cat["embeds"][:2, :3], short["embeds"]) and not cat["embeds"][:2, 3:].any()
+    assert torch.equal(cat["embeds"][2:], long["embeds"])
+    with pytest.raises(ValueError, match="'embeds'.*only dimension 1"):
+        Conditioning.cat([short, Conditioning({**long, "embeds": torch.zeros(1, 6, 5)})])

@@ -1,19 +1,24 @@
 """The family contract against each family's own diffusers pipeline (every case of `FAMILY_CASES` in conftest):
-the velocity its denoising loop feeds the scheduler, and the engine's ODE sampling end to end.
+the velocity its denoising loop feeds the scheduler, the engine's ODE sampling end to end, and a LoRA adapter on the
+family's default targets, saved as `--use-lora --save-hf` saves it, loading through the pipeline's
+`load_lora_weights`.
 
 Whole training runs of the same cases are in `tests/e2e/test_family_contract.py`.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import diffusers
 import pytest
 import torch
 
+from miles.backends.fsdp_utils.lora import apply_lora, lora_config_from_args, lora_state_dict, save_lora_adapter
 from miles.models import get_train_pipeline_config
 from miles.rollout.engine import DiffusionEngine, GenerateRequest
+from tests.conftest import FAMILY_CASES
 
 PROMPTS = ["two red circles on the left", "a blue square"]
 SEEDS = [3, 11]
@@ -103,3 +108,36 @@ def test_engine_ode_sampling_reproduces_the_pipeline(family_case, guidance):
     assert result.final_latents.shape == expected.shape
     assert (result.final_latents - expected.float()).abs().max().item() <= TOLERANCE
     assert result.images.shape == (len(PROMPTS), case.resolution, case.resolution, 3)
+
+
+# the adapter depends on the family (its targets, its pipeline class), not on the configuration: one case per family
+ONE_CASE_PER_FAMILY = [
+    case for i, case in enumerate(FAMILY_CASES) if case.family not in {c.family for c in FAMILY_CASES[:i]}
+]
+
+
+@pytest.mark.parametrize("case", ONE_CASE_PER_FAMILY, ids=[case.id for case in ONE_CASE_PER_FAMILY])
+def test_default_lora_adapter_loads_through_the_pipelines_load_lora_weights(request, case, tmp_path):
+    path = request.getfixturevalue(case.fixture)
+    family = get_train_pipeline_config(path)
+    config = lora_config_from_args(argparse.Namespace(lora_rank=4, lora_alpha=8), family.name)
+    assert config["target_modules"] == list(family.default_lora_targets)  # no --lora-target-modules: the defaults
+    model = apply_lora(family.load_transformer(), config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:  # lora_B starts at zero: give the adapter an effect, as training would
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    embeds = family.encode_prompts(PROMPTS)
+    latents = torch.randn(len(PROMPTS), *family.latent_shape(case.resolution), generator=gen)
+    sigmas = torch.tensor([0.7, 0.3])
+    # what the trainer's save_hf writes with --use-lora: the LoRA slice of the full state dict, for the family's class
+    save_lora_adapter(lora_state_dict(model.state_dict()), config, tmp_path / "lora", family.pipeline_class_name)
+    pipe = getattr(diffusers, case.pipeline_class).from_pretrained(path, local_files_only=True)
+    pipe.load_lora_weights(str(tmp_path / "lora"))
+    with torch.no_grad():
+        adapted = family.predict_velocity(model, latents, sigmas, embeds)
+        base = family.predict_velocity(family.load_transformer(), latents, sigmas, embeds)
+        loaded = family.predict_velocity(pipe.transformer, latents, sigmas, embeds)
+    assert (adapted - base).abs().max().item() > 1e-3, case.id  # the adapter changes the output
+    torch.testing.assert_close(loaded, adapted, atol=1e-6, rtol=0)

@@ -1,0 +1,262 @@
+"""The Qwen-Image family: QwenImageTransformer2DModel, a Qwen2.5-VL text encoder, AutoencoderKLQwenImage, flow matching
+with a resolution-dependent shift. Computed exactly as `diffusers.QwenImagePipeline` does, from a local pipeline folder.
+
+Latent layout: miles holds Qwen-Image latents unpacked and without the VAE's frame axis, (C, H, W) like SD3's and
+FLUX's. The pipeline draws its noise as (1, C, H, W) per sample and packs 2x2 patches into a (H/2 * W/2, 4C)
+sequence; its VAE is a video VAE that sees images as one frame. `predict_velocity` packs (and unpacks the velocity),
+`encode_images` / `decode_latents` add and drop the frame axis. Packing is a permutation and the frame axis has size
+1, so a seed gives the pipeline's noise, and Euler steps, SDE log-probs (means over dims), rewards and the trainer need
+nothing Qwen-specific; only true CFG's norm rescale reads the packed layout (the norm over each patch's 4C values),
+and it is computed there.
+
+Prompts: the pipeline wraps each prompt in its chat template, runs the text encoder, keeps the last hidden state
+of the valid tokens, drops the template's first 34 tokens (its system part) and pads the batch to its longest prompt
+with a 0/1 mask. Lengths vary between batches, so the conditioning holds that mask (`prompt_embeds_mask`) next to
+the embeddings; `Conditioning.cat` zero-pads sequences to one length (padding the mask with 0), and
+`predict_velocity` trims the columns that are padding in every row and passes no mask when none is left, as the
+pipeline does for a batch without padding.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+from torch import nn
+
+from miles.models.base import compute_dtype, register_train_pipeline_config
+from miles.models.conditioning import Conditioning
+from miles.models.flux import pack_latents, unpack_latents
+from miles.models.media import Media
+from miles.models.sd3 import _DTYPE_KW, SD3PipelineConfig
+
+logger = logging.getLogger(__name__)
+
+_QWEN_MAX_SEQUENCE_LENGTH = 512  # QwenImagePipeline.__call__'s default max_sequence_length
+_QWEN_DEFAULT_SAMPLE_SIZE = 128  # QwenImagePipeline.default_sample_size: latents per side at the default resolution
+
+
+@register_train_pipeline_config
+class QwenImagePipelineConfig(SD3PipelineConfig):
+    """Qwen-Image pipeline folders (`QwenImagePipeline`).
+
+    Guidance: `guidance_scale > 1` is the pipeline's true CFG (`true_cfg_scale` with a negative prompt), the
+    combined prediction rescaled to the conditional one's norm per packed token; 1 is the conditional branch alone.
+    Saving and checkpoint handling are SD3's (same folder conventions); the VAE and its normalization are Qwen's.
+    """
+
+    name = "qwen-image"
+    pipeline_class_name = "QwenImagePipeline"
+    text_pipeline_class = QwenImagePipeline
+    transformer_class = QwenImageTransformer2DModel
+    # diffusers' Qwen-Image LoRA training default (train_dreambooth_lora_qwen_image.py): the image-stream attention
+    default_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
+
+    # networks
+    def load_transformer(self, path: str | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The transformer (SD3's loader); a guidance-distilled one (`guidance_embeds`) is refused: QwenImagePipeline
+        cannot run it either (its timestep embedding takes no guidance)."""
+        model = super().load_transformer(path, dtype)
+        if model.config.get("guidance_embeds", False):
+            raise ValueError(
+                f"{path or self.path}: this QwenImageTransformer2DModel has guidance_embeds=True, which "
+                "QwenImagePipeline does not run (its timestep embedding takes no guidance); not supported"
+            )
+        return model
+
+    # text: SD3's load_text_encoders builds `text_pipeline_class`
+    @property
+    def max_sequence_length(self) -> int:
+        """Text tokens kept per prompt (after the template's): QwenImagePipeline's default, 512."""
+        return _QWEN_MAX_SEQUENCE_LENGTH
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str], device: torch.device | str | None = None) -> Conditioning:
+        """`QwenImagePipeline.encode_prompt(max_sequence_length=512)`: `prompt_embeds` (B, L, D) the text encoder's
+        last hidden state of each prompt's tokens after the template's system part, zero-padded to the batch's
+        longest; `prompt_embeds_mask` (B, L) int64, 1 on tokens, 0 on padding (all ones where the pipeline
+        returns no mask)."""
+        if not prompts:
+            raise ValueError("encode_prompts needs at least one prompt")
+        pipe = self._loaded["text"] if "text" in self._loaded else self.load_text_encoders()
+        prompt_embeds, mask = pipe.encode_prompt(
+            prompt=list(prompts),
+            device=pipe.text_encoder.device,
+            num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+        )
+        if mask is None:
+            mask = torch.ones(prompt_embeds.shape[:2], dtype=torch.long, device=prompt_embeds.device)
+        return Conditioning({"prompt_embeds": prompt_embeds, "prompt_embeds_mask": mask}).to(device=device)
+
+    # media
+    def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The VAE in eval mode, cached."""
+        vae = AutoencoderKLQwenImage.from_pretrained(
+            self.path, subfolder="vae", **{_DTYPE_KW: dtype}, local_files_only=True
+        )
+        vae = vae.to(device).eval().requires_grad_(False)
+        self._loaded["vae"] = vae
+        return vae
+
+    @staticmethod
+    def _latents_stats(vae: nn.Module, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The config's per-channel latents_mean and 1 / latents_std, shaped (1, C, 1, 1, 1) as the pipeline has
+        them."""
+        z_dim = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(like.device, like.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(like.device, like.dtype)
+        return mean, inv_std
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Normalized latents (B, C, H, W) = (z - latents_mean) / latents_std of images (B, 3, H, W) in [-1, 1],
+        encoded as one frame (QwenImageImg2ImgPipeline's `_encode_vae_image`). z is the posterior mode without a
+        generator, a posterior sample drawn with it otherwise. float32."""
+        vae = self._vae()
+        posterior = vae.encode(images.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)).latent_dist
+        z = posterior.mode() if generator is None else posterior.sample(generator=generator)
+        mean, inv_std = self._latents_stats(vae, z)
+        return ((z - mean) * inv_std)[:, :, 0].float()
+
+    @torch.no_grad()
+    def decode_latents(self, x0: torch.Tensor) -> Media:
+        """Images (B, 3, H, W) in [0, 1], float32, from normalized latents, as QwenImagePipeline decodes them:
+        z = x0 / (1 / latents_std) + latents_mean, decoded as one frame."""
+        vae = self._vae()
+        z = x0.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)
+        mean, inv_std = self._latents_stats(vae, z)
+        images = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
+        return Media((images.float() / 2 + 0.5).clamp(0, 1))
+
+    # the flow
+    def predict_velocity(
+        self,
+        transformer: nn.Module,
+        latents: torch.Tensor,
+        sigmas: torch.Tensor,
+        embeds: Conditioning,
+        *,
+        guidance_scale: float = 1.0,
+        negative: Conditioning | None = None,
+    ) -> torch.Tensor:
+        """The velocity (float32, latents' shape (B, C, H, W)) at noise levels `sigmas` (B,), as QwenImagePipeline's
+        denoising loop computes it: packed latents, `img_shapes` of one frame of (H/2, W/2) patches, timestep sigma
+        (the scheduler's timestep / 1000), the prompt mask (none when no token is padding). With
+        `guidance_scale` w > 1, true CFG: comb = uncond + w * (cond - uncond), rescaled by
+        ||cond|| / ||comb|| over each packed token's channels; both branches run in one batched forward (the
+        pipeline runs two). `negative` may be a batch of one (broadcast).
+        """
+        batch, _, height, width = latents.shape
+        if sigmas.shape != (batch,):
+            raise ValueError(f"sigmas must have shape ({batch},), got {tuple(sigmas.shape)}")
+        if embeds.batch_size != batch:
+            raise ValueError(f"embeds batch {embeds.batch_size} != latents batch {batch}")
+        if height % 2 or width % 2:
+            raise ValueError(
+                f"Qwen-Image latents pack 2x2 patches: height and width must be even, got {height}x{width}"
+            )
+        dtype = compute_dtype(transformer)
+        device = latents.device
+        # the pipeline passes scheduler.timesteps (σ·1000, cast to the latents' dtype) divided by 1000
+        timestep = (sigmas.to(device=device, dtype=torch.float32) * 1000.0).to(dtype) / 1000
+        hidden, cond = pack_latents(latents.to(dtype)), embeds
+        cfg = guidance_scale > 1.0
+        if cfg:
+            if negative is None:
+                raise ValueError("guidance_scale > 1 (true CFG) needs negative embeddings (see encode_negative)")
+            cond = Conditioning.cat([negative.expand(batch), embeds])  # padded to one length
+            hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
+        prompt_embeds, mask = _trim_padding(cond)
+        pred = transformer(
+            hidden_states=hidden,
+            timestep=timestep,
+            guidance=None,
+            encoder_hidden_states_mask=None if mask is None else mask.to(device),
+            encoder_hidden_states=prompt_embeds.to(device=device, dtype=dtype),
+            img_shapes=[[(1, height // 2, width // 2)]] * hidden.shape[0],
+            return_dict=False,
+        )[0].float()
+        if cfg:
+            uncond, text = pred.chunk(2)
+            comb = uncond + guidance_scale * (text - uncond)
+            pred = comb * (torch.norm(text, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+        return unpack_latents(pred, height, width)
+
+    def mu(self, resolution: int | None = None) -> float:
+        """QwenImagePipeline's resolution-dependent shift: `calculate_shift` of the packed sequence length."""
+        _, h, w = self.latent_shape(resolution)
+        config = self._scheduler_config()
+        return calculate_shift(
+            (h // 2) * (w // 2),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+
+    def _scheduler_config(self) -> dict[str, Any]:
+        if "scheduler_config" not in self._loaded:
+            self._loaded["scheduler_config"] = self.read_json("scheduler", "scheduler_config.json")
+        return self._loaded["scheduler_config"]
+
+    def sampling_sigmas(self, num_steps: int, resolution: int | None = None) -> torch.Tensor:
+        """QwenImagePipeline's grid: σ = linspace(1, 1/N, N) through the folder's scheduler with `mu(resolution)`
+        (Qwen-Image's: exponential time shift, stretched to its shift_terminal), then 0."""
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config())
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=self.mu(resolution))
+        return scheduler.sigmas.detach().to(torch.float32).cpu().clone()
+
+    # geometry
+    @property
+    def scheduler_shift(self) -> float:
+        """The training table's shift: 1 under dynamic shifting (Qwen-Image: the table is unshifted, as diffusers'
+        Qwen-Image training script sees it), the config's `shift` otherwise."""
+        config = self._scheduler_config()
+        return 1.0 if config.get("use_dynamic_shifting", False) else float(config.get("shift", 1.0))
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """2 ** len(temperal_downsample), as QwenImagePipeline computes it (8 for Qwen-Image)."""
+        return 2 ** len(self.read_json("vae", "config.json")["temperal_downsample"])
+
+    @property
+    def patch_size(self) -> int:
+        return 2  # the pipeline's 2x2 packing
+
+    @property
+    def default_resolution(self) -> int:
+        """QwenImagePipeline's default: default_sample_size (128) x vae_scale_factor (1024 for Qwen-Image)."""
+        return _QWEN_DEFAULT_SAMPLE_SIZE * self.vae_scale_factor
+
+    def latent_shape(self, resolution: int | None = None) -> tuple[int, int, int]:
+        """(z_dim, h, w) of the latents of a square image, without the VAE's frame axis."""
+        resolution = resolution or self.default_resolution
+        multiple = self.vae_scale_factor * self.patch_size
+        if resolution % multiple != 0:
+            raise ValueError(f"resolution {resolution} must be a multiple of {multiple} (VAE factor x 2x2 packing)")
+        side = resolution // self.vae_scale_factor
+        return int(self.read_json("vae", "config.json")["z_dim"]), side, side
+
+
+def _trim_padding(cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`prompt_embeds` and `prompt_embeds_mask` without the trailing columns that are padding in every row; the mask
+    is None when no padding is left (what QwenImagePipeline.encode_prompt passes for such a batch)."""
+    embeds, mask = cond["prompt_embeds"], cond["prompt_embeds_mask"]
+    valid = mask.bool()
+    if bool(valid.all()):
+        return embeds, None
+    length = int(valid.any(dim=0).nonzero().max()) + 1 if bool(valid.any()) else embeds.shape[1]
+    embeds, valid = embeds[:, :length], valid[:, :length]
+    return embeds, None if bool(valid.all()) else valid
