@@ -33,7 +33,6 @@ def test_geometry_read_from_folder(config):
     assert config.latent_shape(64) == (4, 16, 16)
     with pytest.raises(ValueError, match="multiple of 8"):
         config.latent_shape(36)
-    assert config.audio_latent_shape() is None  # an image family: one latent per sample
 
 
 def test_load_transformer_from_pipeline_or_transformer_folder(config, tiny_pipeline_dir, tmp_path):
