@@ -347,7 +347,13 @@ class LTX2PipelineConfig(SD3PipelineConfig):
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config())
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=self.mu(resolution))
-        return scheduler.sigmas.detach().to(torch.float32).cpu().clone()
+        sigmas = scheduler.sigmas.detach().to(torch.float32).cpu().clone()
+        if not torch.isfinite(sigmas).all():  # shift_terminal stretches the grid to end there: 1 step cannot
+            raise ValueError(
+                f"{num_steps} step(s) give no finite σ grid with this folder's scheduler "
+                f"(shift_terminal={self._scheduler_config().get('shift_terminal')}); use --diffusion-num-steps >= 2"
+            )
+        return sigmas
 
     # geometry
     @property

@@ -4,7 +4,8 @@ vocoder, the audio-video transformer), seeded random weights, float32, eval mode
 
 The video VAE compresses 8x in time like LTX-2's and 16x in space (LTX-2: 32x), the audio latents are LTX-2's 25 per
 second, so the pipeline's default 121 frames at 24 fps give 16 latent frames of 2x2 at 32 px and 126 audio latent
-frames: under 200 transformer tokens in all. The vocoder plays 8 kHz mono.
+frames: under 200 transformer tokens in all. The vocoder plays 48 kHz mono (AAC's 1024-sample frames then pad the
+mp4's sound by under a video frame).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ VIDEO_LATENT_CHANNELS = 8
 AUDIO_LATENT_CHANNELS = 2
 MEL_BINS = 16  # 4 latent mel bins (the audio VAE compresses mel bins 4x)
 AUDIO_SAMPLE_RATE, MEL_HOP_LENGTH = 16000, 160  # 100 mel frames per second, 25 audio latents per second
-VOCODER_RATE = 8000  # 100 mel frames per second x 80 (the vocoder's upsampling) samples
+VOCODER_RATE = 48000  # 100 mel frames per second x 480 (the vocoder's upsampling) samples
 
 
 def build_gemma_tokenizer(words: tuple[str, ...] = SHAPES_WORDS) -> GemmaTokenizer:
@@ -164,8 +165,8 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         in_channels=audio_vae.config.output_channels * MEL_BINS,
         hidden_channels=16,
         out_channels=1,
-        upsample_kernel_sizes=[8, 8, 10],
-        upsample_factors=[4, 4, 5],  # 80 samples per mel frame
+        upsample_kernel_sizes=[16, 12, 20],
+        upsample_factors=[8, 6, 10],  # 480 samples per mel frame
         resnet_kernel_sizes=[3],
         resnet_dilations=[[1, 3]],
         leaky_relu_negative_slope=0.1,
