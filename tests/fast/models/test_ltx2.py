@@ -89,7 +89,11 @@ def test_generated_sample_mp4_has_its_frames_and_audio_as_long_as_the_video(tiny
     # the vocoder's waveform lasts as long as the video to within a frame (126 audio latents for 121 frames)
     assert abs(result.audio.shape[-1] / result.sample_rate - 121 / 24.0) <= 1 / 24.0
     paths = save_media(
-        str(tmp_path), "rollout_0000000", result.images, fps=result.fps, audio=result.audio,
+        str(tmp_path),
+        "rollout_0000000",
+        result.images,
+        fps=result.fps,
+        audio=result.audio,
         sample_rate=result.sample_rate,
     )
     with av.open(paths[0]) as container:
