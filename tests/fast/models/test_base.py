@@ -34,7 +34,9 @@ def test_folder_without_model_index_error_names_path(tmp_path):
 
 def test_unknown_pipeline_class_lists_known_families(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
-    with pytest.raises(ValueError, match=r"WanPipeline.*flux \(FluxPipeline\), sd3 \(StableDiffusion3Pipeline\)"):
+    with pytest.raises(
+        ValueError, match=r"WanPipeline.*flux \(FluxPipeline\), ltx2 \(LTX2Pipeline\), sd3 \(StableDiffusion3Pipeline\)"
+    ):
         get_train_pipeline_config(str(tmp_path))
 
 
