@@ -10,7 +10,7 @@ then the audio latent flattened. `predict_velocity` splits it, packs both stream
 runs the transformer once (twice under CFG, batched) and joins the two velocities; the noise of a sample is drawn
 as the pipeline draws it (the video latent, then the audio latent, from the sample's generator: `draw_noise`).
 The engine, the SDE kernels, the losses and the trainer see one latent, so the per-step log-prob of a sample covers
-both streams (see docs/user-guide/models.md, "LTX-2").
+both streams (docs/user-guide/customization.md, "LTX-2 notes").
 
 Guidance is the pipeline's default path without its extra forwards: CFG in x0 space (delta form) with the same
 scale for both streams, then guidance rescale (the pipeline's default 0.7, per stream); spatio-temporal guidance
