@@ -101,6 +101,10 @@ def check_startup(args: argparse.Namespace) -> None:
         from miles.models.base import load_family_class
 
         load_family_class(args.train_pipeline_config_path)
+    if args.hf_checkpoint:  # the family's own checks of the run's flags (e.g. a loss type it cannot train)
+        from miles.models.base import get_train_pipeline_config
+
+        get_train_pipeline_config(args.hf_checkpoint, args.model_family).check_run_args(args)
     for role in training_order(args):
         get_loss_hooks(args, role)
     if not args.train_only:

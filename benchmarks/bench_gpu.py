@@ -293,7 +293,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--warmup", type=int, default=2, help="Untimed steps first.")
     parser.add_argument("--steps", type=int, default=5, help="Timed steps (the median is reported).")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (only sensible with --preset tiny).")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="The GPU's dense bf16 peak, if not in the table.")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="The GPU's dense bf16 peak, if not in the table."
+    )
     parser.add_argument("--rl-pipeline", default=None, help="A local pipeline folder: also time a whole RL iteration.")
     parser.add_argument("--rl-rollouts", type=int, default=3, help="Rollouts of the RL iteration run.")
     parser.add_argument("--rl-args", default="", help="Extra train_diffusion.py arguments for the RL run (one string).")

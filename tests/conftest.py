@@ -65,6 +65,16 @@ def tiny_qwen_image_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_ltx2_dir(tmp_path_factory):
+    """A tiny LTX-2-architecture (joint audio-video) pipeline folder, built offline once per session."""
+    from miles.models.tiny_ltx2 import save_tiny_ltx2_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_ltx2") / "pipeline"
+    save_tiny_ltx2_pipeline(str(path), seed=0)
+    return str(path)
+
+
 def _same_layout(pipe: Any, latents: Any, resolution: int) -> Any:
     return latents
 
@@ -75,6 +85,30 @@ def _flux_unpacked(pipe: Any, latents: Any, resolution: int) -> Any:
 
 def _qwen_image_unpacked(pipe: Any, latents: Any, resolution: int) -> Any:
     return pipe._unpack_latents(latents, resolution, resolution, pipe.vae_scale_factor)[:, :, 0]  # one frame
+
+
+def _ltx2_joint(pipe: Any, latents: Any, resolution: int, num_frames: int = 121) -> Any:
+    """LTX2Pipeline's (video, audio) latents -> the ltx2 family's joint (B, D) latent: the loop's packed, normalized
+    latents (what its schedulers step) or __call__'s unpacked, denormalized output (output_type="latent")."""
+    import torch
+
+    video, audio = latents
+    mel_bins = pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
+    if video.ndim == 3:  # the denoising loop's state
+        frames = (num_frames - 1) // pipe.vae_temporal_compression_ratio + 1
+        side = resolution // pipe.vae_spatial_compression_ratio
+        patch, patch_t = pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size
+        video = pipe._unpack_latents(video, frames, side, side, patch, patch_t)
+        audio = pipe._unpack_audio_latents(audio, audio.shape[1], num_mel_bins=mel_bins)
+    else:  # __call__'s output
+        video = pipe._normalize_latents(
+            video, pipe.vae.latents_mean, pipe.vae.latents_std, pipe.vae.config.scaling_factor
+        )
+        tokens = pipe._normalize_audio_latents(
+            pipe._pack_audio_latents(audio), pipe.audio_vae.latents_mean, pipe.audio_vae.latents_std
+        )
+        audio = pipe._unpack_audio_latents(tokens, audio.shape[2], num_mel_bins=mel_bins)
+    return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
 
 
 @dataclass(frozen=True)
@@ -91,6 +125,12 @@ class FamilyCase:
     resolution: int = 32
     # one run of every loss type at dp 2; off where another test already runs them on the same family code
     loss_runs: bool = True
+    num_frames: int | None = None  # video families: frames per sample (the pipeline's num_frames)
+    # the pipeline output's latents, as to_family_latents takes them
+    output_latents: Callable[[Any], Any] = lambda output: output.images
+    scheduler_steps: int = 1  # scheduler.step calls per denoising step (LTX-2: video, then audio); > 1: tuples
+    run_args: tuple[str, ...] = ()  # flags of every whole run of this case (e.g. a small --resolution)
+    sft: bool = True  # sft_loss runs; False: it is refused at start-up
 
 
 FAMILY_CASES = [
@@ -136,6 +176,27 @@ FAMILY_CASES = [
         lambda w: {"true_cfg_scale": w, **({"negative_prompt": ""} if w > 1 else {})},
         _qwen_image_unpacked,
         call_kwargs={},
+    ),
+    # joint audio-video latents; the pipeline run without STG and modality guidance (which miles does not run)
+    FamilyCase(
+        "ltx2",
+        "ltx2",
+        "tiny_ltx2_dir",
+        "LTX2Pipeline",
+        lambda w: {
+            "guidance_scale": w,
+            "audio_guidance_scale": w,
+            "stg_scale": 0.0,
+            "audio_stg_scale": 0.0,
+            "modality_scale": 1.0,
+            "audio_modality_scale": 1.0,
+            "spatio_temporal_guidance_blocks": None,
+        },
+        _ltx2_joint,
+        num_frames=121,
+        output_latents=lambda output: (output.frames, output.audio),
+        scheduler_steps=2,
+        sft=False,
     ),
 ]
 

@@ -80,6 +80,11 @@ class TrainPipelineConfig(ABC):
             self._loaded[key] = self.encode_prompts([negative_prompt], device=device)
         return self._loaded[key].expand(batch_size)
 
+    def check_run_args(self, args: Any) -> None:
+        """Start-up checks of a run's flags against this folder, before any actor starts (the driver calls it);
+        raise ValueError naming the flag. Default: none."""
+        return None
+
     def drop_cached_negatives(self) -> None:
         """Forget encode_negative's cache (after reloading the text encoders)."""
         self._loaded = {k: v for k, v in self._loaded.items() if not (isinstance(k, tuple) and k[0] == "negative")}
@@ -134,9 +139,11 @@ class TrainPipelineConfig(ABC):
     def latent_shape(self, resolution: int | None = None) -> tuple[int, ...]:
         """One sample's latent without the batch dimension: (C, H, W) for images, (C, F, H, W) for video."""
 
-    def audio_latent_shape(self, resolution: int | None = None) -> tuple[int, ...] | None:
-        """A second, audio latent per sample (joint audio-video families), or None: this family has none."""
-        return None
+    def draw_noise(self, generator: torch.Generator, resolution: int | None = None) -> torch.Tensor:
+        """One sample's standard normal latent (`latent_shape`) drawn from `generator`, as the family's pipeline
+        draws its initial latents (what the engine's seeded noise goes through). Default: one `torch.randn`; a
+        family whose latent joins several pipeline latents (LTX-2: video then audio) draws them in its order."""
+        return torch.randn(self.latent_shape(resolution), generator=generator)
 
 
 def compute_dtype(network: nn.Module) -> torch.dtype:

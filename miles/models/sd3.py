@@ -87,7 +87,7 @@ class SD3PipelineConfig(TrainPipelineConfig):
         (out / "transformer").mkdir(parents=True)
         shutil.copy2(src / "transformer" / "config.json", out / "transformer" / "config.json")
         state = {
-            k: v.detach().to(device="cpu", dtype=dtype or source_dtypes[k]).contiguous()
+            k: _owning(v.detach().to(device="cpu", dtype=dtype or source_dtypes[k]).contiguous())
             for k, v in transformer_state_dict.items()
         }
         save_torch_state_dict(state, str(out / "transformer"), filename_pattern=_WEIGHTS_NAME)
@@ -258,6 +258,14 @@ class SD3PipelineConfig(TrainPipelineConfig):
         channels = int(self.read_json("vae", "config.json")["latent_channels"])
         side = resolution // self.vae_scale_factor
         return channels, side, side
+
+
+def _owning(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied when it is a view into a larger storage: a gathered FSDP2 parameter whose first dimension
+    the shards padded is one (e.g. LTX-2's (5, D) scale-shift tables at dp 2), and safetensors refuses to save it."""
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        return tensor.clone()
+    return tensor
 
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {

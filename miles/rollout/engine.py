@@ -5,7 +5,9 @@ built-in implementation that denoises with a model family's networks and records
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -220,10 +222,6 @@ class DiffusionEngine:
         `GenerateResult` for what comes back."""
         family, batch = self.family, len(request.prompts)
         shape = family.latent_shape(request.resolution)
-        if family.audio_latent_shape(request.resolution) is not None:
-            raise NotImplementedError(
-                f"{family.name} has a second (audio) latent; the built-in engine denoises one latent per sample"
-            )
         shift = family.scheduler_shift if request.shift is None else request.shift
         if request.sde_type == "renoise":
             sigmas = renoise_sigmas(request.num_steps, shift)
@@ -238,7 +236,13 @@ class DiffusionEngine:
             if request.guidance_scale > 1.0 or request.return_negative  # scale 1 is the conditional branch alone
             else None
         )
-        noise = draw_sample_noise(request.seeds, request.num_steps, shape, request.initial_seeds).to(self.device)
+        noise = draw_sample_noise(
+            request.seeds,
+            request.num_steps,
+            shape,
+            request.initial_seeds,
+            draw=functools.partial(family.draw_noise, resolution=request.resolution),
+        ).to(self.device)
         x = noise[:, 0].contiguous()
         kernel, ode = get_sde_kernel(request.sde_type), get_sde_kernel("ode")
         trained = set(request.trained_steps)
@@ -285,19 +289,30 @@ class DiffusionEngine:
 
 
 def draw_sample_noise(
-    seeds: list[int], num_steps: int, shape: tuple[int, ...], initial_seeds: list[int] | None = None
+    seeds: list[int],
+    num_steps: int,
+    shape: tuple[int, ...],
+    initial_seeds: list[int] | None = None,
+    draw: Callable[[torch.Generator], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """(B, num_steps + 1, *shape) float32 CPU: per sample, from `torch.Generator().manual_seed(seed)`, the initial
     latent then one draw per step, in that order. A sample's noise depends on its seed only, never on its
     batch-mates or on which steps are trained (`ode` steps draw and ignore theirs). With `initial_seeds`, row i's
-    initial latent is the first draw of `initial_seeds[i]` instead; its step noise stays that of `seeds[i]`."""
+    initial latent is the first draw of `initial_seeds[i]` instead; its step noise stays that of `seeds[i]`.
+
+    `draw(generator)` makes one draw of `shape` (the family's `draw_noise`); default `torch.randn(shape)`."""
+    if draw is None:
+
+        def draw(generator: torch.Generator) -> torch.Tensor:
+            return torch.randn(shape, generator=generator)
+
     out = torch.empty(len(seeds), num_steps + 1, *shape)
     for row, seed in enumerate(seeds):
         generator = torch.Generator().manual_seed(int(seed))
         for i in range(num_steps + 1):
-            out[row, i] = torch.randn(shape, generator=generator)
+            out[row, i] = draw(generator)
         if initial_seeds is not None:
-            out[row, 0] = torch.randn(shape, generator=torch.Generator().manual_seed(int(initial_seeds[row])))
+            out[row, 0] = draw(torch.Generator().manual_seed(int(initial_seeds[row])))
     return out
 
 

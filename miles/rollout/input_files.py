@@ -25,7 +25,9 @@ def check_model_index(folder: str | None, flag: str) -> None:
         raise InputFileError(f"{flag} {folder}: not a folder (a local pipeline or transformer folder)")
     path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(path):
-        if not any(os.path.isfile(os.path.join(folder, *p)) for p in (("config.json",), ("transformer", "config.json"))):
+        if not any(
+            os.path.isfile(os.path.join(folder, *p)) for p in (("config.json",), ("transformer", "config.json"))
+        ):
             raise InputFileError(
                 f"{flag} {folder}: holds neither model_index.json (a pipeline) nor config.json / "
                 "transformer/config.json (a transformer)"

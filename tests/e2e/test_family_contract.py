@@ -55,9 +55,10 @@ LOSS_RUNS = {
 
 
 def run(case, path, out, *extra):
-    """A run of `case` at its resolution (Qwen-Image's default is the pipeline's 128 latents per side)."""
-    args = ["--hf-checkpoint", path, "--resolution", str(case.resolution), *TINY, "--output-dir", str(out), *extra]
-    train_diffusion.run(parse_args(args))
+    """A run of `case` at its resolution (Qwen-Image's default is the pipeline's 128 latents per side) with its own
+    flags (`FamilyCase.run_args`)."""
+    args = ["--hf-checkpoint", path, "--resolution", str(case.resolution), *TINY, *case.run_args]
+    train_diffusion.run(parse_args([*args, "--output-dir", str(out), *extra]))
     return [m for m in read_metrics(os.path.join(out, "metrics.jsonl")) if m.get("role") in ("actor", "critic")]
 
 
@@ -86,7 +87,7 @@ def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, family_
         return
     pipe = getattr(diffusers, case.pipeline_class).from_pretrained(str(hf), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
-    image = pipe(
+    output = pipe(
         "two red circles",
         num_inference_steps=2,
         height=case.resolution,
@@ -94,8 +95,14 @@ def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, family_
         generator=torch.Generator().manual_seed(0),
         output_type="np",
         **case.call_kwargs,
-    ).images[0]
-    assert image.shape == (case.resolution, case.resolution, 3) and np.isfinite(image).all() and image.std() > 0
+    )
+    frames = () if case.num_frames is None else (case.num_frames,)
+    image = (output.images if case.num_frames is None else output.frames)[0]
+    assert image.shape == (*frames, case.resolution, case.resolution, 3)
+    assert np.isfinite(image).all() and image.std() > 0
+    if getattr(output, "audio", None) is not None:  # joint audio-video families
+        audio = torch.as_tensor(output.audio[0]).float()
+        assert audio.ndim == 2 and torch.isfinite(audio).all() and audio.std() > 0
 
 
 @pytest.mark.parametrize("case", LOSS_CASES, ids=[case.id for case in LOSS_CASES])
@@ -107,6 +114,10 @@ def test_every_loss_type_runs_at_dp_size_2(ray_cluster, request, tmp_path, case,
         extra[-4:-4] = ["--prompt-data", str(write_shapes_jsonl(tmp_path / "shapes.jsonl", 4, seed=0))]
     if loss_type == "dmd2":
         extra += ["--teacher-load", path]
+    if loss_type == "sft_loss" and not case.sft:  # refused at start-up, before Ray and any actor
+        with pytest.raises(ValueError, match="sft_loss is not supported"):
+            run(case, path, tmp_path / "run", "--loss-type", loss_type, *extra)
+        return
     windows = run(case, path, tmp_path / "run", "--loss-type", loss_type, *extra)
     assert windows and all(np.isfinite(m["train/loss"]) for m in windows), windows
     if loss_type == "dmd2":

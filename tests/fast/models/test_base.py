@@ -36,7 +36,8 @@ def test_unknown_pipeline_class_lists_known_families(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
     with pytest.raises(
         ValueError,
-        match=r"WanPipeline.*flux \(FluxPipeline\), qwen-image \(QwenImagePipeline\), sd3 \(StableDiffusion3Pipeline\)",
+        match=r"WanPipeline.*flux \(FluxPipeline\), ltx2 \(LTX2Pipeline\), qwen-image \(QwenImagePipeline\), "
+        r"sd3 \(StableDiffusion3Pipeline\)",
     ):
         get_train_pipeline_config(str(tmp_path))
 

@@ -54,9 +54,13 @@ def run_pipeline(case, path, guidance, num_steps):
             output_type="latent",
             **case.cfg_kwargs(guidance),
             **case.call_kwargs,
-        ).images
+        )
     finally:
         del pipe.scheduler.step
+    latents = case.output_latents(latents)
+    if case.scheduler_steps > 1:  # one step of each stream's scheduler per denoising step: group them
+        n = case.scheduler_steps
+        steps = [tuple(zip(*steps[i : i + n])) for i in range(0, len(steps), n)]
     unpack = functools.partial(case.to_family_latents, pipe, resolution=case.resolution)
     return unpack(latents), [(unpack(v), unpack(x)) for v, x in steps], pipe.scheduler.sigmas.float().clone()
 
@@ -107,7 +111,8 @@ def test_engine_ode_sampling_reproduces_the_pipeline(family_case, guidance):
     assert torch.equal(result.sigmas, sigmas), (result.sigmas, sigmas)  # the pipeline's grid (FLUX: shifted by mu)
     assert result.final_latents.shape == expected.shape
     assert (result.final_latents - expected.float()).abs().max().item() <= TOLERANCE
-    assert result.images.shape == (len(PROMPTS), case.resolution, case.resolution, 3)
+    frames = () if case.num_frames is None else (case.num_frames,)
+    assert result.images.shape == (len(PROMPTS), *frames, case.resolution, case.resolution, 3)
 
 
 # the adapter depends on the family (its targets, its pipeline class), not on the configuration: one case per family

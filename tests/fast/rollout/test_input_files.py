@@ -45,7 +45,9 @@ def test_missing_or_empty_model_folders_fail_before_any_rank_loads_them(pipeline
 def test_an_unknown_builtin_checkpoint_names_the_known_ones():
     from miles.models.builtin import resolve_checkpoint
 
-    with pytest.raises(ValueError, match=r"unknown built-in checkpoint 'builtin:tiny_shapes'; known: builtin:tiny-shapes"):
+    with pytest.raises(
+        ValueError, match=r"unknown built-in checkpoint 'builtin:tiny_shapes'; known: builtin:tiny-shapes"
+    ):
         resolve_checkpoint("builtin:tiny_shapes")
 
 
