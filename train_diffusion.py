@@ -91,16 +91,18 @@ def is_due(rollout_id: int, interval: int | None, last: int) -> bool:
 
 
 def check_startup(args: argparse.Namespace) -> None:
-    """Before Ray and any actor: every path flag loads with the right signature, the loss type has its entries."""
+    """Before Ray and any actor: every path flag loads with the right signature, the family accepts its options
+    and the run's flags, the loss type has its entries."""
     from miles.backends.fsdp_utils.loss_hub import get_loss_hooks
+    from miles.models.base import family_options, get_train_pipeline_config, load_family_class
     from miles.rollout.rollout_hub import get_rollout_spec
     from miles.utils.hook_paths import load_path_flags
 
     load_path_flags(args)
     if args.train_pipeline_config_path:
-        from miles.models.base import load_family_class
-
         load_family_class(args.train_pipeline_config_path)
+    # the family's options (--num-frames, ...) against the folder, and its own checks of the run's flags
+    get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args)).check_run_args(args)
     for role in training_order(args):
         get_loss_hooks(args, role)
     if not args.train_only:

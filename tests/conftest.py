@@ -55,6 +55,26 @@ def tiny_flux_schnell_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_wan_dir(tmp_path_factory):
+    """A tiny Wan 2.1-style (one expert) pipeline folder, built offline once per session."""
+    from miles.models.tiny_wan import save_tiny_wan_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_wan") / "pipeline"
+    save_tiny_wan_pipeline(str(path), seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_2_experts_dir(tmp_path_factory):
+    """A tiny Wan 2.2-A14B-style (two experts, boundary ratio 0.875) pipeline folder, built once per session."""
+    from miles.models.tiny_wan import save_tiny_wan_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_wan_2_experts") / "pipeline"
+    save_tiny_wan_pipeline(str(path), seed=1, two_experts=True)
+    return str(path)
+
+
 def _same_layout(pipe: Any, latents: Any, resolution: int) -> Any:
     return latents
 
@@ -77,6 +97,22 @@ class FamilyCase:
     resolution: int = 32
     # one run of every loss type at dp 2; off where another test already runs them on the same family code
     loss_runs: bool = True
+    num_frames: int | None = None  # video families: frames per sample (the pipeline's num_frames)
+    family_options: dict[str, Any] = field(default_factory=dict)  # get_train_pipeline_config / engine options
+    run_args: tuple[str, ...] = ()  # flags of the whole runs that give the same options
+    output_attr: str = "images"  # the pipeline output's field holding the media (video pipelines: "frames")
+
+    @property
+    def pipeline_kwargs(self) -> dict[str, Any]:
+        """Size kwargs of the pipeline's __call__ plus `call_kwargs`."""
+        frames = {} if self.num_frames is None else {"num_frames": self.num_frames}
+        return {"height": self.resolution, "width": self.resolution, **frames, **self.call_kwargs}
+
+    @property
+    def media_shape(self) -> tuple[int, ...]:
+        """One decoded sample, channels last: (H, W, 3) images or (F, H, W, 3) frames."""
+        frames = () if self.num_frames is None else (self.num_frames,)
+        return (*frames, self.resolution, self.resolution, 3)
 
 
 FAMILY_CASES = [
@@ -112,6 +148,33 @@ FAMILY_CASES = [
         lambda w: {"true_cfg_scale": w, "negative_prompt": "", "guidance_scale": 0.0},
         _flux_unpacked,
         loss_runs=False,
+    ),
+    FamilyCase(
+        "wan",
+        "wan",
+        "tiny_wan_dir",
+        "WanPipeline",
+        lambda w: {"guidance_scale": w},
+        _same_layout,
+        num_frames=5,
+        family_options={"num_frames": 5},
+        run_args=("--resolution", "32", "--num-frames", "5"),
+        output_attr="frames",
+    ),
+    # Wan 2.2 A14B layout: the steps route to both experts, the low-noise one guided by its own scale; its loss
+    # types run through the same code as wan's but for the routing, which the parity runs cover
+    FamilyCase(
+        "wan-2-experts",
+        "wan",
+        "tiny_wan_2_experts_dir",
+        "WanPipeline",
+        lambda w: {"guidance_scale": w, "guidance_scale_2": 2.0},
+        _same_layout,
+        loss_runs=False,
+        num_frames=5,
+        family_options={"num_frames": 5, "guidance_scale_2": 2.0},
+        run_args=("--resolution", "32", "--num-frames", "5", "--diffusion-guidance-scale-2", "2.0"),
+        output_attr="frames",
     ),
 ]
 

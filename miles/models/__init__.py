@@ -1,9 +1,10 @@
 """Model families (ARCHITECTURE §3): importing this package registers the built-in ones."""
 
-from miles.models import flux, sd3  # noqa: F401  (fill TRAIN_PIPELINE_CONFIGS)
+from miles.models import flux, sd3, wan  # noqa: F401  (fill TRAIN_PIPELINE_CONFIGS)
 from miles.models.base import (
     TRAIN_PIPELINE_CONFIGS,
     TrainPipelineConfig,
+    family_options,
     get_train_pipeline_config,
     register_train_pipeline_config,
 )
@@ -11,6 +12,7 @@ from miles.models.conditioning import Conditioning
 from miles.models.flux import FluxPipelineConfig
 from miles.models.media import Media
 from miles.models.sd3 import SD3PipelineConfig
+from miles.models.wan import WanExperts, WanPipelineConfig
 
 __all__ = [
     "TRAIN_PIPELINE_CONFIGS",
@@ -19,6 +21,9 @@ __all__ = [
     "Media",
     "SD3PipelineConfig",
     "TrainPipelineConfig",
+    "WanExperts",
+    "WanPipelineConfig",
+    "family_options",
     "get_train_pipeline_config",
     "register_train_pipeline_config",
 ]

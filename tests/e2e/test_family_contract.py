@@ -54,8 +54,9 @@ LOSS_RUNS = {
 }
 
 
-def run(path, out, *extra):
-    train_diffusion.run(parse_args(["--hf-checkpoint", path, *TINY, "--output-dir", str(out), *extra]))
+def run(case, path, out, *extra):
+    argv = ["--hf-checkpoint", path, *TINY, *case.run_args, "--output-dir", str(out), *extra]
+    train_diffusion.run(parse_args(argv))
     return [m for m in read_metrics(os.path.join(out, "metrics.jsonl")) if m.get("role") in ("actor", "critic")]
 
 
@@ -64,6 +65,7 @@ def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, family_
     case, path = family_case
     hf = tmp_path / "hf"
     windows = run(
+        case,
         path,
         tmp_path / "run",
         "--loss-type",
@@ -83,16 +85,17 @@ def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, family_
         return
     pipe = getattr(diffusers, case.pipeline_class).from_pretrained(str(hf), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
-    image = pipe(
-        "two red circles",
-        num_inference_steps=2,
-        height=case.resolution,
-        width=case.resolution,
-        generator=torch.Generator().manual_seed(0),
-        output_type="np",
-        **case.call_kwargs,
-    ).images[0]
-    assert image.shape == (case.resolution, case.resolution, 3) and np.isfinite(image).all() and image.std() > 0
+    media = getattr(
+        pipe(
+            "two red circles",
+            num_inference_steps=2,
+            generator=torch.Generator().manual_seed(0),
+            output_type="np",
+            **case.pipeline_kwargs,
+        ),
+        case.output_attr,
+    )[0]
+    assert media.shape == case.media_shape and np.isfinite(media).all() and media.std() > 0
 
 
 @pytest.mark.parametrize("case", LOSS_CASES, ids=[case.id for case in LOSS_CASES])
@@ -104,7 +107,7 @@ def test_every_loss_type_runs_at_dp_size_2(ray_cluster, request, tmp_path, case,
         extra[-4:-4] = ["--prompt-data", str(write_shapes_jsonl(tmp_path / "shapes.jsonl", 4, seed=0))]
     if loss_type == "dmd2":
         extra += ["--teacher-load", path]
-    windows = run(path, tmp_path / "run", "--loss-type", loss_type, *extra)
+    windows = run(case, path, tmp_path / "run", "--loss-type", loss_type, *extra)
     assert windows and all(np.isfinite(m["train/loss"]) for m in windows), windows
     if loss_type == "dmd2":
         assert {m["role"] for m in windows} == {"actor", "critic"}

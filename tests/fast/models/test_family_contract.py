@@ -43,13 +43,12 @@ def run_pipeline(case, path, guidance, num_steps):
         latents = pipe(
             PROMPTS,
             num_inference_steps=num_steps,
-            height=case.resolution,
-            width=case.resolution,
             generator=[torch.Generator().manual_seed(s) for s in SEEDS],
             output_type="latent",
             **case.cfg_kwargs(guidance),
-            **case.call_kwargs,
-        ).images
+            **case.pipeline_kwargs,
+        )
+        latents = getattr(latents, case.output_attr)
     finally:
         del pipe.scheduler.step
     unpack = functools.partial(case.to_family_latents, pipe, resolution=case.resolution)
@@ -60,7 +59,7 @@ def run_pipeline(case, path, guidance, num_steps):
 def test_predict_velocity_is_what_the_pipeline_steps_with(family_case, guidance):
     case, path = family_case
     _, steps, sigmas = run_pipeline(case, path, guidance, num_steps=2)
-    family = get_train_pipeline_config(path)
+    family = get_train_pipeline_config(path, **case.family_options)
     assert family.name == case.family
     transformer = family.load_transformer()
     embeds = family.encode_prompts(PROMPTS)
@@ -85,7 +84,7 @@ def test_engine_ode_sampling_reproduces_the_pipeline(family_case, guidance):
     case, path = family_case
     num_steps = 4
     expected, _, sigmas = run_pipeline(case, path, guidance, num_steps=num_steps)
-    engine = DiffusionEngine(path)
+    engine = DiffusionEngine(path, family_options=case.family_options)
     result = engine.generate(
         GenerateRequest(
             prompts=PROMPTS,
@@ -102,4 +101,4 @@ def test_engine_ode_sampling_reproduces_the_pipeline(family_case, guidance):
     assert torch.equal(result.sigmas, sigmas), (result.sigmas, sigmas)  # the pipeline's grid (FLUX: shifted by mu)
     assert result.final_latents.shape == expected.shape
     assert (result.final_latents - expected.float()).abs().max().item() <= TOLERANCE
-    assert result.images.shape == (len(PROMPTS), case.resolution, case.resolution, 3)
+    assert result.images.shape == (len(PROMPTS), *case.media_shape)
