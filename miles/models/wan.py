@@ -80,18 +80,12 @@ class WanExperts(nn.Module):
         parts, zero = [], None
         for expert, rows in ((self.transformer, high), (self.transformer_2, ~high)):
             index = rows.nonzero().squeeze(1)
-            if index.numel() == 0:
-                if every_expert:  # keep this rank's collectives in step with the others'
-                    out = expert(hidden_states[:1], timestep[:1], encoder_hidden_states[:1], return_dict=False, **kwargs)
-                    zero = out[0].sum() * 0.0 if zero is None else zero + out[0].sum() * 0.0
-                continue
-            if index.numel() == batch:
-                out = expert(hidden_states, timestep, encoder_hidden_states, return_dict=False, **kwargs)[0]
-            else:
-                out = expert(
-                    hidden_states[index], timestep[index], encoder_hidden_states[index], return_dict=False, **kwargs
-                )[0]
-            parts.append((index, out))
+            if index.numel() == 0 and every_expert:  # keep this rank's collectives in step with the others'
+                index = index.new_zeros(1)
+                out = self._run(expert, hidden_states, timestep, encoder_hidden_states, index, kwargs)
+                zero = out.sum() * 0.0 if zero is None else zero + out.sum() * 0.0
+            elif index.numel() > 0:
+                parts.append((index, self._run(expert, hidden_states, timestep, encoder_hidden_states, index, kwargs)))
         if len(parts) == 1 and parts[0][0].numel() == batch:
             pred = parts[0][1]
         else:
@@ -99,6 +93,20 @@ class WanExperts(nn.Module):
             for index, out in parts:
                 pred = pred.index_copy(0, index, out)
         return (pred if zero is None else pred + zero,)
+
+    @staticmethod
+    def _run(expert, hidden_states, timestep, encoder_hidden_states, index, kwargs) -> torch.Tensor:
+        """The expert's output on rows `index` (all rows without a copy when they are all of them)."""
+        if index.numel() != hidden_states.shape[0]:
+            hidden_states, timestep = hidden_states[index], timestep[index]
+            encoder_hidden_states = encoder_hidden_states[index]
+        return expert(
+            hidden_states=hidden_states,
+            timestep=timestep,
+            encoder_hidden_states=encoder_hidden_states,
+            return_dict=False,
+            **kwargs,
+        )[0]
 
 
 @register_train_pipeline_config
@@ -230,10 +238,8 @@ class WanPipelineConfig(TrainPipelineConfig):
                 shutil.rmtree(out / sub)  # stale shards of an earlier save would be picked up
             (out / sub).mkdir(parents=True)
             shutil.copy2(src / sub / "config.json", out / sub / "config.json")
-            state = {
-                k: v.detach().to(device="cpu", dtype=dtype or source_dtypes[sub][k]).contiguous()
-                for k, v in states[sub].items()
-            }
+            state = {k: _own_storage(v.detach().to(device="cpu", dtype=dtype or source_dtypes[sub][k]).contiguous())
+                     for k, v in states[sub].items()}  # fmt: skip
             save_torch_state_dict(state, str(out / sub), filename_pattern=_WEIGHTS_NAME)
             for file in (out / sub).iterdir():
                 file.chmod(0o644)
@@ -441,6 +447,14 @@ class WanPipelineConfig(TrainPipelineConfig):
         frames = (self.num_frames - 1) // self.vae_scale_factor_temporal + 1
         side = resolution // self.vae_scale_factor
         return channels, frames, side, side
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied when it is a view into a larger storage (gathered FSDP state dicts hand out such views,
+    which safetensors refuses to write)."""
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        return tensor.clone()
+    return tensor
 
 
 def _checkpoint_dtypes(folder: Path) -> dict[str, torch.dtype]:
