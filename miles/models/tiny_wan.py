@@ -24,6 +24,8 @@ TINY_WAN_RESOLUTION = 32  # 4x4 latents, 2x2 patches per latent frame
 TINY_WAN_LATENT_CHANNELS = 4
 TINY_WAN_BOUNDARY_RATIO = 0.875  # Wan 2.2 A14B's text-to-video boundary
 SCHEDULER_SHIFT = 3.0
+_TARGET_MEAN = (0.5, -0.5, 0.25, -0.25)  # per-channel statistics the tiny VAE's latents are given
+_TARGET_STD = (0.8, 1.2, 1.0, 1.5)
 
 
 def _umt5_encoder(vocab_size: int, pad_token_id: int, eos_token_id: int, d_model: int) -> UMT5EncoderModel:
@@ -64,16 +66,32 @@ def _wan_vae() -> AutoencoderKLWan:
 
 @torch.no_grad()
 def _calibrate_wan_vae(vae: AutoencoderKLWan, resolution: int, generator: torch.Generator) -> None:
-    """Per-channel latents_mean / latents_std that make smooth random clips' latents zero-mean, unit-variance."""
+    """Make the random VAE's latents of smooth random clips unit-scale and record their per-channel statistics.
+
+    At random init the encoder's means come out ~0.07 wide around offsets of ~0.3: decoding normalized latents
+    would then hand the decoder nearly the same input for every sample, and nothing a policy does to its latents
+    would show in the pixels. An affine map on the mean half of `quant_conv` makes the raw latents O(1) with
+    per-channel offsets and widths (`_TARGET_MEAN`, `_TARGET_STD`), as real Wan latents are; `latents_mean` /
+    `latents_std` record what comes out, so the pipeline's per-channel normalization does real work."""
     coarse = torch.rand(8, 3, 2, 4, 4, generator=generator) * 2 - 1
     clips = torch.nn.functional.interpolate(
         coarse, size=(TINY_WAN_NUM_FRAMES, resolution, resolution), mode="trilinear"
     )
-    latents = vae.encode(clips).latent_dist.mode()  # (8, C, F, h, w)
-    per_channel = latents.transpose(0, 1).flatten(1)
+
+    def channel_stats() -> tuple[torch.Tensor, torch.Tensor]:
+        latents = vae.encode(clips).latent_dist.mode()  # (8, C, F, h, w)
+        per_channel = latents.transpose(0, 1).flatten(1)
+        return per_channel.mean(1), per_channel.std(1).clamp_min(1e-6)
+
+    mean, std = channel_stats()
+    channels = TINY_WAN_LATENT_CHANNELS
+    conv = vae.quant_conv  # (2C -> 2C) 1x1x1: the first C outputs are the posterior means
+    target_mean, target_std = torch.tensor(_TARGET_MEAN), torch.tensor(_TARGET_STD)
+    conv.weight[:channels] *= (target_std / std).view(channels, 1, 1, 1, 1)
+    conv.bias[:channels] = (conv.bias[:channels] - mean) * target_std / std + target_mean
+    mean, std = channel_stats()
     vae.register_to_config(
-        latents_mean=[round(float(v), 6) for v in per_channel.mean(1)],
-        latents_std=[round(float(v), 6) for v in per_channel.std(1).clamp_min(1e-6)],
+        latents_mean=[round(float(v), 6) for v in mean], latents_std=[round(float(v), 6) for v in std]
     )
 
 
