@@ -96,13 +96,20 @@ def check_startup(args: argparse.Namespace) -> None:
     from miles.backends.fsdp_utils.loss_hub import get_loss_hooks
     from miles.models.base import family_options, get_train_pipeline_config, load_family_class
     from miles.rollout.rollout_hub import get_rollout_spec
+    from miles.utils.eval_arguments import eval_enabled
     from miles.utils.hook_paths import load_path_flags
 
     load_path_flags(args)
     if args.train_pipeline_config_path:
         load_family_class(args.train_pipeline_config_path)
     # the family's options (--num-frames, ...) against the folder, and its own checks of the run's flags
-    get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args)).check_run_args(args)
+    family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
+    family.check_run_args(args)
+    if eval_enabled(args) and not args.eval_function_path and len(family.latent_shape(args.resolution)) != 3:
+        raise ValueError(
+            f"the built-in shapes eval scores images, and {family.name} makes video: pass --eval-interval 0 or your "
+            "own --eval-function-path"
+        )
     for role in training_order(args):
         get_loss_hooks(args, role)
     if not args.train_only:

@@ -159,7 +159,12 @@ class RolloutManager:
             from miles.rollout.image_grid import save_image_grid
 
             path = os.path.join(args.output_dir, "images", f"rollout_{rollout_id:07d}.png")
-            save_image_grid(result.images, path, columns=args.n_samples_per_prompt)
+            if result.images.ndim == 5:  # (B, F, H, W, 3) frames: grids are made of images
+                if not getattr(self, "_video_grid_logged", False):  # once per run
+                    logger.info("--image-grid-interval: %s makes video; no image grid is written", self.family.name)
+                    self._video_grid_logged = True
+            else:
+                save_image_grid(result.images, path, columns=args.n_samples_per_prompt)
         return pairs
 
     def _collect(self, rollout_id: int) -> tuple[list[Sample], Any, Any, int]:

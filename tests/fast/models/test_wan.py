@@ -143,3 +143,20 @@ def test_latent_geometry_and_video_media(tiny_wan_dir):
     media = family.decode_latents(still)
     assert isinstance(media, Media) and media.is_video and media.fps == 16.0
     assert media.pixels.shape == (2, 5, 3, 32, 32) and 0.0 <= float(media.pixels.min()) <= float(media.pixels.max())
+
+
+def test_startup_refuses_what_a_wan_run_cannot_do(tiny_wan_dir, tiny_wan_2_experts_dir):
+    """The driver's start-up check, before Ray: the family's options and checks, and the image-only shapes eval."""
+    import train_diffusion
+    from miles.utils.arguments import parse_args
+
+    def check(path, *flags):
+        train_diffusion.check_startup(parse_args(["--hf-checkpoint", path, "--num-frames", "5", *flags]))
+
+    check(tiny_wan_2_experts_dir, "--loss-type", "nft", "--eval-interval", "0", "--wan-trained-experts", "low-noise")
+    with pytest.raises(ValueError, match="--use-lora with a two-expert Wan folder"):
+        check(tiny_wan_2_experts_dir, "--eval-interval", "0", "--use-lora")
+    with pytest.raises(ValueError, match="--wan-trained-experts high-noise: .* has one expert"):
+        check(tiny_wan_dir, "--eval-interval", "0", "--wan-trained-experts", "high-noise")
+    with pytest.raises(ValueError, match="shapes eval scores images, and wan makes video"):
+        check(tiny_wan_dir, "--loss-type", "nft")  # nft on builtin:shapes evaluates by default
