@@ -91,6 +91,7 @@ class TrainPipelineConfig(ABC):
     def check_run_args(self, args: Any) -> None:
         """Start-up checks of a run's flags against this folder, before any actor starts (the driver calls it);
         raise ValueError naming the flag. Default: none."""
+        return None
 
     def drop_cached_negatives(self) -> None:
         """Forget encode_negative's cache (after reloading the text encoders)."""

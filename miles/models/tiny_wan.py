@@ -144,5 +144,7 @@ def save_tiny_wan_pipeline(path: str, seed: int = 0, *, two_experts: bool = Fals
     Path(path).mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path, safe_serialization=True)
     strip_name_or_path(path)
-    logger.info("wrote tiny Wan pipeline (%s, seed %d) to %s", "two experts" if two_experts else "one expert", seed, path)
+    logger.info(
+        "wrote tiny Wan pipeline (%s, seed %d) to %s", "two experts" if two_experts else "one expert", seed, path
+    )
     return path

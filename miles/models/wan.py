@@ -42,9 +42,9 @@ _WAN_MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default max_sequence_le
 WAN_DEFAULT_NUM_FRAMES = 81  # WanPipeline.__call__'s default
 WAN_DEFAULT_RESOLUTION = 480  # WanPipeline's default height (miles samples square frames)
 WAN_FPS = 16  # the frame rate Wan 2.1 / 2.2 A14B videos are exported at (diffusers' examples: export_to_video(fps=16))
+WAN_TI2V_FPS = 24  # Wan 2.2 TI2V-5B's (the expand_timesteps layout): 121 frames for 5 s
 HIGH_NOISE, LOW_NOISE = "transformer", "transformer_2"
 TRAINED_EXPERTS = ("both", "high-noise", "low-noise")
-_EXPERT_OF = {"high-noise": HIGH_NOISE, "low-noise": LOW_NOISE}
 
 
 class WanExperts(nn.Module):
@@ -184,7 +184,9 @@ class WanPipelineConfig(TrainPipelineConfig):
         root = Path(path or self.path)
         if not (root / "transformer" / "config.json").is_file():
             if self.two_experts or not (root / "config.json").is_file():
-                need = "transformer/ and transformer_2/" if self.two_experts else "transformer/config.json or config.json"
+                need = (
+                    "transformer/ and transformer_2/" if self.two_experts else "transformer/config.json or config.json"
+                )
                 raise FileNotFoundError(f"{root} holds no {need} (a WanTransformer3DModel)")
             return self._load_one(root, None, dtype)
         first = self._load_one(root, HIGH_NOISE, dtype)
@@ -326,14 +328,14 @@ class WanPipelineConfig(TrainPipelineConfig):
 
     @torch.no_grad()
     def decode_latents(self, x0: torch.Tensor) -> Media:
-        """Frames (B, F, 3, H, W) in [0, 1] at 16 fps from normalized latents (B, C, F', H', W'): the pipeline's
+        """Frames (B, F, 3, H, W) in [0, 1] at `fps` from normalized latents (B, C, F', H', W'): the pipeline's
         latents * latents_std + latents_mean, the VAE decode, then x / 2 + 0.5 clamped (its video processor)."""
         vae = self._vae()
         z = x0.to(device=vae.device, dtype=vae.dtype)
         mean, std = self._vae_normalization(vae, z)
         video = vae.decode(z * std + mean, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
         frames = (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
-        return Media(frames, fps=float(WAN_FPS))
+        return Media(frames, fps=float(self.fps))
 
     # the flow
     def predict_velocity(
@@ -432,6 +434,11 @@ class WanPipelineConfig(TrainPipelineConfig):
         return tuple(self.read_json("transformer", "config.json").get("patch_size", (1, 2, 2)))
 
     @property
+    def fps(self) -> int:
+        """Frame rate of the decoded clips: 16 (Wan 2.1, Wan 2.2 A14B), 24 for Wan 2.2 TI2V-5B (expand_timesteps)."""
+        return WAN_TI2V_FPS if self.expand_timesteps else WAN_FPS
+
+    @property
     def default_resolution(self) -> int:
         """480: WanPipeline's default height (its default frame is 480x832; miles samples square frames)."""
         return WAN_DEFAULT_RESOLUTION
@@ -467,4 +474,3 @@ def _checkpoint_dtypes(folder: Path) -> dict[str, torch.dtype]:
             for key in f.keys():
                 dtypes[key] = _SAFETENSORS_DTYPES[f.get_slice(key).get_dtype()]
     return dtypes
-

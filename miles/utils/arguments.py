@@ -65,7 +65,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-family",
         default="auto",
         help="Model family (auto: from model_index.json's _class_name); built in: sd3 (StableDiffusion3Pipeline), "
-        "flux (FluxPipeline).",
+        "flux (FluxPipeline), wan (WanPipeline).",
     )
     group.add_argument(
         "--train-pipeline-config-path",

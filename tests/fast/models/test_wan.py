@@ -60,7 +60,9 @@ def test_guidance_scale_2_guides_the_low_noise_rows_only(tiny_wan_2_experts_dir)
     latents = torch.randn(2, *plain.latent_shape(32), generator=torch.Generator().manual_seed(1))
     sigmas, embeds = torch.tensor([0.95, 0.5]), plain.encode_prompts(PROMPTS[:2])
     with torch.no_grad():
-        a = plain.predict_velocity(experts, latents, sigmas, embeds, guidance_scale=4.0, negative=plain.encode_negative(1))
+        a = plain.predict_velocity(
+            experts, latents, sigmas, embeds, guidance_scale=4.0, negative=plain.encode_negative(1)
+        )
         b = second.predict_velocity(
             experts, latents, sigmas, embeds, guidance_scale=4.0, negative=second.encode_negative(1)
         )
