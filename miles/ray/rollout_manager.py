@@ -34,6 +34,7 @@ class RolloutManager:
         self.engines = self.rewards = None
         self.weights_version = 0
         self.last_metrics: dict[str, float] = {}
+        self.video_grid_logged = False  # rollout grids are images: a video family's run says so once
         self.hooks = load_path_flags(args)  # the rollout steps the path flags replace, {flag dest: function}
         if args.train_only:
             self._init_sft()
@@ -160,9 +161,9 @@ class RolloutManager:
 
             path = os.path.join(args.output_dir, "images", f"rollout_{rollout_id:07d}.png")
             if result.images.ndim == 5:  # (B, F, H, W, 3) frames: grids are made of images
-                if not getattr(self, "_video_grid_logged", False):  # once per run
+                if not self.video_grid_logged:
                     logger.info("--image-grid-interval: %s makes video; no image grid is written", self.family.name)
-                    self._video_grid_logged = True
+                    self.video_grid_logged = True
             else:
                 save_image_grid(result.images, path, columns=args.n_samples_per_prompt)
         return pairs

@@ -77,6 +77,7 @@ def test_nft_raises_a_frame_reward_of_the_tiny_wan_family(ray_cluster, tiny_wan_
     train_diffusion.run(args)
     rewards = [m["rollout/reward_mean"] for m in read_metrics(out / "metrics.jsonl") if "rollout/reward_mean" in m]
     assert len(rewards) == 8, rewards
-    assert abs(rewards[0] - UNTRAINED_FIRST) < 1e-3, rewards  # the same model, prompts and noise as measured
+    # rollout 0 precedes any update: another value means the tiny model or sampling changed; re-measure the table
+    assert abs(rewards[0] - UNTRAINED_FIRST) < 1e-3, rewards
     last4 = sum(rewards[-4:]) / 4
     assert last4 - rewards[0] > MIN_GAIN and last4 - UNTRAINED_LAST4 > MIN_GAIN, rewards
