@@ -24,17 +24,16 @@ from typing import Any
 
 import diffusers
 import torch
-import torch.distributed as dist
 from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from miles.models.base import TrainPipelineConfig, compute_dtype, register_train_pipeline_config, strip_name_or_path
 from miles.models.conditioning import Conditioning
 from miles.models.media import Media
 from miles.models.sd3 import _DTYPE_KW, _SAFETENSORS_DTYPES, _WEIGHTS_NAME
+from miles.models.wan_experts import HIGH_NOISE, LOW_NOISE, WanExperts
 
 logger = logging.getLogger(__name__)
 
@@ -43,70 +42,7 @@ WAN_DEFAULT_NUM_FRAMES = 81  # WanPipeline.__call__'s default
 WAN_DEFAULT_RESOLUTION = 480  # WanPipeline's default height (miles samples square frames)
 WAN_FPS = 16  # the frame rate Wan 2.1 / 2.2 A14B videos are exported at (diffusers' examples: export_to_video(fps=16))
 WAN_TI2V_FPS = 24  # Wan 2.2 TI2V-5B's (the expand_timesteps layout): 121 frames for 5 s
-HIGH_NOISE, LOW_NOISE = "transformer", "transformer_2"
 TRAINED_EXPERTS = ("both", "high-noise", "low-noise")
-
-
-class WanExperts(nn.Module):
-    """Wan 2.2's two experts as one network: `transformer` (high noise) and `transformer_2` (low noise).
-
-    `forward` takes the transformer's arguments and sends each row to its expert by its timestep: rows with
-    timestep >= `boundary_timestep` to `transformer`, the others to `transformer_2` (WanPipeline's rule). Its
-    state dict holds both (`transformer.*`, `transformer_2.*`), so weight sync and checkpoints carry both.
-
-    Sharded over several ranks (FSDP2), every expert runs in every forward, on a single row scaled by zero when
-    none of the rank's rows is its: each expert's parameter gathers are collectives, and ranks whose rows route
-    differently must still issue the same ones.
-    """
-
-    def __init__(self, transformer: nn.Module, transformer_2: nn.Module, boundary_timestep: float) -> None:
-        super().__init__()
-        self.transformer = transformer
-        self.transformer_2 = transformer_2
-        self.boundary_timestep = float(boundary_timestep)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        return_dict: bool = False,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor]:
-        batch = hidden_states.shape[0]
-        route = timestep.reshape(batch, -1)[:, 0]  # Wan 2.2 TI2V expands the timestep per token, all equal
-        high = route >= self.boundary_timestep
-        every_expert = isinstance(self, FSDPModule) and dist.is_initialized() and dist.get_world_size() > 1
-        parts, zero = [], None
-        for expert, rows in ((self.transformer, high), (self.transformer_2, ~high)):
-            index = rows.nonzero().squeeze(1)
-            if index.numel() == 0 and every_expert:  # keep this rank's collectives in step with the others'
-                index = index.new_zeros(1)
-                out = self._run(expert, hidden_states, timestep, encoder_hidden_states, index, kwargs)
-                zero = out.sum() * 0.0 if zero is None else zero + out.sum() * 0.0
-            elif index.numel() > 0:
-                parts.append((index, self._run(expert, hidden_states, timestep, encoder_hidden_states, index, kwargs)))
-        if len(parts) == 1 and parts[0][0].numel() == batch:
-            pred = parts[0][1]
-        else:
-            pred = parts[0][1].new_zeros((batch, *parts[0][1].shape[1:]))
-            for index, out in parts:
-                pred = pred.index_copy(0, index, out)
-        return (pred if zero is None else pred + zero,)
-
-    @staticmethod
-    def _run(expert, hidden_states, timestep, encoder_hidden_states, index, kwargs) -> torch.Tensor:
-        """The expert's output on rows `index` (all rows without a copy when they are all of them)."""
-        if index.numel() != hidden_states.shape[0]:
-            hidden_states, timestep = hidden_states[index], timestep[index]
-            encoder_hidden_states = encoder_hidden_states[index]
-        return expert(
-            hidden_states=hidden_states,
-            timestep=timestep,
-            encoder_hidden_states=encoder_hidden_states,
-            return_dict=False,
-            **kwargs,
-        )[0]
 
 
 @register_train_pipeline_config
