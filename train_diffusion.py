@@ -91,20 +91,25 @@ def is_due(rollout_id: int, interval: int | None, last: int) -> bool:
 
 
 def check_startup(args: argparse.Namespace) -> None:
-    """Before Ray and any actor: every path flag loads with the right signature, the loss type has its entries."""
+    """Before Ray and any actor: every path flag loads with the right signature, the family accepts its options
+    and the run's flags, the loss type has its entries."""
     from miles.backends.fsdp_utils.loss_hub import get_loss_hooks
+    from miles.models.base import family_options, get_train_pipeline_config, load_family_class
     from miles.rollout.rollout_hub import get_rollout_spec
+    from miles.utils.eval_arguments import eval_enabled
     from miles.utils.hook_paths import load_path_flags
 
     load_path_flags(args)
     if args.train_pipeline_config_path:
-        from miles.models.base import load_family_class
-
         load_family_class(args.train_pipeline_config_path)
-    if args.hf_checkpoint:  # the family's own checks of the run's flags (e.g. a loss type it cannot train)
-        from miles.models.base import get_train_pipeline_config
-
-        get_train_pipeline_config(args.hf_checkpoint, args.model_family).check_run_args(args)
+    # the family's options (--num-frames, ...) against the folder, and its own checks of the run's flags
+    family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
+    family.check_run_args(args)
+    if eval_enabled(args) and not args.eval_function_path and len(family.latent_shape(args.resolution)) != 3:
+        raise ValueError(
+            f"the built-in shapes eval scores images, and {family.name} makes video: pass --eval-interval 0 or your "
+            "own --eval-function-path"
+        )
     for role in training_order(args):
         get_loss_hooks(args, role)
     if not args.train_only:

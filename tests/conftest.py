@@ -66,12 +66,32 @@ def tiny_qwen_image_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_wan_dir(tmp_path_factory):
+    """A tiny Wan 2.1-style (one expert) pipeline folder, built offline once per session."""
+    from miles.models.tiny_wan import save_tiny_wan_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_wan") / "pipeline"
+    save_tiny_wan_pipeline(str(path), seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_ltx2_dir(tmp_path_factory):
     """A tiny LTX-2-architecture (joint audio-video) pipeline folder, built offline once per session."""
     from miles.models.tiny_ltx2 import save_tiny_ltx2_pipeline
 
     path = tmp_path_factory.mktemp("tiny_ltx2") / "pipeline"
     save_tiny_ltx2_pipeline(str(path), seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_2_experts_dir(tmp_path_factory):
+    """A tiny Wan 2.2-A14B-style (two experts, boundary ratio 0.875) pipeline folder, built once per session."""
+    from miles.models.tiny_wan import save_tiny_wan_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_wan_2_experts") / "pipeline"
+    save_tiny_wan_pipeline(str(path), seed=1, two_experts=True)
     return str(path)
 
 
@@ -126,11 +146,24 @@ class FamilyCase:
     # one run of every loss type at dp 2; off where another test already runs them on the same family code
     loss_runs: bool = True
     num_frames: int | None = None  # video families: frames per sample (the pipeline's num_frames)
-    # the pipeline output's latents, as to_family_latents takes them
+    # the pipeline output's latents, as to_family_latents takes them (video pipelines: `frames`)
     output_latents: Callable[[Any], Any] = lambda output: output.images
     scheduler_steps: int = 1  # scheduler.step calls per denoising step (LTX-2: video, then audio); > 1: tuples
-    run_args: tuple[str, ...] = ()  # flags of every whole run of this case (e.g. a small --resolution)
+    family_options: dict[str, Any] = field(default_factory=dict)  # get_train_pipeline_config / engine options
+    run_args: tuple[str, ...] = ()  # flags of every whole run of this case that give the same options
     sft: bool = True  # sft_loss runs; False: it is refused at start-up
+
+    @property
+    def pipeline_kwargs(self) -> dict[str, Any]:
+        """Size kwargs of the pipeline's __call__ plus `call_kwargs`."""
+        frames = {} if self.num_frames is None else {"num_frames": self.num_frames}
+        return {"height": self.resolution, "width": self.resolution, **frames, **self.call_kwargs}
+
+    @property
+    def media_shape(self) -> tuple[int, ...]:
+        """One decoded sample, channels last: (H, W, 3) images or (F, H, W, 3) frames."""
+        frames = () if self.num_frames is None else (self.num_frames,)
+        return (*frames, self.resolution, self.resolution, 3)
 
 
 FAMILY_CASES = [
@@ -176,6 +209,33 @@ FAMILY_CASES = [
         lambda w: {"true_cfg_scale": w, **({"negative_prompt": ""} if w > 1 else {})},
         _qwen_image_unpacked,
         call_kwargs={},
+    ),
+    FamilyCase(
+        "wan",
+        "wan",
+        "tiny_wan_dir",
+        "WanPipeline",
+        lambda w: {"guidance_scale": w},
+        _same_layout,
+        num_frames=5,
+        output_latents=lambda output: output.frames,
+        family_options={"num_frames": 5},
+        run_args=("--num-frames", "5"),
+    ),
+    # Wan 2.2 A14B layout: the steps route to both experts, the low-noise one guided by its own scale; its loss
+    # types run through the same code as wan's but for the routing, which the parity runs cover
+    FamilyCase(
+        "wan-2-experts",
+        "wan",
+        "tiny_wan_2_experts_dir",
+        "WanPipeline",
+        lambda w: {"guidance_scale": w, "guidance_scale_2": 2.0},
+        _same_layout,
+        loss_runs=False,
+        num_frames=5,
+        output_latents=lambda output: output.frames,
+        family_options={"num_frames": 5, "guidance_scale_2": 2.0},
+        run_args=("--num-frames", "5", "--diffusion-guidance-scale-2", "2.0"),
     ),
     # joint audio-video latents; the pipeline run without STG and modality guidance (which miles does not run)
     FamilyCase(

@@ -1,9 +1,10 @@
 """Model families (ARCHITECTURE §3): importing this package registers the built-in ones."""
 
-from miles.models import flux, ltx2, qwen_image, sd3  # noqa: F401  (fill TRAIN_PIPELINE_CONFIGS)
+from miles.models import flux, ltx2, qwen_image, sd3, wan  # noqa: F401  (fill TRAIN_PIPELINE_CONFIGS)
 from miles.models.base import (
     TRAIN_PIPELINE_CONFIGS,
     TrainPipelineConfig,
+    family_options,
     get_train_pipeline_config,
     register_train_pipeline_config,
 )
@@ -13,6 +14,7 @@ from miles.models.ltx2 import LTX2PipelineConfig
 from miles.models.media import Media
 from miles.models.qwen_image import QwenImagePipelineConfig
 from miles.models.sd3 import SD3PipelineConfig
+from miles.models.wan import WanExperts, WanPipelineConfig
 
 __all__ = [
     "TRAIN_PIPELINE_CONFIGS",
@@ -23,6 +25,9 @@ __all__ = [
     "QwenImagePipelineConfig",
     "SD3PipelineConfig",
     "TrainPipelineConfig",
+    "WanExperts",
+    "WanPipelineConfig",
+    "family_options",
     "get_train_pipeline_config",
     "register_train_pipeline_config",
 ]

@@ -33,10 +33,18 @@ class TrainPipelineConfig(ABC):
     pipeline_class_name: ClassVar[str]  # the model_index.json "_class_name" this family handles
     # module names `--use-lora` targets unless --lora-target-modules is given; empty: the flag is required
     default_lora_targets: ClassVar[tuple[str, ...]] = ()
+    # the run options (keys of FAMILY_OPTION_FLAGS) this family reads from `family_options`; others are refused
+    accepted_options: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, **options: Any) -> None:
         self.path = str(check_pipeline_components(check_pipeline_folder(path), self.name))
         self._loaded: dict[str, Any] = {}
+        given = {k: v for k, v in options.items() if v is not None}
+        refused = sorted(set(given) - set(self.accepted_options))
+        if refused:
+            flags = ", ".join(FAMILY_OPTION_FLAGS.get(k, k) for k in refused)
+            raise ValueError(f"{flags} does not apply to the {self.name} family ({self.pipeline_class_name})")
+        self.family_options: dict[str, Any] = given
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(path={self.path!r})"
@@ -203,6 +211,24 @@ def strip_name_or_path(folder: str | Path) -> list[Path]:
     return rewritten
 
 
+# family options: name -> the flag that sets it (args.<name of the flag>), passed to the family's constructor
+FAMILY_OPTION_FLAGS: dict[str, str] = {
+    "num_frames": "--num-frames",
+    "guidance_scale_2": "--diffusion-guidance-scale-2",
+    "trained_experts": "--wan-trained-experts",
+}
+
+
+def family_options(args: Any) -> dict[str, Any]:
+    """The family options a run's flags set (those given, i.e. not None), for `get_train_pipeline_config`."""
+    options = {}
+    for name, flag in FAMILY_OPTION_FLAGS.items():
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"), None)
+        if value is not None:
+            options[name] = value
+    return options
+
+
 TRAIN_PIPELINE_CONFIGS: dict[str, type[TrainPipelineConfig]] = {}
 
 _C = TypeVar("_C", bound=type[TrainPipelineConfig])
@@ -243,20 +269,24 @@ def load_family_class(spec: str) -> type[TrainPipelineConfig]:
     return register_train_pipeline_config(cls)
 
 
-def get_train_pipeline_config(path: str, family: str = "auto") -> TrainPipelineConfig:
+def get_train_pipeline_config(path: str, family: str = "auto", **options: Any) -> TrainPipelineConfig:
     """The family config for the pipeline folder `path`; "auto" picks it by model_index.json's `_class_name`, a
-    class path (`file.py:Class`, from --train-pipeline-config-path) loads and registers the user's family."""
+    class path (`file.py:Class`, from --train-pipeline-config-path) loads and registers the user's family.
+
+    `options` (see `family_options`): the ones not None go to the family's constructor, which refuses those it
+    does not accept."""
     folder = check_pipeline_folder(path)
+    given = {k: v for k, v in options.items() if v is not None}  # a user's family may take the path only
     if is_family_class_path(family):
-        return load_family_class(family)(str(folder))
+        return load_family_class(family)(str(folder), **given)
     if family != "auto":
         if family not in TRAIN_PIPELINE_CONFIGS:
             raise ValueError(f"unknown model family {family!r}; known families: {_known_families()}")
-        return TRAIN_PIPELINE_CONFIGS[family](str(folder))
+        return TRAIN_PIPELINE_CONFIGS[family](str(folder), **given)
     class_name = json.loads((folder / "model_index.json").read_text()).get("_class_name")
     for cls in TRAIN_PIPELINE_CONFIGS.values():
         if cls.pipeline_class_name == class_name:
-            return cls(str(folder))
+            return cls(str(folder), **given)
     raise ValueError(
         f"{path}/model_index.json names pipeline class {class_name!r}, which no model family handles; "
         f"known families: {_known_families()}"

@@ -101,9 +101,11 @@ class LTX2PipelineConfig(SD3PipelineConfig):
     # the audio-to-video / video-to-audio cross-attention
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
 
-    def __init__(self, path: str, num_frames: int | None = None) -> None:
-        super().__init__(path)
-        self.num_frames = int(num_frames or LTX2_DEFAULT_NUM_FRAMES)
+    accepted_options = ("num_frames",)
+
+    def __init__(self, path: str, **options: Any) -> None:
+        super().__init__(path, **options)
+        self.num_frames = int(self.family_options.get("num_frames") or LTX2_DEFAULT_NUM_FRAMES)
         self.frame_rate = LTX2_DEFAULT_FRAME_RATE
         temporal = self.vae_scale_factor_temporal
         if self.num_frames < 1 or (self.num_frames - 1) % temporal:

@@ -38,6 +38,7 @@ class RolloutEngineGroup:
         num_gpus_per_engine: float = 0.0,
         forward_dtype: torch.dtype = torch.float32,
         lora_config: dict[str, Any] | None = None,
+        family_options: dict[str, Any] | None = None,
         timeout_s: float = 600.0,
     ) -> None:
         if num_engines < 1:
@@ -52,6 +53,7 @@ class RolloutEngineGroup:
                 device=device,
                 forward_dtype=forward_dtype,
                 lora_config=lora_config,
+                family_options=family_options,
             )
             for _ in range(num_engines)
         ]

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from miles.backends.fsdp_utils.fsdp import parse_dtype
-from miles.models.base import get_train_pipeline_config
+from miles.models.base import family_options, get_train_pipeline_config
 from miles.rollout import steps
 from miles.rollout.data_source import PromptDataSource, load_records, records_digest
 from miles.rollout.engine import GenerateResult
@@ -29,7 +29,7 @@ class RolloutManager:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family)
+        self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
         self.resolution = args.resolution or self.family.default_resolution
         self.engines = self.rewards = None
         self.weights_version = 0
@@ -84,6 +84,7 @@ class RolloutManager:
             num_gpus_per_engine=args.rollout_gpus_per_engine if gpu else 0.0,
             forward_dtype=parse_dtype(args.diffusion_forward_dtype),  # the trainer's: log-probs must match (§7)
             lora_config=self._lora_config(),
+            family_options=family_options(args),
         )
         if self.spec.scores_rewards or args.rm_type or args.custom_rm_path:  # else rewards only when asked (metrics)
             self.rewards = RewardWorkerPool(args, reward_spec_from_args(args), num_workers=args.rm_num_workers)

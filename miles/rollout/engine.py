@@ -143,6 +143,7 @@ class RolloutEngine(Protocol):
 class DiffusionEngine:
     """A model family's transformer, text encoders and VAE (eval, no grad) on one device.
 
+    `family_options` go to the family (`miles.models.base.family_options`: --num-frames and the like).
     With `lora_config` (kwargs of `peft.LoraConfig`) an adapter is injected at init and `update_weights` takes
     only its weights; otherwise it takes the full transformer state dict. Wrapped by `ray.remote` where used.
     """
@@ -155,9 +156,10 @@ class DiffusionEngine:
         device: str = "cpu",
         forward_dtype: torch.dtype = torch.float32,
         lora_config: dict[str, Any] | None = None,
+        family_options: dict[str, Any] | None = None,
     ) -> None:
         self.device = torch.device(device)
-        self.family = get_train_pipeline_config(hf_checkpoint, model_family)
+        self.family = get_train_pipeline_config(hf_checkpoint, model_family, **(family_options or {}))
         self.transformer = self.family.load_transformer(dtype=forward_dtype).to(self.device).eval()
         self.family.load_text_encoders(device=self.device, dtype=forward_dtype)
         self.family.load_vae(device=self.device, dtype=forward_dtype)

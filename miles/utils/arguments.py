@@ -65,7 +65,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-family",
         default="auto",
         help="Model family (auto: from model_index.json's _class_name); built in: sd3 (StableDiffusion3Pipeline), "
-        "flux (FluxPipeline), ltx2 (LTX2Pipeline), qwen-image (QwenImagePipeline).",
+        "flux (FluxPipeline), ltx2 (LTX2Pipeline), qwen-image (QwenImagePipeline), wan (WanPipeline).",
     )
     group.add_argument(
         "--train-pipeline-config-path",
@@ -77,6 +77,19 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--teacher-load", default=None, help="Frozen teacher (diffusers pipeline or transformer folder)."
     )
     group.add_argument("--resolution", type=int, default=None, help="Image side in pixels (default: the model's).")
+    group.add_argument(
+        "--num-frames",
+        type=int,
+        default=None,
+        help="Frames per video sample of a video family (default: the family's, Wan: 81; Wan needs 4k + 1).",
+    )
+    group.add_argument(
+        "--wan-trained-experts",
+        choices=("both", "high-noise", "low-noise"),
+        default=None,
+        help="Two-expert Wan 2.2 folders: which experts train, the others frozen (default both: every σ the "
+        "trained steps visit is trained through the expert that sampled it).",
+    )
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -183,6 +196,13 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="CFG scale of sampling; ≤ 1 disables CFG (default 4.5; nft: 1, CFG-free like DiffusionNFT; "
         "dmd2: 1, its generator is CFG-free and a scale > 1 is an error).",
+    )
+    group.add_argument(
+        "--diffusion-guidance-scale-2",
+        type=float,
+        default=None,
+        help="Two-expert families (Wan 2.2): CFG scale of the low-noise expert's steps (default: "
+        "--diffusion-guidance-scale, as in WanPipeline).",
     )
     group.add_argument("--negative-prompt", default="", help="Negative prompt of the CFG branch.")
 

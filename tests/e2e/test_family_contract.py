@@ -90,16 +90,12 @@ def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, family_
     output = pipe(
         "two red circles",
         num_inference_steps=2,
-        height=case.resolution,
-        width=case.resolution,
         generator=torch.Generator().manual_seed(0),
         output_type="np",
-        **case.call_kwargs,
+        **case.pipeline_kwargs,
     )
-    frames = () if case.num_frames is None else (case.num_frames,)
-    image = (output.images if case.num_frames is None else output.frames)[0]
-    assert image.shape == (*frames, case.resolution, case.resolution, 3)
-    assert np.isfinite(image).all() and image.std() > 0
+    media = (output.images if case.num_frames is None else output.frames)[0]
+    assert media.shape == case.media_shape and np.isfinite(media).all() and media.std() > 0
     if getattr(output, "audio", None) is not None:  # joint audio-video families
         audio = torch.as_tensor(output.audio[0]).float()
         assert audio.ndim == 2 and torch.isfinite(audio).all() and audio.std() > 0

@@ -30,7 +30,7 @@ from miles.backends.fsdp_utils.lora import (
 from miles.backends.fsdp_utils.loss_hub import TEACHER, LossHooks, checkpoint_meta, get_loss_hooks
 from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
 from miles.backends.fsdp_utils.train_loop import TrainLoop
-from miles.models.base import get_train_pipeline_config
+from miles.models.base import family_options, get_train_pipeline_config
 from miles.utils.distributed import (
     collective_device,
     destroy_process_group,
@@ -105,7 +105,7 @@ class FSDPTrainRayActor(TrainLoop):
         init_process_group(self.rank, self.world_size, master_addr, master_port, self.device)
         self._seed_everything(args.seed + self.rank)
         self.forward_dtype = parse_dtype(args.diffusion_forward_dtype)
-        self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family)
+        self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
         master_dtype = parse_dtype(args.fsdp_master_dtype)  # what the optimizer updates; forwards cast to forward_dtype
         # with CPU offload the full model never visits the GPU: fully_shard moves each shard to (pinned) CPU memory
         home = torch.device("cpu") if args.fsdp_cpu_offload else self.device

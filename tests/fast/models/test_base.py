@@ -33,18 +33,18 @@ def test_folder_without_model_index_error_names_path(tmp_path):
 
 
 def test_unknown_pipeline_class_lists_known_families(tmp_path):
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "CogVideoXPipeline"}))
     with pytest.raises(
         ValueError,
-        match=r"WanPipeline.*flux \(FluxPipeline\), ltx2 \(LTX2Pipeline\), qwen-image \(QwenImagePipeline\), "
-        r"sd3 \(StableDiffusion3Pipeline\)",
+        match=r"CogVideoXPipeline.*flux \(FluxPipeline\), ltx2 \(LTX2Pipeline\), qwen-image \(QwenImagePipeline\), "
+        r"sd3 \(StableDiffusion3Pipeline\), wan \(WanPipeline\)",
     ):
         get_train_pipeline_config(str(tmp_path))
 
 
 def test_unknown_family_name_lists_known_families(tiny_pipeline_dir):
-    with pytest.raises(ValueError, match="unknown model family 'wan'.*sd3"):
-        get_train_pipeline_config(tiny_pipeline_dir, family="wan")
+    with pytest.raises(ValueError, match="unknown model family 'cogvideox'.*sd3.*wan"):
+        get_train_pipeline_config(tiny_pipeline_dir, family="cogvideox")
 
 
 def test_pickled_config_carries_the_path_not_loaded_models(tiny_pipeline_dir):

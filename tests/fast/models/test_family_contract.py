@@ -48,12 +48,10 @@ def run_pipeline(case, path, guidance, num_steps):
         latents = pipe(
             PROMPTS,
             num_inference_steps=num_steps,
-            height=case.resolution,
-            width=case.resolution,
             generator=[torch.Generator().manual_seed(s) for s in SEEDS],
             output_type="latent",
             **case.cfg_kwargs(guidance),
-            **case.call_kwargs,
+            **case.pipeline_kwargs,
         )
     finally:
         del pipe.scheduler.step
@@ -69,7 +67,7 @@ def run_pipeline(case, path, guidance, num_steps):
 def test_predict_velocity_is_what_the_pipeline_steps_with(family_case, guidance):
     case, path = family_case
     _, steps, sigmas = run_pipeline(case, path, guidance, num_steps=2)
-    family = get_train_pipeline_config(path)
+    family = get_train_pipeline_config(path, **case.family_options)
     assert family.name == case.family
     transformer = family.load_transformer()
     embeds = family.encode_prompts(PROMPTS)
@@ -94,7 +92,7 @@ def test_engine_ode_sampling_reproduces_the_pipeline(family_case, guidance):
     case, path = family_case
     num_steps = 4
     expected, _, sigmas = run_pipeline(case, path, guidance, num_steps=num_steps)
-    engine = DiffusionEngine(path)
+    engine = DiffusionEngine(path, family_options=case.family_options)
     result = engine.generate(
         GenerateRequest(
             prompts=PROMPTS,
@@ -111,8 +109,7 @@ def test_engine_ode_sampling_reproduces_the_pipeline(family_case, guidance):
     assert torch.equal(result.sigmas, sigmas), (result.sigmas, sigmas)  # the pipeline's grid (FLUX: shifted by mu)
     assert result.final_latents.shape == expected.shape
     assert (result.final_latents - expected.float()).abs().max().item() <= TOLERANCE
-    frames = () if case.num_frames is None else (case.num_frames,)
-    assert result.images.shape == (len(PROMPTS), *frames, case.resolution, case.resolution, 3)
+    assert result.images.shape == (len(PROMPTS), *case.media_shape)
 
 
 # the adapter depends on the family (its targets, its pipeline class), not on the configuration: one case per family
@@ -124,7 +121,7 @@ ONE_CASE_PER_FAMILY = [
 @pytest.mark.parametrize("case", ONE_CASE_PER_FAMILY, ids=[case.id for case in ONE_CASE_PER_FAMILY])
 def test_default_lora_adapter_loads_through_the_pipelines_load_lora_weights(request, case, tmp_path):
     path = request.getfixturevalue(case.fixture)
-    family = get_train_pipeline_config(path)
+    family = get_train_pipeline_config(path, **case.family_options)
     config = lora_config_from_args(argparse.Namespace(lora_rank=4, lora_alpha=8), family.name)
     assert config["target_modules"] == list(family.default_lora_targets)  # no --lora-target-modules: the defaults
     model = apply_lora(family.load_transformer(), config)

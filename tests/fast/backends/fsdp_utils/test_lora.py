@@ -144,8 +144,8 @@ def test_lora_config_from_args(family):
     LoraConfig(**config)
     with pytest.raises(ValueError, match="--lora-init-weights"):
         lora_config_from_args(argparse.Namespace(lora_init_weights="pissa"), "sd3")
-    with pytest.raises(ValueError, match="'wan' is not a registered model family.*--lora-target-modules"):
-        lora_config_from_args(argparse.Namespace(), "wan")
+    with pytest.raises(ValueError, match="'cogvideox' is not a registered model family.*--lora-target-modules"):
+        lora_config_from_args(argparse.Namespace(), "cogvideox")
 
 
 def test_only_lora_parameters_train_under_fsdp2(trained):

@@ -1,0 +1,150 @@
+"""Tiny Wan 2.x pipelines built offline from configs: the real diffusers/transformers classes (UMT5EncoderModel,
+AutoencoderKLWan, WanTransformer3DModel) at toy sizes, with the T5 tokenizer of `miles.models.tiny`.
+
+One expert (Wan 2.1 layout) or two experts split at a boundary ratio (Wan 2.2 A14B layout). The scheduler is the
+flow-matching Euler one, which WanPipeline accepts, so miles' ODE sampling can be compared with the pipeline's.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+from transformers import UMT5Config, UMT5EncoderModel
+
+from miles.models.base import strip_name_or_path
+from miles.models.tiny import build_t5_tokenizer
+
+logger = logging.getLogger(__name__)
+
+TINY_WAN_NUM_FRAMES = 5  # two latent frames
+TINY_WAN_RESOLUTION = 32  # 4x4 latents, 2x2 patches per latent frame
+TINY_WAN_LATENT_CHANNELS = 4
+TINY_WAN_BOUNDARY_RATIO = 0.875  # Wan 2.2 A14B's text-to-video boundary
+SCHEDULER_SHIFT = 3.0
+_TARGET_MEAN = (0.5, -0.5, 0.25, -0.25)  # per-channel statistics the tiny VAE's latents are given
+_TARGET_STD = (0.8, 1.2, 1.0, 1.5)
+
+
+def _umt5_encoder(vocab_size: int, pad_token_id: int, eos_token_id: int, d_model: int) -> UMT5EncoderModel:
+    config = UMT5Config(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        d_kv=8,
+        d_ff=2 * d_model,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False,
+        use_cache=False,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+    )
+    return UMT5EncoderModel(config)
+
+
+def _wan_vae() -> AutoencoderKLWan:
+    """Wan's VAE layout (three downsamples: 8x spatial, 4x temporal) at 8 base channels."""
+    return AutoencoderKLWan(
+        base_dim=8,
+        z_dim=TINY_WAN_LATENT_CHANNELS,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * TINY_WAN_LATENT_CHANNELS,
+        latents_std=[1.0] * TINY_WAN_LATENT_CHANNELS,
+        scale_factor_temporal=4,
+        scale_factor_spatial=8,
+    )
+
+
+@torch.no_grad()
+def _calibrate_wan_vae(vae: AutoencoderKLWan, resolution: int, generator: torch.Generator) -> None:
+    """Make the random VAE's latents of smooth random clips unit-scale and record their per-channel statistics.
+
+    At random init the encoder's means come out ~0.07 wide around offsets of ~0.3: decoding normalized latents
+    would then hand the decoder nearly the same input for every sample, and nothing a policy does to its latents
+    would show in the pixels. An affine map on the mean half of `quant_conv` makes the raw latents O(1) with
+    per-channel offsets and widths (`_TARGET_MEAN`, `_TARGET_STD`), as real Wan latents are; `latents_mean` /
+    `latents_std` record what comes out, so the pipeline's per-channel normalization does real work."""
+    coarse = torch.rand(8, 3, 2, 4, 4, generator=generator) * 2 - 1
+    clips = torch.nn.functional.interpolate(
+        coarse, size=(TINY_WAN_NUM_FRAMES, resolution, resolution), mode="trilinear"
+    )
+
+    def channel_stats() -> tuple[torch.Tensor, torch.Tensor]:
+        latents = vae.encode(clips).latent_dist.mode()  # (8, C, F, h, w)
+        per_channel = latents.transpose(0, 1).flatten(1)
+        return per_channel.mean(1), per_channel.std(1).clamp_min(1e-6)
+
+    mean, std = channel_stats()
+    channels = TINY_WAN_LATENT_CHANNELS
+    conv = vae.quant_conv  # (2C -> 2C) 1x1x1: the first C outputs are the posterior means
+    target_mean, target_std = torch.tensor(_TARGET_MEAN), torch.tensor(_TARGET_STD)
+    conv.weight[:channels] *= (target_std / std).view(channels, 1, 1, 1, 1)
+    conv.bias[:channels] = (conv.bias[:channels] - mean) * target_std / std + target_mean
+    mean, std = channel_stats()
+    vae.register_to_config(
+        latents_mean=[round(float(v), 6) for v in mean], latents_std=[round(float(v), 6) for v in std]
+    )
+
+
+def _wan_transformer(text_dim: int) -> WanTransformer3DModel:
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,  # rotary split: 8 temporal, 4 + 4 spatial
+        in_channels=TINY_WAN_LATENT_CHANNELS,
+        out_channels=TINY_WAN_LATENT_CHANNELS,
+        text_dim=text_dim,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64,
+    )
+
+
+def build_tiny_wan_pipeline(seed: int = 0, *, two_experts: bool = False) -> WanPipeline:
+    """The tiny Wan pipeline in float32, eval mode, seeded random weights; `two_experts` adds a `transformer_2`
+    (low-noise expert, its own weights) and `boundary_ratio` 0.875, Wan 2.2 A14B's layout."""
+    tokenizer = build_t5_tokenizer()
+    text_dim = 32
+    torch.manual_seed(seed)
+    text_encoder = _umt5_encoder(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, text_dim)
+    vae = _wan_vae()
+    transformer = _wan_transformer(text_dim)
+    transformer_2 = _wan_transformer(text_dim) if two_experts else None
+    _calibrate_wan_vae(vae, TINY_WAN_RESOLUTION, torch.Generator().manual_seed(seed))
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SCHEDULER_SHIFT),
+        transformer=transformer,
+        transformer_2=transformer_2,
+        boundary_ratio=TINY_WAN_BOUNDARY_RATIO if two_experts else None,
+    )
+    for module in (text_encoder, vae, transformer, transformer_2):
+        if module is not None:
+            module.eval()  # from-config models start in train mode
+    return pipe
+
+
+def save_tiny_wan_pipeline(path: str, seed: int = 0, *, two_experts: bool = False) -> str:
+    """Build the tiny Wan pipeline and write it as a diffusers folder (safetensors); returns `path`."""
+    pipe = build_tiny_wan_pipeline(seed=seed, two_experts=two_experts)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(path, safe_serialization=True)
+    strip_name_or_path(path)
+    logger.info(
+        "wrote tiny Wan pipeline (%s, seed %d) to %s", "two experts" if two_experts else "one expert", seed, path
+    )
+    return path

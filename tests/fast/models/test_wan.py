@@ -1,0 +1,164 @@
+"""The Wan family beyond the contract suite: two-expert routing, which experts train, its options and their
+errors, saving both experts, the σ grid of real (UniPC) folders, latent geometry and video media."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import UniPCMultistepScheduler
+
+from miles.models import WanExperts, get_train_pipeline_config
+from miles.models.media import Media
+
+PROMPTS = ["a red circle", "a blue square", "two green triangles"]
+
+
+def test_two_experts_route_each_row_as_the_pipeline_does(tiny_wan_2_experts_dir):
+    """Rows at t >= boundary (875) go to `transformer`, the others to `transformer_2` (WanPipeline's rule), in one
+    mixed batch: each row equals its expert's own forward of that row alone."""
+    family = get_train_pipeline_config(tiny_wan_2_experts_dir, num_frames=5)
+    experts = family.load_transformer()
+    assert isinstance(experts, WanExperts) and family.boundary_timestep == 875.0
+    calls = {"transformer": [], "transformer_2": []}
+    for name in calls:
+        getattr(experts, name).register_forward_hook(
+            lambda module, args, kwargs, out, name=name: calls[name].append(kwargs["timestep"].tolist()),
+            with_kwargs=True,
+        )
+    sigmas = torch.tensor([0.9, 0.875, 0.85])  # one step on each side of the boundary, one on it
+    latents = torch.randn(3, *family.latent_shape(32), generator=torch.Generator().manual_seed(0))
+    embeds = family.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        mixed = family.predict_velocity(experts, latents, sigmas, embeds)
+    assert calls == {"transformer": [[900.0, 875.0]], "transformer_2": [[850.0]]}
+    for row, expert in enumerate([experts.transformer, experts.transformer, experts.transformer_2]):
+        with torch.no_grad():
+            alone = expert(
+                hidden_states=latents[row : row + 1],
+                timestep=sigmas[row : row + 1] * 1000,
+                encoder_hidden_states=embeds["prompt_embeds"][row : row + 1],
+                return_dict=False,
+            )[0]
+        assert (mixed[row] - alone[0]).abs().max().item() <= 1e-5, row
+    # the experts differ, so a wrong route would show
+    with torch.no_grad():
+        other = experts.transformer_2(
+            hidden_states=latents[:1], timestep=sigmas[:1] * 1000, encoder_hidden_states=embeds["prompt_embeds"][:1]
+        )[0]
+    assert (mixed[0] - other[0]).abs().max().item() > 1e-3
+
+
+def test_guidance_scale_2_guides_the_low_noise_rows_only(tiny_wan_2_experts_dir):
+    plain = get_train_pipeline_config(tiny_wan_2_experts_dir, num_frames=5)
+    second = get_train_pipeline_config(tiny_wan_2_experts_dir, num_frames=5, guidance_scale_2=1.5)
+    experts = plain.load_transformer()
+    latents = torch.randn(2, *plain.latent_shape(32), generator=torch.Generator().manual_seed(1))
+    sigmas, embeds = torch.tensor([0.95, 0.5]), plain.encode_prompts(PROMPTS[:2])
+    with torch.no_grad():
+        a = plain.predict_velocity(
+            experts, latents, sigmas, embeds, guidance_scale=4.0, negative=plain.encode_negative(1)
+        )
+        b = second.predict_velocity(
+            experts, latents, sigmas, embeds, guidance_scale=4.0, negative=second.encode_negative(1)
+        )
+    assert torch.equal(a[0], b[0]) and (a[1] - b[1]).abs().max().item() > 1e-4
+
+
+@pytest.mark.parametrize(("trained", "frozen"), [("high-noise", "transformer_2"), ("low-noise", "transformer")])
+def test_trained_experts_freezes_the_other_expert(tiny_wan_2_experts_dir, trained, frozen):
+    experts = get_train_pipeline_config(tiny_wan_2_experts_dir, trained_experts=trained).load_transformer()
+    for name in ("transformer", "transformer_2"):
+        flags = {p.requires_grad for p in getattr(experts, name).parameters()}
+        assert flags == {name != frozen}, (name, flags)
+    both = get_train_pipeline_config(tiny_wan_2_experts_dir).load_transformer()
+    assert all(p.requires_grad for p in both.parameters())
+
+
+def test_options_are_checked_against_the_folder(tiny_wan_dir, tiny_wan_2_experts_dir, tiny_pipeline_dir):
+    with pytest.raises(ValueError, match="--wan-trained-experts low-noise: .* has one expert"):
+        get_train_pipeline_config(tiny_wan_dir, trained_experts="low-noise")
+    with pytest.raises(ValueError, match="--diffusion-guidance-scale-2 .* has one expert"):
+        get_train_pipeline_config(tiny_wan_dir, guidance_scale_2=3.0)
+    with pytest.raises(ValueError, match=r"--num-frames 6: .* e\.g\. 5 or 9"):
+        get_train_pipeline_config(tiny_wan_dir, num_frames=6)
+    with pytest.raises(ValueError, match="--num-frames does not apply to the sd3 family"):
+        get_train_pipeline_config(tiny_pipeline_dir, num_frames=5)
+    assert get_train_pipeline_config(tiny_pipeline_dir, num_frames=None).name == "sd3"  # not given: fine
+    lora = argparse.Namespace(use_lora=True)
+    get_train_pipeline_config(tiny_wan_dir).check_run_args(lora)  # one expert: LoRA is fine
+    with pytest.raises(ValueError, match="--use-lora with a two-expert Wan folder"):
+        get_train_pipeline_config(tiny_wan_2_experts_dir).check_run_args(lora)
+
+
+def test_save_transformer_writes_both_experts(tiny_wan_2_experts_dir, tmp_path):
+    family = get_train_pipeline_config(tiny_wan_2_experts_dir)
+    experts = family.load_transformer()
+    with torch.no_grad():
+        experts.transformer_2.proj_out.bias.add_(1.0)  # a change only the second expert holds
+    out = family.save_transformer(experts.state_dict(), str(tmp_path / "hf"))
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == sorted(p.name for p in Path(family.path).iterdir())
+    reloaded = family.load_transformer(out)
+    for key, value in experts.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[key], value), key
+    with pytest.raises(ValueError, match="neither expert"):
+        family.save_transformer({"proj_out.bias": torch.zeros(1)}, str(tmp_path / "bad"))
+
+
+def test_real_folders_sample_on_the_unipc_flow_grid(tiny_wan_dir, tmp_path):
+    """Real Wan folders ship UniPCMultistepScheduler(use_flow_sigmas, flow_shift): miles samples its σ grid."""
+    folder = tmp_path / "unipc"
+    shutil.copytree(tiny_wan_dir, folder)
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0, num_train_timesteps=1000
+    )
+    scheduler.save_config(str(folder / "scheduler"))
+    family = get_train_pipeline_config(str(folder))
+    sigmas = family.sampling_sigmas(50)
+    scheduler.set_timesteps(50)
+    assert torch.equal(sigmas, scheduler.sigmas.float()) and sigmas.shape == (51,)
+    assert abs(float(sigmas[0]) - (1 - 1e-6)) < 1e-7 and float(sigmas[-1]) == 0.0
+    assert family.scheduler_shift == 5.0
+    config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps({**config, "use_flow_sigmas": False}))
+    with pytest.raises(ValueError, match="without use_flow_sigmas"):
+        get_train_pipeline_config(str(folder)).sampling_sigmas(4)
+
+
+def test_latent_geometry_and_video_media(tiny_wan_dir):
+    family = get_train_pipeline_config(tiny_wan_dir, num_frames=5)
+    assert family.latent_shape(32) == (4, 2, 4, 4)
+    assert get_train_pipeline_config(tiny_wan_dir).latent_shape() == (4, 21, 60, 60)  # 81 frames at 480
+    with pytest.raises(ValueError, match="multiple of 16"):
+        family.latent_shape(40)
+    images = torch.rand(2, 3, 32, 32) * 2 - 1
+    still = family.encode_images(images)  # images become still clips of num_frames frames
+    assert still.shape == (2, 4, 2, 4, 4) and still.dtype == torch.float32
+    frames = images[:, None].expand(-1, 5, -1, -1, -1)
+    assert torch.equal(family.encode_images(frames), still)
+    with pytest.raises(ValueError, match=r"\(B, 5, 3, H, W\) frames"):
+        family.encode_images(frames[:, :4])
+    media = family.decode_latents(still)
+    assert isinstance(media, Media) and media.is_video and media.fps == 16.0
+    assert media.pixels.shape == (2, 5, 3, 32, 32) and 0.0 <= float(media.pixels.min()) <= float(media.pixels.max())
+
+
+def test_startup_refuses_what_a_wan_run_cannot_do(tiny_wan_dir, tiny_wan_2_experts_dir):
+    """The driver's start-up check, before Ray: the family's options and checks, and the image-only shapes eval."""
+    import train_diffusion
+    from miles.utils.arguments import parse_args
+
+    def check(path, *flags):
+        train_diffusion.check_startup(parse_args(["--hf-checkpoint", path, "--num-frames", "5", *flags]))
+
+    check(tiny_wan_2_experts_dir, "--loss-type", "nft", "--eval-interval", "0", "--wan-trained-experts", "low-noise")
+    with pytest.raises(ValueError, match="--use-lora with a two-expert Wan folder"):
+        check(tiny_wan_2_experts_dir, "--eval-interval", "0", "--use-lora")
+    with pytest.raises(ValueError, match="--wan-trained-experts high-noise: .* has one expert"):
+        check(tiny_wan_dir, "--eval-interval", "0", "--wan-trained-experts", "high-noise")
+    with pytest.raises(ValueError, match="shapes eval scores images, and wan makes video"):
+        check(tiny_wan_dir, "--loss-type", "nft")  # nft on builtin:shapes evaluates by default
