@@ -51,7 +51,7 @@ def test_an_unknown_builtin_checkpoint_names_the_known_ones():
         resolve_checkpoint("builtin:tiny_shapes")
 
 
-def test_the_driver_checks_prompt_files_before_ray_starts(tmp_path, monkeypatch):
+def test_the_driver_checks_prompt_files_before_ray_starts(tmp_path, monkeypatch, tiny_pipeline_dir):
     import ray
 
     def no_ray(*args, **kwargs):
@@ -59,10 +59,9 @@ def test_the_driver_checks_prompt_files_before_ray_starts(tmp_path, monkeypatch)
 
     monkeypatch.setattr(ray, "init", no_ray)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    (tmp_path / "model_index.json").write_text("{}")  # a pipeline folder as far as the input checks go
     data = tmp_path / "p.jsonl"
     data.write_bytes(b'{"prompt": "a"}\n{"prompt": "b\xc3"}\n')
-    args = parse_args(["--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--output-dir",
+    args = parse_args(["--hf-checkpoint", tiny_pipeline_dir, "--prompt-data", str(data), "--output-dir",
                        str(tmp_path / "out"), "--rollout-batch-size", "1", "--n-samples-per-prompt", "2"])  # fmt: skip
     with pytest.raises(PromptDataError, match=r"p\.jsonl:2: not UTF-8"):
         train_diffusion.run(args)
