@@ -1,5 +1,6 @@
-"""One real-size training step on a GPU: SD3.5-Medium, SD3.5-Large and FLUX.1-dev transformers with random weights
-from their published configs, in bf16, at 1024 px: step time, peak GPU memory and model FLOPs utilization (MFU).
+"""One real-size training step on a GPU: SD3.5-Medium, SD3.5-Large and FLUX.1-dev transformers (1024 px) and the
+Wan 2.1 1.3B / 14B video transformers (81 frames at 480x832), random weights from their published configs, in bf16:
+step time, peak GPU memory and model FLOPs utilization (MFU).
 
     python benchmarks/bench_gpu.py                                   # every preset, 1024 px, batch 1, on cuda:0
     python benchmarks/bench_gpu.py --preset flux-dev --gradient-checkpointing --master-dtype bf16
@@ -69,8 +70,16 @@ class Preset:
     name: str
     class_name: str
     config: dict[str, Any]
-    text_tokens: int  # the pipeline's default prompt length (SD3: 77 CLIP + 256 T5; FLUX: 512 T5)
-    make_inputs: Callable[[dict[str, Any], int, int, int, torch.dtype], dict[str, torch.Tensor]]
+    text_tokens: int  # the pipeline's default prompt length (SD3: 77 CLIP + 256 T5; FLUX, Wan: 512 T5)
+    # (config, batch, resolution or video size, text tokens, dtype) -> the transformer's forward kwargs
+    make_inputs: Callable[[dict[str, Any], int, Any, int, torch.dtype], dict[str, torch.Tensor]]
+    video: tuple[int, int, int] | None = None  # (frames, height, width) of a video preset; images: --resolution
+
+    def size(self, resolution: int) -> Any:
+        return self.video if self.video is not None else resolution
+
+    def describe(self, resolution: int) -> str:
+        return "{}x{}x{}".format(*self.video) if self.video is not None else f"{resolution} px"
 
     def build(self) -> torch.nn.Module:
         import diffusers
@@ -78,20 +87,24 @@ class Preset:
         return getattr(diffusers, self.class_name)(**self.config)
 
     def blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The blocks FSDP shards one by one (Wan names them `blocks`)."""
+        if hasattr(model, "blocks"):
+            return list(model.blocks)
         return [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", [])]
 
 
-def _sd3_inputs(config, batch, latent_side, text_tokens, dtype):
+def _sd3_inputs(config, batch, resolution, text_tokens, dtype):
+    side = latent_side(resolution)
     return dict(
-        hidden_states=torch.randn(batch, config["in_channels"], latent_side, latent_side, dtype=dtype),
+        hidden_states=torch.randn(batch, config["in_channels"], side, side, dtype=dtype),
         encoder_hidden_states=torch.randn(batch, text_tokens, config["joint_attention_dim"], dtype=dtype),
         pooled_projections=torch.randn(batch, config["pooled_projection_dim"], dtype=dtype),
         timestep=torch.full((batch,), 500.0, dtype=dtype),
     )
 
 
-def _flux_inputs(config, batch, latent_side, text_tokens, dtype):
-    packed = (latent_side // 2) ** 2  # 2x2 patches of 16-channel latents: in_channels 64
+def _flux_inputs(config, batch, resolution, text_tokens, dtype):
+    packed = (latent_side(resolution) // 2) ** 2  # 2x2 patches of 16-channel latents: in_channels 64
     return dict(
         hidden_states=torch.randn(batch, packed, config["in_channels"], dtype=dtype),
         encoder_hidden_states=torch.randn(batch, text_tokens, config["joint_attention_dim"], dtype=dtype),
@@ -100,6 +113,18 @@ def _flux_inputs(config, batch, latent_side, text_tokens, dtype):
         guidance=torch.full((batch,), 3.5) if config.get("guidance_embeds") else None,
         img_ids=torch.zeros(packed, 3),
         txt_ids=torch.zeros(text_tokens, 3),
+    )
+
+
+def _wan_inputs(config, batch, video, text_tokens, dtype):
+    frames, height, width = video  # the VAE: 4x in time (plus the first frame), 8x in space
+    if (frames - 1) % 4 or height % 16 or width % 16:
+        raise ValueError(f"Wan video size {video}: frames must be 4k + 1, height and width multiples of 16")
+    latent = (batch, config["in_channels"], (frames - 1) // 4 + 1, height // 8, width // 8)
+    return dict(
+        hidden_states=torch.randn(*latent, dtype=dtype),
+        encoder_hidden_states=torch.randn(batch, text_tokens, config["text_dim"], dtype=dtype),
+        timestep=torch.full((batch,), 500.0, dtype=dtype),
     )
 
 
@@ -144,6 +169,22 @@ FLUX_DEV = dict(  # black-forest-labs/FLUX.1-dev transformer/config.json (11.9B)
     guidance_embeds=True,
     axes_dims_rope=(16, 56, 56),
 )
+WAN21_14B = dict(  # Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json (14.3B; Wan 2.2 A14B: two of these)
+    patch_size=(1, 2, 2),
+    num_attention_heads=40,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=13824,
+    num_layers=40,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
+WAN21_1_3B = {**WAN21_14B, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}  # 1.4B
 TINY = dict(  # a toy SD3 transformer: the whole path on a CPU in a second (the test suite runs it)
     sample_size=8,
     patch_size=2,
@@ -162,9 +203,11 @@ PRESETS = {
     "sd3.5-medium": Preset("sd3.5-medium", "SD3Transformer2DModel", SD35_MEDIUM, 77 + 256, _sd3_inputs),
     "sd3.5-large": Preset("sd3.5-large", "SD3Transformer2DModel", SD35_LARGE, 77 + 256, _sd3_inputs),
     "flux-dev": Preset("flux-dev", "FluxTransformer2DModel", FLUX_DEV, 512, _flux_inputs),
+    "wan2.1-1.3b": Preset("wan2.1-1.3b", "WanTransformer3DModel", WAN21_1_3B, 512, _wan_inputs, (81, 480, 832)),
+    "wan2.1-14b": Preset("wan2.1-14b", "WanTransformer3DModel", WAN21_14B, 512, _wan_inputs, (81, 480, 832)),
     "tiny": Preset("tiny", "SD3Transformer2DModel", TINY, 8, _sd3_inputs),
 }
-REAL_PRESETS = ("sd3.5-medium", "sd3.5-large", "flux-dev")
+REAL_PRESETS = ("sd3.5-medium", "sd3.5-large", "flux-dev", "wan2.1-1.3b", "wan2.1-14b")
 
 
 def latent_side(resolution: int) -> int:
@@ -184,7 +227,7 @@ def count_step_flops(preset: Preset, resolution: int) -> tuple[int, int]:
     with torch.device("meta"):
         model = preset.build().to(torch.bfloat16)
         params = sum(p.numel() for p in model.parameters())
-        inputs = preset.make_inputs(preset.config, 1, latent_side(resolution), preset.text_tokens, torch.bfloat16)
+        inputs = preset.make_inputs(preset.config, 1, preset.size(resolution), preset.text_tokens, torch.bfloat16)
         with FlopCounterMode(display=False) as counter:
             _loss(model(**inputs, return_dict=False)).backward()
     return params, counter.get_total_flops()
@@ -226,7 +269,7 @@ def measure_step(preset: Preset, opts: argparse.Namespace, device: torch.device)
             for param in model.parameters():
                 param.normal_(0.0, 0.02)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=cuda)
-        inputs = preset.make_inputs(preset.config, opts.batch, latent_side(opts.resolution), preset.text_tokens, master)
+        inputs = preset.make_inputs(preset.config, opts.batch, preset.size(opts.resolution), preset.text_tokens, master)
         inputs = {k: None if v is None else v.to(device) for k, v in inputs.items()}
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -328,11 +371,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
 
     where = "none" if device is None else torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
-        f"{opts.resolution} px, batch {opts.batch}, bf16 forward, {opts.master_dtype} master weights, "
+        f"images {opts.resolution} px, batch {opts.batch}, bf16 forward, {opts.master_dtype} master weights, "
         f"checkpointing {'on' if opts.gradient_checkpointing else 'off'}, device {where}, "
         f"bf16 peak {f'{peak:.0f} TFLOP/s' if peak else 'unknown (--peak-tflops)'}"
     )
-    print(f"{'preset':<14}{'params':>9}{'TFLOP/step':>12}{'step s':>9}{'peak GiB':>10}{'MFU':>7}")
+    print(f"{'preset':<14}{'size':>12}{'params':>9}{'TFLOP/step':>12}{'step s':>9}{'peak GiB':>10}{'MFU':>7}")
     for name, r in results.items():
         measured = ""
         if "oom" in r:
@@ -341,7 +384,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
                 measured += f"{r['peak_bytes'] / GIB:>10.1f}" if r["peak_bytes"] is not None else f"{'-':>10}"
                 measured += f"{r['mfu']:>7.1%}" if "mfu" in r else f"{'-':>7}"
         tflop = r["step_tflop_per_sample"] * opts.batch
-        print(f"{name:<14}{r['params'] / 1e9:>8.2f}B{tflop:>12.1f}{measured}")
+        size = PRESETS[name].describe(opts.resolution)
+        print(f"{name:<14}{size:>12}{r['params'] / 1e9:>8.2f}B{tflop:>12.1f}{measured}")
     if opts.rl_pipeline:
         times = rl_iteration(opts.rl_pipeline, opts.rl_rollouts, opts.rl_args.split())
         results["rl_iteration"] = times
