@@ -9,6 +9,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+COMMAND_STARTED = time.perf_counter()  # as a script: the command's start, less the interpreter's own (~0.05 s)
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -115,24 +117,47 @@ def start_ray(args: argparse.Namespace) -> bool:
 
     if ray.is_initialized():
         return False
-    local = {} if args.ray_address else {"num_cpus": local_ray_cpus(args)}
-    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True, **local, **ray_init_kwargs())
+    # "local": always a cluster of this run's own, never one that another run on the machine started
+    address, local = (args.ray_address, {}) if args.ray_address else ("local", {"num_cpus": local_ray_cpus(args)})
+    ray.init(address=address, include_dashboard=False, log_to_driver=True, **local, **ray_init_kwargs())
     return True
 
 
-def start_groups(args: argparse.Namespace, rollout_manager) -> tuple[dict, int]:
-    """The trainer groups (none for debug rollouts or evaluating the pipeline as loaded), initialised and
-    resumed; the engines get the actor's weights. Returns (groups, first rollout id)."""
-    from miles.ray.checkpoint_folders import check_roles_agree
+def trained_roles(args: argparse.Namespace) -> list[str]:
+    """The roles this run trains: none for debug rollouts or evaluating the pipeline as loaded."""
+    return [] if args.debug_rollout_only or (args.eval_only and not args.load) else training_order(args)
+
+
+def launch_groups(args: argparse.Namespace) -> dict:
+    """The trainer groups' actors, started without waiting for them to load (`start_groups` waits)."""
     from miles.ray.train_group import RayTrainGroup
     from miles.utils.failures import run_cleanup
 
-    roles = [] if args.debug_rollout_only or (args.eval_only and not args.load) else training_order(args)
-    groups = {role: RayTrainGroup(args, role) for role in roles}
+    groups: dict = {}
     try:
-        starts = {role: group.init() for role, group in groups.items()}
+        for role in trained_roles(args):
+            groups[role] = RayTrainGroup(args, role)
+    except BaseException:  # a placement group that never came: end the groups already started
+        run_cleanup([(f"shutdown of the {role} group", group.shutdown) for role, group in groups.items()])
+        raise
+    return groups
+
+
+def start_groups(args: argparse.Namespace, groups: dict, rollout_manager) -> int:
+    """Initialise and resume the launched trainer groups while the engines and reward workers load (everything
+    starts at once), set the per-phase thread counts, and give the engines the actor's weights. Returns the first
+    rollout id. On failure the groups are shut down here (the caller never holds them)."""
+    from miles.ray.checkpoint_folders import check_roles_agree
+    from miles.utils.failures import run_cleanup
+
+    try:
+        for group in groups.values():
+            group.start_init()
+        rollout_manager.wait_ready()
+        starts = {role: group.finish_init() for role, group in groups.items()}
         check_roles_agree(args, list(starts), starts)
-    except BaseException:  # the caller never sees these groups: end them here (a failed load, a dead rank)
+        set_phase_threads(args, rollout_manager, groups)
+    except BaseException:  # a failed load, a dead rank
         run_cleanup([(f"shutdown of the {role} group", group.shutdown) for role, group in groups.items()])
         raise
     start_rollout_id = min(starts.values(), default=0)
@@ -140,18 +165,50 @@ def start_groups(args: argparse.Namespace, rollout_manager) -> tuple[dict, int]:
         check_data_source_resume(args.load, start_rollout_id, rollout_manager.source)
     if groups:
         rollout_manager.update_weights(groups["actor"])
-    return groups, start_rollout_id
+    return start_rollout_id
 
 
-def run_rollout(args: argparse.Namespace, rollout_id: int, groups: dict, rollout_manager, evaluator, writer) -> dict:
+def set_phase_threads(args: argparse.Namespace, rollout_manager, groups: dict) -> None:
+    """Colocated phases on CPU (`--cpu-phase-threads auto`): engines and trainer ranks that share a node use its
+    cores for their own phase (generate / train) and their base count otherwise (`miles.utils.threads`)."""
+    from miles.ray.train_group import uses_gpu
+    from miles.utils.threads import phase_thread_counts
+
+    engines = rollout_manager.engines
+    if args.cpu_phase_threads == "off" or uses_gpu(args) or engines is None or not groups:
+        return
+    engine_counts, rank_counts = phase_thread_counts(
+        engines.node_infos(), [group.node_infos() for group in groups.values()]
+    )
+    engines.set_generate_threads(engine_counts)
+    for group, counts in zip(groups.values(), rank_counts):
+        group.set_train_threads(counts)
+    logger.info(
+        "phase threads: engines generate with %s, trainer ranks train with %s torch threads",
+        engine_counts,
+        {role: counts for role, counts in zip(groups, rank_counts)},
+    )
+
+
+def run_rollout(
+    args: argparse.Namespace,
+    rollout_id: int,
+    groups: dict,
+    rollout_manager,
+    evaluator,
+    writer,
+    started: float | None = None,
+) -> dict:
     """One rollout: generate, train each group in order, sync weights, save and eval when due; returns its record
-    (the trainer windows' records are logged as they come)."""
+    (the trainer windows' records are logged as they come). `started`: the command's start on the perf_counter
+    clock, given for the run's first rollout only: its record then holds `perf/startup_s`."""
     from miles.ray.checkpoint_folders import save_folders, write_latest_pointers
     from miles.utils.failures import set_current_rollout
 
     set_current_rollout(rollout_id)  # named by failures of engines and reward workers
     last = args.num_rollout - 1
     t0 = time.perf_counter()
+    startup_s = None if started is None else t0 - started
     data = rollout_manager.generate(rollout_id)
     t1 = time.perf_counter()
     peer = None
@@ -170,6 +227,7 @@ def run_rollout(args: argparse.Namespace, rollout_id: int, groups: dict, rollout
         "perf/train_s": t2 - t1,
         "perf/weight_sync_s": weight_sync_s,
         **rollout_manager.metrics(rollout_id),
+        **({"perf/startup_s": startup_s} if startup_s is not None else {}),
     }
     folders = save_folders(args, list(groups))  # role -> --save / --critic-save
     if folders and is_due(rollout_id, args.save_interval, last):
@@ -186,23 +244,37 @@ def run_rollout(args: argparse.Namespace, rollout_id: int, groups: dict, rollout
     return rollout_record
 
 
-def train_rollouts(args, groups, rollout_manager, evaluator, writer, start_rollout_id: int, summary: dict) -> None:
-    """The outer loop (ARCHITECTURE §4) with a progress bar."""
+def train_rollouts(
+    args, groups, rollout_manager, evaluator, writer, start_rollout_id: int, summary: dict, started: float
+) -> None:
+    """The outer loop (ARCHITECTURE §4) with a progress bar; `started` as in `run`."""
     from miles.utils.console import ProgressLine, progress_bar
 
     bar, progress = progress_bar(range(start_rollout_id, args.num_rollout), args), ProgressLine(args.loss_type)
     for rollout_id in bar:
-        record = run_rollout(args, rollout_id, groups, rollout_manager, evaluator, writer)
+        first = rollout_id == start_rollout_id
+        if first:
+            logger.info("start-up: %.1fs from the command to the first rollout", time.perf_counter() - started)
+        record = run_rollout(
+            args, rollout_id, groups, rollout_manager, evaluator, writer, started=started if first else None
+        )
         summary["losses"] += record.pop("_actor_losses")
         train_records = record.pop("_train_records")
         summary.setdefault("rollouts", []).append(record)
         bar.set_postfix(progress.update([*train_records, record]))
 
 
-def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None = None) -> dict:
+def run(
+    args: argparse.Namespace,
+    before_shutdown: Callable[[dict], None] | None = None,
+    *,
+    started: float | None = None,
+) -> dict:
     """Run the whole job; returns a summary (actor losses, wall time).
 
-    `before_shutdown(groups)` lets tools and tests inspect the live groups after the last rollout.
+    `before_shutdown(groups)` lets tools and tests inspect the live groups after the last rollout. `started`: when
+    the command started, on the `time.perf_counter` clock (`main` passes the process's start); default now. The
+    first rollout's record holds `perf/startup_s`, the seconds from then to its start.
     """
     from miles.utils.console import quiet_third_party, summary_line
 
@@ -219,7 +291,7 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     from miles.utils.failures import run_cleanup, set_current_rollout
     from miles.utils.tracking import open_tracking, read_metrics
 
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     for dest in ("hf_checkpoint", "teacher_load", "critic_checkpoint"):  # builtin:NAME -> the packaged folder
         setattr(args, dest, resolve_checkpoint(getattr(args, dest, None)))
     check_startup(args)
@@ -234,15 +306,16 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     try:
         own_ray = start_ray(args)
         check_gpus_fit(args, ray.cluster_resources().get("GPU", 0.0))
-        rollout_manager = RolloutManager(args)
-        groups, start_rollout_id = start_groups(args, rollout_manager)
+        groups = launch_groups(args)  # every actor starts at once; start_groups waits for them all
+        rollout_manager = RolloutManager(args, wait=False)
+        start_rollout_id = start_groups(args, groups, rollout_manager)
         evaluator = Evaluator(args) if eval_enabled(args) else None
         if evaluator is not None:  # the baseline, before any update of this run
             baseline = evaluator.evaluate(rollout_manager.engines, start_rollout_id)
             writer.log({"rollout_id": start_rollout_id, "step": 0, **baseline})
         if args.eval_only:
             return summary
-        train_rollouts(args, groups, rollout_manager, evaluator, writer, start_rollout_id, summary)
+        train_rollouts(args, groups, rollout_manager, evaluator, writer, start_rollout_id, summary, started)
         if args.save_hf and groups:
             groups["actor"].save_hf(args.save_hf)
             logger.info("wrote a diffusers pipeline folder to %s", args.save_hf)
@@ -289,14 +362,16 @@ def check_data_source_resume(load_dir: str, start_rollout_id: int, source) -> No
         logger.info("prompt stream resumes at rollout %d (epoch %d)", start_rollout_id, state["epoch"])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, started: float | None = None) -> int:
+    """`started`: the command's start on the `time.perf_counter` clock (default now); see `run`."""
     from miles.utils.arguments import parse_args
 
+    started = time.perf_counter() if started is None else started
     args = parse_args(argv)
     setup_logging(args)
-    run(args)
+    run(args, started=started)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(started=COMMAND_STARTED))

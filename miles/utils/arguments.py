@@ -50,6 +50,15 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available, else cpu."
     )
     group.add_argument("--cpus-per-rank", type=float, default=0.5, help="CPU share of each trainer actor on CPU.")
+    group.add_argument(
+        "--cpu-phase-threads",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto: on CPU, rollout engines and trainer ranks that share a node take turns on all its cores: an "
+        "engine generates with the node's cores (split among its engines), a rank trains with them (split among its "
+        "group's ranks there), each back to its base count after. off: every actor keeps round(its CPU share) "
+        "threads (thread counts change float bits at the 1e-8 level).",
+    )
     group.add_argument("--gpus-per-rank", type=float, default=1.0, help="GPUs per trainer actor on CUDA.")
     group.add_argument("--seed", type=int, default=1234, help="Seed of model init, noise and shuffling.")
 

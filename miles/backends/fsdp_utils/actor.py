@@ -38,6 +38,7 @@ from miles.utils.distributed import (
     use_deterministic_algorithms,
 )
 from miles.utils.misc import load_module
+from miles.utils.threads import node_info
 
 logger = logging.getLogger(__name__)
 SHADOW_CHECKPOINT_KEYS = {"old": "nft_old"}  # the name checkpoints written before the loss-hub declarations use
@@ -81,6 +82,7 @@ class FSDPTrainRayActor(TrainLoop):
         self.consecutive_skips, self.first_non_finite = 0, ""  # the non-finite guard's state (train_loop.py)
         self.pending_metrics: list[dict[str, Any]] = []
         self._gradient_sync = True  # FSDP2's default: reduce-scatter and reshard after every backward
+        self.train_threads: int | None = None  # torch threads while training (None: the base count)
 
     # ---- set-up -------------------------------------------------------------------------------
     def get_master_address(self) -> tuple[str, int]:
@@ -91,6 +93,14 @@ class FSDPTrainRayActor(TrainLoop):
             sock.bind(("", 0))
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
+
+    def node_info(self) -> tuple[str, int]:
+        """(Ray node id, cores) of this rank's process."""
+        return node_info()
+
+    def set_train_threads(self, count: int | None) -> None:
+        """Torch threads for `train` (the recompute and training loops) on CPU; None: the base count."""
+        self.train_threads = count
 
     def init(self, args: argparse.Namespace, master_addr: str, master_port: int) -> int:
         """Process group, network, FSDP2, optimizer, schedule and `--load` state; returns the first rollout id."""

@@ -17,6 +17,7 @@ from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, Prepa
 from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_schedule, pairs_in_window
 from miles.utils.box import Box
 from miles.utils.distributed import collective_device
+from miles.utils.threads import torch_threads
 from miles.utils.types import TrainPairs, num_pairs, slice_pairs
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,12 @@ class TrainLoop:
     """The loops of `FSDPTrainRayActor`; the actor supplies the state (model, optimizer, hooks, networks...)."""
 
     def train(self, rollout_id: int, data: Box, peer: Box | None = None) -> Box:
-        """Train on this rank's shard; returns `Box(ray.put(train_output))` for the paired rank of the next group."""
+        """Train on this rank's shard; returns `Box(ray.put(train_output))` for the paired rank of the next group.
+        Runs with the train phase's thread count (`set_train_threads`)."""
+        with torch_threads(getattr(self, "train_threads", None)):
+            return self._train(rollout_id, data, peer)
+
+    def _train(self, rollout_id: int, data: Box, peer: Box | None) -> Box:
         import ray
 
         ctx = self._make_context(rollout_id)
