@@ -59,6 +59,14 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "group's ranks there), each back to its base count after. off: every actor keeps round(its CPU share) "
         "threads (thread counts change float bits at the 1e-8 level).",
     )
+    group.add_argument(
+        "--prefetch-microbatches",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="Prepare micro-batch n+1 (the prepare hook, host-to-device copies on a side stream) on a worker thread "
+        "while micro-batch n runs forward and backward; same hook calls, bit-identical results. auto: on for CUDA, "
+        "off on CPU (where the prepare is a few slices and the thread would compete with the forward's).",
+    )
     group.add_argument("--gpus-per-rank", type=float, default=1.0, help="GPUs per trainer actor on CUDA.")
     group.add_argument("--seed", type=int, default=1234, help="Seed of model init, noise and shuffling.")
 

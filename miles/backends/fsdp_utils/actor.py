@@ -29,6 +29,7 @@ from miles.backends.fsdp_utils.lora import (
 )
 from miles.backends.fsdp_utils.loss_hub import TEACHER, LossHooks, checkpoint_meta, get_loss_hooks
 from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
+from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher, prefetch_enabled
 from miles.backends.fsdp_utils.train_loop import TrainLoop
 from miles.models.base import get_train_pipeline_config
 from miles.utils.distributed import (
@@ -136,6 +137,7 @@ class FSDPTrainRayActor(TrainLoop):
         if args.algorithm_path:  # registers its loss types in this process too
             load_module(args.algorithm_path)
         self.hooks: LossHooks = get_loss_hooks(args, self.role)
+        self.prefetcher = MicrobatchPrefetcher(prefetch_enabled(args, self.device), self.device)
         self.optimizer = build_optimizer(self.model.parameters(), args, self.settings["lr"])
         total_steps = args.num_rollout * self.settings["num_steps_per_rollout"]
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, self.settings["lr"], total_steps)
@@ -276,4 +278,6 @@ class FSDPTrainRayActor(TrainLoop):
         return out_dir
 
     def shutdown(self) -> None:
+        if hasattr(self, "prefetcher"):
+            self.prefetcher.shutdown()
         destroy_process_group()
