@@ -95,7 +95,7 @@ def is_due(rollout_id: int, interval: int | None, last: int) -> bool:
 def check_startup(args: argparse.Namespace) -> None:
     """Before Ray and any actor: every path flag loads with the right signature, the loss type has its entries."""
     from miles.backends.fsdp_utils.loss_hub import get_loss_hooks
-    from miles.rollout.rollout_hub import get_rollout_spec
+    from miles.rollout.rollout_hub import check_async_rollout, get_rollout_spec
     from miles.utils.hook_paths import load_path_flags
 
     load_path_flags(args)
@@ -107,6 +107,7 @@ def check_startup(args: argparse.Namespace) -> None:
         get_loss_hooks(args, role)
     if not args.train_only:
         get_rollout_spec(args.loss_type)
+    check_async_rollout(args)
 
 
 def start_ray(args: argparse.Namespace) -> bool:
@@ -177,6 +178,9 @@ def set_phase_threads(args: argparse.Namespace, rollout_manager, groups: dict) -
     engines = rollout_manager.engines
     if args.cpu_phase_threads == "off" or uses_gpu(args) or engines is None or not groups:
         return
+    if args.async_rollout:  # generation and training overlap: no phase has the node to itself
+        logger.info("phase threads off: --async-rollout runs generation and training at once")
+        return
     engine_counts, rank_counts = phase_thread_counts(
         engines.node_infos(), [group.node_infos() for group in groups.values()]
     )
@@ -190,6 +194,46 @@ def set_phase_threads(args: argparse.Namespace, rollout_manager, groups: dict) -
     )
 
 
+class Generations:
+    """Each rollout's batch with its rollout metrics and generation seconds: generated when asked for, or with
+    --async-rollout one rollout ahead on a worker thread, so that batch k+1 generates while batch k trains.
+
+    Ahead, batch k+1 is asked of the engines right after batch k is in, before k trains: an engine runs its calls
+    in order, so k+1 samples with the weights the engines hold then (those before update k), and the sync after
+    update k reaches them after it. Staleness is at most one update; `run_rollout` records and checks it.
+    """
+
+    def __init__(self, args: argparse.Namespace, rollout_manager) -> None:
+        self.args, self.rollout_manager = args, rollout_manager
+        self.ahead: dict = {}  # rollout id -> future of its generation
+        self.executor = None
+        if getattr(args, "async_rollout", False):
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-rollout")
+
+    def _generate(self, rollout_id: int) -> tuple[list, dict, float]:
+        started = time.perf_counter()
+        data = self.rollout_manager.generate(rollout_id)
+        return data, self.rollout_manager.metrics(rollout_id), time.perf_counter() - started
+
+    def get(self, rollout_id: int) -> tuple[list, dict, float]:
+        """(one box per dp rank, the rollout's metrics, seconds its generation took); ahead, starts the next one."""
+        if self.executor is None:
+            return self._generate(rollout_id)
+        future = self.ahead.pop(rollout_id, None) or self.executor.submit(self._generate, rollout_id)
+        result = future.result()
+        if rollout_id + 1 < self.args.num_rollout:
+            self.ahead[rollout_id + 1] = self.executor.submit(self._generate, rollout_id + 1)
+        return result
+
+    def close(self) -> None:
+        """Drop a generation not yet started; one under way ends with the engines (shut down after this)."""
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+        self.ahead.clear()
+
+
 def run_rollout(
     args: argparse.Namespace,
     rollout_id: int,
@@ -198,10 +242,12 @@ def run_rollout(
     evaluator,
     writer,
     started: float | None = None,
+    generations: Generations | None = None,
 ) -> dict:
     """One rollout: generate, train each group in order, sync weights, save and eval when due; returns its record
     (the trainer windows' records are logged as they come). `started`: the command's start on the perf_counter
-    clock, given for the run's first rollout only: its record then holds `perf/startup_s`."""
+    clock, given for the run's first rollout only: its record then holds `perf/startup_s`. `generations`: where
+    the batch comes from (default: generated now)."""
     from miles.ray.checkpoint_folders import save_folders, write_latest_pointers
     from miles.utils.failures import set_current_rollout
 
@@ -209,8 +255,9 @@ def run_rollout(
     last = args.num_rollout - 1
     t0 = time.perf_counter()
     startup_s = None if started is None else t0 - started
-    data = rollout_manager.generate(rollout_id)
+    data, rollout_metrics, generate_s = (generations or Generations(args, rollout_manager)).get(rollout_id)
     t1 = time.perf_counter()
+    async_metrics = staleness_metrics(args, rollout_manager, rollout_id, rollout_metrics, t1 - t0)
     peer = None
     if not args.debug_rollout_only:
         for role in training_order(args):
@@ -223,10 +270,11 @@ def run_rollout(
     rollout_record = {
         "rollout_id": rollout_id,
         "step": records[-1]["step"] if records else None,
-        "perf/generate_total_s": t1 - t0,
+        "perf/generate_total_s": generate_s,
         "perf/train_s": t2 - t1,
         "perf/weight_sync_s": weight_sync_s,
-        **rollout_manager.metrics(rollout_id),
+        **rollout_metrics,
+        **async_metrics,
         **({"perf/startup_s": startup_s} if startup_s is not None else {}),
     }
     folders = save_folders(args, list(groups))  # role -> --save / --critic-save
@@ -244,6 +292,21 @@ def run_rollout(
     return rollout_record
 
 
+def staleness_metrics(args, rollout_manager, rollout_id: int, rollout_metrics: dict, wait_s: float) -> dict:
+    """--async-rollout: the trainer's weights version (the last one synced: its weights now) against the batch's,
+    and the seconds the driver waited for the batch; a batch more than one update behind is an error."""
+    if not getattr(args, "async_rollout", False) or "rollout/weights_version" not in rollout_metrics:
+        return {}
+    trainer = rollout_manager.weights_version
+    staleness = trainer - rollout_metrics["rollout/weights_version"]
+    if not 0 <= staleness <= 1:
+        raise RuntimeError(
+            f"rollout {rollout_id} was generated with weights version {rollout_metrics['rollout/weights_version']} "
+            f"but the trainer holds version {trainer}: --async-rollout allows one update of staleness"
+        )
+    return {"rollout/staleness": staleness, "rollout/trainer_weights_version": trainer, "perf/generate_wait_s": wait_s}
+
+
 def train_rollouts(
     args, groups, rollout_manager, evaluator, writer, start_rollout_id: int, summary: dict, started: float
 ) -> None:
@@ -251,17 +314,28 @@ def train_rollouts(
     from miles.utils.console import ProgressLine, progress_bar
 
     bar, progress = progress_bar(range(start_rollout_id, args.num_rollout), args), ProgressLine(args.loss_type)
-    for rollout_id in bar:
-        first = rollout_id == start_rollout_id
-        if first:
-            logger.info("start-up: %.1fs from the command to the first rollout", time.perf_counter() - started)
-        record = run_rollout(
-            args, rollout_id, groups, rollout_manager, evaluator, writer, started=started if first else None
-        )
-        summary["losses"] += record.pop("_actor_losses")
-        train_records = record.pop("_train_records")
-        summary.setdefault("rollouts", []).append(record)
-        bar.set_postfix(progress.update([*train_records, record]))
+    generations = Generations(args, rollout_manager)
+    try:
+        for rollout_id in bar:
+            first = rollout_id == start_rollout_id
+            if first:
+                logger.info("start-up: %.1fs from the command to the first rollout", time.perf_counter() - started)
+            record = run_rollout(
+                args,
+                rollout_id,
+                groups,
+                rollout_manager,
+                evaluator,
+                writer,
+                started=started if first else None,
+                generations=generations,
+            )
+            summary["losses"] += record.pop("_actor_losses")
+            train_records = record.pop("_train_records")
+            summary.setdefault("rollouts", []).append(record)
+            bar.set_postfix(progress.update([*train_records, record]))
+    finally:
+        generations.close()
 
 
 def run(
