@@ -378,11 +378,19 @@ def run(
     rollout_manager = None
     summary: dict = {"losses": []}
     try:
+        checked = time.perf_counter()
         own_ray = start_ray(args)
+        ray_ready = time.perf_counter()
         check_gpus_fit(args, ray.cluster_resources().get("GPU", 0.0))
         groups = launch_groups(args)  # every actor starts at once; start_groups waits for them all
         rollout_manager = RolloutManager(args, wait=False)
         start_rollout_id = start_groups(args, groups, rollout_manager)
+        logger.info(
+            "start-up phases: imports and checks %.1fs, ray.init %.1fs, actors (started together) %.1fs",
+            checked - started,
+            ray_ready - checked,
+            time.perf_counter() - ray_ready,
+        )
         evaluator = Evaluator(args) if eval_enabled(args) else None
         if evaluator is not None:  # the baseline, before any update of this run
             baseline = evaluator.evaluate(rollout_manager.engines, start_rollout_id)
