@@ -9,6 +9,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+COMMAND_STARTED = time.perf_counter()  # as a script: the command's start, less the interpreter's own (~0.05 s)
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -95,7 +97,7 @@ def check_startup(args: argparse.Namespace) -> None:
     and the run's flags, the loss type has its entries."""
     from miles.backends.fsdp_utils.loss_hub import get_loss_hooks
     from miles.models.base import family_options, get_train_pipeline_config, load_family_class
-    from miles.rollout.rollout_hub import get_rollout_spec
+    from miles.rollout.rollout_hub import check_async_rollout, get_rollout_spec
     from miles.utils.eval_arguments import eval_enabled
     from miles.utils.hook_paths import load_path_flags
 
@@ -114,6 +116,7 @@ def check_startup(args: argparse.Namespace) -> None:
         get_loss_hooks(args, role)
     if not args.train_only:
         get_rollout_spec(args.loss_type)
+    check_async_rollout(args)
 
 
 def start_ray(args: argparse.Namespace) -> bool:
@@ -124,24 +127,47 @@ def start_ray(args: argparse.Namespace) -> bool:
 
     if ray.is_initialized():
         return False
-    local = {} if args.ray_address else {"num_cpus": local_ray_cpus(args)}
-    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True, **local, **ray_init_kwargs())
+    # "local": always a cluster of this run's own, never one that another run on the machine started
+    address, local = (args.ray_address, {}) if args.ray_address else ("local", {"num_cpus": local_ray_cpus(args)})
+    ray.init(address=address, include_dashboard=False, log_to_driver=True, **local, **ray_init_kwargs())
     return True
 
 
-def start_groups(args: argparse.Namespace, rollout_manager) -> tuple[dict, int]:
-    """The trainer groups (none for debug rollouts or evaluating the pipeline as loaded), initialised and
-    resumed; the engines get the actor's weights. Returns (groups, first rollout id)."""
-    from miles.ray.checkpoint_folders import check_roles_agree
+def trained_roles(args: argparse.Namespace) -> list[str]:
+    """The roles this run trains: none for debug rollouts or evaluating the pipeline as loaded."""
+    return [] if args.debug_rollout_only or (args.eval_only and not args.load) else training_order(args)
+
+
+def launch_groups(args: argparse.Namespace) -> dict:
+    """The trainer groups' actors, started without waiting for them to load (`start_groups` waits)."""
     from miles.ray.train_group import RayTrainGroup
     from miles.utils.failures import run_cleanup
 
-    roles = [] if args.debug_rollout_only or (args.eval_only and not args.load) else training_order(args)
-    groups = {role: RayTrainGroup(args, role) for role in roles}
+    groups: dict = {}
     try:
-        starts = {role: group.init() for role, group in groups.items()}
+        for role in trained_roles(args):
+            groups[role] = RayTrainGroup(args, role)
+    except BaseException:  # a placement group that never came: end the groups already started
+        run_cleanup([(f"shutdown of the {role} group", group.shutdown) for role, group in groups.items()])
+        raise
+    return groups
+
+
+def start_groups(args: argparse.Namespace, groups: dict, rollout_manager) -> int:
+    """Initialise and resume the launched trainer groups while the engines and reward workers load (everything
+    starts at once), set the per-phase thread counts, and give the engines the actor's weights. Returns the first
+    rollout id. On failure the groups are shut down here (the caller never holds them)."""
+    from miles.ray.checkpoint_folders import check_roles_agree
+    from miles.utils.failures import run_cleanup
+
+    try:
+        for group in groups.values():
+            group.start_init()
+        rollout_manager.wait_ready()
+        starts = {role: group.finish_init() for role, group in groups.items()}
         check_roles_agree(args, list(starts), starts)
-    except BaseException:  # the caller never sees these groups: end them here (a failed load, a dead rank)
+        set_phase_threads(args, rollout_manager, groups)
+    except BaseException:  # a failed load, a dead rank
         run_cleanup([(f"shutdown of the {role} group", group.shutdown) for role, group in groups.items()])
         raise
     start_rollout_id = min(starts.values(), default=0)
@@ -149,7 +175,7 @@ def start_groups(args: argparse.Namespace, rollout_manager) -> tuple[dict, int]:
         check_data_source_resume(args.load, start_rollout_id, rollout_manager.source)
     if groups:
         rollout_manager.update_weights(groups["actor"])
-    return groups, start_rollout_id
+    return start_rollout_id
 
 
 def record_placement(args: argparse.Namespace, groups: dict, rollout_manager) -> str:
@@ -162,17 +188,95 @@ def record_placement(args: argparse.Namespace, groups: dict, rollout_manager) ->
     return write_placement(args.output_dir, placement)
 
 
-def run_rollout(args: argparse.Namespace, rollout_id: int, groups: dict, rollout_manager, evaluator, writer) -> dict:
+def set_phase_threads(args: argparse.Namespace, rollout_manager, groups: dict) -> None:
+    """Colocated phases on CPU (`--cpu-phase-threads auto`): engines and trainer ranks that share a node use its
+    cores for their own phase (generate / train) and their base count otherwise (`miles.utils.threads`)."""
+    from miles.ray.train_group import uses_gpu
+    from miles.utils.threads import phase_thread_counts
+
+    engines = rollout_manager.engines
+    if args.cpu_phase_threads == "off" or uses_gpu(args) or engines is None or not groups:
+        return
+    if args.async_rollout:  # generation and training overlap: no phase has the node to itself
+        logger.info("phase threads off: --async-rollout runs generation and training at once")
+        return
+    engine_counts, rank_counts = phase_thread_counts(
+        engines.node_infos(), [group.node_infos() for group in groups.values()]
+    )
+    engines.set_generate_threads(engine_counts)
+    for group, counts in zip(groups.values(), rank_counts):
+        group.set_train_threads(counts)
+    logger.info(
+        "phase threads: engines generate with %s, trainer ranks train with %s torch threads",
+        engine_counts,
+        {role: counts for role, counts in zip(groups, rank_counts)},
+    )
+
+
+class Generations:
+    """Each rollout's batch with its rollout metrics and generation seconds: generated when asked for, or with
+    --async-rollout one rollout ahead on a worker thread, so that batch k+1 generates while batch k trains.
+
+    Ahead, batch k+1 is asked of the engines right after batch k is in, before k trains: an engine runs its calls
+    in order, so k+1 samples with the weights the engines hold then (those before update k), and the sync after
+    update k reaches them after it. Staleness is at most one update; `run_rollout` records and checks it.
+    """
+
+    def __init__(self, args: argparse.Namespace, rollout_manager) -> None:
+        self.args, self.rollout_manager = args, rollout_manager
+        self.ahead: dict = {}  # rollout id -> future of its generation
+        self.executor = None
+        if getattr(args, "async_rollout", False):
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-rollout")
+
+    def _generate(self, rollout_id: int) -> tuple[list, dict, float]:
+        started = time.perf_counter()
+        data = self.rollout_manager.generate(rollout_id)
+        return data, self.rollout_manager.metrics(rollout_id), time.perf_counter() - started
+
+    def get(self, rollout_id: int) -> tuple[list, dict, float]:
+        """(one box per dp rank, the rollout's metrics, seconds its generation took); ahead, starts the next one."""
+        if self.executor is None:
+            return self._generate(rollout_id)
+        future = self.ahead.pop(rollout_id, None) or self.executor.submit(self._generate, rollout_id)
+        result = future.result()
+        if rollout_id + 1 < self.args.num_rollout:
+            self.ahead[rollout_id + 1] = self.executor.submit(self._generate, rollout_id + 1)
+        return result
+
+    def close(self) -> None:
+        """Drop a generation not yet started; one under way ends with the engines (shut down after this)."""
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+        self.ahead.clear()
+
+
+def run_rollout(
+    args: argparse.Namespace,
+    rollout_id: int,
+    groups: dict,
+    rollout_manager,
+    evaluator,
+    writer,
+    started: float | None = None,
+    generations: Generations | None = None,
+) -> dict:
     """One rollout: generate, train each group in order, sync weights, save and eval when due; returns its record
-    (the trainer windows' records are logged as they come)."""
+    (the trainer windows' records are logged as they come). `started`: the command's start on the perf_counter
+    clock, given for the run's first rollout only: its record then holds `perf/startup_s`. `generations`: where
+    the batch comes from (default: generated now)."""
     from miles.ray.checkpoint_folders import save_folders, write_latest_pointers
     from miles.utils.failures import set_current_rollout
 
     set_current_rollout(rollout_id)  # named by failures of engines and reward workers
     last = args.num_rollout - 1
     t0 = time.perf_counter()
-    data = rollout_manager.generate(rollout_id)
+    startup_s = None if started is None else t0 - started
+    data, rollout_metrics, generate_s = (generations or Generations(args, rollout_manager)).get(rollout_id)
     t1 = time.perf_counter()
+    async_metrics = staleness_metrics(args, rollout_manager, rollout_id, rollout_metrics, t1 - t0)
     peer = None
     if not args.debug_rollout_only:
         for role in training_order(args):
@@ -185,10 +289,12 @@ def run_rollout(args: argparse.Namespace, rollout_id: int, groups: dict, rollout
     rollout_record = {
         "rollout_id": rollout_id,
         "step": records[-1]["step"] if records else None,
-        "perf/generate_total_s": t1 - t0,
+        "perf/generate_total_s": generate_s,
         "perf/train_s": t2 - t1,
         "perf/weight_sync_s": weight_sync_s,
-        **rollout_manager.metrics(rollout_id),
+        **rollout_metrics,
+        **async_metrics,
+        **({"perf/startup_s": startup_s} if startup_s is not None else {}),
     }
     folders = save_folders(args, list(groups))  # role -> --save / --critic-save
     if folders and is_due(rollout_id, args.save_interval, last):
@@ -205,23 +311,63 @@ def run_rollout(args: argparse.Namespace, rollout_id: int, groups: dict, rollout
     return rollout_record
 
 
-def train_rollouts(args, groups, rollout_manager, evaluator, writer, start_rollout_id: int, summary: dict) -> None:
-    """The outer loop (ARCHITECTURE §4) with a progress bar."""
+def staleness_metrics(args, rollout_manager, rollout_id: int, rollout_metrics: dict, wait_s: float) -> dict:
+    """--async-rollout: the trainer's weights version (the last one synced: its weights now) against the batch's,
+    and the seconds the driver waited for the batch; a batch more than one update behind is an error."""
+    if not getattr(args, "async_rollout", False) or "rollout/weights_version" not in rollout_metrics:
+        return {}
+    trainer = rollout_manager.weights_version
+    staleness = trainer - rollout_metrics["rollout/weights_version"]
+    if not 0 <= staleness <= 1:
+        raise RuntimeError(
+            f"rollout {rollout_id} was generated with weights version {rollout_metrics['rollout/weights_version']} "
+            f"but the trainer holds version {trainer}: --async-rollout allows one update of staleness"
+        )
+    return {"rollout/staleness": staleness, "rollout/trainer_weights_version": trainer, "perf/generate_wait_s": wait_s}
+
+
+def train_rollouts(
+    args, groups, rollout_manager, evaluator, writer, start_rollout_id: int, summary: dict, started: float
+) -> None:
+    """The outer loop (ARCHITECTURE §4) with a progress bar; `started` as in `run`."""
     from miles.utils.console import ProgressLine, progress_bar
 
     bar, progress = progress_bar(range(start_rollout_id, args.num_rollout), args), ProgressLine(args.loss_type)
-    for rollout_id in bar:
-        record = run_rollout(args, rollout_id, groups, rollout_manager, evaluator, writer)
-        summary["losses"] += record.pop("_actor_losses")
-        train_records = record.pop("_train_records")
-        summary.setdefault("rollouts", []).append(record)
-        bar.set_postfix(progress.update([*train_records, record]))
+    generations = Generations(args, rollout_manager)
+    try:
+        for rollout_id in bar:
+            first = rollout_id == start_rollout_id
+            if first:
+                logger.info("start-up: %.1fs from the command to the first rollout", time.perf_counter() - started)
+            record = run_rollout(
+                args,
+                rollout_id,
+                groups,
+                rollout_manager,
+                evaluator,
+                writer,
+                started=started if first else None,
+                generations=generations,
+            )
+            summary["losses"] += record.pop("_actor_losses")
+            train_records = record.pop("_train_records")
+            summary.setdefault("rollouts", []).append(record)
+            bar.set_postfix(progress.update([*train_records, record]))
+    finally:
+        generations.close()
 
 
-def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None = None) -> dict:
+def run(
+    args: argparse.Namespace,
+    before_shutdown: Callable[[dict], None] | None = None,
+    *,
+    started: float | None = None,
+) -> dict:
     """Run the whole job; returns a summary (actor losses, wall time).
 
-    `before_shutdown(groups)` lets tools and tests inspect the live groups after the last rollout.
+    `before_shutdown(groups)` lets tools and tests inspect the live groups after the last rollout. `started`: when
+    the command started, on the `time.perf_counter` clock (`main` passes the process's start); default now. The
+    first rollout's record holds `perf/startup_s`, the seconds from then to its start.
     """
     from miles.utils.console import quiet_third_party, summary_line
 
@@ -238,7 +384,7 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     from miles.utils.failures import run_cleanup, set_current_rollout
     from miles.utils.tracking import open_tracking, read_metrics
 
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     for dest in ("hf_checkpoint", "teacher_load", "critic_checkpoint"):  # builtin:NAME -> the packaged folder
         setattr(args, dest, resolve_checkpoint(getattr(args, dest, None)))
     check_startup(args)
@@ -251,18 +397,27 @@ def run(args: argparse.Namespace, before_shutdown: Callable[[dict], None] | None
     rollout_manager = None
     summary: dict = {"losses": []}
     try:
+        checked = time.perf_counter()
         own_ray = start_ray(args)
+        ray_ready = time.perf_counter()
         check_gpus_fit(args, ray.cluster_resources().get("GPU", 0.0))
-        rollout_manager = RolloutManager(args)
-        groups, start_rollout_id = start_groups(args, rollout_manager)
+        groups = launch_groups(args)  # every actor starts at once; start_groups waits for them all
+        rollout_manager = RolloutManager(args, wait=False)
+        start_rollout_id = start_groups(args, groups, rollout_manager)
         record_placement(args, groups, rollout_manager)
+        logger.info(
+            "start-up phases: imports and checks %.1fs, ray.init %.1fs, actors (started together) %.1fs",
+            checked - started,
+            ray_ready - checked,
+            time.perf_counter() - ray_ready,
+        )
         evaluator = Evaluator(args) if eval_enabled(args) else None
         if evaluator is not None:  # the baseline, before any update of this run
             baseline = evaluator.evaluate(rollout_manager.engines, start_rollout_id)
             writer.log({"rollout_id": start_rollout_id, "step": 0, **baseline})
         if args.eval_only:
             return summary
-        train_rollouts(args, groups, rollout_manager, evaluator, writer, start_rollout_id, summary)
+        train_rollouts(args, groups, rollout_manager, evaluator, writer, start_rollout_id, summary, started)
         if args.save_hf and groups:
             groups["actor"].save_hf(args.save_hf)
             logger.info("wrote a diffusers pipeline folder to %s", args.save_hf)
@@ -309,14 +464,16 @@ def check_data_source_resume(load_dir: str, start_rollout_id: int, source) -> No
         logger.info("prompt stream resumes at rollout %d (epoch %d)", start_rollout_id, state["epoch"])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, started: float | None = None) -> int:
+    """`started`: the command's start on the `time.perf_counter` clock (default now); see `run`."""
     from miles.utils.arguments import parse_args
 
+    started = time.perf_counter() if started is None else started
     args = parse_args(argv)
     setup_logging(args)
-    run(args)
+    run(args, started=started)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(started=COMMAND_STARTED))

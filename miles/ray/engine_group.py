@@ -40,7 +40,10 @@ class RolloutEngineGroup:
         lora_config: dict[str, Any] | None = None,
         family_options: dict[str, Any] | None = None,
         timeout_s: float = 600.0,
+        wait: bool = True,
     ) -> None:
+        """Start the engine actors; with `wait=False` they load in the background until `wait_ready` (so the
+        driver can start trainer ranks meanwhile)."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.timeout_s = timeout_s
@@ -57,8 +60,28 @@ class RolloutEngineGroup:
             )
             for _ in range(num_engines)
         ]
-        self._gather({i: e.health.remote() for i, e in enumerate(self.engines)}, "starting")
-        logger.info("%d rollout engine(s) ready on %s", num_engines, device)
+        self.device = device
+        self._starting: dict[int, ray.ObjectRef] | None = {i: e.health.remote() for i, e in enumerate(self.engines)}
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait (within the timeout) until every engine has loaded its pipeline; a no-op once they have."""
+        if self._starting is None:
+            return
+        self._gather(self._starting, "starting")
+        self._starting = None
+        logger.info("%d rollout engine(s) ready on %s", self.num_engines, self.device)
+
+    def node_infos(self) -> list[tuple[str, int]]:
+        """(Ray node id, cores) of each engine."""
+        results = self._gather({i: e.node_info.remote() for i, e in enumerate(self.engines)}, "node_info")
+        return [results[i] for i in range(self.num_engines)]
+
+    def set_generate_threads(self, counts: list[int | None]) -> None:
+        """Each engine's torch thread count while it generates (None: its base count)."""
+        refs = {i: e.set_generate_threads.remote(count) for i, (e, count) in enumerate(zip(self.engines, counts))}
+        self._gather(refs, "set_generate_threads")
 
     @property
     def num_engines(self) -> int:

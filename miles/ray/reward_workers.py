@@ -65,25 +65,41 @@ class RewardWorkerPool:
         num_workers: int,
         num_cpus_per_worker: float = REWARD_WORKER_CPUS,
         timeout_s: float = 1800.0,
+        wait: bool = True,
     ) -> None:
+        """Start the workers; with `wait=False` they start in the background until `wait_ready`."""
         if num_workers < 0:
             raise ValueError(f"--rm-num-workers must be >= 0 (0 scores in the driver), got {num_workers}")
         self.args, self.spec, self.timeout_s = args, spec, timeout_s
         self.workers: list[Any] = []
+        self._starting: list[Any] = []
         if num_workers == 0:
             return
         import ray
 
         remote_cls = ray.remote(RewardWorker)
         self.workers = [remote_cls.options(num_cpus=num_cpus_per_worker).remote(args, spec) for _ in range(num_workers)]
+        self._starting = [worker.ready.remote() for worker in self.workers]
+        self._cpus_per_worker = num_cpus_per_worker
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait (within the timeout) until every worker has started; a no-op once they have (or with none)."""
+        if not self._starting:
+            return
+        import ray
+
         try:
-            ray.get([worker.ready.remote() for worker in self.workers], timeout=timeout_s)
+            ray.get(self._starting, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
+            num_workers, cpus = len(self.workers), self._cpus_per_worker
             self.shutdown()
             raise TimeoutError(
-                f"{num_workers} reward workers (--rm-num-workers) with {num_cpus_per_worker} CPUs each did not start "
-                f"within {timeout_s}s; does the Ray cluster have {num_workers * num_cpus_per_worker} free CPUs?"
+                f"{num_workers} reward workers (--rm-num-workers) with {cpus} CPUs each did not start "
+                f"within {self.timeout_s}s; does the Ray cluster have {num_workers * cpus} free CPUs?"
             ) from None
+        self._starting = []
 
     def score(self, samples: list[Sample]) -> RewardResult:
         """(weighted totals, raw values per reward) for `samples` in order; a worker's RewardError is re-raised."""

@@ -27,8 +27,10 @@ REWARD_TERMS = "reward_terms"  # Sample.extra key: the sample's value of each we
 class RolloutManager:
     """--train-only (SFT): dataset pairs encoded once. Otherwise: engines generate, rewards score, pairs go out."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+    def __init__(self, args: argparse.Namespace, *, wait: bool = True) -> None:
+        """With `wait=False` the engines and reward workers load in the background until `wait_ready` (the driver
+        starts the trainer ranks meanwhile)."""
+        self.args, self._wait = args, wait
         self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
         self.resolution = args.resolution or self.family.default_resolution
         self.engines = self.rewards = None
@@ -85,9 +87,19 @@ class RolloutManager:
             forward_dtype=parse_dtype(args.diffusion_forward_dtype),  # the trainer's: log-probs must match (§7)
             lora_config=self._lora_config(),
             family_options=family_options(args),
+            wait=self._wait,
         )
         if self.spec.scores_rewards or args.rm_type or args.custom_rm_path:  # else rewards only when asked (metrics)
-            self.rewards = RewardWorkerPool(args, reward_spec_from_args(args), num_workers=args.rm_num_workers)
+            self.rewards = RewardWorkerPool(
+                args, reward_spec_from_args(args), num_workers=args.rm_num_workers, wait=self._wait
+            )
+
+    def wait_ready(self) -> None:
+        """Wait until the engines and reward workers started by `__init__(wait=False)` are up."""
+        if self.engines is not None:
+            self.engines.wait_ready()
+        if self.rewards is not None:
+            self.rewards.wait_ready()
 
     def _lora_config(self) -> dict | None:
         if not self.args.use_lora:

@@ -56,8 +56,18 @@ class RayTrainGroup:
 
     def init(self) -> int:
         """Rendezvous at rank 0's address, build every rank; returns the rollout id to start from."""
+        self.start_init()
+        return self.finish_init()
+
+    def start_init(self) -> None:
+        """Rendezvous at rank 0's address and start building every rank without waiting (`finish_init` waits), so
+        that other groups and the engines load meanwhile."""
         master_addr, master_port = self._get([self.actors[0].get_master_address.remote()], "init")[0]
-        starts = self._get([a.init.remote(self.args, master_addr, master_port) for a in self.actors], "init (load)")
+        self._init_refs = [a.init.remote(self.args, master_addr, master_port) for a in self.actors]
+
+    def finish_init(self) -> int:
+        """Wait for every rank's build (`start_init`); returns the rollout id to start from."""
+        starts = self._get(self._init_refs, "init (load)")
         if len(set(starts)) != 1:
             raise RuntimeError(f"{self.role} ranks resumed at different rollouts: {starts}")
         return starts[0]
@@ -74,6 +84,14 @@ class RayTrainGroup:
         ]
         self.last_rollout_id = rollout_id
         return self._get(refs, "train", rollout_id)
+
+    def node_infos(self) -> list[tuple[str, int]]:
+        """(Ray node id, cores) of each rank."""
+        return self._get([a.node_info.remote() for a in self.actors], "node_info")
+
+    def set_train_threads(self, counts: list[int | None]) -> None:
+        """Each rank's torch thread count while it trains (None: its base count)."""
+        self._get([a.set_train_threads.remote(c) for a, c in zip(self.actors, counts)], "set_train_threads")
 
     def pop_metrics(self) -> list[dict[str, Any]]:
         return self._get([self.actors[0].pop_metrics.remote()], "metrics", self.last_rollout_id)[0]

@@ -18,6 +18,7 @@ from miles.diffusion.schedule import sampling_sigmas
 from miles.diffusion.sde import SDE_KERNELS, get_sde_kernel, renoise_sigmas
 from miles.models.base import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
+from miles.utils.threads import node_info, torch_threads
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +170,7 @@ class DiffusionEngine:
             self._inject_lora(self.lora_config)
         self.transformer.requires_grad_(False)
         self.version = INITIAL_WEIGHTS_VERSION
+        self.generate_threads: int | None = None  # torch threads while generating (None: the base count)
         logger.info("engine ready: %s on %s (%s)", self.family, self.device, "LoRA" if lora_config else "full")
 
     def _inject_lora(self, lora_config: dict[str, Any]) -> None:
@@ -185,6 +187,14 @@ class DiffusionEngine:
 
     def health(self) -> bool:
         return True
+
+    def node_info(self) -> tuple[str, int]:
+        """(Ray node id, cores) of this engine's process (where it runs inside a Ray actor)."""
+        return node_info()
+
+    def set_generate_threads(self, count: int | None) -> None:
+        """Torch threads for `generate` (the node's cores when trainers share it); None: the base count."""
+        self.generate_threads = count
 
     @torch.no_grad()
     def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
@@ -218,8 +228,13 @@ class DiffusionEngine:
     def _lora_key(key: str) -> str:
         return key.removeprefix("transformer.")  # diffusers' LoRA files prefix keys with the component name
 
-    @torch.no_grad()
     def generate(self, request: GenerateRequest) -> GenerateResult:
+        """`_generate` with the generate phase's thread count (`set_generate_threads`)."""
+        with torch_threads(self.generate_threads):
+            return self._generate(request)
+
+    @torch.no_grad()
+    def _generate(self, request: GenerateRequest) -> GenerateResult:
         """Denoise the batch from σ = 1 on the family's sampling grid (`renoise`: the generator grid); see
         `GenerateResult` for what comes back."""
         family, batch = self.family, len(request.prompts)

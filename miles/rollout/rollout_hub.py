@@ -5,6 +5,7 @@ rewards are scored, and how its held-out eval samples."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,10 @@ class RolloutSpec:
     scores_rewards: bool = True  # False: rewards only when --rm-type / --custom-rm-path ask (as metrics)
     metrics: Callable[[GenerateRequest], dict[str, Any]] = no_metrics
     eval_sampler: Callable[[argparse.Namespace], dict[str, Any]] = ode_eval
+    # --async-rollout: what the loss does with a batch generated one update behind the trainer (None: it is not
+    # known to be right, and --async-rollout is refused), and the flags with which it would be wrong (an error, or None)
+    stale_batch: str | None = None
+    stale_batch_conflict: Callable[[argparse.Namespace], str | None] = lambda args: None
 
 
 # ---- Flow-GRPO (and custom losses): SDE trajectories with per-step log-probs ---------------------------------------
@@ -171,11 +176,37 @@ def generator_eval(args: argparse.Namespace) -> dict[str, Any]:
     return {"sde_type": "renoise", "num_steps": args.dmd2_generator_steps, "shift": args.dmd2_timestep_shift}
 
 
+def recompute_conflict(args: argparse.Namespace) -> str | None:
+    if args.diffusion_recompute_old_log_prob:
+        return (
+            "--diffusion-recompute-old-log-prob replaces the rollout's behaviour log-probs by the current policy's, "
+            "so a batch generated one update behind would be trained as if on-policy; drop one of the two flags"
+        )
+    return None
+
+
+STALE_POLICY_BATCH = (
+    "the behaviour log-probs are the rollout's, recorded by the engine with the weights it sampled with, so the "
+    "ratio is taken against them and clipped as usual: PPO's importance ratio for a behaviour policy one update old"
+)
+STALE_NFT_BATCH = (
+    "off-policy by construction: the loss noises the clean samples afresh and needs only their rewards, no "
+    "log-prob of the policy that sampled them; samples from the previous weights are ordinary training data"
+)
+STALE_DMD2_BATCH = (
+    "off-policy by construction: the rollout gives only the generator's inputs (x_t on its grid); the critic and "
+    "teacher targets are computed at train time from the current networks"
+)
+
 _FLOW_GRPO = RolloutSpec(build_request=sde_request, convert=sde_pairs, pairs_per_sample=trained_steps_per_sample)
 ROLLOUT_SPECS: dict[str, RolloutSpec] = {
-    "policy_loss": _FLOW_GRPO,
+    "policy_loss": dataclasses.replace(
+        _FLOW_GRPO, stale_batch=STALE_POLICY_BATCH, stale_batch_conflict=recompute_conflict
+    ),
     "custom_loss": _FLOW_GRPO,  # a custom loss trains Flow-GRPO's pairs unless a conversion path replaces them
-    "nft": RolloutSpec(build_request=ode_request, convert=nft_pairs, pairs_per_sample=nft_pairs_count),
+    "nft": RolloutSpec(
+        build_request=ode_request, convert=nft_pairs, pairs_per_sample=nft_pairs_count, stale_batch=STALE_NFT_BATCH
+    ),
     "dmd2": RolloutSpec(
         build_request=generator_request,
         convert=generator_pairs,
@@ -183,6 +214,7 @@ ROLLOUT_SPECS: dict[str, RolloutSpec] = {
         scores_rewards=False,
         metrics=generator_step_metric,
         eval_sampler=generator_eval,
+        stale_batch=STALE_DMD2_BATCH,
     ),
 }
 
@@ -194,3 +226,22 @@ def get_rollout_spec(loss_type: str) -> RolloutSpec:
             "sft_loss trains on dataset pairs with --train-only"
         )
     return ROLLOUT_SPECS[loss_type]
+
+
+def check_async_rollout(args: argparse.Namespace) -> None:
+    """--async-rollout trains each batch one update after its weights: refuse it where that would be wrong."""
+    if not getattr(args, "async_rollout", False):
+        return
+    if args.train_only or args.debug_rollout_only:
+        flag = "--train-only" if args.train_only else "--debug-rollout-only"
+        raise ValueError(f"--async-rollout overlaps generation with training; {flag} has no generation to overlap")
+    spec = get_rollout_spec(args.loss_type)
+    if spec.stale_batch is None:
+        raise ValueError(
+            f"--async-rollout: --loss-type {args.loss_type} does not declare what it does with a batch generated one "
+            "update behind the trainer (RolloutSpec.stale_batch), so it could train a stale batch as if on-policy; "
+            "run it without --async-rollout"
+        )
+    conflict = spec.stale_batch_conflict(args)
+    if conflict is not None:
+        raise ValueError(f"--async-rollout with --loss-type {args.loss_type}: {conflict}")

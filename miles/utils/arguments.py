@@ -50,6 +50,23 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available, else cpu."
     )
     group.add_argument("--cpus-per-rank", type=float, default=0.5, help="CPU share of each trainer actor on CPU.")
+    group.add_argument(
+        "--cpu-phase-threads",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto: on CPU, rollout engines and trainer ranks that share a node take turns on all its cores: an "
+        "engine generates with the node's cores (split among its engines), a rank trains with them (split among its "
+        "group's ranks there), each back to its base count after. off: every actor keeps round(its CPU share) "
+        "threads (thread counts change float bits at the 1e-8 level).",
+    )
+    group.add_argument(
+        "--prefetch-microbatches",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="Prepare micro-batch n+1 (the prepare hook, host-to-device copies on a side stream) on a worker thread "
+        "while micro-batch n runs forward and backward; same hook calls, bit-identical results. auto: on for CUDA, "
+        "off on CPU (where the prepare is a few slices and the thread would compete with the forward's).",
+    )
     group.add_argument("--gpus-per-rank", type=float, default=1.0, help="GPUs per trainer actor on CUDA.")
     group.add_argument("--seed", type=int, default=1234, help="Seed of model init, noise and shuffling.")
 

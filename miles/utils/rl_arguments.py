@@ -12,6 +12,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rollout-num-engines", type=int, default=1, help="Rollout engine actors.")
     group.add_argument("--rollout-cpus-per-engine", type=float, default=0.5, help="CPU share of an engine on CPU.")
     group.add_argument("--rollout-gpus-per-engine", type=float, default=1.0, help="GPUs per engine on CUDA.")
+    group.add_argument(
+        "--async-rollout",
+        action="store_true",
+        help="Generate rollout k+1 while rollout k trains, with the weights before update k: staleness at most one "
+        "update, recorded as rollout/staleness. policy_loss (without --diffusion-recompute-old-log-prob), nft and "
+        "dmd2 only (docs/user-guide/performance.md).",
+    )
     group.add_argument("--diffusion-sde-type", choices=("sde", "cps", "ode"), default="sde", help="Step kernel.")
     group.add_argument("--diffusion-noise-level", type=float, default=0.7, help="SDE noise level a.")
     group.add_argument(

@@ -41,6 +41,9 @@ def test_tensorboard_and_offline_wandb_hold_every_metric_and_grid_of_a_run(ray_c
     keys = {k for r in read_metrics(tmp_path / "metrics.jsonl") for k in r} - {"rollout_id", "step", "role"}
     assert {tag for tag, _ in expected} == keys  # nft trains the actor only: tags are the metrics.jsonl keys
     assert {"train/loss", "rollout/reward_mean", "eval/shapes_accuracy", "perf/train_s"} <= keys
+    rollouts = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "perf/generate_total_s" in r]
+    assert ["perf/startup_s" in r for r in rollouts] == [True, False]  # the first rollout's record only
+    assert 0 < rollouts[0]["perf/startup_s"] < summary["wall_s"]
 
     scalars, images = read_tensorboard(str(tmp_path / "tensorboard"))
     got = {(tag, step): value for tag, steps in scalars.items() for step, value in steps.items()}

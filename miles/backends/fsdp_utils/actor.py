@@ -29,6 +29,7 @@ from miles.backends.fsdp_utils.lora import (
 )
 from miles.backends.fsdp_utils.loss_hub import TEACHER, LossHooks, checkpoint_meta, get_loss_hooks
 from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
+from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher, prefetch_enabled
 from miles.backends.fsdp_utils.train_loop import TrainLoop
 from miles.models.base import family_options, get_train_pipeline_config
 from miles.utils.distributed import (
@@ -38,6 +39,7 @@ from miles.utils.distributed import (
     use_deterministic_algorithms,
 )
 from miles.utils.misc import load_module
+from miles.utils.threads import node_info
 
 logger = logging.getLogger(__name__)
 SHADOW_CHECKPOINT_KEYS = {"old": "nft_old"}  # the name checkpoints written before the loss-hub declarations use
@@ -81,6 +83,7 @@ class FSDPTrainRayActor(TrainLoop):
         self.consecutive_skips, self.first_non_finite = 0, ""  # the non-finite guard's state (train_loop.py)
         self.pending_metrics: list[dict[str, Any]] = []
         self._gradient_sync = True  # FSDP2's default: reduce-scatter and reshard after every backward
+        self.train_threads: int | None = None  # torch threads while training (None: the base count)
 
     # ---- set-up -------------------------------------------------------------------------------
     def get_master_address(self) -> tuple[str, int]:
@@ -91,6 +94,14 @@ class FSDPTrainRayActor(TrainLoop):
             sock.bind(("", 0))
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
+
+    def node_info(self) -> tuple[str, int]:
+        """(Ray node id, cores) of this rank's process."""
+        return node_info()
+
+    def set_train_threads(self, count: int | None) -> None:
+        """Torch threads for `train` (the recompute and training loops) on CPU; None: the base count."""
+        self.train_threads = count
 
     def init(self, args: argparse.Namespace, master_addr: str, master_port: int) -> int:
         """Process group, network, FSDP2, optimizer, schedule and `--load` state; returns the first rollout id."""
@@ -126,6 +137,7 @@ class FSDPTrainRayActor(TrainLoop):
         if args.algorithm_path:  # registers its loss types in this process too
             load_module(args.algorithm_path)
         self.hooks: LossHooks = get_loss_hooks(args, self.role)
+        self.prefetcher = MicrobatchPrefetcher(prefetch_enabled(args, self.device), self.device)
         self.optimizer = build_optimizer(self.model.parameters(), args, self.settings["lr"])
         total_steps = args.num_rollout * self.settings["num_steps_per_rollout"]
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, self.settings["lr"], total_steps)
@@ -268,4 +280,6 @@ class FSDPTrainRayActor(TrainLoop):
         return out_dir
 
     def shutdown(self) -> None:
+        if hasattr(self, "prefetcher"):
+            self.prefetcher.shutdown()
         destroy_process_group()

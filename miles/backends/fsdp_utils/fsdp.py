@@ -4,6 +4,7 @@ and gradient clipping over DTensor grads."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 
 import torch
@@ -14,6 +15,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+from miles.utils.distributed import collective_device
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +110,101 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[str, 
     """Gather the sharded parameters into full tensors (collective: every rank must call it).
 
     With `cpu_offload=True` only rank 0 receives the dict (on CPU; other ranks get `{}`), which is what
-    `--save-hf` and weight export need. With `cpu_offload=False` every rank receives full tensors on the
-    parameters' device.
+    `--save-hf` and weight export need; it is gathered in flat buckets (`bucketed_full_state_dict`). With
+    `cpu_offload=False` every rank receives full tensors on the parameters' device.
     """
+    if cpu_offload and dist.is_initialized():
+        return bucketed_full_state_dict(model)
     options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
     return get_model_state_dict(model, options=options)
+
+
+GATHER_BUCKET_BYTES = 128 << 20  # shards gathered per collective (per rank), a bound on the extra memory it takes
+
+
+def _dim0_shard_group(value: torch.Tensor) -> tuple[int, dist.ProcessGroup] | None:
+    """(mesh dim, its process group) when `value` is a DTensor sharded along tensor dim 0 on exactly one mesh dim
+    and replicated on the others (FSDP2's layout, hybrid sharding included); else None."""
+    if not isinstance(value, DTensor):
+        return None
+    shards = [i for i, p in enumerate(value.placements) if p.is_shard()]
+    if len(shards) != 1 or not value.placements[shards[0]].is_shard(0):
+        return None
+    if not all(p.is_replicate() for i, p in enumerate(value.placements) if i != shards[0]):
+        return None
+    return shards[0], value.device_mesh.get_group(shards[0])
+
+
+def bucketed_full_state_dict(model: nn.Module, *, bucket_bytes: int = GATHER_BUCKET_BYTES) -> dict[str, torch.Tensor]:
+    """`full_state_dict(model)` on rank 0 (CPU tensors, the state dict's order; `{}` elsewhere), bit-identical, with
+    one all-gather per bucket of consecutive parameters instead of one per tensor (collective).
+
+    Each rank lays its dim-0 shards of a bucket end to end in one flat tensor, each padded to the largest shard of
+    its tensor (FSDP2 splits dim 0 as `torch.chunk` does, the last ranks' shards shorter or empty); rank 0 cuts the
+    gathered flats back into full tensors. Tensors of another layout, and buffers, go one by one as before.
+    """
+    rank0 = dist.get_rank() == 0
+    state = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    bucket: list[tuple[str, DTensor]] = []
+    key: tuple | None = None  # what a bucket's tensors share: dtype, mesh, shard dim
+    size = 0
+
+    def flush() -> None:
+        nonlocal bucket, size
+        if bucket:
+            out.update(_gather_bucket(bucket, rank0))
+        bucket, size = [], 0
+
+    for name, value in state.items():
+        layout = _dim0_shard_group(value)
+        if layout is None:
+            flush()
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if rank0:
+                out[name] = full.detach().cpu()
+            continue
+        this = (value.dtype, id(value.device_mesh), layout[0])
+        if this != key or size >= bucket_bytes:
+            flush()
+            key = this
+        bucket.append((name, value))
+        size += value.to_local().numel() * value.element_size()
+    flush()
+    return {name: out[name] for name in state} if rank0 else {}
+
+
+def _gather_bucket(bucket: list[tuple[str, DTensor]], rank0: bool) -> dict[str, torch.Tensor]:
+    """One all-gather of the bucket's dim-0 shards over their shard group; the full tensors on rank 0 (CPU)."""
+    _, group = _dim0_shard_group(bucket[0][1])
+    world, me = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
+    device = collective_device()
+    layout, parts = [], []
+    for name, value in bucket:
+        rows, row = value.shape[0], math.prod(value.shape[1:])
+        chunk = -(-rows // world)  # torch.chunk's split: ceil, the last ranks shorter or empty
+        local = value.to_local()
+        mine = max(0, min(chunk, rows - me * chunk))
+        if local.shape[0] != mine:
+            raise RuntimeError(
+                f"{name}: rank {me} of {world} holds {local.shape[0]} rows of {rows}, not the {mine} of an even dim-0 "
+                "split; cannot gather it in a bucket"
+            )
+        flat = local.detach().reshape(-1).to(device)
+        parts.append(torch.nn.functional.pad(flat, (0, chunk * row - flat.numel())))
+        layout.append((name, value.shape, rows, row, chunk))
+    send = torch.cat(parts)
+    received = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(received, send, group=group)
+    if not rank0:
+        return {}
+    received = [r.cpu() for r in received]
+    out, offset = {}, 0
+    for name, shape, rows, row, chunk in layout:
+        pieces = [received[r][offset : offset + max(0, min(chunk, rows - r * chunk)) * row] for r in range(world)]
+        out[name] = torch.cat(pieces).view(shape)
+        offset += chunk * row
+    return out
 
 
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
 from types import MappingProxyType
 from typing import Any
 
@@ -15,9 +16,11 @@ import torch.distributed as dist
 from miles.backends.fsdp_utils.fsdp import clip_grad_norm_
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, PreparedBatch, WindowMetrics
 from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_schedule, pairs_in_window
+from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher
 from miles.utils.box import Box
 from miles.utils.distributed import collective_device
-from miles.utils.types import TrainPairs, num_pairs, slice_pairs
+from miles.utils.threads import torch_threads
+from miles.utils.types import TrainPairs, num_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +48,12 @@ class TrainLoop:
     """The loops of `FSDPTrainRayActor`; the actor supplies the state (model, optimizer, hooks, networks...)."""
 
     def train(self, rollout_id: int, data: Box, peer: Box | None = None) -> Box:
-        """Train on this rank's shard; returns `Box(ray.put(train_output))` for the paired rank of the next group."""
+        """Train on this rank's shard; returns `Box(ray.put(train_output))` for the paired rank of the next group.
+        Runs with the train phase's thread count (`set_train_threads`)."""
+        with torch_threads(getattr(self, "train_threads", None)):
+            return self._train(rollout_id, data, peer)
+
+    def _train(self, rollout_id: int, data: Box, peer: Box | None) -> Box:
         import ray
 
         ctx = self._make_context(rollout_id)
@@ -97,10 +105,8 @@ class TrainLoop:
             metrics = WindowMetrics()
             denominator = pairs_in_window(window)
             losses_finite = True
-            for mb_idx, mb in enumerate(window):
+            for mb_idx, (_, batch, prepared) in enumerate(self._prepared(ctx, pairs, window, optim_step_idx)):
                 self._set_gradient_sync(mb_idx == len(window) - 1)
-                batch = slice_pairs(pairs, mb.start, mb.end)
-                prepared = self.hooks.prepare(ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=optim_step_idx)
                 loss_sum = self.hooks.formula(
                     ctx,
                     batch,
@@ -175,9 +181,7 @@ class TrainLoop:
         for optim_step_idx, window in enumerate(schedule):
             if optim_step_idx == 0:
                 continue
-            for mb in window:
-                batch = slice_pairs(pairs, mb.start, mb.end)
-                prepared = self.hooks.prepare(ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=optim_step_idx)
+            for _, batch, prepared in self._prepared(ctx, pairs, window, optim_step_idx):
                 self.hooks.formula(
                     ctx,
                     batch,
@@ -189,6 +193,14 @@ class TrainLoop:
                     write_old_log_prob=True,
                     old_log_prob_from_new=False,
                 )
+
+    def _prepared(
+        self, ctx: DiffusionLossContext, pairs: TrainPairs, window: list[MicroBatch], optim_step_idx: int
+    ) -> Iterator[tuple[MicroBatch, TrainPairs, PreparedBatch]]:
+        """Each micro-batch of a window with its pairs and its prepare hook's batch, in order; with
+        `--prefetch-microbatches` the next one is prepared while the caller computes this one (`prefetch.py`)."""
+        prefetcher = getattr(self, "prefetcher", None) or MicrobatchPrefetcher(False, ctx.device)
+        return prefetcher.prepared(self.hooks.prepare, ctx, pairs, window, optim_step_idx)
 
     def _forward(self, prepared: PreparedBatch) -> dict[str, Any]:
         """The actor owns every forward: the frozen networks the prepare names (without grad), then the trained one.

@@ -143,10 +143,8 @@ def test_fsdp2_group_matches_plain_pytorch_after_two_adamw_steps(ray_cluster, ti
     assert worst < 2e-5, f"FSDP2 (dp={dp_size}) differs from the plain loop by {worst}"
 
 
-def test_hook_wiring_numbering_in_recompute_and_training_loops(ray_cluster, tiny_pipeline_dir, family):
-    from miles.ray.train_group import RayTrainGroup
-
-    args = trunk_args(
+def recording_args(tiny_pipeline_dir, *extra):
+    return trunk_args(
         tiny_pipeline_dir,
         2,
         "--loss-type",
@@ -166,14 +164,33 @@ def test_hook_wiring_numbering_in_recompute_and_training_loops(ray_cluster, tiny
         "3",
         "--micro-batch-size",
         "1",
+        *extra,
     )
+
+
+def train_recording(args, family) -> tuple[list[dict], list[dict]]:
+    """One train call of the recording hooks on a dp-2 group: (each rank's output, each rank's full weights)."""
+    from miles.ray.train_group import RayTrainGroup
+
     group = RayTrainGroup(args, "actor", timeout=TIMEOUT)
     try:
         group.init()
         boxes = group.train(0, [put_box(s) for s in shard_pairs(make_pairs(family, 12), 2)])
         outputs = [box.get(timeout=TIMEOUT) for box in boxes]
+        weights = group.call("full_state_dict_every_rank")
     finally:
         group.shutdown()
+    return outputs, weights
+
+
+def test_hook_wiring_numbering_in_recompute_and_training_loops_with_and_without_prefetch(
+    ray_cluster, tiny_pipeline_dir, family
+):
+    """The hooks' calls and numbering in both loops; --prefetch-microbatches on calls them identically (the
+    prepares on the worker thread, same order, ids and grad mode) and trains bit-identically (three AdamW steps)."""
+    runs = {mode: train_recording(recording_args(tiny_pipeline_dir, "--prefetch-microbatches", mode), family)
+            for mode in ("off", "on")}  # fmt: skip
+    (outputs, off_weights), (on_outputs, on_weights) = runs["off"], runs["on"]
     windows, per_window = 3, 2  # 6 pairs per rank: 3 windows of 2 micro-batches of 1 pair
     recompute = [(w * per_window + m, w, True) for w in range(1, windows) for m in range(per_window)]
     training = [(w * per_window + m, w, False) for w in range(windows) for m in range(per_window)]
@@ -185,3 +202,15 @@ def test_hook_wiring_numbering_in_recompute_and_training_loops(ray_cluster, tiny
         assert from_new == [False] * len(recompute) + [w == 0 for (_, w, _) in training]
         assert out["same_list"], "train_output did not receive the list the formulas appended to"
         assert out["appended"] == [mb for mb, _, _ in recompute + training]
+        assert [(mb, step, grad) for mb, step, grad, _ in out["prepares"]] == [
+            (mb, w, not recompute_call) for mb, w, recompute_call in recompute + training
+        ]  # the recompute loop prepares without grad
+        assert all(main for *_, main in out["prepares"])
+    for off, on in zip(outputs, on_outputs):
+        assert [p[:3] for p in on["prepares"]] == [p[:3] for p in off["prepares"]]
+        assert on["calls"] == off["calls"] and on["appended"] == off["appended"]
+        assert not any(main for *_, main in on["prepares"]), "prefetch on, yet a prepare ran on the main thread"
+    for off, on in zip(off_weights, on_weights):
+        assert off.keys() == on.keys()
+        for name in off:
+            assert torch.equal(off[name], on[name]), f"{name} differs with prefetch"

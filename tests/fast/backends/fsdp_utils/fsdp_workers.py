@@ -13,10 +13,17 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
 
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, save_checkpoint, write_latest
-from miles.backends.fsdp_utils.fsdp import apply_fsdp2, clip_grad_norm_, full_state_dict, load_full_state_dict
+from miles.backends.fsdp_utils.fsdp import (
+    apply_fsdp2,
+    bucketed_full_state_dict,
+    clip_grad_norm_,
+    full_state_dict,
+    load_full_state_dict,
+)
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group
 
 BATCH = 8
@@ -42,6 +49,23 @@ class BlockModel(nn.Module):
 def build_model(seed: int) -> BlockModel:
     torch.manual_seed(seed)
     return BlockModel()
+
+
+class OddModel(nn.Module):
+    """Rows that do not split evenly over 2 ranks (5 -> 3 + 2, 1 -> 1 + 0), a bf16 block and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(DIM, 5), nn.Linear(5, 1), nn.Linear(1, 3).to(torch.bfloat16)])
+        self.register_buffer("scale", torch.arange(3.0))
+
+
+def build_odd_fsdp_model() -> OddModel:
+    torch.manual_seed(3)
+    model = OddModel()
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
 
 
 def build_fsdp_model(seed: int) -> BlockModel:
@@ -98,7 +122,14 @@ def train_fsdp(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     other = build_fsdp_model(99)
     load_full_state_dict(other, source)
     reloaded = full_state_dict(other, cpu_offload=False)
+    per_tensor = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    odd = build_odd_fsdp_model()
     return {
+        "per_tensor": get_model_state_dict(model, options=per_tensor),
+        # 1 byte: a bucket per tensor; 200 bytes: several per bucket; 1 GB: one bucket
+        "bucketed": [bucketed_full_state_dict(model, bucket_bytes=size) for size in (1, 200, 1 << 30)],
+        "odd_per_tensor": get_model_state_dict(odd, options=per_tensor),
+        "odd_bucketed": bucketed_full_state_dict(odd),
         "all_dtensor": all_dtensor,
         "norms": norms,
         "full": {k: v.detach().cpu().clone() for k, v in full_every_rank.items()},

@@ -1,12 +1,19 @@
 """A custom_loss that records what the trunk passes each hook (used by the wiring test)."""
 
+import threading
+
+import torch
+
 from miles.backends.fsdp_utils.loss_hub import sft
 
 CALLS: list = []
 LIST_IDS: set = set()
+PREPARES: list = []  # (microbatch_id, optim_step_idx, grad enabled, on the main thread) of each prepare call
 
 
 def prepare(ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len=None):
+    main = threading.current_thread() is threading.main_thread()
+    PREPARES.append((microbatch_id, optim_step_idx, torch.is_grad_enabled(), main))
     prepared = sft.prepare_sft_batch(ctx, batch, microbatch_id=microbatch_id, optim_step_idx=optim_step_idx)
     prepared.extras["microbatch_id"] = microbatch_id
     prepared.extras["prepare_step"] = optim_step_idx
@@ -37,4 +44,11 @@ def train_output(ctx, train_pairs, train_output_inputs):
     CALLS.clear()
     ids = set(LIST_IDS)
     LIST_IDS.clear()
-    return {"calls": calls, "same_list": ids == {id(train_output_inputs)}, "appended": list(train_output_inputs)}
+    prepares = list(PREPARES)
+    PREPARES.clear()
+    return {
+        "calls": calls,
+        "prepares": prepares,
+        "same_list": ids == {id(train_output_inputs)},
+        "appended": list(train_output_inputs),
+    }

@@ -176,3 +176,22 @@ def test_bf16_trainer_forward_matches_a_bf16_engine_and_keeps_the_timestep_fp32(
         assert seen == [torch.bfloat16] and diff > 0.03  # measured 0.055
     else:
         assert seen == [torch.float32] and diff <= 2 * 2**-7  # measured 2**-7: one ulp at |v| in [1, 2)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_bucketed_full_state_dict_is_bit_identical_to_the_per_tensor_gather(results, world_size):
+    """The weight export's gather: same keys in the same order, same dtypes, equal bits, on rank 0 only; for any
+    bucket size, uneven and empty shards, a bf16 tensor and a buffer."""
+    for rank, report in enumerate(results[world_size]):
+        pairs = [(report["odd_bucketed"], report["odd_per_tensor"])]
+        pairs += [(bucketed, report["per_tensor"]) for bucketed in report["bucketed"]]
+        for got, expected in pairs:
+            if rank > 0:
+                assert got == {} and expected == {}
+                continue
+            assert list(got) == list(expected) and len(got) > 0
+            for name, tensor in expected.items():
+                assert type(got[name]) is torch.Tensor and got[name].device.type == "cpu"
+                assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    if world_size == 2:
+        assert results[2][0]["odd_per_tensor"]["blocks.2.weight"].dtype == torch.bfloat16

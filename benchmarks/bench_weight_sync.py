@@ -1,0 +1,83 @@
+"""The weight export's gather at dp >= 2, side by side: torch's per-tensor full state dict (one all-gather per
+tensor) vs miles' bucketed one (`fsdp.bucketed_full_state_dict`: one all-gather per bucket), on the same FSDP2
+transformer, interleaved; checks that both give the same bits and prints the medians and the ratio.
+
+    python benchmarks/bench_weight_sync.py                          # the tiny pipeline, 2 gloo ranks on CPU
+    python benchmarks/bench_weight_sync.py --hf-checkpoint DIR --world-size 4 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
+
+from miles.backends.fsdp_utils.fsdp import apply_fsdp2, bucketed_full_state_dict  # noqa: E402
+from miles.models.base import get_train_pipeline_config  # noqa: E402
+from miles.models.builtin import resolve_checkpoint  # noqa: E402
+from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group  # noqa: E402
+
+
+def rank_body(rank: int, opts: argparse.Namespace, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    init_process_group(rank, opts.world_size, "127.0.0.1", port, "cpu", timeout=timedelta(seconds=600))
+    try:
+        family = get_train_pipeline_config(opts.hf_checkpoint)
+        model = family.load_transformer(opts.hf_checkpoint, dtype=torch.float32)
+        apply_fsdp2(model, family.transformer_blocks(model), param_dtype=torch.float32, reduce_dtype=torch.float32)
+        per_tensor = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sides = {
+            "per-tensor gather": lambda: get_model_state_dict(model, options=per_tensor),
+            "bucketed gather": lambda: bucketed_full_state_dict(model),
+        }
+        results = {name: fn() for name, fn in sides.items()}  # warm-up, and the bits to compare
+        seconds: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(opts.repeats):
+            for name, fn in sides.items():
+                torch.distributed.barrier()
+                started = time.perf_counter()
+                fn()
+                seconds[name].append(time.perf_counter() - started)
+        if rank == 0:
+            a, b = results.values()
+            same = list(a) == list(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+            torch.save({"seconds": seconds, "same": same, "tensors": len(a)}, out)
+    finally:
+        destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf-checkpoint", default="builtin:tiny-shapes")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=9)
+    opts = parser.parse_args()
+    opts.hf_checkpoint = resolve_checkpoint(opts.hf_checkpoint)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.pt")
+        mp.spawn(rank_body, args=(opts, find_free_port(), out), nprocs=opts.world_size, join=True)
+        report = torch.load(out)
+    print(f"{report['tensors']} tensors, {opts.world_size} gloo ranks, {opts.repeats} interleaved repeats")
+    medians = {name: statistics.median(times) for name, times in report["seconds"].items()}
+    for name, median in medians.items():
+        print(f"{name:<20}{median * 1000:>10.1f} ms median{min(report['seconds'][name]) * 1000:>10.1f} ms best")
+    per_tensor, bucketed = medians.values()
+    print(f"ratio per-tensor / bucketed = {per_tensor / bucketed:.2f}  (bit-identical: {report['same']})")
+    if not report["same"]:
+        sys.exit("the bucketed gather differs from the per-tensor one")
+
+
+if __name__ == "__main__":
+    main()
