@@ -152,6 +152,9 @@ class FamilyCase:
     family_options: dict[str, Any] = field(default_factory=dict)  # get_train_pipeline_config / engine options
     run_args: tuple[str, ...] = ()  # flags of every whole run of this case that give the same options
     sft: bool = True  # sft_loss runs; False: it is refused at start-up
+    # guidance scales of the whole-run parity test (the first also checks --save-hf); fewer where other tests or
+    # cases already run the same family code the same way
+    e2e_guidances: tuple[float, ...] = (1.0, 3.5)
 
     @property
     def pipeline_kwargs(self) -> dict[str, Any]:
@@ -167,7 +170,8 @@ class FamilyCase:
 
 
 FAMILY_CASES = [
-    # test_golden.py runs every loss type on SD3 at dp 2 already
+    # test_golden.py runs every loss type on SD3 at dp 2 already; test_policy_loss.py its parity at dp 1 and 2,
+    # guidance 1 and 4.5, fp32 and bf16, and test_sft.py loads its --save-hf folder
     FamilyCase(
         "sd3",
         "sd3",
@@ -176,6 +180,7 @@ FAMILY_CASES = [
         lambda w: {"guidance_scale": w},
         _same_layout,
         loss_runs=False,
+        e2e_guidances=(),
     ),
     # SD3.5 on the sd3 family; the pipeline's default skip_guidance_layers is None (no skip-layer guidance)
     FamilyCase(
@@ -199,6 +204,7 @@ FAMILY_CASES = [
         lambda w: {"true_cfg_scale": w, "negative_prompt": "", "guidance_scale": 0.0},
         _flux_unpacked,
         loss_runs=False,
+        e2e_guidances=(3.5,),  # its true CFG; the conditional forward alone is flux-dev's without the embedding
     ),
     # the pipeline's default max_sequence_length (512) is the family's
     FamilyCase(

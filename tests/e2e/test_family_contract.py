@@ -62,10 +62,14 @@ def run(case, path, out, *extra):
     return [m for m in read_metrics(os.path.join(out, "metrics.jsonl")) if m.get("role") in ("actor", "critic")]
 
 
-@pytest.mark.parametrize("guidance", [1.0, 3.5])
-def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, family_case, tmp_path, guidance):
-    case, path = family_case
+PARITY_RUNS = [(case, guidance) for case in FAMILY_CASES for guidance in case.e2e_guidances]
+
+
+@pytest.mark.parametrize(("case", "guidance"), PARITY_RUNS, ids=[f"{c.id}-{g}" for c, g in PARITY_RUNS])
+def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, request, tmp_path, case, guidance):
+    path = request.getfixturevalue(case.fixture)
     hf = tmp_path / "hf"
+    save_hf = guidance == case.e2e_guidances[0]
     windows = run(
         case,
         path,
@@ -77,13 +81,13 @@ def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, family_
         "2",
         "--diffusion-guidance-scale",
         str(guidance),
-        *(["--save-hf", str(hf)] if guidance == 1.0 else []),
+        *(["--save-hf", str(hf)] if save_hf else []),
     )
     first = windows[0]
     # the engine's and the trainer's batches differ in size, so the forwards agree to float rounding (~1e-8)
     assert abs(first["train/ratio_mean"] - 1.0) <= 1e-6, first
     assert first["train/log_prob_abs_diff"] <= 1e-6, first
-    if guidance != 1.0:
+    if not save_hf:
         return
     pipe = getattr(diffusers, case.pipeline_class).from_pretrained(str(hf), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
