@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+import diffusers.utils.deprecation_utils
 import torch
 from torch import nn
 
@@ -21,6 +22,9 @@ from miles.models.conditioning import Conditioning
 from miles.models.media import Media
 
 logger = logging.getLogger(__name__)
+
+# from_pretrained's dtype keyword: `dtype` in the diffusers versions that renamed it, `torch_dtype` before
+DTYPE_KW = "dtype" if hasattr(diffusers.utils.deprecation_utils, "_resolve_dtype") else "torch_dtype"
 
 
 class TrainPipelineConfig(ABC):
@@ -53,6 +57,39 @@ class TrainPipelineConfig(ABC):
         state = self.__dict__.copy()
         state["_loaded"] = {}
         return state
+
+    def tokenizer_limit(self, tokenizer: str, cap: int) -> int:
+        """Tokens per prompt: the `tokenizer` folder's `model_max_length`, at most the pipeline's default `cap`."""
+        limit = self.read_json(tokenizer, "tokenizer_config.json").get("model_max_length", cap)
+        return int(min(limit, cap))
+
+    def load_text_pipeline(
+        self,
+        pipeline_class: type,
+        *,
+        without: tuple[str, ...],
+        frozen: tuple[str, ...],
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> Any:
+        """The folder's `pipeline_class` with the components named in `without` left out (None), its `frozen`
+        modules in eval mode without gradients, cached as the family's text encoders (`text_pipeline`): the
+        pipeline's own `encode_prompt` then encodes exactly as its `__call__` does. Negatives cached from the
+        previous encoders are dropped."""
+        pipe = pipeline_class.from_pretrained(
+            self.path, **dict.fromkeys(without), **{DTYPE_KW: dtype}, local_files_only=True
+        ).to(device)
+        pipe.set_progress_bar_config(disable=True)
+        for name in frozen:
+            if getattr(pipe, name, None) is not None:
+                getattr(pipe, name).eval().requires_grad_(False)
+        self.drop_cached_negatives()
+        self._loaded["text"] = pipe
+        return pipe
+
+    def text_pipeline(self) -> Any:
+        """The text-encoding pipeline `load_text_encoders` built; on first use loaded on the CPU in float32."""
+        return self._loaded["text"] if "text" in self._loaded else self.load_text_encoders()
 
     def read_json(self, *parts: str) -> dict[str, Any]:
         """A JSON file inside the pipeline folder, e.g. `read_json("vae", "config.json")`."""

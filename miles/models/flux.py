@@ -82,8 +82,7 @@ class FluxPipelineConfig(SD3PipelineConfig):
     @property
     def max_sequence_length(self) -> int:
         """T5 tokens per prompt: the T5 tokenizer's limit, at most FluxPipeline's default (512)."""
-        limit = self.read_json("tokenizer_2", "tokenizer_config.json").get("model_max_length", _FLUX_MAX_T5_LENGTH)
-        return int(min(limit, _FLUX_MAX_T5_LENGTH))
+        return self.tokenizer_limit("tokenizer_2", _FLUX_MAX_T5_LENGTH)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], device: torch.device | str | None = None) -> Conditioning:
@@ -92,7 +91,7 @@ class FluxPipelineConfig(SD3PipelineConfig):
         `predict_velocity` rather than stored per pair."""
         if not prompts:
             raise ValueError("encode_prompts needs at least one prompt")
-        pipe = self._loaded["text"] if "text" in self._loaded else self.load_text_encoders()
+        pipe = self.text_pipeline()
         prompt_embeds, pooled, _ = pipe.encode_prompt(
             prompt=list(prompts),
             prompt_2=None,

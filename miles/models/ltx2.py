@@ -38,10 +38,10 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from torch import nn
 
-from miles.models.base import compute_dtype, register_train_pipeline_config
+from miles.models.base import DTYPE_KW, compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.media import Media
-from miles.models.sd3 import _DTYPE_KW, SD3PipelineConfig
+from miles.models.sd3 import SD3PipelineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -132,27 +132,18 @@ class LTX2PipelineConfig(SD3PipelineConfig):
     # text
     def load_text_encoders(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
         """LTX2Pipeline holding only the tokenizer, the Gemma text encoder and the text connectors (eval), cached."""
-        pipe = LTX2Pipeline.from_pretrained(
-            self.path,
-            transformer=None,
-            vae=None,
-            audio_vae=None,
-            vocoder=None,
-            **{_DTYPE_KW: dtype},
-            local_files_only=True,
-        ).to(device)
-        pipe.set_progress_bar_config(disable=True)
-        for module in (pipe.text_encoder, pipe.connectors):
-            module.eval().requires_grad_(False)
-        self.drop_cached_negatives()
-        self._loaded["text"] = pipe
-        return pipe
+        return self.load_text_pipeline(
+            LTX2Pipeline,
+            without=("transformer", "vae", "audio_vae", "vocoder"),
+            frozen=("text_encoder", "connectors"),
+            device=device,
+            dtype=dtype,
+        )
 
     @property
     def max_sequence_length(self) -> int:
         """Gemma tokens per prompt: the tokenizer's limit, at most LTX2Pipeline's default (1024)."""
-        limit = self.read_json("tokenizer", "tokenizer_config.json").get("model_max_length", _LTX2_MAX_SEQUENCE_LENGTH)
-        return int(min(limit, _LTX2_MAX_SEQUENCE_LENGTH))
+        return self.tokenizer_limit("tokenizer", _LTX2_MAX_SEQUENCE_LENGTH)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], device: torch.device | str | None = None) -> Conditioning:
@@ -161,7 +152,7 @@ class LTX2PipelineConfig(SD3PipelineConfig):
         (B, L, D_a) the audio stream's, `attention_mask` (B, L) the connectors' binary mask (int64)."""
         if not prompts:
             raise ValueError("encode_prompts needs at least one prompt")
-        pipe = self._loaded["text"] if "text" in self._loaded else self.load_text_encoders()
+        pipe = self.text_pipeline()
         embeds, mask, _, _ = pipe.encode_prompt(
             prompt=list(prompts),
             do_classifier_free_guidance=False,
@@ -178,7 +169,7 @@ class LTX2PipelineConfig(SD3PipelineConfig):
     # media
     def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
         """The video VAE, with the audio VAE and the vocoder (eval mode, cached); returns the video VAE."""
-        kwargs = {_DTYPE_KW: dtype, "local_files_only": True}
+        kwargs = {DTYPE_KW: dtype, "local_files_only": True}
         vae = AutoencoderKLLTX2Video.from_pretrained(self.path, subfolder="vae", **kwargs)
         audio_vae = AutoencoderKLLTX2Audio.from_pretrained(self.path, subfolder="audio_vae", **kwargs)
         vocoder_class = LTX2VocoderWithBWE if self._vocoder_class_name() == "LTX2VocoderWithBWE" else LTX2Vocoder

@@ -33,11 +33,11 @@ from diffusers import (
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from torch import nn
 
-from miles.models.base import compute_dtype, register_train_pipeline_config
+from miles.models.base import DTYPE_KW, compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.flux import pack_latents, unpack_latents
 from miles.models.media import Media
-from miles.models.sd3 import _DTYPE_KW, SD3PipelineConfig
+from miles.models.sd3 import SD3PipelineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class QwenImagePipelineConfig(SD3PipelineConfig):
         returns no mask)."""
         if not prompts:
             raise ValueError("encode_prompts needs at least one prompt")
-        pipe = self._loaded["text"] if "text" in self._loaded else self.load_text_encoders()
+        pipe = self.text_pipeline()
         prompt_embeds, mask = pipe.encode_prompt(
             prompt=list(prompts),
             device=pipe.text_encoder.device,
@@ -102,7 +102,7 @@ class QwenImagePipelineConfig(SD3PipelineConfig):
     def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
         """The VAE in eval mode, cached."""
         vae = AutoencoderKLQwenImage.from_pretrained(
-            self.path, subfolder="vae", **{_DTYPE_KW: dtype}, local_files_only=True
+            self.path, subfolder="vae", **{DTYPE_KW: dtype}, local_files_only=True
         )
         vae = vae.to(device).eval().requires_grad_(False)
         self._loaded["vae"] = vae

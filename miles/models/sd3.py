@@ -10,14 +10,19 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import diffusers.utils.deprecation_utils
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from torch import nn
 
-from miles.models.base import TrainPipelineConfig, compute_dtype, register_train_pipeline_config, strip_name_or_path
+from miles.models.base import (
+    DTYPE_KW,
+    TrainPipelineConfig,
+    compute_dtype,
+    register_train_pipeline_config,
+    strip_name_or_path,
+)
 from miles.models.conditioning import Conditioning
 from miles.models.media import Media
 
@@ -26,7 +31,6 @@ logger = logging.getLogger(__name__)
 _WEIGHTS_NAME = "diffusion_pytorch_model{suffix}.safetensors"
 _SD3_DEFAULT_T5_LENGTH = 256  # StableDiffusion3Pipeline's default max_sequence_length
 # diffusers renamed from_pretrained's `torch_dtype` to `dtype` (0.36+) and warns on the old name
-_DTYPE_KW = "dtype" if hasattr(diffusers.utils.deprecation_utils, "_resolve_dtype") else "torch_dtype"
 
 
 @register_train_pipeline_config
@@ -53,7 +57,7 @@ class SD3PipelineConfig(TrainPipelineConfig):
                 f"{root} holds neither transformer/config.json nor config.json (a {self.transformer_class.__name__})"
             )
         model = self.transformer_class.from_pretrained(
-            str(root), subfolder=subfolder, **{_DTYPE_KW: dtype}, local_files_only=True
+            str(root), subfolder=subfolder, **{DTYPE_KW: dtype}, local_files_only=True
         )
         return model.eval()
 
@@ -111,22 +115,18 @@ class SD3PipelineConfig(TrainPipelineConfig):
     # text
     def load_text_encoders(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
         """The family's pipeline holding only the tokenizers and text encoders (eval mode), cached."""
-        pipe = self.text_pipeline_class.from_pretrained(
-            self.path, transformer=None, vae=None, **{_DTYPE_KW: dtype}, local_files_only=True
-        ).to(device)
-        pipe.set_progress_bar_config(disable=True)
-        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
-            if getattr(pipe, name, None) is not None:
-                getattr(pipe, name).eval().requires_grad_(False)
-        self.drop_cached_negatives()  # they came from the previous encoders
-        self._loaded["text"] = pipe
-        return pipe
+        return self.load_text_pipeline(
+            self.text_pipeline_class,
+            without=("transformer", "vae"),
+            frozen=("text_encoder", "text_encoder_2", "text_encoder_3"),
+            device=device,
+            dtype=dtype,
+        )
 
     @property
     def max_sequence_length(self) -> int:
         """T5 tokens per prompt: the T5 tokenizer's limit, at most the SD3 pipeline default (256)."""
-        limit = self.read_json("tokenizer_3", "tokenizer_config.json").get("model_max_length", _SD3_DEFAULT_T5_LENGTH)
-        return int(min(limit, _SD3_DEFAULT_T5_LENGTH))
+        return self.tokenizer_limit("tokenizer_3", _SD3_DEFAULT_T5_LENGTH)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], device: torch.device | str | None = None) -> Conditioning:
@@ -138,7 +138,7 @@ class SD3PipelineConfig(TrainPipelineConfig):
         """
         if not prompts:
             raise ValueError("encode_prompts needs at least one prompt")
-        pipe = self._loaded["text"] if "text" in self._loaded else self.load_text_encoders()
+        pipe = self.text_pipeline()
         prompt_embeds, _, pooled, _ = pipe.encode_prompt(
             prompt=list(prompts),
             prompt_2=None,
@@ -153,7 +153,7 @@ class SD3PipelineConfig(TrainPipelineConfig):
     # media
     def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AutoencoderKL:
         """The VAE in eval mode, cached."""
-        vae = AutoencoderKL.from_pretrained(self.path, subfolder="vae", **{_DTYPE_KW: dtype}, local_files_only=True)
+        vae = AutoencoderKL.from_pretrained(self.path, subfolder="vae", **{DTYPE_KW: dtype}, local_files_only=True)
         vae = vae.to(device).eval().requires_grad_(False)
         self._loaded["vae"] = vae
         return vae

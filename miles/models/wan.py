@@ -29,10 +29,16 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from torch import nn
 
-from miles.models.base import TrainPipelineConfig, compute_dtype, register_train_pipeline_config, strip_name_or_path
+from miles.models.base import (
+    DTYPE_KW,
+    TrainPipelineConfig,
+    compute_dtype,
+    register_train_pipeline_config,
+    strip_name_or_path,
+)
 from miles.models.conditioning import Conditioning
 from miles.models.media import Media
-from miles.models.sd3 import _DTYPE_KW, _SAFETENSORS_DTYPES, _WEIGHTS_NAME
+from miles.models.sd3 import _SAFETENSORS_DTYPES, _WEIGHTS_NAME
 from miles.models.wan_experts import HIGH_NOISE, LOW_NOISE, WanExperts
 
 logger = logging.getLogger(__name__)
@@ -109,7 +115,7 @@ class WanPipelineConfig(TrainPipelineConfig):
 
     def _load_one(self, root: Path, subfolder: str | None, dtype: torch.dtype) -> WanTransformer3DModel:
         return WanTransformer3DModel.from_pretrained(
-            str(root), subfolder=subfolder, **{_DTYPE_KW: dtype}, local_files_only=True
+            str(root), subfolder=subfolder, **{DTYPE_KW: dtype}, local_files_only=True
         ).eval()
 
     def load_transformer(self, path: str | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -195,20 +201,18 @@ class WanPipelineConfig(TrainPipelineConfig):
     # text
     def load_text_encoders(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
         """WanPipeline holding only the tokenizer and UMT5 encoder (eval mode), cached."""
-        pipe = WanPipeline.from_pretrained(
-            self.path, transformer=None, transformer_2=None, vae=None, **{_DTYPE_KW: dtype}, local_files_only=True
-        ).to(device)
-        pipe.set_progress_bar_config(disable=True)
-        pipe.text_encoder.eval().requires_grad_(False)
-        self.drop_cached_negatives()
-        self._loaded["text"] = pipe
-        return pipe
+        return self.load_text_pipeline(
+            WanPipeline,
+            without=("transformer", "transformer_2", "vae"),
+            frozen=("text_encoder",),
+            device=device,
+            dtype=dtype,
+        )
 
     @property
     def max_sequence_length(self) -> int:
         """UMT5 tokens per prompt: the tokenizer's limit, at most WanPipeline's default (512)."""
-        limit = self.read_json("tokenizer", "tokenizer_config.json").get("model_max_length", _WAN_MAX_SEQUENCE_LENGTH)
-        return int(min(limit, _WAN_MAX_SEQUENCE_LENGTH))
+        return self.tokenizer_limit("tokenizer", _WAN_MAX_SEQUENCE_LENGTH)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], device: torch.device | str | None = None) -> Conditioning:
@@ -216,7 +220,7 @@ class WanPipelineConfig(TrainPipelineConfig):
         states trimmed to each prompt's tokens and zero-padded to L (the transformer gets no mask)."""
         if not prompts:
             raise ValueError("encode_prompts needs at least one prompt")
-        pipe = self._loaded["text"] if "text" in self._loaded else self.load_text_encoders()
+        pipe = self.text_pipeline()
         prompt_embeds, _ = pipe.encode_prompt(
             prompt=list(prompts),
             do_classifier_free_guidance=False,
@@ -228,7 +232,7 @@ class WanPipelineConfig(TrainPipelineConfig):
 
     # media
     def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AutoencoderKLWan:
-        vae = AutoencoderKLWan.from_pretrained(self.path, subfolder="vae", **{_DTYPE_KW: dtype}, local_files_only=True)
+        vae = AutoencoderKLWan.from_pretrained(self.path, subfolder="vae", **{DTYPE_KW: dtype}, local_files_only=True)
         vae = vae.to(device).eval().requires_grad_(False)
         self._loaded["vae"] = vae
         return vae
