@@ -98,7 +98,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-frames",
         type=int,
         default=None,
-        help="Frames per video sample of a video family (default: the family's, Wan: 81; Wan needs 4k + 1).",
+        help="Frames per video sample of a video family (default: the family's: Wan 81, LTX-2 121; Wan needs 4k + 1, "
+        "LTX-2 8k + 1).",
     )
     group.add_argument(
         "--wan-trained-experts",
