@@ -89,11 +89,21 @@ class RolloutEngineGroup:
 
     def generate(self, request: GenerateRequest, rollout_id: int | None = None) -> GenerateResult:
         """The whole batch, generated in contiguous chunks, one per engine, joined in order."""
+        return self.collect(self.submit(request, rollout_id))
+
+    def submit(self, request: GenerateRequest, rollout_id: int | None = None) -> tuple[dict[int, Any], str]:
+        """Start `generate` without waiting: the engines work while the caller does something else (scores the
+        previous chunk); `collect` waits for the result."""
         refs = {}
         for index, (start, end) in enumerate(split_contiguous(len(request.prompts), self.num_engines)):
             if end > start:
                 refs[index] = self.engines[index].generate.remote(request.rows(start, end))
-        results = self._gather(refs, where("generate", rollout_id if rollout_id is not None else current_rollout()))
+        return refs, where("generate", rollout_id if rollout_id is not None else current_rollout())
+
+    def collect(self, pending: tuple[dict[int, Any], str]) -> GenerateResult:
+        """The result of a `submit`, the engines' parts joined in order."""
+        refs, what = pending
+        results = self._gather(refs, what)
         return GenerateResult.concat([results[i] for i in sorted(results)])
 
     def update_weights(self, weights: dict[str, torch.Tensor] | ray.ObjectRef, version: int) -> None:

@@ -202,8 +202,7 @@ class RolloutManager:
             samples = self._sample(rollout_id, wanted - len(kept), attempt=rounds, first_index=first_index)
             first_index += len(samples)
             request = self.spec.build_request(args, samples, rollout_id=rollout_id, resolution=self.resolution)
-            result = self._generate(request, rollout_id)
-            self._score(samples, result)
+            result = self._generate_and_score(samples, request, rollout_id)
             for group in steps.split_groups(samples):
                 rows = [s.index - samples[0].index for s in group]
                 keeps = keep is None or steps.keeps_group(keep, args, group)
@@ -249,6 +248,27 @@ class RolloutManager:
                 len(records), num_prompts, seed=args.rollout_seed, rollout_id=rollout_id, round_index=attempt
             )
         return steps.make_samples(args, records, indices, rollout_id, first_index=first_index, first_group=first_group)
+
+    def _generate_and_score(self, samples: list[Sample], request: Any, rollout_id: int) -> Any:
+        """The generate and score steps. With --generate-chunk-size N (and rewards to score, with the built-in
+        engines) the batch is generated N samples at a time and each chunk is scored while the engines generate the
+        next one: the same samples, rewards and pairs as generating and scoring those chunks one after the other
+        (rewards are per sample: the reward workers already score contiguous slices)."""
+        chunk = self.args.generate_chunk_size
+        if not chunk or chunk >= len(samples) or self.rewards is None or "custom_generate_function_path" in self.hooks:
+            result = self._generate(request, rollout_id)
+            self._score(samples, result)
+            return result
+        bounds = [(start, min(start + chunk, len(samples))) for start in range(0, len(samples), chunk)]
+        pending = self.engines.submit(request.rows(*bounds[0]), rollout_id)
+        parts = []
+        for k, (start, end) in enumerate(bounds):
+            part = self.engines.collect(pending)
+            if k + 1 < len(bounds):  # the engines start on the next chunk before this one is scored
+                pending = self.engines.submit(request.rows(*bounds[k + 1]), rollout_id)
+            self._score(samples[start:end], part)
+            parts.append(part)
+        return GenerateResult.concat(parts)
 
     def _generate(self, request: Any, rollout_id: int) -> Any:
         """The generate step: the engines, or --custom-generate-function-path with the engines at hand."""

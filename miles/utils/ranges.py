@@ -58,7 +58,8 @@ FLAG_RANGES: dict[str, Range] = {
     "diffusion_noise_level": AT_LEAST_0, "diffusion_num_sde_steps": AT_LEAST_0, "image_grid_interval": AT_LEAST_0,
     "media_max_samples": AT_LEAST_1,
     # rewards and policy_loss
-    "rm_num_workers": AT_LEAST_0, "diffusion_adv_clip_max": POSITIVE, "diffusion_clip_range": POSITIVE,
+    "rm_num_workers": AT_LEAST_0, "generate_chunk_size": AT_LEAST_0, "diffusion_adv_clip_max": POSITIVE,
+    "diffusion_clip_range": POSITIVE,
     "diffusion_kl_beta": AT_LEAST_0, "dynamic_sampling_max_rounds": AT_LEAST_0,
     # nft
     "diffusion_nft_beta": POSITIVE, "diffusion_nft_timestep_fraction": UNIT_OPEN_LOW,

@@ -66,6 +66,14 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--custom-rm-path", default=None, help="Batched [async] def rm(args, samples) -> list[float].")
     group.add_argument("--rm-num-workers", type=int, default=0, help="Reward worker actors (0: in the driver).")
+    group.add_argument(
+        "--generate-chunk-size",
+        type=int,
+        default=0,
+        help="Generate each rollout N samples at a time and score each chunk while the next generates (0: the whole "
+        "batch, then scoring). Worth it when rewards are slow; the engines' batch is N (results then agree with an "
+        "unchunked run to float rounding, not bit for bit).",
+    )
     group.add_argument("--clip-model-path", default=None, help="Local CLIP folder for clip_score.")
     group.add_argument("--pickscore-model-path", default=None, help="Local PickScore folder for pickscore.")
     group.add_argument("--globalize-reward-std", action="store_true", help="Normalise by the batch-wide reward std.")
