@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import string
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GemmaTokenizer
 
 from miles.models.base import strip_name_or_path
-from miles.models.tiny import SHAPES_WORDS
+from miles.models.tiny import SHAPES_WORDS, _learn_bpe_merges
 
 logger = logging.getLogger(__name__)
 
@@ -51,25 +50,9 @@ def build_gemma_tokenizer(words: tuple[str, ...] = SHAPES_WORDS) -> GemmaTokeniz
     for ch in "▁" + string.ascii_letters + string.digits + string.punctuation:
         vocab.setdefault(ch, len(vocab))
     pieces = list(dict.fromkeys([*words, *("▁" + w for w in words)]))
-    symbols = {piece: list(piece) for piece in pieces}
-    merges: list[tuple[str, str]] = []
-    while True:  # plain BPE training until every piece is one symbol
-        pairs = Counter(pair for syms in symbols.values() for pair in zip(syms, syms[1:]))
-        if not pairs:
-            break
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merges.append(best)
-        vocab.setdefault(best[0] + best[1], len(vocab))
-        for piece, syms in symbols.items():
-            merged, i = [], 0
-            while i < len(syms):
-                if i + 1 < len(syms) and (syms[i], syms[i + 1]) == best:
-                    merged.append(syms[i] + syms[i + 1])
-                    i += 2
-                else:
-                    merged.append(syms[i])
-                    i += 1
-            symbols[piece] = merged
+    merges = _learn_bpe_merges(tuple(pieces), end_of_word="")  # plain BPE until every piece is one symbol
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
     return GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=GEMMA_MAX_LENGTH)
 
 
