@@ -191,9 +191,17 @@ FAMILY_CASES = [
         lambda w: {"guidance_scale": w},
         _same_layout,
         loss_runs=False,
+        e2e_guidances=(1.0,),  # its config's blocks; the sd3 family's CFG runs in test_policy_loss.py
     ),
+    # the guidance embedding takes w as an input: one value exercises the path (the fast contract tests check both)
     FamilyCase(
-        "flux-dev", "flux", "tiny_flux_dev_dir", "FluxPipeline", lambda w: {"guidance_scale": w}, _flux_unpacked
+        "flux-dev",
+        "flux",
+        "tiny_flux_dev_dir",
+        "FluxPipeline",
+        lambda w: {"guidance_scale": w},
+        _flux_unpacked,
+        e2e_guidances=(1.0,),
     ),
     # the same family code as flux-dev but for guidance, which the parity runs cover
     FamilyCase(
@@ -227,6 +235,7 @@ FAMILY_CASES = [
         output_latents=lambda output: output.frames,
         family_options={"num_frames": 5},
         run_args=("--num-frames", "5"),
+        e2e_guidances=(1.0,),  # Wan's CFG runs in the wan-2-experts case (the same code, both experts)
     ),
     # Wan 2.2 A14B layout: the steps route to both experts, the low-noise one guided by its own scale; its loss
     # types run through the same code as wan's but for the routing, which the parity runs cover
