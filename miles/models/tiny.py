@@ -133,11 +133,14 @@ def _clip_text_encoder(
     return CLIPTextModel(config) if projection is None else CLIPTextModelWithProjection(config)
 
 
-def _t5_encoder(tokenizer: T5Tokenizer, d_model: int) -> T5EncoderModel:
-    config = T5Config(
+def _t5_encoder(
+    tokenizer: Any, d_model: int, *, d_kv: int = 16, config_class: type = T5Config, model_class: type = T5EncoderModel
+) -> Any:
+    """A 2-layer T5-style encoder over `tokenizer`'s vocabulary (UMT5 with `config_class=UMT5Config`, as Wan's)."""
+    config = config_class(
         vocab_size=len(tokenizer),
         d_model=d_model,
-        d_kv=16,
+        d_kv=d_kv,
         d_ff=2 * d_model,
         num_layers=2,
         num_heads=4,
@@ -150,7 +153,7 @@ def _t5_encoder(tokenizer: T5Tokenizer, d_model: int) -> T5EncoderModel:
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    return T5EncoderModel(config)
+    return model_class(config)
 
 
 def _vae(

@@ -15,7 +15,7 @@ from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipe
 from transformers import UMT5Config, UMT5EncoderModel
 
 from miles.models.base import strip_name_or_path
-from miles.models.tiny import build_t5_tokenizer
+from miles.models.tiny import _t5_encoder, build_t5_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -26,26 +26,6 @@ TINY_WAN_BOUNDARY_RATIO = 0.875  # Wan 2.2 A14B's text-to-video boundary
 SCHEDULER_SHIFT = 3.0
 _TARGET_MEAN = (0.5, -0.5, 0.25, -0.25)  # per-channel statistics the tiny VAE's latents are given
 _TARGET_STD = (0.8, 1.2, 1.0, 1.5)
-
-
-def _umt5_encoder(vocab_size: int, pad_token_id: int, eos_token_id: int, d_model: int) -> UMT5EncoderModel:
-    config = UMT5Config(
-        vocab_size=vocab_size,
-        d_model=d_model,
-        d_kv=8,
-        d_ff=2 * d_model,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=32,
-        dropout_rate=0.0,
-        feed_forward_proj="gated-gelu",
-        is_encoder_decoder=False,
-        use_cache=False,
-        pad_token_id=pad_token_id,
-        eos_token_id=eos_token_id,
-    )
-    return UMT5EncoderModel(config)
 
 
 def _wan_vae() -> AutoencoderKLWan:
@@ -118,7 +98,7 @@ def build_tiny_wan_pipeline(seed: int = 0, *, two_experts: bool = False) -> WanP
     tokenizer = build_t5_tokenizer()
     text_dim = 32
     torch.manual_seed(seed)
-    text_encoder = _umt5_encoder(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, text_dim)
+    text_encoder = _t5_encoder(tokenizer, text_dim, d_kv=8, config_class=UMT5Config, model_class=UMT5EncoderModel)
     vae = _wan_vae()
     transformer = _wan_transformer(text_dim)
     transformer_2 = _wan_transformer(text_dim) if two_experts else None

@@ -59,16 +59,10 @@ class Rewards:
         return totals, {"brightness": totals}
 
 
-def run(chunk: int) -> tuple[list[Sample], GenerateResult, list]:
-    events: list = []
-    manager = RolloutManager.__new__(RolloutManager)
-    manager.args = argparse.Namespace(generate_chunk_size=chunk)
-    manager.hooks, manager.engines, manager.rewards = {}, Engines(events), Rewards(events)
-    seeds = [3, 11, 5, 8, 1]
-    samples = [Sample(index=i, prompt=f"p{i}", seed=seed) for i, seed in enumerate(seeds)]
-    request = GenerateRequest(
+def ode_request(samples: list[Sample]) -> GenerateRequest:
+    return GenerateRequest(
         prompts=[s.prompt for s in samples],
-        seeds=seeds,
+        seeds=[s.seed for s in samples],
         num_steps=2,
         guidance_scale=1.0,
         negative_prompt="",
@@ -76,7 +70,16 @@ def run(chunk: int) -> tuple[list[Sample], GenerateResult, list]:
         noise_level=0.0,
         trained_steps=[],
     )
-    result = manager._generate_and_score(samples, request, rollout_id=0)
+
+
+def run(chunk: int) -> tuple[list[Sample], GenerateResult, list]:
+    events: list = []
+    manager = RolloutManager.__new__(RolloutManager)
+    manager.args = argparse.Namespace(generate_chunk_size=chunk)
+    manager.hooks, manager.engines, manager.rewards = {}, Engines(events), Rewards(events)
+    seeds = [3, 11, 5, 8, 1]
+    samples = [Sample(index=i, prompt=f"p{i}", seed=seed) for i, seed in enumerate(seeds)]
+    result = manager._generate_and_score(samples, ode_request(samples), rollout_id=0)
     return samples, result, events
 
 
@@ -105,15 +108,5 @@ def test_no_chunking_without_rewards_to_score():
     manager.args = argparse.Namespace(generate_chunk_size=2)
     manager.hooks, manager.engines, manager.rewards = {}, Engines(events), None
     samples = [Sample(index=i, prompt="p", seed=i) for i in range(4)]
-    request = GenerateRequest(
-        prompts=["p"] * 4,
-        seeds=[0, 1, 2, 3],
-        num_steps=2,
-        guidance_scale=1.0,
-        negative_prompt="",
-        sde_type="ode",
-        noise_level=0.0,
-        trained_steps=[],
-    )
-    manager._generate_and_score(samples, request, rollout_id=0)
+    manager._generate_and_score(samples, ode_request(samples), rollout_id=0)
     assert events == [("generate", (0, 1, 2, 3))]  # one batch: nothing to overlap with
