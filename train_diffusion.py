@@ -60,14 +60,26 @@ def check_gpus_fit(args: argparse.Namespace, cluster_gpus: float) -> None:
     if not uses_gpu(args):
         return
     roles = training_order(args)
+    if args.colocate:
+        if args.dp_size > cluster_gpus:
+            raise ValueError(
+                f"--colocate puts rank i of every group and its engines on GPU i: --dp-size {args.dp_size} needs "
+                f"{args.dp_size} GPUs but the Ray cluster has {cluster_gpus:g}: lower --dp-size"
+            )
+        return
+    if args.dp_size > 1 and args.gpus_per_rank < 1:
+        raise ValueError(
+            f"--gpus-per-rank {args.gpus_per_rank:g} with --dp-size {args.dp_size}: Ray packs fractional shares onto "
+            "as few GPUs as it can, so ranks of one group would share a GPU, which NCCL refuses; to share GPUs "
+            "between trainer ranks and rollout engines use --colocate (whole GPUs, one rank of each group per GPU)"
+        )
     trainers, engines = actor_shares(args, args.gpus_per_rank, args.rollout_gpus_per_engine)
     if trainers + engines <= cluster_gpus + 1e-9:
         return
     if args.dp_size > cluster_gpus:
         hint = f"lower --dp-size to at most {int(cluster_gpus)} (ranks of one group need distinct GPUs under nccl)"
     else:
-        share = int(cluster_gpus * 100 // sum(actor_shares(args, 1.0, 1.0))) / 100  # an equal share per actor
-        hint = f"share them, e.g. --gpus-per-rank {share:g} --rollout-gpus-per-engine {share:g}"
+        hint = "share them with --colocate (rank i of every group and engines i, i + dp-size, ... on GPU i)"
     raise ValueError(
         f"the run needs {trainers + engines:g} GPUs ({len(roles)} group(s) x --dp-size {args.dp_size} x "
         f"--gpus-per-rank {args.gpus_per_rank:g}, plus {engines:g} for the rollout engines) but the Ray cluster has "
@@ -138,15 +150,34 @@ def trained_roles(args: argparse.Namespace) -> list[str]:
     return [] if args.debug_rollout_only or (args.eval_only and not args.load) else training_order(args)
 
 
-def launch_groups(args: argparse.Namespace) -> dict:
-    """The trainer groups' actors, started without waiting for them to load (`start_groups` waits)."""
+def create_colocation(args: argparse.Namespace):
+    """--colocate: the placement group that the trainer groups and the engines share (None without the flag)."""
+    from miles.ray.placement_group import create_colocation as create
+    from miles.ray.train_group import uses_gpu
+
+    if not args.colocate:
+        return None
+    gpu = uses_gpu(args)
+    return create(
+        args.dp_size,
+        len(trained_roles(args)),
+        args.rollout_num_engines,
+        use_gpu=gpu,
+        cpus_per_rank=args.cpus_per_rank,
+        cpus_per_engine=1.0 if gpu else args.rollout_cpus_per_engine,
+    )
+
+
+def launch_groups(args: argparse.Namespace, colocation=None) -> dict:
+    """The trainer groups' actors, started without waiting for them to load (`start_groups` waits); with
+    `colocation` (--colocate) in its shared placement group."""
     from miles.ray.train_group import RayTrainGroup
     from miles.utils.failures import run_cleanup
 
     groups: dict = {}
     try:
         for role in trained_roles(args):
-            groups[role] = RayTrainGroup(args, role)
+            groups[role] = RayTrainGroup(args, role, colocation=colocation)
     except BaseException:  # a placement group that never came: end the groups already started
         run_cleanup([(f"shutdown of the {role} group", group.shutdown) for role, group in groups.items()])
         raise
@@ -262,11 +293,13 @@ def run_rollout(
     writer,
     started: float | None = None,
     generations: Generations | None = None,
+    phases=None,
 ) -> dict:
     """One rollout: generate, train each group in order, sync weights, save and eval when due; returns its record
     (the trainer windows' records are logged as they come). `started`: the command's start on the perf_counter
     clock, given for the run's first rollout only: its record then holds `perf/startup_s`. `generations`: where
-    the batch comes from (default: generated now)."""
+    the batch comes from (default: generated now). `phases`: the run's `PhaseMemory` (--colocate-sleep), which
+    puts the engines to sleep for training and the trainer ranks after the weights are exported."""
     from miles.ray.checkpoint_folders import save_folders, write_latest_pointers
     from miles.utils.failures import set_current_rollout
 
@@ -278,11 +311,24 @@ def run_rollout(
     t1 = time.perf_counter()
     async_metrics = staleness_metrics(args, rollout_manager, rollout_id, rollout_metrics, t1 - t0)
     peer = None
+    if phases is not None and not args.debug_rollout_only:
+        phases.to_train()
     if not args.debug_rollout_only:
         for role in training_order(args):
             peer = groups[role].train(rollout_id, data, peer)
     t2 = time.perf_counter()
-    weight_sync_s = rollout_manager.update_weights(groups["actor"]) if not args.debug_rollout_only else 0.0
+    save_s = None
+    folders = save_folders(args, list(groups))  # role -> --save / --critic-save
+    if folders and is_due(rollout_id, args.save_interval, last):  # saved while the ranks are awake, before the sync
+        extra = {"data_source": rollout_manager.source.state_dict(rollout_id + 1)}
+        for role in folders:
+            groups[role].save(rollout_id, extra)
+        write_latest_pointers(folders, rollout_id)
+        save_s = time.perf_counter() - t2
+    weight_sync_s = 0.0
+    if not args.debug_rollout_only:
+        to_generate = phases.to_generate if phases is not None else None
+        weight_sync_s = rollout_manager.update_weights(groups["actor"], before_load=to_generate)
     records = [m for group in groups.values() for m in group.pop_metrics()]
     for record in records:
         writer.log(record)
@@ -295,14 +341,9 @@ def run_rollout(
         **rollout_metrics,
         **async_metrics,
         **({"perf/startup_s": startup_s} if startup_s is not None else {}),
+        **({"perf/save_s": save_s} if save_s is not None else {}),
+        **({"perf/colocate_swap_s": phases.pop_seconds()} if phases is not None and phases.enabled else {}),
     }
-    folders = save_folders(args, list(groups))  # role -> --save / --critic-save
-    if folders and is_due(rollout_id, args.save_interval, last):
-        extra = {"data_source": rollout_manager.source.state_dict(rollout_id + 1)}
-        for role in folders:
-            groups[role].save(rollout_id, extra)
-        write_latest_pointers(folders, rollout_id)
-        rollout_record["perf/save_s"] = time.perf_counter() - t2
     if evaluator is not None and is_due(rollout_id, args.eval_interval, last):
         rollout_record.update(evaluator.evaluate(rollout_manager.engines, rollout_id + 1))
     writer.log(rollout_record)
@@ -327,9 +368,9 @@ def staleness_metrics(args, rollout_manager, rollout_id: int, rollout_metrics: d
 
 
 def train_rollouts(
-    args, groups, rollout_manager, evaluator, writer, start_rollout_id: int, summary: dict, started: float
+    args, groups, rollout_manager, evaluator, writer, start_rollout_id: int, summary: dict, started: float, phases=None
 ) -> None:
-    """The outer loop (ARCHITECTURE §4) with a progress bar; `started` as in `run`."""
+    """The outer loop (ARCHITECTURE §4) with a progress bar; `started` as in `run`, `phases` as in `run_rollout`."""
     from miles.utils.console import ProgressLine, progress_bar
 
     bar, progress = progress_bar(range(start_rollout_id, args.num_rollout), args), ProgressLine(args.loss_type)
@@ -348,6 +389,7 @@ def train_rollouts(
                 writer,
                 started=started if first else None,
                 generations=generations,
+                phases=phases,
             )
             summary["losses"] += record.pop("_actor_losses")
             train_records = record.pop("_train_records")
@@ -377,6 +419,7 @@ def run(
     from miles.models.builtin import resolve_checkpoint
     from miles.plot import plot_run
     from miles.ray.checkpoint_folders import check_roles_agree, lock_save_folders
+    from miles.ray.colocation import PhaseMemory
     from miles.ray.evaluator import Evaluator
     from miles.ray.rollout_manager import RolloutManager
     from miles.rollout.input_files import check_input_files
@@ -393,6 +436,7 @@ def run(
     locks = lock_save_folders(args)  # held until the end of the run (and released if the process dies)
     writer = open_tracking(args)
     own_ray = False
+    colocation = None
     groups: dict = {}
     rollout_manager = None
     summary: dict = {"losses": []}
@@ -401,8 +445,9 @@ def run(
         own_ray = start_ray(args)
         ray_ready = time.perf_counter()
         check_gpus_fit(args, ray.cluster_resources().get("GPU", 0.0))
-        groups = launch_groups(args)  # every actor starts at once; start_groups waits for them all
-        rollout_manager = RolloutManager(args, wait=False)
+        colocation = create_colocation(args)
+        groups = launch_groups(args, colocation)  # every actor starts at once; start_groups waits for them all
+        rollout_manager = RolloutManager(args, wait=False, colocation=colocation)
         start_rollout_id = start_groups(args, groups, rollout_manager)
         record_placement(args, groups, rollout_manager)
         logger.info(
@@ -411,13 +456,15 @@ def run(
             ray_ready - checked,
             time.perf_counter() - ray_ready,
         )
+        phases = PhaseMemory(args, groups, rollout_manager.engines)  # --colocate-sleep
+        phases.start()
         evaluator = Evaluator(args) if eval_enabled(args) else None
         if evaluator is not None:  # the baseline, before any update of this run
             baseline = evaluator.evaluate(rollout_manager.engines, start_rollout_id)
             writer.log({"rollout_id": start_rollout_id, "step": 0, **baseline})
         if args.eval_only:
             return summary
-        train_rollouts(args, groups, rollout_manager, evaluator, writer, start_rollout_id, summary, started)
+        train_rollouts(args, groups, rollout_manager, evaluator, writer, start_rollout_id, summary, started, phases)
         if args.save_hf and groups:
             groups["actor"].save_hf(args.save_hf)
             logger.info("wrote a diffusers pipeline folder to %s", args.save_hf)
@@ -427,6 +474,8 @@ def run(
         steps = [(f"shutdown of the {role} group", group.shutdown) for role, group in groups.items()]
         if rollout_manager is not None:
             steps.append(("shutdown of the rollout manager", rollout_manager.shutdown))
+        if colocation is not None:
+            steps.append(("removing the shared placement group", colocation.remove))
         steps.append(("closing metrics.jsonl", writer.close))
         if own_ray:
             steps.append(("ray.shutdown", ray.shutdown))

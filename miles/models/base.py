@@ -130,6 +130,17 @@ class TrainPipelineConfig(ABC):
         raise ValueError naming the flag. Default: none."""
         return None
 
+    def loaded_modules(self) -> list[nn.Module]:
+        """Every network the family has loaded (text encoders, VAE and the like; not the transformer, which its
+        caller holds): what an engine moves to the host while it sleeps (`--colocate-sleep`)."""
+        modules: list[nn.Module] = []
+        for value in self._loaded.values():
+            parts = getattr(value, "components", None)  # a diffusers pipeline: its modules
+            for part in parts.values() if isinstance(parts, dict) else [value]:
+                if isinstance(part, nn.Module) and all(part is not m for m in modules):
+                    modules.append(part)
+        return modules
+
     def drop_cached_negatives(self) -> None:
         """Forget encode_negative's cache (after reloading the text encoders)."""
         self._loaded = {k: v for k, v in self._loaded.items() if not (isinstance(k, tuple) and k[0] == "negative")}

@@ -12,7 +12,9 @@ from typing import Any
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles.ray.placement_group import Colocation
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
 from miles.utils.failures import current_rollout, where
 from miles.utils.misc import split_contiguous
@@ -22,6 +24,20 @@ logger = logging.getLogger(__name__)
 
 class EngineError(RuntimeError):
     """A rollout engine died or did not answer in time."""
+
+
+def engine_options(
+    index: int, num_cpus: float, num_gpus: float, colocation: Colocation | None = None
+) -> dict[str, Any]:
+    """Ray options of engine `index`: its own shares, or (--colocate) a place in bundle index % dp-size of the
+    shared placement group with that bundle's GPU share."""
+    if colocation is None:
+        return {"num_cpus": num_cpus, "num_gpus": num_gpus}
+    strategy = PlacementGroupSchedulingStrategy(
+        colocation.placement_group, placement_group_bundle_index=colocation.bundle_of_engine(index)
+    )
+    gpus = colocation.gpu_share if num_gpus > 0 else 0
+    return {"num_cpus": colocation.engine_cpus, "num_gpus": gpus, "scheduling_strategy": strategy}
 
 
 class RolloutEngineGroup:
@@ -41,16 +57,18 @@ class RolloutEngineGroup:
         family_options: dict[str, Any] | None = None,
         timeout_s: float = 600.0,
         wait: bool = True,
+        colocation: Colocation | None = None,
     ) -> None:
         """Start the engine actors; with `wait=False` they load in the background until `wait_ready` (so the
-        driver can start trainer ranks meanwhile)."""
+        driver can start trainer ranks meanwhile). With `colocation` (--colocate) engine i runs in bundle
+        i % dp-size of the shared placement group, next to the trainer ranks of that bundle."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.timeout_s = timeout_s
         device = "cuda" if num_gpus_per_engine > 0 else "cpu"
-        remote_cls = ray.remote(DiffusionEngine).options(num_cpus=num_cpus_per_engine, num_gpus=num_gpus_per_engine)
+        remote_cls = ray.remote(DiffusionEngine)
         self.engines = [
-            remote_cls.remote(
+            remote_cls.options(**engine_options(index, num_cpus_per_engine, num_gpus_per_engine, colocation)).remote(
                 hf_checkpoint,
                 model_family=model_family,
                 device=device,
@@ -58,7 +76,7 @@ class RolloutEngineGroup:
                 lora_config=lora_config,
                 family_options=family_options,
             )
-            for _ in range(num_engines)
+            for index in range(num_engines)
         ]
         self.device = device
         self._starting: dict[int, ray.ObjectRef] | None = {i: e.health.remote() for i, e in enumerate(self.engines)}
@@ -82,6 +100,20 @@ class RolloutEngineGroup:
         """Each engine's torch thread count while it generates (None: its base count)."""
         refs = {i: e.set_generate_threads.remote(count) for i, (e, count) in enumerate(zip(self.engines, counts))}
         self._gather(refs, "set_generate_threads")
+
+    def sleep(self, discard_weights: bool = False) -> list[dict[str, float]]:
+        """Every engine moves its networks to host memory; with `discard_weights` the trained weights are freed
+        without a copy (the next `update_weights` replaces them)."""
+        refs = {i: e.sleep.remote(discard_weights) for i, e in enumerate(self.engines)}
+        results = self._gather(refs, where("sleep", current_rollout()))
+        return [results[i] for i in range(self.num_engines)]
+
+    def wake(self) -> list[dict[str, float]]:
+        """Every engine brings back what `sleep` moved."""
+        results = self._gather(
+            {i: e.wake.remote() for i, e in enumerate(self.engines)}, where("wake", current_rollout())
+        )
+        return [results[i] for i in range(self.num_engines)]
 
     @property
     def num_engines(self) -> int:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -29,6 +31,60 @@ def create_placement_group(
             + ("lower --dp-size or --gpus-per-rank" if use_gpu else "lower --dp-size or --cpus-per-rank")
         )
     return pg
+
+
+@dataclass(frozen=True)
+class Colocation:
+    """`--colocate`: one placement group of --dp-size bundles, each one whole GPU (or, on CPU, the CPUs of its
+    actors); bundle i holds rank i of every trained group and the engines j with j % dp-size == i, each with an equal
+    share of the bundle's GPU. Ray packs fractional bundles onto as few GPUs as it can, so fractional
+    `--gpus-per-rank` shares would put two ranks of one group on one GPU, which NCCL refuses; whole-GPU bundles
+    cannot."""
+
+    placement_group: PlacementGroup
+    gpu_share: float  # of each actor in a bundle (0 on CPU)
+    engine_cpus: float  # CPUs each engine asks for inside its bundle
+
+    def bundle_of_engine(self, index: int) -> int:
+        return index % self.placement_group.bundle_count
+
+    def remove(self) -> None:
+        ray.util.remove_placement_group(self.placement_group)
+
+
+def colocated_actors_per_bundle(num_roles: int, num_engines: int, dp_size: int) -> int:
+    """Trainer ranks (one per trained role) plus the most engines any bundle holds."""
+    return num_roles + math.ceil(num_engines / dp_size)
+
+
+def create_colocation(
+    dp_size: int,
+    num_roles: int,
+    num_engines: int,
+    *,
+    use_gpu: bool,
+    cpus_per_rank: float,
+    cpus_per_engine: float,
+    timeout: float = 120,
+) -> Colocation:
+    """The shared placement group of `--colocate` (see `Colocation`)."""
+    engines_per_bundle = math.ceil(num_engines / dp_size)
+    per_bundle = colocated_actors_per_bundle(num_roles, num_engines, dp_size)
+    if use_gpu:  # trainer ranks ask for no CPU on GPU (as without --colocate), engines for `cpus_per_engine`
+        cpus = engines_per_bundle * cpus_per_engine
+        share = math.floor(10_000 / per_bundle) / 10_000  # Ray's resolution for fractional resources
+    else:
+        cpus, share = num_roles * cpus_per_rank + engines_per_bundle * cpus_per_engine, 0.0
+    pg = create_placement_group(dp_size, use_gpu=use_gpu, cpus_per_bundle=cpus, gpus_per_bundle=1.0, timeout=timeout)
+    logger.info(
+        "colocated: %d bundle(s) of %s, each holding %d trainer rank(s) and up to %d engine(s)%s",
+        dp_size,
+        "one GPU" if use_gpu else f"{cpus:g} CPUs",
+        num_roles,
+        engines_per_bundle,
+        f", {share:g} of the GPU each" if use_gpu else "",
+    )
+    return Colocation(pg, share, cpus_per_engine)
 
 
 def _where(_actor_instance: Any) -> dict[str, str]:

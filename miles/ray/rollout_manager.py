@@ -27,10 +27,10 @@ REWARD_TERMS = "reward_terms"  # Sample.extra key: the sample's value of each we
 class RolloutManager:
     """--train-only (SFT): dataset pairs encoded once. Otherwise: engines generate, rewards score, pairs go out."""
 
-    def __init__(self, args: argparse.Namespace, *, wait: bool = True) -> None:
+    def __init__(self, args: argparse.Namespace, *, wait: bool = True, colocation: Any = None) -> None:
         """With `wait=False` the engines and reward workers load in the background until `wait_ready` (the driver
-        starts the trainer ranks meanwhile)."""
-        self.args, self._wait = args, wait
+        starts the trainer ranks meanwhile). `colocation`: the shared placement group of --colocate."""
+        self.args, self._wait, self._colocation = args, wait, colocation
         self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
         self.resolution = args.resolution or self.family.default_resolution
         self.engines = self.rewards = None
@@ -88,6 +88,7 @@ class RolloutManager:
             lora_config=self._lora_config(),
             family_options=family_options(args),
             wait=self._wait,
+            colocation=self._colocation,
         )
         if self.spec.scores_rewards or args.rm_type or args.custom_rm_path:  # else rewards only when asked (metrics)
             self.rewards = RewardWorkerPool(
@@ -306,13 +307,20 @@ class RolloutManager:
             return {}
         return {"rollout/removed_samples_frac": sum(s.remove_sample for s in samples) / max(len(samples), 1)}
 
-    def update_weights(self, actor_group: Any) -> float:
-        """Push the actor's weights (or LoRA / EMA weights, as the actor decides) to every engine; seconds taken."""
+    def update_weights(self, actor_group: Any, before_load: Any = None) -> float:
+        """Push the actor's weights (or LoRA / EMA weights, as the actor decides) to every engine; seconds taken.
+        `before_load()` runs once the weights are exported (in the object store), before the engines load them
+        (`--colocate-sleep`: the trainer ranks sleep and the engines wake there)."""
         if self.engines is None:
+            if before_load is not None:
+                before_load()
             return 0.0
         started = time.perf_counter()
         self.weights_version += 1
-        self.engines.update_weights(actor_group.export_weights_ref(), self.weights_version)
+        exported = actor_group.export_weights_ref()
+        if before_load is not None:
+            before_load()
+        self.engines.update_weights(exported, self.weights_version)
         return time.perf_counter() - started
 
     def metrics(self, rollout_id: int) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
-from miles.ray.placement_group import create_placement_group
+from miles.ray.placement_group import Colocation, create_placement_group
 from miles.utils.box import Box
 from miles.utils.failures import gather
 
@@ -25,20 +25,29 @@ def uses_gpu(args: argparse.Namespace) -> bool:
 class RayTrainGroup:
     """N ranks of one role in one placement group; rank i of this group pairs with rank i of the next."""
 
-    def __init__(self, args: argparse.Namespace, role: str, *, timeout: float | None = None) -> None:
+    def __init__(
+        self, args: argparse.Namespace, role: str, *, timeout: float | None = None, colocation: Colocation | None = None
+    ) -> None:
+        """Rank i runs in bundle i of its own placement group, or with `colocation` (--colocate) of the shared one,
+        with its share of that bundle's GPU."""
         self.args, self.role, self.timeout = args, role, timeout
         self.world_size = args.dp_size
         self.last_rollout_id: int | None = None  # named by failures of calls that are not told the rollout
         self.failed = False
         gpu = uses_gpu(args)
-        self.placement_group = create_placement_group(
-            self.world_size, use_gpu=gpu, cpus_per_bundle=args.cpus_per_rank, gpus_per_bundle=args.gpus_per_rank
-        )
+        self.owns_placement_group = colocation is None
+        if colocation is None:
+            self.placement_group = create_placement_group(
+                self.world_size, use_gpu=gpu, cpus_per_bundle=args.cpus_per_rank, gpus_per_bundle=args.gpus_per_rank
+            )
+        else:
+            self.placement_group = colocation.placement_group
+        gpus = (args.gpus_per_rank if colocation is None else colocation.gpu_share) if gpu else 0
         remote_cls = ray.remote(FSDPTrainRayActor)
         self.actors = [
             remote_cls.options(
                 num_cpus=0 if gpu else args.cpus_per_rank,
-                num_gpus=args.gpus_per_rank if gpu else 0,
+                num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank
                 ),
@@ -93,6 +102,14 @@ class RayTrainGroup:
         """Each rank's torch thread count while it trains (None: its base count)."""
         self._get([a.set_train_threads.remote(c) for a, c in zip(self.actors, counts)], "set_train_threads")
 
+    def sleep(self) -> list[dict[str, float]]:
+        """Every rank moves its weights, optimizer state and shadows to host memory (`--colocate-sleep`)."""
+        return self._get([a.sleep.remote() for a in self.actors], "sleep", self.last_rollout_id)
+
+    def wake(self) -> list[dict[str, float]]:
+        """Every rank brings back what `sleep` moved."""
+        return self._get([a.wake.remote() for a in self.actors], "wake", self.last_rollout_id)
+
     def pop_metrics(self) -> list[dict[str, Any]]:
         return self._get([self.actors[0].pop_metrics.remote()], "metrics", self.last_rollout_id)[0]
 
@@ -131,4 +148,5 @@ class RayTrainGroup:
         finally:
             for actor in self.actors:
                 ray.kill(actor)
-            ray.util.remove_placement_group(self.placement_group)
+            if self.owns_placement_group:  # a shared one (--colocate) is the driver's to remove
+                ray.util.remove_placement_group(self.placement_group)

@@ -18,6 +18,7 @@ from miles.diffusion.schedule import sampling_sigmas
 from miles.diffusion.sde import SDE_KERNELS, get_sde_kernel, renoise_sigmas
 from miles.models.base import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
+from miles.utils.offload import HostSwap
 from miles.utils.threads import node_info, torch_threads
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,8 @@ class DiffusionEngine:
         self.transformer.requires_grad_(False)
         self.version = INITIAL_WEIGHTS_VERSION
         self.generate_threads: int | None = None  # torch threads while generating (None: the base count)
+        self.swap = HostSwap(self.device)  # sleep / wake (--colocate-sleep)
+        self.weights_pending = False  # the trained weights were released by a sleep and not loaded since
         logger.info("engine ready: %s on %s (%s)", self.family, self.device, "LoRA" if lora_config else "full")
 
     def _inject_lora(self, lora_config: dict[str, Any]) -> None:
@@ -196,9 +199,37 @@ class DiffusionEngine:
         """Torch threads for `generate` (the node's cores when trainers share it); None: the base count."""
         self.generate_threads = count
 
+    # sleep / wake (--colocate-sleep): the device memory goes to the trainer ranks while they train
+    def _trained_tensors(self) -> list[torch.Tensor]:
+        """What `update_weights` overwrites: the transformer's state dict, or only its LoRA weights."""
+        if self.lora_config is None:
+            return list(self.transformer.state_dict(keep_vars=True).values())
+        params = dict(self.transformer.named_parameters())
+        return [params[name] for name in set(self._lora_names.values())]
+
+    def sleep(self, discard_weights: bool = False) -> dict[str, float]:
+        """Move every network to the host and free its device memory. With `discard_weights` the trained weights
+        are freed without a copy: the next `update_weights` must load them before `generate` runs again. (CPU
+        weights memory-mapped from their files stay where they are: `kept_bytes`.)"""
+        self.family.drop_cached_negatives()  # re-encoded on the device at the next use, the same values
+        modules = [self.transformer, *self.family.loaded_modules()]
+        tensors = [t for module in modules for t in (*module.parameters(), *module.buffers())]
+        report = self.swap.sleep(tensors, discard=self._trained_tensors() if discard_weights else ())
+        self.weights_pending = self.weights_pending or discard_weights
+        logger.debug("engine asleep: %s", report.describe())
+        return dataclasses.asdict(report)
+
+    def wake(self) -> dict[str, float]:
+        """Bring back what `sleep` moved (a no-op when awake)."""
+        report = self.swap.wake()
+        logger.debug("engine awake: %s", report.describe())
+        return dataclasses.asdict(report)
+
     @torch.no_grad()
     def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        """Load new transformer weights (full state dict, or LoRA weights only) unless `version` is stale."""
+        """Load new transformer weights (full state dict, or LoRA weights only) unless `version` is stale; wakes
+        a sleeping engine first."""
+        self.wake()
         if version <= self.version:
             logger.warning("ignoring weights version %d: engine already holds version %d", version, self.version)
             return
@@ -207,6 +238,7 @@ class DiffusionEngine:
         else:
             self._load_lora(weights)
         self.version = int(version)
+        self.weights_pending = False
         logger.info("engine loaded weights version %d (%d tensors)", version, len(weights))
 
     def _load_lora(self, weights: dict[str, torch.Tensor]) -> None:
@@ -229,7 +261,13 @@ class DiffusionEngine:
         return key.removeprefix("transformer.")  # diffusers' LoRA files prefix keys with the component name
 
     def generate(self, request: GenerateRequest) -> GenerateResult:
-        """`_generate` with the generate phase's thread count (`set_generate_threads`)."""
+        """`_generate` with the generate phase's thread count (`set_generate_threads`); wakes a sleeping engine."""
+        self.wake()
+        if self.weights_pending:
+            raise RuntimeError(
+                "this engine released its trained weights when it went to sleep (sleep(discard_weights=True)) and "
+                f"no newer weights were loaded since (it holds version {self.version}): call update_weights first"
+            )
         with torch_threads(self.generate_threads):
             return self._generate(request)
 

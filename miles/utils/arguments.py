@@ -68,6 +68,24 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "off on CPU (where the prepare is a few slices and the thread would compete with the forward's).",
     )
     group.add_argument("--gpus-per-rank", type=float, default=1.0, help="GPUs per trainer actor on CUDA.")
+    group.add_argument(
+        "--colocate",
+        action="store_true",
+        help="Trainer ranks and rollout engines share devices: one placement group of --dp-size bundles, each one "
+        "whole GPU; bundle i holds rank i of every trained group and engines i, i + dp-size, ..., each with an equal "
+        "share of its GPU (--gpus-per-rank and --rollout-gpus-per-engine do not apply). Needs --dp-size GPUs.",
+    )
+    group.add_argument(
+        "--colocate-sleep",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="Rollout engines and trainer ranks that share a GPU take turns holding its memory: the trainer ranks "
+        "move weights, optimizer state and shadows to host memory while the engines generate, the engines move "
+        "their networks there (dropping the trained weights the next sync replaces) while the ranks train. auto: "
+        "on when an engine and a trainer rank share a GPU (--colocate) "
+        "and --async-rollout is off. on: always (on CPU the same steps run and save nothing: for tests). Bit-"
+        "identical results.",
+    )
     group.add_argument("--seed", type=int, default=1234, help="Seed of model init, noise and shuffling.")
 
 
@@ -412,6 +430,18 @@ def validate_args(args: argparse.Namespace) -> None:
     validate_rl_args(args, _raise)
     validate_eval_args(args, _raise)
     validate_fsdp_args(args, _raise)
+    if args.colocate and args.train_only:
+        raise ArgumentError(
+            "--colocate shares the GPUs between trainer ranks and rollout engines; --train-only has no engines"
+        )
+    if args.colocate_sleep == "on":
+        alone = [f for f in ("async_rollout", "train_only", "debug_rollout_only") if getattr(args, f, False)]
+        if alone:
+            raise ArgumentError(
+                f"--colocate-sleep on has the engines and the trainer ranks take turns on the GPU; {flag(alone[0])} "
+                + ("runs both at once" if alone[0] == "async_rollout" else "leaves one of them out")
+                + ": drop one of the two"
+            )
     if loss == "dmd2":
         args.critic_lr = args.lr if args.critic_lr is None else args.critic_lr
         args.critic_num_steps_per_rollout = args.critic_num_steps_per_rollout or args.num_steps_per_rollout

@@ -122,18 +122,30 @@ def series(metrics_path: str) -> list[dict]:
     return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in read_metrics(metrics_path)]
 
 
-def run_series(loss_type: str, out: str) -> list[dict]:
+def run_series(loss_type: str, out: str, *extra: str) -> list[dict]:
     import train_diffusion
     from miles.utils.arguments import parse_args
 
-    train_diffusion.run(parse_args([*COMMON, *RUNS[loss_type], "--output-dir", out]))
+    train_diffusion.run(parse_args([*COMMON, *RUNS[loss_type], "--output-dir", out, *extra]))
     return series(os.path.join(out, "metrics.jsonl"))
 
 
-@pytest.mark.parametrize("loss_type", sorted(RUNS))
-def test_metric_series_match_the_recorded_fixture(ray_cluster, tmp_path, loss_type):
+# Runs that must not change a bit either: the engines and trainer ranks taking turns on the device's memory
+# (--colocate-sleep; on CPU the same sleeps and wakes run): nft holds EMA and old-policy shadows, dmd2 a frozen
+# teacher and a second trained group, placed with the engine in one shared placement group (--colocate).
+VARIANTS = {"nft": ("--colocate-sleep", "on"), "dmd2": ("--colocate", "--colocate-sleep", "on")}
+CASES = [(loss, ()) for loss in sorted(RUNS)] + [(loss, flags) for loss, flags in VARIANTS.items()]
+
+
+@pytest.mark.parametrize("loss_type,extra", CASES, ids=[" ".join((loss, *flags)) for loss, flags in CASES])
+def test_metric_series_match_the_recorded_fixture(ray_cluster, tmp_path, loss_type, extra):
     expected = json.loads(FIXTURE.read_text())[loss_type]
-    got = run_series(loss_type, str(tmp_path))
+    got = run_series(loss_type, str(tmp_path), *extra)
+    if extra:  # the variant really ran: every rollout record times its sleeps and wakes
+        from miles.utils.tracking import read_metrics
+
+        rollouts = [m for m in read_metrics(tmp_path / "metrics.jsonl") if "perf/generate_total_s" in m]
+        assert len(rollouts) == 2 and all(m["perf/colocate_swap_s"] > 0 for m in rollouts)
     assert len(got) == len(expected), f"{loss_type}: {len(got)} records, fixture has {len(expected)}"
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"{loss_type} record {i} differs: " + ", ".join(

@@ -79,7 +79,9 @@ class World:
     def metrics(self, rollout_id):
         return {"rollout/epoch": 0, **self.last_metrics}
 
-    def update_weights(self, group):
+    def update_weights(self, group, before_load=None):
+        if before_load is not None:
+            before_load()
         self.weights_version += 1
         with self.engine_lock:
             self.engine_version = self.weights_version

@@ -5,6 +5,7 @@ declares what it holds."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import random
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_latest, save_checkpoint
-from miles.backends.fsdp_utils.ema import ShadowWeights, ema_config_from_args
+from miles.backends.fsdp_utils.ema import ShadowWeights, ema_config_from_args, local_tensor, reshard
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, full_state_dict, parse_dtype
 from miles.backends.fsdp_utils.lora import (
     LoraBaseNetwork,
@@ -39,6 +40,7 @@ from miles.utils.distributed import (
     use_deterministic_algorithms,
 )
 from miles.utils.misc import load_module
+from miles.utils.offload import HostSwap
 from miles.utils.threads import node_info
 
 logger = logging.getLogger(__name__)
@@ -146,6 +148,7 @@ class FSDPTrainRayActor(TrainLoop):
         # the entry's shadow networks (NFT's old policy): copies of the trained weights its per-rollout step moves
         self.shadows = {name: ShadowWeights(self.model) for name in self.hooks.shadows}
         self.networks = MappingProxyType(self._build_networks())
+        self.swap = HostSwap(self.device)  # sleep / wake (--colocate-sleep)
         return self._load()
 
     def _build_networks(self) -> dict[str, torch.nn.Module]:
@@ -216,9 +219,47 @@ class FSDPTrainRayActor(TrainLoop):
         logger.info("%s rank %d resumed from %s at rollout %d", self.role, self.rank, load_dir, loaded.rollout_id)
         return loaded.rollout_id + 1
 
+    # ---- sleep / wake (--colocate-sleep) -------------------------------------------------------
+    def _resident_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this rank keeps between calls: the shards and buffers of its networks (the trained one and
+        a frozen teacher), the optimizer's state and the shadow / EMA weights."""
+        modules = [self.model, *(net for name, net in self.networks.items() if name == TEACHER)]
+        tensors = []
+        for module in modules:
+            reshard(module)  # a forward-only pass leaves the root gathered: free that copy instead of moving it
+            tensors += [local_tensor(t) for t in (*module.parameters(), *module.buffers())]
+        for state in self.optimizer.state.values():
+            tensors += [local_tensor(v) for v in state.values() if isinstance(v, torch.Tensor)]
+        for shadow in [self.ema, *self.shadows.values()]:
+            if shadow is not None:
+                tensors += shadow.tensors()
+        return tensors
+
+    def sleep(self) -> dict[str, float]:
+        """Move the rank's weights, optimizer state and shadows to host memory and free their device memory (the
+        engines generate meanwhile); gradients are dropped (every window starts from none). Not collective."""
+        self.optimizer.zero_grad(set_to_none=True)
+        report = self.swap.sleep(self._resident_tensors())
+        logger.debug("%s rank %d asleep: %s", self.role, self.rank, report.describe())
+        return dataclasses.asdict(report)
+
+    def wake(self) -> dict[str, float]:
+        """Bring back what `sleep` moved, bit for bit (a no-op when awake). Every call that needs the weights wakes
+        the rank first, so a missed wake costs memory, never results."""
+        report = self.swap.wake()
+        if report.storages:
+            logger.debug("%s rank %d awake: %s", self.role, self.rank, report.describe())
+        return dataclasses.asdict(report)
+
+    def train(self, rollout_id: int, data: Any, peer: Any = None) -> Any:
+        """`TrainLoop.train` on an awake rank."""
+        self.wake()
+        return super().train(rollout_id, data, peer)
+
     # ---- weights and checkpoints --------------------------------------------------------------
     def check_finite_weights(self, purpose: str) -> None:
         """Refuse, on every rank together, to write weights that are not finite (trained or shadow)."""
+        self.wake()
         tensors = [*self.model.parameters(), *(t for s in self.shadows.values() for t in s.state_dict().values())]
         bad = any(not bool(torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all()) for t in tensors)
         flag = torch.tensor([float(bad)], device=collective_device())
@@ -247,6 +288,7 @@ class FSDPTrainRayActor(TrainLoop):
         The shadow the entry names (`engine_weights`, e.g. NFT's old policy), else EMA weights with
         `--ema-rollout-policy ema`, else the live ones; only the LoRA entries with LoRA.
         """
+        self.wake()
         if self.hooks.engine_weights is not None:
             state = self.shadows[self.hooks.engine_weights].full_state_dict(self.model)
         elif self.ema is not None and self.args.ema_rollout_policy == "ema":
@@ -259,10 +301,12 @@ class FSDPTrainRayActor(TrainLoop):
 
     def full_state_dict_every_rank(self) -> dict[str, torch.Tensor]:
         """Each rank's own gather of the full weights (to check that ranks agree)."""
+        self.wake()
         return {k: v.detach().cpu() for k, v in full_state_dict(self.model, cpu_offload=False).items()}
 
     def network_state_dict_every_rank(self, name: str) -> dict[str, torch.Tensor]:
         """Each rank's gather of a named network's full weights (`policy`, `teacher`, ...; tests and tools)."""
+        self.wake()
         network = self.networks[name]
         return {k: v.detach().cpu() for k, v in full_state_dict(network, cpu_offload=False).items()}
 

@@ -69,7 +69,7 @@ def ema_config_from_args(args: argparse.Namespace) -> EmaConfig:
     )
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The rank's own storage of a parameter (the shard of a DTensor, the tensor itself otherwise); writable."""
     if not isinstance(tensor, DTensor):
         return tensor
@@ -100,7 +100,7 @@ class ShadowWeights:
             raise ValueError(f"{type(model).__name__} has no trainable parameters to shadow")
         with torch.no_grad():
             self._shadow: dict[str, torch.Tensor] = {
-                n: _local(p).detach().to(torch.float32).clone(memory_format=torch.contiguous_format)
+                n: local_tensor(p).detach().to(torch.float32).clone(memory_format=torch.contiguous_format)
                 for n, p in self._params.items()
             }
         numel = sum(t.numel() for t in self._shadow.values())
@@ -108,6 +108,10 @@ class ShadowWeights:
 
     def __len__(self) -> int:
         return len(self._shadow)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The rank's θ_s tensors (what a sleep moves to the host)."""
+        return list(self._shadow.values())
 
     @torch.no_grad()
     def update(self, decay: float) -> None:
@@ -117,13 +121,13 @@ class ShadowWeights:
         if decay == 0.0:
             self.copy_from_model()
             return
-        ema_update_(self._shadow.values(), [_local(p) for p in self._params.values()], decay)
+        ema_update_(self._shadow.values(), [local_tensor(p) for p in self._params.values()], decay)
 
     @torch.no_grad()
     def copy_from_model(self) -> None:
         """θ_s ← θ (NFT's `old = current`, or re-initialising an EMA)."""
         for name, param in self._params.items():
-            self._shadow[name].copy_(_local(param))
+            self._shadow[name].copy_(local_tensor(param))
 
     @contextlib.contextmanager
     def swapped_in(self, model: nn.Module) -> Iterator[nn.Module]:
@@ -132,16 +136,16 @@ class ShadowWeights:
         reshard(model)
         self._check_model(model)
         with torch.no_grad():
-            live = {n: _local(p).clone() for n, p in self._params.items()}
+            live = {n: local_tensor(p).clone() for n, p in self._params.items()}
             for name, param in self._params.items():
-                _local(param).copy_(self._shadow[name])
+                local_tensor(param).copy_(self._shadow[name])
         try:
             yield model
         finally:
             reshard(model)  # drop gathered copies of θ_s before the live values come back
             with torch.no_grad():
                 for name, param in self._params.items():
-                    _local(param).copy_(live[name])
+                    local_tensor(param).copy_(live[name])
 
     def network(self, model: nn.Module) -> ShadowNetwork:
         """`model` with θ_s swapped in for each call: the frozen `ref` / `old` entry of the trunk's networks."""

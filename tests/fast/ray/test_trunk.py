@@ -214,3 +214,46 @@ def test_hook_wiring_numbering_in_recompute_and_training_loops_with_and_without_
         assert off.keys() == on.keys()
         for name in off:
             assert torch.equal(off[name], on[name]), f"{name} differs with prefetch"
+
+
+def test_a_sleeping_rank_holds_no_state_and_wakes_bit_for_bit(ray_cluster, tiny_pipeline_dir, family):
+    """--colocate-sleep: sleep frees every storage a rank keeps between calls (shards, optimizer state, EMA), wake
+    brings back the same bits, and a call that needs the weights (train) wakes a sleeping rank itself."""
+    import ray
+
+    from miles.ray.train_group import RayTrainGroup
+
+    def snapshot(actor):  # runs inside each rank
+        return [t.detach().clone() for t in actor._resident_tensors()]
+
+    def resident_bytes(actor):
+        return sum(t.untyped_storage().nbytes() for t in actor._resident_tensors())
+
+    def on_ranks(fn):
+        return ray.get([a.__ray_call__.remote(fn) for a in group.actors], timeout=TIMEOUT)
+
+    args = trunk_args(tiny_pipeline_dir, 2, "--use-ema", "--ema-decay", "0.5")
+    shards = [put_box(s) for s in shard_pairs(make_pairs(family, 8), 2)]
+    group = RayTrainGroup(args, "actor", timeout=TIMEOUT)
+    try:
+        group.init()
+        group.train(0, shards)
+        before, held = on_ranks(snapshot), on_ranks(resident_bytes)
+        reports = group.sleep()
+        asleep = on_ranks(resident_bytes)
+        group.wake()
+        after = on_ranks(snapshot)
+        group.sleep()
+        group.train(1, shards)  # wakes the ranks
+        metrics = group.pop_metrics()
+    finally:
+        group.shutdown()
+    # left in place: buffers memory-mapped from the checkpoint file (on CPU only; FSDP2 shards are allocated)
+    assert asleep == [r["kept_bytes"] for r in reports] and all(k < h / 10 for k, h in zip(asleep, held))
+    assert [r["copied_bytes"] + r["kept_bytes"] for r in reports] == held
+    assert all(r["discarded_bytes"] == 0 for r in reports)
+    for rank_before, rank_after in zip(before, after):
+        # parameters, AdamW's exp_avg / exp_avg_sq (and step, on the device), the EMA shadow: all of it, same bits
+        assert len(rank_before) == len(rank_after) > 3 * len(list(family.load_transformer().parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(rank_before, rank_after))
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]

@@ -272,3 +272,54 @@ def test_engine_group_matches_one_engine_syncs_weights_and_names_a_dead_engine(r
     finally:
         set_current_rollout(None)
         group.shutdown()
+
+
+def allocated(engine: DiffusionEngine) -> DiffusionEngine:
+    """The engine with its weights in allocated memory, as on a GPU: on CPU they are memory-mapped from the
+    safetensors files, which a sleep leaves in place (and a copy changes the text encoders' bits at 1e-7: the
+    kernels follow the alignment)."""
+    with torch.no_grad():
+        for module in [engine.transformer, *engine.family.loaded_modules()]:
+            for param in module.parameters():
+                param.data = param.data.clone()
+            for sub in module.modules():
+                sub._buffers.update({name: b.clone() for name, b in sub._buffers.items() if b is not None})
+    engine.family.drop_cached_negatives()
+    return engine
+
+
+def test_sleep_and_wake_keep_the_samples_bit_for_bit_and_dropped_weights_must_be_reloaded(tiny_pipeline_dir):
+    """--colocate-sleep: a sleeping engine holds no network memory on its device; it samples exactly as before once
+    awake, and after a sleep that dropped its trained weights it refuses to sample until a sync loads them."""
+    local = allocated(DiffusionEngine(tiny_pipeline_dir))
+    req = request(prompts=PROMPTS[:2], seeds=SEEDS[:2], sde_type="ode", trained_steps=[], decode=True)
+    base = local.generate(req)
+    weights = {k: v.clone() for k, v in local.transformer.state_dict().items()}
+    networks = [local.transformer, *local.family.loaded_modules()]
+    assert len(networks) >= 3  # transformer, the text pipeline's encoders, the VAE
+
+    report = local.sleep()
+    assert report["copied_bytes"] > 0 and report["discarded_bytes"] == report["kept_bytes"] == 0
+    assert all(t.untyped_storage().nbytes() == 0 for m in networks for t in (*m.parameters(), *m.buffers()))
+    again = local.generate(req)  # wakes itself
+    assert torch.equal(again.final_latents, base.final_latents) and np.array_equal(again.images, base.images)
+
+    report = local.sleep(discard_weights=True)
+    trained = sum(v.untyped_storage().nbytes() for v in weights.values())
+    assert report["discarded_bytes"] == trained
+    with pytest.raises(RuntimeError, match="released its trained weights.*call update_weights first"):
+        local.generate(req)
+    local.update_weights(weights, version=1)
+    assert torch.equal(local.generate(req).final_latents, base.final_latents)
+
+
+def test_a_lora_engine_drops_only_its_adapter_when_it_sleeps(tiny_pipeline_dir):
+    lora_engine = allocated(DiffusionEngine(tiny_pipeline_dir, lora_config=LORA))
+    weights = lora_weights(lora_engine)
+    lora_engine.update_weights(weights, version=1)
+    req = request(prompts=PROMPTS[:2], seeds=SEEDS[:2])
+    before = lora_engine.generate(req).final_latents
+    report = lora_engine.sleep(discard_weights=True)
+    assert report["discarded_bytes"] == sum(v.nbytes for v in weights.values()) and report["copied_bytes"] > 0
+    lora_engine.update_weights(weights, version=2)
+    assert torch.equal(lora_engine.generate(req).final_latents, before)

@@ -1,0 +1,115 @@
+"""Colocated engines and trainer ranks on GPUs take turns holding the memory (`--colocate-sleep`).
+
+Per rollout, with the phases of `train_diffusion.run_rollout`:
+
+    engines generate  (trainer ranks asleep: weights, optimizer state, shadows in host memory)
+    -> `to_train`:    engines sleep, dropping the trained weights the next sync replaces; trainer ranks wake
+    ranks train, save when due, export the engines' weights into the object store (host memory)
+    -> `to_generate`: trainer ranks sleep; engines wake and load the exported weights
+    engines evaluate and generate the next rollout
+
+So at no point do both hold the GPU, and the weights the engines get go through host memory as they always do. Every
+trainer call that needs the weights wakes its rank (and every engine call its engine), so a phase order this class
+does not know (a tool, a test) costs memory, never results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from typing import Any
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+def _gpu_slots(_actor_instance: Any) -> list[str]:
+    """Run inside an actor (`__ray_call__`): its node id and the GPU ids Ray gave it, as "node/gpu" strings."""
+    node = ray.get_runtime_context().get_node_id()
+    return [f"{node}/{gpu}" for gpu in ray.get_gpu_ids()]
+
+
+def actor_gpu_slots(actors: list[Any], timeout: float = 60.0) -> list[list[str]]:
+    return ray.get([actor.__ray_call__.remote(_gpu_slots) for actor in actors], timeout=timeout)
+
+
+def shared_gpus(engine_slots: list[list[str]], rank_slots: list[list[str]]) -> set[str]:
+    """The GPUs ("node/gpu") that hold both a rollout engine and a trainer rank."""
+    engines = {slot for slots in engine_slots for slot in slots}
+    return engines & {slot for slots in rank_slots for slot in slots}
+
+
+class PhaseMemory:
+    """Decides whether the run colocates (`--colocate-sleep`), then moves the engines and the trainer groups in and
+    out of host memory between the phases. Off: every method is a no-op."""
+
+    def __init__(self, args: argparse.Namespace, groups: dict, engines: Any) -> None:
+        self.groups, self.engines = groups, engines
+        self.enabled = self._decide(args)
+        self.seconds = 0.0  # spent in sleeps and wakes since the last `pop_seconds`
+        self._logged = False
+
+    def _decide(self, args: argparse.Namespace) -> bool:
+        mode = getattr(args, "colocate_sleep", "off")
+        if mode == "off" or self.engines is None or not self.groups:
+            return False
+        from miles.ray.train_group import uses_gpu
+
+        if mode == "auto" and not uses_gpu(args):
+            return False
+        if mode == "on":
+            logger.info("colocate sleep on: engines and trainer ranks take turns holding their device's memory")
+            return True
+        ranks = [actor for group in self.groups.values() for actor in group.actors]
+        shared = shared_gpus(actor_gpu_slots(self.engines.engines), actor_gpu_slots(ranks))
+        if not shared:
+            return False
+        if args.async_rollout:
+            logger.warning(
+                "%d GPU(s) hold both an engine and a trainer rank, but --async-rollout runs generation and training "
+                "at once: both keep their memory (colocate sleep off)",
+                len(shared),
+            )
+            return False
+        logger.info("colocate sleep on: %d GPU(s) hold both an engine and a trainer rank", len(shared))
+        return True
+
+    def _timed(self, what: str, steps: list[tuple[str, Any]]) -> None:
+        started = time.perf_counter()
+        reports = {name: step() for name, step in steps}
+        self.seconds += time.perf_counter() - started
+        if not self._logged or logger.isEnabledFor(logging.DEBUG):
+            gib = 2**30
+            moved = {
+                name: sum(r["copied_bytes"] + r["discarded_bytes"] for r in rs) / gib for name, rs in reports.items()
+            }
+            logger.info(
+                "%s in %.2fs: %s",
+                what,
+                time.perf_counter() - started,
+                ", ".join(f"{name} {gb:.3f} GiB" for name, gb in moved.items()),
+            )
+
+    def start(self) -> None:
+        """After start-up: the engines hold the device for the first generation, the trainer ranks sleep."""
+        if self.enabled:
+            self._timed("trainer ranks asleep", [(f"{role} sleep", g.sleep) for role, g in self.groups.items()])
+
+    def to_train(self) -> None:
+        if self.enabled:
+            steps = [("engines sleep", lambda: self.engines.sleep(discard_weights=True))]
+            steps += [(f"{role} wake", g.wake) for role, g in self.groups.items()]
+            self._timed("to the train phase", steps)
+
+    def to_generate(self) -> None:
+        if self.enabled:
+            steps = [(f"{role} sleep", g.sleep) for role, g in self.groups.items()]
+            steps.append(("engines wake", self.engines.wake))
+            self._timed("to the generate phase", steps)
+            self._logged = True
+
+    def pop_seconds(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds

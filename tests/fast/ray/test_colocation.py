@@ -1,0 +1,147 @@
+"""--colocate-sleep: when the driver decides that engines and trainer ranks share GPUs, and the order in which they
+sleep and wake around a rollout (the engines never hold the device while the ranks train, nor the ranks while the
+engines generate)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+import train_diffusion
+from miles.ray import colocation
+from miles.ray.colocation import PhaseMemory, shared_gpus
+from miles.utils.arguments import parse_args
+
+
+def args_for(*flags):
+    return parse_args(["--hf-checkpoint", "builtin:tiny-shapes", "--loss-type", "nft", "--no-progress", *flags])
+
+
+class Peer:
+    """A trainer group or an engine group: records its sleeps and wakes in the shared event list."""
+
+    def __init__(self, name: str, events: list) -> None:
+        self.name, self.events = name, events
+        self.actors = self.engines = [object()]
+
+    def sleep(self, discard_weights: bool | None = None):
+        self.events.append((self.name, "sleep") if discard_weights is None else (self.name, "sleep", discard_weights))
+        return [{"copied_bytes": 1 << 20, "discarded_bytes": 0}]
+
+    def wake(self):
+        self.events.append((self.name, "wake"))
+        return [{"copied_bytes": 1 << 20, "discarded_bytes": 0}]
+
+
+def test_shared_gpus_are_the_node_gpu_pairs_holding_an_engine_and_a_rank():
+    engines = [["n1/0"], ["n1/1"]]
+    assert shared_gpus(engines, [["n1/0"], ["n1/1"]]) == {"n1/0", "n1/1"}
+    assert shared_gpus(engines, [["n1/2"], ["n1/3"]]) == set()  # separate GPUs of one node
+    assert shared_gpus(engines, [["n2/0"]]) == set()  # the same GPU index on another node
+    assert shared_gpus([[]], [[]]) == set()  # CPU actors have no GPU ids
+
+
+def test_auto_is_off_on_cpu_without_asking_the_actors(monkeypatch):
+    monkeypatch.setattr(colocation, "actor_gpu_slots", lambda actors: pytest.fail("asked the actors"))
+    events: list = []
+    phases = PhaseMemory(args_for("--device", "cpu"), {"actor": Peer("actor", events)}, Peer("engines", events))
+    phases.start(), phases.to_train(), phases.to_generate()
+    assert not phases.enabled and events == []
+
+
+@pytest.mark.parametrize(
+    ("rank_slots", "flags", "enabled"),
+    [
+        ([["n/0"], ["n/1"]], (), True),  # engine 0 shares GPU 0 with rank 0
+        ([["n/1"], ["n/2"]], (), False),  # separate GPUs
+        ([["n/0"], ["n/1"]], ("--async-rollout",), False),  # overlapping phases keep both in memory
+    ],
+)
+def test_auto_is_on_where_an_engine_and_a_rank_share_a_gpu(monkeypatch, caplog, rank_slots, flags, enabled):
+    engines, group = Peer("engines", []), Peer("actor", [])
+    group.actors = [object(), object()]
+    monkeypatch.setattr(
+        colocation, "actor_gpu_slots", lambda actors: [["n/0"]] if actors is engines.engines else rank_slots
+    )
+    args = args_for("--device", "cuda", *flags)
+    with caplog.at_level(logging.INFO, logger="miles.ray.colocation"):
+        assert PhaseMemory(args, {"actor": group}, engines).enabled is enabled
+    if flags:
+        assert "--async-rollout runs generation and training at once" in caplog.text
+
+
+class World(Peer):
+    """The driver's peers in process, recording every call in order: rollout manager, one trainer group, writer."""
+
+    def __init__(self, events: list) -> None:
+        super().__init__("actor", events)
+        self.weights_version = 0
+        self.source = type("Source", (), {"epoch_of": staticmethod(lambda rollout_id: 0)})()
+
+    def generate(self, rollout_id):
+        self.events.append(("generate", rollout_id))
+        return [f"batch {rollout_id}"]
+
+    def metrics(self, rollout_id):
+        return {"rollout/epoch": 0}
+
+    def train(self, rollout_id, data, peer):
+        self.events.append(("train", rollout_id))
+        return data
+
+    def update_weights(self, group, before_load=None):
+        self.events.append(("export",))
+        if before_load is not None:
+            before_load()
+        self.events.append(("load",))
+        return 0.0
+
+    def pop_metrics(self):
+        return []
+
+    def log(self, record):
+        self.events.append(("log", sorted(k for k in record if k.startswith("perf/colocate"))))
+
+
+def test_each_rollout_hands_the_device_to_the_trainer_ranks_then_back_to_the_engines():
+    events: list = []
+    world, engines = World(events), Peer("engines", events)
+    args = args_for("--colocate-sleep", "on", "--num-rollout", "2", "--eval-interval", "0")
+    phases = PhaseMemory(args, {"actor": world}, engines)
+    phases.start()
+    train_diffusion.train_rollouts(
+        args, {"actor": world}, world, None, world, 0, {"losses": []}, time.perf_counter(), phases
+    )
+    rollout = lambda k: [  # noqa: E731
+        ("generate", k),
+        ("engines", "sleep", True),  # the trained weights are dropped: the sync after training replaces them
+        ("actor", "wake"),
+        ("train", k),
+        ("export",),  # the weights are in host memory (the object store) before the ranks sleep
+        ("actor", "sleep"),
+        ("engines", "wake"),
+        ("load",),
+        ("log", ["perf/colocate_swap_s"]),
+    ]
+    assert events == [("actor", "sleep"), *rollout(0), *rollout(1)]
+
+
+def test_colocate_puts_rank_i_of_every_group_and_its_engines_on_gpu_i():
+    """Ray packs fractional GPU bundles onto one GPU; --colocate's whole-GPU bundles keep one rank of each group per
+    GPU (a cluster with 2 declared GPUs in a subprocess: the test session's cluster has none)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("colocated_placement.py")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    placement = json.loads(done.stdout.strip().splitlines()[-1])
+    gpu = {role: [slots[0].split("/")[1] for slots in placement[role]] for role in ("actor", "critic")}
+    assert gpu["actor"] == ["0", "1"] or gpu["actor"] == ["1", "0"]  # distinct GPUs for the ranks of a group
+    assert gpu["critic"] == gpu["actor"]  # rank i of every group on the same GPU
+    assert [e[0] for e in placement["engines"]] == [int(gpu["actor"][i % 2]) for i in range(3)]
+    assert placement["share"] == 0.25  # bundle 0: actor rank, critic rank, engines 0 and 2
