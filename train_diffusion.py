@@ -466,6 +466,7 @@ def run(
             return summary
         train_rollouts(args, groups, rollout_manager, evaluator, writer, start_rollout_id, summary, started, phases)
         if args.save_hf and groups:
+            phases.to_train()  # the gather needs the ranks' weights on the device, not the engines'
             groups["actor"].save_hf(args.save_hf)
             logger.info("wrote a diffusers pipeline folder to %s", args.save_hf)
         if before_shutdown is not None:
