@@ -42,7 +42,7 @@ def local_ray_cpus(args: argparse.Namespace) -> int:
     import math
 
     from miles.ray.reward_workers import REWARD_WORKER_CPUS
-    from miles.ray.train_group import uses_gpu
+    from miles.utils.distributed import uses_gpu
 
     gpu = uses_gpu(args)
     trainers, engines = actor_shares(
@@ -55,7 +55,7 @@ def local_ray_cpus(args: argparse.Namespace) -> int:
 def check_gpus_fit(args: argparse.Namespace, cluster_gpus: float) -> None:
     """Fail at once, naming the flags, when the trainer ranks and engines ask for more GPUs than the cluster has
     (otherwise a placement group waits for GPUs that never come)."""
-    from miles.ray.train_group import uses_gpu
+    from miles.utils.distributed import uses_gpu
 
     if not uses_gpu(args):
         return
@@ -191,7 +191,7 @@ def record_placement(args: argparse.Namespace, groups: dict, rollout_manager) ->
 def set_phase_threads(args: argparse.Namespace, rollout_manager, groups: dict) -> None:
     """Colocated phases on CPU (`--cpu-phase-threads auto`): engines and trainer ranks that share a node use its
     cores for their own phase (generate / train) and their base count otherwise (`miles.utils.threads`)."""
-    from miles.ray.train_group import uses_gpu
+    from miles.utils.distributed import uses_gpu
     from miles.utils.threads import phase_thread_counts
 
     engines = rollout_manager.engines
