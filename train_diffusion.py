@@ -129,7 +129,8 @@ def start_ray(args: argparse.Namespace) -> bool:
         return False
     # "local": always a cluster of this run's own, never one that another run on the machine started
     address, local = (args.ray_address, {}) if args.ray_address else ("local", {"num_cpus": local_ray_cpus(args)})
-    ray.init(address=address, include_dashboard=False, log_to_driver=True, **local, **ray_init_kwargs())
+    kwargs = ray_init_kwargs(local=not args.ray_address)  # a local cluster: the worker env through this process's
+    ray.init(address=address, include_dashboard=False, log_to_driver=True, **local, **kwargs)
     return True
 
 
@@ -369,9 +370,6 @@ def run(
     the command started, on the `time.perf_counter` clock (`main` passes the process's start); default now. The
     first rollout's record holds `perf/startup_s`, the seconds from then to its start.
     """
-    from miles.utils.console import quiet_third_party, summary_line
-
-    quiet_third_party()  # before diffusers is imported
     import ray
 
     from miles.models.builtin import resolve_checkpoint
@@ -380,6 +378,7 @@ def run(
     from miles.ray.evaluator import Evaluator
     from miles.ray.rollout_manager import RolloutManager
     from miles.rollout.input_files import check_input_files
+    from miles.utils.console import summary_line
     from miles.utils.eval_arguments import eval_enabled
     from miles.utils.failures import run_cleanup, set_current_rollout
     from miles.utils.tracking import open_tracking, read_metrics
