@@ -42,7 +42,7 @@ def local_ray_cpus(args: argparse.Namespace) -> int:
     import math
 
     from miles.ray.reward_workers import REWARD_WORKER_CPUS
-    from miles.ray.train_group import uses_gpu
+    from miles.utils.distributed import uses_gpu
 
     gpu = uses_gpu(args)
     trainers, engines = actor_shares(
@@ -55,7 +55,7 @@ def local_ray_cpus(args: argparse.Namespace) -> int:
 def check_gpus_fit(args: argparse.Namespace, cluster_gpus: float) -> None:
     """Fail at once, naming the flags, when the trainer ranks and engines ask for more GPUs than the cluster has
     (otherwise a placement group waits for GPUs that never come)."""
-    from miles.ray.train_group import uses_gpu
+    from miles.utils.distributed import uses_gpu
 
     if not uses_gpu(args):
         return
@@ -131,18 +131,49 @@ def check_startup(args: argparse.Namespace) -> None:
     check_async_rollout(args)
 
 
-def start_ray(args: argparse.Namespace) -> bool:
-    """A local cluster sized for every actor's share, or the --ray-address one; True when this driver started it."""
+def ray_init_settings(args: argparse.Namespace) -> dict | None:
+    """`ray.init` keywords of this run's cluster (sized here, which imports torch and the loss hub), or None when
+    Ray is up already (tests, tools). Without --ray-address: a local cluster sized for every actor's share, always
+    one of this run's own, never one that another run on the machine started."""
     import ray
 
     from miles.utils.console import ray_init_kwargs
 
     if ray.is_initialized():
+        return None
+    if args.ray_address:
+        return {"address": args.ray_address, **ray_init_kwargs(local=False)}
+    return {"address": "local", "num_cpus": local_ray_cpus(args), **ray_init_kwargs(local=True)}
+
+
+def start_ray(settings: dict | None) -> bool:
+    """Start or join the cluster of `ray_init_settings`; True when this driver started it. Call it from the main
+    thread: Ray's processes end with the thread that started them."""
+    import ray
+
+    if settings is None:
         return False
-    # "local": always a cluster of this run's own, never one that another run on the machine started
-    address, local = (args.ray_address, {}) if args.ray_address else ("local", {"num_cpus": local_ray_cpus(args)})
-    ray.init(address=address, include_dashboard=False, log_to_driver=True, **local, **ray_init_kwargs())
+    ray.init(include_dashboard=False, log_to_driver=True, **settings)
     return True
+
+
+def startup_checks(args: argparse.Namespace) -> float:
+    """Built-in checkpoint names resolved, then every check that needs no actor: flags, paths, families, prompt
+    files (FILE:LINE errors), the roles' resume points. `run` does them on a worker thread while Ray starts; they
+    also import the modules the driver needs next. Returns when they ended (`time.perf_counter`)."""
+    from miles.models.builtin import resolve_checkpoint
+    from miles.ray.checkpoint_folders import check_roles_agree
+    from miles.rollout.input_files import check_input_files
+
+    for dest in ("hf_checkpoint", "teacher_load", "critic_checkpoint"):  # builtin:NAME -> the packaged folder
+        setattr(args, dest, resolve_checkpoint(getattr(args, dest, None)))
+    check_startup(args)
+    check_input_files(args)
+    check_roles_agree(args, training_order(args))
+    import miles.ray.rollout_manager  # noqa: F401  (the imports `run` needs next, done here meanwhile too)
+    import miles.ray.train_group  # noqa: F401
+
+    return time.perf_counter()
 
 
 def trained_roles(args: argparse.Namespace) -> list[str]:
@@ -153,7 +184,7 @@ def trained_roles(args: argparse.Namespace) -> list[str]:
 def create_colocation(args: argparse.Namespace):
     """--colocate: the placement group that the trainer groups and the engines share (None without the flag)."""
     from miles.ray.placement_group import create_colocation as create
-    from miles.ray.train_group import uses_gpu
+    from miles.utils.distributed import uses_gpu
 
     if not args.colocate:
         return None
@@ -222,7 +253,7 @@ def record_placement(args: argparse.Namespace, groups: dict, rollout_manager) ->
 def set_phase_threads(args: argparse.Namespace, rollout_manager, groups: dict) -> None:
     """Colocated phases on CPU (`--cpu-phase-threads auto`): engines and trainer ranks that share a node use its
     cores for their own phase (generate / train) and their base count otherwise (`miles.utils.threads`)."""
-    from miles.ray.train_group import uses_gpu
+    from miles.utils.distributed import uses_gpu
     from miles.utils.threads import phase_thread_counts
 
     engines = rollout_manager.engines
@@ -411,39 +442,44 @@ def run(
     the command started, on the `time.perf_counter` clock (`main` passes the process's start); default now. The
     first rollout's record holds `perf/startup_s`, the seconds from then to its start.
     """
-    from miles.utils.console import quiet_third_party, summary_line
+    from concurrent.futures import ThreadPoolExecutor
 
-    quiet_third_party()  # before diffusers is imported
     import ray
 
-    from miles.models.builtin import resolve_checkpoint
     from miles.plot import plot_run
-    from miles.ray.checkpoint_folders import check_roles_agree, lock_save_folders
-    from miles.ray.colocation import PhaseMemory
-    from miles.ray.evaluator import Evaluator
-    from miles.ray.rollout_manager import RolloutManager
-    from miles.rollout.input_files import check_input_files
+    from miles.ray.checkpoint_folders import lock_save_folders
+    from miles.utils.console import summary_line
     from miles.utils.eval_arguments import eval_enabled
     from miles.utils.failures import run_cleanup, set_current_rollout
     from miles.utils.tracking import open_tracking, read_metrics
 
     started = time.perf_counter() if started is None else started
-    for dest in ("hf_checkpoint", "teacher_load", "critic_checkpoint"):  # builtin:NAME -> the packaged folder
-        setattr(args, dest, resolve_checkpoint(getattr(args, dest, None)))
-    check_startup(args)
-    check_input_files(args)  # FILE:LINE errors before Ray and any actor
-    check_roles_agree(args, training_order(args))
+    settings = ray_init_settings(args)
     locks = lock_save_folders(args)  # held until the end of the run (and released if the process dies)
-    writer = open_tracking(args)
-    own_ray = False
-    colocation = None
+    sized = time.perf_counter()
+    # the checks (and the imports they need) on a thread while Ray starts here: errors still come before any actor
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-checks") as pool:
+        checks = pool.submit(startup_checks, args)
+        try:
+            own_ray = start_ray(settings)
+        except BaseException:
+            locks.release()
+            failed_check = checks.exception()  # waits for the checks: a failed one is the error to report
+            if failed_check is not None:
+                raise failed_check  # noqa: B904 - Ray's error stays attached as its context
+            raise
+        ray_ready = time.perf_counter()
+    writer = colocation = None
     groups: dict = {}
     rollout_manager = None
     summary: dict = {"losses": []}
     try:
-        checked = time.perf_counter()
-        own_ray = start_ray(args)
-        ray_ready = time.perf_counter()
+        checked = checks.result()
+        writer = open_tracking(args)
+        from miles.ray.colocation import PhaseMemory
+        from miles.ray.evaluator import Evaluator
+        from miles.ray.rollout_manager import RolloutManager
+
         check_gpus_fit(args, ray.cluster_resources().get("GPU", 0.0))
         colocation = create_colocation(args)
         groups = launch_groups(args, colocation)  # every actor starts at once; start_groups waits for them all
@@ -451,10 +487,12 @@ def run(
         start_rollout_id = start_groups(args, groups, rollout_manager)
         record_placement(args, groups, rollout_manager)
         logger.info(
-            "start-up phases: imports and checks %.1fs, ray.init %.1fs, actors (started together) %.1fs",
-            checked - started,
-            ray_ready - checked,
-            time.perf_counter() - ray_ready,
+            "start-up phases: sizing the cluster %.1fs, then checks %.1fs alongside ray.init %.1fs, actors (started "
+            "together) %.1fs",
+            sized - started,
+            checked - sized,
+            ray_ready - sized,
+            time.perf_counter() - max(checked, ray_ready),
         )
         phases = PhaseMemory(args, groups, rollout_manager.engines)  # --colocate-sleep
         phases.start()
@@ -477,7 +515,8 @@ def run(
             steps.append(("shutdown of the rollout manager", rollout_manager.shutdown))
         if colocation is not None:
             steps.append(("removing the shared placement group", colocation.remove))
-        steps.append(("closing metrics.jsonl", writer.close))
+        if writer is not None:
+            steps.append(("closing metrics.jsonl", writer.close))
         if own_ray:
             steps.append(("ray.shutdown", ray.shutdown))
         steps.append(("releasing the save-folder locks", locks.release))

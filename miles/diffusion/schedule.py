@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 
 TIMESTEP_DENSITIES = ("logit_normal", "uniform", "mode")
 LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
@@ -20,6 +19,8 @@ def sampling_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
     Read from diffusers, never recomputed: `set_timesteps` shifts the low end twice (the last nonzero
     σ of a 10-step shift-3 grid is ~0.0089), and the engine must train on exactly the σ it sampled with.
     """
+    from diffusers import FlowMatchEulerDiscreteScheduler  # here: the loss hub imports this module for its maths only
+
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
@@ -29,6 +30,8 @@ def sampling_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
 
 def training_sigmas(shift: float = 3.0, num_train_timesteps: int = 1000) -> torch.Tensor:
     """The scheduler's training table (num_train_timesteps float32 values, descending from 1)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=num_train_timesteps, shift=shift)
     return scheduler.sigmas.detach().to(torch.float32).cpu().clone()
 

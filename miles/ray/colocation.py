@@ -55,7 +55,7 @@ class PhaseMemory:
         mode = getattr(args, "colocate_sleep", "off")
         if mode == "off" or self.engines is None or not self.groups:
             return False
-        from miles.ray.train_group import uses_gpu
+        from miles.utils.distributed import uses_gpu
 
         if mode == "auto" and not uses_gpu(args):
             return False

@@ -13,13 +13,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
 from miles.ray.placement_group import Colocation, create_placement_group
 from miles.utils.box import Box
+from miles.utils.distributed import uses_gpu
 from miles.utils.failures import gather
 
 logger = logging.getLogger(__name__)
-
-
-def uses_gpu(args: argparse.Namespace) -> bool:
-    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
 
 
 class RayTrainGroup:

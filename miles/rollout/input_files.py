@@ -16,7 +16,7 @@ class InputFileError(ValueError):
 
 def check_model_index(folder: str | None, flag: str) -> None:
     """`folder` must exist and hold a pipeline (model_index.json, a UTF-8 JSON object) or a transformer
-    (transformer/config.json or config.json): found before Ray starts rather than by a rank loading it."""
+    (transformer/config.json or config.json): found before any actor starts rather than by a rank loading it."""
     if not folder:
         return
     if not os.path.exists(folder):
@@ -49,7 +49,7 @@ def check_model_index(folder: str | None, flag: str) -> None:
 
 
 def check_input_files(args: argparse.Namespace) -> None:
-    """Every file the run reads at start-up, before Ray or any actor starts."""
+    """Every file the run reads at start-up, before any actor starts (the driver checks while Ray starts)."""
     check_model_index(args.hf_checkpoint, "--hf-checkpoint")
     check_model_index(getattr(args, "teacher_load", None), "--teacher-load")
     check_model_index(getattr(args, "critic_checkpoint", None), "--critic-checkpoint")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,19 +29,29 @@ class _DropMessages(logging.Filter):
 
 
 def quiet_third_party() -> None:
-    """Drop the UNACTIONABLE warnings in this process (the driver, and every Ray worker through `ray_init_kwargs`)."""
+    """Drop the UNACTIONABLE warnings in this process: `import miles` does it, before any family imports diffusers'
+    pipelines (the driver, every Ray worker, tools and tests alike)."""
     for name, fragments in UNACTIONABLE.items():
         target = logging.getLogger(name)
         if not any(isinstance(f, _DropMessages) for f in target.filters):
             target.addFilter(_DropMessages(fragments))
 
 
-def ray_init_kwargs() -> dict[str, Any]:
-    """`ray.init` settings of a quiet run: no start-up banner, workers quietened before they import anything."""
-    return {
-        "logging_level": logging.WARNING,
-        "runtime_env": {"env_vars": WORKER_ENV, "worker_process_setup_hook": "miles.utils.console.quiet_third_party"},
-    }
+def ray_init_kwargs(*, local: bool) -> dict[str, Any]:
+    """`ray.init` settings of a quiet run: no start-up banner, WORKER_ENV in every worker (the UNACTIONABLE filter
+    comes with `import miles`, the first thing a worker running miles' actors imports of it).
+
+    `local` (a cluster this process starts): WORKER_ENV goes into this process's environment, which Ray's
+    processes and so its workers inherit; the job then has no runtime env. A runtime env would cost every worker a
+    second Python start (`setup_worker.py`, then the worker) and leave Ray's prestarted workers unused. Only
+    third-party defaults move in this process (tqdm bars without an explicit `disable`: miles' own bar has one).
+    Otherwise (`--ray-address`, other nodes' workers): WORKER_ENV as the job's runtime env.
+    """
+    if local:
+        for name, value in WORKER_ENV.items():
+            os.environ.setdefault(name, value)
+        return {"logging_level": logging.WARNING}
+    return {"logging_level": logging.WARNING, "runtime_env": {"env_vars": WORKER_ENV}}
 
 
 class TqdmHandler(logging.StreamHandler):

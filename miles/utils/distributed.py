@@ -14,6 +14,12 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 
+def uses_gpu(args) -> bool:
+    """Whether the run's trainer ranks and engines use GPUs (--device, `auto`: when CUDA is available). Here, not
+    in `miles.ray.train_group`, so that the driver sizes its Ray cluster without importing the trainer."""
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+
+
 def init_process_group(
     rank: int,
     world_size: int,

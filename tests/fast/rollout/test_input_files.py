@@ -1,4 +1,4 @@
-"""Input files fail before Ray or any actor starts, naming FILE:LINE."""
+"""Input files fail before any actor starts, naming FILE:LINE."""
 
 from __future__ import annotations
 
@@ -51,21 +51,31 @@ def test_an_unknown_builtin_checkpoint_names_the_known_ones():
         resolve_checkpoint("builtin:tiny_shapes")
 
 
-def test_the_driver_checks_prompt_files_before_ray_starts(tmp_path, monkeypatch, tiny_pipeline_dir):
+def test_the_driver_checks_prompt_files_before_any_actor_starts(tmp_path, monkeypatch, tiny_pipeline_dir):
+    """The checks run while Ray starts (`run`): a failed one stops the run before any actor, with Ray shut down, and
+    is the error reported even when Ray failed too."""
     import ray
 
-    def no_ray(*args, **kwargs):
-        raise AssertionError("ray.init was called before the input files were checked")
-
-    monkeypatch.setattr(ray, "init", no_ray)
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    events = []
+    monkeypatch.setattr(train_diffusion, "ray_init_settings", lambda args: {"address": "local"})
+    monkeypatch.setattr(ray, "init", lambda **kwargs: events.append("ray.init"))
+    monkeypatch.setattr(ray, "shutdown", lambda: events.append("ray.shutdown"))
+    monkeypatch.setattr(train_diffusion, "launch_groups", lambda args: pytest.fail("an actor group started"))
     data = tmp_path / "p.jsonl"
     data.write_bytes(b'{"prompt": "a"}\n{"prompt": "b\xc3"}\n')
     args = parse_args(["--hf-checkpoint", tiny_pipeline_dir, "--prompt-data", str(data), "--output-dir",
                        str(tmp_path / "out"), "--rollout-batch-size", "1", "--n-samples-per-prompt", "2"])  # fmt: skip
     with pytest.raises(PromptDataError, match=r"p\.jsonl:2: not UTF-8"):
         train_diffusion.run(args)
+    assert events == ["ray.init", "ray.shutdown"]
+
+    def ray_fails(**kwargs):
+        raise ConnectionError("no cluster at that address")
+
+    monkeypatch.setattr(ray, "init", ray_fails)
     data.write_text('{"prompt": "a"}\n')
     args.rollout_batch_size = 4
-    with pytest.raises(PromptDataError, match=r"1 distinct prompt\(s\), fewer than --rollout-batch-size 4"):
+    with pytest.raises(PromptDataError, match=r"1 distinct prompt\(s\), fewer than --rollout-batch-size 4") as failed:
         train_diffusion.run(args)
+    assert isinstance(failed.value.__context__, ConnectionError)  # Ray's error stays attached
+    assert events == ["ray.init", "ray.shutdown"]  # nothing to shut down after a failed ray.init

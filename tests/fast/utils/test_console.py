@@ -5,11 +5,22 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import os
 
-from miles.utils.console import ProgressLine, TqdmHandler, quiet_third_party, summary_line
+from miles.utils.console import (
+    WORKER_ENV,
+    ProgressLine,
+    TqdmHandler,
+    _DropMessages,
+    quiet_third_party,
+    ray_init_kwargs,
+    summary_line,
+)
 
 
 def test_the_torchvision_fallback_warning_is_dropped_and_other_transformers_warnings_are_kept():
+    # `import miles` (done by this file's imports) installed the filter: every Ray worker has it without a hook
+    assert any(isinstance(f, _DropMessages) for f in logging.getLogger("transformers.utils.import_utils").filters)
     quiet_third_party()
     quiet_third_party()  # idempotent: one filter
     logger = logging.getLogger("transformers.utils.import_utils")
@@ -25,6 +36,18 @@ def test_the_torchvision_fallback_warning_is_dropped_and_other_transformers_warn
         logger.removeHandler(handler)
     assert stream.getvalue() == "some other import problem\n"
     assert len(logger.filters) == 1
+
+
+def test_a_local_cluster_gets_the_worker_env_through_the_driver_and_no_runtime_env(monkeypatch):
+    for name in WORKER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TQDM_DISABLE", "0")  # what the user set stays
+    local = ray_init_kwargs(local=True)
+    assert "runtime_env" not in local  # a runtime env costs each worker a second Python start
+    assert {name: os.environ[name] for name in WORKER_ENV} == {**WORKER_ENV, "TQDM_DISABLE": "0"}
+    remote = ray_init_kwargs(local=False)  # other nodes' workers do not inherit this process's environment
+    assert remote["runtime_env"] == {"env_vars": WORKER_ENV}
+    assert local["logging_level"] == remote["logging_level"] == logging.WARNING
 
 
 def test_progress_shows_what_moves_and_keeps_the_last_eval():
