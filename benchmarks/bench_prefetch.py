@@ -189,7 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
             ray.shutdown()
     per_window = -(-(opts.pairs // opts.windows) // opts.micro_batch_size)
     medians = {
-        mode: {key: statistics.median(c[key] for c in result["calls"][mode]) for key in ("wall_s", "step_s", "prepare_s")}
+        mode: {
+            key: statistics.median(c[key] for c in result["calls"][mode]) for key in ("wall_s", "step_s", "prepare_s")
+        }
         for mode in SIDES
     }
     prepares = result["calls"]["off"][0]["prepares"]
