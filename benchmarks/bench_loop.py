@@ -14,8 +14,9 @@ Reported per side, over the timed rollouts (the first rollout of each run is a w
 
 - seconds per rollout and samples/s. A miles rollout is the driver's wait for its batch + train + weight sync from
   metrics.jsonl (`perf/generate_wait_s` with --async-rollout, where the generation itself, `perf/generate_total_s`,
-  mostly ran during the previous rollout's training; the generation's time otherwise); the plain loop's is its wall
-  time. The ratios to the plain loop, against the issue's targets (colocated >= 0.9x, overlap >= 1.2x).
+  ran during the previous rollout's training and sync; the generation's time otherwise); the plain loop's is its
+  wall time. An --async-rollout run has one more rollout at the end, not timed (its training overlaps no
+  generation). The ratios to the plain loop, against the issue's targets (colocated >= 0.9x, overlap >= 1.2x).
 - the start-up of each miles side (`perf/startup_s`, `train_diffusion.run`'s call to its first rollout; target 8 s).
 - CPU busy cores per phase of the driver (wait for the batch / train / weight sync, and all three together): the CPU
   seconds that this process and all its descendants (Ray's GCS, raylet and workers: every actor) used in the phase,
@@ -132,19 +133,19 @@ class CpuMeter:
 
 
 @contextlib.contextmanager
-def driver_phases(meter: CpuMeter) -> Iterator[None]:
+def driver_phases(meter: CpuMeter, timed: range) -> Iterator[None]:
     """Marks the phases of miles' driver on `meter`: the wait for rollout k's batch (`Generations.get`), its
-    training (until the sync), the weight sync (`RolloutManager.update_weights`). Rollout 0 (the warm-up) and
-    what follows a sync are not counted."""
+    training (until the sync), the weight sync (`RolloutManager.update_weights`), for the rollouts in `timed` only;
+    what follows a sync is not counted."""
     import train_diffusion
     from miles.ray.rollout_manager import RolloutManager
 
     get, update_weights = train_diffusion.Generations.get, RolloutManager.update_weights
 
     def timed_get(self, rollout_id):
-        meter.mark("wait" if rollout_id > 0 else None)
+        meter.mark("wait" if rollout_id in timed else None)
         result = get(self, rollout_id)
-        meter.mark("train" if rollout_id > 0 else None)
+        meter.mark("train" if rollout_id in timed else None)
         return result
 
     def timed_update_weights(self, actor_group):
@@ -253,15 +254,20 @@ def plain_loop(argv: list[str], rollouts: int, meter: CpuMeter) -> list[float]:
     return seconds
 
 
-def miles_run(argv: list[str], out: str, meter: CpuMeter) -> list[dict]:
-    """`train_diffusion.run` on its own local Ray cluster, its phases on `meter`; its per-rollout records."""
+def miles_run(argv: list[str], rollouts: int, out: str, meter: CpuMeter) -> tuple[float, list[dict]]:
+    """`train_diffusion.run` on its own local Ray cluster: a warm-up rollout, then `rollouts` timed ones (their
+    phases on `meter`), with --async-rollout then one more, not timed: its training has no next generation to overlap
+    (the pipeline drains), so the timed rollouts hold as many generations as trainings. Returns the start-up seconds
+    and the timed rollouts' records."""
     import train_diffusion
     from miles.utils.tracking import read_metrics
 
-    args = parse_args([*argv, "--output-dir", out])
-    with driver_phases(meter):
+    extra = 2 if "--async-rollout" in argv else 1
+    args = parse_args([*argv, "--num-rollout", str(rollouts + extra), "--output-dir", out])  # the last one counts
+    with driver_phases(meter, range(1, rollouts + 1)):
         train_diffusion.run(args)
-    return [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "perf/generate_total_s" in r]
+    records = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "perf/generate_total_s" in r]
+    return records[0]["perf/startup_s"], records[1 : rollouts + 1]
 
 
 def rollout_seconds(record: dict) -> float:
@@ -308,10 +314,10 @@ def main(argv: list[str] | None = None) -> dict:
                 seconds[name] += plain_loop(argv, opts.rollouts + 1, meters[name])[1:]
                 continue
             with tempfile.TemporaryDirectory() as out:
-                run = miles_run([*argv, *SIDES[name]], out, meters[name])
-            startup[name].append(run[0]["perf/startup_s"])
-            records[name] += run[1:]
-            seconds[name] += [rollout_seconds(r) for r in run[1:]]
+                startup_s, timed = miles_run([*argv, *SIDES[name]], opts.rollouts, out, meters[name])
+            startup[name].append(startup_s)
+            records[name] += timed
+            seconds[name] += [rollout_seconds(r) for r in timed]
     print(f"{samples} samples per rollout, {opts.rollouts} timed rollouts x {opts.repeats} runs per side")
     print(
         f"{'side':<28}{'s/rollout':>10}{'samples/s':>10}{'wait':>7}{'gen':>7}{'train':>7}{'sync':>7}{'start':>7}"
