@@ -29,7 +29,10 @@ def test_bad_flags_are_named(bench, capsys, argv, message):
 
 def test_both_sides_run_and_agree_bit_for_bit(bench, ray_cluster, tiny_pipeline_dir, capsys):
     result = bench.main(
-        ["--hf-checkpoint", tiny_pipeline_dir, "--pairs", "4", "--windows", "2", "--prepare-ms", "5", "--repeats", "1"]
+        [
+            *("--hf-checkpoint", tiny_pipeline_dir, "--pairs", "4", "--windows", "2", "--micro-batch-size", "1"),
+            *("--prepare-ms", "5", "--repeats", "1"),
+        ]
     )
     assert result["bit_identical"] is True and result["per_window"] == 2
     for side in ("off", "on"):  # the hook's cost, measured inside it, once per micro-batch
