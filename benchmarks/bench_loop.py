@@ -1,5 +1,6 @@
 """Whole-loop throughput, side by side in one run: a plain single-process loop vs miles' driver, with the colocated
-CPU phases (`--cpu-phase-threads auto`, the default) and without them (`off`: each actor keeps its Ray share).
+CPU phases (`--cpu-phase-threads auto`, the default), without them (`off`: each actor keeps its Ray share), and
+with generation overlapping training (`--async-rollout`: rollout k+1 generates while k trains).
 
 Every side runs the same Flow-GRPO rollouts (default settings: 8 prompts x 8 samples, 10 steps, 2 trained SDE
 steps) with the same model:
@@ -9,22 +10,38 @@ steps) with the same model:
   into the engine.
 - miles (dp 2, 1 engine by default): `train_diffusion.run` on a local Ray cluster, the flags as given.
 
-Reported: samples/s over the timed rollouts (the first is a warm-up), the phase times of miles' runs, and the
-ratios miles / plain. Runs are interleaved (plain, auto, off, plain, ...) so that a noisy neighbour hits every side.
+Reported per side, over the timed rollouts (the first rollout of each run is a warm-up):
+
+- seconds per rollout and samples/s. A miles rollout is the driver's wait for its batch + train + weight sync from
+  metrics.jsonl (`perf/generate_wait_s` with --async-rollout, where the generation itself, `perf/generate_total_s`,
+  ran during the previous rollout's training and sync; the generation's time otherwise); the plain loop's is its
+  wall time. An --async-rollout run has one more rollout at the end, not timed (its training overlaps no
+  generation). The ratios to the plain loop, against the issue's targets (colocated >= 0.9x, overlap >= 1.2x).
+- the start-up of each miles side (`perf/startup_s`, `train_diffusion.run`'s call to its first rollout; target 8 s).
+- CPU busy cores per phase of the driver (wait for the batch / train / weight sync, and all three together): the CPU
+  seconds that this process and all its descendants (Ray's GCS, raylet and workers: every actor) used in the phase,
+  over the phase's wall seconds, read from /proc via psutil at each phase boundary. Other users' processes are not
+  counted; a process that ends between two boundaries loses its CPU since the last one (actors live for the run).
+
+Runs are interleaved (plain, auto, off, async, plain, ...; each side first in turn) so that a noisy neighbour hits
+every side.
 
     python benchmarks/bench_loop.py                        # 8 prompts x 8 samples, 3 timed rollouts, 2 repeats
+    python benchmarks/bench_loop.py --rollouts 2 --repeats 1 --no-plain --sides async   # one side's path
     python benchmarks/bench_loop.py --rollouts 10 --repeats 3 --extra=--dp-size=1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -37,6 +54,7 @@ from miles.utils.console import WORKER_ENV  # noqa: E402
 for name, value in WORKER_ENV.items():  # no loading bars from the plain loop's pipeline, as in Ray workers
     os.environ.setdefault(name, value)
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from miles.backends.fsdp_utils.fsdp import parse_dtype  # noqa: E402
@@ -48,6 +66,16 @@ from miles.models.builtin import resolve_checkpoint  # noqa: E402
 from miles.rollout.engine import DiffusionEngine  # noqa: E402
 from miles.utils.arguments import parse_args  # noqa: E402
 from miles.utils.types import num_pairs, slice_pairs  # noqa: E402
+
+PHASES = ("wait", "train", "sync")  # the driver's phases of a rollout (wait: for the batch, generated meanwhile)
+SIDES = {  # side -> its miles flags (None: the plain loop)
+    "plain loop": None,
+    "miles (phase threads auto)": ["--cpu-phase-threads", "auto"],
+    "miles (phase threads off)": ["--cpu-phase-threads", "off"],
+    "miles (async rollout)": ["--async-rollout"],
+}
+SHORT = {"plain": "plain loop", "auto": "miles (phase threads auto)", "off": "miles (phase threads off)"}
+SHORT["async"] = "miles (async rollout)"
 
 BASE = [
     "--loss-type",
@@ -64,6 +92,73 @@ BASE = [
     "--log-level",
     "WARNING",
 ]
+
+
+class CpuMeter:
+    """CPU seconds and wall seconds per phase of this process and all its descendants (psutil over /proc).
+
+    `mark(phase)` closes the phase under way (its CPU and wall seconds since the last mark are added to it) and
+    starts `phase`; None starts nothing that is counted. Each process's last reading is kept, so a process that ended
+    still counts up to it.
+    """
+
+    def __init__(self) -> None:
+        self.root = psutil.Process()
+        self.readings: dict[tuple[int, float], float] = {}  # (pid, create time) -> CPU seconds (user + system)
+        self.cpu = {phase: 0.0 for phase in PHASES}
+        self.wall = {phase: 0.0 for phase in PHASES}
+        self.phase: str | None = None
+        self.last = (time.perf_counter(), self.cpu_seconds())
+
+    def cpu_seconds(self) -> float:
+        for proc in [self.root, *self.root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):  # ended since the listing
+                times = proc.cpu_times()
+                self.readings[(proc.pid, proc.create_time())] = times.user + times.system
+        return sum(self.readings.values())
+
+    def mark(self, phase: str | None) -> None:
+        now = (time.perf_counter(), self.cpu_seconds())
+        if self.phase is not None:
+            self.wall[self.phase] += now[0] - self.last[0]
+            self.cpu[self.phase] += now[1] - self.last[1]
+        self.phase, self.last = phase, now
+
+    def cores(self) -> dict[str, float]:
+        """Busy cores per phase and over all three ("all")."""
+        out = {phase: self.cpu[phase] / self.wall[phase] if self.wall[phase] else 0.0 for phase in PHASES}
+        wall = sum(self.wall.values())
+        out["all"] = sum(self.cpu.values()) / wall if wall else 0.0
+        return out
+
+
+@contextlib.contextmanager
+def driver_phases(meter: CpuMeter, timed: range) -> Iterator[None]:
+    """Marks the phases of miles' driver on `meter`: the wait for rollout k's batch (`Generations.get`), its
+    training (until the sync), the weight sync (`RolloutManager.update_weights`), for the rollouts in `timed` only;
+    what follows a sync is not counted."""
+    import train_diffusion
+    from miles.ray.rollout_manager import RolloutManager
+
+    get, update_weights = train_diffusion.Generations.get, RolloutManager.update_weights
+
+    def timed_get(self, rollout_id):
+        meter.mark("wait" if rollout_id in timed else None)
+        result = get(self, rollout_id)
+        meter.mark("train" if rollout_id in timed else None)
+        return result
+
+    def timed_update_weights(self, actor_group):
+        meter.mark("sync" if meter.phase is not None else None)
+        seconds = update_weights(self, actor_group)
+        meter.mark(None)
+        return seconds
+
+    train_diffusion.Generations.get, RolloutManager.update_weights = timed_get, timed_update_weights
+    try:
+        yield
+    finally:
+        train_diffusion.Generations.get, RolloutManager.update_weights = get, update_weights
 
 
 class InProcessEngines:
@@ -86,8 +181,9 @@ class InProcessEngines:
         pass
 
 
-def plain_loop(argv: list[str], rollouts: int) -> list[float]:
-    """Seconds of each rollout (generate, score, convert, train, copy weights) in one process, no Ray."""
+def plain_loop(argv: list[str], rollouts: int, meter: CpuMeter) -> list[float]:
+    """Seconds of each rollout (generate, score, convert, train, copy weights) in one process, no Ray; the phases
+    after the first rollout (the warm-up) go on `meter`."""
     import miles.ray.engine_group as engine_group
     from miles.ray.rollout_manager import RolloutManager
 
@@ -108,7 +204,9 @@ def plain_loop(argv: list[str], rollouts: int) -> list[float]:
     seconds = []
     for rollout_id in range(rollouts):
         started = time.perf_counter()
+        meter.mark("wait" if rollout_id > 0 else None)
         pairs = manager._rl_rollout(rollout_id)
+        meter.mark("train" if rollout_id > 0 else None)
         ctx = DiffusionLossContext(
             args=args,
             role="actor",
@@ -149,72 +247,116 @@ def plain_loop(argv: list[str], rollouts: int) -> list[float]:
                 (loss / pairs_in_window(window)).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
             optimizer.step()
+        meter.mark("sync" if rollout_id > 0 else None)
         engine.update_weights(model.state_dict(), rollout_id)
+        meter.mark(None)
         seconds.append(time.perf_counter() - started)
     return seconds
 
 
-def miles_run(argv: list[str], out: str) -> list[dict]:
-    """`train_diffusion.run` on its own local Ray cluster; its per-rollout records."""
+def miles_run(argv: list[str], rollouts: int, out: str, meter: CpuMeter) -> tuple[float, list[dict]]:
+    """`train_diffusion.run` on its own local Ray cluster: a warm-up rollout, then `rollouts` timed ones (their
+    phases on `meter`), with --async-rollout then one more, not timed: its training has no next generation to overlap
+    (the pipeline drains), so the timed rollouts hold as many generations as trainings. Returns the start-up seconds
+    and the timed rollouts' records."""
     import train_diffusion
     from miles.utils.tracking import read_metrics
 
-    args = parse_args([*argv, "--output-dir", out])
-    train_diffusion.run(args)
-    return [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "perf/generate_total_s" in r]
+    extra = 2 if "--async-rollout" in argv else 1
+    args = parse_args([*argv, "--num-rollout", str(rollouts + extra), "--output-dir", out])  # the last one counts
+    with driver_phases(meter, range(1, rollouts + 1)):
+        train_diffusion.run(args)
+    records = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "perf/generate_total_s" in r]
+    return records[0]["perf/startup_s"], records[1 : rollouts + 1]
 
 
-def main() -> None:
+def rollout_seconds(record: dict) -> float:
+    """A miles rollout's seconds: the driver's wait for the batch (the generation itself unless it ran ahead, with
+    --async-rollout), training and weight sync."""
+    wait = record.get("perf/generate_wait_s", record["perf/generate_total_s"])
+    return wait + record["perf/train_s"] + record["perf/weight_sync_s"]
+
+
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rollouts", type=int, default=3, help="timed rollouts per run (after one warm-up)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side, interleaved")
-    parser.add_argument("--no-plain", action="store_true", help="miles' two sides only")
+    parser.add_argument("--no-plain", action="store_true", help="miles' sides only")
+    parser.add_argument(
+        "--sides", default="auto,off,async", help="miles' sides, comma-separated from auto, off, async (default all)"
+    )
     parser.add_argument("--extra", action="append", default=[], help="more miles flags, e.g. --extra=--dp-size=1")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
+    names = [name.strip() for name in opts.sides.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SHORT or name == "plain"]
+    if unknown or not names:
+        parser.error(f"--sides: unknown side(s) {unknown or opts.sides!r}; choose from auto, off, async")
+    if opts.rollouts < 1 or opts.repeats < 1:
+        parser.error("--rollouts and --repeats must be >= 1")
+    opts.sides = ([] if opts.no_plain else ["plain loop"]) + [SHORT[name] for name in names]
+    return opts
+
+
+def main(argv: list[str] | None = None) -> dict:
+    opts = parse_options(argv)
     extra = [part for flag in opts.extra for part in flag.split("=", 1)]
     argv = [*BASE, *extra, "--num-rollout", str(opts.rollouts + 1)]
     probe = parse_args(argv)
     samples = probe.rollout_batch_size * probe.n_samples_per_prompt
-    sides = {"plain loop": [], "miles (phase threads auto)": [], "miles (phase threads off)": []}
-    phases: dict[str, list[dict]] = {name: [] for name in sides}
-    order = [name for name in sides if not (opts.no_plain and name == "plain loop")]
-    if opts.no_plain:
-        del sides["plain loop"]
+    seconds: dict[str, list[float]] = {name: [] for name in opts.sides}
+    records: dict[str, list[dict]] = {name: [] for name in opts.sides}
+    startup: dict[str, list[float]] = {name: [] for name in opts.sides}
+    meters = {name: CpuMeter() for name in opts.sides}
     for repeat in range(opts.repeats):
-        shift = repeat % len(order)  # each side goes first in turn: a neighbour's load drifting hits every side
-        for name in order[shift:] + order[:shift]:
-            if name == "plain loop":
-                sides[name] += plain_loop(argv, opts.rollouts + 1)[1:]
+        shift = repeat % len(opts.sides)  # each side goes first in turn: a neighbour's load drifting hits every side
+        for name in opts.sides[shift:] + opts.sides[:shift]:
+            if SIDES[name] is None:
+                seconds[name] += plain_loop(argv, opts.rollouts + 1, meters[name])[1:]
                 continue
-            mode = name.split()[-1].rstrip(")")
             with tempfile.TemporaryDirectory() as out:
-                records = miles_run([*argv, "--cpu-phase-threads", mode], out)[1:]
-            phases[name] += records
-            sides[name] += [r["perf/generate_total_s"] + r["perf/train_s"] + r["perf/weight_sync_s"] for r in records]
+                startup_s, timed = miles_run([*argv, *SIDES[name]], opts.rollouts, out, meters[name])
+            startup[name].append(startup_s)
+            records[name] += timed
+            seconds[name] += [rollout_seconds(r) for r in timed]
     print(f"{samples} samples per rollout, {opts.rollouts} timed rollouts x {opts.repeats} runs per side")
-    print(f"{'side':<30}{'s/rollout':>10}{'samples/s':>11}{'generate':>10}{'train':>8}{'sync':>8}")
-    rates = {}
-    for name, times in sides.items():
-        median = statistics.median(times)
-        rates[name] = samples / median
-        parts = phases[name]
-        cols = (
-            [statistics.median(r[k] for r in parts) for k in ("perf/generate_total_s", "perf/train_s")]
-            + [statistics.median(r["perf/weight_sync_s"] for r in parts)]
-            if parts
-            else []
+    print(
+        f"{'side':<28}{'s/rollout':>10}{'samples/s':>10}{'wait':>7}{'gen':>7}{'train':>7}{'sync':>7}{'start':>7}"
+        f"  busy cores: {'wait':>5}{'train':>6}{'sync':>6}{'all':>6}"
+    )
+    results: dict[str, dict] = {}
+    for name in opts.sides:
+        median = statistics.median(seconds[name])
+        row = {"s_per_rollout": median, "samples_per_s": samples / median, "cores": meters[name].cores()}
+        if records[name]:
+            rs = records[name]
+            row["wait_s"] = statistics.median(r.get("perf/generate_wait_s", r["perf/generate_total_s"]) for r in rs)
+            row["generate_s"] = statistics.median(r["perf/generate_total_s"] for r in rs)
+            row["train_s"] = statistics.median(r["perf/train_s"] for r in rs)
+            row["sync_s"] = statistics.median(r["perf/weight_sync_s"] for r in rs)
+            row["startup_s"] = statistics.median(startup[name])
+        results[name] = row
+        phases = "".join(
+            f"{row[k]:>7.2f}" if k in row else f"{'':>7}"
+            for k in ("wait_s", "generate_s", "train_s", "sync_s", "startup_s")
         )
-        print(
-            f"{name:<30}{median:>10.2f}{rates[name]:>11.1f}"
-            + "".join(f"{c:>10.2f}" for c in cols[:1])
-            + "".join(f"{c:>8.2f}" for c in cols[1:])
-        )
+        cores = "".join(f"{row['cores'][k]:>6.2f}" for k in (*PHASES, "all"))
+        print(f"{name:<28}{median:>10.2f}{row['samples_per_s']:>10.1f}{phases}  busy cores:{cores}")
+    targets = {"miles (phase threads auto)": 0.9, "miles (async rollout)": 1.2}
+    rates = {name: row["samples_per_s"] for name, row in results.items()}
     if "plain loop" in rates:
-        for name in list(sides)[1:]:
-            print(f"ratio {name} / plain loop = {rates[name] / rates['plain loop']:.2f}")
-    auto, off = rates["miles (phase threads auto)"], rates["miles (phase threads off)"]
-    print(f"ratio phase threads auto / off = {auto / off:.2f}")
-    print(json.dumps({"samples_per_s": rates}))
+        for name in rates:
+            if name != "plain loop":
+                target = f" (target >= {targets[name]})" if name in targets else ""
+                print(f"ratio {name} / plain loop = {rates[name] / rates['plain loop']:.2f}{target}")
+    for a, b in (("auto", "off"), ("async", "auto")):
+        if SHORT[a] in rates and SHORT[b] in rates:
+            print(f"ratio {a} / {b} = {rates[SHORT[a]] / rates[SHORT[b]]:.2f}")
+    starts = {name: row["startup_s"] for name, row in results.items() if "startup_s" in row}
+    if starts:
+        print("start-up to the first rollout, median (target <= 8 s): " + ", ".join(
+            f"{name} {value:.1f} s" for name, value in starts.items()))  # fmt: skip
+    print(json.dumps({"samples_per_s": rates, "startup_s": starts}))
+    return results
 
 
 if __name__ == "__main__":
