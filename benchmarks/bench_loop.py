@@ -148,9 +148,9 @@ def driver_phases(meter: CpuMeter, timed: range) -> Iterator[None]:
         meter.mark("train" if rollout_id in timed else None)
         return result
 
-    def timed_update_weights(self, actor_group):
+    def timed_update_weights(self, actor_group, **kwargs):
         meter.mark("sync" if meter.phase is not None else None)
-        seconds = update_weights(self, actor_group)
+        seconds = update_weights(self, actor_group, **kwargs)
         meter.mark(None)
         return seconds
 
