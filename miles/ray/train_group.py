@@ -19,6 +19,17 @@ from miles.utils.failures import gather
 logger = logging.getLogger(__name__)
 
 
+def rank_options(
+    args: argparse.Namespace, rank: int, placement_group: Any, colocation: Colocation | None = None
+) -> dict[str, Any]:
+    """Ray options of trainer rank `rank`: bundle `rank` of its placement group, with --gpus-per-rank GPUs (or, with
+    `colocation`, the bundle's GPU share) on CUDA and --cpus-per-rank CPUs otherwise."""
+    gpu = uses_gpu(args)
+    gpus = (args.gpus_per_rank if colocation is None else colocation.gpu_share) if gpu else 0
+    strategy = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=rank)
+    return {"num_cpus": 0 if gpu else args.cpus_per_rank, "num_gpus": gpus, "scheduling_strategy": strategy}
+
+
 class RayTrainGroup:
     """N ranks of one role in one placement group; rank i of this group pairs with rank i of the next."""
 
@@ -39,16 +50,11 @@ class RayTrainGroup:
             )
         else:
             self.placement_group = colocation.placement_group
-        gpus = (args.gpus_per_rank if colocation is None else colocation.gpu_share) if gpu else 0
         remote_cls = ray.remote(FSDPTrainRayActor)
         self.actors = [
-            remote_cls.options(
-                num_cpus=0 if gpu else args.cpus_per_rank,
-                num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=rank
-                ),
-            ).remote(self.world_size, rank, role)
+            remote_cls.options(**rank_options(args, rank, self.placement_group, colocation)).remote(
+                self.world_size, rank, role
+            )
             for rank in range(self.world_size)
         ]
 

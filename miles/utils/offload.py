@@ -16,14 +16,11 @@ where it is and is counted in `kept_bytes`.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -140,15 +137,3 @@ class HostSwap:
         self.asleep = False
         report.seconds = time.perf_counter() - started
         return report
-
-
-def device_bytes(tensors: Iterable[torch.Tensor], device: torch.device) -> int:
-    """Bytes of the distinct storages of `tensors` that sit on `device` (what a sleep would free)."""
-    device = torch.device(device)
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        if tensor is None or tensor.device.type != device.type:
-            continue
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())

@@ -1,6 +1,6 @@
 """Run as a script by test_colocation.py: a Ray cluster of its own with 2 (declared) GPUs, the placement of a
---colocate dmd2 run with 3 engines, printed as JSON: each trainer rank's and engine's GPU ids (no model is loaded:
-the ranks are the real actor class before `init`, the engines stand-ins with the real engine options)."""
+--colocate dmd2 run with 3 engines, printed as JSON: each trainer rank's and engine's GPU ids (stand-in actors that
+load nothing, placed with the Ray options the trainer groups and the engine group use)."""
 
 import json
 import sys
@@ -11,12 +11,12 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import train_diffusion  # noqa: E402
-from miles.ray.colocation import actor_gpu_slots  # noqa: E402
 from miles.ray.engine_group import engine_options  # noqa: E402
+from miles.ray.train_group import rank_options  # noqa: E402
 from miles.utils.arguments import parse_args  # noqa: E402
 
 
-class Engine:
+class StandIn:
     def ids(self):
         return ray.get_gpu_ids()
 
@@ -26,10 +26,14 @@ def main() -> None:
     args = parse_args([*flags, "--dp-size", "2", "--rollout-num-engines", "3", "--colocate"])
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(), log_to_driver=False)
     colocation = train_diffusion.create_colocation(args)
-    groups = train_diffusion.launch_groups(args, colocation)
-    engine_cls = ray.remote(Engine)
-    engines = [engine_cls.options(**engine_options(i, 1.0, 1.0, colocation)).remote() for i in range(3)]
-    placement = {role: actor_gpu_slots(group.actors, timeout=60) for role, group in groups.items()}
+    stand_in = ray.remote(StandIn)
+    placement = {}
+    for role in train_diffusion.trained_roles(args):
+        ranks = [
+            stand_in.options(**rank_options(args, r, colocation.placement_group, colocation)).remote() for r in (0, 1)
+        ]
+        placement[role] = [ray.get(rank.ids.remote(), timeout=60) for rank in ranks]
+    engines = [stand_in.options(**engine_options(i, 1.0, 1.0, colocation)).remote() for i in range(3)]
     placement["engines"] = [ray.get(e.ids.remote(), timeout=60) for e in engines]
     placement["share"] = colocation.gpu_share
     print(json.dumps(placement))
