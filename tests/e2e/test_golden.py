@@ -82,21 +82,6 @@ RUNS: dict[str, list[str]] = {
         "--diffusion-nft-kl-beta",
         "0.1",
     ],
-    # nft with each batch generated while the previous one trains (one update stale): the async path's own series
-    "nft_async": [
-        "--loss-type",
-        "nft",
-        "--num-steps-per-rollout",
-        "2",
-        "--lr",
-        "1e-4",
-        "--use-ema",
-        "--ref-mode",
-        "ema",
-        "--diffusion-nft-kl-beta",
-        "0.1",
-        "--async-rollout",
-    ],
     "dmd2": [
         "--loss-type",
         "dmd2",
@@ -128,6 +113,10 @@ RUNS: dict[str, list[str]] = {
         "1e-4",
     ],
 }
+
+
+# nft with each batch generated while the previous one trains (one update stale): the async path's own series
+RUNS["nft_async"] = [*RUNS["nft"], "--async-rollout"]
 
 
 def series(metrics_path: str) -> list[dict]:
