@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> dict:
             row["train_s"] = statistics.median(r["perf/train_s"] for r in rs)
             row["sync_s"] = statistics.median(r["perf/weight_sync_s"] for r in rs)
             row["startup_s"] = statistics.median(startup[name])
+        elif seconds[name]:  # the plain loop: its phases' mean wall seconds per timed rollout, from its meter
+            for phase in PHASES:
+                row[f"{phase}_s"] = meters[name].wall[phase] / len(seconds[name])
         results[name] = row
         phases = "".join(
             f"{row[k]:>7.2f}" if k in row else f"{'':>7}"
