@@ -42,12 +42,10 @@ def local_ray_cpus(args: argparse.Namespace) -> int:
     import math
 
     from miles.ray.reward_workers import REWARD_WORKER_CPUS
-    from miles.utils.distributed import uses_gpu
+    from miles.utils.distributed import engine_cpus, uses_gpu
 
     gpu = uses_gpu(args)
-    trainers, engines = actor_shares(
-        args, 0.0 if gpu else args.cpus_per_rank, 1.0 if gpu else args.rollout_cpus_per_engine
-    )
+    trainers, engines = actor_shares(args, 0.0 if gpu else args.cpus_per_rank, engine_cpus(args))
     workers = 0.0 if args.loss_type == "sft_loss" else REWARD_WORKER_CPUS * args.rm_num_workers
     return max(os.cpu_count() or 1, math.ceil(trainers + engines + workers))
 
@@ -184,18 +182,17 @@ def trained_roles(args: argparse.Namespace) -> list[str]:
 def create_colocation(args: argparse.Namespace):
     """--colocate: the placement group that the trainer groups and the engines share (None without the flag)."""
     from miles.ray.placement_group import create_colocation as create
-    from miles.utils.distributed import uses_gpu
+    from miles.utils.distributed import engine_cpus, uses_gpu
 
     if not args.colocate:
         return None
-    gpu = uses_gpu(args)
     return create(
         args.dp_size,
         len(trained_roles(args)),
         args.rollout_num_engines,
-        use_gpu=gpu,
+        use_gpu=uses_gpu(args),
         cpus_per_rank=args.cpus_per_rank,
-        cpus_per_engine=1.0 if gpu else args.rollout_cpus_per_engine,
+        cpus_per_engine=engine_cpus(args),
     )
 
 
@@ -240,14 +237,16 @@ def start_groups(args: argparse.Namespace, groups: dict, rollout_manager) -> int
     return start_rollout_id
 
 
-def record_placement(args: argparse.Namespace, groups: dict, rollout_manager) -> str:
-    """Where every trainer rank and engine runs: `placement.json` in the output folder and a log line per role."""
+def record_placement(args: argparse.Namespace, groups: dict, rollout_manager) -> dict:
+    """Where every trainer rank and engine runs (node, IP, GPU ids): `placement.json` in the output folder and a log
+    line per role. Returns it, by role (`engines` for the engines)."""
     from miles.ray.placement_group import actor_nodes, write_placement
 
     placement = {role: actor_nodes(group.actors) for role, group in groups.items()}
     if rollout_manager.engines is not None:
         placement["engines"] = actor_nodes(rollout_manager.engines.engines)
-    return write_placement(args.output_dir, placement)
+    write_placement(args.output_dir, placement)
+    return placement
 
 
 def set_phase_threads(args: argparse.Namespace, rollout_manager, groups: dict) -> None:
@@ -485,7 +484,7 @@ def run(
         groups = launch_groups(args, colocation)  # every actor starts at once; start_groups waits for them all
         rollout_manager = RolloutManager(args, wait=False, colocation=colocation)
         start_rollout_id = start_groups(args, groups, rollout_manager)
-        record_placement(args, groups, rollout_manager)
+        placement = record_placement(args, groups, rollout_manager)
         logger.info(
             "start-up phases: sizing the cluster %.1fs, then checks %.1fs alongside ray.init %.1fs, actors (started "
             "together) %.1fs",
@@ -494,7 +493,7 @@ def run(
             ray_ready - sized,
             time.perf_counter() - max(checked, ray_ready),
         )
-        phases = PhaseMemory(args, groups, rollout_manager.engines)  # --colocate-sleep
+        phases = PhaseMemory(args, groups, rollout_manager.engines, placement)  # --colocate-sleep
         phases.start()
         evaluator = Evaluator(args) if eval_enabled(args) else None
         if evaluator is not None:  # the baseline, before any update of this run

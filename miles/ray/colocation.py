@@ -20,50 +20,43 @@ import logging
 import time
 from typing import Any
 
-import ray
+from miles.utils.distributed import uses_gpu
 
 logger = logging.getLogger(__name__)
 
 
-def _gpu_slots(_actor_instance: Any) -> list[str]:
-    """Run inside an actor (`__ray_call__`): its node id and the GPU ids Ray gave it, as "node/gpu" strings."""
-    node = ray.get_runtime_context().get_node_id()
-    return [f"{node}/{gpu}" for gpu in ray.get_gpu_ids()]
+def shared_gpus(placement: dict[str, list[dict[str, Any]]]) -> set[str]:
+    """The GPUs ("node/gpu") that hold both a rollout engine and a trainer rank, from the run's placement
+    (`train_diffusion.record_placement`: `engines` and one entry per trained role)."""
 
+    def slots(entries: list[dict[str, Any]]) -> set[str]:
+        return {f"{entry['node_id']}/{gpu}" for entry in entries for gpu in entry.get("gpus", [])}
 
-def actor_gpu_slots(actors: list[Any], timeout: float = 60.0) -> list[list[str]]:
-    return ray.get([actor.__ray_call__.remote(_gpu_slots) for actor in actors], timeout=timeout)
-
-
-def shared_gpus(engine_slots: list[list[str]], rank_slots: list[list[str]]) -> set[str]:
-    """The GPUs ("node/gpu") that hold both a rollout engine and a trainer rank."""
-    engines = {slot for slots in engine_slots for slot in slots}
-    return engines & {slot for slots in rank_slots for slot in slots}
+    ranks = set().union(*(slots(entries) for role, entries in placement.items() if role != "engines"))
+    return slots(placement.get("engines", [])) & ranks
 
 
 class PhaseMemory:
     """Decides whether the run colocates (`--colocate-sleep`), then moves the engines and the trainer groups in and
     out of host memory between the phases. Off: every method is a no-op."""
 
-    def __init__(self, args: argparse.Namespace, groups: dict, engines: Any) -> None:
+    def __init__(self, args: argparse.Namespace, groups: dict, engines: Any, placement: dict | None = None) -> None:
+        """`placement`: where the actors run (`record_placement`), which `auto` reads on GPUs."""
         self.groups, self.engines = groups, engines
-        self.enabled = self._decide(args)
+        self.enabled = self._decide(args, placement or {})
         self.seconds = 0.0  # spent in sleeps and wakes since the last `pop_seconds`
         self._logged = False
 
-    def _decide(self, args: argparse.Namespace) -> bool:
+    def _decide(self, args: argparse.Namespace, placement: dict) -> bool:
         mode = getattr(args, "colocate_sleep", "off")
         if mode == "off" or self.engines is None or not self.groups:
             return False
-        from miles.utils.distributed import uses_gpu
-
         if mode == "auto" and not uses_gpu(args):
             return False
         if mode == "on":
             logger.info("colocate sleep on: engines and trainer ranks take turns holding their device's memory")
             return True
-        ranks = [actor for group in self.groups.values() for actor in group.actors]
-        shared = shared_gpus(actor_gpu_slots(self.engines.engines), actor_gpu_slots(ranks))
+        shared = shared_gpus(placement)
         if not shared:
             return False
         if args.async_rollout:

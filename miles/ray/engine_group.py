@@ -37,7 +37,7 @@ def engine_options(
         colocation.placement_group, placement_group_bundle_index=colocation.bundle_of_engine(index)
     )
     gpus = colocation.gpu_share if num_gpus > 0 else 0
-    return {"num_cpus": colocation.engine_cpus, "num_gpus": gpus, "scheduling_strategy": strategy}
+    return {"num_cpus": num_cpus, "num_gpus": gpus, "scheduling_strategy": strategy}
 
 
 class RolloutEngineGroup:

@@ -43,7 +43,6 @@ class Colocation:
 
     placement_group: PlacementGroup
     gpu_share: float  # of each actor in a bundle (0 on CPU)
-    engine_cpus: float  # CPUs each engine asks for inside its bundle
 
     def bundle_of_engine(self, index: int) -> int:
         return index % self.placement_group.bundle_count
@@ -84,22 +83,26 @@ def create_colocation(
         engines_per_bundle,
         f", {share:g} of the GPU each" if use_gpu else "",
     )
-    return Colocation(pg, share, cpus_per_engine)
+    return Colocation(pg, share)
 
 
-def _where(_actor_instance: Any) -> dict[str, str]:
-    """Run inside an actor (`__ray_call__`): its Ray node id and that node's IP."""
-    return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+def _where(_actor_instance: Any) -> dict[str, Any]:
+    """Run inside an actor (`__ray_call__`): its Ray node id, that node's IP and the GPU ids Ray gave it."""
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "ip": ray.util.get_node_ip_address(),
+        "gpus": [str(gpu) for gpu in ray.get_gpu_ids()],
+    }
 
 
-def actor_nodes(actors: list[Any], timeout: float = 60.0) -> list[dict[str, str]]:
-    """The node (id and IP) of each actor handle, in order; works for any actor class."""
+def actor_nodes(actors: list[Any], timeout: float = 60.0) -> list[dict[str, Any]]:
+    """Where each actor handle runs (node id, IP, GPU ids), in order; works for any actor class."""
     return ray.get([actor.__ray_call__.remote(_where) for actor in actors], timeout=timeout)
 
 
-def write_placement(output_dir: str, placement: dict[str, list[dict[str, str]]]) -> str:
-    """`output_dir/placement.json`: for each role (`actor`, `critic`, `engines`), where each rank or engine ran;
-    one line per role in the log. Returns the file's path."""
+def write_placement(output_dir: str, placement: dict[str, list[dict[str, Any]]]) -> str:
+    """`output_dir/placement.json`: for each role (`actor`, `critic`, `engines`), where each rank or engine ran
+    (`actor_nodes`); one line per role in the log. Returns the file's path."""
     path = os.path.join(output_dir, "placement.json")
     with open(path, "w") as f:
         json.dump(placement, f, indent=2)

@@ -17,6 +17,7 @@ from miles.rollout.data_source import PromptDataSource, load_records, records_di
 from miles.rollout.engine import GenerateResult
 from miles.rollout.rollout_hub import get_rollout_spec
 from miles.utils.box import Box
+from miles.utils.distributed import engine_cpus, uses_gpu
 from miles.utils.hook_paths import load_path_flags
 from miles.utils.types import Sample, TrainPairs
 
@@ -77,12 +78,12 @@ class RolloutManager:
         from miles.ray.reward_workers import RewardWorkerPool
         from miles.rollout.rm_hub import reward_spec_from_args
 
-        gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        gpu = uses_gpu(args)
         self.engines = RolloutEngineGroup(
             args.hf_checkpoint,
             num_engines=args.rollout_num_engines,
             model_family=args.model_family,
-            num_cpus_per_engine=args.rollout_cpus_per_engine if not gpu else 1.0,
+            num_cpus_per_engine=engine_cpus(args),
             num_gpus_per_engine=args.rollout_gpus_per_engine if gpu else 0.0,
             forward_dtype=parse_dtype(args.diffusion_forward_dtype),  # the trainer's: log-probs must match (§7)
             lora_config=self._lora_config(),

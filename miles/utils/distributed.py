@@ -20,6 +20,11 @@ def uses_gpu(args) -> bool:
     return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
 
 
+def engine_cpus(args) -> float:
+    """CPUs a rollout engine asks Ray for: one on GPU (its host-side work), --rollout-cpus-per-engine on CPU."""
+    return 1.0 if uses_gpu(args) else args.rollout_cpus_per_engine
+
+
 def init_process_group(
     rank: int,
     world_size: int,

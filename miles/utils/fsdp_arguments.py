@@ -79,7 +79,7 @@ def validate_fsdp_args(args: argparse.Namespace, fail: Callable[[str], None]) ->
             "--fsdp-master-dtype bf16 with --diffusion-forward-dtype fp32 stores less precision than it computes "
             "in: use --diffusion-forward-dtype bf16 (or keep fp32 master weights)"
         )
-    if args.fsdp_cpu_offload and not uses_cuda(args):
+    if args.fsdp_cpu_offload and not _uses_gpu(args):
         fail(
             "--fsdp-cpu-offload moves GPU state to CPU memory: it needs CUDA (--device cuda, or auto with a GPU); "
             "on CPU the state is in CPU memory already"
@@ -89,7 +89,7 @@ def validate_fsdp_args(args: argparse.Namespace, fail: Callable[[str], None]) ->
         fail(f"--fsdp-shard-size {shard} must divide --dp-size {args.dp_size} (ranks per model copy)")
 
 
-def uses_cuda(args: argparse.Namespace) -> bool:
-    import torch
+def _uses_gpu(args: argparse.Namespace) -> bool:
+    from miles.utils.distributed import uses_gpu  # imports torch: only when a flag needs it, not to parse
 
-    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    return uses_gpu(args)

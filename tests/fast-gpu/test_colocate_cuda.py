@@ -97,3 +97,4 @@ def test_one_gpu_shared_by_an_engine_and_a_rank_takes_turns_and_trains(ray_clust
     assert len(rollouts) == 2 and all(m["perf/colocate_swap_s"] > 0 for m in rollouts)
     placement = json.loads((tmp_path / "placement.json").read_text())
     assert placement["engines"][0]["node_id"] == placement["actor"][0]["node_id"]
+    assert placement["engines"][0]["gpus"] == placement["actor"][0]["gpus"]  # one GPU, which auto found shared

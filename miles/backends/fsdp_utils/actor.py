@@ -223,7 +223,7 @@ class FSDPTrainRayActor(TrainLoop):
     def _resident_tensors(self) -> list[torch.Tensor]:
         """Every tensor this rank keeps between calls: the shards and buffers of its networks (the trained one and
         a frozen teacher), the optimizer's state and the shadow / EMA weights."""
-        modules = [self.model, *(net for name, net in self.networks.items() if name == TEACHER)]
+        modules = [self.model] + ([self.networks[TEACHER]] if TEACHER in self.networks else [])
         tensors = []
         for module in modules:
             reshard(module)  # a forward-only pass leaves the root gathered: free that copy instead of moving it

@@ -10,7 +10,6 @@ import time
 import pytest
 
 import train_diffusion
-from miles.ray import colocation
 from miles.ray.colocation import PhaseMemory, shared_gpus
 from miles.utils.arguments import parse_args
 
@@ -35,39 +34,42 @@ class Peer:
         return [{"copied_bytes": 1 << 20, "discarded_bytes": 0}]
 
 
+def where(*gpus: str, node: str = "n1") -> list[dict]:
+    """Placement entries (`record_placement`) of actors on `node`, one per GPU id given ("" for a CPU actor)."""
+    return [{"node_id": node, "ip": "10.0.0.1", "gpus": [gpu] if gpu else []} for gpu in gpus]
+
+
 def test_shared_gpus_are_the_node_gpu_pairs_holding_an_engine_and_a_rank():
-    engines = [["n1/0"], ["n1/1"]]
-    assert shared_gpus(engines, [["n1/0"], ["n1/1"]]) == {"n1/0", "n1/1"}
-    assert shared_gpus(engines, [["n1/2"], ["n1/3"]]) == set()  # separate GPUs of one node
-    assert shared_gpus(engines, [["n2/0"]]) == set()  # the same GPU index on another node
-    assert shared_gpus([[]], [[]]) == set()  # CPU actors have no GPU ids
+    engines = where("0", "1")
+    assert shared_gpus({"engines": engines, "actor": where("0", "1")}) == {"n1/0", "n1/1"}
+    assert shared_gpus({"engines": engines, "actor": where("2", "3")}) == set()  # separate GPUs of one node
+    assert shared_gpus({"engines": engines, "critic": where("0", node="n2")}) == set()  # GPU 0 of another node
+    assert shared_gpus({"engines": engines, "actor": where("2"), "critic": where("1")}) == {"n1/1"}
+    assert shared_gpus({"engines": where(""), "actor": where("")}) == set()  # CPU actors have no GPU ids
 
 
-def test_auto_is_off_on_cpu_without_asking_the_actors(monkeypatch):
-    monkeypatch.setattr(colocation, "actor_gpu_slots", lambda actors: pytest.fail("asked the actors"))
+def test_auto_is_off_on_cpu_whatever_the_placement():
     events: list = []
-    phases = PhaseMemory(args_for("--device", "cpu"), {"actor": Peer("actor", events)}, Peer("engines", events))
+    placement = {"engines": where("0"), "actor": where("0")}
+    args = args_for("--device", "cpu")
+    phases = PhaseMemory(args, {"actor": Peer("actor", events)}, Peer("engines", events), placement)
     phases.start(), phases.to_train(), phases.to_generate()
     assert not phases.enabled and events == []
 
 
 @pytest.mark.parametrize(
-    ("rank_slots", "flags", "enabled"),
+    ("rank_gpus", "flags", "enabled"),
     [
-        ([["n/0"], ["n/1"]], (), True),  # engine 0 shares GPU 0 with rank 0
-        ([["n/1"], ["n/2"]], (), False),  # separate GPUs
-        ([["n/0"], ["n/1"]], ("--async-rollout",), False),  # overlapping phases keep both in memory
+        (("0", "1"), (), True),  # engine 0 shares GPU 0 with rank 0
+        (("1", "2"), (), False),  # separate GPUs
+        (("0", "1"), ("--async-rollout",), False),  # overlapping phases keep both in memory
     ],
 )
-def test_auto_is_on_where_an_engine_and_a_rank_share_a_gpu(monkeypatch, caplog, rank_slots, flags, enabled):
-    engines, group = Peer("engines", []), Peer("actor", [])
-    group.actors = [object(), object()]
-    monkeypatch.setattr(
-        colocation, "actor_gpu_slots", lambda actors: [["n/0"]] if actors is engines.engines else rank_slots
-    )
+def test_auto_is_on_where_an_engine_and_a_rank_share_a_gpu(caplog, rank_gpus, flags, enabled):
+    placement = {"actor": where(*rank_gpus), "engines": where("0")}
     args = args_for("--device", "cuda", *flags)
     with caplog.at_level(logging.INFO, logger="miles.ray.colocation"):
-        assert PhaseMemory(args, {"actor": group}, engines).enabled is enabled
+        assert PhaseMemory(args, {"actor": Peer("actor", [])}, Peer("engines", []), placement).enabled is enabled
     if flags:
         assert "--async-rollout runs generation and training at once" in caplog.text
 
