@@ -99,29 +99,45 @@ class CpuMeter:
 
     `mark(phase)` closes the phase under way (its CPU and wall seconds since the last mark are added to it) and
     starts `phase`; None starts nothing that is counted. Each process's last reading is kept, so a process that ended
-    still counts up to it.
+    still counts up to it. The CPU is also kept per kind of process (`process_kind`: the driver, each actor class,
+    Ray's own daemons), to show where a phase's CPU went.
     """
 
     def __init__(self) -> None:
         self.root = psutil.Process()
         self.readings: dict[tuple[int, float], float] = {}  # (pid, create time) -> CPU seconds (user + system)
+        self.kinds: dict[tuple[int, float], str] = {}  # (pid, create time) -> its kind, read once
         self.cpu = {phase: 0.0 for phase in PHASES}
         self.wall = {phase: 0.0 for phase in PHASES}
+        self.by_kind: dict[str, dict[str, float]] = {phase: {} for phase in PHASES}
         self.phase: str | None = None
-        self.last = (time.perf_counter(), self.cpu_seconds())
+        self.last = (time.perf_counter(), self.cpu_seconds(), self.kind_seconds())
 
     def cpu_seconds(self) -> float:
         for proc in [self.root, *self.root.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):  # ended since the listing
                 times = proc.cpu_times()
-                self.readings[(proc.pid, proc.create_time())] = times.user + times.system
+                key = (proc.pid, proc.create_time())
+                self.readings[key] = times.user + times.system
+                if key not in self.kinds:
+                    self.kinds[key] = "driver" if proc.pid == self.root.pid else process_kind(proc.cmdline())
         return sum(self.readings.values())
 
+    def kind_seconds(self) -> dict[str, float]:
+        """CPU seconds per kind of process, as of the last reading."""
+        out: dict[str, float] = {}
+        for key, seconds in self.readings.items():
+            out[self.kinds[key]] = out.get(self.kinds[key], 0.0) + seconds
+        return out
+
     def mark(self, phase: str | None) -> None:
-        now = (time.perf_counter(), self.cpu_seconds())
+        now = (time.perf_counter(), self.cpu_seconds(), self.kind_seconds())
         if self.phase is not None:
             self.wall[self.phase] += now[0] - self.last[0]
             self.cpu[self.phase] += now[1] - self.last[1]
+            kinds = self.by_kind[self.phase]
+            for kind, seconds in now[2].items():
+                kinds[kind] = kinds.get(kind, 0.0) + seconds - self.last[2].get(kind, 0.0)
         self.phase, self.last = phase, now
 
     def cores(self) -> dict[str, float]:
@@ -130,6 +146,29 @@ class CpuMeter:
         wall = sum(self.wall.values())
         out["all"] = sum(self.cpu.values()) / wall if wall else 0.0
         return out
+
+    def kind_cores(self, phase: str) -> dict[str, float]:
+        """Busy cores of each kind of process in `phase`, largest first (kinds under 0.005 cores left out)."""
+        wall = self.wall[phase]
+        cores = {kind: seconds / wall for kind, seconds in self.by_kind[phase].items()} if wall else {}
+        return dict(sorted(((k, v) for k, v in cores.items() if v >= 0.005), key=lambda kv: -kv[1]))
+
+
+def process_kind(cmdline: list[str]) -> str:
+    """A process's kind from its command line: a Ray worker's actor class ("ray::EngineActor", whatever method it
+    runs now; "ray::IDLE" for a pooled worker), a Python script's file name (Ray's log monitor, dashboard agent, ...),
+    or the program's name (raylet, gcs_server)."""
+    if not cmdline:
+        return "?"
+    first = cmdline[0]
+    if first.startswith("ray::"):
+        return first.split(".", 1)[0].split()[0]
+    if os.path.basename(first).startswith("python"):
+        script = next((part for part in cmdline[1:] if part.endswith(".py")), None)
+        if script is not None:
+            return os.path.basename(script)
+        return " ".join(cmdline[1:3])[:40] or "python"
+    return os.path.basename(first.split()[0])
 
 
 @contextlib.contextmanager
@@ -327,6 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in opts.sides:
         median = statistics.median(seconds[name])
         row = {"s_per_rollout": median, "samples_per_s": samples / median, "cores": meters[name].cores()}
+        row["cores_by_process"] = {phase: meters[name].kind_cores(phase) for phase in PHASES}
         if records[name]:
             rs = records[name]
             row["wait_s"] = statistics.median(r.get("perf/generate_wait_s", r["perf/generate_total_s"]) for r in rs)
@@ -344,6 +384,13 @@ def main(argv: list[str] | None = None) -> dict:
         )
         cores = "".join(f"{row['cores'][k]:>6.2f}" for k in (*PHASES, "all"))
         print(f"{name:<28}{median:>10.2f}{row['samples_per_s']:>10.1f}{phases}  busy cores:{cores}")
+    print("busy cores by process, per phase (where each side's CPU went):")
+    for name in opts.sides:
+        for phase in PHASES:
+            kinds = meters[name].kind_cores(phase)
+            if kinds:
+                shown = ", ".join(f"{kind} {cores:.2f}" for kind, cores in kinds.items())
+                print(f"  {name:<26} {phase:<5} {shown}")
     targets = {"miles (phase threads auto)": 0.9, "miles (async rollout)": 1.2}
     rates = {name: row["samples_per_s"] for name, row in results.items()}
     if "plain loop" in rates:

@@ -1,4 +1,4 @@
-"""RolloutEngineGroup: N Ray actors of `DiffusionEngine` behind one `generate` / `update_weights`.
+"""RolloutEngineGroup: N Ray actors of `DiffusionEngine` (`EngineActor`) behind one `generate` / `update_weights`.
 
 A batch is split into contiguous chunks (seeds and initial seeds travel with their prompts) and joined back in order.
 """
@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from miles.ray.placement_group import Colocation
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
 from miles.utils.failures import current_rollout, where
+from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import split_contiguous
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,16 @@ def engine_options(
     )
     gpus = colocation.gpu_share if num_gpus > 0 else 0
     return {"num_cpus": num_cpus, "num_gpus": gpus, "scheduling_strategy": strategy}
+
+
+class EngineActor(DiffusionEngine):
+    """A `DiffusionEngine` in its own Ray worker process, which on CPU keeps the memory each generation frees for the
+    next one (`miles.utils.heap`) before it loads the pipeline."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if torch.device(kwargs.get("device", "cpu")).type == "cpu":
+            keep_freed_memory()
+        super().__init__(*args, **kwargs)
 
 
 class RolloutEngineGroup:
@@ -66,7 +77,7 @@ class RolloutEngineGroup:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.timeout_s = timeout_s
         device = "cuda" if num_gpus_per_engine > 0 else "cpu"
-        remote_cls = ray.remote(DiffusionEngine)
+        remote_cls = ray.remote(EngineActor)
         self.engines = [
             remote_cls.options(**engine_options(index, num_cpus_per_engine, num_gpus_per_engine, colocation)).remote(
                 hf_checkpoint,

@@ -43,6 +43,18 @@ def test_cpu_meter_counts_descendants_per_phase_and_keeps_one_that_ended(bench):
     cores = meter.cores()
     assert cores["train"] > 0 and cores["wait"] == 0
     assert cores["all"] == pytest.approx(sum(meter.cpu.values()) / sum(meter.wall.values()))
+    # per kind of process: the same CPU, split; the spinning child is most of "train"
+    assert sum(meter.by_kind["train"].values()) == pytest.approx(meter.cpu["train"])
+    kinds = meter.kind_cores("train")
+    assert next(iter(kinds)) == meter.kinds[key] and meter.kinds[key] != "driver"
+
+
+def test_process_kinds(bench):
+    assert bench.process_kind(["ray::EngineActor.generate"]) == "ray::EngineActor"
+    assert bench.process_kind(["ray::IDLE"]) == "ray::IDLE"
+    assert bench.process_kind(["/x/ray/core/src/ray/raylet/raylet", "--flag"]) == "raylet"
+    assert bench.process_kind(["/usr/bin/python3.12", "-u", "/x/ray/dashboard/agent.py", "--a"]) == "agent.py"
+    assert bench.process_kind([]) == "?"
 
 
 def test_rollout_seconds_take_the_wait_when_the_batch_was_generated_ahead(bench):

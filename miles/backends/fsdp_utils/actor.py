@@ -39,6 +39,7 @@ from miles.utils.distributed import (
     init_process_group,
     use_deterministic_algorithms,
 )
+from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import load_module
 from miles.utils.offload import HostSwap
 from miles.utils.threads import node_info
@@ -113,6 +114,7 @@ class FSDPTrainRayActor(TrainLoop):
         self.device = resolve_device(args.device)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, round(args.cpus_per_rank)))
+            keep_freed_memory()  # each micro-batch reuses the heap the last one freed (miles.utils.heap)
         if args.deterministic_mode:
             use_deterministic_algorithms()
         init_process_group(self.rank, self.world_size, master_addr, master_port, self.device)
