@@ -68,6 +68,7 @@ from miles.utils.arguments import parse_args  # noqa: E402
 from miles.utils.types import num_pairs, slice_pairs  # noqa: E402
 
 PHASES = ("wait", "train", "sync")  # the driver's phases of a rollout (wait: for the batch, generated meanwhile)
+STARTUP = "start"  # a miles run's start-up: `train_diffusion.run`'s call to its first rollout (not in "all")
 SIDES = {  # side -> its miles flags (None: the plain loop)
     "plain loop": None,
     "miles (phase threads auto)": ["--cpu-phase-threads", "auto"],
@@ -107,9 +108,9 @@ class CpuMeter:
         self.root = psutil.Process()
         self.readings: dict[tuple[int, float], float] = {}  # (pid, create time) -> CPU seconds (user + system)
         self.kinds: dict[tuple[int, float], str] = {}  # (pid, create time) -> its kind, read once
-        self.cpu = {phase: 0.0 for phase in PHASES}
-        self.wall = {phase: 0.0 for phase in PHASES}
-        self.by_kind: dict[str, dict[str, float]] = {phase: {} for phase in PHASES}
+        self.cpu = {phase: 0.0 for phase in (*PHASES, STARTUP)}
+        self.wall = {phase: 0.0 for phase in (*PHASES, STARTUP)}
+        self.by_kind: dict[str, dict[str, float]] = {phase: {} for phase in (*PHASES, STARTUP)}
         self.phase: str | None = None
         self.last = (time.perf_counter(), self.cpu_seconds(), self.kind_seconds())
 
@@ -141,10 +142,10 @@ class CpuMeter:
         self.phase, self.last = phase, now
 
     def cores(self) -> dict[str, float]:
-        """Busy cores per phase and over all three ("all")."""
-        out = {phase: self.cpu[phase] / self.wall[phase] if self.wall[phase] else 0.0 for phase in PHASES}
-        wall = sum(self.wall.values())
-        out["all"] = sum(self.cpu.values()) / wall if wall else 0.0
+        """Busy cores per phase, over the loop's three ("all") and in the start-up."""
+        out = {phase: self.cpu[phase] / self.wall[phase] if self.wall[phase] else 0.0 for phase in (*PHASES, STARTUP)}
+        wall = sum(self.wall[phase] for phase in PHASES)
+        out["all"] = sum(self.cpu[phase] for phase in PHASES) / wall if wall else 0.0
         return out
 
     def kind_cores(self, phase: str) -> dict[str, float]:
@@ -182,6 +183,8 @@ def driver_phases(meter: CpuMeter, timed: range) -> Iterator[None]:
     get, update_weights = train_diffusion.Generations.get, RolloutManager.update_weights
 
     def timed_get(self, rollout_id):
+        if meter.phase == STARTUP:  # the first rollout starts: the start-up ends
+            meter.mark(None)
         meter.mark("wait" if rollout_id in timed else None)
         result = get(self, rollout_id)
         meter.mark("train" if rollout_id in timed else None)
@@ -304,6 +307,7 @@ def miles_run(argv: list[str], rollouts: int, out: str, meter: CpuMeter) -> tupl
     extra = 2 if "--async-rollout" in argv else 1
     args = parse_args([*argv, "--num-rollout", str(rollouts + extra), "--output-dir", out])  # the last one counts
     with driver_phases(meter, range(1, rollouts + 1)):
+        meter.mark(STARTUP)
         train_diffusion.run(args)
     records = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "perf/generate_total_s" in r]
     return records[0]["perf/startup_s"], records[1 : rollouts + 1]
@@ -366,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in opts.sides:
         median = statistics.median(seconds[name])
         row = {"s_per_rollout": median, "samples_per_s": samples / median, "cores": meters[name].cores()}
-        row["cores_by_process"] = {phase: meters[name].kind_cores(phase) for phase in PHASES}
+        row["cores_by_process"] = {phase: meters[name].kind_cores(phase) for phase in (*PHASES, STARTUP)}
         if records[name]:
             rs = records[name]
             row["wait_s"] = statistics.median(r.get("perf/generate_wait_s", r["perf/generate_total_s"]) for r in rs)
@@ -386,7 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<28}{median:>10.2f}{row['samples_per_s']:>10.1f}{phases}  busy cores:{cores}")
     print("busy cores by process, per phase (where each side's CPU went):")
     for name in opts.sides:
-        for phase in PHASES:
+        for phase in (*PHASES, STARTUP):
             kinds = meters[name].kind_cores(phase)
             if kinds:
                 shown = ", ".join(f"{kind} {cores:.2f}" for kind, cores in kinds.items())
@@ -405,6 +409,14 @@ def main(argv: list[str] | None = None) -> dict:
     if starts:
         print("start-up to the first rollout, median (target <= 8 s): " + ", ".join(
             f"{name} {value:.1f} s" for name, value in starts.items()))  # fmt: skip
+    for name in starts:  # what the start-up costs in CPU: on a machine of C cores it takes at least CPU / C seconds
+        meter, runs = meters[name], len(startup[name])
+        kinds = {kind: seconds / runs for kind, seconds in meter.by_kind[STARTUP].items() if seconds / runs >= 0.05}
+        shown = ", ".join(f"{kind} {seconds:.1f}" for kind, seconds in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        print(
+            f"start-up of {name}: {meter.cpu[STARTUP] / runs:.1f} CPU s in {meter.wall[STARTUP] / runs:.1f} s per run "
+            f"({meter.cores()[STARTUP]:.2f} busy cores): {shown}"
+        )
     print(json.dumps({"samples_per_s": rates, "startup_s": starts}))
     return results
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from abc import ABC, abstractmethod
+from importlib import import_module
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -277,7 +278,19 @@ def family_options(args: Any) -> dict[str, Any]:
     return options
 
 
-TRAIN_PIPELINE_CONFIGS: dict[str, type[TrainPipelineConfig]] = {}
+TRAIN_PIPELINE_CONFIGS: dict[str, type[TrainPipelineConfig]] = {}  # the families imported so far, by name
+
+# The built-in families: name -> (module, the pipeline class it handles). A module is imported when a run asks for
+# its family, by name or through a folder's pipeline class (`family_class`), so a process that runs one family does
+# not import the others' diffusers pipelines and transformers models (~0.35 s of CPU per process, and a run starts
+# 3-5 of them). tests/fast/models/test_base.py checks this table against the classes.
+BUILTIN_FAMILIES: dict[str, tuple[str, str]] = {
+    "flux": ("miles.models.flux", "FluxPipeline"),
+    "ltx2": ("miles.models.ltx2", "LTX2Pipeline"),
+    "qwen-image": ("miles.models.qwen_image", "QwenImagePipeline"),
+    "sd3": ("miles.models.sd3", "StableDiffusion3Pipeline"),
+    "wan": ("miles.models.wan", "WanPipeline"),
+}
 
 _C = TypeVar("_C", bound=type[TrainPipelineConfig])
 
@@ -290,8 +303,37 @@ def register_train_pipeline_config(cls: _C) -> _C:
     return cls
 
 
+def family_class(name: str) -> type[TrainPipelineConfig] | None:
+    """The family registered under `name`, importing a built-in one on first use; None when there is none."""
+    if name not in TRAIN_PIPELINE_CONFIGS and name in BUILTIN_FAMILIES:
+        import_module(BUILTIN_FAMILIES[name][0])  # its decorator registers it
+    return TRAIN_PIPELINE_CONFIGS.get(name)
+
+
+def family_for_pipeline(class_name: str | None) -> type[TrainPipelineConfig] | None:
+    """The family that handles the pipeline class `class_name` (model_index.json's `_class_name`): a registered
+    one first (a user's family may take over a built-in pipeline class), then a built-in one; None when none does."""
+    for cls in TRAIN_PIPELINE_CONFIGS.values():
+        if cls.pipeline_class_name == class_name:
+            return cls
+    for name, (_, pipeline) in BUILTIN_FAMILIES.items():
+        if pipeline == class_name:
+            return family_class(name)
+    return None
+
+
+def all_family_classes() -> dict[str, type[TrainPipelineConfig]]:
+    """Every family, by name: the built-in ones (each imported) and those registered since."""
+    for name in BUILTIN_FAMILIES:
+        family_class(name)
+    return dict(TRAIN_PIPELINE_CONFIGS)
+
+
 def _known_families() -> str:
-    return ", ".join(f"{n} ({c.pipeline_class_name})" for n, c in sorted(TRAIN_PIPELINE_CONFIGS.items())) or "none"
+    """Each family's name and pipeline class, without importing a built-in one."""
+    known = {name: pipeline for name, (_, pipeline) in BUILTIN_FAMILIES.items()}
+    known.update((name, cls.pipeline_class_name) for name, cls in TRAIN_PIPELINE_CONFIGS.items())
+    return ", ".join(f"{name} ({pipeline})" for name, pipeline in sorted(known.items())) or "none"
 
 
 def is_family_class_path(family: str) -> bool:
@@ -328,13 +370,14 @@ def get_train_pipeline_config(path: str, family: str = "auto", **options: Any) -
     if is_family_class_path(family):
         return load_family_class(family)(str(folder), **given)
     if family != "auto":
-        if family not in TRAIN_PIPELINE_CONFIGS:
+        cls = family_class(family)
+        if cls is None:
             raise ValueError(f"unknown model family {family!r}; known families: {_known_families()}")
-        return TRAIN_PIPELINE_CONFIGS[family](str(folder), **given)
+        return cls(str(folder), **given)
     class_name = json.loads((folder / "model_index.json").read_text()).get("_class_name")
-    for cls in TRAIN_PIPELINE_CONFIGS.values():
-        if cls.pipeline_class_name == class_name:
-            return cls(str(folder), **given)
+    cls = family_for_pipeline(class_name)
+    if cls is not None:
+        return cls(str(folder), **given)
     raise ValueError(
         f"{path}/model_index.json names pipeline class {class_name!r}, which no model family handles; "
         f"known families: {_known_families()}"

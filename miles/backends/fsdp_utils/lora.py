@@ -18,7 +18,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from miles.models.base import TRAIN_PIPELINE_CONFIGS
+from miles.models.base import all_family_classes, family_class
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +35,12 @@ def _is_lora_key(name: str) -> bool:
 
 def default_lora_targets(family_name: str) -> list[str]:
     """The registered model family's `default_lora_targets`; an error naming the flag when it declares none."""
-    family = TRAIN_PIPELINE_CONFIGS.get(family_name)
+    family = family_class(family_name)
     if family is None or not family.default_lora_targets:
         reason = "is not a registered model family" if family is None else "declares no default LoRA targets"
         raise ValueError(
             f"model family {family_name!r} {reason} (families with defaults: "
-            f"{sorted(n for n, c in TRAIN_PIPELINE_CONFIGS.items() if c.default_lora_targets)}); "
+            f"{sorted(n for n, c in all_family_classes().items() if c.default_lora_targets)}); "
             "pass --lora-target-modules name1,name2,..."
         )
     return list(family.default_lora_targets)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,12 +16,41 @@ import torch
 from miles.models import TRAIN_PIPELINE_CONFIGS, SD3PipelineConfig, get_train_pipeline_config
 from miles.models.base import strip_name_or_path
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 
 def test_auto_detects_sd3_from_model_index(tiny_pipeline_dir):
     config = get_train_pipeline_config(tiny_pipeline_dir)
     assert type(config) is SD3PipelineConfig
     assert TRAIN_PIPELINE_CONFIGS["sd3"] is SD3PipelineConfig
     assert type(get_train_pipeline_config(tiny_pipeline_dir, family="sd3")) is SD3PipelineConfig
+
+
+def test_the_built_in_table_matches_the_family_classes():
+    from importlib import import_module
+
+    from miles.models import BUILTIN_FAMILIES, all_family_classes
+
+    families = all_family_classes()
+    for name, (module, pipeline) in BUILTIN_FAMILIES.items():
+        cls = families[name]
+        assert (cls.name, cls.pipeline_class_name, cls.__module__) == (name, pipeline, module)
+        assert getattr(import_module("miles.models"), cls.__name__) is cls  # the package's lazy export
+
+
+def test_a_run_of_one_family_imports_no_other(tiny_pipeline_dir):
+    """Auto-detection and the package's names import the family asked for only (in a fresh interpreter)."""
+    code = (
+        "import sys\n"
+        "from miles.models import get_train_pipeline_config\n"
+        f"config = get_train_pipeline_config({str(tiny_pipeline_dir)!r})\n"
+        "from miles.models import SD3PipelineConfig\n"
+        "assert type(config) is SD3PipelineConfig\n"
+        "print(sorted(m for m in ('flux', 'ltx2', 'qwen_image', 'wan', 'sd3') if 'miles.models.' + m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['sd3']"
 
 
 def test_missing_folder_error_names_path_and_flag(tmp_path):

@@ -9,9 +9,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # three 20 MB blocks allocated, written and freed per round, as a rollout does with its activations: the page faults
 # of five rounds after two warm-up rounds
-ROUNDS = """
+ROUNDS = f"""
 import ctypes, ctypes.util, resource, sys
-sys.path.insert(0, {root!r})
+sys.path.insert(0, {ROOT!r})
 from miles.utils.heap import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
@@ -28,7 +28,7 @@ before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(5):
     one_round()
 print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-""".format(root=ROOT)
+"""
 
 
 def rounds(mode: str, **env: str) -> tuple[str, int]:
