@@ -4,6 +4,10 @@ transformer, interleaved; checks that both give the same bits and prints the med
 
     python benchmarks/bench_weight_sync.py                          # the tiny pipeline, 2 gloo ranks on CPU
     python benchmarks/bench_weight_sync.py --hf-checkpoint DIR --world-size 4 --repeats 5
+    python benchmarks/bench_weight_sync.py --sd3-size 12,12,64 --repeats 3   # a 165M-parameter SD3 transformer
+
+`--sd3-size LAYERS,HEADS,HEAD_DIM` builds an SD3-architecture pipeline of that transformer size (random weights,
+`miles.models.tiny`) in a temporary folder first, for the gather at sizes nearer real ones without a download.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ from miles.backends.fsdp_utils.fsdp import apply_fsdp2, bucketed_full_state_dict
 from miles.models.base import get_train_pipeline_config  # noqa: E402
 from miles.models.builtin import resolve_checkpoint  # noqa: E402
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group  # noqa: E402
+from miles.utils.heap import keep_freed_memory  # noqa: E402
 
 
 def rank_body(rank: int, opts: argparse.Namespace, port: int, out: str) -> None:
     torch.set_num_threads(1)
+    keep_freed_memory()  # as a trainer rank on CPU does (miles.utils.heap)
     init_process_group(rank, opts.world_size, "127.0.0.1", port, "cpu", timeout=timedelta(seconds=600))
     try:
         family = get_train_pipeline_config(opts.hf_checkpoint)
@@ -40,7 +46,9 @@ def rank_body(rank: int, opts: argparse.Namespace, port: int, out: str) -> None:
         per_tensor = StateDictOptions(full_state_dict=True, cpu_offload=True)
         sides = {
             "per-tensor gather": lambda: get_model_state_dict(model, options=per_tensor),
-            "bucketed gather": lambda: bucketed_full_state_dict(model),
+            "bucketed gather": lambda: bucketed_full_state_dict(
+                model, bucket_bytes=None if opts.bucket_mb is None else opts.bucket_mb << 20
+            ),
         }
         results = {name: fn() for name, fn in sides.items()}  # warm-up, and the bits to compare
         seconds: dict[str, list[float]] = {name: [] for name in sides}
@@ -53,7 +61,8 @@ def rank_body(rank: int, opts: argparse.Namespace, port: int, out: str) -> None:
         if rank == 0:
             a, b = results.values()
             same = list(a) == list(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
-            torch.save({"seconds": seconds, "same": same, "tensors": len(a)}, out)
+            parameters = sum(t.numel() for t in a.values())
+            torch.save({"seconds": seconds, "same": same, "tensors": len(a), "parameters": parameters}, out)
     finally:
         destroy_process_group()
 
@@ -63,13 +72,35 @@ def main() -> None:
     parser.add_argument("--hf-checkpoint", default="builtin:tiny-shapes")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument(
+        "--bucket-mb", type=int, default=None, help="bucket size per rank in MiB (default: miles' for the device)"
+    )
+    parser.add_argument(
+        "--sd3-size", default=None, help="LAYERS,HEADS,HEAD_DIM: an SD3 transformer of that size instead of the folder"
+    )
     opts = parser.parse_args()
     opts.hf_checkpoint = resolve_checkpoint(opts.hf_checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
+        if opts.sd3_size:
+            from miles.models.tiny import save_tiny_sd3_pipeline
+
+            try:
+                layers, heads, head_dim = (int(part) for part in opts.sd3_size.split(","))
+            except ValueError:
+                parser.error(f"--sd3-size {opts.sd3_size!r}: give LAYERS,HEADS,HEAD_DIM, e.g. 12,12,64")
+            opts.hf_checkpoint = save_tiny_sd3_pipeline(
+                os.path.join(tmp, "sd3"),
+                transformer_layers=layers,
+                transformer_heads=heads,
+                transformer_head_dim=head_dim,
+            )
         out = os.path.join(tmp, "rank0.pt")
         mp.spawn(rank_body, args=(opts, find_free_port(), out), nprocs=opts.world_size, join=True)
         report = torch.load(out)
-    print(f"{report['tensors']} tensors, {opts.world_size} gloo ranks, {opts.repeats} interleaved repeats")
+    print(
+        f"{report['tensors']} tensors, {report['parameters'] / 1e6:.1f}M parameters, {opts.world_size} gloo ranks, "
+        f"{opts.repeats} interleaved repeats"
+    )
     medians = {name: statistics.median(times) for name, times in report["seconds"].items()}
     for name, median in medians.items():
         print(f"{name:<20}{median * 1000:>10.1f} ms median{min(report['seconds'][name]) * 1000:>10.1f} ms best")

@@ -119,7 +119,12 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[str, 
     return get_model_state_dict(model, options=options)
 
 
-GATHER_BUCKET_BYTES = 128 << 20  # shards gathered per collective (per rank), a bound on the extra memory it takes
+# Shards gathered per collective (per rank; also a bound on the extra memory a gather takes), by collective device.
+# gloo on CPU: merging small tensors saves per-call latency, but large gathers of copied buckets lose to per-tensor
+# ones (benchmarks/bench_weight_sync.py at dp 2: 4 MiB buckets 6.4x per-tensor on the tiny model, 1.6x at 55M
+# parameters, 0.83-1.06x at 250M; 128 MiB buckets 0.40-0.46x at 250M). NCCL: one large gather per bucket, not
+# measured here (no GPU).
+GATHER_BUCKET_BYTES = {"cpu": 4 << 20, "cuda": 128 << 20}
 
 
 def _dim0_shard_group(value: torch.Tensor) -> tuple[int, dist.ProcessGroup] | None:
@@ -135,14 +140,17 @@ def _dim0_shard_group(value: torch.Tensor) -> tuple[int, dist.ProcessGroup] | No
     return shards[0], value.device_mesh.get_group(shards[0])
 
 
-def bucketed_full_state_dict(model: nn.Module, *, bucket_bytes: int = GATHER_BUCKET_BYTES) -> dict[str, torch.Tensor]:
+def bucketed_full_state_dict(model: nn.Module, *, bucket_bytes: int | None = None) -> dict[str, torch.Tensor]:
     """`full_state_dict(model)` on rank 0 (CPU tensors, the state dict's order; `{}` elsewhere), bit-identical, with
     one all-gather per bucket of consecutive parameters instead of one per tensor (collective).
 
     Each rank lays its dim-0 shards of a bucket end to end in one flat tensor, each padded to the largest shard of
     its tensor (FSDP2 splits dim 0 as `torch.chunk` does, the last ranks' shards shorter or empty); rank 0 cuts the
     gathered flats back into full tensors. Tensors of another layout, and buffers, go one by one as before.
+    `bucket_bytes`: per rank, default `GATHER_BUCKET_BYTES` of the collective device.
     """
+    if bucket_bytes is None:
+        bucket_bytes = GATHER_BUCKET_BYTES.get(collective_device().type, GATHER_BUCKET_BYTES["cuda"])
     rank0 = dist.get_rank() == 0
     state = model.state_dict()
     out: dict[str, torch.Tensor] = {}
@@ -179,7 +187,7 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]], rank0: bool) -> dict[str, 
     _, group = _dim0_shard_group(bucket[0][1])
     world, me = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
     device = collective_device()
-    layout, parts = [], []
+    layout, locals_ = [], []
     for name, value in bucket:
         rows, row = value.shape[0], math.prod(value.shape[1:])
         chunk = -(-rows // world)  # torch.chunk's split: ceil, the last ranks shorter or empty
@@ -190,10 +198,15 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]], rank0: bool) -> dict[str, 
                 f"{name}: rank {me} of {world} holds {local.shape[0]} rows of {rows}, not the {mine} of an even dim-0 "
                 "split; cannot gather it in a bucket"
             )
-        flat = local.detach().reshape(-1).to(device)
-        parts.append(torch.nn.functional.pad(flat, (0, chunk * row - flat.numel())))
         layout.append((name, value.shape, rows, row, chunk))
-    send = torch.cat(parts)
+        locals_.append(local.detach().reshape(-1))
+    # one copy of each shard into the flat send buffer (the padding zeroed, never read back)
+    send = torch.empty(sum(chunk * row for *_, row, chunk in layout), dtype=bucket[0][1].dtype, device=device)
+    offset = 0
+    for flat, (*_, row, chunk) in zip(locals_, layout):
+        send[offset : offset + flat.numel()].copy_(flat)
+        send[offset + flat.numel() : offset + chunk * row].zero_()
+        offset += chunk * row
     received = [torch.empty_like(send) for _ in range(world)]
     dist.all_gather(received, send, group=group)
     if not rank0:
