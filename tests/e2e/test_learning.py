@@ -17,6 +17,7 @@ for every seed: fixed eval noise):
 | teacher, 1 Euler step / 2 Euler steps, CFG 4.5 | 0.192 / 0.194 | 0.192 / 0.194 |
 | dmd2 1-step generator, 30 rollouts | 0.400 | 0.442 |
 | dmd2 2-step generator, 30 rollouts | 0.540 | 0.502 |
+| dmd2 2-step generator, 30 rollouts, re-measured 2026-11-30 (`SUITE_RECIPE`) | 0.548 | 0.528 |
 | dmd2 1-step / 2-step generator before training | 0.186 / 0.338 | 0.186 / 0.338 |
 | dmd2 1-step / 2-step generator, 60 rollouts (`--num-rollout 60`) | 0.526 / 0.564 | 0.438 / 0.524 |
 | dmd2 1-step generator, its recipe (below) | 0.538 | 0.536 (seed 3: 0.536) |
@@ -27,7 +28,10 @@ At a constant lr, 30 rollouts bring the 2-step generator within 2.6 / 6.4 points
 recipe (`DMD2_RECIPES`) ends in a cosine learning-rate decay: the 2-step generator then scores 0.586 / 0.548 after 60
 rollouts (2.0 above / 1.8 below the teacher, +39.2 / +35.4 over 2 Euler steps; 30 rollouts with the decay gave
 0.548 / 0.490). The committed standards (`MIN_GAIN_OVER_EULER`, `MAX_GAP_TO_TEACHER`) sit below what every seed
-showed with each recipe; the suite distils k = 2 (3.5 min), and k = 1 (5 min) is re-measured by the command above.
+showed with each recipe. The suite distils k = 2 for 30 rollouts at a constant lr (`SUITE_RECIPE`, 1.6 min: the
+15-minute suite cannot hold the 60-rollout recipe); re-measured on 2026-11-30 it meets both standards on seeds 1 and 2
+(0.548 / 0.528: 1.8 / 3.8 points below the teacher, +35.4 / +33.4 over 2 Euler steps). Each recipe's numbers, k = 1
+(5 min) included, are re-measured by the command above.
 (The scheduler's 2-step grid ends at σ ≈ 0.003, so its second Euler step barely moves the sample.)
 
 The 1-step recipe also draws the DMD timesteps unshifted (`--dmd2-timestep-shift 1`; the scheduler's shift 3 favours
@@ -115,6 +119,7 @@ MIN_GAIN_OVER_EULER = {1: 0.30, 2: 0.30}
 # teacher (20 steps, CFG 4.5) minus the k-step generator; seeds gave 0.028 / 0.030 / 0.030 (k = 1), -0.020 / 0.018 (k = 2)
 MAX_GAP_TO_TEACHER = {1: 0.05, 2: 0.05}
 SUITE_K = 2  # the generator the suite distils; `measure` runs both
+SUITE_RECIPE = ("--num-rollout", "30")  # the suite's k = 2 run: half the recipe's rollouts, constant lr (see above)
 # the default run (nft, 40 rollouts) after minus before, measured for issue 14 after the seeded-stream change (the
 # nft table above is from an earlier revision): no flags / seeds 1 / 2 / 3: accuracy +0.080 / +0.036 / +0.084 / +0.038,
 # reward +0.029 / +0.025 / +0.027 / +0.022. The suite runs the no-flag seeds; the standards sit below every seed.
@@ -172,10 +177,12 @@ def teacher_accuracies(steps: tuple[int, ...] = (20, 1, 2)) -> dict[int, float]:
     return {n: evaluate_shapes(engine, records, num_steps=n, guidance_scale=4.5, seed=0)[0][ACC] for n in steps}
 
 
-def dmd2_run(k: int, seed: int, out) -> float:
-    """Accuracy of the k-step generator distilled from the shipped model (evaluated with its own k steps)."""
+def dmd2_run(k: int, seed: int, out, recipe: tuple[str, ...] | None = None) -> float:
+    """Accuracy of the k-step generator distilled from the shipped model (evaluated with its own k steps), with the
+    flags of `recipe` (default: the generator's `DMD2_RECIPES` entry)."""
     distil = ("--loss-type", "dmd2", "--teacher-load", "builtin:tiny-shapes", "--dmd2-generator-steps", str(k))
-    train_diffusion.run(shapes_args(out, seed, *distil, "--lr", "1e-3", *DMD2_RECIPES[k]))
+    recipe = DMD2_RECIPES[k] if recipe is None else recipe
+    train_diffusion.run(shapes_args(out, seed, *distil, "--lr", "1e-3", *recipe))
     return eval_series(out)[ACC][-1]
 
 
@@ -196,6 +203,14 @@ def dmd2_shortfalls(k: int, generator: float, teacher: dict[int, float]) -> list
 
 
 def test_dmd2_generator_nears_its_teacher_and_beats_as_many_euler_steps(ray_cluster, tmp_path):
+    teacher = teacher_accuracies((20, SUITE_K))
+    generator = dmd2_run(SUITE_K, SEED, tmp_path, SUITE_RECIPE)
+    assert not dmd2_shortfalls(SUITE_K, generator, teacher), (SUITE_K, generator, teacher)
+
+
+@pytest.mark.standard  # 2.4 min: run with `./scripts/test.sh -m standard` (the suite runs SUITE_RECIPE above)
+def test_dmd2_generator_with_its_recipe_nears_its_teacher(ray_cluster, tmp_path):
+    """The same standards after the 2-step generator's whole recipe (60 rollouts, cosine lr decay)."""
     teacher = teacher_accuracies((20, SUITE_K))
     generator = dmd2_run(SUITE_K, SEED, tmp_path)
     assert not dmd2_shortfalls(SUITE_K, generator, teacher), (SUITE_K, generator, teacher)
