@@ -121,7 +121,7 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[str, 
 
 # Shards gathered per collective (per rank; also a bound on the extra memory a gather takes), by collective device.
 # gloo on CPU: merging small tensors saves per-call latency, but large gathers of copied buckets lose to per-tensor
-# ones (benchmarks/bench_weight_sync.py at dp 2: 4 MiB buckets 6.4x per-tensor on the tiny model, 1.6x at 55M
+# ones (benchmarks/bench_weight_sync.py at dp 2: 4 MiB buckets 6.4-8.0x per-tensor on the tiny model, 1.6x at 55M
 # parameters, 0.83-1.06x at 250M; 128 MiB buckets 0.40-0.46x at 250M). NCCL: one large gather per bucket, not
 # measured here (no GPU).
 GATHER_BUCKET_BYTES = {"cpu": 4 << 20, "cuda": 128 << 20}
