@@ -1,5 +1,6 @@
-"""Shared, expensive fixtures: the tiny pipeline folders, one Ray cluster per test session, and the model-family
-cases of the family contract suite (`FAMILY_CASES`: one line per family configuration)."""
+"""Shared, expensive fixtures: the tiny pipeline folders, one Ray cluster per test session, the model-family
+cases of the family contract suite (`FAMILY_CASES`: one line per family configuration), and `load_script` for the
+repository's scripts and benchmarks (files, not package modules)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,26 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def load_script() -> Callable[[str], Any]:
+    """`load_script("benchmarks/bench_loop.py")`: that file imported as a module named after it (registered in
+    sys.modules: dataclasses look their module up)."""
+    import importlib.util
+    import sys
+
+    def load(relative_path: str) -> Any:
+        name = os.path.splitext(os.path.basename(relative_path))[0]
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relative_path))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture(scope="session")

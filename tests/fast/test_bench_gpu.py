@@ -1,22 +1,11 @@
 """benchmarks/bench_gpu.py: FLOPs counted on the meta device, and the whole step path on a toy model on CPU."""
 
-import importlib.util
-import os
-import sys
-
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
-def bench():
-    path = os.path.join(ROOT, "benchmarks", "bench_gpu.py")
-    spec = importlib.util.spec_from_file_location("bench_gpu", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+def bench(load_script):
+    return load_script("benchmarks/bench_gpu.py")
 
 
 def test_flops_of_a_linear_stack_match_the_textbook_count(bench):

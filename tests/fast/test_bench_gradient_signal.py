@@ -1,23 +1,15 @@
 """benchmarks/bench_gradient_signal.py: its agreement statistic on gradients of known signal share, and one tiny
 run of both losses."""
 
-import importlib.util
 import math
-import os
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 @pytest.fixture(scope="module")
-def bench():
-    path = os.path.join(ROOT, "benchmarks", "bench_gradient_signal.py")
-    spec = importlib.util.spec_from_file_location("bench_gradient_signal", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_script):
+    return load_script("benchmarks/bench_gradient_signal.py")
 
 
 def gradients(share: float, repeats: int = 24, size: int = 20_000, seed: int = 0) -> torch.Tensor:

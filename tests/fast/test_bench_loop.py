@@ -1,8 +1,6 @@
 """benchmarks/bench_loop.py's measuring parts (its runs are whole training runs: too slow for the fast suite): the
 CPU meter counts descendants per phase, a rollout's seconds, and the side flags."""
 
-import importlib.util
-import os
 import subprocess
 import sys
 import time
@@ -10,17 +8,12 @@ import time
 import psutil
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPIN = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    path = os.path.join(ROOT, "benchmarks", "bench_loop.py")
-    spec = importlib.util.spec_from_file_location("bench_loop", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_script):
+    return load_script("benchmarks/bench_loop.py")
 
 
 def test_cpu_meter_counts_descendants_per_phase_and_keeps_one_that_ended(bench):

@@ -1,20 +1,11 @@
 """benchmarks/bench_prefetch.py: both sides through real trainer ranks on tiny settings, and its flag checks."""
 
-import importlib.util
-import os
-
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
-def bench():
-    path = os.path.join(ROOT, "benchmarks", "bench_prefetch.py")
-    spec = importlib.util.spec_from_file_location("bench_prefetch", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(load_script):
+    return load_script("benchmarks/bench_prefetch.py")
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,5 @@
 """Docs that must match the code."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -8,10 +7,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_cli_reference_is_generated_from_the_parser():
-    spec = importlib.util.spec_from_file_location("gen_cli", os.path.join(ROOT, "scripts", "gen_cli_reference.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_cli_reference_is_generated_from_the_parser(load_script):
+    module = load_script("scripts/gen_cli_reference.py")
     with open(os.path.join(ROOT, "docs", "user-guide", "cli-reference.md")) as f:
         assert f.read() == module.render(), "run: python scripts/gen_cli_reference.py"
 
