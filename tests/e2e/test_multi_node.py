@@ -31,6 +31,11 @@ def run_on_two_nodes(output_dir: str) -> None:
     from miles.utils.arguments import parse_args
 
     temp_dir = tempfile.mkdtemp(prefix="r2n", dir="/tmp")  # short: Ray's socket paths live under it
+    # Cluster.add_node writes the head's address to <default temp dir>/ray/ray_current_cluster without creating the
+    # folder (ray.init would have): on a machine where no Ray ran before, /tmp/ray does not exist. Point that default
+    # at this run's own folder, so the file neither fails nor lands in a folder other runs share.
+    os.environ["RAY_TMPDIR"] = temp_dir
+    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
     cluster = Cluster(
         initialize_head=True,
         connect=False,
