@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.ray.placement_group import Colocation
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
+from miles.utils import import_gc
 from miles.utils.failures import current_rollout, where
 from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import split_contiguous
@@ -46,6 +47,7 @@ class EngineActor(DiffusionEngine):
     next one (`miles.utils.heap`) before it loads the pipeline."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import_gc.resume()  # this class's module imports are done (miles.utils.import_gc)
         if torch.device(kwargs.get("device", "cpu")).type == "cpu":
             keep_freed_memory()
         super().__init__(*args, **kwargs)

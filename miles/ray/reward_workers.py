@@ -13,6 +13,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from miles.rollout.rm_hub import RewardError, compute_rewards
+from miles.utils import import_gc
 from miles.utils.misc import split_contiguous
 from miles.utils.types import Sample
 
@@ -35,6 +36,7 @@ class RewardWorker:
     """One reward process; models a reward loads (CLIP) stay cached in it between calls."""
 
     def __init__(self, args: argparse.Namespace, spec: list[tuple[str, float]]) -> None:
+        import_gc.resume()  # a Ray worker: this module's imports are done (miles.utils.import_gc)
         self.args, self.spec = args, spec
 
     async def ready(self) -> bool:

@@ -326,18 +326,20 @@ def test_a_lora_engine_drops_only_its_adapter_when_it_sleeps(tiny_pipeline_dir):
 
 
 def test_an_engine_actor_on_cpu_keeps_its_heap_before_loading(tiny_pipeline_dir, monkeypatch):
-    """The Ray engine class raises the heap thresholds (`miles.utils.heap`) before its pipeline loads; the plain
+    """The Ray engine class turns the garbage collector back on (its imports are done: `miles.utils.import_gc`) and
+    raises the heap thresholds (`miles.utils.heap`) before its pipeline loads; the plain
     `DiffusionEngine` (in-process use: benchmarks, tests) leaves the process alone."""
     import miles.ray.engine_group as engine_group
     import miles.rollout.engine as engine_module
 
     events = []
+    monkeypatch.setattr(engine_group.import_gc, "resume", lambda: events.append("gc"))  # miles.utils.import_gc
     monkeypatch.setattr(engine_group, "keep_freed_memory", lambda: events.append("heap") or True)
     load = engine_module.get_train_pipeline_config
     monkeypatch.setattr(
         engine_module, "get_train_pipeline_config", lambda *a, **k: events.append("load") or load(*a, **k)
     )
     engine_group.EngineActor(tiny_pipeline_dir, device="cpu")
-    assert events == ["heap", "load"]
+    assert events == ["gc", "heap", "load"]
     DiffusionEngine(tiny_pipeline_dir)
-    assert events == ["heap", "load", "load"]
+    assert events == ["gc", "heap", "load", "load"]
