@@ -29,7 +29,8 @@ recipe (`DMD2_RECIPES`) ends in a cosine learning-rate decay: the 2-step generat
 rollouts (2.0 above / 1.8 below the teacher, +39.2 / +35.4 over 2 Euler steps; 30 rollouts with the decay gave
 0.548 / 0.490). The committed standards (`MIN_GAIN_OVER_EULER`, `MAX_GAP_TO_TEACHER`) sit below what every seed
 showed with each recipe. The suite distils k = 2 for 30 rollouts at a constant lr (`SUITE_RECIPE`, 1.6 min: the
-15-minute suite cannot hold the 60-rollout recipe); re-measured on 2026-11-30 it meets both standards on seeds 1 and 2
+15-minute suite cannot hold the 60-rollout recipe) and takes the teacher's 20-step accuracy as recorded
+(`TEACHER_ACCURACY`; it samples the 2-step one); re-measured on 2026-11-30 it meets both standards on seeds 1 and 2
 (0.548 / 0.528: 1.8 / 3.8 points below the teacher, +35.4 / +33.4 over 2 Euler steps). Each recipe's numbers, k = 1
 (5 min) included, are re-measured by the command above.
 (The scheduler's 2-step grid ends at σ ≈ 0.003, so its second Euler step barely moves the sample.)
@@ -119,6 +120,10 @@ MIN_GAIN_OVER_EULER = {1: 0.30, 2: 0.30}
 # teacher (20 steps, CFG 4.5) minus the k-step generator; seeds gave 0.028 / 0.030 / 0.030 (k = 1), -0.020 / 0.018 (k = 2)
 MAX_GAP_TO_TEACHER = {1: 0.05, 2: 0.05}
 SUITE_K = 2  # the generator the suite distils; `measure` runs both
+# the shipped model at its 20 steps, CFG 4.5 (`teacher_accuracies`, the table above): 0.566 on the machines of
+# 2026-11-30 and 2026-12-01 alike (fixed eval noise); `measure` re-samples it
+TEACHER_ACCURACY = 0.566
+TEACHER_EULER_ACCURACY = {1: 0.192, 2: 0.194}  # the same teacher at 1 / 2 plain Euler steps, as recorded
 SUITE_RECIPE = ("--num-rollout", "30")  # the suite's k = 2 run: half the recipe's rollouts, constant lr (see above)
 # the default run (nft, 40 rollouts) after minus before, measured for issue 14 after the seeded-stream change (the
 # nft table above is from an earlier revision): no flags / seeds 1 / 2 / 3: accuracy +0.080 / +0.036 / +0.084 / +0.038,
@@ -203,7 +208,14 @@ def dmd2_shortfalls(k: int, generator: float, teacher: dict[int, float]) -> list
 
 
 def test_dmd2_generator_nears_its_teacher_and_beats_as_many_euler_steps(ray_cluster, tmp_path):
-    teacher = teacher_accuracies((20, SUITE_K))
+    # the teacher's 20-step accuracy is the recorded one (30 s of sampling the suite saves); its k Euler steps are
+    # sampled here (4 s), which also checks that the eval still scores the shipped model as recorded
+    teacher = {20: TEACHER_ACCURACY, **teacher_accuracies((SUITE_K,))}
+    recorded = TEACHER_EULER_ACCURACY[SUITE_K]
+    assert abs(teacher[SUITE_K] - recorded) <= 0.01, (  # 5 of 500 prompts: another machine's kernels may flip one
+        f"the teacher at {SUITE_K} Euler steps scores {teacher[SUITE_K]:.3f}, recorded {recorded}: the eval changed; "
+        "re-measure TEACHER_ACCURACY and TEACHER_EULER_ACCURACY with `python tests/e2e/test_learning.py dmd2 1`"
+    )
     generator = dmd2_run(SUITE_K, SEED, tmp_path, SUITE_RECIPE)
     assert not dmd2_shortfalls(SUITE_K, generator, teacher), (SUITE_K, generator, teacher)
 
@@ -240,7 +252,8 @@ def measure(which: list[str], seeds: list[int | None]) -> None:
     root = Path(tempfile.mkdtemp(prefix="miles-standards-"))
     if "dmd2" in which:
         teacher = teacher_accuracies()
-        print("teacher (steps: accuracy)", teacher, flush=True)
+        recorded = {20: TEACHER_ACCURACY, **TEACHER_EULER_ACCURACY}
+        print("teacher (steps: accuracy)", teacher, "recorded", recorded, flush=True)
     for seed in seeds:
         for name in which:
             if name == "dmd2":
