@@ -454,7 +454,7 @@ def run(
     from miles.utils.tracking import open_tracking, read_metrics
 
     started = time.perf_counter() if started is None else started
-    # the start-up's imports (torch, diffusers, the families) without the garbage collector: ~25% less CPU
+    # the start-up's imports (torch, diffusers, the families) without the garbage collector (miles.utils.import_gc)
     with import_gc.paused():
         settings = ray_init_settings(args)
         locks = lock_save_folders(args)  # held until the end of the run (and released if the process dies)

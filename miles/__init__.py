@@ -3,7 +3,7 @@
 from miles.utils import import_gc
 
 # in a Ray worker, `import miles` starts the imports of an actor class's module (torch, diffusers, ...): they run
-# with the garbage collector paused, ~25% less CPU; the actor's __init__ turns it back on (miles.utils.import_gc)
+# with the garbage collector paused (less CPU); the actor's __init__ turns it back on (miles.utils.import_gc)
 import_gc.pause_in_ray_worker()
 
 from miles.utils.console import quiet_third_party  # noqa: E402  (after the pause: it imports third-party modules)

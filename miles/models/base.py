@@ -308,7 +308,7 @@ def family_class(name: str) -> type[TrainPipelineConfig] | None:
     if name not in TRAIN_PIPELINE_CONFIGS and name in BUILTIN_FAMILIES:
         from miles.utils import import_gc
 
-        with import_gc.paused():  # diffusers' pipelines and transformers' models: ~25% less CPU (import_gc)
+        with import_gc.paused():  # diffusers' pipelines and transformers' models, less CPU (import_gc)
             import_module(BUILTIN_FAMILIES[name][0])  # its decorator registers it
     return TRAIN_PIPELINE_CONFIGS.get(name)
 
