@@ -73,14 +73,14 @@ def test_a_ray_actor_imports_with_the_collector_off_and_runs_with_it_on(ray_clus
     assert off_at_init and on_after
 
 
-def test_every_miles_actor_resumes_first_thing(collector_restored, monkeypatch):
+def test_every_miles_actor_resumes_the_collector_in_its_init(collector_restored, monkeypatch):
     from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
 
     calls = []
     monkeypatch.setattr(import_gc, "resume", lambda: calls.append("resume"))
     FSDPTrainRayActor(1, 0, "actor")
     RewardWorker(None, [])
-    assert calls == ["resume", "resume"]  # EngineActor: tests/fast/rollout/test_engine.py
+    assert calls == ["resume", "resume"]  # EngineActor, and the order: tests/fast/rollout/test_engine.py
 
 
 def test_built_in_families_import_with_the_collector_off(collector_restored, monkeypatch):
