@@ -14,8 +14,10 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+import accelerate
 import diffusers.utils.deprecation_utils
 import torch
+from diffusers.models.modeling_utils import no_init_weights
 from torch import nn
 
 from miles.diffusion.schedule import sampling_sigmas as static_shift_sampling_sigmas
@@ -26,6 +28,38 @@ logger = logging.getLogger(__name__)
 
 # from_pretrained's dtype keyword: `dtype` in the diffusers versions that renamed it, `torch_dtype` before
 DTYPE_KW = "dtype" if hasattr(diffusers.utils.deprecation_utils, "_resolve_dtype") else "torch_dtype"
+# where `load_pretrained(..., empty=True)` records the folder whose safetensors hold a module's weights
+CHECKPOINT_FOLDER_ATTR = "_miles_checkpoint_folder"
+
+
+def load_pretrained(
+    cls: type[nn.Module], root: str | Path, subfolder: str | None, dtype: torch.dtype, *, empty: bool = False
+) -> nn.Module:
+    """`cls.from_pretrained(root, subfolder=..., dtype=...)` in eval mode, or with `empty=True` the same module with
+    its parameters on the meta device and no weights read, tagged with its weights' folder (`CHECKPOINT_FOLDER_ATTR`)
+    so that a sharded loader can fill each rank's shards from the files (`miles.backends.fsdp_utils.sharded_load`).
+
+    The empty module is built as from_pretrained builds it: under `dtype` as the default dtype (buffers computed at
+    construction get it), weights initialisation skipped, and the class's `_keep_in_fp32_modules` parameters in fp32.
+    """
+    if not empty:
+        return cls.from_pretrained(str(root), subfolder=subfolder, **{DTYPE_KW: dtype}, local_files_only=True).eval()
+    folder = Path(root) / subfolder if subfolder else Path(root)
+    config = cls.load_config(str(folder), local_files_only=True)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with no_init_weights(), accelerate.init_empty_weights(include_buffers=False):
+            model = cls.from_config(config)
+    finally:
+        torch.set_default_dtype(previous)
+    keep = getattr(cls, "_keep_in_fp32_modules", None) or []
+    for name, param in model.named_parameters():
+        wanted = torch.float32 if any(m in name.split(".") for m in keep) else dtype
+        if param.is_floating_point() and param.dtype != wanted:
+            param.data = param.data.to(wanted)
+    setattr(model, CHECKPOINT_FOLDER_ATTR, folder)
+    return model.eval()
 
 
 class TrainPipelineConfig(ABC):
@@ -101,7 +135,13 @@ class TrainPipelineConfig(ABC):
 
     # networks
     @abstractmethod
-    def load_transformer(self, path: str | None = None, dtype: torch.dtype = torch.float32) -> nn.Module: ...
+    def load_transformer(
+        self, path: str | None = None, dtype: torch.dtype = torch.float32, *, empty: bool = False
+    ) -> nn.Module:
+        """The trained network from a pipeline folder (default: this one). With `empty=True` its parameters are on the
+        meta device and every module that holds weights is tagged with its folder (`load_pretrained(...,
+        empty=True)`): the trainer shards it first and each rank then reads only its own rows. A family that does not
+        take `empty` is loaded whole on every rank (a warning says so)."""
 
     @abstractmethod
     def transformer_blocks(self, transformer: nn.Module) -> list[nn.Module]: ...

@@ -62,10 +62,12 @@ class QwenImagePipelineConfig(SD3PipelineConfig):
     default_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
 
     # networks
-    def load_transformer(self, path: str | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
+    def load_transformer(
+        self, path: str | None = None, dtype: torch.dtype = torch.float32, *, empty: bool = False
+    ) -> nn.Module:
         """The transformer (SD3's loader); a guidance-distilled one (`guidance_embeds`) is refused: QwenImagePipeline
         cannot run it either (its timestep embedding takes no guidance)."""
-        model = super().load_transformer(path, dtype)
+        model = super().load_transformer(path, dtype, empty=empty)
         if model.config.get("guidance_embeds", False):
             raise ValueError(
                 f"{path or self.path}: this QwenImageTransformer2DModel has guidance_embeds=True, which "

@@ -20,6 +20,7 @@ from miles.models.base import (
     DTYPE_KW,
     TrainPipelineConfig,
     compute_dtype,
+    load_pretrained,
     register_train_pipeline_config,
     strip_name_or_path,
 )
@@ -45,8 +46,11 @@ class SD3PipelineConfig(TrainPipelineConfig):
     text_pipeline_class: type = StableDiffusion3Pipeline  # what load_text_encoders builds (tokenizers + encoders)
 
     # networks
-    def load_transformer(self, path: str | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
-        """The transformer from a pipeline folder (its `transformer/`) or a folder with config.json at the top."""
+    def load_transformer(
+        self, path: str | None = None, dtype: torch.dtype = torch.float32, *, empty: bool = False
+    ) -> nn.Module:
+        """The transformer from a pipeline folder (its `transformer/`) or a folder with config.json at the top;
+        `empty`: built on the meta device, no weights read (`load_pretrained`)."""
         root = Path(path or self.path)
         if (root / "transformer" / "config.json").is_file():
             subfolder = "transformer"
@@ -56,10 +60,7 @@ class SD3PipelineConfig(TrainPipelineConfig):
             raise FileNotFoundError(
                 f"{root} holds neither transformer/config.json nor config.json (a {self.transformer_class.__name__})"
             )
-        model = self.transformer_class.from_pretrained(
-            str(root), subfolder=subfolder, **{DTYPE_KW: dtype}, local_files_only=True
-        )
-        return model.eval()
+        return load_pretrained(self.transformer_class, root, subfolder, dtype, empty=empty)
 
     def transformer_blocks(self, transformer: nn.Module) -> list[nn.Module]:
         """The joint blocks FSDP shards one by one."""

@@ -33,6 +33,7 @@ from miles.models.base import (
     DTYPE_KW,
     TrainPipelineConfig,
     compute_dtype,
+    load_pretrained,
     register_train_pipeline_config,
     strip_name_or_path,
 )
@@ -113,13 +114,11 @@ class WanPipelineConfig(TrainPipelineConfig):
             return None
         return float(self.boundary_ratio) * self.num_train_timesteps
 
-    def _load_one(self, root: Path, subfolder: str | None, dtype: torch.dtype) -> WanTransformer3DModel:
-        return WanTransformer3DModel.from_pretrained(
-            str(root), subfolder=subfolder, **{DTYPE_KW: dtype}, local_files_only=True
-        ).eval()
-
-    def load_transformer(self, path: str | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
-        """The transformer (one expert), or `WanExperts` holding both experts with the untrained one frozen.
+    def load_transformer(
+        self, path: str | None = None, dtype: torch.dtype = torch.float32, *, empty: bool = False
+    ) -> nn.Module:
+        """The transformer (one expert), or `WanExperts` holding both experts with the untrained one frozen; `empty`:
+        built on the meta device, no weights read (`load_pretrained`).
 
         `path`: a pipeline folder of this layout (default: this one), or, for a one-expert family, a folder with a
         transformer's config.json at the top."""
@@ -130,13 +129,15 @@ class WanPipelineConfig(TrainPipelineConfig):
                     "transformer/ and transformer_2/" if self.two_experts else "transformer/config.json or config.json"
                 )
                 raise FileNotFoundError(f"{root} holds no {need} (a WanTransformer3DModel)")
-            return self._load_one(root, None, dtype)
-        first = self._load_one(root, HIGH_NOISE, dtype)
+            return load_pretrained(WanTransformer3DModel, root, None, dtype, empty=empty)
+        first = load_pretrained(WanTransformer3DModel, root, HIGH_NOISE, dtype, empty=empty)
         if not self.two_experts:
             return first
         if not (root / LOW_NOISE / "config.json").is_file():
             raise FileNotFoundError(f"{root} has no transformer_2/config.json: this family's folders hold two experts")
-        experts = WanExperts(first, self._load_one(root, LOW_NOISE, dtype), self.boundary_timestep).eval()
+        experts = WanExperts(
+            first, load_pretrained(WanTransformer3DModel, root, LOW_NOISE, dtype, empty=empty), self.boundary_timestep
+        ).eval()
         if self.trained_experts != "both":
             frozen = LOW_NOISE if self.trained_experts == "high-noise" else HIGH_NOISE
             getattr(experts, frozen).requires_grad_(False)

@@ -31,6 +31,7 @@ from miles.backends.fsdp_utils.lora import (
 from miles.backends.fsdp_utils.loss_hub import TEACHER, LossHooks, checkpoint_meta, get_loss_hooks
 from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
 from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher, prefetch_enabled
+from miles.backends.fsdp_utils.sharded_load import load_sharded
 from miles.backends.fsdp_utils.train_loop import TrainLoop
 from miles.models.base import family_options, get_train_pipeline_config
 from miles.utils import import_gc
@@ -124,22 +125,25 @@ class FSDPTrainRayActor(TrainLoop):
         self.forward_dtype = parse_dtype(args.diffusion_forward_dtype)
         self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
         master_dtype = parse_dtype(args.fsdp_master_dtype)  # what the optimizer updates; forwards cast to forward_dtype
-        # with CPU offload the full model never visits the GPU: fully_shard moves each shard to (pinned) CPU memory
-        home = torch.device("cpu") if args.fsdp_cpu_offload else self.device
-        self.model = self.family.load_transformer(self.settings["checkpoint"], dtype=master_dtype).to(home)
-        self.model.train()
         self.lora_config = lora_config_from_args(args, self.family.name) if args.use_lora else None
-        if self.lora_config is not None:
-            apply_lora(self.model, self.lora_config)
-        apply_fsdp2(
-            self.model,
-            self.family.transformer_blocks(self.model),
-            param_dtype=self.forward_dtype,
-            reduce_dtype=parse_dtype(args.fsdp_reduce_dtype),
-            cast_root_inputs=False,  # the family's predict_velocity casts, exactly as in the engines
-            gradient_checkpointing=args.gradient_checkpointing,
-            **self._placement(),
+        # built on the meta device, sharded, then each rank reads its own rows of the checkpoint (sharded_load.py)
+        self.model = load_sharded(
+            self.family,
+            self.settings["checkpoint"],
+            dtype=master_dtype,
+            device=self._home(),
+            prepare=None if self.lora_config is None else lambda model: apply_lora(model, self.lora_config),
+            shard=lambda model: apply_fsdp2(
+                model,
+                self.family.transformer_blocks(model),
+                param_dtype=self.forward_dtype,
+                reduce_dtype=parse_dtype(args.fsdp_reduce_dtype),
+                cast_root_inputs=False,  # the family's predict_velocity casts, exactly as in the engines
+                gradient_checkpointing=args.gradient_checkpointing,
+                **self._placement(),
+            ),
         )
+        self.model.train()
         if args.algorithm_path:  # registers its loss types in this process too
             load_module(args.algorithm_path)
         self.hooks: LossHooks = get_loss_hooks(args, self.role)
@@ -173,16 +177,26 @@ class FSDPTrainRayActor(TrainLoop):
         """A frozen network (eval, no grad, no optimizer), sharded with FSDP2 like the trained one. Held in the
         forward dtype: no optimizer steps on it, so fp32 master weights would only double its memory under bf16 (its
         forwards see the same bf16 values either way: FSDP2 casts fp32 shards to the forward dtype at all-gather)."""
-        network = self.family.load_transformer(path, dtype=self.forward_dtype).to(self.device).eval()
-        network.requires_grad_(False)
-        return apply_fsdp2(
-            network,
-            self.family.transformer_blocks(network),
-            param_dtype=self.forward_dtype,
-            reduce_dtype=parse_dtype(self.args.fsdp_reduce_dtype),
-            cast_root_inputs=False,
-            **self._placement(),
+        network = load_sharded(
+            self.family,
+            path,
+            dtype=self.forward_dtype,
+            device=self._home(),
+            prepare=lambda network: network.requires_grad_(False),
+            shard=lambda network: apply_fsdp2(
+                network,
+                self.family.transformer_blocks(network),
+                param_dtype=self.forward_dtype,
+                reduce_dtype=parse_dtype(self.args.fsdp_reduce_dtype),
+                cast_root_inputs=False,
+                **self._placement(),
+            ),
         )
+        return network.eval()
+
+    def _home(self) -> torch.device:
+        """Where the shards live: with CPU offload the model never visits the GPU (FSDP2 pins the CPU shards)."""
+        return torch.device("cpu") if self.args.fsdp_cpu_offload else self.device
 
     def _placement(self) -> dict[str, Any]:
         """Where the shards live: the (hybrid) mesh and CPU offload, the same for every network of the role."""

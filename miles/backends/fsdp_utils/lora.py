@@ -83,10 +83,16 @@ def lora_config_from_args(args: argparse.Namespace, family_name: str) -> dict[st
 
 def apply_lora(transformer: nn.Module, config: dict[str, Any]) -> nn.Module:
     """Inject a LoRA adapter (`transformer.add_adapter(LoraConfig(**config))`), freeze everything else and keep
-    the LoRA parameters in float32. Call it BEFORE `apply_fsdp2`. Returns `transformer`."""
+    the LoRA parameters in float32. Call it BEFORE `apply_fsdp2`; on a model built on the meta device the adapter
+    is real (on the CPU, initialised as on a loaded model) and the base stays empty. Returns `transformer`."""
     if isinstance(transformer, FSDPModule):
         raise RuntimeError("apply_lora must run before apply_fsdp2 (FSDP2 has already sharded this model)")
+    on_meta = any(p.is_meta for p in transformer.parameters())
+    rng = torch.get_rng_state()
     transformer.add_adapter(LoraConfig(**config), adapter_name=ADAPTER_NAME)
+    if on_meta:
+        torch.set_rng_state(rng)
+        _initialise_on_cpu(transformer, config["init_lora_weights"])
     for module in transformer.modules():
         if isinstance(module, BaseTunerLayer):
             for layer_name in module.adapter_layer_names:
@@ -105,6 +111,27 @@ def apply_lora(transformer: nn.Module, config: dict[str, Any]) -> nn.Module:
         "LoRA applied (r=%s, alpha=%s): %d of %d parameters train", config["r"], config["lora_alpha"], trainable, total
     )
     return transformer
+
+
+def _initialise_on_cpu(transformer: nn.Module, init: bool | str) -> None:
+    """Give the adapter of a model built on the meta device (sharded loading) real CPU tensors, initialised as on a
+    loaded model. peft draws each adapter's values on the CPU (the `nn.Linear`s' own initialisation, then
+    `reset_lora_parameters`) and moves them to the meta device with their base layer, which drops them: the caller
+    rewinds the CPU generator to where injection began and the same draws are replayed here, layer by layer in the
+    same order, so the values and the generator's state after are those of the loaded model's injection."""
+    for module in transformer.modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        for layer_name in ("lora_A", "lora_B"):
+            layer = getattr(module, layer_name)[ADAPTER_NAME]
+            layer.to_empty(device="cpu")
+            layer.reset_parameters()
+        module.reset_lora_parameters(ADAPTER_NAME, init)
+    left = [name for name, p in transformer.named_parameters() if _is_lora_key(name) and p.is_meta]
+    if left:
+        raise RuntimeError(
+            f"LoRA parameters left on the meta device (an adapter kind miles does not build): {left[:3]}"
+        )
 
 
 def lora_state_dict(full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
