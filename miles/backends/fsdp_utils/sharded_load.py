@@ -3,15 +3,15 @@ own rows of every tensor from the checkpoint's safetensors files, so no rank eve
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import logging
+import math
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -83,50 +83,93 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def fill_from_checkpoint(model: nn.Module, names: list[str]) -> None:
-    """Copy into each named state-dict entry this rank's part of it from the checkpoint (its rows of a dim-0 shard;
+    """Read into each named state-dict entry this rank's part of it from the checkpoint (its rows of a dim-0 shard;
     the whole tensor when not sharded), cast to the entry's dtype as from_pretrained casts. Also the checkpoint's
     values of persistent buffers, which from_pretrained loads too. Missing or misshapen weights raise, naming them."""
     folders = checkpoint_folders(model)
     wanted = set(names)
-    with contextlib.ExitStack() as stack:
-        handles: dict[Path, object] = {}
-        index = {prefix: _key_files(folder) for prefix, folder in folders.items()}
-        missing = []
-        for name, value in model.state_dict().items():
-            buffer_from_file = name not in wanted and not isinstance(value, DTensor)
-            if name not in wanted and not buffer_from_file:
-                continue
-            prefix = max((p for p in folders if name.startswith(p)), key=len, default=None)
-            key = None if prefix is None else name[len(prefix) :].replace(_PEFT_BASE, "")
-            file = None if key is None else index[prefix].get(key)
-            if file is None:
-                if not buffer_from_file:
-                    missing.append(name)
-                continue
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            _copy_part(value, handles[file].get_slice(key), f"{file}:{key}")
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ValueError(
-                f"the checkpoint in {', '.join(str(f) for f in folders.values())} holds no weights for {shown}"
-            )
+    files: dict[Path, SafetensorsFile] = {}
+    index = {prefix: _key_files(folder, files) for prefix, folder in folders.items()}
+    missing = []
+    for name, value in model.state_dict().items():
+        buffer_from_file = name not in wanted and not isinstance(value, DTensor)
+        if name not in wanted and not buffer_from_file:
+            continue
+        prefix = max((p for p in folders if name.startswith(p)), key=len, default=None)
+        key = None if prefix is None else name[len(prefix) :].replace(_PEFT_BASE, "")
+        file = None if key is None else index[prefix].get(key)
+        if file is None:
+            if not buffer_from_file:
+                missing.append(name)
+            continue
+        _read_part(value, files[file], key)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(
+            f"the checkpoint in {', '.join(str(f) for f in folders.values())} holds no weights for {shown}"
+        )
 
 
-def _copy_part(value: torch.Tensor, source, where: str) -> None:
-    shape = tuple(source.get_shape())
+class SafetensorsFile:
+    """One safetensors file's header, and reads of consecutive dim-0 rows of a tensor straight into a tensor's memory
+    (plain file reads: safetensors' own mmap would leave the pages it touched in the process's resident set)."""
+
+    DTYPES = {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        self.tensors: dict[str, dict] = header
+        self.data_start = 8 + length
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key]["shape"])
+
+    def read_rows(self, key: str, start: int, out: torch.Tensor) -> None:
+        """Rows [start, start + len(out)) of `key` into `out` (any dtype and device: cast and copied as needed)."""
+        entry = self.tensors[key]
+        dtype = self.DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"{self.path}:{key} is stored as {entry['dtype']}, which miles cannot load")
+        row_bytes = math.prod(entry["shape"][1:]) * dtype.itemsize
+        direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
+        target = out if direct else torch.empty(out.shape, dtype=dtype)
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + entry["data_offsets"][0] + start * row_bytes)
+            if f.readinto(target.view(-1).view(torch.uint8).numpy()) != target.numel() * dtype.itemsize:
+                raise ValueError(f"{self.path} is truncated: {key} does not fit in the file")
+        if not direct:
+            out.copy_(target)
+
+
+def _read_part(value: torch.Tensor, file: SafetensorsFile, key: str) -> None:
+    shape = file.shape(key)
     if shape != tuple(value.shape):
-        raise ValueError(f"{where} has shape {list(shape)}, the model expects {list(value.shape)}")
-    if isinstance(value, DTensor):
-        local_shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-    else:
-        local_shape, offset = tuple(value.shape), (0,) * value.dim()
+        raise ValueError(f"{file.path}:{key} has shape {list(shape)}, the model expects {list(value.shape)}")
     target = _local(value)
     if target.numel() == 0:
         return
-    part = source[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))] if value.dim() else source[:]
+    offset = [0] * value.dim()
+    if isinstance(value, DTensor):
+        local_shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        if any(offset[1:]) or tuple(local_shape[1:]) != shape[1:]:
+            raise ValueError(f"{key}: sharded along a dimension other than 0 ({value.placements}); cannot read it")
     with torch.no_grad():
-        target.copy_(part.reshape(target.shape))
+        file.read_rows(key, offset[0] if offset else 0, target)
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -142,14 +185,17 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def _key_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file in `folder` that holds it (the index's weight map, else each file's
-    header)."""
-    for index in sorted(folder.glob("*.safetensors.index.json")):
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {key: folder / file for key, file in weight_map.items()}
+def _key_files(folder: Path, files: dict[Path, SafetensorsFile]) -> dict[str, Path]:
+    """Tensor name -> the safetensors file in `folder` that holds it (the index's weight map when there is one),
+    opening each file's header into `files`."""
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    paths = (
+        sorted({folder / f for f in json.loads(indexes[0].read_text())["weight_map"].values()})
+        if indexes
+        else _safetensors_files(folder)
+    )
     keys = {}
-    for file in _safetensors_files(folder):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            keys.update(dict.fromkeys(handle.keys(), file))
+    for path in paths:
+        files.setdefault(path, SafetensorsFile(path))
+        keys.update(dict.fromkeys(files[path].tensors, path))
     return keys
