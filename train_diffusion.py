@@ -451,6 +451,7 @@ def run(
     from miles.utils.console import summary_line
     from miles.utils.eval_arguments import eval_enabled
     from miles.utils.failures import run_cleanup, set_current_rollout
+    from miles.utils.fsdp_arguments import resolve_cluster_device
     from miles.utils.tracking import open_tracking, read_metrics
 
     started = time.perf_counter() if started is None else started
@@ -482,7 +483,10 @@ def run(
         from miles.ray.evaluator import Evaluator
         from miles.ray.rollout_manager import RolloutManager
 
-        check_gpus_fit(args, ray.cluster_resources().get("GPU", 0.0))
+        cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
+        if args.ray_address is not None:  # --device / forward dtype `auto` from the cluster's GPUs, not this node's
+            resolve_cluster_device(args, cluster_gpus)
+        check_gpus_fit(args, cluster_gpus)
         colocation = create_colocation(args)
         groups = launch_groups(args, colocation)  # every actor starts at once; start_groups waits for them all
         rollout_manager = RolloutManager(args, wait=False, colocation=colocation)

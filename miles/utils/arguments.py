@@ -47,7 +47,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ray-address", default=None, help="Ray cluster address; default starts a local one.")
     group.add_argument("--dp-size", type=int, default=2, help="Data-parallel ranks (Ray actors) per trained role.")
     group.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available, else cpu."
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: cuda when the Ray cluster has GPUs (with --ray-address: the cluster's, not the driver's node), "
+        "else cpu.",
     )
     group.add_argument("--cpus-per-rank", type=float, default=0.5, help="CPU share of each trainer actor on CPU.")
     group.add_argument(

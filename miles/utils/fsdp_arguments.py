@@ -14,9 +14,11 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sharding, precision and memory")
     group.add_argument(
         "--diffusion-forward-dtype",
-        default="fp32",
-        choices=DTYPE_CHOICES,
-        help="Dtype of every forward, trainer and rollout engines alike (FSDP2 param dtype; fp16 is refused).",
+        default="auto",
+        choices=("auto", *DTYPE_CHOICES),
+        help="Dtype of every forward, trainer and rollout engines alike (FSDP2 param dtype; fp16 is refused). "
+        "auto: bf16 when the run is on CUDA (with --diffusion-recompute-old-log-prob turned on for losses that take "
+        "a policy ratio), fp32 on CPU.",
     )
     group.add_argument(
         "--gradient-checkpointing",
@@ -55,8 +57,41 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def resolve_device_defaults(args: argparse.Namespace, cluster_gpus: float) -> None:
+    """`--device auto` and `--diffusion-forward-dtype auto` made concrete from the GPUs of the cluster the run uses:
+    cuda when it has any, and then a bf16 forward (fp32 matmuls are several times slower on GPUs, and fp32 engines
+    hold twice the memory) with the log-prob recompute a policy ratio needs in bf16; cpu and fp32 otherwise.
+    For a local cluster `validate_fsdp_args` calls it with this machine's GPUs; with --ray-address the driver calls
+    it once Ray is up (the driver's node may have no GPU while the cluster's nodes do)."""
+    if args.device == "auto":
+        args.device = "cuda" if cluster_gpus > 0 else "cpu"
+    if args.diffusion_forward_dtype == "auto":
+        args.diffusion_forward_dtype = "bf16" if args.device == "cuda" else "fp32"
+        if args.diffusion_forward_dtype == "bf16" and args.loss_type in LOG_PROB_RATIO_LOSSES:
+            args.diffusion_recompute_old_log_prob = True
+
+
+def resolve_cluster_device(args: argparse.Namespace, cluster_gpus: float) -> None:
+    """The driver's step for --ray-address runs once Ray is up: the `auto` device and dtype from the cluster's GPUs,
+    then the precision rules that waited for them (a broken rule raises ValueError naming the flags)."""
+    resolve_device_defaults(args, cluster_gpus)
+
+    def fail(message: str) -> None:
+        raise ValueError(message)
+
+    validate_fsdp_args(args, fail)
+
+
 def validate_fsdp_args(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
-    """The precision and sharding rules; `fail(message)` raises."""
+    """The precision and sharding rules; `fail(message)` raises. With a local cluster the `auto` device and dtype
+    are resolved first; with --ray-address the dtype rules wait for the driver's call after `resolve_device_defaults`."""
+    if args.ray_address is None:
+        resolve_device_defaults(args, _local_gpus())
+    shard = args.fsdp_shard_size
+    if shard is not None and args.dp_size % shard != 0:  # ≥ 1 is checked with the other ranges
+        fail(f"--fsdp-shard-size {shard} must divide --dp-size {args.dp_size} (ranks per model copy)")
+    if args.device == "auto" or args.diffusion_forward_dtype == "auto":
+        return
     for dest in ("diffusion_forward_dtype", "fsdp_reduce_dtype"):
         if getattr(args, dest) == "fp16":
             fail(
@@ -79,17 +114,14 @@ def validate_fsdp_args(args: argparse.Namespace, fail: Callable[[str], None]) ->
             "--fsdp-master-dtype bf16 with --diffusion-forward-dtype fp32 stores less precision than it computes "
             "in: use --diffusion-forward-dtype bf16 (or keep fp32 master weights)"
         )
-    if args.fsdp_cpu_offload and not _uses_gpu(args):
+    if args.fsdp_cpu_offload and args.device != "cuda":
         fail(
             "--fsdp-cpu-offload moves GPU state to CPU memory: it needs CUDA (--device cuda, or auto with a GPU); "
             "on CPU the state is in CPU memory already"
         )
-    shard = args.fsdp_shard_size
-    if shard is not None and args.dp_size % shard != 0:  # ≥ 1 is checked with the other ranges
-        fail(f"--fsdp-shard-size {shard} must divide --dp-size {args.dp_size} (ranks per model copy)")
 
 
-def _uses_gpu(args: argparse.Namespace) -> bool:
-    from miles.utils.distributed import uses_gpu  # imports torch: only when a flag needs it, not to parse
+def _local_gpus() -> int:
+    import torch  # only when a run is validated, not to parse --help
 
-    return uses_gpu(args)
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

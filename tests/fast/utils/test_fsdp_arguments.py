@@ -45,3 +45,39 @@ def test_shard_size_must_divide_dp_size(capsys):
 
 def test_shard_size_dividing_dp_size_is_accepted():
     assert parse_args(BASE + ["--dp-size", "4", "--fsdp-shard-size", "2"]).fsdp_shard_size == 2
+
+
+def test_auto_device_and_dtype_follow_the_cluster_gpus():
+    from miles.utils.fsdp_arguments import resolve_device_defaults
+
+    args = parse_args(POLICY + ["--ray-address", "10.0.0.1:6379"])  # a cluster: left to the driver
+    assert (args.device, args.diffusion_forward_dtype, args.diffusion_recompute_old_log_prob) == ("auto", "auto", False)
+    resolve_device_defaults(args, cluster_gpus=8)
+    assert (args.device, args.diffusion_forward_dtype, args.diffusion_recompute_old_log_prob) == ("cuda", "bf16", True)
+    nft = parse_args(BASE + ["--loss-type", "nft", "--ray-address", "10.0.0.1:6379"])
+    resolve_device_defaults(nft, cluster_gpus=8)
+    assert (nft.diffusion_forward_dtype, nft.diffusion_recompute_old_log_prob) == ("bf16", False)  # no ratio
+    cpu = parse_args(POLICY + ["--ray-address", "10.0.0.1:6379"])
+    resolve_device_defaults(cpu, cluster_gpus=0)
+    assert (cpu.device, cpu.diffusion_forward_dtype, cpu.diffusion_recompute_old_log_prob) == ("cpu", "fp32", False)
+    chosen = parse_args(POLICY + ["--ray-address", "x:1", "--diffusion-forward-dtype", "fp32", "--device", "cuda"])
+    resolve_device_defaults(chosen, cluster_gpus=8)
+    assert (chosen.device, chosen.diffusion_forward_dtype) == ("cuda", "fp32")  # what the user set stays
+
+
+def test_a_local_run_resolves_auto_at_parse_time_from_this_machine():
+    args = parse_args(POLICY)
+    assert args.device in ("cpu", "cuda") and args.diffusion_forward_dtype == (
+        "bf16" if args.device == "cuda" else "fp32"
+    )
+
+
+def test_cluster_rules_that_wait_for_the_device_run_after_it_is_known():
+    from miles.utils.fsdp_arguments import resolve_cluster_device
+
+    args = parse_args(BASE + ["--loss-type", "nft", "--ray-address", "x:1", "--fsdp-master-dtype", "bf16"])
+    with pytest.raises(ValueError, match="--fsdp-master-dtype bf16 with --diffusion-forward-dtype fp32"):
+        resolve_cluster_device(args, cluster_gpus=0)  # no GPUs: fp32 forward, which bf16 masters cannot serve
+    ok = parse_args(BASE + ["--loss-type", "nft", "--ray-address", "x:1", "--fsdp-master-dtype", "bf16"])
+    resolve_cluster_device(ok, cluster_gpus=4)
+    assert ok.diffusion_forward_dtype == "bf16"
