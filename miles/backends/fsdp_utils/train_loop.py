@@ -234,11 +234,11 @@ class TrainLoop:
         self, ctx: DiffusionLossContext, metrics: WindowMetrics, grad_norm: float, lr: float, seconds: float
     ) -> None:
         names = sorted(metrics.sums)
-        totals = torch.tensor([[metrics.sums[n], metrics.counts[n]] for n in names], dtype=torch.float64)
+        totals = metrics.totals(names) if names else torch.zeros(0, 2, dtype=torch.float64)
         if self.world_size > 1 and names:
             totals = totals.to(collective_device())
             dist.all_reduce(totals)
-            totals = totals.cpu()
+        totals = totals.cpu()  # the window's one transfer
         record: dict[str, Any] = {"rollout_id": ctx.rollout_id, "step": self.global_step, "role": self.role}
         record.update({n: float(s / max(c, 1.0)) for n, (s, c) in zip(names, totals.tolist())})
         record.update({"train/grad_norm": float(grad_norm), "train/lr": float(lr), "perf/train_step_s": seconds})

@@ -45,19 +45,31 @@ class PreparedBatch:
 
 
 class WindowMetrics:
-    """Sums and counts of per-pair values within one window; reduced over dp ranks by the trunk."""
+    """Sums and counts of per-pair values within one window; reduced over dp ranks by the trunk. The sums stay on
+    the values' device (float64 scalars, added as the host would add them) so that recording a value never waits
+    for the device: the trunk moves them once per window."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, float] = {}
 
     def add(self, name: str, values: torch.Tensor | float) -> None:
-        values = torch.as_tensor(values).detach().float()
-        self.sums[name] = self.sums.get(name, 0.0) + values.sum().item()
+        values = torch.as_tensor(values).detach()
+        total = values.float().sum().to(torch.float64)
+        self.sums[name] = total if name not in self.sums else self.sums[name] + total
         self.counts[name] = self.counts.get(name, 0.0) + values.numel()
 
+    def totals(self, names: list[str]) -> torch.Tensor:
+        """(len(names), 2) float64: each name's sum and count, on the sums' device."""
+        sums = torch.stack([self.sums[n].to(self.sums[names[0]].device) for n in names])
+        counts = torch.tensor([self.counts[n] for n in names], dtype=torch.float64, device=sums.device)
+        return torch.stack([sums, counts], dim=1)
+
     def means(self) -> dict[str, float]:
-        return {k: self.sums[k] / max(self.counts[k], 1.0) for k in sorted(self.sums)}
+        names = sorted(self.sums)
+        if not names:
+            return {}
+        return {n: s / max(c, 1.0) for n, (s, c) in zip(names, self.totals(names).tolist())}
 
 
 def conditioning_from_pairs(batch: dict[str, torch.Tensor], device: torch.device, prefix: str = "") -> Any:
