@@ -2,8 +2,9 @@
 their device memory is freed, while every tensor object stays valid (FSDP2's DTensor shards, the optimizer's state,
 views and shared storages alike), so nothing that holds a reference has to be rebuilt.
 
-`HostSwap.sleep` copies each distinct storage once into a host buffer (pinned on CUDA, kept for the next cycle) and
-resizes it to 0 bytes; `wake` reallocates it and copies the bytes back, so the values after a wake are the values
+`HostSwap.sleep` copies each distinct storage once into its slice of one host buffer per actor (pinned on CUDA, kept
+for the next cycle; one buffer because the pinned allocator rounds every allocation up to a power of two, which
+for one buffer per storage could cost up to twice the host memory moved) and resizes it to 0 bytes; `wake` reallocates it and copies the bytes back, so the values after a wake are the values
 before the sleep, bit for bit. Storages whose every tensor is in `discard` are freed without a copy: their contents
 are about to be replaced (an engine's trained weights, which the next weight sync overwrites); after a wake they hold
 garbage until then.
@@ -21,6 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
+HOST_ALIGN = 512  # bytes: each storage's slice of the host buffer starts aligned, for full-speed copies
 
 
 @dataclass
@@ -60,8 +63,8 @@ class HostSwap:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.asleep = False
-        self._host: dict[int, torch.Tensor] = {}  # slot -> host buffer, reused from one cycle to the next
-        self._moved: list[tuple[torch.UntypedStorage, int, int | None]] = []  # (storage, nbytes, slot or None)
+        self.host: torch.Tensor | None = None  # the one host buffer, reused while it is large enough
+        self._moved: list[tuple[torch.UntypedStorage, int, int | None]] = []  # (storage, nbytes, offset or None)
 
     def _on_device(self, tensor: torch.Tensor) -> bool:
         if tensor.device.type != self.device.type:
@@ -88,23 +91,25 @@ class HostSwap:
             storages[key] = (storage, copy or (previous is not None and previous[1]))  # shared: copied if any needs
         self._moved = []
         pinned = self.device.type == "cuda"
-        for slot, (storage, copy) in enumerate(storages.values()):
+        offset = 0
+        for storage, copy in storages.values():
             nbytes = storage.nbytes()
             if not _resizable(storage):
                 report.kept_bytes += nbytes
                 continue
             if copy:
-                host = self._host.get(slot)
-                if host is None or host.numel() != nbytes:
-                    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-                    self._host[slot] = host
-                host.copy_(_bytes_view(storage), non_blocking=pinned)
+                self._moved.append((storage, nbytes, offset))
+                offset += -(-nbytes // HOST_ALIGN) * HOST_ALIGN
                 report.copied_bytes += nbytes
             else:
+                self._moved.append((storage, nbytes, None))
                 report.discarded_bytes += nbytes
-            self._moved.append((storage, nbytes, slot if copy else None))
-        for slot in [s for s in self._host if s >= len(storages)]:  # fewer storages than last cycle
-            del self._host[slot]
+        if self.host is None or self.host.numel() < offset:
+            self.host = None  # the old buffer goes before the larger one is allocated
+            self.host = torch.empty(offset, dtype=torch.uint8, pin_memory=pinned)
+        for storage, nbytes, start in self._moved:
+            if start is not None:
+                self.host[start : start + nbytes].copy_(_bytes_view(storage), non_blocking=pinned)
         if pinned:
             torch.cuda.synchronize(self.device)  # the copies are done before their source is freed
         for storage, _, _ in self._moved:
@@ -123,12 +128,12 @@ class HostSwap:
         started = time.perf_counter()
         report = SwapReport()
         pinned = self.device.type == "cuda"
-        for storage, nbytes, slot in self._moved:
+        for storage, nbytes, start in self._moved:
             storage.resize_(nbytes)
-            if slot is None:
+            if start is None:
                 report.discarded_bytes += nbytes
             else:
-                _bytes_view(storage).copy_(self._host[slot], non_blocking=pinned)
+                _bytes_view(storage).copy_(self.host[start : start + nbytes], non_blocking=pinned)
                 report.copied_bytes += nbytes
         if pinned:
             torch.cuda.synchronize(self.device)  # the host buffers are rewritten by the next sleep

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from miles.utils.offload import HostSwap
+from miles.utils.offload import HOST_ALIGN, HostSwap
 
 
 def test_sleep_frees_every_distinct_storage_once_and_wake_restores_the_bits():
@@ -37,17 +37,23 @@ def test_discarded_storages_are_freed_without_a_copy_unless_a_kept_tensor_shares
     assert torch.equal(shared, torch.zeros(6)) and torch.equal(kept, torch.full((4,), 3.0))
 
 
-def test_host_buffers_are_reused_across_cycles_and_values_follow_the_updates():
-    x = torch.arange(8.0)
+def test_one_host_buffer_per_actor_is_reused_across_cycles_and_values_follow_the_updates():
+    x, y = torch.arange(8.0), torch.arange(100.0, 103.0, dtype=torch.float64)
     swap = HostSwap(torch.device("cpu"))
-    swap.sleep([x])
-    buffer = swap._host[0]
+    swap.sleep([x, y])
+    buffer = swap.host
+    assert buffer.numel() == 2 * HOST_ALIGN  # both storages in one buffer, each slice aligned
     swap.wake()
     x.add_(1)  # trained between cycles
-    swap.sleep([x])
-    assert swap._host[0] is buffer
+    swap.sleep([x, y])
+    assert swap.host is buffer
     swap.wake()
-    assert torch.equal(x, torch.arange(8.0) + 1)
+    assert torch.equal(x, torch.arange(8.0) + 1) and torch.equal(y, torch.arange(100.0, 103.0, dtype=torch.float64))
+    big = torch.zeros(HOST_ALIGN)  # more bytes than the buffer holds: it grows
+    swap.sleep([x, y, big])
+    assert swap.host.numel() == 2 * HOST_ALIGN + 4 * HOST_ALIGN
+    swap.wake()
+    assert torch.equal(x, torch.arange(8.0) + 1) and not big.any()
 
 
 def test_storages_that_cannot_be_resized_stay_in_place():
