@@ -31,6 +31,17 @@ def node_info() -> tuple[str, int]:
     return ray.get_runtime_context().get_node_id(), node_cores()
 
 
+def gpu_rank_threads() -> int:
+    """CPU threads for a trainer rank on a GPU node: the node's cores split among its GPUs (one rank or engine per
+    GPU). Ray starts an actor that asks for no CPUs with OMP_NUM_THREADS=1, which would leave the host-side work of a
+    GPU rank (a CPU-offloaded optimizer step, weight export, checkpoint writes) on one core."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    gpus = next((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == node), 0)
+    return max(1, node_cores() // max(1, int(gpus)))
+
+
 @contextmanager
 def torch_threads(count: int | None) -> Iterator[None]:
     """Run the block with `count` intra-op torch threads, then restore the previous count (None: leave it)."""

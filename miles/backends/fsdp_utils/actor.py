@@ -44,7 +44,7 @@ from miles.utils.distributed import (
 from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import load_module
 from miles.utils.offload import HostSwap
-from miles.utils.threads import node_info
+from miles.utils.threads import gpu_rank_threads, node_info
 
 logger = logging.getLogger(__name__)
 SHADOW_CHECKPOINT_KEYS = {"old": "nft_old"}  # the name checkpoints written before the loss-hub declarations use
@@ -118,6 +118,8 @@ class FSDPTrainRayActor(TrainLoop):
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, round(args.cpus_per_rank)))
             keep_freed_memory()  # each micro-batch reuses the heap the last one freed (miles.utils.heap)
+        else:
+            torch.set_num_threads(gpu_rank_threads())
         if args.deterministic_mode:
             use_deterministic_algorithms()
         init_process_group(self.rank, self.world_size, master_addr, master_port, self.device)

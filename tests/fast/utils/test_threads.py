@@ -41,3 +41,22 @@ def test_actors_on_nodes_without_the_other_phase_keep_their_base_count():
 
 def test_node_cores_is_what_this_process_may_run_on():
     assert 1 <= node_cores() <= (torch.multiprocessing.cpu_count() or 1)
+
+
+def test_a_gpu_rank_gets_the_node_cores_split_among_its_gpus(monkeypatch):
+    import ray
+
+    from miles.utils import threads
+
+    class Context:
+        def get_node_id(self):
+            return "node-b"
+
+    nodes = [{"NodeID": "node-a", "Resources": {"CPU": 4}}, {"NodeID": "node-b", "Resources": {"CPU": 96, "GPU": 8}}]
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: Context())
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(threads, "node_cores", lambda: 96)
+    assert threads.gpu_rank_threads() == 12
+    monkeypatch.setattr(threads, "node_cores", lambda: 4)
+    nodes[1]["Resources"]["GPU"] = 8
+    assert threads.gpu_rank_threads() == 1  # never below one
