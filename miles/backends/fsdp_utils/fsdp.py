@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -106,30 +107,76 @@ def build_mesh(world_size: int, shard_size: int | None, device_type: str) -> Dev
     return init_device_mesh(device_type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
-def full_state_dict(model: nn.Module, *, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    model: nn.Module, *, cpu_offload: bool = True, keep: Callable[[str], bool] | None = None
+) -> dict[str, torch.Tensor]:
     """Gather the sharded parameters into full tensors (collective: every rank must call it).
 
     With `cpu_offload=True` only rank 0 receives the dict (on CPU; other ranks get `{}`), which is what
     `--save-hf` and weight export need; it is gathered in flat buckets (`bucketed_full_state_dict`). With
     `cpu_offload=False` every rank receives full tensors on the parameters' device.
+
+    `keep(name)` picks the entries to gather (e.g. only a LoRA adapter's); the others cost no collective. Every rank
+    must pass the same filter: ranks that keep different names issue different collectives.
     """
     if cpu_offload and dist.is_initialized():
-        return bucketed_full_state_dict(model)
+        return bucketed_full_state_dict(model, keep=keep)
+    if keep is not None and not cpu_offload:
+        # per tensor, as `get_model_state_dict` gathers (it has no filter and would gather every tensor)
+        state = model.state_dict()
+        return {name: _full_tensor(value) for name, value in state.items() if keep(name)}
     options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
-    return get_model_state_dict(model, options=options)
+    state = get_model_state_dict(model, options=options)
+    return state if keep is None else {name: value for name, value in state.items() if keep(name)}
 
 
-# Shards gathered per collective (per rank; also a bound on the extra memory a gather takes), by collective device.
-# gloo on CPU: merging small tensors saves per-call latency, but large gathers of copied buckets lose to per-tensor
-# ones (benchmarks/bench_weight_sync.py at dp 2: 4 MiB buckets 6.4-8.0x per-tensor on the tiny model, 1.6x at 55M
-# parameters, 0.83-1.06x at 250M; 128 MiB buckets 0.40-0.46x at 250M). NCCL: one large gather per bucket, not
-# measured here (no GPU).
+# Bytes each rank sends per all-gather (a bucket closes once it reaches them; also about the extra memory a gather
+# takes), by collective device. gloo on CPU: merging small tensors saves per-call latency, but large gathers of copied
+# buckets lose to per-tensor ones (benchmarks/bench_weight_sync.py at dp 2: 4 MiB buckets 6.4-8.0x per-tensor on the
+# tiny model, 1.6x at 55M parameters, 0.83-1.06x at 250M; 128 MiB buckets 0.40-0.46x at 250M). NCCL: one large gather
+# per bucket, not measured here (no GPU).
 GATHER_BUCKET_BYTES = {"cpu": 4 << 20, "cuda": 128 << 20}
 
 
-def _dim0_shard_group(value: torch.Tensor) -> tuple[int, dist.ProcessGroup] | None:
-    """(mesh dim, its process group) when `value` is a DTensor sharded along tensor dim 0 on exactly one mesh dim
-    and replicated on the others (FSDP2's layout, hybrid sharding included); else None."""
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where a tensor's dim-0 shards live, read from the mesh's global metadata: the mesh's shape, its global ranks
+    (row-major), its dim names and the mesh dim that shards. Equal on every rank for a mesh over the whole world
+    (FSDP2's default, `build_mesh`'s); not Python object identity, which differs per `fully_shard` call and rank."""
+
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+    dim_names: tuple[str, ...] | None
+    shard_dim: int
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[self.shard_dim]
+
+
+@dataclass(frozen=True)
+class GatherEntry:
+    """What the gather plan reads of one state-dict tensor: global metadata only, the same on every rank."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    layout: ShardLayout | None  # None: not a dim-0 shard (a buffer, another placement), gathered on its own
+
+
+@dataclass(frozen=True)
+class GatherBucket:
+    """One collective of the plan: tensors gathered together, and the bytes each rank of the shard group sends (0
+    for a tensor gathered on its own, `layout` None)."""
+
+    names: tuple[str, ...]
+    nbytes: int
+    layout: ShardLayout | None
+
+
+def _dim0_shard_dim(value: torch.Tensor) -> int | None:
+    """The mesh dim that shards `value` when it is a DTensor sharded along tensor dim 0 on exactly one mesh dim and
+    replicated on the others (FSDP2's layout, hybrid sharding included); else None."""
     if not isinstance(value, DTensor):
         return None
     shards = [i for i, p in enumerate(value.placements) if p.is_shard()]
@@ -137,54 +184,100 @@ def _dim0_shard_group(value: torch.Tensor) -> tuple[int, dist.ProcessGroup] | No
         return None
     if not all(p.is_replicate() for i, p in enumerate(value.placements) if i != shards[0]):
         return None
-    return shards[0], value.device_mesh.get_group(shards[0])
+    return shards[0]
 
 
-def bucketed_full_state_dict(model: nn.Module, *, bucket_bytes: int | None = None) -> dict[str, torch.Tensor]:
+def gather_entries(state: Mapping[str, torch.Tensor], keep: Callable[[str], bool] | None = None) -> list[GatherEntry]:
+    """The plan's inputs for a (sharded) state dict, in its order, only the names `keep` accepts."""
+    layouts: dict[tuple[int, int], ShardLayout] = {}  # by mesh object: `DeviceMesh.mesh` is rebuilt on every read
+    entries = []
+    for name, value in state.items():
+        if keep is not None and not keep(name):
+            continue
+        dim, layout = _dim0_shard_dim(value), None
+        if dim is not None:
+            mesh = value.device_mesh
+            layout = layouts.get((id(mesh), dim))
+            if layout is None:
+                names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names is not None else None
+                layout = ShardLayout(tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), names, dim)
+                layouts[(id(mesh), dim)] = layout
+        entries.append(GatherEntry(name, tuple(value.shape), value.dtype, layout))
+    return entries
+
+
+def padded_shard_bytes(shape: tuple[int, ...], dtype: torch.dtype, group_size: int) -> int:
+    """Bytes one rank sends for a dim-0 sharded tensor: FSDP2 splits dim 0 as `torch.chunk` does (ceil(rows / N)
+    rows, the last ranks' shards shorter or empty), and every rank pads its shard to that largest one."""
+    rows, row = shape[0], math.prod(shape[1:])
+    return -(-rows // group_size) * row * dtype.itemsize
+
+
+def gather_plan(entries: Sequence[GatherEntry], bucket_bytes: int) -> list[GatherBucket]:
+    """Cut the entries, in order, into the collectives of `bucketed_full_state_dict`.
+
+    A bucket holds consecutive dim-0 shards of one dtype and layout and closes once its padded bytes reach
+    `bucket_bytes` (so it goes over by at most one tensor); any other tensor is a step on its own. Pure over global
+    metadata: every rank of a shard group computes the same plan and sends the same bytes per bucket. Sizing a bucket
+    by a rank's own (unpadded) shard would close it at different tensors on different ranks wherever dim 0 does not
+    divide the group (Wan's (1, 6, D) table, LoRA A with rank < dp): mismatched all-gathers, a gloo abort or an
+    NCCL hang.
+    """
+    plan: list[GatherBucket] = []
+    names: list[str] = []
+    key: tuple | None = None  # what a bucket's tensors share: dtype and layout
+    size = 0
+    for entry in entries:
+        this = None if entry.layout is None else (entry.dtype, entry.layout)
+        if names and (this != key or size >= bucket_bytes):
+            plan.append(GatherBucket(tuple(names), size, key[1]))
+            names, size = [], 0
+        if this is None:
+            plan.append(GatherBucket((entry.name,), 0, None))
+            continue
+        key = this
+        names.append(entry.name)
+        size += padded_shard_bytes(entry.shape, entry.dtype, entry.layout.group_size)
+    if names:
+        plan.append(GatherBucket(tuple(names), size, key[1]))
+    return plan
+
+
+def bucketed_full_state_dict(
+    model: nn.Module, *, bucket_bytes: int | None = None, keep: Callable[[str], bool] | None = None
+) -> dict[str, torch.Tensor]:
     """`full_state_dict(model)` on rank 0 (CPU tensors, the state dict's order; `{}` elsewhere), bit-identical, with
     one all-gather per bucket of consecutive parameters instead of one per tensor (collective).
 
-    Each rank lays its dim-0 shards of a bucket end to end in one flat tensor, each padded to the largest shard of
-    its tensor (FSDP2 splits dim 0 as `torch.chunk` does, the last ranks' shards shorter or empty); rank 0 cuts the
-    gathered flats back into full tensors. Tensors of another layout, and buffers, go one by one as before.
-    `bucket_bytes`: per rank, default `GATHER_BUCKET_BYTES` of the collective device.
+    The buckets are `gather_plan`'s, from global metadata, so every rank issues the same all-gathers. Each rank lays
+    its dim-0 shards of a bucket end to end in one flat tensor, each padded to the largest shard of its tensor; rank 0
+    cuts the gathered flats back into full tensors. Tensors of another layout, and buffers, go one by one.
+    `bucket_bytes`: per rank, default `GATHER_BUCKET_BYTES` of the collective device. `keep(name)`: only those
+    entries (the same filter on every rank); the others cost no collective.
     """
     if bucket_bytes is None:
         bucket_bytes = GATHER_BUCKET_BYTES.get(collective_device().type, GATHER_BUCKET_BYTES["cuda"])
     rank0 = dist.get_rank() == 0
     state = model.state_dict()
     out: dict[str, torch.Tensor] = {}
-    bucket: list[tuple[str, DTensor]] = []
-    key: tuple | None = None  # what a bucket's tensors share: dtype, mesh, shard dim
-    size = 0
-
-    def flush() -> None:
-        nonlocal bucket, size
-        if bucket:
-            out.update(_gather_bucket(bucket, rank0))
-        bucket, size = [], 0
-
-    for name, value in state.items():
-        layout = _dim0_shard_group(value)
-        if layout is None:
-            flush()
-            full = value.full_tensor() if isinstance(value, DTensor) else value
+    for bucket in gather_plan(gather_entries(state, keep), bucket_bytes):
+        if bucket.layout is None:
+            full = _full_tensor(state[bucket.names[0]])
             if rank0:
-                out[name] = full.detach().cpu()
+                out[bucket.names[0]] = full.detach().cpu()
             continue
-        this = (value.dtype, id(value.device_mesh), layout[0])
-        if this != key or size >= bucket_bytes:
-            flush()
-            key = this
-        bucket.append((name, value))
-        size += value.to_local().numel() * value.element_size()
-    flush()
-    return {name: out[name] for name in state} if rank0 else {}
+        out.update(_gather_bucket([(name, state[name]) for name in bucket.names], bucket.layout.shard_dim, rank0))
+    return {name: out[name] for name in state if name in out}
 
 
-def _gather_bucket(bucket: list[tuple[str, DTensor]], rank0: bool) -> dict[str, torch.Tensor]:
-    """One all-gather of the bucket's dim-0 shards over their shard group; the full tensors on rank 0 (CPU)."""
-    _, group = _dim0_shard_group(bucket[0][1])
+def _full_tensor(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _gather_bucket(bucket: list[tuple[str, DTensor]], shard_dim: int, rank0: bool) -> dict[str, torch.Tensor]:
+    """One all-gather of the bucket's dim-0 shards over the group of mesh dim `shard_dim`; the full tensors on rank 0
+    (CPU)."""
+    group = bucket[0][1].device_mesh.get_group(shard_dim)
     world, me = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
     device = collective_device()
     layout, locals_ = [], []
