@@ -50,6 +50,7 @@ def apply_fsdp2(
     gradient_checkpointing: bool = False,
     cpu_offload: bool = False,
     mesh: DeviceMesh | None = None,
+    keep_in_fp32: set[str] | None = None,
 ) -> nn.Module:
     """Shard each block with `fully_shard`, then the root (which picks up the remaining parameters).
 
@@ -69,32 +70,179 @@ def apply_fsdp2(
 
     At world size 1 the one rank holds every shard, so per-block groups would only add a gather, a reduce and
     Python hooks per block and micro-batch: the whole model becomes one root group instead.
+
+    The forward computes what the engines' `from_pretrained(dtype=param_dtype)` modules compute: blocks receive
+    their inputs uncast (FLUX's and Wan's fp32 rotary embeddings stay fp32), persistent float buffers are held in
+    `param_dtype` as diffusers loads them, and the parameters named in `keep_in_fp32` (default
+    `keep_in_fp32_names(model)`, read from the model's `_keep_in_fp32_modules`) are computed in fp32. A group
+    computes in one dtype (FSDP2 also reduces one gradient dtype per group), so a block or root that mixes both
+    kinds is split (`_fp32_split`): its children of the other kind than its own parameters become groups first
+    (Wan's block: `attn1`, `attn2`, `ffn` in `param_dtype`, the block's own group `scale_shift_table` and `norm2` in
+    fp32). A group whose parameters are all stored in their forward dtypes already (a frozen network loaded with
+    `from_pretrained(dtype=param_dtype)`) is gathered as stored, unsplit.
     """
     if not dist.is_initialized():
         raise RuntimeError("apply_fsdp2 needs a process group; call miles.utils.distributed.init_process_group first")
     if gradient_checkpointing:
         for block in blocks:
             checkpoint_activations(block)
+    keep = keep_in_fp32_names(model) if keep_in_fp32 is None else set(keep_in_fp32)
+    cast_buffers_as_loaded(model, param_dtype, keep)
     if dist.get_world_size() == 1 and not cpu_offload:  # offloading still moves one block at a time
         blocks = []
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     placement = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
+    computed_in: dict[str, torch.dtype] = {}  # by name: fully_shard replaces the parameter objects
+    groups = 0
+
+    def shard(module: nn.Module, cast_inputs: bool, **kwargs) -> None:
+        nonlocal groups
+        names = {id(p): name for name, p in model.named_parameters()}
+        params = [p for p in module.parameters() if names[id(p)] not in computed_in]  # not in an earlier group
+        dtype = _group_param_dtype(params, [names[id(p)] in keep for p in params], param_dtype)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_inputs)
+        fully_shard(module, mp_policy=policy, **kwargs, **placement)
+        computed_in.update((names[id(p)], dtype or p.dtype) for p in params)
+        groups += 1
+
+    def shard_with_parts(module: nn.Module, cast_inputs: bool, **kwargs) -> None:
+        remaining = {name: p for name, p in model.named_parameters() if name not in computed_in}
+        prefix = next(name for name, m in model.named_modules() if m is module)
+        for part in _fp32_split(module, prefix, remaining, keep, param_dtype):
+            shard(part, False, reshard_after_forward=reshard_after_forward)
+        shard(module, cast_inputs, **kwargs)
+
     for block in blocks:
-        fully_shard(block, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, **placement)
+        shard_with_parts(block, False, reshard_after_forward=reshard_after_forward)
     # The root keeps torch's default (no reshard after forward): its parameters are needed again first in backward.
-    root_policy = MixedPrecisionPolicy(
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_root_inputs
-    )
-    fully_shard(model, mp_policy=root_policy, **placement)
+    shard_with_parts(model, cast_root_inputs)
     model.compute_dtype = param_dtype
+    rounded = sorted(name for name, dtype in computed_in.items() if name in keep and dtype != torch.float32)
     logger.info(
-        "FSDP2 applied: %d block groups + root, param_dtype=%s, reduce_dtype=%s, activation checkpointing %s",
+        "FSDP2 applied: %d groups (%d blocks), param_dtype=%s, reduce_dtype=%s, activation checkpointing %s",
+        groups,
         len(blocks),
         param_dtype,
         reduce_dtype,
         gradient_checkpointing,
     )
+    if rounded:
+        logger.warning(
+            "%d parameters diffusers keeps in fp32 are computed in %s: each sits directly on a module with %s ones, "
+            "and FSDP2 computes a group in one dtype: %s",
+            len(rounded),
+            param_dtype,
+            param_dtype,
+            ", ".join(rounded),
+        )
     return model
+
+
+def keep_in_fp32_names(model: nn.Module) -> set[str]:
+    """Names of the parameters and buffers diffusers' `from_pretrained(dtype=...)` keeps in float32: those with a
+    dotted component in the `_keep_in_fp32_modules` of a model holding them (diffusers' loader rule; Wan's
+    `scale_shift_table`, `time_embedder`, `norm2`, ...). Empty for models without that list."""
+    names: set[str] = set()
+    for prefix, module in model.named_modules():
+        kept = getattr(module, "_keep_in_fp32_modules", None) or ()
+        kept = {kept} if isinstance(kept, str) else set(kept)
+        if not kept:
+            continue
+        for name, _ in (*module.named_parameters(), *module.named_buffers()):
+            if kept.intersection(name.split(".")):
+                names.add(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def cast_buffers_as_loaded(model: nn.Module, dtype: torch.dtype | None, keep: set[str]) -> None:
+    """Hold each float buffer in the dtype `from_pretrained(dtype=dtype)` gives it: persistent buffers (state dict
+    entries, such as SD3's `pos_embed`) in `dtype` unless named in `keep`; non-persistent ones as the model built
+    them (Wan's rotary tables stay fp32). No-op for `dtype` None."""
+    if dtype is None:
+        return
+    for prefix, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            full = f"{prefix}.{name}" if prefix else name
+            if (
+                buffer is not None
+                and buffer.is_floating_point()
+                and name not in module._non_persistent_buffers_set
+                and full not in keep
+            ):
+                module._buffers[name] = buffer.to(dtype)
+
+
+def _fp32_split(
+    module: nn.Module,
+    prefix: str,
+    remaining: dict[str, nn.Parameter],
+    keep: set[str],
+    param_dtype: torch.dtype | None,
+) -> list[nn.Module]:
+    """The submodules to shard, in this order, before `module` so that every group holds parameters of one forward
+    dtype (all in `keep`, or none): the children of the other kind than `module`'s own parameters, each split in
+    turn when it mixes both. Wan's block: `attn1`, `attn2`, `ffn` (`param_dtype`), the block keeping
+    `scale_shift_table` and `norm2` (fp32). Empty when one policy computes the whole of `module` exactly (no kept
+    parameter, all kept, or all stored in their forward dtypes already); `remaining`: the parameters by name that no
+    earlier group holds."""
+
+    def under(path: str) -> list[str]:
+        return [name for name in remaining if not path or name.startswith(path + ".")]
+
+    names = under(prefix)
+    if _one_policy_is_exact([remaining[n] for n in names], [n in keep for n in names], param_dtype):
+        return []
+    own = {n in keep for n in names if n.rpartition(".")[0] == prefix}
+    children = _forward_children(module, prefix)
+    children = [(path, child, {n in keep for n in under(path)}) for path, child in children if under(path)]
+    if len(own) > 1:
+        return []  # kept and other parameters directly on `module`: no split makes its group exact
+    if own:
+        kind = own.pop()
+    else:  # no parameter of its own: it keeps the kind of most of its children (fewer groups)
+        kind = sum(kinds == {True} for *_, kinds in children) > sum(kinds == {False} for *_, kinds in children)
+    parts: list[nn.Module] = []
+    for path, child, kinds in children:
+        if kinds != {kind}:
+            parts += [*_fp32_split(child, path, remaining, keep, param_dtype), child]
+    return parts
+
+
+def _forward_children(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+    """(name, child) of `module`'s children, the modules of a ModuleList / ModuleDict in its place (a container
+    without forward, which `fully_shard` refuses)."""
+    out = []
+    for name, child in module.named_children():
+        path = f"{prefix}.{name}" if prefix else name
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            out += _forward_children(child, path)
+        else:
+            out.append((path, child))
+    return out
+
+
+def _group_param_dtype(
+    params: list[nn.Parameter], kept: list[bool], param_dtype: torch.dtype | None
+) -> torch.dtype | None:
+    """The `param_dtype` of one group's policy: fp32 when all its parameters are kept in fp32; None (each gathered
+    as stored) when every float one is stored in its forward dtype already, fp32 for a kept one and `param_dtype` for
+    the others; else `param_dtype`."""
+    floats = [(p, k) for p, k in zip(params, kept) if p.is_floating_point()]
+    if floats and all(k for _, k in floats):
+        return torch.float32
+    if param_dtype is None or all(p.dtype == (torch.float32 if k else param_dtype) for p, k in floats):
+        return None
+    return param_dtype
+
+
+def _one_policy_is_exact(params: list[nn.Parameter], kept: list[bool], param_dtype: torch.dtype | None) -> bool:
+    """Whether one group's policy gives each float parameter its forward dtype (fp32 if kept, else `param_dtype`):
+    all kept, none kept, or all stored in those dtypes already with the trained ones in one dtype (FSDP2 keeps one
+    original dtype per group)."""
+    floats = [(p, k) for p, k in zip(params, kept) if p.is_floating_point()]
+    if all(k for _, k in floats) or not any(k for _, k in floats):
+        return True
+    as_stored = all(p.dtype == (torch.float32 if k else param_dtype or p.dtype) for p, k in floats)
+    return as_stored and len({p.dtype for p, _ in floats if p.requires_grad}) <= 1
 
 
 def build_mesh(world_size: int, shard_size: int | None, device_type: str) -> DeviceMesh | None:
