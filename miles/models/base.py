@@ -245,13 +245,19 @@ class TrainPipelineConfig(ABC):
 
 def compute_dtype(network: nn.Module) -> torch.dtype:
     """The dtype a network's forward runs in: the `compute_dtype` a mixed-precision wrapper set on it or on a module
-    inside it (FSDP2 stores fp32 master weights and computes in its param dtype), else its parameters' dtype.
+    inside it (FSDP2 stores fp32 master weights and computes in its param dtype), else its parameters' dtype (of those
+    not kept in fp32: a bf16 Wan loaded by from_pretrained holds fp32 norms and tables first).
 
     A family's `predict_velocity` casts its inputs to this dtype, so engines and trainer cast alike."""
+    kept: set[str] = set()  # modules diffusers keeps in fp32 whatever the dtype (Wan's scale_shift_table, norms)
     for module in network.modules():
         dtype = module.__dict__.get("compute_dtype")
         if dtype is not None:
             return dtype
+        kept.update(getattr(module, "_keep_in_fp32_modules", None) or ())
+    for name, param in network.named_parameters():
+        if not kept.intersection(name.split(".")):
+            return param.dtype
     return next(network.parameters()).dtype
 
 

@@ -109,7 +109,7 @@ def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, request
 # dp 1 and 2 agree. FLUX: its fp32 rotary embedding reached the blocks cast to bf16 at dp 2 (2.1e-5 before); SD3: its
 # pos_embed table was fp32 in the trainer, bf16 in the engines (8.1e-5 at dp 1 and 2 before). Wan is not run: its
 # engines cannot sample in bf16 (`compute_dtype` reads its first parameter, the fp32 `scale_shift_table`).
-BF16_CASES = [case for case in FAMILY_CASES if case.id in ("flux-dev", "sd3")]
+BF16_CASES = [case for case in FAMILY_CASES if case.id in ("flux-dev", "sd3", "wan")]
 
 
 @pytest.mark.parametrize("case", BF16_CASES, ids=[case.id for case in BF16_CASES])
