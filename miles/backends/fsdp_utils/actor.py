@@ -20,10 +20,11 @@ from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_latest, save_checkpoint
 from miles.backends.fsdp_utils.ema import ShadowWeights, ema_config_from_args, local_tensor, reshard
-from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, full_state_dict, parse_dtype
+from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, full_state_dict, keep_in_fp32_names, parse_dtype
 from miles.backends.fsdp_utils.lora import (
     LoraBaseNetwork,
     apply_lora,
+    is_lora_key,
     lora_config_from_args,
     lora_state_dict,
     save_lora_adapter,
@@ -309,15 +310,25 @@ class FSDPTrainRayActor(TrainLoop):
         `--ema-rollout-policy ema`, else the live ones; only the LoRA entries with LoRA.
         """
         self.wake()
+        # only the adapter with LoRA; the rest in the engines' dtype, cast before it leaves the device
+        gather = {"keep": is_lora_key if self.lora_config is not None else None, "as_dtype": self._engine_dtype()}
         if self.hooks.engine_weights is not None:
-            state = self.shadows[self.hooks.engine_weights].full_state_dict(self.model)
+            state = self.shadows[self.hooks.engine_weights].full_state_dict(self.model, **gather)
         elif self.ema is not None and self.args.ema_rollout_policy == "ema":
-            state = self.ema.full_state_dict(self.model)
+            state = self.ema.full_state_dict(self.model, **gather)
         else:
-            state = full_state_dict(self.model)
+            state = full_state_dict(self.model, **gather)
         if self.rank != 0:
             return None
         return lora_state_dict(state) if self.lora_config is not None else state
+
+    def _engine_dtype(self):
+        """`as_dtype` of the weight export: the forward dtype the engines hold their transformer in, except what
+        diffusers keeps in fp32 there too and the LoRA adapter (sent as trained); None when that is fp32."""
+        if self.forward_dtype == torch.float32:
+            return None
+        kept = keep_in_fp32_names(self.model)
+        return lambda name: None if name in kept or is_lora_key(name) else self.forward_dtype
 
     def full_state_dict_every_rank(self) -> dict[str, torch.Tensor]:
         """Each rank's own gather of the full weights (to check that ranks agree)."""
@@ -333,7 +344,7 @@ class FSDPTrainRayActor(TrainLoop):
     def save_hf(self, out_dir: str) -> str | None:
         """A diffusers pipeline folder with the trained transformer, or a PEFT LoRA adapter folder with LoRA."""
         self.check_finite_weights(f"write --save-hf {out_dir}")
-        state = full_state_dict(self.model)
+        state = full_state_dict(self.model, keep=is_lora_key if self.lora_config is not None else None)
         if self.rank != 0:
             return None
         os.makedirs(out_dir, exist_ok=True)

@@ -151,11 +151,12 @@ class ShadowWeights:
         """`model` with θ_s swapped in for each call: the frozen `ref` / `old` entry of the trunk's networks."""
         return ShadowNetwork(model, self)
 
-    def full_state_dict(self, model: nn.Module, *, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, model: nn.Module, *, cpu_offload: bool = True, **gather: Any) -> dict[str, torch.Tensor]:
         """The whole model's full state dict with θ_s in place of the trainable parameters (collective), e.g. EMA
-        weights for the rollout engine or `--save-hf`; rank 0 only unless `cpu_offload=False`, like `fsdp.full_state_dict`."""
+        weights for the rollout engine or `--save-hf`; rank 0 only unless `cpu_offload=False`, like `fsdp.full_state_dict`
+        (whose `keep` / `as_dtype` it passes on)."""
         with self.swapped_in(model):
-            state = gather_full_state_dict(model, cpu_offload=cpu_offload)
+            state = gather_full_state_dict(model, cpu_offload=cpu_offload, **gather)
             # entries may alias the parameters, which change back on exit
             return {k: v.clone() if k in self._params else v for k, v in state.items()}
 

@@ -256,7 +256,11 @@ def build_mesh(world_size: int, shard_size: int | None, device_type: str) -> Dev
 
 
 def full_state_dict(
-    model: nn.Module, *, cpu_offload: bool = True, keep: Callable[[str], bool] | None = None
+    model: nn.Module,
+    *,
+    cpu_offload: bool = True,
+    keep: Callable[[str], bool] | None = None,
+    as_dtype: Callable[[str], torch.dtype | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Gather the sharded parameters into full tensors (collective: every rank must call it).
 
@@ -265,10 +269,12 @@ def full_state_dict(
     `cpu_offload=False` every rank receives full tensors on the parameters' device.
 
     `keep(name)` picks the entries to gather (e.g. only a LoRA adapter's); the others cost no collective. Every rank
-    must pass the same filter: ranks that keep different names issue different collectives.
+    must pass the same filter: ranks that keep different names issue different collectives. `as_dtype(name)`: the
+    dtype a floating entry is cast to on its device before it is gathered (None: as stored; with the rank-0 gather
+    only), e.g. the engines' forward dtype, so that half the bytes leave the device.
     """
     if cpu_offload and dist.is_initialized():
-        return bucketed_full_state_dict(model, keep=keep)
+        return bucketed_full_state_dict(model, keep=keep, as_dtype=as_dtype)
     if keep is not None and not cpu_offload:
         # per tensor, as `get_model_state_dict` gathers (it has no filter and would gather every tensor)
         state = model.state_dict()
@@ -335,8 +341,13 @@ def _dim0_shard_dim(value: torch.Tensor) -> int | None:
     return shards[0]
 
 
-def gather_entries(state: Mapping[str, torch.Tensor], keep: Callable[[str], bool] | None = None) -> list[GatherEntry]:
-    """The plan's inputs for a (sharded) state dict, in its order, only the names `keep` accepts."""
+def gather_entries(
+    state: Mapping[str, torch.Tensor],
+    keep: Callable[[str], bool] | None = None,
+    as_dtype: Callable[[str], torch.dtype | None] | None = None,
+) -> list[GatherEntry]:
+    """The plan's inputs for a (sharded) state dict, in its order, only the names `keep` accepts; each floating
+    entry's dtype is the one it is sent in (`as_dtype(name)`, when given and not None)."""
     layouts: dict[tuple[int, int], ShardLayout] = {}  # by mesh object: `DeviceMesh.mesh` is rebuilt on every read
     entries = []
     for name, value in state.items():
@@ -350,7 +361,8 @@ def gather_entries(state: Mapping[str, torch.Tensor], keep: Callable[[str], bool
                 names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names is not None else None
                 layout = ShardLayout(tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), names, dim)
                 layouts[(id(mesh), dim)] = layout
-        entries.append(GatherEntry(name, tuple(value.shape), value.dtype, layout))
+        dtype = as_dtype(name) if as_dtype is not None and value.is_floating_point() else None
+        entries.append(GatherEntry(name, tuple(value.shape), dtype or value.dtype, layout))
     return entries
 
 
@@ -392,7 +404,11 @@ def gather_plan(entries: Sequence[GatherEntry], bucket_bytes: int) -> list[Gathe
 
 
 def bucketed_full_state_dict(
-    model: nn.Module, *, bucket_bytes: int | None = None, keep: Callable[[str], bool] | None = None
+    model: nn.Module,
+    *,
+    bucket_bytes: int | None = None,
+    keep: Callable[[str], bool] | None = None,
+    as_dtype: Callable[[str], torch.dtype | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """`full_state_dict(model)` on rank 0 (CPU tensors, the state dict's order; `{}` elsewhere), bit-identical, with
     one all-gather per bucket of consecutive parameters instead of one per tensor (collective).
@@ -401,20 +417,25 @@ def bucketed_full_state_dict(
     its dim-0 shards of a bucket end to end in one flat tensor, each padded to the largest shard of its tensor; rank 0
     cuts the gathered flats back into full tensors. Tensors of another layout, and buffers, go one by one.
     `bucket_bytes`: per rank, default `GATHER_BUCKET_BYTES` of the collective device. `keep(name)`: only those
-    entries (the same filter on every rank); the others cost no collective.
+    entries (the same filter on every rank); the others cost no collective. `as_dtype(name)`: the dtype a floating
+    entry is sent and returned in (cast on the device, before the gather; None: as stored).
     """
     if bucket_bytes is None:
         bucket_bytes = GATHER_BUCKET_BYTES.get(collective_device().type, GATHER_BUCKET_BYTES["cuda"])
     rank0 = dist.get_rank() == 0
     state = model.state_dict()
     out: dict[str, torch.Tensor] = {}
-    for bucket in gather_plan(gather_entries(state, keep), bucket_bytes):
+    entries = gather_entries(state, keep, as_dtype)
+    dtypes = {entry.name: entry.dtype for entry in entries}
+    for bucket in gather_plan(entries, bucket_bytes):
         if bucket.layout is None:
-            full = _full_tensor(state[bucket.names[0]])
+            name = bucket.names[0]
+            full = _full_tensor(state[name].to(dtypes[name]))
             if rank0:
-                out[bucket.names[0]] = full.detach().cpu()
+                out[name] = full.detach().cpu()
             continue
-        out.update(_gather_bucket([(name, state[name]) for name in bucket.names], bucket.layout.shard_dim, rank0))
+        pairs = [(name, state[name]) for name in bucket.names]
+        out.update(_gather_bucket(pairs, bucket.layout.shard_dim, rank0, dtypes[bucket.names[0]]))
     return {name: out[name] for name in state if name in out}
 
 
@@ -422,7 +443,9 @@ def _full_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def _gather_bucket(bucket: list[tuple[str, DTensor]], shard_dim: int, rank0: bool) -> dict[str, torch.Tensor]:
+def _gather_bucket(
+    bucket: list[tuple[str, DTensor]], shard_dim: int, rank0: bool, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """One all-gather of the bucket's dim-0 shards over the group of mesh dim `shard_dim`; the full tensors on rank 0
     (CPU)."""
     group = bucket[0][1].device_mesh.get_group(shard_dim)
@@ -442,7 +465,7 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]], shard_dim: int, rank0: boo
         layout.append((name, value.shape, rows, row, chunk))
         locals_.append(local.detach().reshape(-1))
     # one copy of each shard into the flat send buffer (the padding zeroed, never read back)
-    send = torch.empty(sum(chunk * row for *_, row, chunk in layout), dtype=bucket[0][1].dtype, device=device)
+    send = torch.empty(sum(chunk * row for *_, row, chunk in layout), dtype=dtype, device=device)
     offset = 0
     for flat, (*_, row, chunk) in zip(locals_, layout):
         send[offset : offset + flat.numel()].copy_(flat)

@@ -29,7 +29,8 @@ ADAPTER_NAME = "default"  # the name `add_adapter` gives; it appears in the mode
 LORA_INIT_WEIGHTS: dict[str, bool | str] = {"true": True, "false": False, "gaussian": "gaussian"}
 
 
-def _is_lora_key(name: str) -> bool:
+def is_lora_key(name: str) -> bool:
+    """Whether a state-dict entry belongs to the LoRA adapter (`...to_q.lora_A.default.weight`)."""
     return any(part.startswith("lora_") for part in name.split("."))
 
 
@@ -99,7 +100,7 @@ def apply_lora(transformer: nn.Module, config: dict[str, Any]) -> nn.Module:
                 getattr(module, layer_name).to(torch.float32)
     trainable = total = 0
     for name, param in transformer.named_parameters():
-        is_lora = _is_lora_key(name)
+        is_lora = is_lora_key(name)
         param.requires_grad_(is_lora)
         trainable += param.numel() if is_lora else 0
         total += param.numel()
@@ -127,7 +128,7 @@ def _initialise_on_cpu(transformer: nn.Module, init: bool | str) -> None:
             layer.to_empty(device="cpu")
             layer.reset_parameters()
         module.reset_lora_parameters(ADAPTER_NAME, init)
-    left = [name for name, p in transformer.named_parameters() if _is_lora_key(name) and p.is_meta]
+    left = [name for name, p in transformer.named_parameters() if is_lora_key(name) and p.is_meta]
     if left:
         raise RuntimeError(
             f"LoRA parameters left on the meta device (an adapter kind miles does not build): {left[:3]}"
@@ -138,7 +139,7 @@ def lora_state_dict(full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     """The LoRA entries of a full model state dict (keys as in the model: `...to_q.lora_A.default.weight`).
 
     An empty dict stays empty (ranks other than 0 get `{}` from `full_state_dict`)."""
-    lora = {k: v for k, v in full_state.items() if _is_lora_key(k)}
+    lora = {k: v for k, v in full_state.items() if is_lora_key(k)}
     if full_state and not lora:
         raise ValueError("the state dict holds no LoRA entries: was apply_lora called on this model?")
     return lora
@@ -148,7 +149,7 @@ def load_lora_state_dict(transformer: nn.Module, lora_state: dict[str, torch.Ten
     """Engine side: copy `lora_state` into an unsharded transformer that got the same `add_adapter(...)`.
 
     Every LoRA parameter must be given, and nothing else."""
-    expected = {k for k in transformer.state_dict() if _is_lora_key(k)}
+    expected = {k for k in transformer.state_dict() if is_lora_key(k)}
     missing, unexpected = sorted(expected - set(lora_state)), sorted(set(lora_state) - expected)
     if missing or unexpected:
         raise KeyError(

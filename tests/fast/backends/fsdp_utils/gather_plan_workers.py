@@ -88,7 +88,14 @@ def gather_report(rank: int, world_size: int, shard_size: int | None) -> dict[st
     report["lora_full_state_dict"] = full_state_dict(model, keep=is_lora)
     every_rank = full_state_dict(model, cpu_offload=False, keep=is_lora)
     report["lora_every_rank"] = {k: v.detach().clone() for k, v in every_rank.items()}
+    with counted_collectives() as sent:  # the engines' dtype, LoRA as trained (the weight export's `as_dtype`)
+        report["bf16"] = bucketed_full_state_dict(model, bucket_bytes=LORA_BUCKET, as_dtype=bf16_except_lora)
+    report["bf16_sent"] = sent
     return report
+
+
+def bf16_except_lora(name: str) -> torch.dtype | None:
+    return None if is_lora(name) else torch.bfloat16
 
 
 def old_code_plan(state: dict[str, torch.Tensor], bucket_bytes: int) -> list[tuple[str, ...]]:

@@ -420,3 +420,19 @@ def test_name_filter_gathers_only_kept_tensors(gloo_reports, run):
         for got in (report["lora"], report["lora_full_state_dict"]):
             assert list(got) == list(lora)
             assert all(torch.equal(got[name], expected) for name, expected in lora.items())
+
+
+@pytest.mark.parametrize("run", ["ws3", "ws6-shard3"])
+def test_gather_in_the_engines_dtype_casts_before_it_sends(gloo_reports, run):
+    """`as_dtype` (the weight export's: bf16 but the LoRA tensors): rank 0 receives each tensor as `full_tensor()`
+    cast to that dtype, bit for bit, and every rank sends the bytes of the cast shards (half for the bf16 ones)."""
+    reports = gloo_reports[run]
+    expected = {n: t if is_lora(n) else t.to(torch.bfloat16) for n, t in reports[0]["per_tensor"].items()}
+    got = reports[0]["bf16"]
+    assert list(got) == list(expected)
+    for name, value in expected.items():
+        assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
+    fp32_bytes = [b for b in reports[0]["sent"][100] if b > 0]  # the same 100-byte buckets, as stored
+    bf16_bytes = [b for b in reports[0]["bf16_sent"] if b > 0]
+    assert sum(bf16_bytes) < sum(fp32_bytes)
+    assert all(report["bf16_sent"] == reports[0]["bf16_sent"] for report in reports)  # the same collectives
