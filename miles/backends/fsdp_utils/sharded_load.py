@@ -111,8 +111,8 @@ def fill_from_checkpoint(model: nn.Module, names: list[str]) -> None:
 
 
 class SafetensorsFile:
-    """One safetensors file's header, and reads of consecutive dim-0 rows of a tensor straight into a tensor's memory
-    (plain file reads: safetensors' own mmap would leave the pages it touched in the process's resident set)."""
+    """One safetensors file's header, and reads of consecutive dim-0 rows of a tensor into a tensor (plain file
+    reads: safetensors' own mmap would leave the pages it touched in the process's resident set)."""
 
     DTYPES = {
         "F64": torch.float64,
@@ -140,20 +140,22 @@ class SafetensorsFile:
         return tuple(self.tensors[key]["shape"])
 
     def read_rows(self, key: str, start: int, out: torch.Tensor) -> None:
-        """Rows [start, start + len(out)) of `key` into `out` (any dtype and device: cast and copied as needed)."""
+        """Rows [start, start + len(out)) of `key` into `out` (any dtype and device: cast and copied as needed).
+
+        Through a bytes buffer of this one tensor's part: reading into `out`'s own memory would need a NumPy view of
+        it, and NumPy views make a storage unresizable for good (sleep / wake resizes storages to free them)."""
         entry = self.tensors[key]
         dtype = self.DTYPES.get(entry["dtype"])
         if dtype is None:
             raise ValueError(f"{self.path}:{key} is stored as {entry['dtype']}, which miles cannot load")
         row_bytes = math.prod(entry["shape"][1:]) * dtype.itemsize
-        direct = out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
-        target = out if direct else torch.empty(out.shape, dtype=dtype)
+        buffer = bytearray(out.numel() * dtype.itemsize)
         with open(self.path, "rb") as f:
             f.seek(self.data_start + entry["data_offsets"][0] + start * row_bytes)
-            if f.readinto(target.view(-1).view(torch.uint8).numpy()) != target.numel() * dtype.itemsize:
+            if f.readinto(buffer) != len(buffer):
                 raise ValueError(f"{self.path} is truncated: {key} does not fit in the file")
-        if not direct:
-            out.copy_(target)
+        if buffer:
+            out.copy_(torch.frombuffer(buffer, dtype=dtype).view(out.shape))
 
 
 def _read_part(value: torch.Tensor, file: SafetensorsFile, key: str) -> None:
