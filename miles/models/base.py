@@ -28,6 +28,19 @@ logger = logging.getLogger(__name__)
 
 # from_pretrained's dtype keyword: `dtype` in the diffusers versions that renamed it, `torch_dtype` before
 DTYPE_KW = "dtype" if hasattr(diffusers.utils.deprecation_utils, "_resolve_dtype") else "torch_dtype"
+# safetensors' dtype names (a file header's "dtype") -> torch dtypes
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 # where `load_pretrained(..., empty=True)` records the folder whose safetensors hold a module's weights
 CHECKPOINT_FOLDER_ATTR = "_miles_checkpoint_folder"
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from miles.models.base import (
     DTYPE_KW,
+    SAFETENSORS_DTYPES,
     TrainPipelineConfig,
     compute_dtype,
     load_pretrained,
@@ -111,7 +112,7 @@ class SD3PipelineConfig(TrainPipelineConfig):
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
                     dtypes[key] = f.get_slice(key).get_dtype()
-        return {k: _SAFETENSORS_DTYPES[v] for k, v in dtypes.items()}
+        return {k: SAFETENSORS_DTYPES[v] for k, v in dtypes.items()}
 
     # text
     def load_text_encoders(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
@@ -267,17 +268,3 @@ def _owning(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         return tensor.clone()
     return tensor
-
-
-_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}

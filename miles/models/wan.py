@@ -31,6 +31,7 @@ from torch import nn
 
 from miles.models.base import (
     DTYPE_KW,
+    SAFETENSORS_DTYPES,
     TrainPipelineConfig,
     compute_dtype,
     load_pretrained,
@@ -39,7 +40,7 @@ from miles.models.base import (
 )
 from miles.models.conditioning import Conditioning
 from miles.models.media import Media
-from miles.models.sd3 import _SAFETENSORS_DTYPES, _WEIGHTS_NAME
+from miles.models.sd3 import _WEIGHTS_NAME
 from miles.models.wan_experts import HIGH_NOISE, LOW_NOISE, WanExperts
 
 logger = logging.getLogger(__name__)
@@ -413,5 +414,5 @@ def _checkpoint_dtypes(folder: Path) -> dict[str, torch.dtype]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                dtypes[key] = _SAFETENSORS_DTYPES[f.get_slice(key).get_dtype()]
+                dtypes[key] = SAFETENSORS_DTYPES[f.get_slice(key).get_dtype()]
     return dtypes

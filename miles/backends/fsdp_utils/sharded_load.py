@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from miles.models.base import CHECKPOINT_FOLDER_ATTR, TrainPipelineConfig
+from miles.models.base import CHECKPOINT_FOLDER_ATTR, SAFETENSORS_DTYPES, TrainPipelineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -114,19 +114,6 @@ class SafetensorsFile:
     """One safetensors file's header, and reads of consecutive dim-0 rows of a tensor into a tensor (plain file
     reads: safetensors' own mmap would leave the pages it touched in the process's resident set)."""
 
-    DTYPES = {
-        "F64": torch.float64,
-        "F32": torch.float32,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "I64": torch.int64,
-        "I32": torch.int32,
-        "I16": torch.int16,
-        "I8": torch.int8,
-        "U8": torch.uint8,
-        "BOOL": torch.bool,
-    }
-
     def __init__(self, path: Path) -> None:
         self.path = path
         with open(path, "rb") as f:
@@ -145,7 +132,7 @@ class SafetensorsFile:
         Through a bytes buffer of this one tensor's part: reading into `out`'s own memory would need a NumPy view of
         it, and NumPy views make a storage unresizable for good (sleep / wake resizes storages to free them)."""
         entry = self.tensors[key]
-        dtype = self.DTYPES.get(entry["dtype"])
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
         if dtype is None:
             raise ValueError(f"{self.path}:{key} is stored as {entry['dtype']}, which miles cannot load")
         row_bytes = math.prod(entry["shape"][1:]) * dtype.itemsize
