@@ -43,25 +43,23 @@ def load_sharded(
     A family whose `load_transformer` takes no `empty`, or a folder without safetensors weights, is loaded whole on
     every rank first, as before, with a warning: that costs a full copy per rank."""
     model = family.load_transformer(path, dtype=dtype, empty=True) if takes_empty(family) else None
-    if model is not None and not all(_safetensors_files(folder) for folder in checkpoint_folders(model).values()):
+    if model is None:
+        logger.warning(
+            "model family %s: load_transformer takes no `empty`; every rank loads the whole network", family.name
+        )
+    elif not all(_safetensors_files(folder) for folder in checkpoint_folders(model).values()):
         logger.warning("%s: no safetensors weights to read shards from; every rank loads the whole network", path)
         model = None
-    if model is None:
-        if not takes_empty(family):
-            logger.warning(
-                "model family %s: load_transformer takes no `empty`; every rank loads the whole network", family.name
-            )
+    sharded_read = model is not None
+    if not sharded_read:
         model = family.load_transformer(path, dtype=dtype).to(device)
-        if prepare is not None:
-            prepare(model)
-        shard(model)
-        return model
     if prepare is not None:
         prepare(model)
     shard(model)
-    empty = [name for name, value in model.state_dict().items() if _local(value).is_meta]
-    materialize(model, device)
-    fill_from_checkpoint(model, empty)
+    if sharded_read:
+        empty = [name for name, value in model.state_dict().items() if _local(value).is_meta]
+        materialize(model, device)
+        fill_from_checkpoint(model, empty)
     return model
 
 

@@ -33,3 +33,24 @@ def test_sharded_load_equals_from_pretrained_then_fully_shard(reports, case):
         assert r["dtype_mismatch"] == [], (rank, case, r["dtype_mismatch"][:5])
         assert r["meta_left"] == [], (rank, case)
     assert reports[3][0]["sd3_lora"]["lora_entries"] > 0
+
+
+def test_a_family_without_empty_loads_whole_with_a_warning(tiny_pipeline_dir, caplog):
+    import torch
+
+    from miles.backends.fsdp_utils.sharded_load import load_sharded
+    from miles.models.sd3 import SD3PipelineConfig
+
+    class OldStyle(SD3PipelineConfig):  # a user family written before `empty`
+        def load_transformer(self, path=None, dtype=torch.float32):
+            return super().load_transformer(path, dtype)
+
+    family = OldStyle(tiny_pipeline_dir)
+    calls = []
+    model = load_sharded(
+        family, None, dtype=torch.float32, device=torch.device("cpu"), shard=calls.append, prepare=calls.append
+    )
+    assert calls == [model, model]  # prepared, then sharded, as the sharded path does
+    assert "takes no `empty`" in caplog.text
+    expected = SD3PipelineConfig(tiny_pipeline_dir).load_transformer().state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
