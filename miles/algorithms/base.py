@@ -1,0 +1,154 @@
+"""The record an algorithm declares itself with (ARCHITECTURE §12): its roles, the frozen networks each holds, what
+it can do (a log-prob ratio, rewards, SDE sampling, engines), its flags and rules, its progress keys and plot panels.
+Plain frozen dataclasses: the driver, the trunk, the rollout side, the checkpoint code, the console and the plot ask
+them; none of those names an algorithm. Imports neither side (no Ray, no torch)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# the flags a role other than the actor may override, each `--<role>-<override>` (dest `<role>_<override>`);
+# unset ones fall back to the actor's flag (`lr` -> --lr, `save` -> --save, ...) or the role's own default
+ROLE_OVERRIDES = ("checkpoint", "lr", "load", "save", "num_steps_per_rollout", "micro_batch_size")
+
+ProgressKey = tuple[str, str, str]  # (label, metrics key, format spec) shown on the console's progress bar
+PlotPanel = tuple[str, tuple[str, ...]]  # (title, metrics keys drawn in it) of metrics.png
+
+
+@dataclass(frozen=True)
+class FrozenNetwork:
+    """A network a role holds besides the trained one, never updated by its optimizer.
+
+    - `checkpoint`: loaded from the folder the flag `path_flag` (an args dest, e.g. `teacher_load`) names, when given.
+    - `shadow`: a copy of the trained weights that only the role's per-rollout step moves (θ_s ← d·θ_s + (1 − d)·θ).
+    `ref` (the KL reference: LoRA base or EMA, from --ref-mode) is not declared: every role holds it when asked.
+    """
+
+    name: str
+    source: str
+    path_flag: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in ("checkpoint", "shadow"):
+            raise ValueError(f"FrozenNetwork {self.name!r}: source must be 'checkpoint' or 'shadow', not {self.source!r}")
+        if (self.source == "checkpoint") != (self.path_flag is not None):
+            raise ValueError(f"FrozenNetwork {self.name!r}: a checkpoint network names its path_flag, a shadow none")
+
+
+TEACHER = FrozenNetwork("teacher", "checkpoint", "teacher_load")  # --teacher-load
+OLD_POLICY = FrozenNetwork("old", "shadow")  # DiffusionNFT's old policy
+
+
+def no_role_default(args: argparse.Namespace) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Role:
+    """One trained network of an algorithm. The actor is the policy / generator / SFT model and reads the run's own
+    flags; any other role takes the `--<name>-*` overrides of ROLE_OVERRIDES, each falling back to the actor's flag
+    unless `defaults` gives it another (e.g. dmd2's critic starts from the teacher: {"checkpoint": "teacher_load"})."""
+
+    name: str
+    frozen_networks: tuple[FrozenNetwork, ...] = ()
+    # override -> the args dest its default is read from (instead of the actor's own flag)
+    defaults: dict[str, str] = field(default_factory=dict)
+    # the default of --<role>-num-steps-per-rollout computed from the args (None: the actor's --num-steps-per-rollout)
+    steps_per_rollout: Callable[[argparse.Namespace], int | None] = no_role_default
+
+    @property
+    def overridable(self) -> bool:
+        return self.name != "actor"
+
+    def flag(self, override: str) -> str:
+        """`--critic-lr` for the critic's `lr`."""
+        return f"--{self.name}-{override}".replace("_", "-")
+
+    def dest(self, override: str) -> str:
+        return f"{self.name}_{override}"
+
+
+ACTOR = Role("actor")
+
+
+def no_arguments(parser: argparse.ArgumentParser) -> None:
+    return None
+
+
+def no_rules(args: argparse.Namespace) -> list[str]:
+    return []
+
+
+def no_derivation(args: argparse.Namespace) -> None:
+    return None
+
+
+DEFAULT_PROGRESS_KEYS: tuple[ProgressKey, ...] = (
+    ("reward", "rollout/reward_mean", ".3f"),
+    ("loss", "train/loss", ".4f"),
+)
+COMMON_PANELS: tuple[PlotPanel, ...] = (
+    ("grad norm", ("train/grad_norm",)),
+    ("seconds per rollout", ("perf/rollout_s", "perf/reward_s", "perf/train_s", "perf/weight_sync_s", "perf/eval_s")),
+)
+EVAL_PANELS: tuple[PlotPanel, ...] = (
+    ("held-out accuracy", ("eval/shapes_accuracy", "eval/shapes_shape_accuracy", "eval/shapes_count_accuracy")),
+    ("held-out reward", ("eval/shapes_reward_mean",)),
+)
+DEFAULT_PLOT_PANELS: tuple[PlotPanel, ...] = (
+    ("rollout reward", ("rollout/reward_mean",)),
+    *EVAL_PANELS,
+    ("loss", ("train/loss",)),
+    *COMMON_PANELS,
+)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """What an algorithm is, declared once.
+
+    - `roles`: in training order; each role's train output feeds the next (a critic trains before the actor it
+      scores for). The last role is the actor, whose weights the engines sample.
+    - `log_prob_ratio`: the loss takes a policy ratio against the rollout's log-probs (the recompute flag and the
+      bf16 recompute default follow from it).
+    - `scores_rewards`: rollouts are scored and advantages computed (False: rewards only as metrics when asked).
+    - `samples_sde`: rollouts record SDE trajectories (the step strategy and shared initial noise apply).
+    - `uses_engines`: rollouts are generated by the engines (False: trains on dataset pairs, --train-only).
+    - `guidance_scale`: the default of --diffusion-guidance-scale.
+    - `add_arguments(parser)`: its own flags; `validate(args) -> list[str]`: its rules, errors naming the flags,
+      never mutating args; `derive(args)`: its computed defaults, applied once after every rule passed.
+    - `progress_keys` (the console bar), `plot_panels` (metrics.png), `identifying_metrics` (keys only its runs log:
+      how `python -m miles.plot DIR` recognises a run of it).
+    """
+
+    name: str
+    roles: tuple[Role, ...] = (ACTOR,)
+    log_prob_ratio: bool = False
+    scores_rewards: bool = True
+    samples_sde: bool = True
+    uses_engines: bool = True
+    guidance_scale: float = 4.5
+    add_arguments: Callable[[argparse.ArgumentParser], None] = no_arguments
+    validate: Callable[[argparse.Namespace], list[str]] = no_rules
+    derive: Callable[[argparse.Namespace], None] = no_derivation
+    progress_keys: tuple[ProgressKey, ...] = DEFAULT_PROGRESS_KEYS
+    plot_panels: tuple[PlotPanel, ...] = DEFAULT_PLOT_PANELS
+    identifying_metrics: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [role.name for role in self.roles]
+        if not names or names[-1] != "actor" or len(set(names)) != len(names):
+            raise ValueError(f"algorithm {self.name!r}: roles {names} must be distinct and end with 'actor'")
+
+    @property
+    def role_names(self) -> list[str]:
+        """The roles in training order."""
+        return [role.name for role in self.roles]
+
+    def role(self, name: str) -> Role:
+        for role in self.roles:
+            if role.name == name:
+                return role
+        raise ValueError(f"--loss-type {self.name} trains no {name!r} role (its roles: {', '.join(self.role_names)})")
