@@ -177,10 +177,10 @@ def driver_phases(meter: CpuMeter, timed: range) -> Iterator[None]:
     """Marks the phases of miles' driver on `meter`: the wait for rollout k's batch (`Generations.get`), its
     training (until the sync), the weight sync (`RolloutManager.update_weights`), for the rollouts in `timed` only;
     what follows a sync is not counted."""
-    import train_diffusion
+    from miles.ray.generations import Generations
     from miles.ray.rollout_manager import RolloutManager
 
-    get, update_weights = train_diffusion.Generations.get, RolloutManager.update_weights
+    get, update_weights = Generations.get, RolloutManager.update_weights
 
     def timed_get(self, rollout_id):
         if meter.phase == STARTUP:  # the first rollout starts: the start-up ends
@@ -196,11 +196,11 @@ def driver_phases(meter: CpuMeter, timed: range) -> Iterator[None]:
         meter.mark(None)
         return seconds
 
-    train_diffusion.Generations.get, RolloutManager.update_weights = timed_get, timed_update_weights
+    Generations.get, RolloutManager.update_weights = timed_get, timed_update_weights
     try:
         yield
     finally:
-        train_diffusion.Generations.get, RolloutManager.update_weights = get, update_weights
+        Generations.get, RolloutManager.update_weights = get, update_weights
 
 
 class InProcessEngines:

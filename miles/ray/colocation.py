@@ -1,6 +1,6 @@
 """Colocated engines and trainer ranks on GPUs take turns holding the memory (`--colocate-sleep`).
 
-Per rollout, with the phases of `train_diffusion.run_rollout`:
+Per rollout, with the phases of the driver's `run_rollout` (`train_diffusion.py`):
 
     engines generate  (trainer ranks asleep: weights, optimizer state, shadows in host memory)
     -> `to_train`:    engines sleep, dropping the trained weights the next sync replaces; trainer ranks wake
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 def shared_gpus(placement: dict[str, list[dict[str, Any]]]) -> set[str]:
     """The GPUs ("node/gpu") that hold both a rollout engine and a trainer rank, from the run's placement
-    (`train_diffusion.record_placement`: `engines` and one entry per trained role)."""
+    (`RunGroups.record_placement`: `engines` and one entry per trained role)."""
 
     def slots(entries: list[dict[str, Any]]) -> set[str]:
         return {f"{entry['node_id']}/{gpu}" for entry in entries for gpu in entry.get("gpus", [])}
@@ -90,16 +90,17 @@ class PhaseMemory:
         if self.enabled:
             self._timed("trainer ranks asleep", [(f"{role} sleep", g.sleep) for role, g in self.groups.items()])
 
-    def to_train(self) -> None:
+    def to_train(self, rollout_id: int | None = None) -> None:
+        """`rollout_id`: the rollout an engine's failure names."""
         if self.enabled:
-            steps = [("engines sleep", lambda: self.engines.sleep(discard_weights=True))]
+            steps = [("engines sleep", lambda: self.engines.sleep(discard_weights=True, rollout_id=rollout_id))]
             steps += [(f"{role} wake", g.wake) for role, g in self.groups.items()]
             self._timed("to the train phase", steps)
 
-    def to_generate(self) -> None:
+    def to_generate(self, rollout_id: int | None = None) -> None:
         if self.enabled:
             steps = [(f"{role} sleep", g.sleep) for role, g in self.groups.items()]
-            steps.append(("engines wake", self.engines.wake))
+            steps.append(("engines wake", lambda: self.engines.wake(rollout_id=rollout_id)))
             self._timed("to the generate phase", steps)
             self._logged = True
 

@@ -9,6 +9,13 @@ import logging
 import time
 from typing import Any
 
+from miles.utils import import_gc
+
+# ruff: noqa: E402 - the imports below come after the collector's pause
+# a Ray worker imports this module to start an engine: its imports run without the collector until
+# EngineActor.__init__ resumes it (docs/user-guide/performance.md, "Imports without the garbage collector")
+import_gc.pause_in_ray_worker()
+
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -16,8 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.ray.placement_group import Colocation
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
-from miles.utils import import_gc
-from miles.utils.failures import current_rollout, where
+from miles.utils.failures import where
 from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import split_contiguous
 
@@ -47,7 +53,7 @@ class EngineActor(DiffusionEngine):
     next one (`miles.utils.heap`) before it loads the pipeline."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        import_gc.resume()  # this class's module imports are done (miles.utils.import_gc)
+        import_gc.resume()  # this module's imports are done (the pause at its top)
         if torch.device(kwargs.get("device", "cpu")).type == "cpu":
             keep_freed_memory()
         super().__init__(*args, **kwargs)
@@ -114,18 +120,17 @@ class RolloutEngineGroup:
         refs = {i: e.set_generate_threads.remote(count) for i, (e, count) in enumerate(zip(self.engines, counts))}
         self._gather(refs, "set_generate_threads")
 
-    def sleep(self, discard_weights: bool = False) -> list[dict[str, float]]:
+    def sleep(self, discard_weights: bool = False, rollout_id: int | None = None) -> list[dict[str, float]]:
         """Every engine moves its networks to host memory; with `discard_weights` the trained weights are freed
-        without a copy (the next `update_weights` replaces them)."""
+        without a copy (the next `update_weights` replaces them). `rollout_id`, as in every call here: the rollout
+        a failure names."""
         refs = {i: e.sleep.remote(discard_weights) for i, e in enumerate(self.engines)}
-        results = self._gather(refs, where("sleep", current_rollout()))
+        results = self._gather(refs, where("sleep", rollout_id))
         return [results[i] for i in range(self.num_engines)]
 
-    def wake(self) -> list[dict[str, float]]:
+    def wake(self, rollout_id: int | None = None) -> list[dict[str, float]]:
         """Every engine brings back what `sleep` moved."""
-        results = self._gather(
-            {i: e.wake.remote() for i, e in enumerate(self.engines)}, where("wake", current_rollout())
-        )
+        results = self._gather({i: e.wake.remote() for i, e in enumerate(self.engines)}, where("wake", rollout_id))
         return [results[i] for i in range(self.num_engines)]
 
     @property
@@ -143,7 +148,7 @@ class RolloutEngineGroup:
         for index, (start, end) in enumerate(split_contiguous(len(request.prompts), self.num_engines)):
             if end > start:
                 refs[index] = self.engines[index].generate.remote(request.rows(start, end))
-        return refs, where("generate", rollout_id if rollout_id is not None else current_rollout())
+        return refs, where("generate", rollout_id)
 
     def collect(self, pending: tuple[dict[int, Any], str]) -> GenerateResult:
         """The result of a `submit`, the engines' parts joined in order."""
@@ -151,11 +156,13 @@ class RolloutEngineGroup:
         results = self._gather(refs, what)
         return GenerateResult.concat([results[i] for i in sorted(results)])
 
-    def update_weights(self, weights: dict[str, torch.Tensor] | ray.ObjectRef, version: int) -> None:
+    def update_weights(
+        self, weights: dict[str, torch.Tensor] | ray.ObjectRef, version: int, rollout_id: int | None = None
+    ) -> None:
         """Put the weights in the object store once (or take a ref already there); every engine loads them."""
         ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
         refs = {i: e.update_weights.remote(ref, version) for i, e in enumerate(self.engines)}
-        self._gather(refs, where(f"weight sync (version {version})", current_rollout()))
+        self._gather(refs, where(f"weight sync (version {version})", rollout_id))
 
     def get_versions(self) -> list[int]:
         results = self._gather({i: e.get_version.remote() for i, e in enumerate(self.engines)}, "get_version")

@@ -12,8 +12,17 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from miles.rollout.rm_hub import RewardError, compute_rewards
 from miles.utils import import_gc
+
+# ruff: noqa: E402 - the imports below come after the collector's pause
+# a Ray worker imports this module to start a reward worker: its imports run without the collector until
+# RewardWorker.__init__ resumes it (docs/user-guide/performance.md, "Imports without the garbage collector")
+import_gc.pause_in_ray_worker()
+
+import ray
+
+from miles.rollout.rm_hub import RewardError, compute_rewards
+from miles.utils.failures import gather
 from miles.utils.misc import split_contiguous
 from miles.utils.types import Sample
 
@@ -36,7 +45,7 @@ class RewardWorker:
     """One reward process; models a reward loads (CLIP) stay cached in it between calls."""
 
     def __init__(self, args: argparse.Namespace, spec: list[tuple[str, float]]) -> None:
-        import_gc.resume()  # a Ray worker: this module's imports are done (miles.utils.import_gc)
+        import_gc.resume()  # this module's imports are done (the pause at its top)
         self.args, self.spec = args, spec
 
     async def ready(self) -> bool:
@@ -77,8 +86,6 @@ class RewardWorkerPool:
         self._starting: list[Any] = []
         if num_workers == 0:
             return
-        import ray
-
         remote_cls = ray.remote(RewardWorker)
         self.workers = [remote_cls.options(num_cpus=num_cpus_per_worker).remote(args, spec) for _ in range(num_workers)]
         self._starting = [worker.ready.remote() for worker in self.workers]
@@ -90,8 +97,6 @@ class RewardWorkerPool:
         """Wait (within the timeout) until every worker has started; a no-op once they have (or with none)."""
         if not self._starting:
             return
-        import ray
-
         try:
             ray.get(self._starting, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -103,20 +108,15 @@ class RewardWorkerPool:
             ) from None
         self._starting = []
 
-    def score(self, samples: list[Sample]) -> RewardResult:
-        """(weighted totals, raw values per reward) for `samples` in order; a worker's RewardError is re-raised."""
+    def score(self, samples: list[Sample], rollout_id: int | None = None) -> RewardResult:
+        """(weighted totals, raw values per reward) for `samples` in order; a worker's RewardError is re-raised, a
+        dead worker is named with `rollout_id`."""
         if not self.workers:
             return _run_sync(compute_rewards(self.args, samples, self.spec))
-        import ray
-
-        from miles.utils.failures import current_rollout, gather
-
         chunks = [(a, b) for a, b in split_contiguous(len(samples), len(self.workers)) if b > a]
         refs = [worker.score.remote(samples[a:b]) for worker, (a, b) in zip(self.workers, chunks)]
         try:  # a dead worker raises ActorDied naming it, the phase and the rollout
-            results = gather(
-                refs, role="reward worker", phase="score", rollout_id=current_rollout(), timeout=self.timeout_s
-            )
+            results = gather(refs, role="reward worker", phase="score", rollout_id=rollout_id, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
                 f"reward workers did not score {len(samples)} samples within {self.timeout_s}s"
@@ -136,9 +136,6 @@ class RewardWorkerPool:
         return totals, per_reward
 
     def shutdown(self) -> None:
-        if self.workers:
-            import ray
-
-            for worker in self.workers:
-                ray.kill(worker)
+        for worker in self.workers:
+            ray.kill(worker)
         self.workers = []

@@ -259,7 +259,7 @@ class RolloutManager:
         chunk = self.args.generate_chunk_size
         if not chunk or chunk >= len(samples) or self.rewards is None or "custom_generate_function_path" in self.hooks:
             result = self._generate(request, rollout_id)
-            self._score(samples, result)
+            self._score(samples, result, rollout_id)
             return result
         bounds = [(start, min(start + chunk, len(samples))) for start in range(0, len(samples), chunk)]
         pending = self.engines.submit(request.rows(*bounds[0]), rollout_id)
@@ -268,7 +268,7 @@ class RolloutManager:
             part = self.engines.collect(pending)
             if k + 1 < len(bounds):  # the engines start on the next chunk before this one is scored
                 pending = self.engines.submit(request.rows(*bounds[k + 1]), rollout_id)
-            self._score(samples[start:end], part)
+            self._score(samples[start:end], part, rollout_id)
             parts.append(part)
         return GenerateResult.concat(parts)
 
@@ -278,7 +278,7 @@ class RolloutManager:
             return self.hooks["custom_generate_function_path"](self.args, self.engines, request)
         return self.engines.generate(request, rollout_id=rollout_id)
 
-    def _score(self, samples: list[Sample], result: Any) -> None:
+    def _score(self, samples: list[Sample], result: Any, rollout_id: int | None = None) -> None:
         """The score step: each sample gets its media (`attach_media`: image, or frames + fps + audio) and, when
         rewards are scored, its weighted reward and terms."""
         from miles.rollout.rm_hub.media import attach_media
@@ -286,7 +286,7 @@ class RolloutManager:
         attach_media(samples, result)
         if self.rewards is None:
             return
-        totals, per_reward = self.rewards.score(samples)
+        totals, per_reward = self.rewards.score(samples, rollout_id)
         for i, (sample, value) in enumerate(zip(samples, totals)):
             sample.reward = value
             sample.extra[REWARD_TERMS] = {name: values[i] for name, values in per_reward.items()}
@@ -308,10 +308,11 @@ class RolloutManager:
             return {}
         return {"rollout/removed_samples_frac": sum(s.remove_sample for s in samples) / max(len(samples), 1)}
 
-    def update_weights(self, actor_group: Any, before_load: Any = None) -> float:
+    def update_weights(self, actor_group: Any, before_load: Any = None, *, rollout_id: int | None = None) -> float:
         """Push the actor's weights (or LoRA / EMA weights, as the actor decides) to every engine; seconds taken.
         `before_load()` runs once the weights are exported (in the object store), before the engines load them
-        (`--colocate-sleep`: the trainer ranks sleep and the engines wake there)."""
+        (`--colocate-sleep`: the trainer ranks sleep and the engines wake there). `rollout_id`: the rollout an
+        engine's failure names (None for the sync before the first rollout)."""
         if self.engines is None:
             if before_load is not None:
                 before_load()
@@ -321,7 +322,7 @@ class RolloutManager:
         exported = actor_group.export_weights_ref()
         if before_load is not None:
             before_load()
-        self.engines.update_weights(exported, self.weights_version)
+        self.engines.update_weights(exported, self.weights_version, rollout_id)
         return time.perf_counter() - started
 
     def metrics(self, rollout_id: int) -> dict[str, Any]:

@@ -6,6 +6,13 @@ import argparse
 import logging
 from typing import Any
 
+from miles.utils import import_gc
+
+# ruff: noqa: E402 - the imports below come after the collector's pause
+# a Ray worker imports this module to start a trainer rank: its imports run without the collector until
+# TrainRankActor.__init__ resumes it (docs/user-guide/performance.md, "Imports without the garbage collector")
+import_gc.pause_in_ray_worker()
+
 import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -17,6 +24,14 @@ from miles.utils.distributed import uses_gpu
 from miles.utils.failures import gather
 
 logger = logging.getLogger(__name__)
+
+
+class TrainRankActor(FSDPTrainRayActor):
+    """The trunk actor as Ray starts it: the collector back on, first thing, once this module's imports are done."""
+
+    def __init__(self, world_size: int, rank: int, role: str) -> None:
+        import_gc.resume()
+        super().__init__(world_size, rank, role)
 
 
 def rank_options(
@@ -50,7 +65,7 @@ class RayTrainGroup:
             )
         else:
             self.placement_group = colocation.placement_group
-        remote_cls = ray.remote(FSDPTrainRayActor)
+        remote_cls = ray.remote(TrainRankActor)
         self.actors = [
             remote_cls.options(**rank_options(args, rank, self.placement_group, colocation)).remote(
                 self.world_size, rank, role

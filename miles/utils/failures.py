@@ -9,19 +9,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
 logger = logging.getLogger(__name__)
-
-_current_rollout: int | None = None
-
-
-def set_current_rollout(rollout_id: int | None) -> None:
-    """The driver's rollout, named by failures of actors that are not told it (engines, reward workers)."""
-    global _current_rollout
-    _current_rollout = rollout_id
-
-
-def current_rollout() -> int | None:
-    return _current_rollout
 
 
 def where(phase: str, rollout_id: int | None) -> str:
@@ -45,9 +36,6 @@ def gather(
     A dead actor raises `ActorDied`; an exception raised inside an actor is re-raised with a note naming the actor.
     `role` reads as a prefix of the rank: "actor rank", "reward worker".
     """
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
     rank_of = {ref: rank for rank, ref in enumerate(refs)}
     results: list = [None] * len(refs)
     deadline = None if timeout is None else time.monotonic() + timeout

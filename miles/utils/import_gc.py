@@ -1,15 +1,12 @@
-"""Python's cyclic garbage collector paused while a process imports torch, diffusers, transformers and peft.
+"""Python's cyclic garbage collector paused while a process imports torch, diffusers, transformers and peft: their
+hundreds of thousands of long-lived objects are scanned again and again as they pile up, and none is garbage (the
+start-up CPU it saves: docs/user-guide/performance.md, "Imports without the garbage collector").
 
-Those imports create hundreds of thousands of long-lived objects (modules, functions, classes), and the collector
-scans them again and again as they pile up: measured on 2026-12-01 (2-core CPU machine), the imports of a trainer
-rank took 7.2-7.6 CPU s with the collector on and 4.9-5.9 s with it off. Nothing they create is garbage, so the pause
-frees nothing later either.
-
-- `paused()`: the collector off inside a `with` block (the driver's start-up).
-- `pause_in_ray_worker()`: called by `import miles`; in a Ray worker process (not a driver) it turns the collector
-  off, because there `import miles` is the start of the actor class's module imports. Each miles actor calls
-  `resume()` first thing in `__init__`, once those imports are done; a worker that imports miles for anything else
-  gets its collector back after `PAUSE_LIMIT_S` at the latest.
+- `paused()`: the collector off inside a `with` block (the driver's start-up in `train_diffusion.run`).
+- `pause_in_ray_worker()`: called at the top of each module that holds a Ray actor class (`miles.ray.train_group`,
+  `engine_group`, `reward_workers`), before its imports: a Ray worker imports that module to start the actor. Outside
+  a Ray worker it does nothing. The actor's `__init__` calls `resume()` first thing, once those imports are done; a
+  worker that imports such a module for anything else gets its collector back after `PAUSE_LIMIT_S` at the latest.
 """
 
 from __future__ import annotations

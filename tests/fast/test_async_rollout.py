@@ -8,6 +8,8 @@ import time
 import pytest
 
 import train_diffusion
+from miles.ray.generations import staleness_metrics
+from miles.ray.groups import RunGroups
 from miles.rollout.rollout_hub import ROLLOUT_SPECS, check_async_rollout
 from miles.utils.arguments import parse_args
 
@@ -79,7 +81,7 @@ class World:
     def metrics(self, rollout_id):
         return {"rollout/epoch": 0, **self.last_metrics}
 
-    def update_weights(self, group, before_load=None):
+    def update_weights(self, group, before_load=None, *, rollout_id=None):
         if before_load is not None:
             before_load()
         self.weights_version += 1
@@ -106,7 +108,9 @@ def test_the_driver_generates_one_rollout_ahead_and_records_a_staleness_of_at_mo
     flags = ("--loss-type", "nft", "--num-rollout", "4", "--no-progress", *(("--async-rollout",) if ahead else ()))
     args, world = args_for(*flags), World(ahead)
     summary: dict = {"losses": []}
-    train_diffusion.train_rollouts(args, {"actor": world}, world, None, world, 0, summary, time.perf_counter())
+    train_diffusion.train_rollouts(
+        args, RunGroups(args, {"actor": world}, world), world, 0, summary, time.perf_counter()
+    )
     records = summary["rollouts"]
     trains = [e[1:] for e in world.events if e[0] == "train"]
     assert trains == [(k, f"batch {k}") for k in range(4)]  # every batch trains once, in order
@@ -126,4 +130,4 @@ def test_a_batch_more_than_one_update_behind_is_an_error():
     args = args_for("--loss-type", "nft", "--async-rollout")
     manager = type("M", (), {"weights_version": 5})()
     with pytest.raises(RuntimeError, match="generated with weights version 3 but the trainer holds version 5"):
-        train_diffusion.staleness_metrics(args, manager, 7, {"rollout/weights_version": 3}, 0.0)
+        staleness_metrics(args, manager, 7, {"rollout/weights_version": 3}, 0.0)

@@ -149,11 +149,11 @@ def test_latent_geometry_and_video_media(tiny_wan_dir):
 
 def test_startup_refuses_what_a_wan_run_cannot_do(tiny_wan_dir, tiny_wan_2_experts_dir):
     """The driver's start-up check, before Ray: the family's options and checks, and the image-only shapes eval."""
-    import train_diffusion
+    from miles.startup import check_startup
     from miles.utils.arguments import parse_args
 
     def check(path, *flags):
-        train_diffusion.check_startup(parse_args(["--hf-checkpoint", path, "--num-frames", "5", *flags]))
+        check_startup(parse_args(["--hf-checkpoint", path, "--num-frames", "5", *flags]))
 
     check(tiny_wan_2_experts_dir, "--loss-type", "nft", "--eval-interval", "0", "--wan-trained-experts", "low-noise")
     with pytest.raises(ValueError, match="--use-lora with a two-expert Wan folder"):

@@ -11,6 +11,7 @@ import pytest
 
 import train_diffusion
 from miles.ray.colocation import PhaseMemory, shared_gpus
+from miles.ray.groups import RunGroups
 from miles.utils.arguments import parse_args
 
 
@@ -25,12 +26,13 @@ class Peer:
         self.name, self.events = name, events
         self.actors = self.engines = [object()]
 
-    def sleep(self, discard_weights: bool | None = None):
-        self.events.append((self.name, "sleep") if discard_weights is None else (self.name, "sleep", discard_weights))
+    def sleep(self, discard_weights: bool | None = None, rollout_id: int | None = None):
+        event = (self.name, "sleep") if discard_weights is None else (self.name, "sleep", discard_weights)
+        self.events.append(event if rollout_id is None else (*event, f"rollout {rollout_id}"))
         return [{"copied_bytes": 1 << 20, "discarded_bytes": 0}]
 
-    def wake(self):
-        self.events.append((self.name, "wake"))
+    def wake(self, rollout_id: int | None = None):
+        self.events.append((self.name, "wake") if rollout_id is None else (self.name, "wake", f"rollout {rollout_id}"))
         return [{"copied_bytes": 1 << 20, "discarded_bytes": 0}]
 
 
@@ -93,7 +95,7 @@ class World(Peer):
         self.events.append(("train", rollout_id))
         return data
 
-    def update_weights(self, group, before_load=None):
+    def update_weights(self, group, before_load=None, *, rollout_id=None):
         self.events.append(("export",))
         if before_load is not None:
             before_load()
@@ -113,17 +115,16 @@ def test_each_rollout_hands_the_device_to_the_trainer_ranks_then_back_to_the_eng
     args = args_for("--colocate-sleep", "on", "--num-rollout", "2", "--eval-interval", "0")
     phases = PhaseMemory(args, {"actor": world}, engines)
     phases.start()
-    train_diffusion.train_rollouts(
-        args, {"actor": world}, world, None, world, 0, {"losses": []}, time.perf_counter(), phases
-    )
+    run_groups = RunGroups(args, {"actor": world}, world, phases=phases)
+    train_diffusion.train_rollouts(args, run_groups, world, 0, {"losses": []}, time.perf_counter())
     rollout = lambda k: [  # noqa: E731
         ("generate", k),
-        ("engines", "sleep", True),  # the trained weights are dropped: the sync after training replaces them
+        ("engines", "sleep", True, f"rollout {k}"),  # the trained weights are dropped: the sync replaces them
         ("actor", "wake"),
         ("train", k),
         ("export",),  # the weights are in host memory (the object store) before the ranks sleep
         ("actor", "sleep"),
-        ("engines", "wake"),
+        ("engines", "wake", f"rollout {k}"),  # an engine that fails names the rollout
         ("load",),
         ("log", ["perf/colocate_swap_s"]),
     ]

@@ -53,7 +53,7 @@ class Rewards:
     def __init__(self, events: list) -> None:
         self.events = events
 
-    def score(self, samples):
+    def score(self, samples, rollout_id=None):
         self.events.append(("score", tuple(s.seed for s in samples)))
         totals = [float(s.image.mean()) / 255 for s in samples]
         return totals, {"brightness": totals}

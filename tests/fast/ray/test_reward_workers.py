@@ -92,14 +92,12 @@ def test_negative_worker_count_names_the_flag(rm_args):
 def test_a_dead_worker_is_named_with_the_rollout(ray_cluster, rm_args):
     import ray
 
-    from miles.utils.failures import ActorDied, set_current_rollout
+    from miles.utils.failures import ActorDied
 
     dying = RewardWorkerPool(rm_args, SPEC, num_workers=2, timeout_s=120)
     try:
         ray.kill(dying.workers[1])
-        set_current_rollout(4)  # the driver's loop sets it
         with pytest.raises(ActorDied, match=r"^reward worker 1 died during score of rollout 4: "):
-            dying.score(shape_samples(4))
+            dying.score(shape_samples(4), rollout_id=4)
     finally:
-        set_current_rollout(None)
         dying.shutdown()

@@ -12,7 +12,6 @@ from miles.diffusion.sde import get_sde_kernel
 from miles.models.base import get_train_pipeline_config
 from miles.ray.engine_group import EngineError, RolloutEngineGroup
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, RolloutEngine
-from miles.utils.failures import set_current_rollout
 from miles.utils.misc import split_contiguous as split_evenly
 
 logger = logging.getLogger(__name__)
@@ -266,11 +265,13 @@ def test_engine_group_matches_one_engine_syncs_weights_and_names_a_dead_engine(r
         assert group.health() == [True, False]
         with pytest.raises(EngineError, match="rollout engine 1 of 2 died during generate of rollout 5"):
             group.generate(request(), rollout_id=5)
-        set_current_rollout(6)  # the driver's loop sets it; weight sync is not told the rollout
         with pytest.raises(EngineError, match=r"engine 1 of 2 died during weight sync \(version 2\) of rollout 6"):
-            group.update_weights(original, version=2)
+            group.update_weights(original, version=2, rollout_id=6)
+        with pytest.raises(EngineError, match="rollout engine 1 of 2 died during sleep of rollout 7"):
+            group.sleep(rollout_id=7)
+        with pytest.raises(EngineError, match="rollout engine 1 of 2 died during wake of rollout 7"):
+            group.wake(rollout_id=7)
     finally:
-        set_current_rollout(None)
         group.shutdown()
 
 

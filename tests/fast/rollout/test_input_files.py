@@ -52,15 +52,18 @@ def test_an_unknown_builtin_checkpoint_names_the_known_ones():
 
 
 def test_the_driver_checks_prompt_files_before_any_actor_starts(tmp_path, monkeypatch, tiny_pipeline_dir):
-    """The checks run while Ray starts (`run`): a failed one stops the run before any actor, with Ray shut down, and
-    is the error reported even when Ray failed too."""
+    """The checks run while Ray starts (`miles.startup.start_up`): a failed one stops the run before any actor, with
+    Ray shut down, and is the error reported even when Ray failed too."""
     import ray
 
+    import miles.startup
+    from miles.ray.groups import RunGroups
+
     events = []
-    monkeypatch.setattr(train_diffusion, "ray_init_settings", lambda args: {"address": "local"})
+    monkeypatch.setattr(miles.startup, "ray_init_settings", lambda args: {"address": "local"})
     monkeypatch.setattr(ray, "init", lambda **kwargs: events.append("ray.init"))
     monkeypatch.setattr(ray, "shutdown", lambda: events.append("ray.shutdown"))
-    monkeypatch.setattr(train_diffusion, "launch_groups", lambda args: pytest.fail("an actor group started"))
+    monkeypatch.setattr(RunGroups, "launch", lambda args: pytest.fail("an actor group started"))
     data = tmp_path / "p.jsonl"
     data.write_bytes(b'{"prompt": "a"}\n{"prompt": "b\xc3"}\n')
     args = parse_args(["--hf-checkpoint", tiny_pipeline_dir, "--prompt-data", str(data), "--output-dir",

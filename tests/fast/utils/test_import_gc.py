@@ -1,15 +1,21 @@
-"""The garbage collector paused during imports (`miles.utils.import_gc`): in a Ray worker from `import miles` to the
-actor's `__init__`, in the driver during its start-up, and never left off."""
+"""The garbage collector paused during imports (`miles.utils.import_gc`): in a Ray worker from the top of an actor
+class's module to the actor's `__init__`, in the driver during its start-up, and never left off."""
 
 from __future__ import annotations
 
+import ast
 import gc
+import importlib.util
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from miles.ray.reward_workers import RewardWorker
 from miles.utils import import_gc
+
+ACTOR_MODULES = ["miles.ray.train_group", "miles.ray.engine_group", "miles.ray.reward_workers"]
 
 
 @pytest.fixture
@@ -73,14 +79,39 @@ def test_a_ray_actor_imports_with_the_collector_off_and_runs_with_it_on(ray_clus
     assert off_at_init and on_after
 
 
-def test_every_miles_actor_resumes_the_collector_in_its_init(collector_restored, monkeypatch):
+def test_every_miles_actor_resumes_the_collector_first_thing(collector_restored, monkeypatch):
     from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
+    from miles.ray.train_group import TrainRankActor
 
-    calls = []
-    monkeypatch.setattr(import_gc, "resume", lambda: calls.append("resume"))
-    FSDPTrainRayActor(1, 0, "actor")
-    RewardWorker(None, [])
-    assert calls == ["resume", "resume"]  # EngineActor, and the order: tests/fast/rollout/test_engine.py
+    seen = []  # whether the collector was on when the trunk's own __init__ began
+    monkeypatch.setattr(FSDPTrainRayActor, "__init__", lambda self, *args: seen.append(gc.isenabled()))
+    monkeypatch.setattr(import_gc, "_in_ray_worker", lambda: True)
+    for make in (lambda: TrainRankActor(1, 0, "actor"), lambda: RewardWorker(None, [])):
+        assert import_gc.pause_in_ray_worker() and not gc.isenabled()
+        make()
+        assert gc.isenabled()
+    assert seen == [True]  # EngineActor, and the order: tests/fast/rollout/test_engine.py
+
+
+@pytest.mark.parametrize("module", ACTOR_MODULES)
+def test_each_actor_module_pauses_the_collector_before_its_heavy_imports(module):
+    """A Ray worker imports the module of the actor class it starts: only the standard library and import_gc may
+    come before the pause, every other import after it."""
+    body = ast.parse(Path(importlib.util.find_spec(module).origin).read_text()).body
+    pause = next(
+        i
+        for i, node in enumerate(body)
+        if isinstance(node, ast.Expr) and ast.unparse(node.value) == "import_gc.pause_in_ray_worker()"
+    )
+    before = [
+        alias.name if isinstance(node, ast.Import) else node.module
+        for node in body[:pause]
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in (node.names if isinstance(node, ast.Import) else [None])
+    ]
+    allowed = set(sys.stdlib_module_names) | {"__future__", "miles.utils"}
+    assert before and all(name.split(".")[0] in allowed or name in allowed for name in before), before
+    assert any(isinstance(node, (ast.Import, ast.ImportFrom)) for node in body[pause:])
 
 
 def test_built_in_families_import_with_the_collector_off(collector_restored, monkeypatch):

@@ -1,0 +1,173 @@
+"""The run's actors as one thing (ARCHITECTURE §4): the trainer groups, the rollout manager (engines, reward
+workers), the shared placement group of --colocate, the evaluator; started together, stopped together."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from miles.algorithms import algorithm_of
+from miles.ray.checkpoint_folders import check_roles_agree, save_folders, write_latest_pointers
+from miles.ray.colocation import PhaseMemory
+from miles.ray.placement_group import Colocation, actor_nodes, create_colocation, write_placement
+from miles.startup import check_data_source_resume
+from miles.utils.distributed import engine_cpus, uses_gpu
+from miles.utils.eval_arguments import eval_enabled
+from miles.utils.failures import run_cleanup
+from miles.utils.threads import phase_thread_counts
+
+logger = logging.getLogger(__name__)
+
+
+def roles_to_start(args: argparse.Namespace) -> list[str]:
+    """The trainer groups this run starts, in training order: none for debug rollouts or for evaluating the
+    pipeline as loaded (--eval-only without --load)."""
+    return [] if args.debug_rollout_only or (args.eval_only and not args.load) else algorithm_of(args).role_names
+
+
+def colocation_for(args: argparse.Namespace) -> Colocation | None:
+    """--colocate: the placement group that the trainer groups and the engines share (None without the flag)."""
+    if not args.colocate:
+        return None
+    return create_colocation(
+        args.dp_size,
+        len(roles_to_start(args)),
+        args.rollout_num_engines,
+        use_gpu=uses_gpu(args),
+        cpus_per_rank=args.cpus_per_rank,
+        cpus_per_engine=engine_cpus(args),
+    )
+
+
+class RunGroups:
+    """`groups` (role -> RayTrainGroup, in training order), `rollout_manager`, and what they share; `phases` moves
+    them in and out of device memory (--colocate-sleep; off until `start`)."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        groups: dict[str, Any],
+        rollout_manager: Any,
+        *,
+        colocation: Colocation | None = None,
+        evaluator: Any = None,
+        phases: PhaseMemory | None = None,
+    ) -> None:
+        self.args, self.groups, self.rollout_manager = args, groups, rollout_manager
+        self.colocation, self.evaluator = colocation, evaluator
+        self.phases = phases if phases is not None else PhaseMemory(args, {}, None)
+
+    @classmethod
+    def launch(cls, args: argparse.Namespace) -> RunGroups:
+        """Every actor starts at once, none waited for (`start` waits); on a failure those started are stopped."""
+        # imported here, not at the top: the driver imports this module before ray.init, and these (diffusers,
+        # transformers, peft: ~4 s of CPU) load meanwhile on the start-up checks' thread (miles/startup.py)
+        from miles.ray.evaluator import Evaluator
+        from miles.ray.rollout_manager import RolloutManager
+        from miles.ray.train_group import RayTrainGroup
+
+        launched = cls(args, {}, None, colocation=colocation_for(args))
+        try:
+            for role in roles_to_start(args):
+                launched.groups[role] = RayTrainGroup(args, role, colocation=launched.colocation)
+            launched.rollout_manager = RolloutManager(args, wait=False, colocation=launched.colocation)
+            launched.evaluator = Evaluator(args) if eval_enabled(args) else None
+        except BaseException:  # a placement group that never came, a broken prompt file
+            run_cleanup(launched.shutdown_steps())
+            raise
+        return launched
+
+    def start(self) -> int:
+        """Initialise and resume the trainer groups while the engines and reward workers load, set the per-phase
+        thread counts, give the engines the actor's weights, record where everything runs and, with
+        --colocate-sleep, put the trainer ranks to sleep. Returns the first rollout id."""
+        args, groups, manager = self.args, self.groups, self.rollout_manager
+        for group in groups.values():
+            group.start_init()
+        manager.wait_ready()
+        starts = {role: group.finish_init() for role, group in groups.items()}
+        check_roles_agree(args, list(starts), starts)
+        self.set_phase_threads()
+        start_rollout_id = min(starts.values(), default=0)
+        if args.load and start_rollout_id > 0:
+            check_data_source_resume(args.load, start_rollout_id, manager.source)
+        if groups:
+            manager.update_weights(groups["actor"])
+        self.phases = PhaseMemory(args, groups, manager.engines, self.record_placement())
+        self.phases.start()
+        return start_rollout_id
+
+    def record_placement(self) -> dict:
+        """Where every trainer rank and engine runs (node, IP, GPU ids): `placement.json` in the output folder and a
+        log line per role. Returns it, by role (`engines` for the engines)."""
+        placement = {role: actor_nodes(group.actors) for role, group in self.groups.items()}
+        if self.rollout_manager.engines is not None:
+            placement["engines"] = actor_nodes(self.rollout_manager.engines.engines)
+        write_placement(self.args.output_dir, placement)
+        return placement
+
+    def set_phase_threads(self) -> None:
+        """Colocated phases on CPU (`--cpu-phase-threads auto`): engines and trainer ranks that share a node use its
+        cores for their own phase (generate / train) and their base count otherwise (`miles.utils.threads`)."""
+        args, engines = self.args, self.rollout_manager.engines
+        if args.cpu_phase_threads == "off" or uses_gpu(args) or engines is None or not self.groups:
+            return
+        if args.async_rollout:  # generation and training overlap: no phase has the node to itself
+            logger.info("phase threads off: --async-rollout runs generation and training at once")
+            return
+        groups = self.groups.values()
+        engine_counts, rank_counts = phase_thread_counts(engines.node_infos(), [g.node_infos() for g in groups])
+        engines.set_generate_threads(engine_counts)
+        for group, counts in zip(groups, rank_counts):
+            group.set_train_threads(counts)
+        logger.info(
+            "phase threads: engines generate with %s, trainer ranks train with %s torch threads",
+            engine_counts,
+            dict(zip(self.groups, rank_counts)),
+        )
+
+    def save(self, rollout_id: int) -> float | None:
+        """Every role with a save folder saves rollout `rollout_id` (with the data source's state), then the latest
+        pointers move; seconds taken, or None when no role saves."""
+        folders = save_folders(self.args, list(self.groups))  # role -> --save / --critic-save
+        if not folders:
+            return None
+        started = time.perf_counter()
+        extra = {"data_source": self.rollout_manager.source.state_dict(rollout_id + 1)}
+        for role in folders:
+            self.groups[role].save(rollout_id, extra)
+        write_latest_pointers(folders, rollout_id)
+        return time.perf_counter() - started
+
+    def update_weights(self, rollout_id: int) -> float:
+        """The actor's weights to the engines after rollout `rollout_id` trained; with --colocate-sleep the trainer
+        ranks sleep and the engines wake once the weights are exported. Seconds taken."""
+        to_generate = functools.partial(self.phases.to_generate, rollout_id)
+        return self.rollout_manager.update_weights(self.groups["actor"], to_generate, rollout_id=rollout_id)
+
+    def pop_metrics(self) -> list[dict[str, Any]]:
+        """The trainer windows' records since the last call, group by group in training order."""
+        return [record for group in self.groups.values() for record in group.pop_metrics()]
+
+    def evaluate(self, rollout_id: int) -> dict[str, float]:
+        """The held-out eval on the engines, recorded at `rollout_id` (0: the baseline before any update)."""
+        return self.evaluator.evaluate(self.rollout_manager.engines, rollout_id)
+
+    def save_hf(self, out_dir: str, rollout_id: int | None = None) -> None:
+        """The actor as a diffusers pipeline folder (or LoRA adapter); its ranks hold the device for the gather."""
+        self.phases.to_train(rollout_id)
+        self.groups["actor"].save_hf(out_dir)
+        logger.info("wrote a diffusers pipeline folder to %s", out_dir)
+
+    def shutdown_steps(self) -> list[tuple[str, Callable[[], Any]]]:
+        """The cleanup steps of everything here, in order (`failures.run_cleanup` runs them all)."""
+        steps = [(f"shutdown of the {role} group", group.shutdown) for role, group in self.groups.items()]
+        if self.rollout_manager is not None:
+            steps.append(("shutdown of the rollout manager", self.rollout_manager.shutdown))
+        if self.colocation is not None:
+            steps.append(("removing the shared placement group", self.colocation.remove))
+        return steps

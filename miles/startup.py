@@ -1,0 +1,146 @@
+"""A run's start-up before any actor: its save folders locked, every check that needs no actor (flags, hook paths,
+the family, prompt files, the roles' resume points) on a worker thread while `ray.init` runs on the main thread."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from miles.algorithms import algorithm_of
+from miles.backends.fsdp_utils.checkpoint import read_extra
+from miles.backends.fsdp_utils.loss_hub import get_loss_hooks
+from miles.ray.checkpoint_folders import check_roles_agree, lock_save_folders
+from miles.ray.cluster import ray_init_settings, start_ray
+from miles.rollout.input_files import check_input_files
+from miles.utils.eval_arguments import eval_enabled
+from miles.utils.failures import run_cleanup
+from miles.utils.hook_paths import load_path_flags
+from miles.utils.locks import FolderLocks
+
+logger = logging.getLogger(__name__)
+
+
+def check_startup(args: argparse.Namespace) -> None:
+    """Every path flag loads with the right signature, the family accepts its options and the run's flags, the
+    loss type has its entries."""
+    # diffusers and transformers (~3 s of CPU): imported here, on the checks' thread while ray.init runs
+    from miles.models.base import family_options, get_train_pipeline_config, load_family_class
+    from miles.rollout.rollout_hub import check_async_rollout, get_rollout_spec
+
+    load_path_flags(args)
+    if args.train_pipeline_config_path:
+        load_family_class(args.train_pipeline_config_path)
+    # the family's options (--num-frames, ...) against the folder, and its own checks of the run's flags
+    family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
+    family.check_run_args(args)
+    if eval_enabled(args) and not args.eval_function_path and len(family.latent_shape(args.resolution)) != 3:
+        raise ValueError(
+            f"the built-in shapes eval scores images, and {family.name} makes video: pass --eval-interval 0 or your "
+            "own --eval-function-path"
+        )
+    for role in algorithm_of(args).role_names:
+        get_loss_hooks(args, role)
+    if not args.train_only:
+        get_rollout_spec(args.loss_type)
+    check_async_rollout(args)
+
+
+def startup_checks(args: argparse.Namespace) -> float:
+    """Built-in checkpoint names resolved, then every check that needs no actor: `check_startup`, the prompt files
+    (FILE:LINE errors), the roles' resume points. Returns when they ended (`time.perf_counter`)."""
+    from miles.models.builtin import resolve_checkpoint  # the family modules (as in check_startup)
+
+    for dest in ("hf_checkpoint", "teacher_load", "critic_checkpoint"):  # builtin:NAME -> the packaged folder
+        setattr(args, dest, resolve_checkpoint(getattr(args, dest, None)))
+    check_startup(args)
+    check_input_files(args)
+    check_roles_agree(args, algorithm_of(args).role_names)
+    # what RunGroups.launch imports next (peft, the engine and trainer modules), imported here meanwhile
+    import miles.ray.evaluator  # noqa: F401
+    import miles.ray.rollout_manager  # noqa: F401
+    import miles.ray.train_group  # noqa: F401
+
+    return time.perf_counter()
+
+
+@dataclass(frozen=True)
+class StartUp:
+    """What the start-up leaves the run: whether this process started Ray (and so stops it), the save-folder locks,
+    and when its phases ended (`time.perf_counter`)."""
+
+    own_ray: bool
+    locks: FolderLocks
+    sized: float
+    checked: float
+    ray_ready: float
+
+    def log_phases(self, started: float) -> None:
+        """One line: sizing, the checks alongside ray.init, the actors' start (until now)."""
+        logger.info(
+            "start-up phases: sizing the cluster %.1fs, then checks %.1fs alongside ray.init %.1fs, actors (started "
+            "together) %.1fs",
+            self.sized - started,
+            self.checked - self.sized,
+            self.ray_ready - self.sized,
+            time.perf_counter() - max(self.checked, self.ray_ready),
+        )
+
+    def shutdown_steps(self) -> list[tuple[str, Callable[[], Any]]]:
+        steps = [("ray.shutdown", ray.shutdown)] if self.own_ray else []
+        return [*steps, ("releasing the save-folder locks", self.locks.release)]
+
+
+def start_up(args: argparse.Namespace) -> StartUp:
+    """Size the cluster and lock the save folders (held until the run ends, released if the process dies), then
+    `startup_checks` on a thread while Ray starts here: their errors still come before any actor, and a failed check
+    is the error reported even when Ray failed too (Ray's stays attached as its context)."""
+    settings = ray_init_settings(args)
+    locks = lock_save_folders(args)
+    sized = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-checks") as pool:
+        checks = pool.submit(startup_checks, args)
+        try:
+            own_ray = start_ray(settings)
+        except BaseException:
+            locks.release()
+            failed_check = checks.exception()  # waits for the checks
+            if failed_check is not None:
+                raise failed_check  # noqa: B904 - Ray's error stays attached as its context
+            raise
+        ray_ready = time.perf_counter()
+        try:
+            checked = checks.result()
+        except BaseException:
+            run_cleanup(StartUp(own_ray, locks, sized, sized, ray_ready).shutdown_steps())
+            raise
+    return StartUp(own_ray, locks, sized, checked, ray_ready)
+
+
+def check_data_source_resume(load_dir: str, start_rollout_id: int, source: Any) -> None:
+    """Warn when a resumed run would not continue the saved prompt stream (other data, seed or batch size)."""
+    extra = read_extra(load_dir, start_rollout_id - 1, "actor") or {}
+    state = extra.get("data_source")
+    if state is None:
+        logger.warning(
+            "%s holds no data-source state: cannot confirm that rollout %d continues the saved prompt stream",
+            load_dir,
+            start_rollout_id,
+        )
+        return
+    mismatches = source.resume_mismatches(state, start_rollout_id)
+    if mismatches:
+        logger.warning(
+            "resuming from %s with different prompt data or settings; the prompt stream will not continue the "
+            "saved one (%s)",
+            load_dir,
+            "; ".join(mismatches),
+        )
+    else:
+        logger.info("prompt stream resumes at rollout %d (epoch %d)", start_rollout_id, state["epoch"])
