@@ -15,13 +15,21 @@ from miles.algorithms.base import (
     role_dest,
     role_flag,
 )
-from miles.algorithms.registry import ALGORITHMS, BUILTIN_ALGORITHMS, algorithm_of, get_algorithm, register_algorithm
+from miles.algorithms.registry import (
+    ALGORITHMS,
+    BUILTIN_ALGORITHMS,
+    DEFAULT_LOSS_TYPE,
+    algorithm_of,
+    get_algorithm,
+    register_algorithm,
+)
 from miles.algorithms.roles import role_settings, trained_roles, training_order
 
 __all__ = [
     "ACTOR",
     "ALGORITHMS",
     "BUILTIN_ALGORITHMS",
+    "DEFAULT_LOSS_TYPE",
     "OLD_POLICY",
     "ROLE_OVERRIDES",
     "TEACHER",

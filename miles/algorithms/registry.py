@@ -16,6 +16,7 @@ BUILTIN_ALGORITHMS: tuple[Algorithm, ...] = (
     custom.ALGORITHM,
 )
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in BUILTIN_ALGORITHMS}
+DEFAULT_LOSS_TYPE = nft.ALGORITHM.name  # a run with no flags: DiffusionNFT on the shipped shapes model
 
 
 def register_algorithm(algorithm: Algorithm) -> Algorithm:

@@ -60,8 +60,8 @@ def check_roles_agree(args: argparse.Namespace, roles: list[str], starts: dict[s
         source = f"{flag} {folder}" if folder else f"no {flag}"
         state = f"resumes after rollout {starts[role] - 1}" if starts[role] > 0 else "starts fresh at rollout 0"
         parts.append(f"{role} {state} ({source})")
+    flags = " and ".join(role_flag(role, "load") for role in reversed(roles))  # the actor's --load first
     raise ResumeMismatchError(
-        f"the roles do not agree where to resume: {'; '.join(parts)}. Point "
-        f"{' and '.join(role_flag(role, 'load') for role in roles)} at checkpoints of the same run (each save folder "
-        "has its own latest_checkpointed_iteration.txt)"
+        f"the roles do not agree where to resume: {'; '.join(parts)}. Point {flags} at checkpoints of the same run "
+        "(each save folder has its own latest_checkpointed_iteration.txt)"
     )

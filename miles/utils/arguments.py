@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from miles.algorithms import ALGORITHMS, BUILTIN_ALGORITHMS, Algorithm
+from miles.algorithms import ALGORITHMS, BUILTIN_ALGORITHMS, DEFAULT_LOSS_TYPE, Algorithm
 from miles.algorithms.roles import add_role_arguments
 from miles.utils.arg_rules import ArgumentError, derive_args, flag_ranges, validate_args
 from miles.utils.config_file import config_defaults, dest_of, read_config
@@ -118,7 +118,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("train")
     group.add_argument(
         "--loss-type",
-        default="nft",
+        default=DEFAULT_LOSS_TYPE,
         help=f"The algorithm (ARCHITECTURE §1): {', '.join(a.name for a in BUILTIN_ALGORITHMS)}, or one an "
         "--algorithm-path module declares.",
     )

@@ -1,5 +1,6 @@
 """The rollout-side extension points: each path flag names a `module.fn` or `file.py:fn`, what an algorithm must do
-for it to be read, and the signature it must have. Everything given is loaded and signature-checked before any actor starts."""
+for it to be read, and the signature it must have. Everything given is loaded and signature-checked before any actor
+starts."""
 
 from __future__ import annotations
 
