@@ -291,7 +291,10 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True) -> a
     """The run's flags: the first pass, the parser with every registered algorithm, the config as defaults, then
     (with `validate`) every rule and the computed defaults."""
     config_path, config = read_first_pass(argv)
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ValueError as exc:  # a plugin's flag or role clashes with a registered one
+        argparse.ArgumentParser(prog=PROG).error(str(exc))
     if config:
         try:
             parser.set_defaults(**config_defaults(parser, config, config_path, flag_ranges()))

@@ -120,3 +120,24 @@ def test_a_plugin_that_fails_to_import_names_the_path(tmp_path, capsys):
     broken.write_text("import not_a_module_anywhere\n")
     err = parse_error([*BASE, "--algorithm-path", str(broken)], capsys)
     assert f"--algorithm-path: module '{broken}': importing '{broken}' failed" in err
+
+
+@pytest.mark.parametrize(
+    ("declaration", "message"),
+    [
+        ("Algorithm(name='clash', add_arguments=lambda p: p.add_argument('--lr'))", "the flags of algorithm 'clash'"),
+        ("Algorithm(name='clash', roles=(Role('teacher'), Role('actor')))", "the 'teacher' role of clash"),
+    ],
+)
+def test_a_plugin_whose_flags_clash_fails_naming_the_algorithm(tmp_path, capsys, declaration, message):
+    saved = dict(ALGORITHMS)
+    path = tmp_path / "clash_plugin.py"
+    path.write_text(
+        f"from miles.algorithms import Algorithm, Role, register_algorithm\nregister_algorithm({declaration})\n"
+    )
+    try:
+        err = parse_error([*BASE, "--algorithm-path", str(path)], capsys)
+    finally:
+        ALGORITHMS.clear()
+        ALGORITHMS.update(saved)
+    assert message in err and "conflicting option string" in err
