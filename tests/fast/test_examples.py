@@ -13,12 +13,14 @@ BASE = ["--hf-checkpoint", "builtin:tiny-shapes", "--prompt-data", "builtin:shap
 
 
 def test_the_example_registers_both_sides_of_its_loss_type():
+    from miles.algorithms import get_algorithm
     from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS, check_loss_hooks
-    from miles.rollout.rollout_hub import ROLLOUT_SPECS
+    from miles.rollout.rollout_hub import RolloutSpec, get_rollout_spec
 
     load_module(EXAMPLE)
     check_loss_hooks(LOSS_HOOKS[("awfm", "actor")])
-    assert ROLLOUT_SPECS["awfm"].scores_rewards
+    assert get_algorithm("awfm").scores_rewards  # GRPO advantages weight its pairs
+    assert isinstance(get_rollout_spec("awfm"), RolloutSpec)
 
 
 def test_the_example_loss_matches_a_hand_computation():
