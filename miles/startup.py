@@ -32,7 +32,7 @@ def check_startup(args: argparse.Namespace) -> None:
     loss type has its entries."""
     # diffusers and transformers (~3 s of CPU): imported here, on the checks' thread while ray.init runs
     from miles.models.base import family_options, get_train_pipeline_config, load_family_class
-    from miles.rollout.rollout_hub import check_async_rollout, get_rollout_spec
+    from miles.rollout.rollout_hub import check_async_rollout, rollout_spec_of
 
     load_path_flags(args)
     if args.train_pipeline_config_path:
@@ -47,8 +47,7 @@ def check_startup(args: argparse.Namespace) -> None:
         )
     for role in algorithm_of(args).role_names:
         get_loss_hooks(args, role)
-    if not args.train_only:
-        get_rollout_spec(args.loss_type)
+    rollout_spec_of(args)
     check_async_rollout(args)
 
 
