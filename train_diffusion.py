@@ -95,7 +95,12 @@ def run_rollout(
 
 
 def train_rollouts(
-    args: argparse.Namespace, run_groups: RunGroups, writer: Tracking, start_rollout_id: int, summary: dict, started
+    args: argparse.Namespace,
+    run_groups: RunGroups,
+    writer: Tracking,
+    start_rollout_id: int,
+    summary: dict,
+    started: float,
 ) -> None:
     """The outer loop (ARCHITECTURE §4) with a progress bar; `started` as in `run`."""
     bar, progress = progress_bar(range(start_rollout_id, args.num_rollout), args), ProgressLine(args.loss_type)
