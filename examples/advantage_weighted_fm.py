@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
+from miles.algorithms import Algorithm, register_algorithm
 from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS, LossHooks
 from miles.backends.fsdp_utils.loss_hub.sft import microbatch_generator
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, WindowMetrics, conditioning_from_pairs
@@ -21,6 +22,9 @@ from miles.diffusion.schedule import add_noise
 from miles.rollout.rollout_hub import ROLLOUT_SPECS, RolloutSpec, nft_pairs, nft_pairs_count, ode_request
 
 NAME = "awfm"
+
+# ---- the declaration: what the algorithm is (one actor, no frozen network, no log-prob ratio; ODE samples) -------
+register_algorithm(Algorithm(name=NAME, samples_sde=False))
 
 
 # ---- the maths: a pure function over tensors ----------------------------------------------------------------------
