@@ -69,6 +69,9 @@ def formula(
     return loss.sum()
 
 
+# ---- the declaration: what the parser, the driver and the plots ask (ODE samples, rewards, the actor only) --------
+register_algorithm(Algorithm(name=NAME, samples_sde=False, identifying_metrics=("train/imitated_frac",)))
+
 LOSS_HOOKS[(NAME, "actor")] = LossHooks(prepare=prepare, formula=formula)
 
 # ---- the rollout side: DiffusionNFT's ODE samples and clean-latent pairs, one ROLLOUT_SPECS entry ------------------

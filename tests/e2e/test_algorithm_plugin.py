@@ -1,5 +1,6 @@
 """A loss type registered by --algorithm-path trains through the driver at dp size 2 (its hooks run in the
-trainer actors, its rollout entry in the driver), and one the registries lack fails before any actor starts."""
+trainer actors, its rollout entry in the driver), and one declared without hub entries fails before any actor starts
+(one not even declared fails at parse time: tests/fast/test_examples.py)."""
 
 from pathlib import Path
 
@@ -13,10 +14,10 @@ pytestmark = pytest.mark.e2e
 EXAMPLE = str(Path(__file__).parents[2] / "examples" / "advantage_weighted_fm.py")
 
 
-def plugin_args(out, loss_type="awfm"):
+def plugin_args(out, loss_type="awfm", plugin=EXAMPLE):
     return parse_args(
         [
-            "--algorithm-path", EXAMPLE, "--loss-type", loss_type, "--hf-checkpoint", "builtin:tiny-shapes",
+            "--algorithm-path", plugin, "--loss-type", loss_type, "--hf-checkpoint", "builtin:tiny-shapes",
             "--prompt-data", "builtin:shapes", "--dp-size", "2", "--num-rollout", "1", "--rollout-batch-size", "4",
             "--n-samples-per-prompt", "4", "--diffusion-num-steps", "4", "--diffusion-guidance-scale", "1.0",
             "--micro-batch-size", "4", "--eval-interval", "0", "--image-grid-interval", "0", "--output-dir", str(out),
@@ -34,5 +35,9 @@ def test_a_plugin_loss_type_trains_end_to_end(ray_cluster, tmp_path):
 
 
 def test_a_loss_type_without_entries_fails_before_any_actor(ray_cluster, tmp_path):
+    declared_only = tmp_path / "declared_only.py"
+    declared_only.write_text(
+        "from miles.algorithms import Algorithm, register_algorithm\n\nregister_algorithm(Algorithm(name='nope'))\n"
+    )
     with pytest.raises(ValueError, match="no loss hooks registered for --loss-type nope"):
-        train_diffusion.run(plugin_args(tmp_path, loss_type="nope"))
+        train_diffusion.run(plugin_args(tmp_path, loss_type="nope", plugin=str(declared_only)))
