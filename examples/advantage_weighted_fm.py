@@ -23,9 +23,6 @@ from miles.rollout.rollout_hub import ROLLOUT_SPECS, RolloutSpec, nft_pairs, nft
 
 NAME = "awfm"
 
-# ---- the declaration: what the algorithm is (one actor, no frozen network, no log-prob ratio; ODE samples) -------
-register_algorithm(Algorithm(name=NAME, samples_sde=False))
-
 
 # ---- the maths: a pure function over tensors ----------------------------------------------------------------------
 def advantage_weighted_fm_loss(

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from miles.algorithms import FrozenNetwork, algorithm_of
+from miles.algorithms import FrozenNetwork, algorithm_of, role_settings
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_latest, save_checkpoint
 from miles.backends.fsdp_utils.ema import ShadowWeights, ema_config_from_args, local_tensor, reshard
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, full_state_dict, keep_in_fp32_names, parse_dtype
@@ -59,27 +59,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def role_settings(args: argparse.Namespace, role: str) -> dict[str, Any]:
-    """What differs between roles: only the critic overrides (§8); everything else is shared."""
-    if role == "critic":
-        return {
-            "checkpoint": args.critic_checkpoint,
-            "lr": args.critic_lr,
-            "load": args.critic_load,
-            "save": args.critic_save,
-            "num_steps_per_rollout": args.critic_num_steps_per_rollout,
-            "micro_batch_size": args.critic_micro_batch_size,
-        }
-    return {
-        "checkpoint": args.hf_checkpoint,
-        "lr": args.lr,
-        "load": args.load,
-        "save": args.save,
-        "num_steps_per_rollout": args.num_steps_per_rollout,
-        "micro_batch_size": args.micro_batch_size,
-    }
 
 
 class FSDPTrainRayActor(TrainLoop):
