@@ -59,6 +59,13 @@ def train_output(ctx, train_pairs, train_output_inputs):
 
 
 register_algorithm(
-    Algorithm(name=NAME, log_prob_ratio=True, scores_rewards=False, samples_sde=False, uses_engines=False)
+    Algorithm(
+        name=NAME,
+        log_prob_ratio=True,
+        scores_rewards=False,
+        samples_sde=False,
+        uses_engines=False,
+        accepts_train_only=True,
+    )
 )
 LOSS_HOOKS[(NAME, "actor")] = LossHooks(prepare=prepare, formula=formula, train_output=train_output)
