@@ -27,6 +27,7 @@ from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GemmaTokenizer
 
 from miles.models.base import strip_name_or_path
+from miles.models.diffusers_family import write_run_defaults
 from miles.models.tiny import SHAPES_WORDS, _learn_bpe_merges
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ VIDEO_LATENT_CHANNELS = 8
 AUDIO_LATENT_CHANNELS = 2
 MEL_BINS = 16  # 4 latent mel bins (the audio VAE compresses mel bins 4x)
 AUDIO_SAMPLE_RATE, MEL_HOP_LENGTH = 16000, 160  # 100 mel frames per second, 25 audio latents per second
+TINY_LTX2_RESOLUTION = 32  # 2x2 latents per frame: the size it is built for (LTX2Pipeline's default is 512)
 VOCODER_RATE = 48000  # 100 mel frames per second x 480 (the vocoder's upsampling) samples
 
 
@@ -209,5 +211,6 @@ def save_tiny_ltx2_pipeline(path: str, seed: int = 0) -> str:
     Path(path).mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path, safe_serialization=True)
     strip_name_or_path(path)
+    write_run_defaults(path, resolution=TINY_LTX2_RESOLUTION)
     logger.info("wrote tiny LTX-2 pipeline (seed %d) to %s", seed, path)
     return path

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from miles.models.options import add_family_arguments
 from miles.utils.eval_arguments import add_eval_arguments, validate_eval_args
 from miles.utils.fsdp_arguments import add_fsdp_arguments, validate_fsdp_args
 from miles.utils.misc import HookLoadError, load_module
@@ -116,20 +117,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--teacher-load", default=None, help="Frozen teacher (diffusers pipeline or transformer folder)."
     )
     group.add_argument("--resolution", type=int, default=None, help="Image side in pixels (default: the model's).")
-    group.add_argument(
-        "--num-frames",
-        type=int,
-        default=None,
-        help="Frames per video sample of a video family (default: the family's: Wan 81, LTX-2 121; Wan needs 4k + 1, "
-        "LTX-2 8k + 1).",
-    )
-    group.add_argument(
-        "--wan-trained-experts",
-        choices=("both", "high-noise", "low-noise"),
-        default=None,
-        help="Two-expert Wan 2.2 folders: which experts train, the others frozen (default both: every σ the "
-        "trained steps visit is trained through the expert that sampled it).",
-    )
+    add_family_arguments(group)  # the families' own options (--num-frames, ...), declared in miles/models/options.py
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from miles.models.builtin import makes_video
+
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("evaluation")
@@ -12,7 +14,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="Evaluate every N rollouts, before training and at the end "
-        "(default: 20 for policy_loss / nft / dmd2 on builtin:shapes, otherwise off; 0: off). "
+        "(default: 20 for policy_loss / nft / dmd2 on builtin:shapes with an image family, otherwise off; 0: off). "
         "dmd2 runs evaluate the generator with its --dmd2-generator-steps.",
     )
     group.add_argument(
@@ -47,6 +49,7 @@ def validate_eval_args(args: argparse.Namespace, error) -> None:
         if getattr(args, dest) < 1:
             error(f"--{dest.replace('_', '-')} must be ≥ 1")
     shapes_rl = args.loss_type in ("policy_loss", "nft", "dmd2") and args.prompt_data == "builtin:shapes"
+    shapes_rl = shapes_rl and not makes_video(args.hf_checkpoint, args.model_family)  # the shapes eval scores images
     if args.eval_interval is None and shapes_rl and not args.debug_rollout_only:
         args.eval_interval = 20
     if args.eval_interval == 0:
