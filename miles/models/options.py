@@ -44,8 +44,8 @@ FAMILY_OPTIONS: tuple[FamilyOption, ...] = (
         "wan",
         "trained_experts",
         "--wan-trained-experts",
-        "two-expert Wan 2.2 folders: which experts train, the others frozen (default both: every σ the trained steps "
-        "visit is trained through the expert that sampled it)",
+        "two-expert Wan 2.2 folders: which experts train, the others frozen; default both, so every σ the trained "
+        "steps visit is trained through the expert that sampled it",
         choices=TRAINED_EXPERTS,
     ),
     FamilyOption(

@@ -91,12 +91,9 @@ def _gemma3(tokenizer: GemmaTokenizer) -> Gemma3ForConditionalGeneration:
     return Gemma3ForConditionalGeneration(config)
 
 
-def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
-    """The tiny LTX-2 pipeline in float32, eval mode, with seeded random weights (well under a MB in all)."""
-    tokenizer = build_gemma_tokenizer()
-    torch.manual_seed(seed)
-    text_encoder = _gemma3(tokenizer)
-    connectors = LTX2TextConnectors(
+def _connectors() -> LTX2TextConnectors:
+    """The text connectors: Gemma's hidden states to the video and audio streams' text."""
+    return LTX2TextConnectors(
         caption_channels=TEXT_WIDTH,
         text_proj_in_factor=TEXT_LAYERS + 1,  # every hidden state, the embeddings' included
         video_connector_num_attention_heads=2,
@@ -111,7 +108,11 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         rope_double_precision=False,
         rope_type="split",
     )
-    vae = AutoencoderKLLTX2Video(
+
+
+def _video_vae() -> AutoencoderKLLTX2Video:
+    """The video VAE: 16x in space, 8x in time."""
+    return AutoencoderKLLTX2Video(
         latent_channels=VIDEO_LATENT_CHANNELS,
         block_out_channels=(8, 8, 8),
         decoder_block_out_channels=(8, 8, 8),
@@ -128,7 +129,11 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         patch_size_t=1,
         decoder_causal=False,
     )
-    audio_vae = AutoencoderKLLTX2Audio(
+
+
+def _audio_vae() -> AutoencoderKLLTX2Audio:
+    """The audio VAE: 25 latents per second, mel bins compressed 4x."""
+    return AutoencoderKLLTX2Audio(
         base_channels=AUDIO_LATENT_CHANNELS * MEL_BINS // 4,  # = the packed audio feature width (its statistics)
         output_channels=2,
         ch_mult=(1,),
@@ -146,8 +151,12 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         is_causal=True,
         mel_bins=MEL_BINS,
     )
-    vocoder = LTX2Vocoder(
-        in_channels=audio_vae.config.output_channels * MEL_BINS,
+
+
+def _vocoder(audio_output_channels: int) -> LTX2Vocoder:
+    """The vocoder: mel frames to a 48 kHz mono waveform."""
+    return LTX2Vocoder(
+        in_channels=audio_output_channels * MEL_BINS,
         hidden_channels=16,
         out_channels=1,
         upsample_kernel_sizes=[16, 12, 20],
@@ -157,7 +166,11 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         leaky_relu_negative_slope=0.1,
         output_sampling_rate=VOCODER_RATE,
     )
-    transformer = LTX2VideoTransformer3DModel(
+
+
+def _transformer() -> LTX2VideoTransformer3DModel:
+    """The audio-video transformer."""
+    return LTX2VideoTransformer3DModel(
         in_channels=VIDEO_LATENT_CHANNELS,
         out_channels=VIDEO_LATENT_CHANNELS,
         patch_size=1,
@@ -178,8 +191,11 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         rope_double_precision=False,
         rope_type="split",
     )
-    # the pipeline's scheduler config: LTX-2's dynamic shift (mu from the video token count)
-    scheduler = FlowMatchEulerDiscreteScheduler(
+
+
+def _scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """The pipeline's scheduler config: LTX-2's dynamic shift (mu from the video token count)."""
+    return FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
         shift=1.0,
         use_dynamic_shifting=True,
@@ -190,8 +206,20 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         shift_terminal=0.1,
         time_shift_type="exponential",
     )
+
+
+def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
+    """The tiny LTX-2 pipeline in float32, eval mode, with seeded random weights (well under a MB in all)."""
+    tokenizer = build_gemma_tokenizer()
+    torch.manual_seed(seed)
+    text_encoder = _gemma3(tokenizer)
+    connectors = _connectors()
+    vae = _video_vae()
+    audio_vae = _audio_vae()
+    vocoder = _vocoder(audio_vae.config.output_channels)
+    transformer = _transformer()
     pipe = LTX2Pipeline(
-        scheduler=scheduler,
+        scheduler=_scheduler(),
         vae=vae,
         audio_vae=audio_vae,
         text_encoder=text_encoder,
