@@ -83,8 +83,9 @@ def rescale_guided(guided: torch.Tensor, conditional: torch.Tensor, rescale: flo
 class LTX2PipelineConfig(DiffusersFamily):
     """LTX-2 pipeline folders (`LTX2Pipeline`): text to video with sound, square frames.
 
-    `num_frames` (default the pipeline's 121) must be 1 + a multiple of the VAE's temporal factor; the frame rate
-    is the pipeline's default 24 fps (it sets the video positions the transformer sees and the audio length).
+    `num_frames` (default the folder's `folder_default`, else the pipeline's 121) must be 1 + a multiple of the VAE's
+    temporal factor; the frame rate is the pipeline's default 24 fps (it sets the video positions the transformer
+    sees and the audio length).
     The text pipeline keeps the tokenizer, the Gemma text encoder and the text connectors.
     """
 

@@ -68,8 +68,8 @@ class QwenImagePipelineConfig(DiffusersFamily):
     def load_transformer(
         self, path: str | None = None, dtype: torch.dtype = torch.float32, *, empty: bool = False
     ) -> nn.Module:
-        """The transformer (`DiffusersFamily`'s loader); a guidance-distilled one (`guidance_embeds`) is refused: QwenImagePipeline
-        cannot run it either (its timestep embedding takes no guidance)."""
+        """The transformer (`DiffusersFamily`'s loader); a guidance-distilled one (`guidance_embeds`) is refused:
+        QwenImagePipeline cannot run it either (its timestep embedding takes no guidance)."""
         model = super().load_transformer(path, dtype, empty=empty)
         if model.config.get("guidance_embeds", False):
             raise ValueError(

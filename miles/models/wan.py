@@ -53,9 +53,9 @@ WAN_TI2V_FPS = 24  # Wan 2.2 TI2V-5B's (the expand_timesteps layout): 121 frames
 class WanPipelineConfig(DiffusersFamily):
     """Wan 2.1 / 2.2 text-to-video pipeline folders (`WanPipeline`), one expert or two.
 
-    Options (flags): `num_frames` (--num-frames, default 81, must be 4k + 1), `guidance_scale_2`
-    (--diffusion-guidance-scale-2: CFG of the low-noise expert, default the high-noise one's, as in the pipeline),
-    `trained_experts` (--wan-trained-experts: both | high-noise | low-noise; default both).
+    Options (flags): `num_frames` (--num-frames, default the folder's `folder_default` or 81, must be 4k + 1),
+    `guidance_scale_2` (--diffusion-guidance-scale-2: CFG of the low-noise expert, default the high-noise one's, as
+    in the pipeline), `trained_experts` (--wan-trained-experts: both | high-noise | low-noise; default both).
     """
 
     name = "wan"
