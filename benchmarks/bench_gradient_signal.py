@@ -58,10 +58,10 @@ from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, Windo
 from miles.data.shapes import shapes_prompts  # noqa: E402
 from miles.models.builtin import resolve_checkpoint  # noqa: E402
 from miles.rollout.advantages import compute_grpo_advantages  # noqa: E402
-from miles.rollout.data_conversion_hub.flow_grpo import expand_samples_to_train_pairs  # noqa: E402
-from miles.rollout.data_conversion_hub.nft import expand_samples_to_nft_pairs  # noqa: E402
 from miles.rollout.engine import DiffusionEngine, GenerateRequest  # noqa: E402
 from miles.rollout.rm_hub.shapes import shapes_reward  # noqa: E402
+from miles.rollout.rollout_hub.flow_grpo import sde_pairs  # noqa: E402
+from miles.rollout.rollout_hub.nft import nft_pairs  # noqa: E402
 from miles.rollout.step_strategy_hub import window_steps  # noqa: E402
 from miles.utils.arguments import parse_args as parse_train_args  # noqa: E402
 
@@ -162,11 +162,12 @@ def rollout(engine: DiffusionEngine, args: argparse.Namespace, loss: str, repeat
     rewards = score(args, result.images, records)
     advantages = compute_grpo_advantages(rewards, args.samples_per_prompt)
     if nft:
-        pairs = expand_samples_to_nft_pairs(
-            result, advantages, timestep_fraction=args.nft_timestep_fraction, seed=args.seed, rollout_id=repeat
+        nft_args = argparse.Namespace(
+            diffusion_nft_timestep_fraction=args.nft_timestep_fraction, rollout_seed=args.seed
         )
+        pairs = nft_pairs(nft_args, [], result, advantages, rollout_id=repeat)
     else:
-        pairs = expand_samples_to_train_pairs(result, advantages)
+        pairs = sde_pairs(args, [], result, advantages, rollout_id=repeat)
     spread = float(rewards.reshape(args.prompts, -1).std(dim=1, unbiased=False).mean())
     return pairs, spread
 

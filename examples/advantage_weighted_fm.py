@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
+from miles.algorithms import Algorithm, register_algorithm
 from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS, LossHooks
 from miles.backends.fsdp_utils.loss_hub.sft import microbatch_generator
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, WindowMetrics, conditioning_from_pairs
@@ -64,6 +65,9 @@ def formula(
     metrics.add("train/imitated_frac", (advantage > 0).float())
     return loss.sum()
 
+
+# ---- the declaration: what the parser, the driver and the plots ask (ODE samples, rewards, the actor only) --------
+register_algorithm(Algorithm(name=NAME, samples_sde=False, identifying_metrics=("train/imitated_frac",)))
 
 LOSS_HOOKS[(NAME, "actor")] = LossHooks(prepare=prepare, formula=formula)
 

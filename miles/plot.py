@@ -1,4 +1,4 @@
-"""A picture of a run: the curves that matter for its loss type, from metrics.jsonl, as OUTPUT_DIR/metrics.png.
+"""A picture of a run: the panels its algorithm declares, from metrics.jsonl, as OUTPUT_DIR/metrics.png.
 
 `python -m miles.plot OUTPUT_DIR` draws it on demand; the driver draws it at the end of every run.
 """
@@ -12,59 +12,28 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from miles.algorithms import ALGORITHMS, get_algorithm
+from miles.algorithms.base import DEFAULT_PLOT_PANELS, PlotPanel
+from miles.utils.misc import HookLoadError, load_module
 from miles.utils.tracking import read_metrics, scalar_points
 
 logger = logging.getLogger(__name__)
 
 PLOT_FILE = "metrics.png"
-# the panels of each loss type: (title, keys drawn in it); a panel none of whose keys the run logged is left out
-COMMON_TAIL = (
-    ("grad norm", ("train/grad_norm",)),
-    ("seconds per rollout", ("perf/rollout_s", "perf/reward_s", "perf/train_s", "perf/weight_sync_s", "perf/eval_s")),
-)
-EVAL = (
-    ("held-out accuracy", ("eval/shapes_accuracy", "eval/shapes_shape_accuracy", "eval/shapes_count_accuracy")),
-    ("held-out reward", ("eval/shapes_reward_mean",)),
-)
-PANELS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    "policy_loss": (
-        ("rollout reward", ("rollout/reward_mean",)),
-        *EVAL,
-        ("KL / clip fraction", ("train/kl", "train/approx_kl", "train/clipfrac")),
-        *COMMON_TAIL,
-    ),
-    "nft": (
-        ("rollout reward", ("rollout/reward_mean",)),
-        *EVAL,
-        ("NFT loss", ("train/loss", "train/nft_positive_loss", "train/nft_negative_loss")),
-        ("KL / old-policy deviation", ("train/kl", "train/nft_old_deviate")),
-        *COMMON_TAIL,
-    ),
-    "dmd2": (
-        *EVAL,
-        ("generator DMD loss", ("train/dmd_loss",)),
-        ("critic loss", ("critic/train/critic_loss",)),
-        ("rollout reward", ("rollout/reward_mean",)),
-        *COMMON_TAIL,
-    ),
-    "sft_loss": (("flow-matching loss", ("train/loss",)), ("learning rate", ("train/lr",)), *COMMON_TAIL),
-    "custom_loss": (("rollout reward", ("rollout/reward_mean",)), *EVAL, ("loss", ("train/loss",)), *COMMON_TAIL),
-}
 AXIS_LABELS = {"rollout_id": "rollout", "eval/rollouts_trained": "rollouts trained", "actor/step": "optimizer step"}
 
 
-def infer_loss_type(records: list[dict[str, Any]]) -> str:
-    """The loss type whose own metrics the run logged (metrics.jsonl does not name it)."""
+def infer_loss_type(records: list[dict[str, Any]]) -> str | None:
+    """The registered algorithm whose own metrics (`identifying_metrics`) the run logged (metrics.jsonl does not name
+    it); a run that logged no rollout reward without such metrics trained on a dataset, without engines. None: no
+    declaration recognises the run (it is drawn with the default panels)."""
     keys = {key for record in records for key in record}
-    if "train/dmd_loss" in keys or "train/critic_loss" in keys:
-        return "dmd2"
-    if "train/nft_policy_loss" in keys:
-        return "nft"
-    if "train/ratio_mean" in keys:
-        return "policy_loss"
+    for algorithm in ALGORITHMS.values():
+        if keys & set(algorithm.identifying_metrics):
+            return algorithm.name
     if "rollout/reward_mean" not in keys and "train/loss" in keys:
-        return "sft_loss"
-    return "custom_loss"
+        return next((a.name for a in ALGORITHMS.values() if not a.uses_engines), None)
+    return None
 
 
 def series(records: list[dict[str, Any]]) -> dict[str, tuple[str, list[int], list[float]]]:
@@ -83,11 +52,12 @@ def running_mean(values: list[float], window: int) -> list[float]:
     return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
 
 
-def plot_panels(records: list[dict[str, Any]], loss_type: str) -> list[tuple[str, tuple[str, ...]]]:
-    """The panels of PANELS[loss_type] with at least one series in the run, each keeping only the logged keys."""
+def plot_panels(records: list[dict[str, Any]], loss_type: str | None) -> list[PlotPanel]:
+    """The panels the loss type declares (None: the default ones) with at least one series in the run, each keeping
+    only the logged keys."""
     logged = series(records)
     panels = []
-    for title, keys in PANELS.get(loss_type, PANELS["custom_loss"]):  # a loss type an --algorithm-path registers
+    for title, keys in get_algorithm(loss_type).plot_panels if loss_type else DEFAULT_PLOT_PANELS:
         present = tuple(k for k in keys if k in logged)
         if present:
             panels.append((title, present))
@@ -110,7 +80,7 @@ def plot_run(output_dir: str, loss_type: str | None = None, filename: str = PLOT
     loss_type = loss_type or infer_loss_type(records)
     panels = plot_panels(records, loss_type)
     if not panels:
-        logger.info("%s holds none of the metrics a %s run is plotted by: no plot", path, loss_type)
+        logger.info("%s holds none of the metrics a %s run is plotted by: no plot", path, loss_type or "miles")
         return None
     logged = series(records)
     columns = min(3, len(panels))
@@ -133,7 +103,7 @@ def plot_run(output_dir: str, loss_type: str | None = None, filename: str = PLOT
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    fig.suptitle(f"{loss_type}: {output_dir}", fontsize=10)
+    fig.suptitle(f"{loss_type or 'run'}: {output_dir}", fontsize=10)
     fig.tight_layout()
     out = os.path.join(output_dir, filename)
     fig.savefig(out, dpi=100)
@@ -142,10 +112,22 @@ def plot_run(output_dir: str, loss_type: str | None = None, filename: str = PLOT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--algorithm-path", default=None)
+    plugin = first.parse_known_args(argv)[0].algorithm_path
     parser = argparse.ArgumentParser(prog="python -m miles.plot", description=__doc__.splitlines()[0])
     parser.add_argument("output_dir", help="A run's --output-dir (holds metrics.jsonl).")
+    parser.add_argument("--algorithm-path", default=None, help="The run's plugin module (declaring its panels).")
+    try:
+        if plugin:
+            load_module(plugin)  # first: its algorithms are --loss-type choices
+    except HookLoadError as exc:
+        parser.error(f"--algorithm-path: {exc}")
     parser.add_argument(
-        "--loss-type", choices=tuple(PANELS), default=None, help="Panels of this loss type (default: from the metrics)."
+        "--loss-type",
+        choices=tuple(ALGORITHMS),
+        default=None,
+        help="Panels of this loss type (default: from the metrics).",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

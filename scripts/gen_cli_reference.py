@@ -8,46 +8,76 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from miles.algorithms import BUILTIN_ALGORITHMS  # noqa: E402
+from miles.algorithms.roles import add_role_arguments  # noqa: E402
+from miles.utils.arg_rules import flag_ranges  # noqa: E402
 from miles.utils.arguments import build_parser  # noqa: E402
-from miles.utils.ranges import FLAG_RANGES  # noqa: E402
 
 HEADER = """# CLI reference
 
-Every flag of `python train_diffusion.py`. Generated from `miles/utils/arguments.py` by
-`python scripts/gen_cli_reference.py`; the test suite fails when this page and the parser disagree.
+Every flag of `python train_diffusion.py`. Generated from the parser (`miles/utils/arguments.py` and each algorithm's
+declaration in `miles/algorithms/`) by `python scripts/gen_cli_reference.py`; the test suite fails when this page and
+the parser disagree.
 Any flag can also be given in a `--config file.yaml` (keys with dashes or underscores; the command line wins); its
 values go through the same type conversion, choices and ranges as the command line, and errors name the file and key.
-Cross-flag rules (ARCHITECTURE §8) are checked by `validate_args` before any actor starts; see the end of this page.
+Cross-flag rules (ARCHITECTURE §8) are checked by `validate_args` before any actor starts, then `derive_args` fills
+the computed defaults; see the end of this page.
+"""
+
+ALGORITHMS_INTRO = """## Algorithms' own flags
+
+Each algorithm declares its flags in its own file (`miles/algorithms/<name>.py`, `add_arguments`). The parser adds
+those of every registered algorithm (a plugin's too, with `--algorithm-path`), so any of them parses under any
+`--loss-type`; only the algorithm that reads a flag acts on it.
+"""
+
+ROLES_INTRO = """## Role overrides
+
+Every trained role other than the actor gets the same six overrides, `--<role>-checkpoint`, `-lr`, `-load`, `-save`,
+`-num-steps-per-rollout` and `-micro-batch-size`; everything else is shared with the actor. They are refused under an
+algorithm without that role.
 """
 
 RULES = """## Rules checked before start-up
 
-- `--diffusion-recompute-old-log-prob` is rejected under `sft_loss`, `nft` and `dmd2` (no log-prob ratio).
+- Every numeric flag must lie in the range its row shows (floats must also be finite); a role override has the range
+  of the actor's flag.
+- An unknown `--loss-type` fails naming the registered ones; an `--algorithm-path` that fails to import fails naming
+  the path.
+- `--diffusion-recompute-old-log-prob` is rejected under an algorithm without a log-prob ratio (`sft_loss`, `nft`,
+  `dmd2`).
 - `--loss-type dmd2` requires `--teacher-load`; `--teacher-load` is accepted under every loss type. Under `dmd2`,
   `--diffusion-guidance-scale` above 1 is rejected (the generator is CFG-free; the teacher's CFG is
   `--dmd2-real-guidance-scale`).
 - `--custom-prepare-train-batch-path`, `--custom-loss-function-path`, `--custom-train-input-postprocess-path`,
   `--custom-train-output-path` only under `custom_loss`, which requires the first two.
-- Every numeric flag must lie in the range its row shows (floats must also be finite).
-- The `--critic-*` overrides only under `dmd2`; unset ones take the actor's values (`--critic-checkpoint`
-  defaults to `--teacher-load`). `--critic-save` defaults to `--save`. `--critic-load` defaults to `--load`, except
-  when the critic saves to its own folder (`--critic-save` other than `--save`) and `--load` is given: then it
-  resumes from `--critic-save`. The run resumes only when every role's folder points at the same rollout
-  (see `failures.md`).
-- `--save-interval` needs `--save` (or, under `dmd2`, `--critic-save`).
+- A role's `--<role>-*` overrides only under an algorithm with that role (`--critic-*`: `dmd2`); unset ones take
+  the actor's values unless the role declares another default (dmd2: `--critic-checkpoint` defaults to
+  `--teacher-load`, `--critic-num-steps-per-rollout` to `--dmd2-critic-updates-per-step` x
+  `--num-steps-per-rollout`). `--<role>-save` defaults to `--save`. `--<role>-load` defaults to `--load`, except
+  when the role saves to its own folder (`--<role>-save` other than `--save`) and `--load` is given: then it
+  resumes from `--<role>-save`. Every role's save folder is locked for the run's lifetime. The run resumes only
+  when every role's folder points at the same rollout (see `failures.md`).
+- `--save-interval` needs `--save` (or a role's `--<role>-save`, e.g. `--critic-save` under `dmd2`).
 - Prompt data with fewer distinct prompts than `--rollout-batch-size` is refused unless `--allow-repeated-prompts`.
 - Batch invariant: `--rollout-batch-size` x `--n-samples-per-prompt` = `--global-batch-size` x
   `--num-steps-per-rollout`; `--global-batch-size` divisible by `--dp-size` (it defaults to the value that
   satisfies the invariant).
-- `--diffusion-shared-initial-noise` is rejected under `nft` (its ODE samples of a prompt would all be one image)
-  and `dmd2`.
-- `--loss-type sft_loss` needs `--train-only` and `--n-samples-per-prompt 1`.
-- `--load DIR` must exist unless it equals `--save` (auto-resume); likewise `--critic-load` and `--critic-save`.
-- A rollout-step path flag the loss type never reads is rejected: every one of them needs a generating rollout
-  (not `sft_loss`); `--dynamic-sampling-filter-path`, `--rollout-sample-filter-path` and
-  `--custom-reward-post-process-path` need a loss that trains on rewards (not `dmd2`);
-  `--diffusion-step-strategy-path` only under `policy_loss` and `custom_loss` (SDE rollouts). Every path flag given
-  is loaded and its signature checked before any actor starts (docs/user-guide/customization.md lists them).
+- `--diffusion-shared-initial-noise` is rejected under an algorithm that samples no SDE trajectories (`nft`: its ODE
+  samples of a prompt would all be one image; `dmd2`).
+- An algorithm without engines (`sft_loss`) needs `--train-only`; `--train-only` is rejected under one that needs
+  them (`policy_loss`, `nft`, `dmd2`). `sft_loss` trains each pair once: `--n-samples-per-prompt` is set to 1.
+- `--diffusion-guidance-scale` unset takes the algorithm's default; `--eval-interval` unset takes the algorithm's on
+  builtin:shapes prompts with an image family (off for video families: the shapes eval scores images).
+- `--load DIR` must exist unless it equals `--save` (auto-resume); likewise `--<role>-load` and `--<role>-save`.
+- A rollout-step path flag the run never reads is rejected: every one of them needs a generating rollout
+  (not `--train-only`); `--dynamic-sampling-filter-path`, `--rollout-sample-filter-path` and
+  `--custom-reward-post-process-path` need an algorithm that trains on rewards (not `dmd2`);
+  `--diffusion-step-strategy-path` one that samples SDE trajectories (`policy_loss`, `custom_loss`). Every path flag
+  given is loaded and its signature checked before any actor starts (docs/user-guide/customization.md lists them).
+- Each algorithm's own rules (its `validate`) see the run's values with the computed defaults filled in: `dmd2`
+  requires `--teacher-load` and refuses `--diffusion-guidance-scale` above 1; `policy_loss` needs stochastic steps;
+  a KL weight above 0 needs a `--ref-mode`.
 """
 
 
@@ -59,24 +89,36 @@ def _default(action: argparse.Action) -> str:
     return f"`{action.default}`"
 
 
-def render() -> str:
-    parser = build_parser()
-    lines = [HEADER]
+def _tables(parser: argparse.ArgumentParser, level: str) -> list[str]:
+    ranges = flag_ranges(BUILTIN_ALGORITHMS)
+    lines = []
     for group in parser._action_groups:
         actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]
         if not actions:
             continue
         title = "general" if group.title in ("options", "optional arguments") else group.title
-        lines += [f"## {title}", "", "| flag | default | choices / range | description |", "|---|---|---|---|"]
+        lines += [f"{level} {title}", "", "| flag | default | choices / range | description |", "|---|---|---|---|"]
         for action in actions:
             choices = ", ".join(f"`{c}`" for c in action.choices) if action.choices else ""
-            if action.dest in FLAG_RANGES:
-                choices = FLAG_RANGES[action.dest].describe()
+            if action.dest in ranges:
+                choices = ranges[action.dest].describe()
             help_text = (action.help or "").replace("|", "\\|")
             flags = " ".join(f"`{flag}`" for flag in action.option_strings)  # the name, then any older aliases
             lines.append(f"| {flags} | {_default(action)} | {choices} | {help_text} |")
         lines.append("")
-    lines.append(RULES)
+    return lines
+
+
+def render() -> str:
+    """The shared flags, each built-in algorithm's own flags, the role overrides, then the rules."""
+    lines = [HEADER, *_tables(build_parser(algorithms=()), "##"), ALGORITHMS_INTRO]
+    for algorithm in BUILTIN_ALGORITHMS:
+        own = argparse.ArgumentParser(add_help=False)
+        algorithm.add_arguments(own)
+        lines += _tables(own, "###")
+    roles = argparse.ArgumentParser(add_help=False)
+    add_role_arguments(roles, BUILTIN_ALGORITHMS)
+    lines += [ROLES_INTRO, *_tables(roles, "###"), RULES]
     return "\n".join(lines)
 
 

@@ -1,49 +1,48 @@
-"""The algorithm registry: every built-in declaration, the ones `--algorithm-path` plugins register, and the lookup
-the rest of miles asks (`algorithm_of(args)`)."""
+"""What each algorithm is (ARCHITECTURE §12): the declaration record, the registry (built-ins and the ones
+`--algorithm-path` plugins register), and the run's roles. `algorithm_of(args)` is the record of the run."""
 
 from __future__ import annotations
 
-import argparse
-
-from miles.algorithms import custom, dmd2, flow_grpo, nft, sft
-from miles.algorithms.base import ACTOR, OLD_POLICY, TEACHER, Algorithm, FrozenNetwork, Role
+from miles.algorithms.base import (
+    ACTOR,
+    OLD_POLICY,
+    ROLE_OVERRIDES,
+    TEACHER,
+    Algorithm,
+    Computed,
+    FrozenNetwork,
+    Role,
+    role_dest,
+    role_flag,
+)
+from miles.algorithms.registry import (
+    ALGORITHMS,
+    BUILTIN_ALGORITHMS,
+    DEFAULT_LOSS_TYPE,
+    algorithm_of,
+    get_algorithm,
+    register_algorithm,
+)
+from miles.algorithms.roles import role_settings, trained_roles, training_order
 
 __all__ = [
     "ACTOR",
     "ALGORITHMS",
+    "BUILTIN_ALGORITHMS",
+    "DEFAULT_LOSS_TYPE",
     "OLD_POLICY",
+    "ROLE_OVERRIDES",
     "TEACHER",
     "Algorithm",
+    "Computed",
     "FrozenNetwork",
     "Role",
     "algorithm_of",
     "get_algorithm",
     "register_algorithm",
+    "role_dest",
+    "role_flag",
+    "role_settings",
+    "trained_roles",
+    "training_order",
 ]
-
-ALGORITHMS: dict[str, Algorithm] = {
-    a.name: a for a in (sft.ALGORITHM, flow_grpo.ALGORITHM, nft.ALGORITHM, dmd2.ALGORITHM, custom.ALGORITHM)
-}
-
-
-def register_algorithm(algorithm: Algorithm) -> Algorithm:
-    """Add a plugin's declaration (from its --algorithm-path module); a name taken by another record is an error."""
-    existing = ALGORITHMS.get(algorithm.name)
-    if existing is not None and existing is not algorithm:
-        raise ValueError(f"algorithm {algorithm.name!r} is registered already")
-    ALGORITHMS[algorithm.name] = algorithm
-    return algorithm
-
-
-def get_algorithm(name: str) -> Algorithm:
-    if name not in ALGORITHMS:
-        raise ValueError(
-            f"--loss-type {name!r} is unknown: choose one of {', '.join(ALGORITHMS)}, or declare it in a module "
-            "given with --algorithm-path (docs/user-guide/customization.md)"
-        )
-    return ALGORITHMS[name]
-
-
-def algorithm_of(args: argparse.Namespace) -> Algorithm:
-    """The declaration of the run's --loss-type."""
-    return get_algorithm(args.loss_type)

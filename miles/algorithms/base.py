@@ -1,20 +1,38 @@
 """The record an algorithm declares itself with (ARCHITECTURE §12): its roles, the frozen networks each holds, what
-it can do (a log-prob ratio, rewards, SDE sampling, engines), its flags and rules, its progress keys and plot panels.
-Plain frozen dataclasses: the driver, the trunk, the rollout side, the checkpoint code, the console and the plot ask
-them; none of those names an algorithm. Imports neither side (no Ray, no torch)."""
+it can do (a log-prob ratio, rewards, SDE sampling, engines), its flags, rules and computed defaults, its progress
+keys and plot panels. Plain frozen dataclasses: the parser, the driver, the trunk, the rollout side, the checkpoint
+code, the console and the plot ask them; none of those names an algorithm. Imports neither side (no Ray, no torch)."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-# the flags a role other than the actor may override, each `--<role>-<override>` (dest `<role>_<override>`);
+from miles.utils.ranges import Range
+
+# the settings a role other than the actor may override, each `--<role>-<override>` (dest `<role>_<override>`);
 # unset ones fall back to the actor's flag (`lr` -> --lr, `save` -> --save, ...) or the role's own default
 ROLE_OVERRIDES = ("checkpoint", "lr", "load", "save", "num_steps_per_rollout", "micro_batch_size")
+ACTOR_DESTS = {"checkpoint": "hf_checkpoint"}  # the actor reads the run's own flags; its init is --hf-checkpoint
 
 ProgressKey = tuple[str, str, str]  # (label, metrics key, format spec) shown on the console's progress bar
 PlotPanel = tuple[str, tuple[str, ...]]  # (title, metrics keys drawn in it) of metrics.png
+
+
+def role_dest(role: str, override: str) -> str:
+    """The args dest a role's setting lives in: the actor's own flag (`hf_checkpoint`, `lr`, ...), another role's
+    `<role>_<override>` (`critic_lr`)."""
+    if override not in ROLE_OVERRIDES:
+        raise ValueError(f"{override!r} is not a role override (one of {', '.join(ROLE_OVERRIDES)})")
+    return ACTOR_DESTS.get(override, override) if role == "actor" else f"{role}_{override}"
+
+
+def role_flag(role: str, override: str) -> str:
+    """`--critic-lr` for the critic's `lr`, `--hf-checkpoint` for the actor's `checkpoint`."""
+    return "--" + role_dest(role, override).replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -32,7 +50,9 @@ class FrozenNetwork:
 
     def __post_init__(self) -> None:
         if self.source not in ("checkpoint", "shadow"):
-            raise ValueError(f"FrozenNetwork {self.name!r}: source must be 'checkpoint' or 'shadow', not {self.source!r}")
+            raise ValueError(
+                f"FrozenNetwork {self.name!r}: source must be 'checkpoint' or 'shadow', not {self.source!r}"
+            )
         if (self.source == "checkpoint") != (self.path_flag is not None):
             raise ValueError(f"FrozenNetwork {self.name!r}: a checkpoint network names its path_flag, a shadow none")
 
@@ -41,33 +61,41 @@ TEACHER = FrozenNetwork("teacher", "checkpoint", "teacher_load")  # --teacher-lo
 OLD_POLICY = FrozenNetwork("old", "shadow")  # DiffusionNFT's old policy
 
 
-def no_role_default(args: argparse.Namespace) -> None:
-    return None
+@dataclass(frozen=True)
+class Computed:
+    """A role override's default computed from the args; `says` is how --help words it."""
+
+    compute: Callable[[argparse.Namespace], Any]
+    says: str
 
 
 @dataclass(frozen=True)
 class Role:
     """One trained network of an algorithm. The actor is the policy / generator / SFT model and reads the run's own
     flags; any other role takes the `--<name>-*` overrides of ROLE_OVERRIDES, each falling back to the actor's flag
-    unless `defaults` gives it another (e.g. dmd2's critic starts from the teacher: {"checkpoint": "teacher_load"})."""
+    unless `defaults` gives it another: an args dest to copy (dmd2's critic starts from the teacher:
+    {"checkpoint": "teacher_load"}) or a `Computed` value."""
 
     name: str
     frozen_networks: tuple[FrozenNetwork, ...] = ()
-    # override -> the args dest its default is read from (instead of the actor's own flag)
-    defaults: dict[str, str] = field(default_factory=dict)
-    # the default of --<role>-num-steps-per-rollout computed from the args (None: the actor's --num-steps-per-rollout)
-    steps_per_rollout: Callable[[argparse.Namespace], int | None] = no_role_default
+    defaults: Mapping[str, str | Computed] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", self.name):
+            raise ValueError(f"Role {self.name!r}: a role name is lower case letters, digits and '_' (its flags)")
+        unknown = sorted(set(self.defaults) - set(ROLE_OVERRIDES))
+        if unknown or (self.defaults and self.name == "actor"):
+            raise ValueError(f"Role {self.name!r}: defaults only for a non-actor role's {', '.join(ROLE_OVERRIDES)}")
 
     @property
     def overridable(self) -> bool:
         return self.name != "actor"
 
     def flag(self, override: str) -> str:
-        """`--critic-lr` for the critic's `lr`."""
-        return f"--{self.name}-{override}".replace("_", "-")
+        return role_flag(self.name, override)
 
     def dest(self, override: str) -> str:
-        return f"{self.name}_{override}"
+        return role_dest(self.name, override)
 
 
 ACTOR = Role("actor")
@@ -81,8 +109,8 @@ def no_rules(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def no_derivation(args: argparse.Namespace) -> None:
-    return None
+def no_derivation(args: argparse.Namespace) -> dict[str, Any]:
+    return {}
 
 
 DEFAULT_PROGRESS_KEYS: tuple[ProgressKey, ...] = (
@@ -115,10 +143,16 @@ class Algorithm:
       bf16 recompute default follow from it).
     - `scores_rewards`: rollouts are scored and advantages computed (False: rewards only as metrics when asked).
     - `samples_sde`: rollouts record SDE trajectories (the step strategy and shared initial noise apply).
-    - `uses_engines`: rollouts are generated by the engines (False: trains on dataset pairs, --train-only).
+    - `uses_engines`: rollouts are generated by the engines (False: trains on dataset pairs, --train-only required).
+    - `accepts_train_only`: with engines, --train-only (dataset pairs instead of rollouts) is still accepted.
     - `guidance_scale`: the default of --diffusion-guidance-scale.
-    - `add_arguments(parser)`: its own flags; `validate(args) -> list[str]`: its rules, errors naming the flags,
-      never mutating args; `derive(args)`: its computed defaults, applied once after every rule passed.
+    - `shapes_eval_interval`: the default --eval-interval on builtin:shapes prompts (None: no held-out eval).
+    - `add_arguments(parser)`: its own flags (the parser adds every registered algorithm's); `flag_ranges`: their
+      numeric ranges (dest -> Range); `exclusive_flags`: its dests refused under any other --loss-type (they would
+      be ignored there).
+    - `validate(args) -> list[str]`: its rules, errors naming the flags, never mutating args; it sees the run's
+      values with every computed default filled in. `derive(args) -> {dest: value}`: its computed defaults,
+      applied once after every rule passed.
     - `progress_keys` (the console bar), `plot_panels` (metrics.png), `identifying_metrics` (keys only its runs log:
       how `python -m miles.plot DIR` recognises a run of it).
     """
@@ -129,10 +163,14 @@ class Algorithm:
     scores_rewards: bool = True
     samples_sde: bool = True
     uses_engines: bool = True
+    accepts_train_only: bool = False
     guidance_scale: float = 4.5
+    shapes_eval_interval: int | None = None
     add_arguments: Callable[[argparse.ArgumentParser], None] = no_arguments
+    flag_ranges: Mapping[str, Range] = field(default_factory=dict)
+    exclusive_flags: tuple[str, ...] = ()
     validate: Callable[[argparse.Namespace], list[str]] = no_rules
-    derive: Callable[[argparse.Namespace], None] = no_derivation
+    derive: Callable[[argparse.Namespace], dict[str, Any]] = no_derivation
     progress_keys: tuple[ProgressKey, ...] = DEFAULT_PROGRESS_KEYS
     plot_panels: tuple[PlotPanel, ...] = DEFAULT_PLOT_PANELS
     identifying_metrics: tuple[str, ...] = ()

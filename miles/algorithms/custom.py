@@ -1,8 +1,38 @@
 """custom_loss: the user's own hooks, loaded from the --custom-*-path flags; its rollouts are Flow-GRPO's SDE
-trajectories unless a conversion path replaces them. It may read the frozen teacher when --teacher-load is given."""
+trajectories unless a conversion path replaces them (or dataset pairs with --train-only). It may read the frozen
+teacher when --teacher-load is given."""
 
 from __future__ import annotations
 
+import argparse
+
 from miles.algorithms.base import TEACHER, Algorithm, Role
 
-ALGORITHM = Algorithm(name="custom_loss", roles=(Role("actor", frozen_networks=(TEACHER,)),))
+REQUIRED = ("custom_prepare_train_batch_path", "custom_loss_function_path")
+HOOK_FLAGS = (*REQUIRED, "custom_train_input_postprocess_path", "custom_train_output_path")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("custom_loss (the training hooks: pkg.mod.fn or path/file.py:fn)")
+    group.add_argument("--custom-prepare-train-batch-path", default=None, help="custom_loss: the prepare hook.")
+    group.add_argument("--custom-loss-function-path", default=None, help="custom_loss: the formula hook.")
+    group.add_argument(
+        "--custom-train-input-postprocess-path", default=None, help="custom_loss: post-process the train pairs."
+    )
+    group.add_argument("--custom-train-output-path", default=None, help="custom_loss: what `train` returns.")
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    return [
+        f"--loss-type custom_loss requires --{dest.replace('_', '-')}" for dest in REQUIRED if not getattr(args, dest)
+    ]
+
+
+ALGORITHM = Algorithm(
+    name="custom_loss",
+    roles=(Role("actor", frozen_networks=(TEACHER,)),),
+    accepts_train_only=True,
+    add_arguments=add_arguments,
+    exclusive_flags=HOOK_FLAGS,  # under another loss type the loss hub picks the hooks: these would be ignored
+    validate=validate,
+)

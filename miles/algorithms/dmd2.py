@@ -3,9 +3,64 @@
 
 from __future__ import annotations
 
-from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, TEACHER, Algorithm, Role
+import argparse
 
-CRITIC = Role("critic", frozen_networks=(TEACHER,), defaults={"checkpoint": "teacher_load"})
+from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, TEACHER, Algorithm, Computed, Role
+from miles.utils.ranges import AT_LEAST_1, POSITIVE, UNIT, Range
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("dmd2 (distribution-matching distillation)")
+    group.add_argument(
+        "--dmd2-generator-steps", type=int, default=1, help="k: generator sampling steps (1-4), renoise kernel."
+    )
+    group.add_argument(
+        "--dmd2-real-guidance-scale", type=float, default=4.5, help="CFG scale of the teacher's real score."
+    )
+    group.add_argument(
+        "--dmd2-critic-updates-per-step",
+        type=int,
+        default=5,
+        help="Critic updates per generator update: critic steps = this x --num-steps-per-rollout.",
+    )
+    group.add_argument("--dmd2-t-min", type=float, default=0.02, help="Lower clamp of the critic/DMD timestep.")
+    group.add_argument("--dmd2-t-max", type=float, default=0.98, help="Upper clamp of the critic/DMD timestep.")
+    group.add_argument(
+        "--dmd2-timestep-shift",
+        type=float,
+        default=None,
+        help="Shift of the timestep draw and generator grid (default: the model's scheduler shift; 1-step: try 1).",
+    )
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    errors = []
+    if not args.teacher_load:
+        errors.append("--loss-type dmd2 requires --teacher-load (the frozen teacher the critic scores against)")
+    if args.dmd2_t_min >= args.dmd2_t_max:  # each within [0, 1] is its range
+        errors.append(
+            f"--dmd2-t-min / --dmd2-t-max must satisfy 0 ≤ min < max ≤ 1, got {args.dmd2_t_min}, {args.dmd2_t_max}"
+        )
+    if args.diffusion_guidance_scale > 1:
+        errors.append(
+            f"--diffusion-guidance-scale {args.diffusion_guidance_scale} does not apply to --loss-type dmd2: the "
+            "generator samples CFG-free; the teacher's CFG is --dmd2-real-guidance-scale"
+        )
+    return errors
+
+
+def critic_steps(args: argparse.Namespace) -> int:
+    return args.dmd2_critic_updates_per_step * args.num_steps_per_rollout
+
+
+CRITIC = Role(
+    "critic",
+    frozen_networks=(TEACHER,),
+    defaults={
+        "checkpoint": "teacher_load",
+        "num_steps_per_rollout": Computed(critic_steps, "--dmd2-critic-updates-per-step x --num-steps-per-rollout"),
+    },
+)
 
 ALGORITHM = Algorithm(
     name="dmd2",
@@ -13,6 +68,17 @@ ALGORITHM = Algorithm(
     scores_rewards=False,
     samples_sde=False,
     guidance_scale=1.0,  # the generator samples CFG-free; the teacher's CFG is --dmd2-real-guidance-scale
+    shapes_eval_interval=20,
+    add_arguments=add_arguments,
+    flag_ranges={
+        "dmd2_generator_steps": Range(1, 4),
+        "dmd2_real_guidance_scale": AT_LEAST_1,
+        "dmd2_critic_updates_per_step": AT_LEAST_1,
+        "dmd2_t_min": UNIT,
+        "dmd2_t_max": UNIT,
+        "dmd2_timestep_shift": POSITIVE,
+    },
+    validate=validate,
     progress_keys=(
         ("dmd", "train/dmd_loss", ".4f"),
         ("critic", "train/critic_loss", ".4f"),

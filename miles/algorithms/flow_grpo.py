@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
+import argparse
+
 from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm
+from miles.utils.ranges import AT_LEAST_0, POSITIVE
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("policy_loss (Flow-GRPO)")
+    group.add_argument("--diffusion-clip-range", type=float, default=1e-4, help="PPO clip ε of the ratio.")
+    group.add_argument(
+        "--diffusion-kl-beta", type=float, default=0.0, help="KL weight β against the reference (--ref-mode)."
+    )
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    errors = []
+    if args.diffusion_kl_beta > 0 and args.ref_mode == "none":
+        errors.append("--diffusion-kl-beta > 0 needs a reference: --ref-mode lora_base or ema")
+    if args.diffusion_sde_type == "ode":
+        errors.append(f"--loss-type {ALGORITHM.name} needs stochastic steps: --diffusion-sde-type sde or cps")
+    return errors
+
 
 ALGORITHM = Algorithm(
     name="policy_loss",
     log_prob_ratio=True,
+    shapes_eval_interval=20,
+    add_arguments=add_arguments,
+    flag_ranges={"diffusion_clip_range": POSITIVE, "diffusion_kl_beta": AT_LEAST_0},
+    validate=validate,
     progress_keys=(
         ("reward", "rollout/reward_mean", ".3f"),
         ("kl", "train/kl", ".2e"),
@@ -20,5 +45,5 @@ ALGORITHM = Algorithm(
         ("KL / clip fraction", ("train/kl", "train/approx_kl", "train/clipfrac")),
         *COMMON_PANELS,
     ),
-    identifying_metrics=("train/clipfrac",),
+    identifying_metrics=("train/ratio_mean", "train/clipfrac"),
 )

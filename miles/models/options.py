@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from miles.utils.ranges import AT_LEAST_0, AT_LEAST_1, FLAG_RANGES, Range
+from miles.utils.ranges import AT_LEAST_0, AT_LEAST_1, Range
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,8 @@ def families_of(flag: str) -> list[str]:
 
 
 def add_family_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """Add every built-in family's option flags (a flag several families share once, its help naming each family's
-    meaning) and declare their ranges in the parser's range table (`miles.utils.ranges.FLAG_RANGES`), which checks
-    the command line and `--config` alike. Flags another group adds (`added_by`) get their range only."""
+    """Add every built-in family's option flags: a flag several families share once, its help naming each family's
+    meaning; one another group adds (`added_by`) is left to it. Their ranges: `family_option_ranges`."""
     by_flag: dict[str, list[FamilyOption]] = {}
     for option in FAMILY_OPTIONS:
         by_flag.setdefault(option.flag, []).append(option)
@@ -85,12 +84,16 @@ def add_family_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         if any((o.type, o.choices, o.range, o.added_by) != (first.type, first.choices, first.range, first.added_by)
                for o in options):  # fmt: skip
             raise ValueError(f"{flag}: the families {families_of(flag)} declare it with different types or ranges")
-        if first.range is not None:
-            FLAG_RANGES[first.dest] = first.range
         if first.added_by is not None:
             continue
         kwargs: dict[str, Any] = {"choices": first.choices} if first.choices else {"type": first.type}
         parser.add_argument(flag, default=None, help=_help(flag, options), **kwargs)
+
+
+def family_option_ranges() -> dict[str, Range]:
+    """Each family option's range by args dest, from its declaration (the parser checks the command line and
+    `--config` against them, as every numeric flag)."""
+    return {option.dest: option.range for option in FAMILY_OPTIONS if option.range is not None}
 
 
 def _help(flag: str, options: list[FamilyOption]) -> str:

@@ -1,40 +1,35 @@
 """Where each role saves and resumes: one lock and one latest pointer per save folder, and the roles' agreement on
-the rollout a run resumes at (dmd2's actor and critic may use separate folders)."""
+the rollout a run resumes at (a role other than the actor may use its own folders: `--<role>-save/-load`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
+from miles.algorithms import role_dest, role_flag, training_order
 from miles.backends.fsdp_utils.checkpoint import read_latest, write_latest
 from miles.utils.locks import FolderLocks
-
-SAVE_FLAGS = {"actor": "--save", "critic": "--critic-save"}
-LOAD_FLAGS = {"actor": "--load", "critic": "--critic-load"}
 
 
 class ResumeMismatchError(RuntimeError):
     """The roles' load folders point at different rollouts; the message names roles, folders and rollouts."""
 
 
-def trained_roles(args: argparse.Namespace) -> list[str]:
-    return ["critic", "actor"] if args.loss_type == "dmd2" else ["actor"]
-
-
 def save_folders(args: argparse.Namespace, roles: list[str]) -> dict[str, str]:
-    """role -> the folder it saves into, for the roles that save (`--save`, `--critic-save`)."""
-    folders = {"actor": args.save, "critic": getattr(args, "critic_save", None)}
-    return {role: folders[role] for role in roles if folders.get(role)}
+    """role -> the folder it saves into, for the roles that save (`--save`, `--<role>-save`)."""
+    folders = {role: getattr(args, role_dest(role, "save"), None) for role in roles}
+    return {role: folder for role, folder in folders.items() if folder}
 
 
 def load_folders(args: argparse.Namespace, roles: list[str]) -> dict[str, str | None]:
-    folders = {"actor": args.load, "critic": getattr(args, "critic_load", None)}
-    return {role: folders.get(role) for role in roles}
+    return {role: getattr(args, role_dest(role, "load"), None) for role in roles}
 
 
 def lock_save_folders(args: argparse.Namespace) -> FolderLocks:
-    """Take the run's save folders for its lifetime; a second run on one of them fails here, naming the holder."""
-    return FolderLocks((SAVE_FLAGS[role], folder) for role, folder in save_folders(args, trained_roles(args)).items())
+    """Take the save folders of every role of the run for its lifetime; a second run on one of them fails here,
+    naming the flag and the holder."""
+    folders = save_folders(args, training_order(args))
+    return FolderLocks((role_flag(role, "save"), folder) for role, folder in folders.items())
 
 
 def write_latest_pointers(folders: dict[str, str], rollout_id: int) -> None:
@@ -61,11 +56,12 @@ def check_roles_agree(args: argparse.Namespace, roles: list[str], starts: dict[s
     folders = load_folders(args, roles)
     parts = []
     for role in roles:
-        flag, folder = LOAD_FLAGS[role], folders[role]
+        flag, folder = role_flag(role, "load"), folders[role]
         source = f"{flag} {folder}" if folder else f"no {flag}"
         state = f"resumes after rollout {starts[role] - 1}" if starts[role] > 0 else "starts fresh at rollout 0"
         parts.append(f"{role} {state} ({source})")
+    flags = " and ".join(role_flag(role, "load") for role in reversed(roles))  # the actor's --load first
     raise ResumeMismatchError(
-        f"the roles do not agree where to resume: {'; '.join(parts)}. Point --load and --critic-load at checkpoints "
-        "of the same run (each save folder has its own latest_checkpointed_iteration.txt)"
+        f"the roles do not agree where to resume: {'; '.join(parts)}. Point {flags} at checkpoints of the same run "
+        "(each save folder has its own latest_checkpointed_iteration.txt)"
     )

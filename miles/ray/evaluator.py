@@ -12,6 +12,8 @@ from miles.data.shapes import BUILTIN_SHAPES, ShapeScene, shapes_prompts
 from miles.rollout.data_source import read_jsonl_records
 from miles.rollout.evaluation import evaluate_shapes
 from miles.rollout.media_files import save_media
+from miles.rollout.rollout_hub import DatasetSpec, rollout_spec_of
+from miles.utils.hook_paths import load_path_flags
 from miles.utils.tracking import EVAL_AXIS
 
 logger = logging.getLogger(__name__)
@@ -31,17 +33,18 @@ def load_eval_records(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 class Evaluator:
-    """The loss type's eval sampler (its rollout entry's) on the eval prompts, or --eval-function-path."""
+    """The eval sampler of the run's rollout entry (`rollout_spec_of`) on the eval prompts, or --eval-function-path."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from miles.rollout.rollout_hub import ROLLOUT_SPECS, ode_eval
-        from miles.utils.hook_paths import load_path_flags
-
-        self.args = args
+        spec = rollout_spec_of(args)
+        if isinstance(spec, DatasetSpec):
+            raise ValueError(
+                f"the held-out eval samples with the rollout engines, and --loss-type {args.loss_type} trains on "
+                "dataset pairs here with none started: pass --eval-interval 0"
+            )
+        self.args, self.sampler = args, spec.eval_sampler
         self.custom = load_path_flags(args).get("eval_function_path")
         self.records = load_eval_records(args) if self.custom is None else []
-        spec = ROLLOUT_SPECS.get(args.loss_type)
-        self.sampler = ode_eval if spec is None else spec.eval_sampler
 
     def evaluate(self, engine: Any, rollout_id: int) -> dict[str, float]:
         args, started = self.args, time.perf_counter()

@@ -10,12 +10,18 @@ from typing import Any
 
 import torch
 
+from miles.algorithms import algorithm_of
 from miles.backends.fsdp_utils.fsdp import parse_dtype
 from miles.models.base import family_options, get_train_pipeline_config
+from miles.ray.engine_group import RolloutEngineGroup
+from miles.ray.reward_workers import RewardWorkerPool
 from miles.rollout import steps
 from miles.rollout.data_source import PromptDataSource, load_records, records_digest
 from miles.rollout.engine import GenerateResult
-from miles.rollout.rollout_hub import get_rollout_spec
+from miles.rollout.media_files import save_media
+from miles.rollout.rm_hub import reward_metrics, reward_spec_from_args
+from miles.rollout.rm_hub.media import attach_media
+from miles.rollout.rollout_hub import DatasetSpec, rollout_spec_of
 from miles.utils.box import Box
 from miles.utils.distributed import engine_cpus, uses_gpu
 from miles.utils.hook_paths import load_path_flags
@@ -26,7 +32,8 @@ REWARD_TERMS = "reward_terms"  # Sample.extra key: the sample's value of each we
 
 
 class RolloutManager:
-    """--train-only (SFT): dataset pairs encoded once. Otherwise: engines generate, rewards score, pairs go out."""
+    """The run's rollout entry (`rollout_spec_of`) decides: a DatasetSpec's records are encoded once and each rollout
+    trains the rows the data source picks; a RolloutSpec's rollouts the engines generate and the rewards score."""
 
     def __init__(self, args: argparse.Namespace, *, wait: bool = True, colocation: Any = None) -> None:
         """With `wait=False` the engines and reward workers load in the background until `wait_ready` (the driver
@@ -35,24 +42,22 @@ class RolloutManager:
         self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
         self.resolution = args.resolution or self.family.default_resolution
         self.engines = self.rewards = None
+        self.dataset_pairs: TrainPairs | None = None
         self.weights_version = 0
         self.last_metrics: dict[str, float] = {}
         self.hooks = load_path_flags(args)  # the rollout steps the path flags replace, {flag dest: function}
-        if args.train_only:
-            self._init_sft()
+        self.spec = rollout_spec_of(args)
+        if isinstance(self.spec, DatasetSpec):
+            self._init_dataset()
         else:
             self._init_rl()
 
-    # ---- SFT ----------------------------------------------------------------------------------
-    def _init_sft(self) -> None:
-        from miles.rollout.data_conversion_hub.sft import encode_sft_records
-
+    # ---- dataset-fed (DatasetSpec) --------------------------------------------------------------
+    def _init_dataset(self) -> None:
         started = time.perf_counter()
         records = load_records(self.args, with_images=True, resolution=self.resolution)
-        self.family.load_vae()
-        self.family.load_text_encoders()
-        self.sft_pairs = encode_sft_records(self.family, records, self.resolution)
-        logger.info("encoded %d SFT records in %.1fs", len(records), time.perf_counter() - started)
+        self.dataset_pairs = self.spec.encode(self.args, self.family, records, resolution=self.resolution)
+        logger.info("encoded %d dataset records in %.1fs", len(records), time.perf_counter() - started)
         self.source = self._source(records)
 
     def _source(self, records: list[dict[str, Any]]) -> PromptDataSource:
@@ -65,19 +70,14 @@ class RolloutManager:
             digest=records_digest(records),
         )
 
-    # ---- RL -----------------------------------------------------------------------------------
+    # ---- engine-fed (RolloutSpec) ---------------------------------------------------------------
     def _init_rl(self) -> None:
         args = self.args
-        self.spec = get_rollout_spec(args.loss_type)
         self.records = load_records(args, with_images=False, resolution=self.resolution)
         self.source = self._source(self.records)
         if args.load_debug_rollout_data:
             logger.info("replaying rollouts from %s: no engine started", args.load_debug_rollout_data)
             return
-        from miles.ray.engine_group import RolloutEngineGroup
-        from miles.ray.reward_workers import RewardWorkerPool
-        from miles.rollout.rm_hub import reward_spec_from_args
-
         gpu = uses_gpu(args)
         self.engines = RolloutEngineGroup(
             args.hf_checkpoint,
@@ -91,7 +91,8 @@ class RolloutManager:
             wait=self._wait,
             colocation=self._colocation,
         )
-        if self.spec.scores_rewards or args.rm_type or args.custom_rm_path:  # else rewards only when asked (metrics)
+        # an algorithm that scores no rewards (its declaration) scores them only when asked, as metrics
+        if algorithm_of(args).scores_rewards or args.rm_type or args.custom_rm_path:
             self.rewards = RewardWorkerPool(
                 args, reward_spec_from_args(args), num_workers=args.rm_num_workers, wait=self._wait
             )
@@ -106,14 +107,14 @@ class RolloutManager:
     def _lora_config(self) -> dict | None:
         if not self.args.use_lora:
             return None
-        from miles.backends.fsdp_utils.lora import lora_config_from_args
+        from miles.backends.fsdp_utils.lora import lora_config_from_args  # local: peft costs ~1.3 s per process
 
         return lora_config_from_args(self.args, self.family.name)
 
     def generate(self, rollout_id: int) -> list[Box]:
-        if self.args.train_only:
+        if self.dataset_pairs is not None:
             index = torch.tensor(self.source.indices(rollout_id))
-            return self._boxes({key: value[index] for key, value in self.sft_pairs.items()})
+            return self._boxes({key: value[index] for key, value in self.dataset_pairs.items()})
         if self.args.load_debug_rollout_data:
             return self._boxes(torch.load(self._debug_path(self.args.load_debug_rollout_data, rollout_id)))
         if "rollout_function_path" in self.hooks:
@@ -178,8 +179,6 @@ class RolloutManager:
         args = self.args
         if not args.image_grid_interval or rollout_id % args.image_grid_interval or result.images is None:
             return
-        from miles.rollout.media_files import save_media
-
         save_media(
             args.output_dir,
             f"rollout_{rollout_id:07d}",
@@ -281,8 +280,6 @@ class RolloutManager:
     def _score(self, samples: list[Sample], result: Any) -> None:
         """The score step: each sample gets its media (`attach_media`: image, or frames + fps + audio) and, when
         rewards are scored, its weighted reward and terms."""
-        from miles.rollout.rm_hub.media import attach_media
-
         attach_media(samples, result)
         if self.rewards is None:
             return
@@ -293,8 +290,6 @@ class RolloutManager:
 
     @staticmethod
     def _reward_metrics(samples: list[Sample], rewards: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
-        from miles.rollout.rm_hub import reward_metrics
-
         names = list(samples[0].extra.get(REWARD_TERMS, {})) if samples else []
         per_reward = {name: [s.extra[REWARD_TERMS][name] for s in samples] for name in names}
         return {

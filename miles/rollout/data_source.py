@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from miles.data.shapes import shapes_items, shapes_prompts
 from miles.utils.seeding import stream_rng
 
 logger = logging.getLogger(__name__)
@@ -97,8 +98,6 @@ def records_digest(records: list[dict[str, Any]]) -> str:
 
 def load_records(args: argparse.Namespace, *, with_images: bool, resolution: int) -> list[dict[str, Any]]:
     if args.prompt_data == BUILTIN_SHAPES:
-        from miles.data.shapes import shapes_items, shapes_prompts
-
         if with_images:
             records = shapes_items(
                 args.builtin_dataset_size, seed=args.rollout_seed, split="train", resolution=resolution

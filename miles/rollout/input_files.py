@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 
+from miles.algorithms import algorithm_of
 from miles.rollout.data_source import BUILTIN_SHAPES, load_records, read_jsonl_records
 
 
@@ -50,10 +51,16 @@ def check_model_index(folder: str | None, flag: str) -> None:
 
 def check_input_files(args: argparse.Namespace) -> None:
     """Every file the run reads at start-up, before any actor starts (the driver checks while Ray starts)."""
-    check_model_index(args.hf_checkpoint, "--hf-checkpoint")
-    check_model_index(getattr(args, "teacher_load", None), "--teacher-load")
-    check_model_index(getattr(args, "critic_checkpoint", None), "--critic-checkpoint")
-    with_images = args.loss_type == "sft_loss"
+    algorithm = algorithm_of(args)
+    folders = {"--hf-checkpoint": args.hf_checkpoint, "--teacher-load": getattr(args, "teacher_load", None)}
+    for role in algorithm.roles:  # each role's initial weights and every frozen network loaded from a checkpoint
+        folders[role.flag("checkpoint")] = getattr(args, role.dest("checkpoint"), None)
+        for network in role.frozen_networks:
+            if network.path_flag is not None:
+                folders["--" + network.path_flag.replace("_", "-")] = getattr(args, network.path_flag, None)
+    for flag, folder in folders.items():
+        check_model_index(folder, flag)
+    with_images = not algorithm.uses_engines  # dataset pairs: prompts with images
     if args.prompt_data != BUILTIN_SHAPES:
         load_records(args, with_images=with_images, resolution=None)
     eval_data = getattr(args, "eval_prompt_data", BUILTIN_SHAPES)

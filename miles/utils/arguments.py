@@ -1,46 +1,28 @@
-"""Command-line arguments: argparse groups, `--config file.yaml` as defaults, and one `validate_args`."""
+"""Command-line arguments: the shared argparse groups, every registered algorithm's own flags and its roles'
+overrides, `--config` and `--algorithm-path` read in a first pass; the rules and computed defaults are in
+arg_rules.py (`validate_args`, then `derive_args`)."""
 
 from __future__ import annotations
 
 import argparse
-import difflib
-import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-import yaml
-
+from miles.algorithms import ALGORITHMS, BUILTIN_ALGORITHMS, DEFAULT_LOSS_TYPE, Algorithm
+from miles.algorithms.roles import add_role_arguments
 from miles.models.options import add_family_arguments
-from miles.utils.eval_arguments import add_eval_arguments, validate_eval_args
-from miles.utils.fsdp_arguments import add_fsdp_arguments, validate_fsdp_args
+from miles.utils.arg_rules import ArgumentError, derive_args, flag_ranges, validate_args
+from miles.utils.config_file import config_defaults, dest_of, read_config
+from miles.utils.eval_arguments import add_eval_arguments
+from miles.utils.fsdp_arguments import add_fsdp_arguments
 from miles.utils.misc import HookLoadError, load_module
-from miles.utils.ranges import range_violation
-from miles.utils.rl_arguments import RL_ARGUMENT_GROUPS, validate_rl_args
+from miles.utils.rl_arguments import RL_ARGUMENT_GROUPS
 
-LOSS_TYPES = ("sft_loss", "policy_loss", "nft", "dmd2", "custom_loss")
-TRAIN_HOOK_FLAGS = (
-    "custom_prepare_train_batch_path",
-    "custom_loss_function_path",
-    "custom_train_input_postprocess_path",
-    "custom_train_output_path",
+__all__ = ["ArgumentError", "build_parser", "derive_args", "parse_args", "validate_args"]
+PROG = "train_diffusion.py"
+CFG_FREE = ", ".join(
+    f"{a.name} {a.guidance_scale:g}" for a in BUILTIN_ALGORITHMS if a.guidance_scale != Algorithm.guidance_scale
 )
-CRITIC_FLAGS = (
-    "critic_checkpoint",
-    "critic_lr",
-    "critic_load",
-    "critic_save",
-    "critic_num_steps_per_rollout",
-    "critic_micro_batch_size",
-)
-RECOMPUTE_REJECTED = ("sft_loss", "nft", "dmd2")
-
-
-class ArgumentError(ValueError):
-    """A flag combination that cannot run; the message names the flags."""
-
-
-def flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,14 +106,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("train")
     group.add_argument(
         "--loss-type",
-        default="nft",
-        help=f"The algorithm (ARCHITECTURE §1): {', '.join(LOSS_TYPES)}, or one an --algorithm-path registers.",
+        default=DEFAULT_LOSS_TYPE,
+        help=f"The algorithm (ARCHITECTURE §1): {', '.join(a.name for a in BUILTIN_ALGORITHMS)}, or one an "
+        "--algorithm-path module declares.",
     )
     group.add_argument(
         "--algorithm-path",
         default=None,
-        help="A module or file.py imported in every process first; it registers new loss types in the loss hub "
-        "and the rollout hub (docs/user-guide/customization.md).",
+        help="A module or file.py imported in every process first (by the parser, before it reads the other "
+        "flags): it declares new algorithms, with their flags, rules and roles, and registers their loss hub and "
+        "rollout hub entries (docs/user-guide/customization.md).",
     )
     group.add_argument("--lr", type=float, default=1e-4, help="Peak learning rate (AdamW).")
     group.add_argument(
@@ -163,40 +147,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--diffusion-recompute-old-log-prob",
         action="store_true",
-        help="Recompute windows 1.. old log-probs with the trainer's forward before any update (policy_loss).",
+        help="Recompute windows 1.. old log-probs with the trainer's forward before any update (algorithms with a "
+        "log-prob ratio: policy_loss).",
     )
-    group.add_argument(
-        "--sft-timestep-sampling",
-        choices=("logit_normal", "uniform", "mode"),
-        default="logit_normal",
-        help="Density of u for σ lookup.",
-    )
-    group.add_argument("--sft-logit-mean", type=float, default=0.0)
-    group.add_argument("--sft-logit-std", type=float, default=1.0)
-    group.add_argument("--sft-mode-scale", type=float, default=1.29)
-    group.add_argument(
-        "--sft-loss-weighting", choices=("none", "sigma_sqrt", "cosmap"), default="none", help="w(σ) of the loss."
-    )
-
-
-def add_custom_hook_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("custom hooks (pkg.mod.fn or path/file.py:fn)")
-    group.add_argument("--custom-prepare-train-batch-path", default=None, help="custom_loss: the prepare hook.")
-    group.add_argument("--custom-loss-function-path", default=None, help="custom_loss: the formula hook.")
-    group.add_argument(
-        "--custom-train-input-postprocess-path", default=None, help="custom_loss: post-process the train pairs."
-    )
-    group.add_argument("--custom-train-output-path", default=None, help="custom_loss: what `train` returns.")
-
-
-def add_critic_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("critic overrides (dmd2 only; everything else is shared with the actor)")
-    group.add_argument("--critic-checkpoint", default=None, help="Critic init (default: the teacher).")
-    group.add_argument("--critic-lr", type=float, default=None, help="Critic learning rate (default: --lr).")
-    group.add_argument("--critic-load", default=None, help="Critic checkpoint dir to resume (default: --load).")
-    group.add_argument("--critic-save", default=None, help="Critic checkpoint dir (default: --save).")
-    group.add_argument("--critic-num-steps-per-rollout", type=int, default=None)
-    group.add_argument("--critic-micro-batch-size", type=int, default=None)
 
 
 def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,8 +175,8 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "--diffusion-guidance-scale",
         type=float,
         default=None,
-        help="CFG scale of sampling; ≤ 1 disables CFG (default 4.5; nft: 1, CFG-free like DiffusionNFT; "
-        "dmd2: 1, its generator is CFG-free and a scale > 1 is an error).",
+        help=f"CFG scale of sampling; ≤ 1 disables CFG (default: the algorithm's, 4.5 unless it samples CFG-free: "
+        f"{CFG_FREE}).",
     )
     group.add_argument(
         "--diffusion-guidance-scale-2",
@@ -266,13 +219,11 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--wandb-run-name", default=None, help="wandb run name (default: wandb's).")
 
 
-ARGUMENT_GROUPS = (
+SHARED_GROUPS = (
     add_cluster_arguments,
     add_model_arguments,
     add_train_arguments,
     add_fsdp_arguments,
-    add_custom_hook_arguments,
-    add_critic_arguments,
     add_rollout_arguments,
     *RL_ARGUMENT_GROUPS,
     add_eval_arguments,
@@ -281,71 +232,60 @@ ARGUMENT_GROUPS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_algorithm_arguments(parser: argparse.ArgumentParser, algorithms: Iterable[Algorithm]) -> None:
+    """Each algorithm's own flags, then the `--<role>-*` overrides of their roles other than the actor."""
+    algorithms = list(algorithms)
+    for algorithm in algorithms:
+        try:
+            algorithm.add_arguments(parser)
+        except argparse.ArgumentError as exc:
+            raise ValueError(f"the flags of algorithm {algorithm.name!r}: {exc}") from exc
+    add_role_arguments(parser, algorithms)
+
+
+def build_parser(algorithms: Iterable[Algorithm] | None = None) -> argparse.ArgumentParser:
+    """The shared flags and those of `algorithms` (default: every registered one, plugins included)."""
     parser = argparse.ArgumentParser(
-        prog="train_diffusion.py",
-        description="miles: post-train diffusion / flow-matching models (SFT, Flow-GRPO, NFT, DMD2, custom).",
+        prog=PROG, description="miles: post-train diffusion / flow-matching models (SFT, Flow-GRPO, NFT, DMD2, custom)."
     )
     parser.add_argument("--config", default=None, help="YAML of flag defaults (command line wins).")
-    for add_group in ARGUMENT_GROUPS:
+    for add_group in SHARED_GROUPS:
         add_group(parser)
+    add_algorithm_arguments(parser, ALGORITHMS.values() if algorithms is None else algorithms)
     return parser
 
 
-def load_config_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
-    """Read a YAML mapping of flag -> value; keys may use dashes or underscores; unknown keys are errors."""
-    if not os.path.isfile(path):
-        raise ArgumentError(f"--config {path}: file not found")
-    with open(path) as f:
+def read_first_pass(argv: Sequence[str] | None) -> tuple[str | None, dict[str, Any]]:
+    """The first pass, before the parser exists: --config's mapping read, and the --algorithm-path module (from the
+    command line or the config) imported, so that its algorithms' flags and roles are in the parser."""
+    first = argparse.ArgumentParser(prog=PROG, add_help=False)
+    first.add_argument("--config", default=None)
+    first.add_argument("--algorithm-path", default=None)
+    known, _ = first.parse_known_args(argv)
+    try:
+        config = read_config(known.config) if known.config else {}
+    except ArgumentError as exc:
+        first.error(str(exc))
+    plugin = known.algorithm_path or next((v for k, v in config.items() if dest_of(k) == "algorithm_path"), None)
+    if plugin:
         try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as exc:
-            raise ArgumentError(f"--config {path}: not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ArgumentError(f"--config {path}: expected a mapping of flag names to values")
-    known = {action.dest: action for action in parser._actions if action.dest not in ("help", "config")}
-    defaults = {}
-    for key, value in data.items():
-        dest = str(key).lstrip("-").replace("-", "_")
-        if dest not in known:
-            close = difflib.get_close_matches(dest, known, n=1)
-            hint = f"; did you mean {flag(close[0])}?" if close else ""
-            raise ArgumentError(f"--config {path}: unknown key {key!r}{hint}")
-        defaults[dest] = _config_value(known[dest], value, f"--config {path}: key {key!r}")
-    return defaults
-
-
-def _config_value(action: argparse.Action, value: Any, where: str) -> Any:
-    """A YAML value through what the command line applies: the flag's type, its choices and its numeric range."""
-    if value is None:
-        return None
-    if action.nargs == 0:  # store_true / store_false
-        if not isinstance(value, bool):
-            raise ArgumentError(f"{where} ({flag(action.dest)}) takes true or false, got {value!r}")
-        return value
-    if isinstance(value, (bool, list, dict)):
-        raise ArgumentError(f"{where} ({flag(action.dest)}) takes one value, got {value!r}")
-    converted = str(value)
-    if action.type is not None:
-        try:
-            converted = action.type(converted)
-        except (TypeError, ValueError):
-            name = getattr(action.type, "__name__", "value")
-            raise ArgumentError(f"{where} ({flag(action.dest)}): invalid {name} value {value!r}") from None
-    if action.choices is not None and converted not in action.choices:
-        raise ArgumentError(f"{where} ({flag(action.dest)}): {value!r} is not one of {list(action.choices)}")
-    problem = range_violation(action.dest, converted)
-    if problem is not None:
-        raise ArgumentError(f"{where}: {problem}")
-    return converted
+            load_module(str(plugin))  # it registers its algorithms and hub entries
+        except HookLoadError as exc:
+            first.error(f"--algorithm-path: {exc}")
+    return known.config, config
 
 
 def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True) -> argparse.Namespace:
-    parser = build_parser()
-    first, _ = parser.parse_known_args(argv)
-    if first.config:
+    """The run's flags: the first pass, the parser with every registered algorithm, the config as defaults, then
+    (with `validate`) every rule and the computed defaults."""
+    config_path, config = read_first_pass(argv)
+    try:
+        parser = build_parser()
+    except ValueError as exc:  # a plugin's flag or role clashes with a registered one
+        argparse.ArgumentParser(prog=PROG).error(str(exc))
+    if config:
         try:
-            parser.set_defaults(**load_config_defaults(parser, first.config))
+            parser.set_defaults(**config_defaults(parser, config, config_path, flag_ranges()))
         except ArgumentError as exc:
             parser.error(str(exc))
     args = parser.parse_args(argv)
@@ -354,113 +294,5 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True) -> a
             validate_args(args)
         except ArgumentError as exc:
             parser.error(str(exc))
+        derive_args(args)
     return args
-
-
-def validate_args(args: argparse.Namespace) -> None:
-    """Every cross-flag rule of ARCHITECTURE §8, checked before any actor starts; fills derived defaults."""
-    loss = args.loss_type
-    for dest, value in sorted(vars(args).items()):  # numeric ranges first: later rules assume them
-        problem = range_violation(dest, value)
-        if problem is not None:
-            raise ArgumentError(problem)
-    if args.algorithm_path:
-        try:
-            load_module(args.algorithm_path)  # its registrations are checked before any actor starts
-        except HookLoadError as exc:
-            raise ArgumentError(f"--algorithm-path: {exc}") from exc
-    elif loss not in LOSS_TYPES:
-        raise ArgumentError(
-            f"--loss-type {loss!r} is unknown: choose one of {', '.join(LOSS_TYPES)}, or register it with "
-            "--algorithm-path"
-        )
-    if args.train_pipeline_config_path:
-        if args.model_family != "auto":
-            raise ArgumentError("give --model-family or --train-pipeline-config-path, not both")
-        args.model_family = args.train_pipeline_config_path  # every process resolves the family from it
-    if args.diffusion_recompute_old_log_prob and loss in RECOMPUTE_REJECTED:
-        raise ArgumentError(
-            f"--diffusion-recompute-old-log-prob is not supported with --loss-type {loss} (it has no log-prob ratio)"
-        )
-    if loss == "dmd2" and not args.teacher_load:
-        raise ArgumentError("--loss-type dmd2 requires --teacher-load (the frozen teacher the critic scores against)")
-    given_hooks = [flag(d) for d in TRAIN_HOOK_FLAGS if getattr(args, d)]
-    if given_hooks and loss != "custom_loss":
-        raise ArgumentError(
-            f"{', '.join(given_hooks)} only apply to --loss-type custom_loss (under {loss} the loss hub picks the hooks)"
-        )
-    if loss == "custom_loss":
-        for dest in ("custom_prepare_train_batch_path", "custom_loss_function_path"):
-            if not getattr(args, dest):
-                raise ArgumentError(f"--loss-type custom_loss requires {flag(dest)}")
-    given_critic = [flag(d) for d in CRITIC_FLAGS if getattr(args, d) is not None]
-    if given_critic and loss != "dmd2":
-        raise ArgumentError(f"{', '.join(given_critic)} only apply to --loss-type dmd2 (the only loss with a critic)")
-    if loss == "sft_loss":  # SFT trains each dataset pair once: there are no sample groups
-        args.n_samples_per_prompt = 1
-    if args.diffusion_guidance_scale is None:  # DiffusionNFT and the DMD2 generator sample CFG-free
-        args.diffusion_guidance_scale = 1.0 if loss in ("nft", "dmd2") else 4.5
-    if not args.hf_checkpoint:
-        raise ArgumentError("--hf-checkpoint DIR is required (a local diffusers pipeline folder)")
-    if loss == "sft_loss" and not args.train_only:
-        raise ArgumentError("--loss-type sft_loss trains on dataset pairs: pass --train-only")
-    if not args.prompt_data:
-        raise ArgumentError("--prompt-data is required (a JSONL file or builtin:shapes)")
-    if args.global_batch_size is None:
-        total = args.rollout_batch_size * args.n_samples_per_prompt
-        if total % args.num_steps_per_rollout != 0:
-            raise ArgumentError(
-                f"--rollout-batch-size {args.rollout_batch_size} x --n-samples-per-prompt {args.n_samples_per_prompt}"
-                f" is not divisible by --num-steps-per-rollout {args.num_steps_per_rollout}"
-            )
-        args.global_batch_size = total // args.num_steps_per_rollout
-    _validate_batch_invariant(args)
-    if args.save_interval is not None and not (args.save or args.critic_save):
-        raise ArgumentError("--save-interval needs --save DIR (or, under dmd2, --critic-save DIR)")
-    if args.load and not os.path.isdir(args.load) and args.load != args.save:
-        raise ArgumentError(f"--load {args.load}: directory not found (pass --load equal to --save to auto-resume)")
-    validate_rl_args(args, _raise)
-    validate_eval_args(args, _raise)
-    validate_fsdp_args(args, _raise)
-    if args.colocate and args.train_only:
-        raise ArgumentError(
-            "--colocate shares the GPUs between trainer ranks and rollout engines; --train-only has no engines"
-        )
-    if args.colocate_sleep == "on":
-        alone = [f for f in ("async_rollout", "train_only", "debug_rollout_only") if getattr(args, f, False)]
-        if alone:
-            raise ArgumentError(
-                f"--colocate-sleep on has the engines and the trainer ranks take turns on the GPU; {flag(alone[0])} "
-                + ("runs both at once" if alone[0] == "async_rollout" else "leaves one of them out")
-                + ": drop one of the two"
-            )
-    if loss == "dmd2":
-        args.critic_lr = args.lr if args.critic_lr is None else args.critic_lr
-        args.critic_num_steps_per_rollout = args.critic_num_steps_per_rollout or args.num_steps_per_rollout
-        args.critic_micro_batch_size = args.critic_micro_batch_size or args.micro_batch_size
-        separate = args.critic_save is not None and args.critic_save != args.save
-        args.critic_save = args.critic_save or args.save
-        if args.critic_load is None:  # a critic with its own save folder resumes from it (docs/user-guide/failures.md)
-            args.critic_load = args.critic_save if separate and args.load else args.load
-        if args.critic_load and not os.path.isdir(args.critic_load) and args.critic_load != args.critic_save:
-            raise ArgumentError(f"--critic-load {args.critic_load}: directory not found")
-        args.critic_checkpoint = args.critic_checkpoint or args.teacher_load
-
-
-def _raise(message: str) -> None:
-    raise ArgumentError(message)
-
-
-def _validate_batch_invariant(args: argparse.Namespace) -> None:
-    samples = args.rollout_batch_size * args.n_samples_per_prompt
-    if samples != args.global_batch_size * args.num_steps_per_rollout:
-        raise ArgumentError(
-            f"batch invariant broken: --rollout-batch-size {args.rollout_batch_size} x --n-samples-per-prompt "
-            f"{args.n_samples_per_prompt} = {samples} must equal --global-batch-size {args.global_batch_size} x "
-            f"--num-steps-per-rollout {args.num_steps_per_rollout} = "
-            f"{args.global_batch_size * args.num_steps_per_rollout}"
-        )
-    if args.global_batch_size % args.dp_size != 0:
-        raise ArgumentError(
-            f"--global-batch-size {args.global_batch_size} must be divisible by --dp-size {args.dp_size}"
-        )

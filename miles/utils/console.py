@@ -10,6 +10,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from miles.algorithms import get_algorithm
+
 # transformers >= 5 warns once per process that its CLIP / SigLIP image processors fall back to PIL without
 # torchvision; diffusers' SD3 pipeline imports them, miles never uses them, so the warning only says "install a
 # package you do not need" from every actor
@@ -72,41 +74,19 @@ def progress_bar(rollout_ids: Iterable[int], args: argparse.Namespace):
     return tqdm(rollout_ids, desc=args.loss_type, unit="rollout", disable=args.no_progress, dynamic_ncols=True)
 
 
-# (label, metrics key, format) shown per loss type, besides the last eval accuracy and tqdm's own s/rollout
-PROGRESS_KEYS: dict[str, tuple[tuple[str, str, str], ...]] = {
-    "policy_loss": (
-        ("reward", "rollout/reward_mean", ".3f"),
-        ("kl", "train/kl", ".2e"),
-        ("approx_kl", "train/approx_kl", ".2e"),
-        ("clip", "train/clipfrac", ".3f"),
-        ("grad", "train/grad_norm", ".3f"),
-    ),
-    "nft": (
-        ("reward", "rollout/reward_mean", ".3f"),
-        ("loss", "train/loss", ".4f"),
-        ("kl", "train/kl", ".2e"),
-        ("grad", "train/grad_norm", ".3f"),
-    ),
-    "dmd2": (
-        ("dmd", "train/dmd_loss", ".4f"),
-        ("critic", "train/critic_loss", ".4f"),
-        ("reward", "rollout/reward_mean", ".3f"),
-    ),
-    "sft_loss": (("loss", "train/loss", ".4f"), ("lr", "train/lr", ".1e")),
-    "custom_loss": (("reward", "rollout/reward_mean", ".3f"), ("loss", "train/loss", ".4f")),
-}
 ACCURACY = "eval/shapes_accuracy"
 
 
 class ProgressLine:
-    """The bar's postfix: the latest value of each PROGRESS_KEYS entry of the loss type, and the last eval accuracy.
+    """The bar's postfix: the latest value of each progress key the loss type's declaration names, and the last
+    eval accuracy.
 
     A number that has been exactly 0 at every rollout so far is left out: Flow-GRPO's loss, ratio KL and clip fraction
     are 0 by construction with one optimizer step per rollout, and a constant says nothing.
     """
 
     def __init__(self, loss_type: str) -> None:
-        self.keys = PROGRESS_KEYS.get(loss_type, PROGRESS_KEYS["custom_loss"])
+        self.keys = get_algorithm(loss_type).progress_keys
         self.latest: dict[str, float] = {}
         self.moved: set[str] = set()
 

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
+from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
 from miles.models.builtin import makes_video
+
+BUILTIN_SHAPES = "builtin:shapes"
+SHAPES_EVALUATED = " / ".join(a.name for a in BUILTIN_ALGORITHMS if a.shapes_eval_interval)
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,7 +19,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="Evaluate every N rollouts, before training and at the end "
-        "(default: 20 for policy_loss / nft / dmd2 on builtin:shapes with an image family, otherwise off; 0: off). "
+        f"(default: the algorithm's on builtin:shapes with an image family, 20 for {SHAPES_EVALUATED}, otherwise off; "
+        "0: off). "
         "dmd2 runs evaluate the generator with its --dmd2-generator-steps.",
     )
     group.add_argument(
@@ -40,20 +46,20 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--eval-only", action="store_true", help="Evaluate the model (or --load checkpoint) and exit.")
 
 
-def validate_eval_args(args: argparse.Namespace, error) -> None:
-    if args.eval_interval is not None and args.eval_interval < 0:
-        error("--eval-interval must be ≥ 0 (0: no evaluation)")
+def eval_rules(args: argparse.Namespace) -> list[str]:
     if args.eval_only and args.train_only:
-        error("--eval-only samples with the rollout engine; it cannot be combined with --train-only")
-    for dest in ("eval_num_prompts", "n_samples_per_eval_prompt"):
-        if getattr(args, dest) < 1:
-            error(f"--{dest.replace('_', '-')} must be ≥ 1")
-    shapes_rl = args.loss_type in ("policy_loss", "nft", "dmd2") and args.prompt_data == "builtin:shapes"
-    shapes_rl = shapes_rl and not makes_video(args.hf_checkpoint, args.model_family)  # the shapes eval scores images
-    if args.eval_interval is None and shapes_rl and not args.debug_rollout_only:
-        args.eval_interval = 20
-    if args.eval_interval == 0:
-        args.eval_interval = None
+        return ["--eval-only samples with the rollout engine; it cannot be combined with --train-only"]
+    return []
+
+
+def eval_defaults(args: argparse.Namespace, algorithm: Algorithm) -> dict[str, Any]:
+    """--eval-interval unset: the algorithm's own on builtin:shapes prompts (off for debug rollouts and for video
+    families: the shapes eval scores images); 0 means off."""
+    interval = args.eval_interval
+    shapes = args.prompt_data == BUILTIN_SHAPES and not makes_video(args.hf_checkpoint, args.model_family)  # images
+    if interval is None and shapes and not args.debug_rollout_only:
+        interval = algorithm.shapes_eval_interval
+    return {"eval_interval": None if interval == 0 else interval}
 
 
 def eval_enabled(args: argparse.Namespace) -> bool:

@@ -1,13 +1,14 @@
 """Flags of sharding, precision and memory: activation checkpointing, master dtype, CPU offload, hybrid sharding,
-deterministic mode; and their rules (checked by `validate_args` before any actor starts)."""
+deterministic mode; what `auto` resolves to, and their rules (checked by `validate_args` before any actor starts)."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from typing import Any
+
+from miles.algorithms import algorithm_of
 
 DTYPE_CHOICES = ("fp32", "bf16", "fp16")
-LOG_PROB_RATIO_LOSSES = ("policy_loss",)  # losses that compare trainer and engine log-probs (the PPO ratio)
 
 
 def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,68 +58,76 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_device_defaults(args: argparse.Namespace, cluster_gpus: float) -> None:
-    """`--device auto` and `--diffusion-forward-dtype auto` made concrete from the GPUs of the cluster the run uses:
+def device_defaults(args: argparse.Namespace, cluster_gpus: float) -> dict[str, Any]:
+    """What `--device auto` and `--diffusion-forward-dtype auto` resolve to on a cluster with `cluster_gpus` GPUs:
     cuda when it has any, and then a bf16 forward (fp32 matmuls are several times slower on GPUs, and fp32 engines
-    hold twice the memory) with the log-prob recompute a policy ratio needs in bf16; cpu and fp32 otherwise.
-    For a local cluster `validate_fsdp_args` calls it with this machine's GPUs; with --ray-address the driver calls
-    it once Ray is up (the driver's node may have no GPU while the cluster's nodes do)."""
-    if args.device == "auto":
-        args.device = "cuda" if cluster_gpus > 0 else "cpu"
+    hold twice the memory) with the log-prob recompute a policy ratio needs in bf16; cpu and fp32 otherwise."""
+    out: dict[str, Any] = {}
+    device = args.device
+    if device == "auto":
+        device = out["device"] = "cuda" if cluster_gpus > 0 else "cpu"
     if args.diffusion_forward_dtype == "auto":
-        args.diffusion_forward_dtype = "bf16" if args.device == "cuda" else "fp32"
-        if args.diffusion_forward_dtype == "bf16" and args.loss_type in LOG_PROB_RATIO_LOSSES:
-            args.diffusion_recompute_old_log_prob = True
+        out["diffusion_forward_dtype"] = "bf16" if device == "cuda" else "fp32"
+        if out["diffusion_forward_dtype"] == "bf16" and algorithm_of(args).log_prob_ratio:
+            out["diffusion_recompute_old_log_prob"] = True
+    return out
+
+
+def local_device_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """`device_defaults` from this machine's GPUs when the run starts its own cluster; with --ray-address they wait
+    for the driver (its node may have no GPU while the cluster's nodes do): `resolve_cluster_device`."""
+    return {} if args.ray_address is not None else device_defaults(args, _local_gpus())
+
+
+def resolve_device_defaults(args: argparse.Namespace, cluster_gpus: float) -> None:
+    vars(args).update(device_defaults(args, cluster_gpus))
 
 
 def resolve_cluster_device(args: argparse.Namespace, cluster_gpus: float) -> None:
     """The driver's step for --ray-address runs once Ray is up: the `auto` device and dtype from the cluster's GPUs,
     then the precision rules that waited for them (a broken rule raises ValueError naming the flags)."""
     resolve_device_defaults(args, cluster_gpus)
-
-    def fail(message: str) -> None:
-        raise ValueError(message)
-
-    validate_fsdp_args(args, fail)
+    errors = precision_rules(args)
+    if errors:
+        raise ValueError("; ".join(errors))
 
 
-def validate_fsdp_args(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
-    """The precision and sharding rules; `fail(message)` raises. With a local cluster the `auto` device and dtype
-    are resolved first; with --ray-address the dtype rules wait for the driver's call after `resolve_device_defaults`."""
-    if args.ray_address is None:
-        resolve_device_defaults(args, _local_gpus())
+def sharding_rules(args: argparse.Namespace) -> list[str]:
     shard = args.fsdp_shard_size
     if shard is not None and args.dp_size % shard != 0:  # ≥ 1 is checked with the other ranges
-        fail(f"--fsdp-shard-size {shard} must divide --dp-size {args.dp_size} (ranks per model copy)")
+        return [f"--fsdp-shard-size {shard} must divide --dp-size {args.dp_size} (ranks per model copy)"]
+    return []
+
+
+def precision_rules(args: argparse.Namespace) -> list[str]:
+    """The dtype and offload rules, once the device and dtype are known (still `auto`: none yet)."""
     if args.device == "auto" or args.diffusion_forward_dtype == "auto":
-        return
-    for dest in ("diffusion_forward_dtype", "fsdp_reduce_dtype"):
-        if getattr(args, dest) == "fp16":
-            fail(
-                f"--{dest.replace('_', '-')} fp16 is not supported: fp16 gradients need a sharded gradient scaler, "
-                "which miles does not have (small gradients would underflow to zero, silently); use bf16"
-            )
-    if (
-        args.diffusion_forward_dtype != "fp32"
-        and args.loss_type in LOG_PROB_RATIO_LOSSES
-        and not args.diffusion_recompute_old_log_prob
-    ):
-        fail(
+        return []
+    errors = [
+        f"--{dest.replace('_', '-')} fp16 is not supported: fp16 gradients need a sharded gradient scaler, which miles "
+        "does not have (small gradients would underflow to zero, silently); use bf16"
+        for dest in ("diffusion_forward_dtype", "fsdp_reduce_dtype")
+        if getattr(args, dest) == "fp16"
+    ]
+    ratio = algorithm_of(args).log_prob_ratio
+    if args.diffusion_forward_dtype != "fp32" and ratio and not args.diffusion_recompute_old_log_prob:
+        errors.append(
             f"--diffusion-forward-dtype {args.diffusion_forward_dtype} with --loss-type {args.loss_type} requires "
             "--diffusion-recompute-old-log-prob: the engines sample in the same dtype, but bf16 forwards differ by "
             "rounding between batch shapes and sharding (one bf16 ulp of the velocity, ~1e-4 in log-prob), which "
             "--diffusion-clip-range would clip; the recompute makes the first ratio exactly 1"
         )
     if args.fsdp_master_dtype == "bf16" and args.diffusion_forward_dtype == "fp32":
-        fail(
+        errors.append(
             "--fsdp-master-dtype bf16 with --diffusion-forward-dtype fp32 stores less precision than it computes "
             "in: use --diffusion-forward-dtype bf16 (or keep fp32 master weights)"
         )
     if args.fsdp_cpu_offload and args.device != "cuda":
-        fail(
+        errors.append(
             "--fsdp-cpu-offload moves GPU state to CPU memory: it needs CUDA (--device cuda, or auto with a GPU); "
             "on CPU the state is in CPU memory already"
         )
+    return errors
 
 
 def _local_gpus() -> int:

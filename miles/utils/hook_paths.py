@@ -1,5 +1,6 @@
-"""The rollout-side extension points: each path flag names a `module.fn` or `file.py:fn`, which loss types read it,
-and the signature it must have. Everything given is loaded and signature-checked before any actor starts."""
+"""The rollout-side extension points: each path flag names a `module.fn` or `file.py:fn`, what an algorithm must do
+for it to be read, and the signature it must have. Everything given is loaded and signature-checked before any actor
+starts."""
 
 from __future__ import annotations
 
@@ -9,22 +10,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from miles.algorithms import Algorithm
 from miles.utils.misc import HookLoadError, load_function
 
-# Loss types that never read a flag (every path flag also needs a generating rollout: not --train-only / sft_loss).
-ANY = ()
-NO_REWARDS = ("dmd2",)  # trains on no reward: filters and advantages are never read
-NO_SDE = ("nft", "dmd2")  # samples no SDE trajectories: no step strategy
+# what a path flag needs of the run's algorithm (an `Algorithm` capability) besides a generating rollout (every one
+# of them does: not --train-only), and how an error says it
+NEEDS = {
+    "scores_rewards": "an algorithm that trains on rewards (filters and advantages)",
+    "samples_sde": "an algorithm that samples SDE trajectories (the trained steps)",
+}
 
 
 @dataclass(frozen=True)
 class PathFlag:
-    """One path flag: its parameters (positional, in order), what it returns, and the loss types that never read it."""
+    """One path flag: its parameters (positional, in order), what it returns, and the capability it needs."""
 
     flag: str
     params: tuple[str, ...]
     returns: str
-    unread_by: tuple[str, ...] = ANY
+    needs: str | None = None
 
     @property
     def dest(self) -> str:
@@ -40,9 +44,9 @@ PATH_FLAGS: tuple[PathFlag, ...] = (
     PathFlag("--data-source-path", ("args", "rollout_id", "num_prompts", "attempt"), "list[dict]"),
     PathFlag("--custom-generate-function-path", ("args", "engines", "request"), "GenerateResult"),
     PathFlag("--custom-rm-path", ("args", "samples"), "list[float]"),
-    PathFlag("--dynamic-sampling-filter-path", ("args", "group"), "bool", NO_REWARDS),
-    PathFlag("--rollout-sample-filter-path", ("args", "samples"), "None", NO_REWARDS),
-    PathFlag("--custom-reward-post-process-path", ("args", "samples", "rewards"), "advantages", NO_REWARDS),
+    PathFlag("--dynamic-sampling-filter-path", ("args", "group"), "bool", "scores_rewards"),
+    PathFlag("--rollout-sample-filter-path", ("args", "samples"), "None", "scores_rewards"),
+    PathFlag("--custom-reward-post-process-path", ("args", "samples", "rewards"), "advantages", "scores_rewards"),
     PathFlag(
         "--custom-convert-samples-to-train-data-path",
         ("args", "result", "advantages"),
@@ -52,7 +56,7 @@ PATH_FLAGS: tuple[PathFlag, ...] = (
         "--diffusion-step-strategy-path",
         ("args", "rollout_id", "num_steps"),
         "list[int]",
-        NO_SDE,
+        "samples_sde",
     ),
     PathFlag("--eval-function-path", ("args", "engines", "rollout_id"), "dict[str, float]"),
 )
@@ -95,19 +99,19 @@ def add_rollout_step_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--eval-function-path", default=None, help="Eval: fn(args, engines, rollout_id) -> metrics.")
 
 
-def validate_rollout_step_args(args: argparse.Namespace, error: Callable[[str], Any]) -> None:
-    """Parse time: a path flag the chosen loss type never reads is an error (it would be silently ignored)."""
+def rollout_step_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
+    """Parse time: a path flag the run never reads is an error (it would be silently ignored)."""
+    errors = []
     for spec in PATH_FLAGS:
         if not getattr(args, spec.dest, None):
             continue
         if args.train_only:
-            error(f"{spec.flag} replaces a rollout step; --train-only ({args.loss_type}) has no generating rollout")
-        if args.loss_type in spec.unread_by:
-            error(
-                f"{spec.flag} is not read under --loss-type {args.loss_type} (never under {', '.join(spec.unread_by)})"
+            errors.append(
+                f"{spec.flag} replaces a rollout step; --train-only ({args.loss_type}) has no generating rollout"
             )
-    if args.dynamic_sampling_max_rounds < 0:
-        error(f"--dynamic-sampling-max-rounds must be ≥ 0, got {args.dynamic_sampling_max_rounds}")
+        elif spec.needs is not None and not getattr(algorithm, spec.needs):
+            errors.append(f"{spec.flag} is not read under --loss-type {algorithm.name}: it needs {NEEDS[spec.needs]}")
+    return errors
 
 
 def check_signature(spec: PathFlag, fn: Callable[..., Any], path: str) -> None:

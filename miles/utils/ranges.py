@@ -1,8 +1,10 @@
-"""The valid range of every numeric flag, checked at parse time for the command line and `--config` alike."""
+"""The valid range of every shared numeric flag, checked at parse time for the command line and `--config` alike;
+an algorithm declares its own flags' ranges (`Algorithm.flag_ranges`), a role's overrides take the actor flag's."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,39 +38,27 @@ class Range:
 AT_LEAST_0, AT_LEAST_1, POSITIVE, FINITE = Range(0), Range(1), Range(0, low_open=True), Range()
 UNIT, UNIT_OPEN_LOW, BETA = Range(0, 1), Range(0, 1, low_open=True), Range(0, 1, high_open=True)
 
-# family options (--num-frames, ...) add theirs from their declarations (miles.models.options.add_family_arguments)
+# family options (--num-frames, ...) declare theirs (miles.models.options.family_option_ranges)
 FLAG_RANGES: dict[str, Range] = {
     # cluster and model
     "dp_size": AT_LEAST_1, "fsdp_shard_size": AT_LEAST_1, "cpus_per_rank": POSITIVE, "gpus_per_rank": POSITIVE, "seed": AT_LEAST_0,
     "resolution": AT_LEAST_1,
     # optimizer and schedule
-    "lr": POSITIVE, "critic_lr": POSITIVE, "min_lr": AT_LEAST_0, "lr_warmup_steps": AT_LEAST_0,
+    "lr": POSITIVE, "min_lr": AT_LEAST_0, "lr_warmup_steps": AT_LEAST_0,
     "lr_decay_steps": AT_LEAST_1, "weight_decay": AT_LEAST_0, "adam_beta1": BETA, "adam_beta2": BETA,
     "adam_eps": POSITIVE, "clip_grad": AT_LEAST_0, "max_skipped_steps": AT_LEAST_1,
     # batches and steps
-    "micro_batch_size": AT_LEAST_1, "critic_micro_batch_size": AT_LEAST_1, "global_batch_size": AT_LEAST_1,
-    "num_steps_per_rollout": AT_LEAST_1, "critic_num_steps_per_rollout": AT_LEAST_1, "num_rollout": AT_LEAST_1,
+    "micro_batch_size": AT_LEAST_1, "global_batch_size": AT_LEAST_1, "num_steps_per_rollout": AT_LEAST_1,
+    "num_rollout": AT_LEAST_1,
     "rollout_batch_size": AT_LEAST_1, "n_samples_per_prompt": AT_LEAST_1, "builtin_dataset_size": AT_LEAST_1,
-    # sft timestep density
-    "sft_logit_mean": FINITE, "sft_logit_std": POSITIVE, "sft_mode_scale": AT_LEAST_0,
     # sampling
     "rollout_seed": AT_LEAST_0, "diffusion_num_steps": AT_LEAST_1, "diffusion_guidance_scale": AT_LEAST_0,
     "rollout_num_engines": AT_LEAST_1, "rollout_cpus_per_engine": POSITIVE, "rollout_gpus_per_engine": POSITIVE,
     "diffusion_noise_level": AT_LEAST_0, "diffusion_num_sde_steps": AT_LEAST_0, "image_grid_interval": AT_LEAST_0,
     "media_max_samples": AT_LEAST_1,
-    # rewards and policy_loss
+    # rewards and rollout steps
     "rm_num_workers": AT_LEAST_0, "generate_chunk_size": AT_LEAST_0, "diffusion_adv_clip_max": POSITIVE,
-    "diffusion_clip_range": POSITIVE,
-    "diffusion_kl_beta": AT_LEAST_0, "dynamic_sampling_max_rounds": AT_LEAST_0,
-    # nft
-    "diffusion_nft_beta": POSITIVE, "diffusion_nft_timestep_fraction": UNIT_OPEN_LOW,
-    "diffusion_nft_guidance_scale": AT_LEAST_0, "diffusion_nft_kl_beta": AT_LEAST_0,
-    "diffusion_nft_old_decay_rate": AT_LEAST_0, "diffusion_nft_old_decay_max": UNIT,
-    "diffusion_nft_old_decay_flat_steps": AT_LEAST_0,
-    # dmd2
-    "dmd2_generator_steps": Range(1, 4), "dmd2_real_guidance_scale": AT_LEAST_1,
-    "dmd2_critic_updates_per_step": AT_LEAST_1, "dmd2_t_min": UNIT, "dmd2_t_max": UNIT,
-    "dmd2_timestep_shift": POSITIVE,
+    "dynamic_sampling_max_rounds": AT_LEAST_0,
     # LoRA and EMA
     "lora_rank": AT_LEAST_1, "lora_alpha": POSITIVE, "ema_decay": UNIT, "ema_update_interval": AT_LEAST_1,
     # evaluation and checkpoints
@@ -77,9 +67,9 @@ FLAG_RANGES: dict[str, Range] = {
 }  # fmt: skip
 
 
-def range_violation(dest: str, value: Any) -> str | None:
-    """Why `value` is out of `dest`'s range (None when it is in range, None, or the flag has no range)."""
-    bounds = FLAG_RANGES.get(dest)
+def range_violation(dest: str, value: Any, ranges: Mapping[str, Range] = FLAG_RANGES) -> str | None:
+    """Why `value` is out of `dest`'s range in `ranges` (None when it is in range, None, or the flag has no range)."""
+    bounds = ranges.get(dest)
     if bounds is None or value is None or isinstance(value, bool) or bounds.contains(value):
         return None
     return f"--{dest.replace('_', '-')} must be {bounds.describe()}, got {value}"

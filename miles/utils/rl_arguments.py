@@ -1,10 +1,13 @@
-"""Flags of the RL side: sampling and step strategy, rewards and advantages, Flow-GRPO, LoRA and EMA."""
+"""Shared flags of the RL side: sampling and step strategy, rewards and advantages, the KL reference, LoRA and EMA;
+and their rules (each algorithm's own flags and rules are in its declaration, miles/algorithms/)."""
 
 from __future__ import annotations
 
 import argparse
 
-from miles.utils.hook_paths import add_rollout_step_arguments, validate_rollout_step_args
+from miles.algorithms import Algorithm
+from miles.utils.hook_paths import add_rollout_step_arguments, rollout_step_rules
+from miles.utils.reward_spec import reward_spec_from_args
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,57 +90,9 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("policy_loss (Flow-GRPO)")
-    group.add_argument("--diffusion-clip-range", type=float, default=1e-4, help="PPO clip ε of the ratio.")
-    group.add_argument("--diffusion-kl-beta", type=float, default=0.0, help="KL weight β against the reference.")
+def add_reference_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("KL reference (read by every algorithm with a KL term)")
     group.add_argument("--ref-mode", choices=("none", "lora_base", "ema"), default="none", help="The KL reference.")
-
-
-def add_nft_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("nft (DiffusionNFT)")
-    group.add_argument("--diffusion-nft-beta", type=float, default=1.0, help="Mixing β of the implicit policies.")
-    group.add_argument(
-        "--diffusion-nft-timestep-fraction", type=float, default=0.6, help="Share of sampling steps trained per sample."
-    )
-    group.add_argument(
-        "--diffusion-nft-disable-adaptive-weight", action="store_true", help="w = 1 instead of the x̂₀-error weight."
-    )
-    group.add_argument(
-        "--diffusion-nft-guidance-scale", type=float, default=1.0, help="CFG of the training forwards (1: CFG-free)."
-    )
-    group.add_argument("--diffusion-nft-kl-beta", type=float, default=0.0, help="Weight of mean((v − v_ref)²).")
-    group.add_argument(
-        "--diffusion-nft-old-decay-rate", type=float, default=0.001, help="d = min(rate·(s − flat), max)."
-    )
-    group.add_argument("--diffusion-nft-old-decay-max", type=float, default=0.5, help="Cap of the old-policy decay d.")
-    group.add_argument(
-        "--diffusion-nft-old-decay-flat-steps", type=int, default=0, help="d = 0 for this many optimizer steps."
-    )
-
-
-def add_dmd2_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("dmd2 (distribution-matching distillation)")
-    group.add_argument(
-        "--dmd2-generator-steps", type=int, default=1, help="k: generator sampling steps (1-4), renoise kernel."
-    )
-    group.add_argument(
-        "--dmd2-real-guidance-scale", type=float, default=4.5, help="CFG scale of the teacher's real score."
-    )
-    group.add_argument(
-        "--dmd2-critic-updates-per-step",
-        type=int,
-        default=5,
-        help="Critic updates per generator update: critic steps = this x --num-steps-per-rollout.",
-    )
-    group.add_argument("--dmd2-t-min", type=float, default=0.02, help="Lower clamp of the critic/DMD timestep.")
-    group.add_argument("--dmd2-t-max", type=float, default=0.98, help="Upper clamp of the critic/DMD timestep.")
-    group.add_argument(
-        "--dmd2-timestep-shift",
-        type=float,
-        default=None,
-        help="Shift of the timestep draw and generator grid (default: the model's scheduler shift; 1-step: try 1).",
-    )
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
@@ -170,81 +125,33 @@ def add_ema_arguments(parser: argparse.ArgumentParser) -> None:
 RL_ARGUMENT_GROUPS = (
     add_sampling_arguments,
     add_reward_arguments,
-    add_policy_arguments,
-    add_nft_arguments,
-    add_dmd2_arguments,
+    add_reference_arguments,
     add_lora_arguments,
     add_ema_arguments,
     add_rollout_step_arguments,
 )
 
 
-def validate_rl_args(args: argparse.Namespace, error) -> None:
-    """Rules of the RL flags; `error(message)` raises the parser's error type."""
+def rl_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
+    """The shared rules of the RL flags (an algorithm's own are in its declaration)."""
+    errors = []
     if args.ref_mode == "lora_base" and not args.use_lora:
-        error("--ref-mode lora_base needs --use-lora (the reference is the LoRA base)")
+        errors.append("--ref-mode lora_base needs --use-lora (the reference is the LoRA base)")
     if args.ref_mode == "ema" and not args.use_ema:
-        error("--ref-mode ema needs --use-ema")
+        errors.append("--ref-mode ema needs --use-ema")
     if args.ema_rollout_policy == "ema" and not args.use_ema:
-        error("--ema-rollout-policy ema needs --use-ema")
-    if args.loss_type == "policy_loss" and args.diffusion_kl_beta > 0 and args.ref_mode == "none":
-        error("--diffusion-kl-beta > 0 needs a reference: --ref-mode lora_base or ema")
-    if args.loss_type == "nft":
-        if args.diffusion_nft_kl_beta > 0 and args.ref_mode == "none":
-            error("--diffusion-nft-kl-beta > 0 needs a reference: --ref-mode lora_base or ema")
-        if args.diffusion_nft_guidance_scale > 1 and args.diffusion_guidance_scale <= 1:
-            error("--diffusion-nft-guidance-scale > 1 needs --diffusion-guidance-scale > 1 (negative embeddings)")
-        if not 0 < args.diffusion_nft_timestep_fraction <= 1:
-            error("--diffusion-nft-timestep-fraction must be in (0, 1]")
-        if args.diffusion_nft_beta <= 0:
-            error("--diffusion-nft-beta must be > 0")
-    if args.loss_type == "dmd2":
-        _validate_dmd2(args, error)
-    if args.rollout_num_engines < 1:
-        error("--rollout-num-engines must be ≥ 1")
-    if args.rm_num_workers < 0:
-        error("--rm-num-workers must be ≥ 0")
-    if args.loss_type == "policy_loss" and args.diffusion_sde_type == "ode":
-        error("--loss-type policy_loss needs stochastic steps: --diffusion-sde-type sde or cps")
-    if args.diffusion_shared_initial_noise and args.loss_type in ("nft", "dmd2"):
-        error(
-            f"--diffusion-shared-initial-noise is for SDE rollouts (policy_loss, custom_loss); --loss-type "
-            f"{args.loss_type} samples {'deterministic ODE' if args.loss_type == 'nft' else 'generator'} trajectories"
+        errors.append("--ema-rollout-policy ema needs --use-ema")
+    if args.diffusion_shared_initial_noise and not algorithm.samples_sde:
+        errors.append(
+            f"--diffusion-shared-initial-noise is for SDE rollouts; --loss-type {algorithm.name} samples no SDE "
+            "trajectories"
         )
-    validate_rollout_step_args(args, error)
+    errors += rollout_step_rules(args, algorithm)
     if args.save_debug_rollout_data and args.load_debug_rollout_data:
-        error("--save-debug-rollout-data and --load-debug-rollout-data exclude each other")
-    if args.loss_type in ("policy_loss", "nft", "dmd2") and args.train_only:
-        error(f"--train-only skips the rollout engine, which --loss-type {args.loss_type} needs")
-    try:
-        from miles.utils.reward_spec import reward_spec_from_args
-
-        if args.loss_type in ("policy_loss", "nft"):
+        errors.append("--save-debug-rollout-data and --load-debug-rollout-data exclude each other")
+    if algorithm.scores_rewards and not args.train_only:
+        try:
             reward_spec_from_args(args)
-    except ValueError as exc:
-        error(str(exc))
-
-
-def _validate_dmd2(args: argparse.Namespace, error) -> None:
-    """dmd2's ranges; fills the critic's steps per rollout from the update ratio unless given."""
-    if not 1 <= args.dmd2_generator_steps <= 4:
-        error(f"--dmd2-generator-steps must be in 1..4, got {args.dmd2_generator_steps}")
-    if args.dmd2_critic_updates_per_step < 1:
-        error(f"--dmd2-critic-updates-per-step must be ≥ 1, got {args.dmd2_critic_updates_per_step}")
-    if not 0 <= args.dmd2_t_min < args.dmd2_t_max <= 1:
-        error(f"--dmd2-t-min / --dmd2-t-max must satisfy 0 ≤ min < max ≤ 1, got {args.dmd2_t_min}, {args.dmd2_t_max}")
-    if args.dmd2_timestep_shift is not None and args.dmd2_timestep_shift <= 0:
-        error(f"--dmd2-timestep-shift must be > 0, got {args.dmd2_timestep_shift}")
-    if args.dmd2_real_guidance_scale < 1:
-        error(f"--dmd2-real-guidance-scale must be ≥ 1 (1: no CFG), got {args.dmd2_real_guidance_scale}")
-    if args.diffusion_guidance_scale > 1:
-        error(
-            f"--diffusion-guidance-scale {args.diffusion_guidance_scale} does not apply to --loss-type dmd2: the generator"
-            " samples CFG-free; the teacher's CFG is --dmd2-real-guidance-scale"
-        )
-    if args.critic_micro_batch_size is not None and args.critic_micro_batch_size < 1:
-        error(f"--critic-micro-batch-size must be ≥ 1, got {args.critic_micro_batch_size}")
-    if args.critic_num_steps_per_rollout is None:
-        args.critic_num_steps_per_rollout = args.dmd2_critic_updates_per_step * args.num_steps_per_rollout
-    elif args.critic_num_steps_per_rollout < 1:
-        error(f"--critic-num-steps-per-rollout must be ≥ 1, got {args.critic_num_steps_per_rollout}")
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors

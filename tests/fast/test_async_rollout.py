@@ -46,8 +46,20 @@ def test_loss_types_that_say_what_they_do_with_a_stale_batch_accept_it(flags):
             ),
             "does not declare what it does with a batch generated one update behind",
         ),
-        (("--loss-type", "sft_loss", "--train-only"), "--train-only has no generation"),
-        (("--loss-type", "nft", "--debug-rollout-only"), "--debug-rollout-only has no generation"),
+        (("--loss-type", "sft_loss", "--train-only"), "sft_loss trains on dataset pairs here"),
+        (
+            (
+                "--loss-type",
+                "custom_loss",
+                "--train-only",
+                "--custom-prepare-train-batch-path",
+                "miles.backends.fsdp_utils.loss_hub.sft.prepare_sft_batch",
+                "--custom-loss-function-path",
+                "miles.backends.fsdp_utils.loss_hub.sft.sft_formula",
+            ),
+            "custom_loss trains on dataset pairs here",
+        ),
+        (("--loss-type", "nft", "--debug-rollout-only"), "--debug-rollout-only has no training"),
     ],
 )
 def test_async_rollout_is_refused_where_a_stale_batch_would_be_wrong(flags, message):

@@ -13,12 +13,14 @@ BASE = ["--hf-checkpoint", "builtin:tiny-shapes", "--prompt-data", "builtin:shap
 
 
 def test_the_example_registers_both_sides_of_its_loss_type():
+    from miles.algorithms import get_algorithm
     from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS, check_loss_hooks
-    from miles.rollout.rollout_hub import ROLLOUT_SPECS
+    from miles.rollout.rollout_hub import RolloutSpec, get_rollout_spec
 
     load_module(EXAMPLE)
     check_loss_hooks(LOSS_HOOKS[("awfm", "actor")])
-    assert ROLLOUT_SPECS["awfm"].scores_rewards
+    assert get_algorithm("awfm").scores_rewards  # GRPO advantages weight its pairs
+    assert isinstance(get_rollout_spec("awfm"), RolloutSpec)
 
 
 def test_the_example_loss_matches_a_hand_computation():
@@ -36,10 +38,10 @@ def test_the_example_loss_matches_a_hand_computation():
 
 
 def test_an_unknown_loss_type_names_the_choices_and_the_plugin_flag(capsys):
-    with pytest.raises(SystemExit):
-        parse_args([*BASE, "--loss-type", "awfm"])
+    with pytest.raises(SystemExit):  # a name no module declared (the example's awfm may be registered by now)
+        parse_args([*BASE, "--loss-type", "awfm_undeclared"])
     err = capsys.readouterr().err
-    assert "awfm" in err and "--algorithm-path" in err and "policy_loss" in err
+    assert "awfm_undeclared" in err and "--algorithm-path" in err and "policy_loss" in err
 
 
 def test_a_plugin_that_fails_to_import_names_the_flag(tmp_path, capsys):
@@ -47,4 +49,5 @@ def test_a_plugin_that_fails_to_import_names_the_flag(tmp_path, capsys):
     broken.write_text("raise RuntimeError('boom')\n")
     with pytest.raises(SystemExit):
         parse_args([*BASE, "--loss-type", "x", "--algorithm-path", str(broken)])
-    assert "--algorithm-path" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--algorithm-path" in err and str(broken) in err and "boom" in err

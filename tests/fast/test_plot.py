@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from miles.algorithms import ALGORITHMS, Algorithm, register_algorithm
 from miles.plot import infer_loss_type, main, plot_panels, plot_run, running_mean
 from miles.utils.tracking import MetricsWriter
 
@@ -42,6 +43,29 @@ def test_the_loss_type_is_read_from_the_metrics_it_logged():
     assert infer_loss_type([{"role": "actor", "train/ratio_mean": 1.0, "rollout/reward_mean": 0.5}]) == "policy_loss"
     assert infer_loss_type([{"role": "critic", "train/critic_loss": 1.0}]) == "dmd2"
     assert infer_loss_type([{"role": "actor", "train/loss": 1.0, "step": 1}]) == "sft_loss"
+
+
+def test_a_run_no_declaration_recognises_gets_the_default_panels():
+    records = [
+        {"role": "actor", "step": 1, "train/loss": 1.0, "train/grad_norm": 0.5},
+        {"rollout_id": 0, "step": 1, "rollout/reward_mean": 0.2},
+    ]
+    assert infer_loss_type(records) is None
+    assert [title for title, _ in plot_panels(records, None)] == ["rollout reward", "loss", "grad norm"]
+
+
+def test_a_registered_plugin_is_recognised_and_drawn_with_its_own_panels():
+    saved = dict(ALGORITHMS)
+    try:
+        register_algorithm(
+            Algorithm(name="plugged", identifying_metrics=("train/plugged",), plot_panels=(("P", ("train/plugged",)),))
+        )
+        records = [{"role": "actor", "step": 1, "train/plugged": 1.0, "train/loss": 2.0}]
+        assert infer_loss_type(records) == "plugged"
+        assert plot_panels(records, "plugged") == [("P", ("train/plugged",))]
+    finally:
+        ALGORITHMS.clear()
+        ALGORITHMS.update(saved)
 
 
 def test_panels_are_those_of_the_loss_type_that_the_run_logged():

@@ -37,7 +37,7 @@ def load_clip(path: str | None, flag: str) -> tuple[Any, Any]:
     key = (os.path.realpath(path), _device())
     if key in _LOADED:
         return _LOADED[key]
-    from transformers import CLIPModel, CLIPProcessor
+    from transformers import CLIPModel, CLIPProcessor  # local: ~1 s per process, only CLIP rewards need it
 
     try:
         processor = CLIPProcessor.from_pretrained(path, local_files_only=True)

@@ -11,6 +11,7 @@ import pytest
 
 from miles.models import all_family_classes
 from miles.models.options import FAMILY_OPTIONS, FamilyOption, add_family_arguments, family_options
+from miles.utils.arg_rules import flag_ranges
 from miles.utils.arguments import build_parser, parse_args
 from miles.utils.ranges import AT_LEAST_1, FLAG_RANGES
 
@@ -35,8 +36,9 @@ def test_a_flag_two_families_share_is_added_once_and_its_help_names_both():
 
 
 def test_ranges_come_from_the_declarations(capsys):
-    build_parser()
-    assert FLAG_RANGES["num_frames"] is AT_LEAST_1 and FLAG_RANGES["diffusion_guidance_scale_2"].low == 0
+    ranges = flag_ranges()
+    assert ranges["num_frames"] is AT_LEAST_1 and ranges["diffusion_guidance_scale_2"].low == 0
+    assert not {"num_frames", "diffusion_guidance_scale_2"} & set(FLAG_RANGES)  # not kept in the shared table too
     with pytest.raises(SystemExit):
         parse_args([*BASE, "--num-frames", "0"])
     assert "--num-frames must be ≥ 1, got 0" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Per-sample noise seeds of a rollout, and the shared initial latent of --diffusion-shared-initial-noise."""
 
-from miles.rollout.rollout_hub import group_initial_seeds
+from miles.rollout.requests import group_initial_seeds
 from miles.rollout.steps import sample_seed
 from miles.utils.types import Sample
 

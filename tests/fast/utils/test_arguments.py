@@ -1,6 +1,8 @@
+import copy
+
 import pytest
 
-from miles.utils.arguments import parse_args
+from miles.utils.arguments import derive_args, parse_args, validate_args
 
 BASE = ["--hf-checkpoint", "/tmp/x", "--prompt-data", "builtin:shapes"]
 SFT = BASE + ["--loss-type", "sft_loss", "--train-only"]
@@ -63,7 +65,9 @@ def test_dmd2_rejects_a_sampling_guidance_scale(capsys):
 
 
 def test_critic_overrides_only_under_dmd2(capsys):
-    assert "--critic-lr" in parse_error(SFT + ["--critic-lr", "1e-5"], capsys)
+    err = parse_error(SFT + ["--critic-lr", "1e-5", "--critic-save", "/c"], capsys)
+    assert "--critic-lr, --critic-save only apply to an algorithm with a critic role (dmd2)" in err
+    assert "--loss-type sft_loss trains actor" in err
     args = parse_args(BASE + ["--loss-type", "dmd2", "--teacher-load", "/t", "--critic-lr", "1e-5"])
     assert args.critic_lr == 1e-5 and args.critic_checkpoint == "/t"
     assert args.critic_micro_batch_size == args.micro_batch_size
@@ -115,3 +119,31 @@ def test_shared_initial_noise_only_for_sde_rollouts(loss, capsys):
     err = parse_error(BASE + ["--loss-type", loss, "--teacher-load", "/t"] + shared, capsys)
     assert "--diffusion-shared-initial-noise" in err and loss in err
     assert parse_args(BASE + ["--loss-type", "policy_loss"] + shared).diffusion_shared_initial_noise
+
+
+def test_validation_leaves_the_args_as_given_and_derivation_fills_the_defaults_in_one_step(tmp_path):
+    argv = BASE + ["--loss-type", "dmd2", "--teacher-load", "/t", "--rollout-batch-size", "6", "--n-samples-per-prompt"]
+    args = parse_args(argv + ["2", "--num-steps-per-rollout", "3", "--save", str(tmp_path)], validate=False)
+    given = copy.deepcopy(vars(args))
+    validate_args(args)
+    assert vars(args) == given
+    derive_args(args)
+    assert args.global_batch_size == 6 * 2 // 3 and args.diffusion_guidance_scale == 1.0 and args.eval_interval == 20
+    assert (args.critic_lr, args.critic_micro_batch_size) == (given["lr"], given["micro_batch_size"])
+    assert args.critic_num_steps_per_rollout == 5 * 3  # --dmd2-critic-updates-per-step 5 x --num-steps-per-rollout 3
+    assert (args.critic_checkpoint, args.critic_save, args.critic_load) == ("/t", str(tmp_path), None)
+    changed = {k for k in given if given[k] != vars(args)[k]}
+    assert changed >= {"global_batch_size", "diffusion_guidance_scale", "eval_interval", "critic_lr"}
+    assert not changed & {"lr", "rollout_batch_size", "n_samples_per_prompt", "save", "load", "teacher_load"}
+
+
+def test_every_broken_rule_of_a_stage_is_reported_at_once(capsys):
+    err = parse_error(BASE + ["--loss-type", "nft", "--train-only", "--eval-only", "--ref-mode", "ema"], capsys)
+    assert "--train-only skips the rollout engine, which --loss-type nft needs" in err
+    assert "--eval-only samples with the rollout engine" in err and "--ref-mode ema needs --use-ema" in err
+
+
+def test_sft_trains_each_pair_once_and_needs_train_only(capsys):
+    assert parse_args(SFT + ["--n-samples-per-prompt", "4", "--rollout-batch-size", "8"]).n_samples_per_prompt == 1
+    err = parse_error(BASE + ["--loss-type", "sft_loss"], capsys)
+    assert "--loss-type sft_loss trains on dataset pairs: pass --train-only" in err

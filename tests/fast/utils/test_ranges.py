@@ -1,4 +1,5 @@
-"""Every numeric flag has a declared range, and a value outside it fails at parse time naming the flag, from the
+"""Every numeric flag has a declared range (shared flags in miles/utils/ranges.py, an algorithm's own in its
+declaration, a role override the actor flag's), and a value outside it fails at parse time naming the flag, from the
 command line and from --config alike."""
 
 from __future__ import annotations
@@ -7,12 +8,16 @@ import math
 
 import pytest
 
+from miles.algorithms import BUILTIN_ALGORITHMS
+from miles.utils.arg_rules import flag_ranges
 from miles.utils.arguments import build_parser, parse_args
 from miles.utils.ranges import FLAG_RANGES, Range
 
+RANGES = flag_ranges(BUILTIN_ALGORITHMS)
+
 BASE = ["--hf-checkpoint", "/tmp/x", "--prompt-data", "builtin:shapes"]
-NUMERIC = sorted(a.dest for a in build_parser()._actions if a.type in (int, float))
-TYPES = {a.dest: a.type for a in build_parser()._actions}
+NUMERIC = sorted(a.dest for a in build_parser(BUILTIN_ALGORITHMS)._actions if a.type in (int, float))
+TYPES = {a.dest: a.type for a in build_parser(BUILTIN_ALGORITHMS)._actions}
 
 
 def outside(bounds: Range, kind: type) -> list[str]:
@@ -27,21 +32,32 @@ def outside(bounds: Range, kind: type) -> list[str]:
     return out + (["nan", "inf"] if kind is float else [])
 
 
-CASES = [(dest, value) for dest in NUMERIC for value in outside(FLAG_RANGES.get(dest, Range()), TYPES[dest])]
+CASES = [(dest, value) for dest in NUMERIC for value in outside(RANGES.get(dest, Range()), TYPES[dest])]
 
 
 def test_every_numeric_flag_declares_a_range():
-    missing = [dest for dest in NUMERIC if dest not in FLAG_RANGES]
-    assert not missing, f"numeric flags without a range in miles/utils/ranges.py: {missing}"
-    assert not set(FLAG_RANGES) - set(NUMERIC), "ranges of flags that do not exist"
-    assert all(outside(FLAG_RANGES[d], TYPES[d]) for d in NUMERIC)  # every flag has something to reject
+    missing = [dest for dest in NUMERIC if dest not in RANGES]
+    assert not missing, f"numeric flags without a range (ranges.py or the algorithm's flag_ranges): {missing}"
+    assert not set(RANGES) - set(NUMERIC), "ranges of flags that do not exist"
+    assert all(outside(RANGES[d], TYPES[d]) for d in NUMERIC)  # every flag has something to reject
+
+
+def test_each_range_is_declared_once_beside_its_flag():
+    declared = [dest for algorithm in BUILTIN_ALGORITHMS for dest in algorithm.flag_ranges]
+    assert len(declared) == len(set(declared)) and not set(declared) & set(FLAG_RANGES)
+    own = {a.dest for a in build_parser(())._actions}
+    assert set(FLAG_RANGES) <= own, "ranges.py holds only the shared flags' ranges"
+    assert (
+        RANGES["critic_lr"] == FLAG_RANGES["lr"]
+        and RANGES["critic_micro_batch_size"] == FLAG_RANGES["micro_batch_size"]
+    )
 
 
 def test_defaults_are_in_range():
     args = parse_args(BASE)
     for dest in NUMERIC:
         value = getattr(args, dest)
-        assert value is None or FLAG_RANGES[dest].contains(value), (dest, value)
+        assert value is None or RANGES[dest].contains(value), (dest, value)
 
 
 @pytest.mark.parametrize(("dest", "value"), CASES, ids=[f"{d}={v}" for d, v in CASES])
@@ -49,7 +65,7 @@ def test_out_of_range_value_is_rejected_naming_the_flag(dest, value, capsys):
     name = "--" + dest.replace("_", "-")
     with pytest.raises(SystemExit):
         parse_args([*BASE, name, value])
-    assert f"{name} must be {FLAG_RANGES[dest].describe()}, got" in capsys.readouterr().err
+    assert f"{name} must be {RANGES[dest].describe()}, got" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -2,13 +2,15 @@
 
 The result has video-rank latents (C, F, H, W) and a conditioning with a mask: nothing here is SD3's shape."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from miles.diffusion.schedule import sampling_sigmas
 from miles.models.conditioning import Conditioning
-from miles.rollout.data_conversion_hub.nft import expand_samples_to_nft_pairs, nft_pairs_per_sample
 from miles.rollout.engine import GenerateResult
+from miles.rollout.rollout_hub.nft import nft_pairs, nft_pairs_count, nft_pairs_per_sample
 
 B, L, D = 4, 5, 6
 LATENT = (2, 3, 2, 2)  # (C, F, H, W)
@@ -38,12 +40,15 @@ def make_result(batch=B, num_steps=NUM_STEPS, cfg=False, seed=0):
 def convert(result, fraction=0.6, seed=1, rollout_id=3, advantages=None):
     if advantages is None:
         advantages = torch.linspace(-1.0, 1.0, result.batch_size)
-    return expand_samples_to_nft_pairs(result, advantages, timestep_fraction=fraction, seed=seed, rollout_id=rollout_id)
+    args = SimpleNamespace(diffusion_nft_timestep_fraction=fraction, rollout_seed=seed)
+    return nft_pairs(args, [], result, advantages, rollout_id=rollout_id)
 
 
 @pytest.mark.parametrize("fraction, expected", [(0.6, 6), (1.0, 10), (0.01, 1), (0.25, 2), (0.99, 10)])
 def test_pairs_per_sample_is_rounded_fraction_of_steps(fraction, expected):
     assert nft_pairs_per_sample(NUM_STEPS, fraction) == expected
+    args = SimpleNamespace(diffusion_num_steps=NUM_STEPS, diffusion_nft_timestep_fraction=fraction)
+    assert nft_pairs_count(args, None) == expected  # what the rollout orders the pairs by
     pairs = convert(make_result(), fraction=fraction)
     assert all(v.shape[0] == B * expected for v in pairs.values())
 

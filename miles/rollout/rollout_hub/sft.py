@@ -1,7 +1,9 @@
-"""sft_loss conversion: (prompt, image) records -> train pairs of clean latents and their conditioning."""
+"""sft_loss, rollout side: (prompt, image) records encoded once with the family's VAE and text encoders into train
+pairs of clean latents and their conditioning (the rollout side owns every encoder; the trainer gets pairs only)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 from typing import Any
 
@@ -10,9 +12,11 @@ import torch
 from PIL import Image
 
 from miles.models.conditioning import Conditioning
+from miles.rollout.rollout_hub.spec import DatasetSpec
 from miles.utils.types import TrainPairs
 
 logger = logging.getLogger(__name__)
+ENCODE_BATCH = 64  # records per encoder call
 
 
 def image_to_tensor(image: Any, resolution: int) -> torch.Tensor:
@@ -30,8 +34,8 @@ def image_to_tensor(image: Any, resolution: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_sft_records(family: Any, records: list[dict], resolution: int, batch_size: int = 64) -> TrainPairs:
-    """Encode every record once with the family's VAE and text encoders (the rollout side owns encoders)."""
+def encode_records(family: Any, records: list[dict], resolution: int, batch_size: int = ENCODE_BATCH) -> TrainPairs:
+    """Every record through the family's VAE (its image) and text encoders (its prompt), `batch_size` at a time."""
     latents: list[torch.Tensor] = []
     embeds: list[Conditioning] = []
     for start in range(0, len(records), batch_size):
@@ -41,3 +45,13 @@ def encode_sft_records(family: Any, records: list[dict], resolution: int, batch_
         latents.append(family.encode_images(images).float().cpu())
     # Conditioning.cat: chunks of a family with variable-length prompts are padded to one length
     return {"x0": torch.cat(latents), **Conditioning.cat(embeds).to_columns()}
+
+
+def sft_pairs(args: argparse.Namespace, family: Any, records: list[dict], *, resolution: int) -> TrainPairs:
+    """The DatasetSpec entry: load the VAE and the text encoders, then encode every record once."""
+    family.load_vae()
+    family.load_text_encoders()
+    return encode_records(family, records, resolution)
+
+
+SPEC = DatasetSpec(encode=sft_pairs)

@@ -6,8 +6,14 @@ import torch
 
 from miles.diffusion.sde import renoise_sigmas
 from miles.models.base import get_train_pipeline_config
-from miles.rollout.data_conversion_hub.dmd2 import dmd2_trained_step, expand_samples_to_dmd2_pairs
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, draw_sample_noise
+from miles.rollout.rollout_hub.dmd2 import dmd2_trained_step, generator_pairs
+
+
+def convert(result):
+    """The spec's converter, with the arguments a dmd2 conversion does not read."""
+    return generator_pairs(None, [], result, None, rollout_id=0)
+
 
 PROMPTS = ["a red circle", "two blue squares on the left", "a green triangle"]
 SEEDS = [5, 6, 7]
@@ -50,7 +56,7 @@ def transformer(family):
 @pytest.mark.parametrize(("k", "j"), [(1, 0), (3, 0), (3, 1), (3, 2)])
 def test_pairs_hold_the_generator_input_and_output_at_step_j(engine, family, transformer, k, j):
     result = engine.generate(dmd2_request(k, j))
-    pairs = expand_samples_to_dmd2_pairs(result)
+    pairs = convert(result)
     grid = renoise_sigmas(k, family.scheduler_shift)
     embeds = family.encode_prompts(PROMPTS)
     noise = draw_sample_noise(SEEDS, k, family.latent_shape())
@@ -77,9 +83,9 @@ def test_pairs_hold_the_generator_input_and_output_at_step_j(engine, family, tra
 
 def test_conversion_needs_the_renoise_outputs_and_negative_embeddings(engine):
     with pytest.raises(ValueError, match="renoise"):
-        expand_samples_to_dmd2_pairs(engine.generate(dmd2_request(3, 0, sde_type="sde", noise_level=0.7)))
+        convert(engine.generate(dmd2_request(3, 0, sde_type="sde", noise_level=0.7)))
     with pytest.raises(ValueError, match="negative prompt"):
-        expand_samples_to_dmd2_pairs(engine.generate(dmd2_request(2, 0, return_negative=False)))
+        convert(engine.generate(dmd2_request(2, 0, return_negative=False)))
 
 
 def test_request_allows_training_the_last_generator_step_only_for_renoise():

@@ -1,0 +1,41 @@
+"""The engine requests that belong to no one algorithm: the sampling flags' request with a chosen kernel, the shared
+initial noise of a prompt group, and the held-out eval's deterministic ODE."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from miles.rollout.engine import GenerateRequest
+from miles.utils.types import Sample
+
+
+def group_initial_seeds(samples: list[Sample]) -> list[int]:
+    """--diffusion-shared-initial-noise: every sample starts from its group's first sample's initial latent."""
+    first: dict[int, int] = {}
+    for sample in samples:
+        first.setdefault(sample.group_index, sample.seed)
+    return [first[sample.group_index] for sample in samples]
+
+
+def sampler_request(
+    args: argparse.Namespace, samples: list[Sample], *, resolution: int, sde_type: str, trained_steps: list[int]
+) -> GenerateRequest:
+    """The sampling flags' request for `samples` (CFG, steps, noise, shared initial noise) with the given kernel."""
+    return GenerateRequest(
+        prompts=[s.prompt for s in samples],
+        seeds=[s.seed for s in samples],
+        initial_seeds=group_initial_seeds(samples) if args.diffusion_shared_initial_noise else None,
+        num_steps=args.diffusion_num_steps,
+        guidance_scale=args.diffusion_guidance_scale,
+        negative_prompt=args.negative_prompt,
+        sde_type=sde_type,
+        noise_level=args.diffusion_noise_level,
+        trained_steps=trained_steps,
+        resolution=resolution,
+    )
+
+
+def ode_eval(args: argparse.Namespace) -> dict[str, Any]:
+    """Held-out prompts sampled with the deterministic ODE at --diffusion-eval-num-steps."""
+    return {"sde_type": "ode", "num_steps": args.diffusion_eval_num_steps}
