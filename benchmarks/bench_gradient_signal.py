@@ -229,14 +229,13 @@ def gradient(engine: DiffusionEngine, args: argparse.Namespace, loss: str, pairs
                 negative=prepared.negative,
             )
             # The only frozen network these hooks name here is nft's old policy, which is the current weights.
-            ref_pred = new_pred.detach() if prepared.ref_network is not None else None
+            frozen_preds = {name: new_pred.detach() for name in prepared.frozen_networks}
             loss_sum = hooks.formula(
                 ctx,
                 batch,
                 prepared,
                 new_pred=new_pred,
-                ref_pred=ref_pred,
-                frozen_preds={},
+                frozen_preds=frozen_preds,
                 metrics=WindowMetrics(),
                 optim_step_idx=0,
                 train_output_inputs=[],

@@ -280,7 +280,6 @@ def plain_loop(argv: list[str], rollouts: int, meter: CpuMeter) -> list[float]:
                     batch,
                     prepared,
                     new_pred=velocity,
-                    ref_pred=None,
                     frozen_preds={},
                     metrics=WindowMetrics(),
                     optim_step_idx=step,

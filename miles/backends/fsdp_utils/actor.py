@@ -1,6 +1,6 @@
 """The trunk: one FSDP2 trainer actor class for every role; its life cycle (set-up, networks, checkpoints, weights
-for the engines) lives here, its loops in `train_loop.py` (§5). It names no loss type: the role's loss-hub entry
-declares what it holds."""
+for the engines) lives here, its loops in `train_loop.py` (§5). It names no loss type: the algorithm's declaration
+says which frozen networks a role holds, its loss-hub entry what the trunk does for its hooks."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from miles.algorithms import FrozenNetwork, algorithm_of, role_settings
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_latest, save_checkpoint
 from miles.backends.fsdp_utils.ema import ShadowWeights, ema_config_from_args, local_tensor, reshard
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, full_state_dict, keep_in_fp32_names, parse_dtype
@@ -29,7 +31,7 @@ from miles.backends.fsdp_utils.lora import (
     lora_state_dict,
     save_lora_adapter,
 )
-from miles.backends.fsdp_utils.loss_hub import TEACHER, LossHooks, checkpoint_meta, get_loss_hooks
+from miles.backends.fsdp_utils.loss_hub import LossHooks, checkpoint_meta, get_loss_hooks
 from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
 from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher, prefetch_enabled
 from miles.backends.fsdp_utils.sharded_load import load_sharded
@@ -59,27 +61,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def role_settings(args: argparse.Namespace, role: str) -> dict[str, Any]:
-    """What differs between roles: only the critic overrides (§8); everything else is shared."""
-    if role == "critic":
-        return {
-            "checkpoint": args.critic_checkpoint,
-            "lr": args.critic_lr,
-            "load": args.critic_load,
-            "save": args.critic_save,
-            "num_steps_per_rollout": args.critic_num_steps_per_rollout,
-            "micro_batch_size": args.critic_micro_batch_size,
-        }
-    return {
-        "checkpoint": args.hf_checkpoint,
-        "lr": args.lr,
-        "load": args.load,
-        "save": args.save,
-        "num_steps_per_rollout": args.num_steps_per_rollout,
-        "micro_batch_size": args.micro_batch_size,
-    }
-
-
 class FSDPTrainRayActor(TrainLoop):
     """One data-parallel rank of one role; wrapped by `ray.remote` in `miles.ray.train_group`."""
 
@@ -91,12 +72,11 @@ class FSDPTrainRayActor(TrainLoop):
         self.pending_metrics: list[dict[str, Any]] = []
         self._gradient_sync = True  # FSDP2's default: reduce-scatter and reshard after every backward
         self.train_threads: int | None = None  # torch threads while training (None: the base count)
+        self.loaded: dict[str, torch.nn.Module] = {}  # the frozen networks loaded from a checkpoint (a teacher)
 
     # ---- set-up -------------------------------------------------------------------------------
     def get_master_address(self) -> tuple[str, int]:
         """Rank 0's node IP as Ray knows it (reachable from the other nodes, on CPU and GPU alike) and a free port."""
-        import ray
-
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
@@ -150,21 +130,25 @@ class FSDPTrainRayActor(TrainLoop):
         if args.algorithm_path:  # registers its loss types in this process too
             load_module(args.algorithm_path)
         self.hooks: LossHooks = get_loss_hooks(args, self.role)
+        algorithm = algorithm_of(args)
+        self.log_prob_ratio = algorithm.log_prob_ratio
+        self.frozen: tuple[FrozenNetwork, ...] = algorithm.role(self.role).frozen_networks
         self.prefetcher = MicrobatchPrefetcher(prefetch_enabled(args, self.device), self.device)
         self.optimizer = build_optimizer(self.model.parameters(), args, self.settings["lr"])
         total_steps = args.num_rollout * self.settings["num_steps_per_rollout"]
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, self.settings["lr"], total_steps)
         self.ema_config = ema_config_from_args(args)
         self.ema = ShadowWeights(self.model) if self.ema_config.enabled else None
-        # the entry's shadow networks (NFT's old policy): copies of the trained weights its per-rollout step moves
-        self.shadows = {name: ShadowWeights(self.model) for name in self.hooks.shadows}
+        # the declared shadow networks (NFT's old policy): copies of the trained weights the per-rollout step moves
+        self.shadows = {n.name: ShadowWeights(self.model) for n in self.frozen if n.source == "shadow"}
         self.networks = MappingProxyType(self._build_networks())
         self.swap = HostSwap(self.device)  # sleep / wake (--colocate-sleep)
         return self._load()
 
     def _build_networks(self) -> dict[str, torch.nn.Module]:
         """The trained network and the frozen ones the hooks may name: `ref` (LoRA base or EMA weights, from
-        --ref-mode), and what the entry declares (shadow views; the `--teacher-load` network when given)."""
+        --ref-mode), and what the role's declaration lists (shadow views; a checkpoint network when its path flag,
+        e.g. --teacher-load, is given)."""
         networks: dict[str, torch.nn.Module] = {"policy": self.model}
         if self.args.ref_mode == "lora_base":
             networks["ref"] = LoraBaseNetwork(self.model)
@@ -172,8 +156,10 @@ class FSDPTrainRayActor(TrainLoop):
             networks["ref"] = self.ema.network(self.model)
         for name, shadow in self.shadows.items():
             networks[name] = shadow.network(self.model)
-        if TEACHER in self.hooks.frozen_networks and self.args.teacher_load:
-            networks[TEACHER] = self._load_frozen(self.args.teacher_load)
+        for frozen in self.frozen:
+            path = getattr(self.args, frozen.path_flag, None) if frozen.source == "checkpoint" else None
+            if path:
+                self.loaded[frozen.name] = networks[frozen.name] = self._load_frozen(path)
         return networks
 
     def _load_frozen(self, path: str) -> torch.nn.Module:
@@ -243,8 +229,8 @@ class FSDPTrainRayActor(TrainLoop):
     # ---- sleep / wake (--colocate-sleep) -------------------------------------------------------
     def _resident_tensors(self) -> list[torch.Tensor]:
         """Every tensor this rank keeps between calls: the shards and buffers of its networks (the trained one and
-        a frozen teacher), the optimizer's state and the shadow / EMA weights."""
-        modules = [self.model] + ([self.networks[TEACHER]] if TEACHER in self.networks else [])
+        those loaded from a checkpoint, e.g. a teacher), the optimizer's state and the shadow / EMA weights."""
+        modules = [self.model, *self.loaded.values()]
         tensors = []
         for module in modules:
             reshard(module)  # a forward-only pass leaves the root gathered: free that copy instead of moving it
@@ -306,7 +292,7 @@ class FSDPTrainRayActor(TrainLoop):
     def export_weights(self) -> dict[str, torch.Tensor] | None:
         """Weights for the rollout engines on rank 0 (None elsewhere); collective.
 
-        The shadow the entry names (`engine_weights`, e.g. NFT's old policy), else EMA weights with
+        The declared shadow the loss-hub entry names (`engine_weights`, e.g. NFT's old policy), else EMA weights with
         `--ema-rollout-policy ema`, else the live ones; only the LoRA entries with LoRA.
         """
         self.wake()

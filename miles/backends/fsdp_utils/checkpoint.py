@@ -315,22 +315,9 @@ def load_checkpoint(
             state = {"model": model_state, "optimizer": optim_state, **(sharded or {})}
         read_dcp_metadata(os.path.join(path, DCP_DIR, ".metadata"))  # refused here, alike on every rank
         dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(path, DCP_DIR)), planner=SafeLoadPlanner())
-        rng_names = [n for n in manifest if n.startswith(_rng_stem(rank) + ".")]
-        if not rng_names:
-            raise CheckpointError(f"{os.path.join(path, _rng_stem(rank))}.json is not listed in {MANIFEST_FILE}")
-        check_sizes(path, manifest, rng_names)
-        if verify_checksums:
-            verify_checksums_of(path, manifest, rng_names)
-        rng = read_tree(os.path.join(path, _rng_stem(rank)))
-        schedule = None
-        if load_optimizer and lr_scheduler is not None:
-            if f"{LR_SCHEDULER_STEM}.json" not in manifest:
-                raise FileNotFoundError(
-                    f"{os.path.join(path, LR_SCHEDULER_STEM)}.json does not exist: the checkpoint was saved without "
-                    "an LR scheduler"
-                )
-            schedule = read_tree(os.path.join(path, LR_SCHEDULER_STEM))
-        extra = read_tree(os.path.join(path, EXTRA_STEM)) if f"{EXTRA_STEM}.json" in manifest else None
+        rng, schedule, extra = _read_small_files(
+            path, manifest, rank, with_schedule=load_optimizer and lr_scheduler is not None, verify=verify_checksums
+        )
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         error = err
     finally:
@@ -350,6 +337,30 @@ def load_checkpoint(
     set_rng_state(rng)
     logger.info("loaded %s checkpoint of rollout %d from %s", role, rollout_id, path)
     return LoadedCheckpoint(rollout_id=rollout_id, extra=extra, meta=meta)
+
+
+def _read_small_files(
+    path: str, manifest: dict[str, Any], rank: int, *, with_schedule: bool, verify: bool
+) -> tuple[Any, Any, Any]:
+    """This rank's RNG state (checked against the manifest), the LR schedule when asked and the `extra` dict (None
+    when none was saved) of the role dir `path`."""
+    rng_names = [n for n in manifest if n.startswith(_rng_stem(rank) + ".")]
+    if not rng_names:
+        raise CheckpointError(f"{os.path.join(path, _rng_stem(rank))}.json is not listed in {MANIFEST_FILE}")
+    check_sizes(path, manifest, rng_names)
+    if verify:
+        verify_checksums_of(path, manifest, rng_names)
+    rng = read_tree(os.path.join(path, _rng_stem(rank)))
+    schedule = None
+    if with_schedule:
+        if f"{LR_SCHEDULER_STEM}.json" not in manifest:
+            raise FileNotFoundError(
+                f"{os.path.join(path, LR_SCHEDULER_STEM)}.json does not exist: the checkpoint was saved without "
+                "an LR scheduler"
+            )
+        schedule = read_tree(os.path.join(path, LR_SCHEDULER_STEM))
+    extra = read_tree(os.path.join(path, EXTRA_STEM)) if f"{EXTRA_STEM}.json" in manifest else None
+    return rng, schedule, extra
 
 
 def _check_meta(path: str, role: str, rollout_id: int, model: nn.Module) -> dict[str, Any]:

@@ -16,7 +16,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.fsdp import FSDPModule
 
 MANIFEST_FILE = "manifest.json"
 CHUNK_BYTES = 16 << 20  # zlib releases the GIL per call: hashing runs beside the DCP load
@@ -192,8 +195,6 @@ def verify_checksums(root: str, manifest: Mapping[str, Mapping[str, Any]], names
 def model_identity(model: torch.nn.Module) -> dict[str, Any]:
     """Class, public config (diffusers models: num_layers, ...), parameter count and a digest of names and shapes:
     enough to refuse another model's checkpoint up front, naming both."""
-    from torch.distributed.fsdp import FSDPModule
-
     cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # fully_shard subclasses it
     config = getattr(model, "config", None)
     public = {}
@@ -258,8 +259,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_dcp_metadata(path: str) -> Any:
     """DCP's `.metadata` through `_MetadataUnpickler`; anything else in it is refused naming the file."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f, path).load()
@@ -276,8 +275,6 @@ class SafeFileSystemReader(FileSystemReader):
     """`FileSystemReader` whose metadata is read by `_MetadataUnpickler` instead of `pickle.load`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         metadata = read_dcp_metadata(str(self._get_metadata_path(kwargs.get("rank"))))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -289,8 +286,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """Non-tensor entries (optimizer hyper-parameters) through `torch.load(weights_only=True)`."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)

@@ -7,6 +7,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,50 +92,75 @@ def apply_fsdp2(
     if dist.get_world_size() == 1 and not cpu_offload:  # offloading still moves one block at a time
         blocks = []
     placement = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
-    computed_in: dict[str, torch.dtype] = {}  # by name: fully_shard replaces the parameter objects
-    groups = 0
-
-    def shard(module: nn.Module, cast_inputs: bool, **kwargs) -> None:
-        nonlocal groups
-        names = {id(p): name for name, p in model.named_parameters()}
-        params = [p for p in module.parameters() if names[id(p)] not in computed_in]  # not in an earlier group
-        dtype = _group_param_dtype(params, [names[id(p)] in keep for p in params], param_dtype)
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_inputs)
-        fully_shard(module, mp_policy=policy, **kwargs, **placement)
-        computed_in.update((names[id(p)], dtype or p.dtype) for p in params)
-        groups += 1
-
-    def shard_with_parts(module: nn.Module, cast_inputs: bool, **kwargs) -> None:
-        remaining = {name: p for name, p in model.named_parameters() if name not in computed_in}
-        prefix = next(name for name, m in model.named_modules() if m is module)
-        for part in _fp32_split(module, prefix, remaining, keep, param_dtype):
-            shard(part, False, reshard_after_forward=reshard_after_forward)
-        shard(module, cast_inputs, **kwargs)
-
+    sharder = _GroupSharder(model, keep, param_dtype, reduce_dtype, placement, reshard_after_forward)
     for block in blocks:
-        shard_with_parts(block, False, reshard_after_forward=reshard_after_forward)
+        sharder.shard_with_parts(block, False, reshard_after_forward=reshard_after_forward)
     # The root keeps torch's default (no reshard after forward): its parameters are needed again first in backward.
-    shard_with_parts(model, cast_root_inputs)
+    sharder.shard_with_parts(model, cast_root_inputs)
     model.compute_dtype = param_dtype
-    rounded = sorted(name for name, dtype in computed_in.items() if name in keep and dtype != torch.float32)
-    logger.info(
-        "FSDP2 applied: %d groups (%d blocks), param_dtype=%s, reduce_dtype=%s, activation checkpointing %s",
-        groups,
-        len(blocks),
-        param_dtype,
-        reduce_dtype,
-        gradient_checkpointing,
-    )
-    if rounded:
-        logger.warning(
-            "%d parameters diffusers keeps in fp32 are computed in %s: each sits directly on a module with %s ones, "
-            "and FSDP2 computes a group in one dtype: %s",
-            len(rounded),
-            param_dtype,
-            param_dtype,
-            ", ".join(rounded),
-        )
+    sharder.report(len(blocks), gradient_checkpointing)
     return model
+
+
+class _GroupSharder:
+    """`fully_shard` of one module after another, each group over the parameters no earlier group took, computed in
+    one dtype (`_group_param_dtype`); remembers each parameter's compute dtype by name, as `fully_shard` replaces the
+    parameter objects. Split-off parts reshard after forward as `parts_reshard_after_forward`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        keep: set[str],
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        placement: dict[str, Any],
+        parts_reshard_after_forward: bool,
+    ) -> None:
+        self.model, self.keep, self.param_dtype, self.reduce_dtype = model, keep, param_dtype, reduce_dtype
+        self.placement, self.parts_reshard_after_forward = placement, parts_reshard_after_forward
+        self.computed_in: dict[str, torch.dtype] = {}
+        self.groups = 0
+
+    def shard(self, module: nn.Module, cast_inputs: bool, **kwargs: Any) -> None:
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        params = [p for p in module.parameters() if names[id(p)] not in self.computed_in]  # not in an earlier group
+        dtype = _group_param_dtype(params, [names[id(p)] in self.keep for p in params], self.param_dtype)
+        policy = MixedPrecisionPolicy(
+            param_dtype=dtype, reduce_dtype=self.reduce_dtype, cast_forward_inputs=cast_inputs
+        )
+        fully_shard(module, mp_policy=policy, **kwargs, **self.placement)
+        self.computed_in.update((names[id(p)], dtype or p.dtype) for p in params)
+        self.groups += 1
+
+    def shard_with_parts(self, module: nn.Module, cast_inputs: bool, **kwargs: Any) -> None:
+        """The module's children of the other compute dtype first (`_fp32_split`), each its own group, then the
+        module."""
+        remaining = {name: p for name, p in self.model.named_parameters() if name not in self.computed_in}
+        prefix = next(name for name, m in self.model.named_modules() if m is module)
+        for part in _fp32_split(module, prefix, remaining, self.keep, self.param_dtype):
+            self.shard(part, False, reshard_after_forward=self.parts_reshard_after_forward)
+        self.shard(module, cast_inputs, **kwargs)
+
+    def report(self, blocks: int, gradient_checkpointing: bool) -> None:
+        """Log the groups, and warn about parameters diffusers keeps in fp32 that a group computes in another dtype."""
+        logger.info(
+            "FSDP2 applied: %d groups (%d blocks), param_dtype=%s, reduce_dtype=%s, activation checkpointing %s",
+            self.groups,
+            blocks,
+            self.param_dtype,
+            self.reduce_dtype,
+            gradient_checkpointing,
+        )
+        rounded = sorted(n for n, dtype in self.computed_in.items() if n in self.keep and dtype != torch.float32)
+        if rounded:
+            logger.warning(
+                "%d parameters diffusers keeps in fp32 are computed in %s: each sits directly on a module with %s "
+                "ones, and FSDP2 computes a group in one dtype: %s",
+                len(rounded),
+                self.param_dtype,
+                self.param_dtype,
+                ", ".join(rounded),
+            )
 
 
 def keep_in_fp32_names(model: nn.Module) -> set[str]:
@@ -285,10 +311,9 @@ def full_state_dict(
 
 
 # Bytes each rank sends per all-gather (a bucket closes once it reaches them; also about the extra memory a gather
-# takes), by collective device. gloo on CPU: merging small tensors saves per-call latency, but large gathers of copied
-# buckets lose to per-tensor ones (benchmarks/bench_weight_sync.py at dp 2: 4 MiB buckets 6.4-8.0x per-tensor on the
-# tiny model, 1.6x at 55M parameters, 0.83-1.06x at 250M; 128 MiB buckets 0.40-0.46x at 250M). NCCL: one large gather
-# per bucket, not measured here (no GPU).
+# takes), by collective device: small on gloo, where merging small tensors saves per-call cost but large copied
+# buckets lose; large on NCCL, one big collective per bucket. Measurements: docs/user-guide/performance.md
+# ("Weight sync at dp >= 2").
 GATHER_BUCKET_BYTES = {"cpu": 4 << 20, "cuda": 128 << 20}
 
 

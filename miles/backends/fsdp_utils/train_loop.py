@@ -10,11 +10,12 @@ from collections.abc import Iterator
 from types import MappingProxyType
 from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 
 from miles.backends.fsdp_utils.fsdp import clip_grad_norm_
-from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, PreparedBatch, WindowMetrics
+from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, Guidance, PreparedBatch, WindowMetrics
 from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_schedule, pairs_in_window
 from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher
 from miles.utils.box import Box
@@ -38,24 +39,23 @@ def merge_peer_output(shard: TrainPairs, peer_output: Any) -> TrainPairs:
     return {**shard, **{f"peer/{key}": value for key, value in peer_output.items()}}
 
 
-def frozen_forward_order(prepared: PreparedBatch) -> list[str]:
-    """The frozen networks a micro-batch names, each once: `ref_network` first, then `frozen_networks`."""
-    names = [prepared.ref_network] if prepared.ref_network is not None else []
-    return names + [n for n in prepared.frozen_networks if n not in names]
-
-
 class TrainLoop:
-    """The loops of `FSDPTrainRayActor`; the actor supplies the state (model, optimizer, hooks, networks...)."""
+    """The loops of `FSDPTrainRayActor`; the actor supplies the state (model, optimizer, hooks, networks, shadows...).
+
+    `log_prob_ratio` is the algorithm's declaration: only then does the recompute loop run and do the formulas get
+    the `write_old_log_prob` / `old_log_prob_from_new` keywords (ARCHITECTURE §6)."""
+
+    log_prob_ratio: bool = False
+    train_threads: int | None = None  # torch threads while training (None: the base count)
+    prefetcher: MicrobatchPrefetcher | None = None
 
     def train(self, rollout_id: int, data: Box, peer: Box | None = None) -> Box:
         """Train on this rank's shard; returns `Box(ray.put(train_output))` for the paired rank of the next group.
         Runs with the train phase's thread count (`set_train_threads`)."""
-        with torch_threads(getattr(self, "train_threads", None)):
+        with torch_threads(self.train_threads):
             return self._train(rollout_id, data, peer)
 
     def _train(self, rollout_id: int, data: Box, peer: Box | None) -> Box:
-        import ray
-
         ctx = self._make_context(rollout_id)
         shard: TrainPairs = ray.get(data.inner)
         if peer is not None:
@@ -66,8 +66,7 @@ class TrainLoop:
         )
         self._check_same_schedule_on_all_ranks(schedule)
         train_output_inputs = self._train_core(ctx, pairs, schedule)
-        for name, decay in self.hooks.after_train(ctx, global_step=self.global_step).items():
-            self.shadows[name].update(decay)  # θ_s ← d·θ_s + (1 − d)·θ once per rollout
+        self._update_shadows(ctx)
         output = self.hooks.train_output(ctx, pairs, train_output_inputs)
         return Box(ray.put(output))
 
@@ -84,6 +83,20 @@ class TrainLoop:
             networks=self.networks,
         )
 
+    def _update_shadows(self, ctx: DiffusionLossContext) -> None:
+        """The entry's per-rollout step: θ_s ← d·θ_s + (1 − d)·θ for each declared shadow it returns a decay for."""
+        for name, decay in self.hooks.after_train(ctx, global_step=self.global_step).items():
+            if name not in self.shadows:
+                raise KeyError(
+                    f"the {self.role}'s after_train hook returned a decay for {name!r}, which is not a shadow "
+                    f"network of its declaration (shadows: {sorted(self.shadows)})"
+                )
+            self.shadows[name].update(decay)
+
+    def _ratio_keywords(self, *, write: bool, from_new: bool) -> dict[str, bool]:
+        """The recompute keywords of a formula call, passed only to algorithms with a log-prob ratio."""
+        return {"write_old_log_prob": write, "old_log_prob_from_new": from_new} if self.log_prob_ratio else {}
+
     def _check_same_schedule_on_all_ranks(self, schedule: list[list[MicroBatch]]) -> None:
         """Different micro-batch counts would hang the collectives: fail on every rank before any forward."""
         count = torch.tensor([sum(len(w) for w in schedule)], dtype=torch.int64, device=collective_device())
@@ -96,7 +109,7 @@ class TrainLoop:
     def _train_core(self, ctx: DiffusionLossContext, pairs: TrainPairs, schedule: list[list[MicroBatch]]) -> list:
         """The recompute loop (windows 1..), then the training loop; owns the list the train-output hook reads."""
         train_output_inputs: list = []
-        recompute = bool(self.args.diffusion_recompute_old_log_prob)
+        recompute = self.log_prob_ratio and bool(self.args.diffusion_recompute_old_log_prob)
         if recompute:
             self.recompute_old_log_probs(ctx, pairs, schedule, train_output_inputs)
         for optim_step_idx, window in enumerate(schedule):
@@ -115,8 +128,7 @@ class TrainLoop:
                     metrics=metrics,
                     optim_step_idx=optim_step_idx,
                     train_output_inputs=train_output_inputs,
-                    write_old_log_prob=False,
-                    old_log_prob_from_new=recompute and optim_step_idx == 0,
+                    **self._ratio_keywords(write=False, from_new=recompute and optim_step_idx == 0),
                 )
                 losses_finite = losses_finite and bool(torch.isfinite(loss_sum.detach()).all())
                 (loss_sum / denominator).backward()
@@ -190,8 +202,7 @@ class TrainLoop:
                     metrics=WindowMetrics(),
                     optim_step_idx=optim_step_idx,
                     train_output_inputs=train_output_inputs,
-                    write_old_log_prob=True,
-                    old_log_prob_from_new=False,
+                    **self._ratio_keywords(write=True, from_new=False),
                 )
 
     def _prepared(
@@ -199,35 +210,38 @@ class TrainLoop:
     ) -> Iterator[tuple[MicroBatch, TrainPairs, PreparedBatch]]:
         """Each micro-batch of a window with its pairs and its prepare hook's batch, in order; with
         `--prefetch-microbatches` the next one is prepared while the caller computes this one (`prefetch.py`)."""
-        prefetcher = getattr(self, "prefetcher", None) or MicrobatchPrefetcher(False, ctx.device)
+        prefetcher = self.prefetcher or MicrobatchPrefetcher(False, ctx.device)
         return prefetcher.prepared(self.hooks.prepare, ctx, pairs, window, optim_step_idx)
 
     def _forward(self, prepared: PreparedBatch) -> dict[str, Any]:
         """The actor owns every forward: the frozen networks the prepare names (without grad), then the trained one.
 
-        Returns the formula's prediction keywords: `new_pred`, `ref_pred` (of `ref_network`) and `frozen_preds`."""
+        Returns the formula's prediction keywords: `new_pred` and `frozen_preds` (read-only, name -> prediction)."""
         frozen: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for name in frozen_forward_order(prepared):
-                frozen[name] = self._predict_frozen(name, prepared)
-        new_pred = self._predict(self.model, prepared)
-        ref_pred = frozen.get(prepared.ref_network) if prepared.ref_network is not None else None
-        return {"new_pred": new_pred, "ref_pred": ref_pred, "frozen_preds": MappingProxyType(frozen)}
+            for name in dict.fromkeys(prepared.frozen_networks):  # each once, in the order named
+                frozen[name] = self._predict(self._frozen_network(name), prepared, prepared.guidance_of(name))
+        new_pred = self._predict(self.model, prepared, Guidance(prepared.guidance_scale, prepared.negative))
+        return {"new_pred": new_pred, "frozen_preds": MappingProxyType(frozen)}
 
-    def _predict_frozen(self, name: str, prepared: PreparedBatch) -> torch.Tensor:
-        """A frozen network by name: a view of the trained module (LoRA base, EMA weights) or a separate one."""
+    def _frozen_network(self, name: str) -> torch.nn.Module:
+        """A frozen network by name: a view of the trained module (LoRA base, EMA, shadow weights) or a separate one."""
         if name not in self.networks:
-            raise KeyError(f"hook asked for network {name!r}; this {self.role} has {sorted(self.networks)}")
-        return self._predict(self.networks[name], prepared)
+            raise KeyError(
+                f"a prepare hook named frozen network {name!r}; this {self.role} holds {sorted(self.networks)} (its "
+                "declaration's frozen networks, a checkpoint one only when its path flag is given, and `ref` with "
+                "--ref-mode)"
+            )
+        return self.networks[name]
 
-    def _predict(self, network: torch.nn.Module, prepared: PreparedBatch) -> torch.Tensor:
+    def _predict(self, network: torch.nn.Module, prepared: PreparedBatch, guidance: Guidance) -> torch.Tensor:
         return self.family.predict_velocity(
             network,
             prepared.latents,
             prepared.sigmas,
             prepared.embeds,
-            guidance_scale=prepared.guidance_scale,
-            negative=prepared.negative,
+            guidance_scale=guidance.scale,
+            negative=guidance.negative,
         )
 
     def _record_window(

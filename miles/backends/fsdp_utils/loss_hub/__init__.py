@@ -1,5 +1,5 @@
-"""The loss hub: one entry per (loss type, role) declaring the hooks and what the trunk must hold and do for
-them (frozen networks, a per-rollout step, the engines' weights), and the start-up check of their signatures."""
+"""The loss hub: one entry per (loss type, role) with its hooks and what the trunk does for them (a per-rollout step,
+the engines' weights), checked at start-up against the hooks' signatures and the algorithm's declaration."""
 
 from __future__ import annotations
 
@@ -9,23 +9,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from miles.algorithms import Role, algorithm_of
 from miles.backends.fsdp_utils.loss_hub import dmd2, flow_grpo, nft, sft
 from miles.utils.misc import load_function
 
 PrepareFn = Callable[..., Any]  # (ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len=None) -> PreparedBatch
-FormulaFn = Callable[..., Any]  # (ctx, batch, prepared, *, new_pred, ref_pred, metrics, optim_step_idx,
-#                                  frozen_preds, train_output_inputs, write_old_log_prob=False,
-#                                  old_log_prob_from_new=False, **kwargs) -> Tensor | None
+FormulaFn = Callable[..., Any]  # (ctx, batch, prepared, *, new_pred, frozen_preds, metrics, optim_step_idx,
+#                                  train_output_inputs, **kwargs) -> Tensor | None; with a log-prob ratio also
+#                                  write_old_log_prob, old_log_prob_from_new
 TrainInputFn = Callable[..., Any]  # (ctx, train_pairs) -> train_pairs
 TrainOutputFn = Callable[..., Any]  # (ctx, train_pairs, train_output_inputs) -> Any
 AfterTrainFn = Callable[..., Any]  # (ctx, *, global_step) -> {shadow network: decay d}, once per rollout
-
-# Frozen networks an entry may declare. `teacher` is loaded from --teacher-load (when given); a shadow is a copy of
-# the trained weights that only the per-rollout step moves (θ_s ← d·θ_s + (1 − d)·θ). `ref` (LoRA base or EMA,
-# from --ref-mode) is not declared: every role holds it when --ref-mode asks.
-TEACHER = "teacher"
-SHADOW_NETWORKS = ("old",)
-FROZEN_NETWORKS = (TEACHER, *SHADOW_NETWORKS)
 
 
 def identity_train_input(ctx: Any, train_pairs: Any) -> Any:
@@ -43,12 +37,11 @@ def no_after_train(ctx: Any, *, global_step: int) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class LossHooks:
-    """What one (loss type, role) needs from the trunk: its hooks, and declarations the trunk acts on.
+    """The train side of one (loss type, role): its hooks, and what the trunk does for them. Which frozen networks
+    the role holds is the algorithm's declaration (`algorithm_of(args).role(role).frozen_networks`), not this entry.
 
-    - `frozen_networks`: names from FROZEN_NETWORKS this role holds besides `policy` (and `ref`); a prepare names
-      the ones a micro-batch needs (`PreparedBatch.ref_network`, `.frozen_networks`), the trunk runs their forwards.
-    - `after_train`: once per rollout after the last window, returns the decay of each shadow network to update.
-    - `engine_weights`: the shadow network the rollout engines sample with (None: the trained weights, or their
+    - `after_train`: once per rollout after the last window, returns the decay of each declared shadow to update.
+    - `engine_weights`: the declared shadow the rollout engines sample with (None: the trained weights, or their
       EMA with --ema-rollout-policy ema).
     """
 
@@ -56,24 +49,8 @@ class LossHooks:
     formula: FormulaFn
     train_input: TrainInputFn = identity_train_input
     train_output: TrainOutputFn = default_train_output
-    frozen_networks: tuple[str, ...] = ()
     after_train: AfterTrainFn = no_after_train
     engine_weights: str | None = None
-
-    def __post_init__(self) -> None:
-        unknown = [n for n in self.frozen_networks if n not in FROZEN_NETWORKS]
-        if unknown:
-            raise ValueError(f"LossHooks.frozen_networks {unknown} unknown; choose from {FROZEN_NETWORKS}")
-        if self.engine_weights is not None and self.engine_weights not in self.frozen_networks:
-            raise ValueError(
-                f"LossHooks.engine_weights {self.engine_weights!r} must be one of its shadow frozen_networks "
-                f"{[n for n in self.frozen_networks if n in SHADOW_NETWORKS]}"
-            )
-
-    @property
-    def shadows(self) -> tuple[str, ...]:
-        """The declared shadow networks (copies of the trained weights kept by the trunk)."""
-        return tuple(n for n in self.frozen_networks if n in SHADOW_NETWORKS)
 
 
 LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
@@ -82,7 +59,6 @@ LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
     ("nft", "actor"): LossHooks(
         prepare=nft.prepare_nft_batch,
         formula=nft.nft_formula,
-        frozen_networks=(nft.OLD_NETWORK,),
         after_train=nft.decay_old_policy,
         engine_weights=nft.OLD_NETWORK,  # DiffusionNFT samples its rollouts with the old policy
     ),
@@ -91,7 +67,6 @@ LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
         formula=dmd2.critic_formula,
         train_input=dmd2.tile_critic_pairs,
         train_output=dmd2.critic_train_output,
-        frozen_networks=(TEACHER,),
     ),
     ("dmd2", "actor"): LossHooks(prepare=dmd2.prepare_generator_batch, formula=dmd2.generator_formula),
 }
@@ -99,18 +74,13 @@ LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
 # What each hook must accept (by name, or through **kwargs): the trunk passes all of these.
 REQUIRED_KEYWORDS = {
     "prepare": ("microbatch_id", "optim_step_idx"),
-    "formula": (
-        "new_pred",
-        "ref_pred",
-        "frozen_preds",
-        "metrics",
-        "optim_step_idx",
-        "train_output_inputs",
-        "write_old_log_prob",
-        "old_log_prob_from_new",
-    ),
+    "formula": ("new_pred", "frozen_preds", "metrics", "optim_step_idx", "train_output_inputs"),
     "after_train": ("global_step",),
 }
+# formula keywords passed only when the algorithm's declaration says `log_prob_ratio` (ARCHITECTURE §6)
+RATIO_KEYWORDS = ("write_old_log_prob", "old_log_prob_from_new")
+# keywords the trunk passed once and no longer does, with what replaced them
+RETIRED_KEYWORDS = {"ref_pred": 'frozen_preds["ref"] (name "ref" in PreparedBatch.frozen_networks)'}
 REQUIRED_POSITIONAL = {"prepare": 2, "formula": 3, "train_input": 2, "train_output": 3, "after_train": 1}
 
 
@@ -118,8 +88,9 @@ class HookSignatureError(TypeError):
     """A hook cannot be called the way the trunk calls it."""
 
 
-def check_hook_signature(name: str, fn: Callable[..., Any], source: str) -> None:
-    """Reject at start-up a hook the trunk could not call, naming the file, the hook and what is missing."""
+def check_hook_signature(name: str, fn: Callable[..., Any], source: str, keywords: tuple[str, ...] = ()) -> None:
+    """Reject at start-up a hook the trunk could not call, naming the file, the hook and what is missing;
+    `keywords` are required besides REQUIRED_KEYWORDS[name]."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -132,10 +103,17 @@ def check_hook_signature(name: str, fn: Callable[..., Any], source: str) -> None
             f"{name} hook {source}: takes {len(positional)} positional parameter(s), the trunk passes {wanted} "
             f"({_positional_doc(name)})"
         )
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    retired = [kw for kw in RETIRED_KEYWORDS if kw in names]
+    if retired:  # even with **kwargs: it would never be passed again (None where it has a default)
+        raise HookSignatureError(
+            f"{name} hook {source}: takes {', '.join(retired)}, which the trunk no longer passes: "
+            + "; ".join(f"{kw} became {RETIRED_KEYWORDS[kw]}" for kw in retired)
+            + " (see docs/user-guide/customization.md)"
+        )
     if inspect.Parameter.VAR_KEYWORD in kinds:
         return
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    missing = [kw for kw in REQUIRED_KEYWORDS.get(name, ()) if kw not in names]
+    missing = [kw for kw in (*REQUIRED_KEYWORDS.get(name, ()), *keywords) if kw not in names]
     if missing:
         raise HookSignatureError(
             f"{name} hook {source}: missing keyword parameter(s) {', '.join(missing)} "
@@ -153,11 +131,23 @@ def _positional_doc(name: str) -> str:
     }[name]
 
 
-def check_loss_hooks(hooks: LossHooks, sources: dict[str, str] | None = None) -> None:
+def check_loss_hooks(hooks: LossHooks, sources: dict[str, str] | None = None, *, log_prob_ratio: bool = False) -> None:
+    """Every hook's signature; with `log_prob_ratio` the formula also takes the recompute keywords."""
     sources = sources or {}
     for name in ("prepare", "formula", "train_input", "train_output", "after_train"):
         fn = getattr(hooks, name)
-        check_hook_signature(name, fn, sources.get(name, getattr(fn, "__qualname__", repr(fn))))
+        keywords = RATIO_KEYWORDS if name == "formula" and log_prob_ratio else ()
+        check_hook_signature(name, fn, sources.get(name, getattr(fn, "__qualname__", repr(fn))), keywords)
+
+
+def check_declaration(hooks: LossHooks, role: Role, where: str) -> None:
+    """What the entry asks of the trunk must be in the role's declaration: `engine_weights` names a declared shadow."""
+    shadows = [network.name for network in role.frozen_networks if network.source == "shadow"]
+    if hooks.engine_weights is not None and hooks.engine_weights not in shadows:
+        raise ValueError(
+            f"{where}: engine_weights {hooks.engine_weights!r} must name a shadow network the {role.name!r} role "
+            f"declares (its frozen_networks' shadows: {shadows})"
+        )
 
 
 def _custom_loss_hooks(args: argparse.Namespace) -> tuple[LossHooks, dict[str, str]]:
@@ -172,12 +162,12 @@ def _custom_loss_hooks(args: argparse.Namespace) -> tuple[LossHooks, dict[str, s
             "--loss-type custom_loss requires --custom-prepare-train-batch-path and --custom-loss-function-path"
         )
     loaded = {name: load_function(path) for name, path in paths.items() if path}
-    # a custom loss may read the frozen teacher (ctx.networks["teacher"]) when --teacher-load is given
-    return LossHooks(**loaded, frozen_networks=(TEACHER,)), {name: repr(path) for name, path in paths.items() if path}
+    return LossHooks(**loaded), {name: repr(path) for name, path in paths.items() if path}
 
 
 def get_loss_hooks(args: argparse.Namespace, role: str) -> LossHooks:
-    """The hooks of (args.loss_type, role), signature-checked; custom_loss loads them from the path flags."""
+    """The hooks of (args.loss_type, role), checked against their signatures and the algorithm's declaration;
+    custom_loss loads them from the path flags."""
     if args.loss_type == "custom_loss":
         if role != "actor":
             raise ValueError(f"custom_loss trains only the actor role, not {role!r}")
@@ -190,7 +180,9 @@ def get_loss_hooks(args: argparse.Namespace, role: str) -> LossHooks:
                 f"no loss hooks registered for --loss-type {args.loss_type} role {role!r} (known: {known})"
             )
         hooks, sources = LOSS_HOOKS[key], {}
-    check_loss_hooks(hooks, sources)
+    algorithm = algorithm_of(args)
+    check_declaration(hooks, algorithm.role(role), f"the loss hooks of --loss-type {args.loss_type} role {role!r}")
+    check_loss_hooks(hooks, sources, log_prob_ratio=algorithm.log_prob_ratio)
     return hooks
 
 

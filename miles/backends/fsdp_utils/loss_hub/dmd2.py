@@ -1,5 +1,6 @@
-"""dmd2: the critic (fake score) hooks, whose train output is the per-pair DMD target x − g from the teacher, and
-the generator (actor) hooks that regress x̂₀ onto it (ALGORITHMS.md, dmd2; ARCHITECTURE §4-§6)."""
+"""dmd2: the critic (fake score) hooks, whose train output is the per-pair DMD target x − g from the teacher's
+prediction (run by the trunk in the scoring window), and the generator (actor) hooks that regress x̂₀ onto it
+(ALGORITHMS.md, dmd2; ARCHITECTURE §4-§6)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import torch
 from miles.backends.fsdp_utils.loss_hub.sft import microbatch_generator
 from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
+    Guidance,
     PreparedBatch,
     WindowMetrics,
     conditioning_from_pairs,
+    frozen_prediction,
 )
 from miles.diffusion.dmd import critic_loss, dmd_gradient, generator_loss, sample_dmd_timesteps, x0_from_velocity
 from miles.diffusion.schedule import add_noise
@@ -46,6 +49,11 @@ def tile_critic_pairs(ctx: DiffusionLossContext, train_pairs: TrainPairs) -> Tra
     return tiled
 
 
+def scoring_window(ctx: DiffusionLossContext, optim_step_idx: int) -> bool:
+    """The critic's last window scores: each pair once, against the teacher, before that window's update."""
+    return optim_step_idx == critic_windows(ctx.args) - 1
+
+
 def prepare_critic_batch(
     ctx: DiffusionLossContext,
     batch: TrainPairs,
@@ -54,7 +62,8 @@ def prepare_critic_batch(
     optim_step_idx: int,
     pad_to_len: int | None = None,
 ) -> PreparedBatch:
-    """x_t = (1 − t)·x + t·ε on the detached generator sample x, t shifted and clamped, both seeded by ids; no CFG."""
+    """x_t = (1 − t)·x + t·ε on the detached generator sample x, t shifted and clamped, both seeded by ids; no CFG.
+    In the scoring window it names the teacher, run on the same x_t with CFG --dmd2-real-guidance-scale."""
     args = ctx.args
     x = batch["x"].float()
     generator = microbatch_generator(ctx, microbatch_id, salt=_CRITIC_SALT)
@@ -63,10 +72,18 @@ def prepare_critic_batch(
     )
     noise = torch.randn(x.shape, generator=generator, dtype=torch.float32)
     x, noise, t = x.to(ctx.device), noise.to(ctx.device), t.to(ctx.device)
+    frozen: tuple[str, ...] = ()
+    guidance: dict[str, Guidance] = {}
+    if scoring_window(ctx, optim_step_idx):
+        scale = float(args.dmd2_real_guidance_scale)
+        negative = conditioning_from_pairs(batch, ctx.device, prefix="negative_") if scale > 1 else None
+        frozen, guidance = (TEACHER_NETWORK,), {TEACHER_NETWORK: Guidance(scale, negative)}
     return PreparedBatch(
         latents=add_noise(x, noise, t),
         sigmas=t,
         embeds=conditioning_from_pairs(batch, ctx.device),
+        frozen_networks=frozen,
+        frozen_guidance=guidance,
         extras={"x": x, "noise": noise},
     )
 
@@ -77,34 +94,28 @@ def critic_formula(
     prepared: PreparedBatch,
     *,
     new_pred: torch.Tensor,
-    ref_pred: torch.Tensor | None,
     frozen_preds: Mapping[str, torch.Tensor],
     metrics: WindowMetrics,
     optim_step_idx: int,
     train_output_inputs: list,
-    write_old_log_prob: bool = False,
-    old_log_prob_from_new: bool = False,
     **kwargs,
 ) -> torch.Tensor:
-    """Sum of the critic's flow-matching losses; in the scoring (last) window it also appends its scoring inputs
-    (x_t, t, x, x̂_fake, embeddings, rows) for the train-output hook."""
-    if write_old_log_prob:
-        raise ValueError("--loss-type dmd2 has no old log-probs to recompute: drop --diffusion-recompute-old-log-prob")
+    """Sum of the critic's flow-matching losses; in the scoring (last) window it also appends, for the train-output
+    hook, the pairs' rows, x, x̂_fake (this critic) and x̂_real (the teacher's `frozen_preds["teacher"]`)."""
     x, noise = prepared.extras["x"], prepared.extras["noise"]
     loss = critic_loss(new_pred, noise, x)
     metrics.add("train/critic_loss", loss)
     metrics.add("train/loss", loss)
     metrics.add("train/t_mean", prepared.sigmas)
-    if optim_step_idx == critic_windows(ctx.args) - 1:
+    if scoring_window(ctx, optim_step_idx):
+        v_real = frozen_prediction(frozen_preds, TEACHER_NETWORK, "the dmd2 critic's scoring window")
+        x_t, t = prepared.latents.detach(), prepared.sigmas.detach()
         train_output_inputs.append(
             {
                 "rows": batch[ROW].clone(),
-                "x_t": prepared.latents.detach(),
-                "t": prepared.sigmas.detach(),
                 "x": x.detach(),
-                "x_hat_fake": x0_from_velocity(prepared.latents, new_pred.detach(), prepared.sigmas),
-                "embeds": prepared.embeds,
-                "negative": conditioning_from_pairs(batch, ctx.device, prefix="negative_"),
+                "x_hat_fake": x0_from_velocity(x_t, new_pred.detach(), t),
+                "x_hat_real": x0_from_velocity(x_t, v_real, t),
             }
         )
     return loss.sum()
@@ -112,22 +123,14 @@ def critic_formula(
 
 @torch.no_grad()
 def critic_train_output(ctx: DiffusionLossContext, train_pairs: TrainPairs, train_output_inputs: list) -> Any:
-    """The teacher's x̂_real with CFG on the scoring inputs, g = dmd_gradient(x, x̂_fake, x̂_real), and per pair of
-    the rank's shard `{"dmd_target": x − g}` (float32, CPU), for the paired actor rank."""
-    if TEACHER_NETWORK not in ctx.networks:
-        raise KeyError(
-            f"the dmd2 critic needs a {TEACHER_NETWORK!r} network; this {ctx.role} has {sorted(ctx.networks)}"
-        )
-    teacher, scale = ctx.networks[TEACHER_NETWORK], float(ctx.args.dmd2_real_guidance_scale)
+    """g = dmd_gradient(x, x̂_fake, x̂_real) on the scoring window's entries, and per pair of the rank's shard
+    `{"dmd_target": x − g}` (float32, CPU), for the paired actor rank."""
     total = num_pairs(train_pairs) // critic_windows(ctx.args)
     target: torch.Tensor | None = None
     covered = torch.zeros(total, dtype=torch.long)
     for entry in train_output_inputs:
-        x_t, t, x = entry["x_t"], entry["t"], entry["x"]
-        v_real = ctx.family.predict_velocity(
-            teacher, x_t, t, entry["embeds"], guidance_scale=scale, negative=entry["negative"] if scale > 1 else None
-        )
-        g = dmd_gradient(x, entry["x_hat_fake"], x0_from_velocity(x_t, v_real, t))
+        x = entry["x"]
+        g = dmd_gradient(x, entry["x_hat_fake"], entry["x_hat_real"])
         if target is None:
             target = torch.empty(total, *x.shape[1:], dtype=torch.float32)
         rows = entry["rows"].cpu()
@@ -164,18 +167,11 @@ def generator_formula(
     prepared: PreparedBatch,
     *,
     new_pred: torch.Tensor,
-    ref_pred: torch.Tensor | None,
-    frozen_preds: Mapping[str, torch.Tensor],
     metrics: WindowMetrics,
     optim_step_idx: int,
-    train_output_inputs: list,
-    write_old_log_prob: bool = False,
-    old_log_prob_from_new: bool = False,
     **kwargs,
 ) -> torch.Tensor:
     """Sum over pairs of 0.5·mean((x_θ − (x − g))²), x_θ = x_t − σ_j·v_θ: its gradient at x_θ = x is g/numel."""
-    if write_old_log_prob:
-        raise ValueError("--loss-type dmd2 has no old log-probs to recompute: drop --diffusion-recompute-old-log-prob")
     key = "peer/" + TARGET
     if key not in batch:
         raise KeyError(

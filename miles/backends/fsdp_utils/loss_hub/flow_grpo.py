@@ -16,6 +16,8 @@ from miles.diffusion.grpo import clipped_policy_loss
 from miles.diffusion.sde import get_sde_kernel, kl_to_reference
 from miles.utils.types import TrainPairs
 
+REF_NETWORK = "ref"
+
 
 def uses_reference(args) -> bool:
     return args.diffusion_kl_beta > 0 and args.ref_mode != "none"
@@ -38,7 +40,7 @@ def prepare_policy_batch(
         embeds=conditioning_from_pairs(batch, ctx.device),
         negative=conditioning_from_pairs(batch, ctx.device, prefix="negative_") if guided else None,
         guidance_scale=args.diffusion_guidance_scale,
-        ref_network="ref" if uses_reference(args) else None,
+        frozen_networks=(REF_NETWORK,) if uses_reference(args) else (),
     )
 
 
@@ -61,15 +63,15 @@ def policy_formula(
     prepared: PreparedBatch,
     *,
     new_pred: torch.Tensor,
-    ref_pred: torch.Tensor | None,
     frozen_preds: Mapping[str, torch.Tensor],
     metrics: WindowMetrics,
     optim_step_idx: int,
-    train_output_inputs: list,
     write_old_log_prob: bool = False,
     old_log_prob_from_new: bool = False,
     **kwargs,
 ) -> torch.Tensor | None:
+    """Sum over pairs of the clipped policy loss of the SDE step's log-prob, plus kl_beta·KL to `ref` when the
+    prepare named it; in the recompute pass (`write_old_log_prob`) it stores the old log-probs and returns None."""
     args = ctx.args
     step = _step(ctx, batch, new_pred)
     log_prob = step.log_prob
@@ -93,9 +95,9 @@ def policy_formula(
             diff = (log_prob - batch["rollout_log_prob"].to(log_prob.device)).abs()
             metrics.add("train/log_prob_abs_diff", diff)
     metrics.add("train/policy_loss", loss)
-    if ref_pred is not None:
+    if REF_NETWORK in frozen_preds:
         with torch.no_grad():
-            ref_mean = _step(ctx, batch, ref_pred).mean
+            ref_mean = _step(ctx, batch, frozen_preds[REF_NETWORK]).mean
         kl = kl_to_reference(step.mean, ref_mean, step.std_t)
         metrics.add("train/kl", kl)
         loss = loss + args.diffusion_kl_beta * kl

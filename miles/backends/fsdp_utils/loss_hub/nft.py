@@ -14,6 +14,7 @@ from miles.backends.fsdp_utils.loss_hub.types import (
     PreparedBatch,
     WindowMetrics,
     conditioning_from_pairs,
+    frozen_prediction,
 )
 from miles.diffusion.nft import advantage_to_r, nft_kl, nft_loss, old_policy_decay
 from miles.diffusion.schedule import add_noise
@@ -46,8 +47,8 @@ def prepare_nft_batch(
     optim_step_idx: int,
     pad_to_len: int | None = None,
 ) -> PreparedBatch:
-    """x_t = (1 − t)·x₀ + t·ε with fresh ε seeded by ids; the trunk runs `old` on the same inputs (`ref_pred`), and
-    `ref` too when the KL term is on (`frozen_preds["ref"]`)."""
+    """x_t = (1 − t)·x₀ + t·ε with fresh ε seeded by ids; the trunk runs `old` on the same inputs
+    (`frozen_preds["old"]`), and `ref` too when the KL term is on (`frozen_preds["ref"]`)."""
     args = ctx.args
     x0, t = batch["x0"].float(), batch["t"].float()
     noise = torch.randn(x0.shape, generator=microbatch_generator(ctx, microbatch_id), dtype=torch.float32)
@@ -67,8 +68,7 @@ def prepare_nft_batch(
         embeds=conditioning_from_pairs(batch, ctx.device),
         negative=negative,
         guidance_scale=guidance,
-        ref_network=OLD_NETWORK,
-        frozen_networks=(REF_NETWORK,) if args.diffusion_nft_kl_beta > 0 else (),
+        frozen_networks=(OLD_NETWORK, REF_NETWORK) if args.diffusion_nft_kl_beta > 0 else (OLD_NETWORK,),
         extras={"x0": x0, "noise": noise, "t": t},
     )
 
@@ -79,33 +79,19 @@ def nft_formula(
     prepared: PreparedBatch,
     *,
     new_pred: torch.Tensor,
-    ref_pred: torch.Tensor | None,
     frozen_preds: Mapping[str, torch.Tensor],
     metrics: WindowMetrics,
-    optim_step_idx: int,
-    train_output_inputs: list,
-    write_old_log_prob: bool = False,
-    old_log_prob_from_new: bool = False,
     **kwargs,
 ) -> torch.Tensor:
-    """Sum over pairs of the NFT loss (v_θ = `new_pred`, v_old = `ref_pred`), plus kl_beta·mean((v_θ − v_ref)²) with
-    v_ref = `frozen_preds["ref"]`."""
-    if write_old_log_prob:
-        raise ValueError(
-            "--loss-type nft has no old log-probs to recompute (the old policy is a network): "
-            "drop --diffusion-recompute-old-log-prob"
-        )
-    if ref_pred is None:
-        raise ValueError(
-            f"nft needs the old policy's velocity as ref_pred: prepare must name ref_network={OLD_NETWORK!r} "
-            f"and the {ctx.role} must hold an {OLD_NETWORK!r} network (has {sorted(ctx.networks)})"
-        )
+    """Sum over pairs of the NFT loss (v_θ = `new_pred`, v_old = `frozen_preds["old"]`), plus
+    kl_beta·mean((v_θ − v_ref)²) with v_ref = `frozen_preds["ref"]`."""
+    v_old = frozen_prediction(frozen_preds, OLD_NETWORK, "nft's policy loss")
     args = ctx.args
     clip = args.diffusion_adv_clip_max
     r = advantage_to_r(batch["advantage"].to(new_pred.device), clip)
     loss, parts = nft_loss(
         new_pred,
-        ref_pred,
+        v_old,
         prepared.extras["x0"],
         prepared.latents,
         prepared.sigmas,
@@ -122,12 +108,7 @@ def nft_formula(
     metrics.add("train/nft_old_deviate", parts["old_deviate"].expand(n))
     metrics.add("train/r_mean", r)
     if args.diffusion_nft_kl_beta > 0:
-        if REF_NETWORK not in frozen_preds:
-            raise KeyError(
-                f"--diffusion-nft-kl-beta > 0 needs the {REF_NETWORK!r} network's prediction: prepare must name it "
-                f"in frozen_networks (got predictions of {sorted(frozen_preds)})"
-            )
-        kl = nft_kl(new_pred, frozen_preds[REF_NETWORK])
+        kl = nft_kl(new_pred, frozen_prediction(frozen_preds, REF_NETWORK, "--diffusion-nft-kl-beta > 0"))
         metrics.add("train/kl", kl)
         loss = loss + args.diffusion_nft_kl_beta * kl
     metrics.add("train/loss", loss)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from functools import lru_cache
 
 import torch
@@ -71,15 +70,10 @@ def sft_formula(
     prepared: PreparedBatch,
     *,
     new_pred: torch.Tensor,
-    ref_pred: torch.Tensor | None,
-    frozen_preds: Mapping[str, torch.Tensor],
     metrics: WindowMetrics,
-    optim_step_idx: int,
-    train_output_inputs: list,
-    write_old_log_prob: bool = False,
-    old_log_prob_from_new: bool = False,
     **kwargs,
 ) -> torch.Tensor:
+    """Sum over pairs of the weighted flow-matching loss of v_θ against ε − x₀."""
     per_sample = flow_matching_loss(
         new_pred,
         prepared.extras["x0"],

@@ -29,19 +29,43 @@ class DiffusionLossContext:
     networks: Mapping[str, torch.nn.Module]
 
 
+@dataclass(frozen=True)
+class Guidance:
+    """Classifier-free guidance for one forward: the scale, and the negative conditioning when the scale is > 1."""
+
+    scale: float = 1.0
+    negative: Any = None
+
+
 @dataclass
 class PreparedBatch:
-    """Inputs of one micro-batch's forward. The trunk runs `policy` on them, and without grad each frozen network
-    named: `ref_network` (its prediction is the formula's `ref_pred`) and `frozen_networks` (in `frozen_preds`)."""
+    """Inputs of one micro-batch's forward. The trunk runs `policy` on them with grad, and without grad each frozen
+    network named in `frozen_networks` (its prediction reaches the formula as `frozen_preds[name]`), with the batch's
+    own guidance unless `frozen_guidance` gives that network another (e.g. a teacher scored with CFG)."""
 
     latents: torch.Tensor
     sigmas: torch.Tensor
     embeds: Any
     negative: Any = None
     guidance_scale: float = 1.0
-    ref_network: str | None = None
     frozen_networks: tuple[str, ...] = ()
+    frozen_guidance: Mapping[str, Guidance] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
+
+    def guidance_of(self, name: str) -> Guidance:
+        """The guidance of network `name`'s forward: its own from `frozen_guidance`, else the batch's."""
+        return self.frozen_guidance.get(name, Guidance(self.guidance_scale, self.negative))
+
+
+def frozen_prediction(frozen_preds: Mapping[str, torch.Tensor], name: str, needed_by: str) -> torch.Tensor:
+    """`frozen_preds[name]`, or an error saying how to get it: the prepare names it and the role holds it."""
+    if name not in frozen_preds:
+        raise KeyError(
+            f"{needed_by} needs the {name!r} network's prediction: its prepare must name {name!r} in "
+            f"PreparedBatch.frozen_networks and the role must hold that network (got predictions of "
+            f"{sorted(frozen_preds)})"
+        )
+    return frozen_preds[name]
 
 
 class WindowMetrics:
@@ -74,6 +98,6 @@ class WindowMetrics:
 
 def conditioning_from_pairs(batch: dict[str, torch.Tensor], device: torch.device, prefix: str = "") -> Any:
     """The family's `Conditioning` stored in train pairs (`{prefix}cond/<name>` columns), on `device`."""
-    from miles.models.conditioning import Conditioning
+    from miles.models.conditioning import Conditioning  # here: `miles.models` imports diffusers (~5 s at start-up)
 
     return Conditioning.from_columns(batch, prefix).to(device)

@@ -1,10 +1,14 @@
-"""A custom_loss that records what the trunk passes each hook (used by the wiring test)."""
+"""A plugin loss type (`--algorithm-path`, `--loss-type recording`) with a log-prob ratio, so that the trunk runs its
+recompute loop, whose hooks record what the trunk passes them (used by the wiring test)."""
 
 import threading
 
 import torch
 
-from miles.backends.fsdp_utils.loss_hub import sft
+from miles.algorithms import Algorithm, register_algorithm
+from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS, LossHooks, sft
+
+NAME = "recording"
 
 CALLS: list = []
 LIST_IDS: set = set()
@@ -52,3 +56,16 @@ def train_output(ctx, train_pairs, train_output_inputs):
         "same_list": ids == {id(train_output_inputs)},
         "appended": list(train_output_inputs),
     }
+
+
+register_algorithm(
+    Algorithm(
+        name=NAME,
+        log_prob_ratio=True,
+        scores_rewards=False,
+        samples_sde=False,
+        uses_engines=False,
+        accepts_train_only=True,
+    )
+)
+LOSS_HOOKS[(NAME, "actor")] = LossHooks(prepare=prepare, formula=formula, train_output=train_output)

@@ -1,5 +1,5 @@
-"""The trunk runs every forward a prepare names and hands the formula their predictions by name; the trunk's
-files name no loss type (the loss-hub entry declares what a role holds)."""
+"""The trunk runs every forward a prepare names (each with its guidance) and hands the formula their predictions by
+name; the trunk's files name no loss type (the algorithm's declaration says what a role holds)."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import miles.backends.fsdp_utils as fsdp_utils
-from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS, LossHooks, sft
-from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch
-from miles.backends.fsdp_utils.train_loop import TrainLoop, frozen_forward_order
+from miles.algorithms import OLD_POLICY, TEACHER, Role, get_algorithm
+from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS, LossHooks, check_declaration, sft
+from miles.backends.fsdp_utils.loss_hub.types import Guidance, PreparedBatch
+from miles.backends.fsdp_utils.train_loop import TrainLoop
 
 
 class Scale(torch.nn.Module):
@@ -23,8 +24,10 @@ class Scale(torch.nn.Module):
 
 
 class Family:
+    """v = network(latents), plus the guidance scale and negative it was called with (to see what each forward got)."""
+
     def predict_velocity(self, network, latents, sigmas, embeds, *, guidance_scale=1.0, negative=None):
-        return network(latents)
+        return network(latents) + 10 * guidance_scale + (0.0 if negative is None else negative)
 
 
 class Loop(TrainLoop):
@@ -33,28 +36,40 @@ class Loop(TrainLoop):
         self.networks = networks
 
 
-def prepared(ref=None, frozen=()):
-    return PreparedBatch(
-        latents=torch.ones(2, 3), sigmas=torch.ones(2), embeds=None, ref_network=ref, frozen_networks=frozen
-    )
+def prepared(frozen=(), **fields):
+    return PreparedBatch(latents=torch.ones(2, 3), sigmas=torch.ones(2), embeds=None, frozen_networks=frozen, **fields)
 
 
 def test_every_named_frozen_network_runs_once_without_grad_and_is_handed_by_name():
     loop = Loop({"policy": Scale(1.0), "old": Scale(2.0), "ref": Scale(3.0), "teacher": Scale(4.0)})
-    out = loop._forward(prepared(ref="old", frozen=("ref", "old")))
-    assert frozen_forward_order(prepared(ref="old", frozen=("ref", "old"))) == ["old", "ref"]
-    assert out["new_pred"].requires_grad and torch.equal(out["new_pred"], torch.ones(2, 3))
-    assert torch.equal(out["ref_pred"], torch.full((2, 3), 2.0))
-    assert sorted(out["frozen_preds"]) == ["old", "ref"]
-    assert torch.equal(out["frozen_preds"]["ref"], torch.full((2, 3), 3.0))
+    out = loop._forward(prepared(frozen=("old", "ref", "old")))
+    assert set(out) == {"new_pred", "frozen_preds"}  # one channel: no `ref_pred` beside `frozen_preds`
+    assert out["new_pred"].requires_grad and torch.equal(out["new_pred"], torch.full((2, 3), 11.0))
+    assert list(out["frozen_preds"]) == ["old", "ref"]
+    assert torch.equal(out["frozen_preds"]["old"], torch.full((2, 3), 12.0))
+    assert torch.equal(out["frozen_preds"]["ref"], torch.full((2, 3), 13.0))
     assert not any(p.requires_grad for p in out["frozen_preds"].values())
     with pytest.raises(TypeError):
         out["frozen_preds"]["teacher"] = torch.zeros(1)  # read-only for the formula
 
 
+def test_a_frozen_network_runs_with_its_own_guidance_the_others_with_the_batchs():
+    loop = Loop({"policy": Scale(1.0), "ref": Scale(3.0), "teacher": Scale(4.0)})
+    batch = prepared(
+        frozen=("teacher", "ref"),
+        guidance_scale=2.0,
+        negative=0.5,
+        frozen_guidance={"teacher": Guidance(scale=7.0, negative=0.25)},
+    )
+    out = loop._forward(batch)
+    assert torch.equal(out["frozen_preds"]["teacher"], torch.full((2, 3), 4.0 + 70.0 + 0.25))
+    assert torch.equal(out["frozen_preds"]["ref"], torch.full((2, 3), 3.0 + 20.0 + 0.5))
+    assert torch.equal(out["new_pred"], torch.full((2, 3), 1.0 + 20.0 + 0.5))
+
+
 def test_no_frozen_network_named_means_no_frozen_forward():
     out = Loop({"policy": Scale(1.0)})._forward(prepared())
-    assert out["ref_pred"] is None and dict(out["frozen_preds"]) == {}
+    assert dict(out["frozen_preds"]) == {}
 
 
 def test_a_network_the_role_does_not_hold_is_named_in_the_error():
@@ -62,11 +77,22 @@ def test_a_network_the_role_does_not_hold_is_named_in_the_error():
         Loop({"policy": Scale(1.0)})._forward(prepared(frozen=("teacher",)))
 
 
-def test_entries_declare_what_the_trunk_used_to_hard_code():
+def test_the_recompute_keywords_reach_only_an_algorithm_with_a_log_prob_ratio():
+    loop = Loop({"policy": Scale(1.0)})
+    assert loop._ratio_keywords(write=True, from_new=False) == {}
+    loop.log_prob_ratio = True
+    assert loop._ratio_keywords(write=True, from_new=False) == {
+        "write_old_log_prob": True,
+        "old_log_prob_from_new": False,
+    }
+
+
+def test_declarations_say_what_the_trunk_used_to_hard_code():
+    assert get_algorithm("nft").role("actor").frozen_networks == (OLD_POLICY,)
+    assert get_algorithm("dmd2").role("critic").frozen_networks == (TEACHER,)
+    assert get_algorithm("dmd2").role("actor").frozen_networks == ()
     nft = LOSS_HOOKS[("nft", "actor")]
-    assert nft.frozen_networks == ("old",) and nft.shadows == ("old",) and nft.engine_weights == "old"
-    assert LOSS_HOOKS[("dmd2", "critic")].frozen_networks == ("teacher",)
-    assert LOSS_HOOKS[("dmd2", "critic")].shadows == ()
+    assert nft.engine_weights == "old"
     args = SimpleNamespace(
         diffusion_nft_old_decay_rate=0.01, diffusion_nft_old_decay_max=0.5, diffusion_nft_old_decay_flat_steps=0
     )
@@ -74,11 +100,22 @@ def test_entries_declare_what_the_trunk_used_to_hard_code():
     assert LOSS_HOOKS[("policy_loss", "actor")].after_train(None, global_step=10) == {}
 
 
-def test_bad_declarations_fail_when_the_entry_is_built():
-    with pytest.raises(ValueError, match="frozen_networks"):
-        LossHooks(prepare=sft.prepare_sft_batch, formula=sft.sft_formula, frozen_networks=("critic",))
-    with pytest.raises(ValueError, match="engine_weights"):
-        LossHooks(prepare=sft.prepare_sft_batch, formula=sft.sft_formula, engine_weights="old")
+def test_engine_weights_must_name_a_shadow_the_role_declares():
+    hooks = LossHooks(prepare=sft.prepare_sft_batch, formula=sft.sft_formula, engine_weights="old")
+    check_declaration(hooks, Role("actor", frozen_networks=(OLD_POLICY,)), "here")
+    for role in (Role("actor"), Role("actor", frozen_networks=(TEACHER,))):
+        with pytest.raises(ValueError, match=r"engine_weights 'old' must name a shadow"):
+            check_declaration(hooks, role, "here")
+
+
+def test_after_train_may_decay_only_a_declared_shadow():
+    loop = Loop({"policy": Scale(1.0)})
+    loop.shadows, loop.global_step = {}, 3
+    loop.hooks = LossHooks(
+        prepare=sft.prepare_sft_batch, formula=sft.sft_formula, after_train=lambda ctx, *, global_step: {"old": 0.5}
+    )
+    with pytest.raises(KeyError, match="'old', which is not a shadow"):
+        loop._update_shadows(None)
 
 
 @pytest.mark.parametrize("name", ["actor.py", "train_loop.py"])

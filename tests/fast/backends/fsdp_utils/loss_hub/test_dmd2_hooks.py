@@ -1,5 +1,6 @@
-"""The dmd2 hooks on plain tensors with a fake family: the critic's scoring window and train output (x − g against
-hand-written maths), the critic loss, and the generator's gradient g/numel at x_θ = x."""
+"""The dmd2 hooks on plain tensors with a fake family: the critic's scoring window (the teacher named with its CFG,
+run by the trunk's forward) and train output (x − g against hand-written maths), the critic loss, and the
+generator's gradient g/numel at x_θ = x."""
 
 import argparse
 from types import MappingProxyType
@@ -19,6 +20,7 @@ from miles.backends.fsdp_utils.loss_hub.dmd2 import (
 )
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, WindowMetrics
 from miles.backends.fsdp_utils.microbatch import build_microbatch_schedule
+from miles.backends.fsdp_utils.train_loop import TrainLoop
 from miles.utils.types import slice_pairs
 
 P, C, H, W, L, D, Q = 4, 2, 4, 4, 5, 6, 7
@@ -86,22 +88,31 @@ def make_pairs(seed=0):
     }
 
 
-def formula(fn, ctx, batch, prepared, new_pred, optim_step_idx=0, inputs=None, metrics=None):
+class Trunk(TrainLoop):
+    """The trunk's forward (`TrainLoop._forward`) over a critic and a teacher, without FSDP."""
+
+    def __init__(self, ctx, critic, teacher):
+        self.model, self.family, self.role = critic, ctx.family, "critic"
+        self.networks = MappingProxyType({"policy": critic, "teacher": teacher})
+
+
+def formula(fn, ctx, batch, prepared, new_pred, optim_step_idx=0, inputs=None, metrics=None, frozen_preds=None):
     return fn(
         ctx,
         batch,
         prepared,
         new_pred=new_pred,
-        ref_pred=None,
-        frozen_preds={},
+        frozen_preds=MappingProxyType(frozen_preds or {}),
         metrics=metrics if metrics is not None else WindowMetrics(),
         optim_step_idx=optim_step_idx,
         train_output_inputs=inputs if inputs is not None else [],
     )
 
 
-def run_critic(ctx, pairs, critic, micro_batch_size=2):
-    """The trunk's loops without optimizer steps: train_input, windows of micro-batches, then train_output."""
+def run_critic(ctx, pairs, critic, teacher, micro_batch_size=2):
+    """The trunk's loops without optimizer steps: train_input, windows of micro-batches (the trunk's forward of the
+    critic and of every frozen network the prepare names), then train_output."""
+    trunk = Trunk(ctx, critic, teacher)
     tiled = tile_critic_pairs(ctx, pairs)
     schedule = build_microbatch_schedule(
         P * ctx.args.critic_num_steps_per_rollout, ctx.args.critic_num_steps_per_rollout, micro_batch_size
@@ -111,9 +122,19 @@ def run_critic(ctx, pairs, critic, micro_batch_size=2):
         for mb in window:
             batch = slice_pairs(tiled, mb.start, mb.end)
             prepared = prepare_critic_batch(ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=optim_step_idx)
-            new_pred = ctx.family.predict_velocity(critic, prepared.latents, prepared.sigmas, prepared.embeds)
-            formula(critic_formula, ctx, batch, prepared, new_pred, optim_step_idx, inputs)
-            prepared_by_window.append((optim_step_idx, batch, prepared, new_pred.detach()))
+            preds = trunk._forward(prepared)
+            formula(
+                critic_formula,
+                ctx,
+                batch,
+                prepared,
+                preds["new_pred"],
+                optim_step_idx,
+                inputs,
+                None,
+                preds["frozen_preds"],
+            )
+            prepared_by_window.append((optim_step_idx, batch, prepared, preds["new_pred"].detach()))
     return tiled, inputs, prepared_by_window, critic_train_output(ctx, tiled, inputs)
 
 
@@ -140,7 +161,23 @@ def test_critic_prepare_noises_x_at_clamped_seeded_timesteps():
     assert bool(((t >= 0.02) & (t <= 0.98)).all())
     expected = (1 - t.reshape(-1, 1, 1, 1)) * pairs["x"] + t.reshape(-1, 1, 1, 1) * first.extras["noise"]
     torch.testing.assert_close(first.latents, expected)
-    assert first.guidance_scale == 1.0 and first.negative is None and first.ref_network is None
+    assert first.guidance_scale == 1.0 and first.negative is None and first.frozen_networks == ()
+
+
+def test_critic_prepare_names_the_teacher_with_its_cfg_only_in_the_scoring_window():
+    ctx, pairs = make_ctx(windows=3), make_pairs()
+    for step in (0, 1):
+        assert prepare_critic_batch(ctx, pairs, microbatch_id=step, optim_step_idx=step).frozen_networks == ()
+    scoring = prepare_critic_batch(ctx, pairs, microbatch_id=2, optim_step_idx=2)
+    assert scoring.frozen_networks == ("teacher",)
+    assert scoring.guidance_scale == 1.0 and scoring.negative is None  # the critic's own forward stays CFG-free
+    teacher = scoring.guidance_of("teacher")
+    assert teacher.scale == REAL_SCALE
+    assert torch.equal(teacher.negative["pooled_prompt_embeds"], pairs["negative_cond/pooled_prompt_embeds"])
+    plain = prepare_critic_batch(
+        make_ctx(windows=3, dmd2_real_guidance_scale=1.0), pairs, microbatch_id=2, optim_step_idx=2
+    )
+    assert plain.guidance_of("teacher").scale == 1.0 and plain.guidance_of("teacher").negative is None
 
 
 def test_critic_loss_is_zero_for_a_perfect_prediction():
@@ -160,14 +197,19 @@ def test_critic_appends_scoring_inputs_only_in_its_scoring_window():
     for step in (0, 1):
         formula(critic_formula, ctx, batch, prepared, torch.zeros(2, C, H, W), step, inputs)
     assert inputs == []
-    formula(critic_formula, ctx, batch, prepared, torch.zeros(2, C, H, W), 2, inputs)
+    with pytest.raises(KeyError, match="'teacher' network's prediction"):
+        formula(critic_formula, ctx, batch, prepared, torch.zeros(2, C, H, W), 2, inputs)
+    frozen = {"teacher": torch.ones(2, C, H, W)}
+    formula(critic_formula, ctx, batch, prepared, torch.zeros(2, C, H, W), 2, inputs, None, frozen)
     assert len(inputs) == 1 and inputs[0]["rows"].tolist() == [0, 1]
+    t = prepared.sigmas.reshape(-1, 1, 1, 1)
+    torch.testing.assert_close(inputs[0]["x_hat_real"], prepared.latents - t)  # x̂₀ = x_t − t·v_real, v_real = 1
 
 
 def test_train_output_target_is_x_minus_g_computed_independently():
     critic, teacher = AffineNetwork(0.3, 0.5), AffineNetwork(-0.2, 1.5)
-    ctx, pairs = make_ctx(windows=2, networks={"teacher": teacher}), make_pairs()
-    _, inputs, prepared_by_window, output = run_critic(ctx, pairs, critic)
+    ctx, pairs = make_ctx(windows=2), make_pairs()
+    _, inputs, prepared_by_window, output = run_critic(ctx, pairs, critic, teacher)
     assert len(inputs) == 2  # the scoring window's two micro-batches
     target = output["dmd_target"]
     assert target.shape == pairs["x"].shape
@@ -187,8 +229,8 @@ def test_train_output_target_is_x_minus_g_computed_independently():
 
 
 def test_train_output_rejects_a_scoring_window_that_misses_pairs():
-    ctx, pairs = make_ctx(windows=2, networks={"teacher": AffineNetwork(1.0, 0.0)}), make_pairs()
-    tiled, inputs, _, _ = run_critic(ctx, pairs, AffineNetwork(0.5, 0.0))
+    ctx, pairs = make_ctx(windows=2), make_pairs()
+    tiled, inputs, _, _ = run_critic(ctx, pairs, AffineNetwork(0.5, 0.0), AffineNetwork(1.0, 0.0))
     with pytest.raises(RuntimeError, match="cover each"):
         critic_train_output(ctx, tiled, inputs[:1])
 
@@ -207,7 +249,7 @@ def test_generator_gradient_at_x_equals_g_over_numel():
     means = metrics.means()
     assert means["train/generator_x0_abs_diff"] < 1e-6
     assert means["train/dmd_loss"] == pytest.approx(0.5 * (g**2).mean().item(), rel=1e-5)
-    assert prepared.guidance_scale == 1.0 and prepared.ref_network is None
+    assert prepared.guidance_scale == 1.0 and prepared.frozen_networks == ()
 
 
 def test_generator_without_the_critic_target_names_the_column():

@@ -5,7 +5,14 @@ from types import MappingProxyType
 import pytest
 import torch
 
-from miles.backends.fsdp_utils.loss_hub import HookSignatureError, get_loss_hooks
+from miles.backends.fsdp_utils.loss_hub import (
+    LOSS_HOOKS,
+    HookSignatureError,
+    LossHooks,
+    check_hook_signature,
+    check_loss_hooks,
+    get_loss_hooks,
+)
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext
 
 
@@ -89,6 +96,55 @@ def test_formula_without_kwargs_must_name_every_keyword(hook_file):
     args = make_args(custom_prepare_train_batch_path=f"{good}:prepare", custom_loss_function_path=f"{old}:formula")
     with pytest.raises(HookSignatureError, match="optim_step_idx.*train_output_inputs"):
         get_loss_hooks(args, "actor")
+
+
+RETIRED = """
+def prepare(ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len=None):
+    return None
+
+def formula(ctx, batch, prepared, *, new_pred, ref_pred, metrics, optim_step_idx, train_output_inputs):
+    return None
+
+def formula_kwargs(ctx, batch, prepared, *, new_pred, ref_pred=None, **kwargs):
+    return None
+"""
+
+
+@pytest.mark.parametrize("name", ["formula", "formula_kwargs"])
+def test_a_formula_still_taking_ref_pred_fails_at_start_up_saying_what_replaced_it(tmp_path, name):
+    (tmp_path / "retired.py").write_text(RETIRED)
+    hooks = tmp_path / "retired.py"
+    args = make_args(custom_prepare_train_batch_path=f"{hooks}:prepare", custom_loss_function_path=f"{hooks}:{name}")
+    with pytest.raises(HookSignatureError) as exc:
+        get_loss_hooks(args, "actor")
+    message = str(exc.value)
+    assert str(hooks) in message and 'ref_pred became frozen_preds["ref"]' in message
+
+
+def test_the_recompute_keywords_are_required_only_with_a_log_prob_ratio():
+    def formula(ctx, batch, prepared, *, new_pred, frozen_preds, metrics, optim_step_idx, train_output_inputs):
+        return None
+
+    hooks = LossHooks(prepare=LOSS_HOOKS[("sft_loss", "actor")].prepare, formula=formula)
+    check_loss_hooks(hooks)
+    with pytest.raises(HookSignatureError, match="write_old_log_prob, old_log_prob_from_new"):
+        check_loss_hooks(hooks, log_prob_ratio=True)
+    check_hook_signature("formula", LOSS_HOOKS[("policy_loss", "actor")].formula, "policy", ("write_old_log_prob",))
+
+
+def test_builtin_hooks_pass_the_check_their_declaration_asks():
+    for loss_type, role in LOSS_HOOKS:
+        if loss_type in ("sft_loss", "policy_loss", "nft", "dmd2"):
+            get_loss_hooks(make_args(loss_type=loss_type), role)
+
+
+def test_an_entry_whose_engine_weights_the_declaration_lacks_fails_at_get_loss_hooks(monkeypatch):
+    entry = LOSS_HOOKS[("policy_loss", "actor")]
+    monkeypatch.setitem(
+        LOSS_HOOKS, ("policy_loss", "actor"), LossHooks(entry.prepare, entry.formula, engine_weights="old")
+    )
+    with pytest.raises(ValueError, match="--loss-type policy_loss role 'actor': engine_weights 'old'"):
+        get_loss_hooks(make_args(loss_type="policy_loss"), "actor")
 
 
 def test_builtin_sft_hooks_pass_the_check():

@@ -79,14 +79,15 @@ def make_batch(advantage=None, negative=False, seed=0):
     return batch
 
 
-def run_formula(ctx, batch, prepared, new_pred, ref_pred, metrics=None, frozen_preds=None, **kwargs):
+def run_formula(ctx, batch, prepared, new_pred, v_old, metrics=None, frozen_preds=None, **kwargs):
+    """The formula as the trunk calls it, `v_old` the old policy's prediction (None: not predicted)."""
+    frozen = {**({} if v_old is None else {"old": v_old}), **(frozen_preds or {})}
     return nft_formula(
         ctx,
         batch,
         prepared,
         new_pred=new_pred,
-        ref_pred=ref_pred,
-        frozen_preds=frozen_preds or {},
+        frozen_preds=MappingProxyType(frozen),
         metrics=metrics if metrics is not None else WindowMetrics(),
         optim_step_idx=0,
         train_output_inputs=[],
@@ -115,7 +116,7 @@ def test_prepare_renoises_x0_with_noise_seeded_by_the_microbatch_id():
     expected = (1 - t) * batch["x0"] + t * first.extras["noise"]
     torch.testing.assert_close(first.latents, expected)
     assert torch.equal(first.sigmas, batch["t"]) and torch.equal(first.extras["x0"], batch["x0"])
-    assert first.ref_network == "old" and first.guidance_scale == 1.0 and first.negative is None
+    assert first.frozen_networks == ("old",) and first.guidance_scale == 1.0 and first.negative is None
     other_rollout = prepare_nft_batch(make_ctx(rollout_id=1), batch, microbatch_id=2, optim_step_idx=1)
     assert not torch.equal(first.latents, other_rollout.latents)
 
@@ -197,8 +198,8 @@ def test_kl_names_the_ref_network_and_adds_its_weighted_mean_squared_gap():
     plain = make_ctx()
     batch = make_batch(advantage=[1.0, -2.0, 0.5])
     prepared = prepare_nft_batch(ctx, batch, microbatch_id=0, optim_step_idx=0)
-    assert prepared.ref_network == "old" and prepared.frozen_networks == ("ref",)
-    assert prepare_nft_batch(plain, batch, microbatch_id=0, optim_step_idx=0).frozen_networks == ()
+    assert prepared.frozen_networks == ("old", "ref")
+    assert prepare_nft_batch(plain, batch, microbatch_id=0, optim_step_idx=0).frozen_networks == ("old",)
     v_theta = torch.randn(B, C, H, W, generator=torch.Generator().manual_seed(9))
     v_old, v_ref = v_theta + 0.05, 0.5 * prepared.latents
     metrics = WindowMetrics()
@@ -219,13 +220,11 @@ def test_kl_without_the_ref_prediction_names_what_is_missing():
         run_formula(ctx, batch, prepared, v, v)
 
 
-def test_recompute_pass_and_missing_old_prediction_are_rejected():
+def test_a_missing_old_prediction_names_the_network_and_where_to_ask_for_it():
     ctx, batch = make_ctx(), make_batch()
     prepared = prepare_nft_batch(ctx, batch, microbatch_id=0, optim_step_idx=0)
     v = torch.randn(B, C, H, W)
-    with pytest.raises(ValueError, match="recompute-old-log-prob"):
-        run_formula(ctx, batch, prepared, v, v, write_old_log_prob=True)
-    with pytest.raises(ValueError, match="old"):
+    with pytest.raises(KeyError, match="'old' network's prediction.*frozen_networks"):
         run_formula(ctx, batch, prepared, v, None)
 
 
