@@ -68,7 +68,7 @@ RULES = """## Rules checked before start-up
 - An algorithm without engines (`sft_loss`) needs `--train-only`; `--train-only` is rejected under one that needs
   them (`policy_loss`, `nft`, `dmd2`). `sft_loss` trains each pair once: `--n-samples-per-prompt` is set to 1.
 - `--diffusion-guidance-scale` unset takes the algorithm's default; `--eval-interval` unset takes the algorithm's on
-  builtin:shapes prompts.
+  builtin:shapes prompts with an image family (off for video families: the shapes eval scores images).
 - `--load DIR` must exist unless it equals `--save` (auto-resume); likewise `--<role>-load` and `--<role>-save`.
 - A rollout-step path flag the run never reads is rejected: every one of them needs a generating rollout
   (not `--train-only`); `--dynamic-sampling-filter-path`, `--rollout-sample-filter-path` and

@@ -1,30 +1,27 @@
-"""Model families (ARCHITECTURE §3). A built-in family's module is imported when a run first asks for it
-(`miles.models.base.BUILTIN_FAMILIES`), and so are the family classes named below: `from miles.models import
-FluxPipelineConfig` imports the FLUX family only."""
+"""Model families (ARCHITECTURE §3, §12). Every name here is imported on first access, so the torch-free modules
+(`registry`, `options`, `builtin`) load without diffusers, and `from miles.models import FluxPipelineConfig`
+imports the FLUX family only."""
 
 from importlib import import_module
 from typing import Any
 
-from miles.models.base import (
-    BUILTIN_FAMILIES,
-    TRAIN_PIPELINE_CONFIGS,
-    TrainPipelineConfig,
-    all_family_classes,
-    family_class,
-    family_options,
-    get_train_pipeline_config,
-    register_train_pipeline_config,
-)
-from miles.models.conditioning import Conditioning
-from miles.models.media import Media
+from miles.models.registry import BUILTIN_FAMILIES
 
-_LAZY = {  # exported name -> the module that defines it (imported on first access)
-    "FluxPipelineConfig": "miles.models.flux",
-    "LTX2PipelineConfig": "miles.models.ltx2",
-    "QwenImagePipelineConfig": "miles.models.qwen_image",
-    "SD3PipelineConfig": "miles.models.sd3",
+_LAZY = {  # exported name -> the module that defines it; the built-in family classes come from BUILTIN_FAMILIES
+    "TRAIN_PIPELINE_CONFIGS": "miles.models.base",
+    "TrainPipelineConfig": "miles.models.base",
+    "all_family_classes": "miles.models.base",
+    "family_class": "miles.models.base",
+    "get_train_pipeline_config": "miles.models.base",
+    "register_train_pipeline_config": "miles.models.base",
+    "family_options": "miles.models.options",
+    "FamilyOption": "miles.models.options",
+    "add_family_arguments": "miles.models.options",
+    "Conditioning": "miles.models.conditioning",
+    "Media": "miles.models.media",
+    "DiffusersFamily": "miles.models.diffusers_family",
     "WanExperts": "miles.models.wan_experts",
-    "WanPipelineConfig": "miles.models.wan",
+    **{entry.class_name: entry.module for entry in BUILTIN_FAMILIES.values()},
 }
 
 
@@ -34,21 +31,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'miles.models' has no attribute {name!r}")
 
 
-__all__ = [
-    "BUILTIN_FAMILIES",
-    "TRAIN_PIPELINE_CONFIGS",
-    "Conditioning",
-    "FluxPipelineConfig",
-    "LTX2PipelineConfig",
-    "Media",
-    "QwenImagePipelineConfig",
-    "SD3PipelineConfig",
-    "TrainPipelineConfig",
-    "WanExperts",
-    "WanPipelineConfig",
-    "all_family_classes",
-    "family_class",
-    "family_options",
-    "get_train_pipeline_config",
-    "register_train_pipeline_config",
-]
+__all__ = ["BUILTIN_FAMILIES", *sorted(_LAZY)]

@@ -23,6 +23,10 @@ from torch import nn
 from miles.diffusion.schedule import sampling_sigmas as static_shift_sampling_sigmas
 from miles.models.conditioning import Conditioning
 from miles.models.media import Media
+from miles.models.options import FamilyOption, family_options, option_flag  # noqa: F401  (family_options: re-exported)
+from miles.models.registry import BUILTIN_FAMILIES, builtin_family_of_pipeline
+from miles.utils import import_gc
+from miles.utils.misc import load_function
 
 logger = logging.getLogger(__name__)
 
@@ -85,16 +89,16 @@ class TrainPipelineConfig(ABC):
     pipeline_class_name: ClassVar[str]  # the model_index.json "_class_name" this family handles
     # module names `--use-lora` targets unless --lora-target-modules is given; empty: the flag is required
     default_lora_targets: ClassVar[tuple[str, ...]] = ()
-    # the run options (keys of FAMILY_OPTION_FLAGS) this family reads from `family_options`; others are refused
-    accepted_options: ClassVar[tuple[str, ...]] = ()
+    # the run options this family reads (`miles.models.options`: its flags, ranges, help); others are refused
+    options: ClassVar[tuple[FamilyOption, ...]] = ()
 
     def __init__(self, path: str, **options: Any) -> None:
         self.path = str(check_pipeline_components(check_pipeline_folder(path), self.name))
         self._loaded: dict[str, Any] = {}
         given = {k: v for k, v in options.items() if v is not None}
-        refused = sorted(set(given) - set(self.accepted_options))
+        refused = sorted(set(given) - {option.name for option in self.options})
         if refused:
-            flags = ", ".join(FAMILY_OPTION_FLAGS.get(k, k) for k in refused)
+            flags = ", ".join(option_flag(k) for k in refused)
             raise ValueError(f"{flags} does not apply to the {self.name} family ({self.pipeline_class_name})")
         self.family_options: dict[str, Any] = given
 
@@ -287,13 +291,24 @@ def check_pipeline_folder(path: str | Path) -> Path:
     return folder
 
 
+def read_model_index(folder: Path) -> dict[str, Any]:
+    """The folder's model_index.json as a dict; an error naming the file and the folder when it is not a JSON object
+    (binary bytes, truncated text)."""
+    file = folder / "model_index.json"
+    try:
+        index = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file} is not JSON ({exc}): {folder} is not a diffusers pipeline folder") from None
+    if not isinstance(index, dict):
+        raise ValueError(f"{file} is not a JSON object: {folder} is not a diffusers pipeline folder")
+    return index
+
+
 def check_pipeline_components(folder: Path, family: str) -> Path:
     """`folder` if every component its model_index.json lists (`"vae": ["diffusers", "AutoencoderKL"]`; null entries
     are absent by design) has its subfolder; an error naming the first missing component and its class otherwise
     (diffusers would fail less clearly, and a missing tokenizer folder can even load as an empty tokenizer)."""
-    index = json.loads((folder / "model_index.json").read_text())
-    if not isinstance(index, dict):
-        raise ValueError(f"{folder}/model_index.json is not a JSON object")
+    index = read_model_index(folder)
     for component, spec in index.items():
         if component.startswith("_") or not isinstance(spec, list) or len(spec) != 2 or spec[1] is None:
             continue
@@ -319,37 +334,7 @@ def strip_name_or_path(folder: str | Path) -> list[Path]:
     return rewritten
 
 
-# family options: name -> the flag that sets it (args.<name of the flag>), passed to the family's constructor
-FAMILY_OPTION_FLAGS: dict[str, str] = {
-    "num_frames": "--num-frames",
-    "guidance_scale_2": "--diffusion-guidance-scale-2",
-    "trained_experts": "--wan-trained-experts",
-}
-
-
-def family_options(args: Any) -> dict[str, Any]:
-    """The family options a run's flags set (those given, i.e. not None), for `get_train_pipeline_config`."""
-    options = {}
-    for name, flag in FAMILY_OPTION_FLAGS.items():
-        value = getattr(args, flag.removeprefix("--").replace("-", "_"), None)
-        if value is not None:
-            options[name] = value
-    return options
-
-
 TRAIN_PIPELINE_CONFIGS: dict[str, type[TrainPipelineConfig]] = {}  # the families imported so far, by name
-
-# The built-in families: name -> (module, the pipeline class it handles). A module is imported when a run asks for
-# its family, by name or through a folder's pipeline class (`family_class`), so a process that runs one family does
-# not import the others' diffusers pipelines and transformers models (~0.35 s of CPU per process, and a run starts
-# 3-5 of them). tests/fast/models/test_base.py checks this table against the classes.
-BUILTIN_FAMILIES: dict[str, tuple[str, str]] = {
-    "flux": ("miles.models.flux", "FluxPipeline"),
-    "ltx2": ("miles.models.ltx2", "LTX2Pipeline"),
-    "qwen-image": ("miles.models.qwen_image", "QwenImagePipeline"),
-    "sd3": ("miles.models.sd3", "StableDiffusion3Pipeline"),
-    "wan": ("miles.models.wan", "WanPipeline"),
-}
 
 _C = TypeVar("_C", bound=type[TrainPipelineConfig])
 
@@ -365,10 +350,8 @@ def register_train_pipeline_config(cls: _C) -> _C:
 def family_class(name: str) -> type[TrainPipelineConfig] | None:
     """The family registered under `name`, importing a built-in one on first use; None when there is none."""
     if name not in TRAIN_PIPELINE_CONFIGS and name in BUILTIN_FAMILIES:
-        from miles.utils import import_gc
-
         with import_gc.paused():  # diffusers' pipelines and transformers' models, less CPU (import_gc)
-            import_module(BUILTIN_FAMILIES[name][0])  # its decorator registers it
+            import_module(BUILTIN_FAMILIES[name].module)  # its decorator registers it
     return TRAIN_PIPELINE_CONFIGS.get(name)
 
 
@@ -378,10 +361,8 @@ def family_for_pipeline(class_name: str | None) -> type[TrainPipelineConfig] | N
     for cls in TRAIN_PIPELINE_CONFIGS.values():
         if cls.pipeline_class_name == class_name:
             return cls
-    for name, (_, pipeline) in BUILTIN_FAMILIES.items():
-        if pipeline == class_name:
-            return family_class(name)
-    return None
+    name = builtin_family_of_pipeline(class_name)
+    return None if name is None else family_class(name)
 
 
 def all_family_classes() -> dict[str, type[TrainPipelineConfig]]:
@@ -393,7 +374,7 @@ def all_family_classes() -> dict[str, type[TrainPipelineConfig]]:
 
 def _known_families() -> str:
     """Each family's name and pipeline class, without importing a built-in one."""
-    known = {name: pipeline for name, (_, pipeline) in BUILTIN_FAMILIES.items()}
+    known = {name: entry.pipeline_class_name for name, entry in BUILTIN_FAMILIES.items()}
     known.update((name, cls.pipeline_class_name) for name, cls in TRAIN_PIPELINE_CONFIGS.items())
     return ", ".join(f"{name} ({pipeline})" for name, pipeline in sorted(known.items())) or "none"
 
@@ -406,8 +387,6 @@ def is_family_class_path(family: str) -> bool:
 def load_family_class(spec: str) -> type[TrainPipelineConfig]:
     """A user's model family class from `file.py:Class` or `package.module.Class`, registered under its `name`
     (--train-pipeline-config-path); a clear error when it is not a complete TrainPipelineConfig."""
-    from miles.utils.misc import load_function
-
     cls = load_function(spec)
     if not (isinstance(cls, type) and issubclass(cls, TrainPipelineConfig)):
         raise TypeError(f"--train-pipeline-config-path {spec}: {cls!r} is not a TrainPipelineConfig subclass")
@@ -436,7 +415,7 @@ def get_train_pipeline_config(path: str, family: str = "auto", **options: Any) -
         if cls is None:
             raise ValueError(f"unknown model family {family!r}; known families: {_known_families()}")
         return cls(str(folder), **given)
-    class_name = json.loads((folder / "model_index.json").read_text()).get("_class_name")
+    class_name = read_model_index(folder).get("_class_name")
     cls = family_for_pipeline(class_name)
     if cls is not None:
         return cls(str(folder), **given)

@@ -1,18 +1,45 @@
-"""Named built-in checkpoints: `builtin:tiny-shapes` (shipped, pretrained) and `builtin:tiny-sd3` (random, cached)."""
+"""Named built-in checkpoints: `builtin:tiny-shapes` (shipped, pretrained on the shapes world) and one random tiny
+folder per family (`builtin:tiny-sd3`, `builtin:tiny-wan`, ...), built on first use into the cache under a file lock.
+Torch-free until a folder is built."""
 
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
+from importlib import import_module
+from typing import Any, NamedTuple
+
+from miles.models.registry import BUILTIN_FAMILIES, builtin_family_of_pipeline
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_TINY = "builtin:tiny-sd3"  # random weights, built on first use (tests, plumbing)
 BUILTIN_SHAPES_MODEL = "builtin:tiny-shapes"  # pretrained on the shapes world, shipped in the package (§9)
 SHIPPED_SHAPES_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny_shapes_sd3"
 )
+
+
+class TinyFolder(NamedTuple):
+    family: str  # the BUILTIN_FAMILIES name of its pipeline class
+    builder: str  # "module:function" writing the folder: function(path, seed=0, **kwargs)
+    kwargs: dict[str, Any] = {}
+
+
+# random weights (seed 0) at toy sizes: plumbing, the family contract tests, a newcomer's first run of a family
+TINY_FOLDERS: dict[str, TinyFolder] = {
+    "builtin:tiny-sd3": TinyFolder("sd3", "miles.models.tiny:save_tiny_sd3_pipeline"),
+    "builtin:tiny-flux": TinyFolder("flux", "miles.models.tiny_flux:save_tiny_flux_pipeline"),
+    "builtin:tiny-qwen-image": TinyFolder("qwen-image", "miles.models.tiny_qwen_image:save_tiny_qwen_image_pipeline"),
+    "builtin:tiny-wan": TinyFolder("wan", "miles.models.tiny_wan:save_tiny_wan_pipeline"),
+    "builtin:tiny-wan-2-experts": TinyFolder(
+        "wan", "miles.models.tiny_wan:save_tiny_wan_pipeline", {"two_experts": True}
+    ),
+    "builtin:tiny-ltx2": TinyFolder("ltx2", "miles.models.tiny_ltx2:save_tiny_ltx2_pipeline"),
+}
+BUILTIN_TINY = "builtin:tiny-sd3"  # the tiny folder of the default family
+BUILTIN_NAMES = (BUILTIN_SHAPES_MODEL, *TINY_FOLDERS)
 
 
 def cache_dir() -> str:
@@ -20,7 +47,8 @@ def cache_dir() -> str:
 
 
 def resolve_checkpoint(path: str | None) -> str | None:
-    """Map a builtin name to a pipeline folder, building it under a file lock the first time; other paths pass."""
+    """Map a builtin name to a pipeline folder, building a tiny one under a file lock the first time; other paths
+    pass."""
     if path == BUILTIN_SHAPES_MODEL:
         if not os.path.isfile(os.path.join(SHIPPED_SHAPES_DIR, "model_index.json")):
             raise FileNotFoundError(
@@ -28,19 +56,41 @@ def resolve_checkpoint(path: str | None) -> str | None:
                 "reinstall miles or rebuild it with scripts/pretrain_tiny_shapes.py"
             )
         return SHIPPED_SHAPES_DIR
-    if path is not None and path.startswith("builtin:") and path != BUILTIN_TINY:
-        raise ValueError(f"unknown built-in checkpoint {path!r}; known: {BUILTIN_SHAPES_MODEL}, {BUILTIN_TINY}")
-    if path != BUILTIN_TINY:
+    if path is None or not path.startswith("builtin:"):
         return path
-    from miles.models.tiny import save_tiny_sd3_pipeline
+    if path not in TINY_FOLDERS:
+        raise ValueError(f"unknown built-in checkpoint {path!r}; known: {', '.join(BUILTIN_NAMES)}")
+    return build_tiny_folder(path)
 
-    target = os.path.join(cache_dir(), "tiny-sd3-seed0")
+
+def build_tiny_folder(name: str) -> str:
+    """The cached folder of the tiny checkpoint `name`, built (seed 0) by the first process that asks for it while
+    the others wait on its lock."""
+    folder = TINY_FOLDERS[name]
+    target = os.path.join(cache_dir(), f"{name.removeprefix('builtin:')}-seed0")
     os.makedirs(cache_dir(), exist_ok=True)
     with open(target + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.isfile(os.path.join(target, "model_index.json")):
-            logger.info("building the tiny SD3 pipeline into %s", target)
+            logger.info("building %s into %s", name, target)
+            module, function = folder.builder.split(":")
             tmp = target + ".tmp"
-            save_tiny_sd3_pipeline(tmp, seed=0)
+            getattr(import_module(module), function)(tmp, seed=0, **folder.kwargs)  # torch and diffusers: on use only
             os.replace(tmp, target)
     return target
+
+
+def makes_video(hf_checkpoint: str | None, model_family: str = "auto") -> bool:
+    """Whether a run's model makes video, answered without importing a family: by the built-in name, the
+    --model-family, or the folder's model_index.json pipeline class. False when unknown (a user's family, a folder
+    that is not there yet: the start-up checks name those)."""
+    family = model_family if model_family in BUILTIN_FAMILIES else None
+    if family is None and hf_checkpoint in TINY_FOLDERS:
+        family = TINY_FOLDERS[hf_checkpoint].family
+    if family is None and hf_checkpoint and not hf_checkpoint.startswith("builtin:") and model_family == "auto":
+        try:
+            with open(os.path.join(hf_checkpoint, "model_index.json")) as f:
+                family = builtin_family_of_pipeline(json.load(f).get("_class_name"))
+        except (OSError, ValueError, AttributeError):
+            return False
+    return family is not None and BUILTIN_FAMILIES[family].video

@@ -9,35 +9,29 @@ Euler steps, SDE log-probs (means over dims), encoding, decoding and rewards nee
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import nn
 
 from miles.models.base import compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
-from miles.models.sd3 import SD3PipelineConfig
+from miles.models.diffusers_family import (
+    DiffusersFamily,
+    check_velocity_inputs,
+    decode_shift_scaled,
+    dynamic_shift_sigmas,
+    encode_shift_scaled,
+    square_latent_side,
+    training_shift,
+)
+from miles.models.media import Media
+from miles.models.packing import pack_latents, unpack_latents
 
 logger = logging.getLogger(__name__)
 
 _FLUX_MAX_T5_LENGTH = 512  # FluxPipeline's default (and maximum) max_sequence_length
-
-
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, H/2 * W/2, 4C): FluxPipeline._pack_latents (2x2 patches, channels-major within a patch)."""
-    b, c, h, w = latents.shape
-    patches = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_latents(packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """The inverse of `pack_latents` for latents of `height` x `width` (FluxPipeline._unpack_latents)."""
-    b, _, channels = packed.shape
-    patches = packed.view(b, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return patches.reshape(b, channels // 4, height, width)
 
 
 def latent_image_ids(height: int, width: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
@@ -50,20 +44,22 @@ def latent_image_ids(height: int, width: int, device: torch.device | str, dtype:
 
 
 @register_train_pipeline_config
-class FluxPipelineConfig(SD3PipelineConfig):
+class FluxPipelineConfig(DiffusersFamily):
     """FLUX.1 pipeline folders (`FluxPipeline`): dev-style (guidance-distilled, `guidance_embeds`) and schnell-style.
 
     Guidance: with a guidance embedding, `guidance_scale` is the embedded value (the pipeline's `guidance_scale`,
     one forward, no negative); without one, `guidance_scale > 1` is the pipeline's true CFG (`true_cfg_scale` with a
-    negative prompt). The VAE normalization, saving and checkpoint handling are SD3's (same folder conventions).
+    negative prompt). The VAE is AutoencoderKL with FluxPipeline's normalization (scale, then shift).
     """
 
     name = "flux"
-    text_pipeline_class = FluxPipeline
     pipeline_class_name = "FluxPipeline"
-    transformer_class = FluxTransformer2DModel
     # joint attention of the double-stream blocks; the single-stream blocks' to_q/to_k/to_v match too
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+    transformer_class = FluxTransformer2DModel
+    text_pipeline_class = FluxPipeline
+    text_modules = ("text_encoder", "text_encoder_2")
+    vae_class = AutoencoderKL
 
     # networks
     def transformer_blocks(self, transformer: nn.Module) -> list[nn.Module]:
@@ -73,12 +69,9 @@ class FluxPipelineConfig(SD3PipelineConfig):
     @property
     def guidance_embeds(self) -> bool:
         """Whether the folder's transformer is guidance-distilled (FLUX.1-dev) rather than CFG-free (schnell)."""
-        if "guidance_embeds" not in self._loaded:  # read once: predict_velocity asks at every step
-            config = self.read_json("transformer", "config.json")
-            self._loaded["guidance_embeds"] = bool(config.get("guidance_embeds", False))
-        return self._loaded["guidance_embeds"]
+        return bool(self.cached_json("transformer", "config.json").get("guidance_embeds", False))
 
-    # text: SD3's load_text_encoders builds `text_pipeline_class`
+    # text
     @property
     def max_sequence_length(self) -> int:
         """T5 tokens per prompt: the T5 tokenizer's limit, at most FluxPipeline's default (512)."""
@@ -101,7 +94,17 @@ class FluxPipelineConfig(SD3PipelineConfig):
         )
         return Conditioning({"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}).to(device=device)
 
-    # media: SD3's encode_images / decode_latents on unpacked latents are FluxPipeline's (scale, then shift)
+    # media: unpacked latents, so FluxPipeline's VAE decode (and its image-to-image encode) as they are
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Normalized latents (z - shift_factor) * scaling_factor (float32) of images (B, 3, H, W) in [-1, 1]; z the
+        posterior mode, or a posterior sample drawn with `generator`."""
+        return encode_shift_scaled(self.cached_vae(), images, generator)
+
+    @torch.no_grad()
+    def decode_latents(self, x0: torch.Tensor) -> Media:
+        """Images (B, 3, H, W) in [0, 1], float32, from normalized latents, as FluxPipeline decodes them."""
+        return decode_shift_scaled(self.cached_vae(), x0)
 
     # the flow
     def predict_velocity(
@@ -119,11 +122,8 @@ class FluxPipelineConfig(SD3PipelineConfig):
         embedding when the transformer has one, else true CFG uncond + w * (cond - uncond) when w > 1 (both
         branches in one batched forward). `negative` may be a batch of one (broadcast).
         """
+        check_velocity_inputs(latents, sigmas, embeds)
         batch, _, height, width = latents.shape
-        if sigmas.shape != (batch,):
-            raise ValueError(f"sigmas must have shape ({batch},), got {tuple(sigmas.shape)}")
-        if embeds.batch_size != batch:
-            raise ValueError(f"embeds batch {embeds.batch_size} != latents batch {batch}")
         if height % 2 or width % 2:
             raise ValueError(f"FLUX latents pack 2x2 patches: height and width must be even, got {height}x{width}")
         dtype = compute_dtype(transformer)
@@ -156,15 +156,10 @@ class FluxPipelineConfig(SD3PipelineConfig):
             pred = uncond + guidance_scale * (text - uncond)
         return unpack_latents(pred, height, width)
 
-    def _scheduler_config(self) -> dict[str, Any]:
-        if "scheduler_config" not in self._loaded:
-            self._loaded["scheduler_config"] = self.read_json("scheduler", "scheduler_config.json")
-        return self._loaded["scheduler_config"]
-
     def mu(self, resolution: int | None = None) -> float:
         """FluxPipeline's resolution-dependent shift: `calculate_shift` of the packed sequence length."""
         _, h, w = self.latent_shape(resolution)
-        config = self._scheduler_config()
+        config = self.scheduler_config()
         return calculate_shift(
             (h // 2) * (w // 2),
             config.get("base_image_seq_len", 256),
@@ -175,19 +170,18 @@ class FluxPipelineConfig(SD3PipelineConfig):
 
     def sampling_sigmas(self, num_steps: int, resolution: int | None = None) -> torch.Tensor:
         """FluxPipeline's grid: σ = linspace(1, 1/N, N) through the folder's scheduler with `mu(resolution)`, then 0."""
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config())
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=self.mu(resolution))
-        return scheduler.sigmas.detach().to(torch.float32).cpu().clone()
+        return dynamic_shift_sigmas(self.scheduler_config(), num_steps, self.mu(resolution))
 
     # geometry
     @property
     def scheduler_shift(self) -> float:
         """The training table's shift: 1 under dynamic shifting (FLUX.1: the table is unshifted, as diffusers' FLUX
         training scripts see it), the config's `shift` otherwise."""
-        config = self._scheduler_config()
-        return 1.0 if config.get("use_dynamic_shifting", False) else float(config.get("shift", 1.0))
+        return training_shift(self.scheduler_config())
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.cached_json("vae", "config.json")["block_out_channels"]) - 1)
 
     @property
     def patch_size(self) -> int:
@@ -196,4 +190,11 @@ class FluxPipelineConfig(SD3PipelineConfig):
     @property
     def default_resolution(self) -> int:
         """The VAE's sample_size (1024 for FLUX.1: the pipeline's default 128 latents x 8)."""
-        return int(self.read_json("vae", "config.json")["sample_size"])
+        return int(self.cached_json("vae", "config.json")["sample_size"])
+
+    def latent_shape(self, resolution: int | None = None) -> tuple[int, int, int]:
+        """(channels, h, w) of the unpacked latents of a square image; resolution defaults to `default_resolution`."""
+        resolution = resolution or self.default_resolution
+        multiple = self.vae_scale_factor * self.patch_size
+        side = square_latent_side(resolution, self.vae_scale_factor, multiple, "VAE factor x patch size")
+        return int(self.cached_json("vae", "config.json")["latent_channels"]), side, side

@@ -24,24 +24,19 @@ import logging
 import math
 from typing import Any
 
-import numpy as np
 import torch
-from diffusers import (
-    AutoencoderKLLTX2Audio,
-    AutoencoderKLLTX2Video,
-    FlowMatchEulerDiscreteScheduler,
-    LTX2Pipeline,
-    LTX2VideoTransformer3DModel,
-)
+from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2Pipeline, LTX2VideoTransformer3DModel
 from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from torch import nn
 
+from miles.algorithms import algorithm_of
 from miles.models.base import DTYPE_KW, compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
+from miles.models.diffusers_family import DiffusersFamily, check_velocity_inputs, dynamic_shift_sigmas, training_shift
 from miles.models.media import Media
-from miles.models.sd3 import SD3PipelineConfig
+from miles.models.options import options_of
 
 logger = logging.getLogger(__name__)
 
@@ -85,27 +80,31 @@ def rescale_guided(guided: torch.Tensor, conditional: torch.Tensor, rescale: flo
 
 
 @register_train_pipeline_config
-class LTX2PipelineConfig(SD3PipelineConfig):
+class LTX2PipelineConfig(DiffusersFamily):
     """LTX-2 pipeline folders (`LTX2Pipeline`): text to video with sound, square frames.
 
-    `num_frames` (default the pipeline's 121) must be 1 + a multiple of the VAE's temporal factor; the frame rate
-    is the pipeline's default 24 fps (it sets the video positions the transformer sees and the audio length).
-    Transformer loading and `--save-hf` are SD3's (same folder conventions).
+    `num_frames` (default the folder's `folder_default`, else the pipeline's 121) must be 1 + a multiple of the VAE's
+    temporal factor; the frame rate is the pipeline's default 24 fps (it sets the video positions the transformer
+    sees and the audio length).
+    The text pipeline keeps the tokenizer, the Gemma text encoder and the text connectors.
     """
 
     name = "ltx2"
     pipeline_class_name = "LTX2Pipeline"
-    transformer_class = LTX2VideoTransformer3DModel
-    text_pipeline_class = LTX2Pipeline
+    options = options_of("ltx2")
     # the attention projections of every attention of a block: video and audio self- and text cross-attention and
     # the audio-to-video / video-to-audio cross-attention
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
-
-    accepted_options = ("num_frames",)
+    transformer_class = LTX2VideoTransformer3DModel
+    text_pipeline_class = LTX2Pipeline
+    non_text_components = ("transformer", "vae", "audio_vae", "vocoder")
+    text_modules = ("text_encoder", "connectors")
+    vae_class = AutoencoderKLLTX2Video
 
     def __init__(self, path: str, **options: Any) -> None:
         super().__init__(path, **options)
-        self.num_frames = int(self.family_options.get("num_frames") or LTX2_DEFAULT_NUM_FRAMES)
+        frames = self.family_options.get("num_frames") or self.folder_default("num_frames")
+        self.num_frames = int(frames or LTX2_DEFAULT_NUM_FRAMES)
         self.frame_rate = LTX2_DEFAULT_FRAME_RATE
         temporal = self.vae_scale_factor_temporal
         if self.num_frames < 1 or (self.num_frames - 1) % temporal:
@@ -115,31 +114,19 @@ class LTX2PipelineConfig(SD3PipelineConfig):
             )
 
     def check_run_args(self, args: argparse.Namespace) -> None:
-        """sft_loss is refused at start-up: it trains on (prompt, image) records, and the LTX-2 latent is a joint
-        video + audio latent that no image encodes."""
-        if getattr(args, "loss_type", None) == "sft_loss":
+        """Training on (prompt, image) dataset records is refused at start-up (a run without engines, --train-only):
+        the LTX-2 latent is a joint video + audio latent that no image encodes."""
+        if getattr(args, "train_only", False) or not algorithm_of(args).uses_engines:
             raise ValueError(
-                f"--loss-type sft_loss is not supported for the {self.name} family ({self.path}): its latent is a "
-                "joint video + audio latent and miles has no dataset path of (prompt, video, audio) records; "
-                "train it with policy_loss, nft, dmd2 or a custom loss"
+                f"--loss-type {args.loss_type} trains on (prompt, image) dataset records (--train-only), which is not "
+                f"supported for the {self.name} family ({self.path}): its latent is a joint video + audio latent and "
+                "miles has no dataset path of (prompt, video, audio) records; train it with an algorithm whose "
+                "rollouts are generated (policy_loss, nft, dmd2 or a custom loss)"
             )
 
-    # networks (load_transformer / save_transformer: SD3's)
-    def transformer_blocks(self, transformer: nn.Module) -> list[nn.Module]:
-        """The audio-video blocks FSDP shards one by one."""
-        return list(transformer.transformer_blocks)
+    # networks: `DiffusersFamily`'s (the audio-video blocks are its `transformer_blocks`)
 
     # text
-    def load_text_encoders(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
-        """LTX2Pipeline holding only the tokenizer, the Gemma text encoder and the text connectors (eval), cached."""
-        return self.load_text_pipeline(
-            LTX2Pipeline,
-            without=("transformer", "vae", "audio_vae", "vocoder"),
-            frozen=("text_encoder", "connectors"),
-            device=device,
-            dtype=dtype,
-        )
-
     @property
     def max_sequence_length(self) -> int:
         """Gemma tokens per prompt: the tokenizer's limit, at most LTX2Pipeline's default (1024)."""
@@ -170,7 +157,7 @@ class LTX2PipelineConfig(SD3PipelineConfig):
     def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
         """The video VAE, with the audio VAE and the vocoder (eval mode, cached); returns the video VAE."""
         kwargs = {DTYPE_KW: dtype, "local_files_only": True}
-        vae = AutoencoderKLLTX2Video.from_pretrained(self.path, subfolder="vae", **kwargs)
+        vae = self.vae_class.from_pretrained(self.path, subfolder="vae", **kwargs)
         audio_vae = AutoencoderKLLTX2Audio.from_pretrained(self.path, subfolder="audio_vae", **kwargs)
         vocoder_class = LTX2VocoderWithBWE if self._vocoder_class_name() == "LTX2VocoderWithBWE" else LTX2Vocoder
         vocoder = vocoder_class.from_pretrained(self.path, subfolder="vocoder", **kwargs)
@@ -250,11 +237,8 @@ class LTX2PipelineConfig(SD3PipelineConfig):
         (`use_cross_timestep`), positions of the latent frames at `frame_rate`; with w > 1 CFG over [negative;
         positive] in one batched forward, in x0 space: x̂₀ = x̂₀(c) + (w − 1)(x̂₀(c) − x̂₀(u)) per stream; then
         guidance rescale 0.7 per stream; the velocity (x − x̂₀)/σ. `negative` may be a batch of one (broadcast)."""
+        check_velocity_inputs(latents, sigmas, embeds)
         batch = latents.shape[0]
-        if sigmas.shape != (batch,):
-            raise ValueError(f"sigmas must have shape ({batch},), got {tuple(sigmas.shape)}")
-        if embeds.batch_size != batch:
-            raise ValueError(f"embeds batch {embeds.batch_size} != latents batch {batch}")
         resolution = self._resolution_of(latents)
         video, audio = self.split_latents(latents.float(), resolution)
         patch, patch_t = self.transformer_patch_sizes
@@ -315,16 +299,11 @@ class LTX2PipelineConfig(SD3PipelineConfig):
         x0 = rescale_guided(guided, x0, LTX2_GUIDANCE_RESCALE) if LTX2_GUIDANCE_RESCALE > 0 else guided
         return (sample - x0) / sigma
 
-    def _scheduler_config(self) -> dict[str, Any]:
-        if "scheduler_config" not in self._loaded:
-            self._loaded["scheduler_config"] = self.read_json("scheduler", "scheduler_config.json")
-        return self._loaded["scheduler_config"]
-
     def mu(self, resolution: int | None = None) -> float:
         """LTX2Pipeline's shift: `calculate_shift` of the video token count, with its defaults for missing keys."""
         (_, frames, height, width), _ = self.stream_shapes(resolution)
         patch, patch_t = self.transformer_patch_sizes
-        config = self._scheduler_config()
+        config = self.scheduler_config()
         return calculate_shift(
             (frames // patch_t) * (height // patch) * (width // patch),
             config.get("base_image_seq_len", 1024),
@@ -336,15 +315,11 @@ class LTX2PipelineConfig(SD3PipelineConfig):
     def sampling_sigmas(self, num_steps: int, resolution: int | None = None) -> torch.Tensor:
         """LTX2Pipeline's grid (both streams'): σ = linspace(1, 1/N, N) through the folder's scheduler with
         `mu(resolution)`, then 0."""
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config())
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=self.mu(resolution))
-        sigmas = scheduler.sigmas.detach().to(torch.float32).cpu().clone()
+        sigmas = dynamic_shift_sigmas(self.scheduler_config(), num_steps, self.mu(resolution))
         if not torch.isfinite(sigmas).all():  # shift_terminal stretches the grid to end there: 1 step cannot
             raise ValueError(
                 f"{num_steps} step(s) give no finite σ grid with this folder's scheduler "
-                f"(shift_terminal={self._scheduler_config().get('shift_terminal')}); use --diffusion-num-steps >= 2"
+                f"(shift_terminal={self.scheduler_config().get('shift_terminal')}); use --diffusion-num-steps >= 2"
             )
         return sigmas
 
@@ -353,13 +328,10 @@ class LTX2PipelineConfig(SD3PipelineConfig):
     def scheduler_shift(self) -> float:
         """The training table's shift: 1 under dynamic shifting (the table unshifted), the config's `shift`
         otherwise."""
-        config = self._scheduler_config()
-        return 1.0 if config.get("use_dynamic_shifting", False) else float(config.get("shift", 1.0))
+        return training_shift(self.scheduler_config())
 
     def _vae_config(self) -> dict[str, Any]:
-        if "vae_config" not in self._loaded:
-            self._loaded["vae_config"] = self.read_json("vae", "config.json")
-        return self._loaded["vae_config"]
+        return self.cached_json("vae", "config.json")
 
     def _vae_factors(self) -> tuple[int, int]:
         """(spatial, temporal) compression of the video VAE, computed as AutoencoderKLLTX2Video does."""
@@ -393,8 +365,9 @@ class LTX2PipelineConfig(SD3PipelineConfig):
 
     @property
     def default_resolution(self) -> int:
-        """512: LTX2Pipeline's default height (its default frame is 512x768; miles samples square frames)."""
-        return LTX2_DEFAULT_RESOLUTION
+        """The folder's suggested resolution (`folder_default`), else 512: LTX2Pipeline's default height (its default
+        frame is 512x768; miles samples square frames)."""
+        return int(self.folder_default("resolution") or LTX2_DEFAULT_RESOLUTION)
 
     def audio_latent_frames(self) -> int:
         """Audio latent frames of `num_frames` at `frame_rate`, rounded as LTX2Pipeline does."""

@@ -20,24 +20,26 @@ pipeline does for a batch without padding.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
-import numpy as np
 import torch
-from diffusers import (
-    AutoencoderKLQwenImage,
-    FlowMatchEulerDiscreteScheduler,
-    QwenImagePipeline,
-    QwenImageTransformer2DModel,
-)
+from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from torch import nn
 
-from miles.models.base import DTYPE_KW, compute_dtype, register_train_pipeline_config
+from miles.models.base import compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
-from miles.models.flux import pack_latents, unpack_latents
+from miles.models.diffusers_family import (
+    DiffusersFamily,
+    channel_stats,
+    check_velocity_inputs,
+    dynamic_shift_sigmas,
+    posterior_latents,
+    square_latent_side,
+    training_shift,
+    unit_range,
+)
 from miles.models.media import Media
-from miles.models.sd3 import SD3PipelineConfig
+from miles.models.packing import pack_latents, unpack_latents
 
 logger = logging.getLogger(__name__)
 
@@ -46,18 +48,19 @@ _QWEN_DEFAULT_SAMPLE_SIZE = 128  # QwenImagePipeline.default_sample_size: latent
 
 
 @register_train_pipeline_config
-class QwenImagePipelineConfig(SD3PipelineConfig):
+class QwenImagePipelineConfig(DiffusersFamily):
     """Qwen-Image pipeline folders (`QwenImagePipeline`).
 
     Guidance: `guidance_scale > 1` is the pipeline's true CFG (`true_cfg_scale` with a negative prompt), the
     combined prediction rescaled to the conditional one's norm per packed token; 1 is the conditional branch alone.
-    Saving and checkpoint handling are SD3's (same folder conventions); the VAE and its normalization are Qwen's.
+    The VAE is Qwen's video VAE on one frame, normalized per channel.
     """
 
     name = "qwen-image"
     pipeline_class_name = "QwenImagePipeline"
-    text_pipeline_class = QwenImagePipeline
     transformer_class = QwenImageTransformer2DModel
+    text_pipeline_class = QwenImagePipeline
+    vae_class = AutoencoderKLQwenImage
     # diffusers' Qwen-Image LoRA training default (train_dreambooth_lora_qwen_image.py): the image-stream attention
     default_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
 
@@ -65,8 +68,8 @@ class QwenImagePipelineConfig(SD3PipelineConfig):
     def load_transformer(
         self, path: str | None = None, dtype: torch.dtype = torch.float32, *, empty: bool = False
     ) -> nn.Module:
-        """The transformer (SD3's loader); a guidance-distilled one (`guidance_embeds`) is refused: QwenImagePipeline
-        cannot run it either (its timestep embedding takes no guidance)."""
+        """The transformer (`DiffusersFamily`'s loader); a guidance-distilled one (`guidance_embeds`) is refused:
+        QwenImagePipeline cannot run it either (its timestep embedding takes no guidance)."""
         model = super().load_transformer(path, dtype, empty=empty)
         if model.config.get("guidance_embeds", False):
             raise ValueError(
@@ -75,7 +78,7 @@ class QwenImagePipelineConfig(SD3PipelineConfig):
             )
         return model
 
-    # text: SD3's load_text_encoders builds `text_pipeline_class`
+    # text
     @property
     def max_sequence_length(self) -> int:
         """Text tokens kept per prompt (after the template's): QwenImagePipeline's default, 512."""
@@ -101,32 +104,20 @@ class QwenImagePipelineConfig(SD3PipelineConfig):
         return Conditioning({"prompt_embeds": prompt_embeds, "prompt_embeds_mask": mask}).to(device=device)
 
     # media
-    def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-        """The VAE in eval mode, cached."""
-        vae = AutoencoderKLQwenImage.from_pretrained(
-            self.path, subfolder="vae", **{DTYPE_KW: dtype}, local_files_only=True
-        )
-        vae = vae.to(device).eval().requires_grad_(False)
-        self._loaded["vae"] = vae
-        return vae
-
     @staticmethod
     def _latents_stats(vae: nn.Module, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The config's per-channel latents_mean and 1 / latents_std, shaped (1, C, 1, 1, 1) as the pipeline has
         them."""
-        z_dim = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(like.device, like.dtype)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(like.device, like.dtype)
-        return mean, inv_std
+        mean, std = channel_stats(vae, like)
+        return mean, 1.0 / std
 
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Normalized latents (B, C, H, W) = (z - latents_mean) / latents_std of images (B, 3, H, W) in [-1, 1],
         encoded as one frame (QwenImageImg2ImgPipeline's `_encode_vae_image`). z is the posterior mode without a
         generator, a posterior sample drawn with it otherwise. float32."""
-        vae = self._vae()
-        posterior = vae.encode(images.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)).latent_dist
-        z = posterior.mode() if generator is None else posterior.sample(generator=generator)
+        vae = self.cached_vae()
+        z = posterior_latents(vae, images.to(device=vae.device, dtype=vae.dtype).unsqueeze(2), generator)
         mean, inv_std = self._latents_stats(vae, z)
         return ((z - mean) * inv_std)[:, :, 0].float()
 
@@ -134,11 +125,11 @@ class QwenImagePipelineConfig(SD3PipelineConfig):
     def decode_latents(self, x0: torch.Tensor) -> Media:
         """Images (B, 3, H, W) in [0, 1], float32, from normalized latents, as QwenImagePipeline decodes them:
         z = x0 / (1 / latents_std) + latents_mean, decoded as one frame."""
-        vae = self._vae()
+        vae = self.cached_vae()
         z = x0.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)
         mean, inv_std = self._latents_stats(vae, z)
         images = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
-        return Media((images.float() / 2 + 0.5).clamp(0, 1))
+        return Media(unit_range(images))
 
     # the flow
     def predict_velocity(
@@ -158,11 +149,8 @@ class QwenImagePipelineConfig(SD3PipelineConfig):
         ||cond|| / ||comb|| over each packed token's channels; both branches run in one batched forward (the
         pipeline runs two). `negative` may be a batch of one (broadcast).
         """
+        check_velocity_inputs(latents, sigmas, embeds)
         batch, _, height, width = latents.shape
-        if sigmas.shape != (batch,):
-            raise ValueError(f"sigmas must have shape ({batch},), got {tuple(sigmas.shape)}")
-        if embeds.batch_size != batch:
-            raise ValueError(f"embeds batch {embeds.batch_size} != latents batch {batch}")
         if height % 2 or width % 2:
             raise ValueError(
                 f"Qwen-Image latents pack 2x2 patches: height and width must be even, got {height}x{width}"
@@ -197,7 +185,7 @@ class QwenImagePipelineConfig(SD3PipelineConfig):
     def mu(self, resolution: int | None = None) -> float:
         """QwenImagePipeline's resolution-dependent shift: `calculate_shift` of the packed sequence length."""
         _, h, w = self.latent_shape(resolution)
-        config = self._scheduler_config()
+        config = self.scheduler_config()
         return calculate_shift(
             (h // 2) * (w // 2),
             config.get("base_image_seq_len", 256),
@@ -206,32 +194,22 @@ class QwenImagePipelineConfig(SD3PipelineConfig):
             config.get("max_shift", 1.15),
         )
 
-    def _scheduler_config(self) -> dict[str, Any]:
-        if "scheduler_config" not in self._loaded:
-            self._loaded["scheduler_config"] = self.read_json("scheduler", "scheduler_config.json")
-        return self._loaded["scheduler_config"]
-
     def sampling_sigmas(self, num_steps: int, resolution: int | None = None) -> torch.Tensor:
         """QwenImagePipeline's grid: σ = linspace(1, 1/N, N) through the folder's scheduler with `mu(resolution)`
         (Qwen-Image's: exponential time shift, stretched to its shift_terminal), then 0."""
-        if num_steps < 1:
-            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config())
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=self.mu(resolution))
-        return scheduler.sigmas.detach().to(torch.float32).cpu().clone()
+        return dynamic_shift_sigmas(self.scheduler_config(), num_steps, self.mu(resolution))
 
     # geometry
     @property
     def scheduler_shift(self) -> float:
         """The training table's shift: 1 under dynamic shifting (Qwen-Image: the table is unshifted, as diffusers'
         Qwen-Image training script sees it), the config's `shift` otherwise."""
-        config = self._scheduler_config()
-        return 1.0 if config.get("use_dynamic_shifting", False) else float(config.get("shift", 1.0))
+        return training_shift(self.scheduler_config())
 
     @property
     def vae_scale_factor(self) -> int:
         """2 ** len(temperal_downsample), as QwenImagePipeline computes it (8 for Qwen-Image)."""
-        return 2 ** len(self.read_json("vae", "config.json")["temperal_downsample"])
+        return 2 ** len(self.cached_json("vae", "config.json")["temperal_downsample"])
 
     @property
     def patch_size(self) -> int:
@@ -239,17 +217,16 @@ class QwenImagePipelineConfig(SD3PipelineConfig):
 
     @property
     def default_resolution(self) -> int:
-        """QwenImagePipeline's default: default_sample_size (128) x vae_scale_factor (1024 for Qwen-Image)."""
-        return _QWEN_DEFAULT_SAMPLE_SIZE * self.vae_scale_factor
+        """The folder's suggested resolution (`folder_default`), else QwenImagePipeline's default: default_sample_size
+        (128) x vae_scale_factor (1024 for Qwen-Image)."""
+        return int(self.folder_default("resolution") or _QWEN_DEFAULT_SAMPLE_SIZE * self.vae_scale_factor)
 
     def latent_shape(self, resolution: int | None = None) -> tuple[int, int, int]:
         """(z_dim, h, w) of the latents of a square image, without the VAE's frame axis."""
         resolution = resolution or self.default_resolution
         multiple = self.vae_scale_factor * self.patch_size
-        if resolution % multiple != 0:
-            raise ValueError(f"resolution {resolution} must be a multiple of {multiple} (VAE factor x 2x2 packing)")
-        side = resolution // self.vae_scale_factor
-        return int(self.read_json("vae", "config.json")["z_dim"]), side, side
+        side = square_latent_side(resolution, self.vae_scale_factor, multiple, "VAE factor x 2x2 packing")
+        return int(self.cached_json("vae", "config.json")["z_dim"]), side, side
 
 
 def _trim_padding(cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor | None]:

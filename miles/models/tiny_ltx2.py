@@ -27,6 +27,7 @@ from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GemmaTokenizer
 
 from miles.models.base import strip_name_or_path
+from miles.models.diffusers_family import write_run_defaults
 from miles.models.tiny import SHAPES_WORDS, _learn_bpe_merges
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ VIDEO_LATENT_CHANNELS = 8
 AUDIO_LATENT_CHANNELS = 2
 MEL_BINS = 16  # 4 latent mel bins (the audio VAE compresses mel bins 4x)
 AUDIO_SAMPLE_RATE, MEL_HOP_LENGTH = 16000, 160  # 100 mel frames per second, 25 audio latents per second
+TINY_LTX2_RESOLUTION = 32  # 2x2 latents per frame: the size it is built for (LTX2Pipeline's default is 512)
 VOCODER_RATE = 48000  # 100 mel frames per second x 480 (the vocoder's upsampling) samples
 
 
@@ -89,12 +91,9 @@ def _gemma3(tokenizer: GemmaTokenizer) -> Gemma3ForConditionalGeneration:
     return Gemma3ForConditionalGeneration(config)
 
 
-def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
-    """The tiny LTX-2 pipeline in float32, eval mode, with seeded random weights (well under a MB in all)."""
-    tokenizer = build_gemma_tokenizer()
-    torch.manual_seed(seed)
-    text_encoder = _gemma3(tokenizer)
-    connectors = LTX2TextConnectors(
+def _connectors() -> LTX2TextConnectors:
+    """The text connectors: Gemma's hidden states to the video and audio streams' text."""
+    return LTX2TextConnectors(
         caption_channels=TEXT_WIDTH,
         text_proj_in_factor=TEXT_LAYERS + 1,  # every hidden state, the embeddings' included
         video_connector_num_attention_heads=2,
@@ -109,7 +108,11 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         rope_double_precision=False,
         rope_type="split",
     )
-    vae = AutoencoderKLLTX2Video(
+
+
+def _video_vae() -> AutoencoderKLLTX2Video:
+    """The video VAE: 16x in space, 8x in time."""
+    return AutoencoderKLLTX2Video(
         latent_channels=VIDEO_LATENT_CHANNELS,
         block_out_channels=(8, 8, 8),
         decoder_block_out_channels=(8, 8, 8),
@@ -126,7 +129,11 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         patch_size_t=1,
         decoder_causal=False,
     )
-    audio_vae = AutoencoderKLLTX2Audio(
+
+
+def _audio_vae() -> AutoencoderKLLTX2Audio:
+    """The audio VAE: 25 latents per second, mel bins compressed 4x."""
+    return AutoencoderKLLTX2Audio(
         base_channels=AUDIO_LATENT_CHANNELS * MEL_BINS // 4,  # = the packed audio feature width (its statistics)
         output_channels=2,
         ch_mult=(1,),
@@ -144,8 +151,12 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         is_causal=True,
         mel_bins=MEL_BINS,
     )
-    vocoder = LTX2Vocoder(
-        in_channels=audio_vae.config.output_channels * MEL_BINS,
+
+
+def _vocoder(audio_output_channels: int) -> LTX2Vocoder:
+    """The vocoder: mel frames to a 48 kHz mono waveform."""
+    return LTX2Vocoder(
+        in_channels=audio_output_channels * MEL_BINS,
         hidden_channels=16,
         out_channels=1,
         upsample_kernel_sizes=[16, 12, 20],
@@ -155,7 +166,11 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         leaky_relu_negative_slope=0.1,
         output_sampling_rate=VOCODER_RATE,
     )
-    transformer = LTX2VideoTransformer3DModel(
+
+
+def _transformer() -> LTX2VideoTransformer3DModel:
+    """The audio-video transformer."""
+    return LTX2VideoTransformer3DModel(
         in_channels=VIDEO_LATENT_CHANNELS,
         out_channels=VIDEO_LATENT_CHANNELS,
         patch_size=1,
@@ -176,8 +191,11 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         rope_double_precision=False,
         rope_type="split",
     )
-    # the pipeline's scheduler config: LTX-2's dynamic shift (mu from the video token count)
-    scheduler = FlowMatchEulerDiscreteScheduler(
+
+
+def _scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """The pipeline's scheduler config: LTX-2's dynamic shift (mu from the video token count)."""
+    return FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
         shift=1.0,
         use_dynamic_shifting=True,
@@ -188,8 +206,20 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         shift_terminal=0.1,
         time_shift_type="exponential",
     )
+
+
+def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
+    """The tiny LTX-2 pipeline in float32, eval mode, with seeded random weights (well under a MB in all)."""
+    tokenizer = build_gemma_tokenizer()
+    torch.manual_seed(seed)
+    text_encoder = _gemma3(tokenizer)
+    connectors = _connectors()
+    vae = _video_vae()
+    audio_vae = _audio_vae()
+    vocoder = _vocoder(audio_vae.config.output_channels)
+    transformer = _transformer()
     pipe = LTX2Pipeline(
-        scheduler=scheduler,
+        scheduler=_scheduler(),
         vae=vae,
         audio_vae=audio_vae,
         text_encoder=text_encoder,
@@ -209,5 +239,6 @@ def save_tiny_ltx2_pipeline(path: str, seed: int = 0) -> str:
     Path(path).mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path, safe_serialization=True)
     strip_name_or_path(path)
+    write_run_defaults(path, resolution=TINY_LTX2_RESOLUTION)
     logger.info("wrote tiny LTX-2 pipeline (seed %d) to %s", seed, path)
     return path

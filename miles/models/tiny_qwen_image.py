@@ -23,6 +23,7 @@ from tokenizers import AddedToken
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
 from miles.models.base import strip_name_or_path
+from miles.models.diffusers_family import write_run_defaults
 from miles.models.tiny import SHAPES_WORDS, _bytes_to_unicode, _learn_bpe_merges
 
 logger = logging.getLogger(__name__)
@@ -184,5 +185,6 @@ def save_tiny_qwen_image_pipeline(path: str, seed: int = 0, resolution: int = 32
     Path(path).mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path, safe_serialization=True)
     strip_name_or_path(path)
+    write_run_defaults(path, resolution=resolution)  # the size it is built for (the pipeline's default: 512 px)
     logger.info("wrote tiny Qwen-Image pipeline (seed %d, %dx%d) to %s", seed, resolution, resolution, path)
     return path

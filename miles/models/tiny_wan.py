@@ -15,6 +15,7 @@ from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipe
 from transformers import UMT5Config, UMT5EncoderModel
 
 from miles.models.base import strip_name_or_path
+from miles.models.diffusers_family import write_run_defaults
 from miles.models.tiny import _t5_encoder, build_t5_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ def save_tiny_wan_pipeline(path: str, seed: int = 0, *, two_experts: bool = Fals
     Path(path).mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path, safe_serialization=True)
     strip_name_or_path(path)
+    write_run_defaults(path, resolution=TINY_WAN_RESOLUTION, num_frames=TINY_WAN_NUM_FRAMES)  # its toy sizes
     logger.info(
         "wrote tiny Wan pipeline (%s, seed %d) to %s", "two experts" if two_experts else "one expert", seed, path
     )

@@ -18,29 +18,26 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
 import diffusers
 import torch
 from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
-from huggingface_hub import save_torch_state_dict
-from safetensors import safe_open
 from torch import nn
 
-from miles.models.base import (
-    DTYPE_KW,
-    SAFETENSORS_DTYPES,
-    TrainPipelineConfig,
-    compute_dtype,
-    load_pretrained,
-    register_train_pipeline_config,
-    strip_name_or_path,
-)
+from miles.models.base import compute_dtype, load_pretrained, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
+from miles.models.diffusers_family import (
+    DiffusersFamily,
+    channel_stats,
+    check_velocity_inputs,
+    posterior_latents,
+    square_latent_side,
+    unit_range,
+)
 from miles.models.media import Media
-from miles.models.sd3 import _WEIGHTS_NAME
+from miles.models.options import TRAINED_EXPERTS, options_of
 from miles.models.wan_experts import HIGH_NOISE, LOW_NOISE, WanExperts
 
 logger = logging.getLogger(__name__)
@@ -50,23 +47,26 @@ WAN_DEFAULT_NUM_FRAMES = 81  # WanPipeline.__call__'s default
 WAN_DEFAULT_RESOLUTION = 480  # WanPipeline's default height (miles samples square frames)
 WAN_FPS = 16  # the frame rate Wan 2.1 / 2.2 A14B videos are exported at (diffusers' examples: export_to_video(fps=16))
 WAN_TI2V_FPS = 24  # Wan 2.2 TI2V-5B's (the expand_timesteps layout): 121 frames for 5 s
-TRAINED_EXPERTS = ("both", "high-noise", "low-noise")
 
 
 @register_train_pipeline_config
-class WanPipelineConfig(TrainPipelineConfig):
+class WanPipelineConfig(DiffusersFamily):
     """Wan 2.1 / 2.2 text-to-video pipeline folders (`WanPipeline`), one expert or two.
 
-    Options (flags): `num_frames` (--num-frames, default 81, must be 4k + 1), `guidance_scale_2`
-    (--diffusion-guidance-scale-2: CFG of the low-noise expert, default the high-noise one's, as in the pipeline),
-    `trained_experts` (--wan-trained-experts: both | high-noise | low-noise; default both).
+    Options (flags): `num_frames` (--num-frames, default the folder's `folder_default` or 81, must be 4k + 1),
+    `guidance_scale_2` (--diffusion-guidance-scale-2: CFG of the low-noise expert, default the high-noise one's, as
+    in the pipeline), `trained_experts` (--wan-trained-experts: both | high-noise | low-noise; default both).
     """
 
     name = "wan"
     pipeline_class_name = "WanPipeline"
-    accepted_options = ("num_frames", "guidance_scale_2", "trained_experts")
+    options = options_of("wan")
     # self- and cross-attention of every WanTransformerBlock
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    transformer_class = WanTransformer3DModel
+    text_pipeline_class = WanPipeline
+    non_text_components = ("transformer", "transformer_2", "vae")
+    vae_class = AutoencoderKLWan
 
     def __init__(self, path: str, **options: Any) -> None:
         super().__init__(path, **options)
@@ -83,7 +83,8 @@ class WanPipelineConfig(TrainPipelineConfig):
             )
         self.two_experts = has_second
         self.expand_timesteps = bool(index.get("expand_timesteps", False))
-        self.num_frames = int(self.family_options.get("num_frames") or WAN_DEFAULT_NUM_FRAMES)
+        frames = self.family_options.get("num_frames") or self.folder_default("num_frames")
+        self.num_frames = int(frames or WAN_DEFAULT_NUM_FRAMES)
         temporal = self.vae_scale_factor_temporal
         if self.num_frames < 1 or (self.num_frames - 1) % temporal:
             low = max(1, (self.num_frames - 1) // temporal * temporal + 1)
@@ -156,41 +157,15 @@ class WanPipelineConfig(TrainPipelineConfig):
         """A full pipeline folder: this folder's other components plus the given weights in `transformer/` (and
         `transformer_2/` with two experts, from the `transformer.*` / `transformer_2.*` entries). Weights are
         stored in `dtype`, by default each tensor's dtype in the source checkpoint. Returns `out_dir`."""
-        src, out = Path(self.path).resolve(), Path(out_dir).resolve()
-        if out == src:
-            raise ValueError(f"save_transformer would overwrite its own source pipeline {src}; pick another out_dir")
-        subfolders = (HIGH_NOISE, LOW_NOISE) if self.two_experts else (HIGH_NOISE,)
-        if self.two_experts:
-            states = {s: {k[len(s) + 1 :]: v for k, v in transformer_state_dict.items() if k.split(".")[0] == s}
-                      for s in subfolders}  # fmt: skip
-            stray = sorted(k for k in transformer_state_dict if k.split(".")[0] not in subfolders)
-            if stray:
-                raise ValueError(f"two-expert state dict has entries of neither expert: {stray[:5]}")
-        else:
-            states = {HIGH_NOISE: transformer_state_dict}
-        source_dtypes = {s: _checkpoint_dtypes(src / s) for s in subfolders}
-        for sub in subfolders:
-            missing = sorted(set(source_dtypes[sub]) - set(states[sub]))
-            unexpected = sorted(set(states[sub]) - set(source_dtypes[sub]))
-            if missing or unexpected:
-                raise ValueError(
-                    f"transformer state dict does not match {src / sub}: missing {missing[:5]}, unexpected "
-                    f"{unexpected[:5]}"
-                )
-        shutil.copytree(src, out, ignore=shutil.ignore_patterns(*subfolders), dirs_exist_ok=True)
-        strip_name_or_path(out)
-        for sub in subfolders:
-            if (out / sub).exists():
-                shutil.rmtree(out / sub)  # stale shards of an earlier save would be picked up
-            (out / sub).mkdir(parents=True)
-            shutil.copy2(src / sub / "config.json", out / sub / "config.json")
-            state = {k: _own_storage(v.detach().to(device="cpu", dtype=dtype or source_dtypes[sub][k]).contiguous())
-                     for k, v in states[sub].items()}  # fmt: skip
-            save_torch_state_dict(state, str(out / sub), filename_pattern=_WEIGHTS_NAME)
-            for file in (out / sub).iterdir():
-                file.chmod(0o644)
-        logger.info("saved %s pipeline with new transformer weights (%s) to %s", self.name, ", ".join(subfolders), out)
-        return str(out)
+        if not self.two_experts:
+            return self.save_pipeline({HIGH_NOISE: transformer_state_dict}, out_dir, dtype)
+        subfolders = (HIGH_NOISE, LOW_NOISE)
+        stray = sorted(k for k in transformer_state_dict if k.split(".")[0] not in subfolders)
+        if stray:
+            raise ValueError(f"two-expert state dict has entries of neither expert: {stray[:5]}")
+        states = {s: {k[len(s) + 1 :]: v for k, v in transformer_state_dict.items() if k.split(".")[0] == s}
+                  for s in subfolders}  # fmt: skip
+        return self.save_pipeline(states, out_dir, dtype)
 
     def check_run_args(self, args: argparse.Namespace) -> None:
         """LoRA trains one adapter on one transformer: two experts are refused at start-up."""
@@ -201,16 +176,6 @@ class WanPipelineConfig(TrainPipelineConfig):
             )
 
     # text
-    def load_text_encoders(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
-        """WanPipeline holding only the tokenizer and UMT5 encoder (eval mode), cached."""
-        return self.load_text_pipeline(
-            WanPipeline,
-            without=("transformer", "transformer_2", "vae"),
-            frozen=("text_encoder",),
-            device=device,
-            dtype=dtype,
-        )
-
     @property
     def max_sequence_length(self) -> int:
         """UMT5 tokens per prompt: the tokenizer's limit, at most WanPipeline's default (512)."""
@@ -233,22 +198,6 @@ class WanPipelineConfig(TrainPipelineConfig):
         return Conditioning({"prompt_embeds": prompt_embeds}).to(device=device)
 
     # media
-    def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AutoencoderKLWan:
-        vae = AutoencoderKLWan.from_pretrained(self.path, subfolder="vae", **{DTYPE_KW: dtype}, local_files_only=True)
-        vae = vae.to(device).eval().requires_grad_(False)
-        self._loaded["vae"] = vae
-        return vae
-
-    def _vae(self) -> AutoencoderKLWan:
-        return self._loaded["vae"] if "vae" in self._loaded else self.load_vae()
-
-    def _vae_normalization(self, vae: AutoencoderKLWan, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(latents_mean, latents_std) of the VAE config as (1, C, 1, 1, 1) tensors on `like`'s device and dtype."""
-        channels = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1).to(like.device, like.dtype)
-        std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1).to(like.device, like.dtype)
-        return mean, std
-
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Normalized latents (z - latents_mean) / latents_std (float32, (B, C, F, H, W)) of video frames
@@ -261,22 +210,21 @@ class WanPipelineConfig(TrainPipelineConfig):
                 f"encode_images takes (B, 3, H, W) images or (B, {self.num_frames}, 3, H, W) frames, "
                 f"got {tuple(images.shape)}"
             )
-        vae = self._vae()
+        vae = self.cached_vae()
         video = images.permute(0, 2, 1, 3, 4).to(device=vae.device, dtype=vae.dtype)  # (B, 3, F, H, W)
-        posterior = vae.encode(video).latent_dist
-        z = posterior.mode() if generator is None else posterior.sample(generator=generator)
-        mean, std = self._vae_normalization(vae, z)
+        z = posterior_latents(vae, video, generator)
+        mean, std = channel_stats(vae, z)
         return ((z - mean) / std).float()
 
     @torch.no_grad()
     def decode_latents(self, x0: torch.Tensor) -> Media:
         """Frames (B, F, 3, H, W) in [0, 1] at `fps` from normalized latents (B, C, F', H', W'): the pipeline's
         latents * latents_std + latents_mean, the VAE decode, then x / 2 + 0.5 clamped (its video processor)."""
-        vae = self._vae()
+        vae = self.cached_vae()
         z = x0.to(device=vae.device, dtype=vae.dtype)
-        mean, std = self._vae_normalization(vae, z)
+        mean, std = channel_stats(vae, z)
         video = vae.decode(z * std + mean, return_dict=False)[0]  # (B, 3, F, H, W) in [-1, 1]
-        frames = (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
+        frames = unit_range(video).permute(0, 2, 1, 3, 4)
         return Media(frames, fps=float(self.fps))
 
     # the flow
@@ -298,10 +246,7 @@ class WanPipelineConfig(TrainPipelineConfig):
         batch = latents.shape[0]
         if latents.ndim != 5:
             raise ValueError(f"Wan latents are (B, C, F, H, W), got {tuple(latents.shape)}")
-        if sigmas.shape != (batch,):
-            raise ValueError(f"sigmas must have shape ({batch},), got {tuple(sigmas.shape)}")
-        if embeds.batch_size != batch:
-            raise ValueError(f"embeds batch {embeds.batch_size} != latents batch {batch}")
+        check_velocity_inputs(latents, sigmas, embeds)
         dtype = compute_dtype(transformer)
         device = latents.device
         t = sigmas.to(device=device, dtype=torch.float32) * self.num_train_timesteps  # the Euler scheduler's timesteps
@@ -329,14 +274,9 @@ class WanPipelineConfig(TrainPipelineConfig):
             scale = torch.where(t >= self.boundary_timestep, scale, torch.full_like(scale, self.guidance_scale_2))
         return uncond + scale.view(batch, 1, 1, 1, 1) * (text - uncond)
 
-    def _scheduler_config(self) -> dict[str, Any]:
-        if "scheduler_config" not in self._loaded:
-            self._loaded["scheduler_config"] = self.read_json("scheduler", "scheduler_config.json")
-        return self._loaded["scheduler_config"]
-
     @property
     def num_train_timesteps(self) -> int:
-        return int(self._scheduler_config().get("num_train_timesteps", 1000))
+        return int(self.scheduler_config().get("num_train_timesteps", 1000))
 
     def sampling_sigmas(self, num_steps: int, resolution: int | None = None) -> torch.Tensor:
         """The σ grid of the folder's own scheduler at `num_steps` (its `sigmas` after `set_timesteps`, float32):
@@ -344,7 +284,7 @@ class WanPipelineConfig(TrainPipelineConfig):
         real Wan folders, which miles then steps with its own kernels (module docstring)."""
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-        config = self._scheduler_config()
+        config = self.scheduler_config()
         scheduler_class = getattr(diffusers, config.get("_class_name", ""), None)
         if scheduler_class is None or not hasattr(scheduler_class, "set_timesteps"):
             raise ValueError(f"{self.path}/scheduler names {config.get('_class_name')!r}, not a diffusers scheduler")
@@ -360,20 +300,20 @@ class WanPipelineConfig(TrainPipelineConfig):
     @property
     def scheduler_shift(self) -> float:
         """The static shift of the training σ table: UniPC's `flow_shift`, or the Euler scheduler's `shift`."""
-        config = self._scheduler_config()
+        config = self.scheduler_config()
         return float(config.get("flow_shift", config.get("shift", 1.0)))
 
     @property
     def vae_scale_factor(self) -> int:
-        return int(self.read_json("vae", "config.json").get("scale_factor_spatial", 8))
+        return int(self.cached_json("vae", "config.json").get("scale_factor_spatial", 8))
 
     @property
     def vae_scale_factor_temporal(self) -> int:
-        return int(self.read_json("vae", "config.json").get("scale_factor_temporal", 4))
+        return int(self.cached_json("vae", "config.json").get("scale_factor_temporal", 4))
 
     @property
     def patch_size(self) -> tuple[int, int, int]:
-        return tuple(self.read_json("transformer", "config.json").get("patch_size", (1, 2, 2)))
+        return tuple(self.cached_json("transformer", "config.json").get("patch_size", (1, 2, 2)))
 
     @property
     def fps(self) -> int:
@@ -382,37 +322,16 @@ class WanPipelineConfig(TrainPipelineConfig):
 
     @property
     def default_resolution(self) -> int:
-        """480: WanPipeline's default height (its default frame is 480x832; miles samples square frames)."""
-        return WAN_DEFAULT_RESOLUTION
+        """The folder's suggested resolution (`folder_default`), else 480: WanPipeline's default height (its default
+        frame is 480x832; miles samples square frames)."""
+        return int(self.folder_default("resolution") or WAN_DEFAULT_RESOLUTION)
 
     def latent_shape(self, resolution: int | None = None) -> tuple[int, int, int, int]:
         """(channels, frames, h, w) of one clip of `num_frames` square frames: frames (num_frames - 1) // 4 + 1,
         sides resolution // 8; the resolution must be a multiple of VAE factor x patch size (16)."""
         resolution = resolution or self.default_resolution
         multiple = self.vae_scale_factor * self.patch_size[1]
-        if resolution % multiple != 0:
-            raise ValueError(f"resolution {resolution} must be a multiple of {multiple} (VAE factor x patch size)")
-        channels = int(self.read_json("vae", "config.json")["z_dim"])
+        side = square_latent_side(resolution, self.vae_scale_factor, multiple, "VAE factor x patch size")
+        channels = int(self.cached_json("vae", "config.json")["z_dim"])
         frames = (self.num_frames - 1) // self.vae_scale_factor_temporal + 1
-        side = resolution // self.vae_scale_factor
         return channels, frames, side, side
-
-
-def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`, copied when it is a view into a larger storage (gathered FSDP state dicts hand out such views,
-    which safetensors refuses to write)."""
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        return tensor.clone()
-    return tensor
-
-
-def _checkpoint_dtypes(folder: Path) -> dict[str, torch.dtype]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder} has no .safetensors weights")
-    dtypes: dict[str, torch.dtype] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                dtypes[key] = SAFETENSORS_DTYPES[f.get_slice(key).get_dtype()]
-    return dtypes

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from miles.algorithms import ALGORITHMS, ROLE_OVERRIDES, Algorithm, algorithm_of, get_algorithm, role_dest, role_flag
 from miles.algorithms.roles import extra_roles, folder_rules, override_rules, role_defaults
+from miles.models.options import family_option_ranges
 from miles.utils.config_file import ArgumentError, flag
 from miles.utils.eval_arguments import eval_defaults, eval_rules
 from miles.utils.fsdp_arguments import local_device_defaults, precision_rules, sharding_rules
@@ -22,10 +23,10 @@ __all__ = ["ArgumentError", "derive_args", "flag_ranges", "validate_args"]
 
 
 def flag_ranges(algorithms: Iterable[Algorithm] | None = None) -> dict[str, Range]:
-    """Every numeric flag's range: the shared flags', each algorithm's own, and each role override's (the actor
-    flag's: --critic-lr has --lr's)."""
+    """Every numeric flag's range: the shared flags', each family option's, each algorithm's own, and each role
+    override's (the actor flag's: --critic-lr has --lr's)."""
     algorithms = list(ALGORITHMS.values() if algorithms is None else algorithms)
-    ranges = dict(FLAG_RANGES)
+    ranges = {**FLAG_RANGES, **family_option_ranges()}
     for algorithm in algorithms:
         ranges.update(algorithm.flag_ranges)
     for name in extra_roles(algorithms):

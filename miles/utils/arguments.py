@@ -10,6 +10,7 @@ from typing import Any
 
 from miles.algorithms import ALGORITHMS, BUILTIN_ALGORITHMS, DEFAULT_LOSS_TYPE, Algorithm
 from miles.algorithms.roles import add_role_arguments
+from miles.models.options import add_family_arguments
 from miles.utils.arg_rules import ArgumentError, derive_args, flag_ranges, validate_args
 from miles.utils.config_file import config_defaults, dest_of, read_config
 from miles.utils.eval_arguments import add_eval_arguments
@@ -98,20 +99,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--teacher-load", default=None, help="Frozen teacher (diffusers pipeline or transformer folder)."
     )
     group.add_argument("--resolution", type=int, default=None, help="Image side in pixels (default: the model's).")
-    group.add_argument(
-        "--num-frames",
-        type=int,
-        default=None,
-        help="Frames per video sample of a video family (default: the family's: Wan 81, LTX-2 121; Wan needs 4k + 1, "
-        "LTX-2 8k + 1).",
-    )
-    group.add_argument(
-        "--wan-trained-experts",
-        choices=("both", "high-noise", "low-noise"),
-        default=None,
-        help="Two-expert Wan 2.2 folders: which experts train, the others frozen (default both: every σ the "
-        "trained steps visit is trained through the expert that sampled it).",
-    )
+    add_family_arguments(group)  # the families' own options (--num-frames, ...), declared in miles/models/options.py
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:

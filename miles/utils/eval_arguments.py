@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
+from miles.models.builtin import makes_video
 
 BUILTIN_SHAPES = "builtin:shapes"
 SHAPES_EVALUATED = " / ".join(a.name for a in BUILTIN_ALGORITHMS if a.shapes_eval_interval)
@@ -18,7 +19,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="Evaluate every N rollouts, before training and at the end "
-        f"(default: the algorithm's on builtin:shapes, 20 for {SHAPES_EVALUATED}, otherwise off; 0: off). "
+        f"(default: the algorithm's on builtin:shapes with an image family, 20 for {SHAPES_EVALUATED}, otherwise off; "
+        "0: off). "
         "dmd2 runs evaluate the generator with its --dmd2-generator-steps.",
     )
     group.add_argument(
@@ -51,9 +53,11 @@ def eval_rules(args: argparse.Namespace) -> list[str]:
 
 
 def eval_defaults(args: argparse.Namespace, algorithm: Algorithm) -> dict[str, Any]:
-    """--eval-interval unset: the algorithm's own on builtin:shapes prompts (off for debug rollouts); 0 means off."""
+    """--eval-interval unset: the algorithm's own on builtin:shapes prompts (off for debug rollouts and for video
+    families: the shapes eval scores images); 0 means off."""
     interval = args.eval_interval
-    if interval is None and args.prompt_data == BUILTIN_SHAPES and not args.debug_rollout_only:
+    shapes = args.prompt_data == BUILTIN_SHAPES and not makes_video(args.hf_checkpoint, args.model_family)  # images
+    if interval is None and shapes and not args.debug_rollout_only:
         interval = algorithm.shapes_eval_interval
     return {"eval_interval": None if interval == 0 else interval}
 

@@ -38,11 +38,11 @@ class Range:
 AT_LEAST_0, AT_LEAST_1, POSITIVE, FINITE = Range(0), Range(1), Range(0, low_open=True), Range()
 UNIT, UNIT_OPEN_LOW, BETA = Range(0, 1), Range(0, 1, low_open=True), Range(0, 1, high_open=True)
 
+# family options (--num-frames, ...) declare theirs (miles.models.options.family_option_ranges)
 FLAG_RANGES: dict[str, Range] = {
     # cluster and model
     "dp_size": AT_LEAST_1, "fsdp_shard_size": AT_LEAST_1, "cpus_per_rank": POSITIVE, "gpus_per_rank": POSITIVE, "seed": AT_LEAST_0,
     "resolution": AT_LEAST_1,
-    "num_frames": AT_LEAST_1,
     # optimizer and schedule
     "lr": POSITIVE, "min_lr": AT_LEAST_0, "lr_warmup_steps": AT_LEAST_0,
     "lr_decay_steps": AT_LEAST_1, "weight_decay": AT_LEAST_0, "adam_beta1": BETA, "adam_beta2": BETA,
@@ -53,7 +53,6 @@ FLAG_RANGES: dict[str, Range] = {
     "rollout_batch_size": AT_LEAST_1, "n_samples_per_prompt": AT_LEAST_1, "builtin_dataset_size": AT_LEAST_1,
     # sampling
     "rollout_seed": AT_LEAST_0, "diffusion_num_steps": AT_LEAST_1, "diffusion_guidance_scale": AT_LEAST_0,
-    "diffusion_guidance_scale_2": AT_LEAST_0,
     "rollout_num_engines": AT_LEAST_1, "rollout_cpus_per_engine": POSITIVE, "rollout_gpus_per_engine": POSITIVE,
     "diffusion_noise_level": AT_LEAST_0, "diffusion_num_sde_steps": AT_LEAST_0, "image_grid_interval": AT_LEAST_0,
     "media_max_samples": AT_LEAST_1,

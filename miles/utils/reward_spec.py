@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from miles.models.builtin import makes_video
+
 CUSTOM = "custom"  # the reward loaded from --custom-rm-path
 BUILTIN_REWARDS: tuple[str, ...] = (
     "shapes",
@@ -53,10 +55,11 @@ def parse_reward_spec(text: str) -> list[tuple[str, float]]:
 
 
 def reward_spec_from_args(args: argparse.Namespace) -> list[tuple[str, float]]:
-    """The spec of `--rm-type` (unset: `custom` with `--custom-rm-path`, else `shapes`); a `--custom-rm-path` that
-    the spec leaves out would be ignored silently, so it is an error."""
+    """The spec of `--rm-type` (unset: `custom` with `--custom-rm-path`, else `shapes`, or `temporal_consistency` for
+    a video family); a `--custom-rm-path` that the spec leaves out would be ignored silently, so it is an error."""
     custom_path = getattr(args, "custom_rm_path", None)
-    text = getattr(args, "rm_type", None) or (CUSTOM if custom_path else "shapes")
+    video = makes_video(getattr(args, "hf_checkpoint", None), getattr(args, "model_family", "auto"))
+    text = getattr(args, "rm_type", None) or (CUSTOM if custom_path else "temporal_consistency" if video else "shapes")
     spec = parse_reward_spec(text)
     names = [name for name, _ in spec]
     if CUSTOM in names and not custom_path:

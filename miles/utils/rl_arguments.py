@@ -65,7 +65,8 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--rm-type",
         default=None,
-        help="Reward or weighted list name:w,... (default shapes; custom with --custom-rm-path).",
+        help="Reward or weighted list name:w,... (default shapes, temporal_consistency for a video family; custom "
+        "with --custom-rm-path).",
     )
     group.add_argument("--custom-rm-path", default=None, help="Batched [async] def rm(args, samples) -> list[float].")
     group.add_argument("--rm-num-workers", type=int, default=0, help="Reward worker actors (0: in the driver).")

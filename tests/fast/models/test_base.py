@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pickle
 import shutil
 import subprocess
 import sys
+from importlib import import_module
 from pathlib import Path
 
 import pytest
 import torch
 
-from miles.models import TRAIN_PIPELINE_CONFIGS, SD3PipelineConfig, get_train_pipeline_config
+from miles.models import (
+    BUILTIN_FAMILIES,
+    TRAIN_PIPELINE_CONFIGS,
+    SD3PipelineConfig,
+    all_family_classes,
+    get_train_pipeline_config,
+)
 from miles.models.base import strip_name_or_path
+from miles.models.diffusers_family import DiffusersFamily
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -27,15 +36,31 @@ def test_auto_detects_sd3_from_model_index(tiny_pipeline_dir):
 
 
 def test_the_built_in_table_matches_the_family_classes():
-    from importlib import import_module
-
-    from miles.models import BUILTIN_FAMILIES, all_family_classes
-
     families = all_family_classes()
-    for name, (module, pipeline) in BUILTIN_FAMILIES.items():
+    for name, entry in BUILTIN_FAMILIES.items():
         cls = families[name]
-        assert (cls.name, cls.pipeline_class_name, cls.__module__) == (name, pipeline, module)
+        assert (cls.name, cls.pipeline_class_name, cls.__module__) == (name, entry.pipeline_class_name, entry.module)
+        assert cls.__name__ == entry.class_name and issubclass(cls, DiffusersFamily)
         assert getattr(import_module("miles.models"), cls.__name__) is cls  # the package's lazy export
+
+
+def test_the_registry_says_which_families_make_video(family_case):
+    """`video` in BUILTIN_FAMILIES (read before any family is imported) against each case's latent rank."""
+    case, path = family_case
+    family = get_train_pipeline_config(path, **case.family_options)
+    assert BUILTIN_FAMILIES[case.family].video == (len(family.latent_shape(case.resolution)) != 3)
+
+
+def test_no_family_imports_another_family_or_its_private_names():
+    """Families share the neutral base (DiffusersFamily, packing), never a sibling's module (ARCHITECTURE §12)."""
+    modules = {entry.module for entry in BUILTIN_FAMILIES.values()}
+    for module in modules:
+        tree = ast.parse(Path(ROOT, *module.split(".")).with_suffix(".py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not imported & (modules - {module}), (module, imported & modules)
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("miles")
+                 for a in n.names]  # fmt: skip
+        assert not [name for name in names if name.startswith("_")], (module, names)
 
 
 def test_a_run_of_one_family_imports_no_other(tiny_pipeline_dir):
@@ -62,6 +87,15 @@ def test_missing_folder_error_names_path_and_flag(tmp_path):
 def test_folder_without_model_index_error_names_path(tmp_path):
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}.*model_index.json.*--hf-checkpoint"):
         SD3PipelineConfig(str(tmp_path))
+
+
+@pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n\x00\xff\xfe", b'{"_class_name": "StableDiffusion3Pi'])
+def test_a_model_index_that_is_not_json_is_named_with_its_folder(tmp_path, content):
+    (tmp_path / "model_index.json").write_bytes(content)
+    with pytest.raises(ValueError, match=rf"{tmp_path}/model_index.json is not JSON .*: {tmp_path} is not a diffusers"):
+        get_train_pipeline_config(str(tmp_path))
+    with pytest.raises(ValueError, match=rf"{tmp_path}/model_index.json is not JSON"):
+        get_train_pipeline_config(str(tmp_path), family="sd3")
 
 
 def test_unknown_pipeline_class_lists_known_families(tmp_path):

@@ -55,9 +55,13 @@ def test_noise_is_drawn_as_the_pipeline_draws_it(family, tiny_ltx2_dir):
 
 
 def test_refusals_name_the_problem(family, tiny_ltx2_dir):
-    with pytest.raises(ValueError, match="sft_loss is not supported for the ltx2 family"):
-        family.check_run_args(argparse.Namespace(loss_type="sft_loss"))
-    family.check_run_args(argparse.Namespace(loss_type="policy_loss"))
+    refused = r"trains on \(prompt, image\) dataset records \(--train-only\), which is not supported for the ltx2"
+    with pytest.raises(ValueError, match=rf"--loss-type sft_loss {refused}"):  # an algorithm without engines
+        family.check_run_args(argparse.Namespace(loss_type="sft_loss", train_only=False))
+    with pytest.raises(ValueError, match=rf"--loss-type custom_loss {refused}"):  # any algorithm run --train-only
+        family.check_run_args(argparse.Namespace(loss_type="custom_loss", train_only=True))
+    for loss_type in ("policy_loss", "nft", "dmd2", "custom_loss"):  # their rollouts are generated
+        family.check_run_args(argparse.Namespace(loss_type=loss_type, train_only=False))
     with pytest.raises(NotImplementedError, match="joint video \\+ audio latent"):
         family.encode_images(torch.zeros(1, 3, RESOLUTION, RESOLUTION))
     with pytest.raises(ValueError, match="num_frames - 1 divisible by the video VAE's temporal factor 8"):

@@ -13,6 +13,7 @@ import torch
 from diffusers import UniPCMultistepScheduler
 
 from miles.models import WanExperts, get_train_pipeline_config
+from miles.models.diffusers_family import RUN_DEFAULTS_FILE
 from miles.models.media import Media
 
 PROMPTS = ["a red circle", "a blue square", "two green triangles"]
@@ -129,10 +130,16 @@ def test_real_folders_sample_on_the_unipc_flow_grid(tiny_wan_dir, tmp_path):
         get_train_pipeline_config(str(folder)).sampling_sigmas(4)
 
 
-def test_latent_geometry_and_video_media(tiny_wan_dir):
+def test_latent_geometry_and_video_media(tiny_wan_dir, tmp_path):
     family = get_train_pipeline_config(tiny_wan_dir, num_frames=5)
     assert family.latent_shape(32) == (4, 2, 4, 4)
-    assert get_train_pipeline_config(tiny_wan_dir).latent_shape() == (4, 21, 60, 60)  # 81 frames at 480
+    assert get_train_pipeline_config(tiny_wan_dir).latent_shape() == (4, 2, 4, 4)  # its miles_defaults.json: 5 at 32
+    real = tmp_path / "real"  # the folder as a real one comes, without miles' run defaults: WanPipeline's
+    real.mkdir()
+    for child in Path(tiny_wan_dir).iterdir():
+        if child.name != RUN_DEFAULTS_FILE:
+            (real / child.name).symlink_to(child)
+    assert get_train_pipeline_config(str(real)).latent_shape() == (4, 21, 60, 60)  # 81 frames at 480
     with pytest.raises(ValueError, match="multiple of 16"):
         family.latent_shape(40)
     images = torch.rand(2, 3, 32, 32) * 2 - 1
@@ -160,5 +167,6 @@ def test_startup_refuses_what_a_wan_run_cannot_do(tiny_wan_dir, tiny_wan_2_exper
         check(tiny_wan_2_experts_dir, "--eval-interval", "0", "--use-lora")
     with pytest.raises(ValueError, match="--wan-trained-experts high-noise: .* has one expert"):
         check(tiny_wan_dir, "--eval-interval", "0", "--wan-trained-experts", "high-noise")
+    check(tiny_wan_dir, "--loss-type", "nft")  # nft on builtin:shapes evaluates by default, but not video families
     with pytest.raises(ValueError, match="shapes eval scores images, and wan makes video"):
-        check(tiny_wan_dir, "--loss-type", "nft")  # nft on builtin:shapes evaluates by default
+        check(tiny_wan_dir, "--loss-type", "nft", "--eval-interval", "5")

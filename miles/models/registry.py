@@ -1,0 +1,30 @@
+"""The built-in model families by name, as a run knows them before importing one (torch-free): each family's module
+and class, the pipeline class it handles and whether it makes video. A new built-in family is one line here."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class BuiltinFamily(NamedTuple):
+    module: str
+    pipeline_class_name: str  # the model_index.json "_class_name" it handles
+    class_name: str  # its TrainPipelineConfig subclass in `module` (exported lazily by `miles.models`)
+    video: bool = False  # its latents have frames: the image-only defaults (the shapes eval) are off for it
+
+
+# A module is imported when a run asks for its family, by name or through a folder's pipeline class, so a process
+# that runs one family does not import the others' diffusers pipelines and transformers models.
+# tests/fast/models/test_base.py checks this table against the classes.
+BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
+    "flux": BuiltinFamily("miles.models.flux", "FluxPipeline", "FluxPipelineConfig"),
+    "ltx2": BuiltinFamily("miles.models.ltx2", "LTX2Pipeline", "LTX2PipelineConfig", video=True),
+    "qwen-image": BuiltinFamily("miles.models.qwen_image", "QwenImagePipeline", "QwenImagePipelineConfig"),
+    "sd3": BuiltinFamily("miles.models.sd3", "StableDiffusion3Pipeline", "SD3PipelineConfig"),
+    "wan": BuiltinFamily("miles.models.wan", "WanPipeline", "WanPipelineConfig", video=True),
+}
+
+
+def builtin_family_of_pipeline(class_name: str | None) -> str | None:
+    """The built-in family that handles the pipeline class `class_name`, or None."""
+    return next((name for name, entry in BUILTIN_FAMILIES.items() if entry.pipeline_class_name == class_name), None)
