@@ -37,7 +37,6 @@ from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher, prefetch_en
 from miles.backends.fsdp_utils.sharded_load import load_sharded
 from miles.backends.fsdp_utils.train_loop import TrainLoop
 from miles.models.base import family_options, get_train_pipeline_config
-from miles.utils import import_gc
 from miles.utils.distributed import (
     collective_device,
     destroy_process_group,
@@ -65,7 +64,6 @@ class FSDPTrainRayActor(TrainLoop):
     """One data-parallel rank of one role; wrapped by `ray.remote` in `miles.ray.train_group`."""
 
     def __init__(self, world_size: int, rank: int, role: str) -> None:
-        import_gc.resume()  # a Ray worker: this module's imports are done (miles.utils.import_gc)
         self.world_size, self.rank, self.role = world_size, rank, role
         self.global_step = 0
         self.consecutive_skips, self.first_non_finite = 0, ""  # the non-finite guard's state (train_loop.py)
