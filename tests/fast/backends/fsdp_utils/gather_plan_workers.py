@@ -52,10 +52,6 @@ class OddRowsModel(nn.Module):
         self.register_buffer("scale", torch.arange(3.0))
 
 
-def gather_plain(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
-    return gather_report(rank, world_size, shard_size=None)
-
-
 def gather_hybrid(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     return gather_report(rank, world_size, shard_size=SHARD)
 
