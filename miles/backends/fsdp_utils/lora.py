@@ -13,8 +13,6 @@ from typing import Any
 
 import diffusers
 import torch
-from peft import LoraConfig
-from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -90,14 +88,15 @@ def apply_lora(transformer: nn.Module, config: dict[str, Any]) -> nn.Module:
         raise RuntimeError("apply_lora must run before apply_fsdp2 (FSDP2 has already sharded this model)")
     on_meta = any(p.is_meta for p in transformer.parameters())
     rng = torch.get_rng_state()
+    from peft import LoraConfig  # local: peft (and the transformers it imports) costs every rank ~1.5 s to import
+
     transformer.add_adapter(LoraConfig(**config), adapter_name=ADAPTER_NAME)
     if on_meta:
         torch.set_rng_state(rng)
         _initialise_on_cpu(transformer, config["init_lora_weights"])
-    for module in transformer.modules():
-        if isinstance(module, BaseTunerLayer):
-            for layer_name in module.adapter_layer_names:
-                getattr(module, layer_name).to(torch.float32)
+    for module in tuner_layers(transformer):
+        for layer_name in module.adapter_layer_names:
+            getattr(module, layer_name).to(torch.float32)
     trainable = total = 0
     for name, param in transformer.named_parameters():
         is_lora = is_lora_key(name)
@@ -114,15 +113,20 @@ def apply_lora(transformer: nn.Module, config: dict[str, Any]) -> nn.Module:
     return transformer
 
 
+def tuner_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules peft injected (its `BaseTunerLayer`s), in module order."""
+    from peft.tuners.tuners_utils import BaseTunerLayer  # local, as in `apply_lora`
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
 def _initialise_on_cpu(transformer: nn.Module, init: bool | str) -> None:
     """Give the adapter of a model built on the meta device (sharded loading) real CPU tensors, initialised as on a
     loaded model. peft draws each adapter's values on the CPU (the `nn.Linear`s' own initialisation, then
     `reset_lora_parameters`) and moves them to the meta device with their base layer, which drops them: the caller
     rewinds the CPU generator to where injection began and the same draws are replayed here, layer by layer in the
     same order, so the values and the generator's state after are those of the loaded model's injection."""
-    for module in transformer.modules():
-        if not isinstance(module, BaseTunerLayer):
-            continue
+    for module in tuner_layers(transformer):
         for layer_name in ("lora_A", "lora_B"):
             layer = getattr(module, layer_name)[ADAPTER_NAME]
             layer.to_empty(device="cpu")
@@ -165,7 +169,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
 
     Sets the PEFT layers' disable flag directly: peft's `enable_adapters(False)` would also flip `requires_grad`
     of the adapter weights, which must stay put between the policy forward and its backward under FSDP2."""
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    layers = tuner_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no LoRA layers: nothing to disable")
     previous = [layer._disable_adapters for layer in layers]
