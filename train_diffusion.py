@@ -142,7 +142,7 @@ def run(
         run_groups = RunGroups.launch(args)  # every actor starts at once; start waits for them all
         start_rollout_id = run_groups.start()
         startup.log_phases(started)
-        if run_groups.evaluator is not None:  # the baseline, before any update of this run
+        if run_groups.evaluator is not None and not args.no_eval_before_train:  # the baseline, before any update
             writer.log({"rollout_id": start_rollout_id, "step": 0, **run_groups.evaluate(start_rollout_id)})
         if args.eval_only:
             return summary

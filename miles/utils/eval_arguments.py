@@ -44,12 +44,21 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--eval-seed", type=int, default=0, help="Seeds the eval noise: the same images every time.")
     group.add_argument("--eval-only", action="store_true", help="Evaluate the model (or --load checkpoint) and exit.")
+    group.add_argument(
+        "--no-eval-before-train",
+        action="store_true",
+        help="Skip the baseline eval before the first rollout (also the one a resumed run repeats); the evals every "
+        "--eval-interval rollouts and at the end still run.",
+    )
 
 
 def eval_rules(args: argparse.Namespace) -> list[str]:
+    errors = []
     if args.eval_only and args.train_only:
-        return ["--eval-only samples with the rollout engine; it cannot be combined with --train-only"]
-    return []
+        errors.append("--eval-only samples with the rollout engine; it cannot be combined with --train-only")
+    if args.eval_only and args.no_eval_before_train:
+        errors.append("--eval-only is the eval before training; it cannot be combined with --no-eval-before-train")
+    return errors
 
 
 def eval_defaults(args: argparse.Namespace, algorithm: Algorithm) -> dict[str, Any]:

@@ -138,9 +138,11 @@ def test_validation_leaves_the_args_as_given_and_derivation_fills_the_defaults_i
 
 
 def test_every_broken_rule_of_a_stage_is_reported_at_once(capsys):
-    err = parse_error(BASE + ["--loss-type", "nft", "--train-only", "--eval-only", "--ref-mode", "ema"], capsys)
+    flags = ["--loss-type", "nft", "--train-only", "--eval-only", "--ref-mode", "ema", "--no-eval-before-train"]
+    err = parse_error(BASE + flags, capsys)
     assert "--train-only skips the rollout engine, which --loss-type nft needs" in err
     assert "--eval-only samples with the rollout engine" in err and "--ref-mode ema needs --use-ema" in err
+    assert "--eval-only is the eval before training; it cannot be combined with --no-eval-before-train" in err
 
 
 def test_sft_trains_each_pair_once_and_needs_train_only(capsys):
