@@ -80,6 +80,13 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--clip-model-path", default=None, help="Local CLIP folder for clip_score.")
     group.add_argument("--pickscore-model-path", default=None, help="Local PickScore folder for pickscore.")
+    group.add_argument(
+        "--ocr-num-threads",
+        type=int,
+        default=1,
+        help="onnxruntime threads of the ocr reward's models in each reward process (0: onnxruntime's default, one "
+        "per core; spread a large batch with --rm-num-workers instead).",
+    )
     group.add_argument("--globalize-reward-std", action="store_true", help="Normalise by the batch-wide reward std.")
     group.add_argument(
         "--disable-grpo-std-normalization", action="store_true", help="Advantages are reward minus group mean."
