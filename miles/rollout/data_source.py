@@ -87,7 +87,9 @@ def read_text_prompts(path: str, flag: str = "--prompt-data") -> list[dict[str, 
     return records
 
 
-def read_prompt_file(path: str, args: argparse.Namespace, *, image_key: str | None = None, flag: str = "--prompt-data"):
+def read_prompt_file(
+    path: str, args: argparse.Namespace, *, image_key: str | None = None, flag: str = "--prompt-data"
+) -> list[dict[str, Any]]:
     """A prompt file by its extension: .txt one prompt per line, anything else JSONL (`read_jsonl_records`)."""
     if path.endswith(".txt") and image_key is None:
         return read_text_prompts(path, flag)

@@ -155,3 +155,17 @@ def test_batched_call_equals_one_by_one_and_logs_accuracy(cases, one_by_one):
     assert totals == [2.0 * value for value in per_reward["ocr"]]
     correct = [one_by_one[name][1]["correct"] for name in cases]
     assert reward_metrics(totals, per_reward, samples)["rollout/ocr_correct_mean"] == sum(correct) / len(correct)
+
+
+def test_a_reward_worker_scores_like_the_driver(ray_cluster, cases, one_by_one):
+    from miles.ray.reward_workers import RewardWorkerPool
+
+    names = ("right", "partial", "blank")
+    samples = [Sample(index=i, prompt=cases[name][1], image=cases[name][0]) for i, name in enumerate(names)]
+    pool = RewardWorkerPool(argparse.Namespace(ocr_num_threads=1), [("ocr", 1.0)], num_workers=1, timeout_s=120)
+    try:
+        totals, per_reward = pool.score(samples)
+    finally:
+        pool.shutdown()
+    assert per_reward["ocr"] == totals == [one_by_one[name][0] for name in names]
+    assert [s.extra["ocr"] for s in samples] == [one_by_one[name][1] for name in names]  # copied back to the driver
