@@ -122,8 +122,11 @@ COMMON_PANELS: tuple[PlotPanel, ...] = (
     ("seconds per rollout", ("perf/rollout_s", "perf/reward_s", "perf/train_s", "perf/weight_sync_s", "perf/eval_s")),
 )
 EVAL_PANELS: tuple[PlotPanel, ...] = (
-    ("held-out accuracy", ("eval/shapes_accuracy", "eval/shapes_shape_accuracy", "eval/shapes_count_accuracy")),
-    ("held-out reward", ("eval/shapes_reward_mean",)),
+    (
+        "held-out accuracy",
+        ("eval/shapes_accuracy", "eval/shapes_shape_accuracy", "eval/shapes_count_accuracy", "eval/ocr_accuracy"),
+    ),
+    ("held-out reward", ("eval/shapes_reward_mean", "eval/ocr_reward_mean")),
 )
 DEFAULT_PLOT_PANELS: tuple[PlotPanel, ...] = (
     ("rollout reward", ("rollout/reward_mean",)),

@@ -8,9 +8,10 @@ import logging
 import time
 from typing import Any
 
+from miles.data.ocr import BUILTIN_OCR, ocr_prompts, unquoted_prompts
 from miles.data.shapes import BUILTIN_SHAPES, ShapeScene, shapes_prompts
-from miles.rollout.data_source import read_jsonl_records
-from miles.rollout.evaluation import evaluate_shapes
+from miles.rollout.data_source import read_prompt_file
+from miles.rollout.evaluation import evaluate_ocr, evaluate_shapes
 from miles.rollout.media_files import save_media
 from miles.rollout.rollout_hub import DatasetSpec, rollout_spec_of
 from miles.utils.hook_paths import load_path_flags
@@ -19,17 +20,33 @@ from miles.utils.tracking import EVAL_AXIS
 logger = logging.getLogger(__name__)
 
 
-def load_eval_records(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """builtin:shapes -> its eval split (disjoint seeds from training); a JSONL must carry shapes metadata."""
-    if args.eval_prompt_data == BUILTIN_SHAPES:
-        return shapes_prompts(args.eval_num_prompts, seed=args.eval_seed, split="eval")
-    records = read_jsonl_records(args.eval_prompt_data, input_key=args.input_key, metadata_key=args.metadata_key)
+SHAPES_EVAL, OCR_EVAL = "shapes", "ocr"
+
+
+def load_eval_records(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
+    """(which eval, its records). builtin:shapes -> its eval split (disjoint seeds from training); builtin:ocr -> the
+    first --eval-num-prompts of its eval split (words disjoint from training). A file is an OCR eval when no record
+    has shapes metadata (every prompt then needs quoted text), else a shapes eval (every record needs it)."""
+    data = args.eval_prompt_data
+    if data == BUILTIN_SHAPES:
+        return SHAPES_EVAL, shapes_prompts(args.eval_num_prompts, seed=args.eval_seed, split="eval")
+    if data == BUILTIN_OCR:
+        return OCR_EVAL, ocr_prompts(split="eval")[: args.eval_num_prompts]
+    records = read_prompt_file(data, args, flag="--eval-prompt-data")
+    if not any(record["metadata"] for record in records):
+        unquoted = unquoted_prompts(records)
+        if unquoted:
+            raise ValueError(
+                f"--eval-prompt-data {data} record {unquoted[0]}: {records[unquoted[0] - 1]['prompt']!r} has neither "
+                'shapes metadata nor a target text in double quotes (an OCR eval prompt: a sign that says "OPEN")'
+            )
+        return OCR_EVAL, records
     for line, record in enumerate(records, start=1):
         try:
             ShapeScene.from_metadata(record["metadata"])
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"--eval-prompt-data {args.eval_prompt_data} record {line}: {exc}") from exc
-    return records
+            raise ValueError(f"--eval-prompt-data {data} record {line}: {exc}") from exc
+    return SHAPES_EVAL, records
 
 
 class Evaluator:
@@ -44,7 +61,7 @@ class Evaluator:
             )
         self.args, self.sampler = args, spec.eval_sampler
         self.custom = load_path_flags(args).get("eval_function_path")
-        self.records = load_eval_records(args) if self.custom is None else []
+        self.kind, self.records = load_eval_records(args) if self.custom is None else (None, [])
 
     def evaluate(self, engine: Any, rollout_id: int) -> dict[str, float]:
         args, started = self.args, time.perf_counter()
@@ -53,17 +70,18 @@ class Evaluator:
             metrics["perf/eval_s"] = time.perf_counter() - started
             metrics[EVAL_AXIS] = rollout_id
             return metrics
-        sampler = self.sampler(args)
-        metrics, samples = evaluate_shapes(
-            engine,
-            self.records,
+        sampling = dict(
             num_samples_per_prompt=args.n_samples_per_eval_prompt,
             guidance_scale=args.diffusion_guidance_scale,
             seed=args.eval_seed,
             resolution=args.resolution,
             negative_prompt=args.negative_prompt,
-            **sampler,
+            **self.sampler(args),
         )
+        if self.kind == OCR_EVAL:
+            metrics, samples = evaluate_ocr(engine, self.records, ocr_num_threads=args.ocr_num_threads, **sampling)
+        else:
+            metrics, samples = evaluate_shapes(engine, self.records, **sampling)
         save_media(
             args.output_dir,
             f"eval_{rollout_id:07d}",

@@ -28,7 +28,7 @@ from miles.utils.hook_paths import load_path_flags
 from miles.utils.types import Sample, TrainPairs
 
 logger = logging.getLogger(__name__)
-REWARD_TERMS = "reward_terms"  # Sample.extra key: the sample's value of each weighted reward
+REWARD_TERMS = steps.REWARD_TERMS  # Sample.extra key: the sample's value of each weighted reward
 
 
 class RolloutManager:

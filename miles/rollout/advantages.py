@@ -36,3 +36,28 @@ def compute_grpo_advantages(
     zero_spread = (grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)).expand_as(grouped)
     advantages = torch.where(zero_spread, torch.zeros_like(centred), centred)
     return advantages.reshape(-1).float()
+
+
+def per_reward_group_advantages(
+    terms: dict[str, torch.Tensor],
+    weights: dict[str, float],
+    group_size: int,
+    *,
+    globalize_std: bool = False,
+    normalize_std: bool = True,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """A = Σ_k w_k · A_k, float32 (N,), where A_k is `compute_grpo_advantages` of reward k's raw values alone: every
+    reward is normalised within its prompt group before weighting, so its scale no longer sets its share.
+
+    With one reward of weight w this is w times GRPO of that reward (GRPO of the weighted sum does not see w > 0).
+    """
+    if not terms or set(terms) != set(weights):
+        raise ValueError(f"reward terms {sorted(terms)} do not match the weighted rewards {sorted(weights)}")
+    total = torch.zeros(next(iter(terms.values())).numel(), dtype=torch.float64)
+    for name, values in terms.items():
+        grpo = compute_grpo_advantages(
+            values, group_size, globalize_std=globalize_std, normalize_std=normalize_std, eps=eps
+        )
+        total += weights[name] * grpo.double()
+    return total.float()

@@ -1,4 +1,5 @@
-"""Prompt data: JSONL files or builtin:shapes, served in seeded epochs; the order is a pure function of rollout id."""
+"""Prompt data: JSONL files, plain-text prompt files (one prompt per line), builtin:shapes or builtin:ocr, served in
+seeded epochs; the order is a pure function of rollout id."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from miles.data.ocr import BUILTIN_OCR, ocr_prompts
 from miles.data.shapes import shapes_items, shapes_prompts
 from miles.utils.seeding import stream_rng
 
@@ -70,6 +72,30 @@ def read_jsonl_records(
     return records
 
 
+def read_text_prompts(path: str, flag: str = "--prompt-data") -> list[dict[str, Any]]:
+    """Records {"prompt", "metadata": {}} from a .txt file, one prompt per non-blank line (flow_grpo's prompt files)."""
+    if not os.path.isfile(path):
+        raise PromptDataError(f"{flag} {path}: file not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as exc:
+        raise PromptDataError(f"{flag} {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    records = [{"prompt": line.strip(), "metadata": {}} for line in lines if line.strip()]
+    if not records:
+        raise PromptDataError(f"{flag} {path}: no prompts (the file is empty or blank)")
+    return records
+
+
+def read_prompt_file(
+    path: str, args: argparse.Namespace, *, image_key: str | None = None, flag: str = "--prompt-data"
+) -> list[dict[str, Any]]:
+    """A prompt file by its extension: .txt one prompt per line, anything else JSONL (`read_jsonl_records`)."""
+    if path.endswith(".txt") and image_key is None:
+        return read_text_prompts(path, flag)
+    return read_jsonl_records(path, input_key=args.input_key, metadata_key=args.metadata_key, image_key=image_key)
+
+
 def check_distinct_prompts(records: list[dict[str, Any]], args: argparse.Namespace, source: str) -> None:
     """A rollout's prompt groups must be distinct prompts unless `--allow-repeated-prompts`: otherwise a short file
     would silently train on the same prompt several times in every rollout."""
@@ -97,7 +123,9 @@ def records_digest(records: list[dict[str, Any]]) -> str:
 
 
 def load_records(args: argparse.Namespace, *, with_images: bool, resolution: int) -> list[dict[str, Any]]:
-    if args.prompt_data == BUILTIN_SHAPES:
+    if args.prompt_data == BUILTIN_OCR and not with_images:
+        records = ocr_prompts(split="train")
+    elif args.prompt_data == BUILTIN_SHAPES:
         if with_images:
             records = shapes_items(
                 args.builtin_dataset_size, seed=args.rollout_seed, split="train", resolution=resolution
@@ -105,12 +133,7 @@ def load_records(args: argparse.Namespace, *, with_images: bool, resolution: int
         else:
             records = shapes_prompts(args.builtin_dataset_size, seed=args.rollout_seed, split="train")
     else:
-        records = read_jsonl_records(
-            args.prompt_data,
-            input_key=args.input_key,
-            metadata_key=args.metadata_key,
-            image_key=args.image_key if with_images else None,
-        )
+        records = read_prompt_file(args.prompt_data, args, image_key=args.image_key if with_images else None)
     check_distinct_prompts(records, args, args.prompt_data)
     return records
 

@@ -1,8 +1,8 @@
-"""Held-out evaluation on the shapes world: deterministic samples of a prompt set (images, or videos scored frame by
-frame), scored by the shapes reward.
+"""Held-out evaluation: deterministic samples of a prompt set, scored by the shapes reward (images, or videos frame by
+frame: `evaluate_shapes`) or by the OCR reward (images of prompts with quoted text: `evaluate_ocr`).
 
-`evaluate_shapes` works with any engine that has `generate(GenerateRequest) -> GenerateResult` (an in-process
-`DiffusionEngine` or the Ray `RolloutEngineGroup`); `shapes_eval_metrics` is the aggregation on its own.
+Both work with any engine that has `generate(GenerateRequest) -> GenerateResult` (an in-process `DiffusionEngine` or
+the Ray `RolloutEngineGroup`); `shapes_eval_metrics` and `ocr_eval_metrics` are the aggregations on their own.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ import numpy as np
 import torch
 
 from miles.rollout.engine import GenerateRequest, GenerateResult
+from miles.rollout.rm_hub.ocr import OcrScore, load_ocr_engine, ocr_scores
 from miles.rollout.rm_hub.shapes import ShapeScore, shapes_reward
 from miles.utils.seeding import stream_seed
 
 logger = logging.getLogger(__name__)
 
 METRIC_PREFIX = "eval/shapes"
+OCR_METRIC_PREFIX = "eval/ocr"
 # An attribute counts as correct as in `ShapeScore.all_correct`: color share > 0.5, mean shape likeness >= 0.5 (with
 # three classes a likeness >= 0.5 is the likeliest; all_correct asks that of every object), exact count, position
 # ramp >= 0.5 (the centroid leads toward the named side by at least half the ramp).
@@ -86,7 +88,7 @@ def score_shapes_media(images: np.ndarray, metadatas: list[dict[str, Any]]) -> l
     return [frame_averaged_score(flat[i * frames : (i + 1) * frames]) for i in range(len(images))]
 
 
-def evaluate_shapes(
+def generate_eval_samples(
     engine: GenerateEngine,
     records: list[dict[str, Any]],
     *,
@@ -99,23 +101,20 @@ def evaluate_shapes(
     negative_prompt: str = "",
     sde_type: str = "ode",
     shift: float | None = None,
-) -> tuple[dict[str, float], EvalSamples]:
-    """Sample every record's prompt `num_samples_per_prompt` times and score it: the deterministic ODE kernel, or
+) -> EvalSamples:
+    """Sample every record's prompt `num_samples_per_prompt` times: the deterministic ODE kernel, or
     `sde_type="renoise"` for a DMD2 few-step generator (its fresh noise is drawn from the same fixed seeds).
 
-    `records` are {"prompt", "metadata"} dicts (`miles.data.shapes.shapes_prompts`, e.g. its "eval" split). Sample k
-    of record i starts from the noise of `eval_seed(seed, i, k)`, so repeated evals give identical images. Returns
-    the metrics of `shapes_eval_metrics` and the samples (`EvalSamples`), record-major (record i, then sample k).
-    A video family's samples are scored frame by frame (`score_shapes_media`).
+    Sample k of record i starts from the noise of `eval_seed(seed, i, k)`, so repeated evals give identical images.
+    Returns the samples (`EvalSamples`), record-major (record i, then sample k).
     """
     if not records:
-        raise ValueError("evaluate_shapes needs at least one record")
+        raise ValueError("the held-out eval needs at least one record")
     if num_samples_per_prompt < 1 or batch_size < 1:
         raise ValueError(
             f"num_samples_per_prompt ({num_samples_per_prompt}) and batch_size ({batch_size}) must be >= 1"
         )
     prompts = [r["prompt"] for r in records for _ in range(num_samples_per_prompt)]
-    metadatas = [r["metadata"] for r in records for _ in range(num_samples_per_prompt)]
     seeds = [eval_seed(seed, i, k) for i in range(len(records)) for k in range(num_samples_per_prompt)]
     images, audio, last = [], [], None
     for start in range(0, len(prompts), batch_size):
@@ -133,23 +132,71 @@ def evaluate_shapes(
         )
         result = engine.generate(request)
         if result.images is None:
-            raise ValueError("the engine returned no images; evaluate_shapes needs decoded samples (decode=True)")
+            raise ValueError("the engine returned no images; the held-out eval needs decoded samples (decode=True)")
         images.append(result.images)
         audio += [] if result.audio is None else [result.audio]
         last = result
-    images_array = np.concatenate(images)
-    metrics = shapes_eval_metrics(score_shapes_media(images_array, metadatas))
-    logger.info(
-        "shapes eval: %d samples, %d %s steps, cfg %.2f: accuracy %.3f",
-        len(prompts),
-        num_steps,
-        sde_type,
-        guidance_scale,
-        metrics[f"{METRIC_PREFIX}_accuracy"],
-    )
-    return metrics, EvalSamples(
-        images_array,
+    return EvalSamples(
+        np.concatenate(images),
         fps=last.fps,
         audio=torch.cat(audio) if audio else None,
         sample_rate=last.sample_rate if audio else None,
     )
+
+
+def evaluate_shapes(
+    engine: GenerateEngine, records: list[dict[str, Any]], *, num_samples_per_prompt: int = 1, **sampling: Any
+) -> tuple[dict[str, float], EvalSamples]:
+    """`generate_eval_samples` scored by the shapes reward: the metrics of `shapes_eval_metrics` and the samples.
+
+    `records` are {"prompt", "metadata"} dicts (`miles.data.shapes.shapes_prompts`, e.g. its "eval" split). A video
+    family's samples are scored frame by frame (`score_shapes_media`).
+    """
+    samples = generate_eval_samples(engine, records, num_samples_per_prompt=num_samples_per_prompt, **sampling)
+    metadatas = [r["metadata"] for r in records for _ in range(num_samples_per_prompt)]
+    metrics = shapes_eval_metrics(score_shapes_media(samples.images, metadatas))
+    logger.info(
+        "shapes eval: %d samples, %d %s steps, cfg %.2f: accuracy %.3f",
+        len(metadatas),
+        sampling["num_steps"],
+        sampling.get("sde_type", "ode"),
+        sampling["guidance_scale"],
+        metrics[f"{METRIC_PREFIX}_accuracy"],
+    )
+    return metrics, samples
+
+
+def ocr_eval_metrics(scores: list[OcrScore]) -> dict[str, float]:
+    """`eval/ocr_accuracy` (the rate of samples whose target text is read in full: reward 1) and `eval/ocr_reward_mean`."""
+    if not scores:
+        raise ValueError("ocr_eval_metrics needs at least one score")
+    return {
+        f"{OCR_METRIC_PREFIX}_accuracy": float(np.mean([s.correct for s in scores])),
+        f"{OCR_METRIC_PREFIX}_reward_mean": float(np.mean([s.reward for s in scores])),
+    }
+
+
+def evaluate_ocr(
+    engine: GenerateEngine,
+    records: list[dict[str, Any]],
+    *,
+    num_samples_per_prompt: int = 1,
+    ocr_num_threads: int = 1,
+    **sampling: Any,
+) -> tuple[dict[str, float], EvalSamples]:
+    """`generate_eval_samples` of prompts with quoted text (`miles.data.ocr`), scored by the OCR reward: the metrics
+    of `ocr_eval_metrics` and the samples. Images only (a video family's eval is the shapes one)."""
+    samples = generate_eval_samples(engine, records, num_samples_per_prompt=num_samples_per_prompt, **sampling)
+    if samples.images.ndim != 4:
+        raise ValueError("the OCR eval scores images; a video family's samples have frames (use a shapes eval)")
+    prompts = [r["prompt"] for r in records for _ in range(num_samples_per_prompt)]
+    metrics = ocr_eval_metrics(ocr_scores(load_ocr_engine(ocr_num_threads), list(samples.images), prompts))
+    logger.info(
+        "ocr eval: %d samples, %d %s steps, cfg %.2f: accuracy %.3f",
+        len(prompts),
+        sampling["num_steps"],
+        sampling.get("sde_type", "ode"),
+        sampling["guidance_scale"],
+        metrics[f"{OCR_METRIC_PREFIX}_accuracy"],
+    )
+    return metrics, samples

@@ -8,7 +8,9 @@ import json
 import os
 
 from miles.algorithms import algorithm_of
-from miles.rollout.data_source import BUILTIN_SHAPES, load_records, read_jsonl_records
+from miles.data.ocr import BUILTIN_OCR, unquoted_prompts
+from miles.rollout.data_source import BUILTIN_SHAPES, load_records, read_prompt_file
+from miles.utils.reward_spec import reward_spec_from_args
 
 
 class InputFileError(ValueError):
@@ -61,8 +63,28 @@ def check_input_files(args: argparse.Namespace) -> None:
     for flag, folder in folders.items():
         check_model_index(folder, flag)
     with_images = not algorithm.uses_engines  # dataset pairs: prompts with images
+    if args.prompt_data == BUILTIN_OCR and with_images:
+        raise InputFileError(
+            f"--prompt-data {BUILTIN_OCR} holds prompts only; --loss-type {algorithm.name} trains on prompts with images"
+        )
     if args.prompt_data != BUILTIN_SHAPES:
-        load_records(args, with_images=with_images, resolution=None)
+        records = load_records(args, with_images=with_images, resolution=None)
+        check_ocr_prompts(args, records)
     eval_data = getattr(args, "eval_prompt_data", BUILTIN_SHAPES)
-    if (args.eval_only or args.eval_interval is not None) and eval_data != BUILTIN_SHAPES:
-        read_jsonl_records(eval_data, input_key=args.input_key, metadata_key=args.metadata_key)
+    if (args.eval_only or args.eval_interval is not None) and eval_data not in (BUILTIN_SHAPES, BUILTIN_OCR):
+        read_prompt_file(eval_data, args, flag="--eval-prompt-data")
+
+
+def check_ocr_prompts(args: argparse.Namespace, records: list[dict]) -> None:
+    """With the ocr reward every training prompt needs its target text in double quotes (flow_grpo's format)."""
+    if not algorithm_of(args).scores_rewards or args.train_only:
+        return
+    if "ocr" not in dict(reward_spec_from_args(args)):
+        return
+    unquoted = unquoted_prompts(records)
+    if unquoted:
+        raise InputFileError(
+            f"--prompt-data {args.prompt_data} record {unquoted[0]} ({len(unquoted)} of {len(records)} unquoted): "
+            f"{records[unquoted[0] - 1]['prompt']!r} has no target text in double quotes, which --rm-type ocr "
+            'reads (e.g. a sign that says "OPEN")'
+        )

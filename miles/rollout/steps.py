@@ -13,14 +13,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles.rollout.advantages import compute_grpo_advantages
+from miles.rollout.advantages import compute_grpo_advantages, per_reward_group_advantages
 from miles.utils.box import Box, put_box
+from miles.utils.reward_spec import reward_spec_from_args
 from miles.utils.seeding import stream_rng, stream_seed
 from miles.utils.types import Sample, TrainPairs, shard_pairs
 
 logger = logging.getLogger(__name__)
 _ORDER_STREAM = 7  # the pair-order permutation's stream id within (rollout seed, rollout id)
 _REFILL_STREAM = 0x52464C  # the prompts drawn to refill a batch after dynamic-sampling drops
+REWARD_TERMS = "reward_terms"  # Sample.extra key: the sample's value of each weighted reward
 
 
 def sample_seed(rollout_seed: int, rollout_id: int, index: int) -> int:
@@ -115,10 +117,29 @@ def compute_advantages(
     rewards: torch.Tensor,
     post_process: Callable[..., Any] | None = None,
 ) -> torch.Tensor:
-    """GRPO advantages per prompt group, or --custom-reward-post-process-path's; samples a --rollout-sample-filter-path
-    marked `remove_sample` get 0 (no policy gradient under policy_loss; r = ½ under nft)."""
+    """GRPO advantages per prompt group (of the weighted reward, or with --per-reward-group-norm the weighted sum of
+    each reward's own), or --custom-reward-post-process-path's; samples a --rollout-sample-filter-path marked
+    `remove_sample` get 0 (no policy gradient under policy_loss; r = ½ under nft)."""
     if post_process is not None:
         advantages = torch.as_tensor(post_process(args, samples, rewards)).float()
+    elif args.per_reward_group_norm:
+        weights = dict(reward_spec_from_args(args))
+        missing = [s.index for s in samples if set(s.extra.get(REWARD_TERMS, {})) != set(weights)]
+        if missing:
+            raise ValueError(
+                f"--per-reward-group-norm needs each sample's value of every reward in --rm-type; samples "
+                f"{missing[:5]} have no extra[{REWARD_TERMS!r}] with them (a custom rollout must store them)"
+            )
+        terms = {
+            name: torch.tensor([s.extra[REWARD_TERMS][name] for s in samples], dtype=torch.float64) for name in weights
+        }
+        advantages = per_reward_group_advantages(
+            terms,
+            weights,
+            args.n_samples_per_prompt,
+            globalize_std=args.globalize_reward_std,
+            normalize_std=not args.disable_grpo_std_normalization,
+        )
     else:
         advantages = compute_grpo_advantages(
             rewards,

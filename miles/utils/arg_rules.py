@@ -72,7 +72,7 @@ def given_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
     if args.train_only and not algorithm.accepts_train_only:
         errors.append(f"--train-only skips the rollout engine, which --loss-type {algorithm.name} needs")
     if not args.prompt_data:
-        errors.append("--prompt-data is required (a JSONL file or builtin:shapes)")
+        errors.append("--prompt-data is required (a JSONL or .txt file, builtin:shapes or builtin:ocr)")
     roles = algorithm.role_names[::-1]  # the actor's --save first
     if args.save_interval is not None and not any(getattr(args, role_dest(r, "save"), None) for r in roles):
         errors.append("--save-interval needs " + " or ".join(f"{role_flag(r, 'save')} DIR" for r in roles))

@@ -155,7 +155,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("rollout and data")
     group.add_argument(
-        "--prompt-data", default="builtin:shapes", help="JSONL of prompts (and images for SFT), or builtin:shapes."
+        "--prompt-data",
+        default="builtin:shapes",
+        help="JSONL of prompts (and images for SFT), a .txt of prompts (one a line), builtin:shapes or builtin:ocr.",
     )
     group.add_argument("--input-key", default="prompt", help="JSONL key of the prompt.")
     group.add_argument("--image-key", default="image", help="JSONL key of the image path (SFT), relative to the file.")

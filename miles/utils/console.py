@@ -74,7 +74,11 @@ def progress_bar(rollout_ids: Iterable[int], args: argparse.Namespace):
     return tqdm(rollout_ids, desc=args.loss_type, unit="rollout", disable=args.no_progress, dynamic_ncols=True)
 
 
-ACCURACY = "eval/shapes_accuracy"
+ACCURACY_KEYS = ("eval/shapes_accuracy", "eval/ocr_accuracy")  # the held-out accuracy of a shapes or an OCR eval
+
+
+def _accuracy_key(record: dict[str, Any]) -> str | None:
+    return next((key for key in ACCURACY_KEYS if key in record), None)
 
 
 class ProgressLine:
@@ -99,8 +103,9 @@ class ProgressLine:
                     if value != 0:
                         self.moved.add(key)
         postfix = {}
-        if ACCURACY in self.latest:
-            postfix["acc"] = f"{self.latest[ACCURACY]:.3f}"
+        accuracy = _accuracy_key(self.latest)
+        if accuracy is not None:
+            postfix["acc"] = f"{self.latest[accuracy]:.3f}"
         for label, key, spec in self.keys:
             if key in self.moved:
                 postfix[label] = format(self.latest[key], spec)
@@ -117,9 +122,10 @@ def summary_line(
 ) -> str:
     """One line closing a run: wall time, baseline -> last held-out eval, and where the outputs are."""
     parts = [f"done in {format_duration(wall_s)}"]
-    evals = [r for r in records if isinstance(r.get(ACCURACY), float) and math.isfinite(r[ACCURACY])]
+    accuracy = next((key for r in records if (key := _accuracy_key(r)) is not None), None)
+    evals = [r for r in records if isinstance(r.get(accuracy), float) and math.isfinite(r[accuracy])]
     if evals:
-        series = f"{evals[0][ACCURACY]:.3f}" + (f" -> {evals[-1][ACCURACY]:.3f}" if len(evals) > 1 else "")
+        series = f"{evals[0][accuracy]:.3f}" + (f" -> {evals[-1][accuracy]:.3f}" if len(evals) > 1 else "")
         parts.append(f"eval accuracy on {args.eval_num_prompts} held-out prompts: {series}")
     parts.append(f"outputs in {args.output_dir}/ (metrics.jsonl, train.log, images/)")
     if plot_path:

@@ -26,13 +26,14 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--eval-prompt-data",
         default="builtin:shapes",
-        help="Held-out shapes prompts: builtin:shapes (its eval split) or a JSONL with shapes metadata.",
+        help="Held-out prompts: builtin:shapes or builtin:ocr (their eval splits), a JSONL with shapes metadata, or a "
+        "JSONL / .txt of prompts with quoted text (scored by OCR: eval/ocr_accuracy).",
     )
     group.add_argument(
         "--eval-num-prompts",
         type=int,
         default=500,
-        help="Prompts taken from builtin:shapes' eval split (500: an accuracy near 0.5 is known to ±2.2 points, "
+        help="Prompts taken from builtin:shapes' eval split (builtin:ocr: at most its 96; 500: an accuracy near 0.5 is known to ±2.2 points, "
         "one binomial std; 100 prompts leave ±5, too coarse for the 4-8 points 40 nft rollouts gain).",
     )
     group.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="Samples per eval prompt.")

@@ -58,7 +58,7 @@ FLAG_RANGES: dict[str, Range] = {
     "media_max_samples": AT_LEAST_1,
     # rewards and rollout steps
     "rm_num_workers": AT_LEAST_0, "generate_chunk_size": AT_LEAST_0, "diffusion_adv_clip_max": POSITIVE,
-    "dynamic_sampling_max_rounds": AT_LEAST_0,
+    "dynamic_sampling_max_rounds": AT_LEAST_0, "ocr_num_threads": AT_LEAST_0,
     # LoRA and EMA
     "lora_rank": AT_LEAST_1, "lora_alpha": POSITIVE, "ema_decay": UNIT, "ema_update_interval": AT_LEAST_1,
     # evaluation and checkpoints

@@ -7,6 +7,7 @@ side; `rollout/rm_hub` maps the same names to the reward functions (a test keeps
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 
 from miles.models.builtin import makes_video
@@ -18,9 +19,13 @@ BUILTIN_REWARDS: tuple[str, ...] = (
     "jpeg_incompressibility",
     "clip_score",
     "pickscore",
+    "ocr",
     "temporal_consistency",
     "motion_direction",
 )
+
+# Rewards whose model comes from an optional extra: (the module they import, how to install it).
+REWARD_PACKAGES: dict[str, tuple[str, str]] = {"ocr": ("rapidocr_onnxruntime", "pip install miles[ocr]")}
 
 
 def valid_reward_names() -> str:
@@ -69,4 +74,8 @@ def reward_spec_from_args(args: argparse.Namespace) -> list[tuple[str, float]]:
             f"--custom-rm-path is set but --rm-type {text!r} does not include 'custom'; use --rm-type custom "
             f"or weight it in, e.g. --rm-type custom:1.0,{names[0]}:0.5"
         )
+    for name in names:
+        if name in REWARD_PACKAGES and importlib.util.find_spec(REWARD_PACKAGES[name][0]) is None:
+            module, install = REWARD_PACKAGES[name]
+            raise ValueError(f"--rm-type {text!r}: reward {name!r} needs the {module} package: {install}")
     return spec

@@ -80,9 +80,22 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--clip-model-path", default=None, help="Local CLIP folder for clip_score.")
     group.add_argument("--pickscore-model-path", default=None, help="Local PickScore folder for pickscore.")
+    group.add_argument(
+        "--ocr-num-threads",
+        type=int,
+        default=1,
+        help="onnxruntime threads of the ocr reward's models in each reward process (0: onnxruntime's default, one "
+        "per core; spread a large batch with --rm-num-workers instead).",
+    )
     group.add_argument("--globalize-reward-std", action="store_true", help="Normalise by the batch-wide reward std.")
     group.add_argument(
         "--disable-grpo-std-normalization", action="store_true", help="Advantages are reward minus group mean."
+    )
+    group.add_argument(
+        "--per-reward-group-norm",
+        action="store_true",
+        help="Several rewards: normalise each within its prompt group (GRPO) before weighting, A = sum_k w_k A_k, so "
+        "a reward with a large scale does not drown the others (docs/user-guide/rewards.md).",
     )
     group.add_argument("--diffusion-adv-clip-max", type=float, default=5.0, help="Clamp advantages to ± this.")
     group.add_argument(
@@ -154,4 +167,11 @@ def rl_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
             reward_spec_from_args(args)
         except ValueError as exc:
             errors.append(str(exc))
+    if args.per_reward_group_norm and (args.custom_reward_post_process_path or not algorithm.scores_rewards):
+        why = (
+            "--custom-reward-post-process-path computes the advantages instead"
+            if args.custom_reward_post_process_path
+            else f"--loss-type {algorithm.name} computes no advantages from rewards"
+        )
+        errors.append(f"--per-reward-group-norm would be ignored: {why}")
     return errors

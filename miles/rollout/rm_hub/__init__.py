@@ -16,6 +16,7 @@ from typing import Any
 from miles.rollout.rm_hub.clip import clip_score, pickscore
 from miles.rollout.rm_hub.jpeg import jpeg_compressibility, jpeg_incompressibility, sample_pil_image
 from miles.rollout.rm_hub.media import IMAGE, VIDEO, media_mismatch
+from miles.rollout.rm_hub.ocr import OCR_EXTRA_KEY, ocr_rm
 from miles.rollout.rm_hub.shapes import shapes_reward
 from miles.rollout.rm_hub.video import motion_direction, temporal_consistency
 from miles.utils.misc import load_function
@@ -47,6 +48,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "jpeg_incompressibility": jpeg_incompressibility,
     "clip_score": clip_score,
     "pickscore": pickscore,
+    "ocr": ocr_rm,
     "temporal_consistency": temporal_consistency,
     "motion_direction": motion_direction,
 }
@@ -151,8 +153,8 @@ async def compute_rewards(
 def reward_metrics(
     totals: list[float], per_reward: dict[str, list[float]], samples: list[Sample] | None = None
 ) -> dict[str, float]:
-    """`rollout/reward_mean`, `rollout/reward_<name>_mean`, and `rollout/shapes_<field>_mean` from the samples'
-    `extra["shapes"]` (all_correct as a rate)."""
+    """`rollout/reward_mean`, `rollout/reward_<name>_mean`, `rollout/shapes_<field>_mean` from the samples'
+    `extra["shapes"]` (all_correct as a rate), and `rollout/ocr_correct_mean` (target text found) from `extra["ocr"]`."""
     metrics: dict[str, float] = {}
     if totals:
         metrics["rollout/reward_mean"] = sum(totals) / len(totals)
@@ -163,4 +165,7 @@ def reward_metrics(
     for field in ("color", "shape", "count", "position", "num_objects", "all_correct"):
         if infos:
             metrics[f"rollout/shapes_{field}_mean"] = sum(float(info[field]) for info in infos) / len(infos)
+    ocr = [s.extra[OCR_EXTRA_KEY] for s in samples or [] if OCR_EXTRA_KEY in s.extra]
+    if ocr:
+        metrics["rollout/ocr_correct_mean"] = sum(float(info["correct"]) for info in ocr) / len(ocr)
     return metrics

@@ -6,11 +6,14 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from PIL import Image, ImageDraw
+from PIL.ImageFont import load_default
 
+from miles.data.ocr import ocr_prompts
 from miles.data.shapes import ShapeScene, render_scene, shapes_items, shapes_prompts
 from miles.models.conditioning import Conditioning
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
-from miles.rollout.evaluation import eval_seed, evaluate_shapes
+from miles.rollout.evaluation import eval_seed, evaluate_ocr, evaluate_shapes
 from miles.rollout.rm_hub.shapes import score_shapes_image
 
 ATTRIBUTES = ("color", "shape", "count", "position")
@@ -182,3 +185,19 @@ def test_video_is_scored_frame_by_frame_and_keeps_its_fps_and_audio():
     assert metrics["eval/shapes_color_accuracy"] == pytest.approx(expected_color) and expected_color > 0.5
     assert np.array_equal(samples.images, videos) and samples.fps == 8.0 and samples.sample_rate == 16000
     assert torch.equal(samples.audio, audio)
+
+
+def test_ocr_eval_accuracy_is_the_rate_of_fully_read_targets():
+    records = ocr_prompts("eval")[:2]  # "CLOSED" and "DINER" on a wooden sign
+    images = np.full((4, 128, 256, 3), 255, np.uint8)  # two samples per prompt; only the first sample is written
+    for i, record in enumerate(records):
+        canvas = Image.new("RGB", (256, 128), (255, 255, 255))
+        ImageDraw.Draw(canvas).text((40, 44), record["metadata"]["text"], fill=(0, 0, 0), font=load_default(size=40))
+        images[2 * i] = np.asarray(canvas)
+    fake = FakeEngine(images)
+    metrics, samples = evaluate_ocr(fake, records, num_samples_per_prompt=2, num_steps=4, guidance_scale=1.0)
+    assert metrics == {"eval/ocr_accuracy": 0.5, "eval/ocr_reward_mean": 0.5}  # read: 1, blank: 0
+    assert [r.prompts for r in fake.requests] == [[records[0]["prompt"]] * 2 + [records[1]["prompt"]] * 2]
+    assert np.array_equal(samples.images, images)
+    with pytest.raises(ValueError, match="OCR eval scores images"):
+        evaluate_ocr(FakeEngine(np.zeros((1, 2, 8, 8, 3), np.uint8)), records[:1], num_steps=4, guidance_scale=1.0)

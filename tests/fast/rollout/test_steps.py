@@ -4,6 +4,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from miles.models.conditioning import Conditioning
@@ -55,13 +56,48 @@ def test_renumber_gives_consecutive_indices_and_groups_in_batch_order():
 
 
 def test_removed_samples_get_zero_advantage_and_the_others_keep_theirs():
-    args = SimpleNamespace(n_samples_per_prompt=2, globalize_reward_std=False, disable_grpo_std_normalization=False)
+    args = SimpleNamespace(
+        n_samples_per_prompt=2,
+        globalize_reward_std=False,
+        disable_grpo_std_normalization=False,
+        per_reward_group_norm=False,
+    )
     samples = samples_of(2, 2)
     rewards = torch.tensor([1.0, 0.0, 0.2, 0.6])
     plain = steps.compute_advantages(args, samples, rewards)
     samples[1].remove_sample = True
     masked = steps.compute_advantages(args, samples, rewards)
     assert masked[1] == 0 and torch.equal(masked[[0, 2, 3]], plain[[0, 2, 3]]) and plain[1] != 0
+
+
+def test_per_reward_group_norm_reads_each_samples_reward_terms():
+    args = SimpleNamespace(
+        n_samples_per_prompt=2,
+        globalize_reward_std=False,
+        disable_grpo_std_normalization=False,
+        per_reward_group_norm=True,
+        rm_type="shapes:1.0,jpeg_compressibility:0.5",
+        custom_rm_path=None,
+        hf_checkpoint=None,
+        model_family="auto",
+    )
+    samples = samples_of(2, 2)
+    shapes, jpeg = [0.0, 1.0, 0.5, 0.5], [-3.0, -1.0, -2.0, -6.0]
+    for sample, a, b in zip(samples, shapes, jpeg):
+        sample.extra[steps.REWARD_TERMS] = {"shapes": a, "jpeg_compressibility": b}
+    totals = torch.tensor([a + 0.5 * b for a, b in zip(shapes, jpeg)])
+    out = steps.compute_advantages(args, samples, totals)
+    # groups of two: GRPO is -+ d / (d + eps) with d half the gap; the second group's shapes values are equal (0)
+    one = 0.5 / (0.5 + 1e-4)
+    torch.testing.assert_close(
+        out,
+        torch.tensor(
+            [-one - 0.5 * 1 / (1 + 1e-4), one + 0.5 / (1 + 1e-4), 0.5 * 2 / (2 + 1e-4), -0.5 * 2 / (2 + 1e-4)]
+        ),
+    )
+    del samples[3].extra[steps.REWARD_TERMS]
+    with pytest.raises(ValueError, match=r"--per-reward-group-norm needs each sample's value.*samples \[3\]"):
+        steps.compute_advantages(args, samples, totals)
 
 
 def test_post_processed_advantages_must_be_one_per_sample():

@@ -149,3 +149,16 @@ def test_sft_trains_each_pair_once_and_needs_train_only(capsys):
     assert parse_args(SFT + ["--n-samples-per-prompt", "4", "--rollout-batch-size", "8"]).n_samples_per_prompt == 1
     err = parse_error(BASE + ["--loss-type", "sft_loss"], capsys)
     assert "--loss-type sft_loss trains on dataset pairs: pass --train-only" in err
+
+
+def test_per_reward_group_norm_refused_where_it_would_be_ignored(capsys):
+    argv = BASE + [
+        "--loss-type",
+        "policy_loss",
+        "--per-reward-group-norm",
+        "--rm-type",
+        "shapes,jpeg_compressibility:0.1",
+    ]
+    assert parse_args(argv).per_reward_group_norm
+    err = parse_error(argv + ["--custom-reward-post-process-path", "m.py:fn"], capsys)
+    assert "--per-reward-group-norm would be ignored: --custom-reward-post-process-path" in err
