@@ -4,6 +4,7 @@ killed server and a refused token fail naming the URL (and the rollout); retries
 
 import asyncio
 import os
+import sys
 import time
 
 import httpx
@@ -195,3 +196,11 @@ def test_rules_name_the_flags(monkeypatch):
         ("remote0", 1.0),
         ("remote1", 1.0),
     ]
+
+
+def test_without_the_server_extra_the_error_names_it(monkeypatch):
+    from miles import reward_server as server_module
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn raises ImportError
+    with pytest.raises(SystemExit, match=r"pip install 'miles\[server\]'"):
+        server_module.require_server_extra()
