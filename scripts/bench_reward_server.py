@@ -55,19 +55,25 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def bench(name: str, repeats: int) -> tuple[float, float]:
+    """(in-process, over-loopback) median seconds of one 64-image batch of reward `name`."""
+    samples = batches(name)
+    local_args = build_parser().parse_args(["--rm-type", name])
+    local = timed(lambda: asyncio.run(compute_rewards(local_args, samples, [(name, 1.0)])), repeats)
+    with reward_server("--rm-type", name) as (_, url):
+        args = build_parser().parse_args(["--rm-url", url])
+        pool = RewardWorkerPool(args, reward_spec_from_args(args), num_workers=0)
+        remote = timed(lambda: pool.score(samples), repeats)
+    return local, remote
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     repeats = parser.parse_args().repeats
     print("| reward | images | in process | over loopback | ratio |\n|---|---|---|---|---|")
     for name, size in (("shapes", "32 px"), ("jpeg_compressibility", "512 px")):
-        samples = batches(name)
-        local_args = build_parser().parse_args(["--rm-type", name])
-        local = timed(lambda: asyncio.run(compute_rewards(local_args, samples, [(name, 1.0)])), repeats)
-        with reward_server("--rm-type", name) as (_, url):
-            args = build_parser().parse_args(["--rm-url", url])
-            pool = RewardWorkerPool(args, reward_spec_from_args(args), num_workers=0)
-            remote = timed(lambda: pool.score(samples), repeats)
+        local, remote = bench(name, repeats)
         print(
             f"| `{name}` | 64 x {size} | {local * 1000:.0f} ms ({BATCH / local:.0f} img/s) | "
             f"{remote * 1000:.0f} ms ({BATCH / remote:.0f} img/s) | {remote / local:.1f}x |"
