@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from miles.utils.reward_spec import reward_spec_from_args
+from miles.utils.reward_spec import remote_rules, reward_spec_from_args
 
 logger = logging.getLogger("miles.reward_server")
 MISSING_EXTRA = (
@@ -136,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO), format="%(asctime)s %(name)s %(message)s"
     )
+    errors = remote_rules(args)  # a served vlm_judge or a server in front of another one
+    if errors:
+        parser.error("; ".join(errors))
     try:
         spec = reward_spec_from_args(args)
     except ValueError as exc:
