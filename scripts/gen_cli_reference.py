@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from miles.algorithms import BUILTIN_ALGORITHMS  # noqa: E402
 from miles.algorithms.roles import add_role_arguments  # noqa: E402
+from miles.reward_server import add_server_arguments  # noqa: E402
 from miles.utils.arg_rules import flag_ranges  # noqa: E402
 from miles.utils.arguments import build_parser  # noqa: E402
 
@@ -36,6 +37,12 @@ ROLES_INTRO = """## Role overrides
 Every trained role other than the actor gets the same six overrides, `--<role>-checkpoint`, `-lr`, `-load`, `-save`,
 `-num-steps-per-rollout` and `-micro-batch-size`; everything else is shared with the actor. They are refused under an
 algorithm without that role.
+"""
+
+SERVER_INTRO = """## The reward server's own flags
+
+`python -m miles.reward_server` (docs/user-guide/reward-server.md) takes every flag above (a served reward reads
+`--rm-type`, `--custom-rm-path`, `--clip-model-path`, ... as a training run does) and these.
 """
 
 RULES = """## Rules checked before start-up
@@ -78,6 +85,12 @@ RULES = """## Rules checked before start-up
 - Each algorithm's own rules (its `validate`) see the run's values with the computed defaults filled in: `dmd2`
   requires `--teacher-load` and refuses `--diffusion-guidance-scale` above 1; `policy_loss` needs stochastic steps;
   a KL weight above 0 needs a `--ref-mode`.
+- `--rm-url` must start with `http://` or `https://`. Without `vlm_judge` in `--rm-type`, every `--rm-url` is a
+  reward server (`remote<K>` in the reward spec and the metrics; with no `--rm-type` and no `--custom-rm-path` the
+  servers are the whole spec) and `--rm-url-weight`, when given, has one weight per `--rm-url`; `--rm-model` is
+  refused. With `vlm_judge`, exactly one `--rm-url` (the judge's base URL) and `--rm-model` are required,
+  `--rm-url-weight` is refused, and `--vlm-judge-prompt-file` must exist. `--rm-token-env` must name a set,
+  non-empty environment variable.
 """
 
 
@@ -118,7 +131,9 @@ def render() -> str:
         lines += _tables(own, "###")
     roles = argparse.ArgumentParser(add_help=False)
     add_role_arguments(roles, BUILTIN_ALGORITHMS)
-    lines += [ROLES_INTRO, *_tables(roles, "###"), RULES]
+    server = argparse.ArgumentParser(add_help=False)
+    add_server_arguments(server)
+    lines += [ROLES_INTRO, *_tables(roles, "###"), SERVER_INTRO, *_tables(server, "###"), RULES]
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ import_gc.pause_in_ray_worker()
 import ray
 
 from miles.rollout.rm_hub import RewardError, compute_rewards
-from miles.utils.failures import gather
+from miles.utils.failures import gather, where
 from miles.utils.misc import split_contiguous
 from miles.utils.types import Sample
 
@@ -112,7 +112,10 @@ class RewardWorkerPool:
         """(weighted totals, raw values per reward) for `samples` in order; a worker's RewardError is re-raised, a
         dead worker is named with `rollout_id`."""
         if not self.workers:
-            return _run_sync(compute_rewards(self.args, samples, self.spec))
+            try:
+                return _run_sync(compute_rewards(self.args, samples, self.spec))
+            except RewardError as exc:
+                raise RewardError(f"{exc} [{where('score', rollout_id)}]") from exc
         chunks = [(a, b) for a, b in split_contiguous(len(samples), len(self.workers)) if b > a]
         refs = [worker.score.remote(samples[a:b]) for worker, (a, b) in zip(self.workers, chunks)]
         try:  # a dead worker raises ActorDied naming it, the phase and the rollout
@@ -123,7 +126,7 @@ class RewardWorkerPool:
             ) from None
         except ray.exceptions.RayTaskError as exc:
             if isinstance(exc.cause, RewardError):
-                raise RewardError(str(exc.cause)) from None
+                raise RewardError(f"{exc.cause} [{where('score', rollout_id)}]") from None
             raise
         totals: list[float] = []
         per_reward: dict[str, list[float]] = {name: [] for name, _ in self.spec}

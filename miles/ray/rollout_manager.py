@@ -92,7 +92,7 @@ class RolloutManager:
             colocation=self._colocation,
         )
         # an algorithm that scores no rewards (its declaration) scores them only when asked, as metrics
-        if algorithm_of(args).scores_rewards or args.rm_type or args.custom_rm_path:
+        if algorithm_of(args).scores_rewards or args.rm_type or args.custom_rm_path or args.rm_url:
             self.rewards = RewardWorkerPool(
                 args, reward_spec_from_args(args), num_workers=args.rm_num_workers, wait=self._wait
             )

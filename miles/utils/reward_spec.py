@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 
 from miles.models.builtin import makes_video
 
@@ -22,7 +23,10 @@ BUILTIN_REWARDS: tuple[str, ...] = (
     "ocr",
     "temporal_consistency",
     "motion_direction",
+    "vlm_judge",
 )
+REMOTE = "remote"  # remote<K>: the reward server of the K-th --rm-url (not a --rm-type name)
+JUDGE = "vlm_judge"  # takes --rm-url as its chat-completions endpoint instead of a reward server
 
 # Rewards whose model comes from an optional extra: (the module they import, how to install it).
 REWARD_PACKAGES: dict[str, tuple[str, str]] = {"ocr": ("rapidocr_onnxruntime", "pip install miles[ocr]")}
@@ -59,13 +63,80 @@ def parse_reward_spec(text: str) -> list[tuple[str, float]]:
     return spec
 
 
+def server_urls(args: argparse.Namespace) -> list[str]:
+    """The --rm-url values that are reward servers: all of them, unless --rm-type has vlm_judge (its endpoint)."""
+    urls = list(getattr(args, "rm_url", None) or [])
+    text = getattr(args, "rm_type", None) or ""
+    return [] if JUDGE in [item.partition(":")[0].strip() for item in text.split(",")] else urls
+
+
+def remote_url(args: argparse.Namespace, name: str) -> str | None:
+    """The URL of spec entry `name` when it is a reward server's (`remote<K>`), else None."""
+    if not name.startswith(REMOTE) or not name[len(REMOTE) :].isdigit():
+        return None
+    urls = server_urls(args)
+    index = int(name[len(REMOTE) :])
+    return urls[index] if index < len(urls) else None
+
+
+def remote_rules(args: argparse.Namespace) -> list[str]:
+    """--rm-url and its companions: URLs, one weight per reward server, vlm_judge's endpoint and model."""
+    errors: list[str] = []
+    urls = list(getattr(args, "rm_url", None) or [])
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            errors.append(f"--rm-url {url!r} must start with http:// or https://")
+    weights = list(getattr(args, "rm_url_weight", None) or [])
+    judged = JUDGE in [name for name, _ in _given_spec(args)]
+    if judged:
+        if len(urls) != 1:
+            errors.append(
+                f"--rm-type vlm_judge needs exactly one --rm-url, the judge's OpenAI-compatible base URL "
+                f"(http://host:port/v1), got {len(urls)}; serve other rewards from the same process or weight them in"
+            )
+        if not getattr(args, "rm_model", None):
+            errors.append("--rm-type vlm_judge needs --rm-model, the model name the judge's server serves")
+        if weights:
+            errors.append("--rm-url-weight weights reward servers; under --rm-type vlm_judge weight it there instead")
+    else:
+        if getattr(args, "rm_model", None):
+            errors.append("--rm-model names the VLM judge's model; it needs --rm-type vlm_judge")
+        if weights and len(weights) != len(urls):
+            errors.append(f"--rm-url-weight: {len(weights)} weights for {len(urls)} --rm-url; give one per --rm-url")
+        for weight in weights:
+            if not math.isfinite(weight):
+                errors.append(f"--rm-url-weight {weight} is not a finite number")
+    token_env = getattr(args, "rm_token_env", None)
+    if token_env and not os.environ.get(token_env):
+        errors.append(f"--rm-token-env {token_env}: the environment variable {token_env} is not set or empty")
+    prompt_file = getattr(args, "vlm_judge_prompt_file", None)
+    if judged and prompt_file and not os.path.isfile(prompt_file):
+        errors.append(f"--vlm-judge-prompt-file {prompt_file}: file not found")
+    return errors
+
+
+def _given_spec(args: argparse.Namespace) -> list[tuple[str, float]]:
+    try:
+        return parse_reward_spec(args.rm_type) if getattr(args, "rm_type", None) else []
+    except ValueError:
+        return []  # reward_spec_from_args names the problem
+
+
 def reward_spec_from_args(args: argparse.Namespace) -> list[tuple[str, float]]:
     """The spec of `--rm-type` (unset: `custom` with `--custom-rm-path`, else `shapes`, or `temporal_consistency` for
-    a video family); a `--custom-rm-path` that the spec leaves out would be ignored silently, so it is an error."""
+    a video family; only the servers when --rm-url is given), then `remote<K>` for the K-th reward server's --rm-url
+    with its --rm-url-weight (default 1); a `--custom-rm-path` that the spec leaves out would be ignored silently,
+    so it is an error."""
     custom_path = getattr(args, "custom_rm_path", None)
+    remote = [
+        (f"{REMOTE}{k}", weight)
+        for k, weight in enumerate(getattr(args, "rm_url_weight", None) or [1.0] * len(server_urls(args)))
+    ]
+    if remote and not getattr(args, "rm_type", None) and not custom_path:
+        return remote
     video = makes_video(getattr(args, "hf_checkpoint", None), getattr(args, "model_family", "auto"))
     text = getattr(args, "rm_type", None) or (CUSTOM if custom_path else "temporal_consistency" if video else "shapes")
-    spec = parse_reward_spec(text)
+    spec = parse_reward_spec(text) + remote
     names = [name for name, _ in spec]
     if CUSTOM in names and not custom_path:
         raise ValueError(f"--rm-type {text!r} names 'custom' but --custom-rm-path is not set")

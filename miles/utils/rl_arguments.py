@@ -7,7 +7,7 @@ import argparse
 
 from miles.algorithms import Algorithm
 from miles.utils.hook_paths import add_rollout_step_arguments, rollout_step_rules
-from miles.utils.reward_spec import reward_spec_from_args
+from miles.utils.reward_spec import remote_rules, reward_spec_from_args
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +70,7 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--custom-rm-path", default=None, help="Batched [async] def rm(args, samples) -> list[float].")
     group.add_argument("--rm-num-workers", type=int, default=0, help="Reward worker actors (0: in the driver).")
+    add_remote_reward_arguments(parser)
     group.add_argument(
         "--generate-chunk-size",
         type=int,
@@ -145,6 +146,73 @@ RL_ARGUMENT_GROUPS = (
 )
 
 
+def add_remote_reward_arguments(parser: argparse.ArgumentParser) -> None:
+    """Rewards scored by another process: reward servers (`python -m miles.reward_server`) and the VLM judge
+    (docs/user-guide/reward-server.md)."""
+    group = parser.add_argument_group("remote rewards (reward servers, VLM judge)")
+    group.add_argument(
+        "--rm-url",
+        action="append",
+        default=None,
+        help="A reward server (python -m miles.reward_server) scored as reward remote<K> for the K-th flag; "
+        "repeatable. Under --rm-type vlm_judge: the judge's OpenAI-compatible base URL (http://host:port/v1).",
+    )
+    group.add_argument(
+        "--rm-url-weight",
+        type=float,
+        action="append",
+        default=None,
+        help="Weight of the K-th --rm-url's reward in the total (one per --rm-url; default 1 each).",
+    )
+    group.add_argument("--rm-timeout", type=float, default=120.0, help="Seconds one HTTP request may take.")
+    group.add_argument(
+        "--rm-retries",
+        type=int,
+        default=2,
+        help="Retries of a failed request (refused connection, timeout, 408/429/5xx, malformed answer) before "
+        "the run fails naming the URL and the rollout; other 4xx answers are not retried.",
+    )
+    group.add_argument(
+        "--rm-retry-backoff",
+        type=float,
+        default=1.0,
+        help="Seconds before the first retry, doubling each retry (at most 30).",
+    )
+    group.add_argument(
+        "--rm-token-env",
+        default=None,
+        help="Environment variable holding a bearer token sent as 'Authorization: Bearer ...' (not the token).",
+    )
+    group.add_argument("--rm-batch-size", type=int, default=16, help="Samples per request to a reward server.")
+    group.add_argument(
+        "--rm-max-concurrency", type=int, default=8, help="Requests in flight per remote reward at a time."
+    )
+    group.add_argument("--rm-model", default=None, help="vlm_judge: the model name the judge's server serves.")
+    group.add_argument(
+        "--vlm-judge-prompt-file",
+        default=None,
+        help="vlm_judge: prompt template, {prompt} replaced by the sample's prompt (default: "
+        "miles/assets/vlm_judge_prompt.txt, asking for 'Score: N' out of 10).",
+    )
+    group.add_argument(
+        "--vlm-judge-max-score",
+        type=float,
+        default=10.0,
+        help="vlm_judge: the top of the judge's scale; reward = score / it.",
+    )
+    group.add_argument(
+        "--vlm-judge-unparsable",
+        choices=["error", "default"],
+        default="error",
+        help="vlm_judge: an answer without a score in [0, max] fails the run, or scores --vlm-judge-default-score.",
+    )
+    group.add_argument(
+        "--vlm-judge-default-score", type=float, default=0.0, help="vlm_judge: the reward of an unparsable answer."
+    )
+    group.add_argument("--vlm-judge-frames", type=int, default=4, help="vlm_judge: key frames sent per video sample.")
+    group.add_argument("--vlm-judge-max-tokens", type=int, default=64, help="vlm_judge: max_tokens of each answer.")
+
+
 def rl_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
     """The shared rules of the RL flags (an algorithm's own are in its declaration)."""
     errors = []
@@ -162,6 +230,7 @@ def rl_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
     errors += rollout_step_rules(args, algorithm)
     if args.save_debug_rollout_data and args.load_debug_rollout_data:
         errors.append("--save-debug-rollout-data and --load-debug-rollout-data exclude each other")
+    errors += remote_rules(args)
     if algorithm.scores_rewards and not args.train_only:
         try:
             reward_spec_from_args(args)

@@ -17,10 +17,12 @@ from miles.rollout.rm_hub.clip import clip_score, pickscore
 from miles.rollout.rm_hub.jpeg import jpeg_compressibility, jpeg_incompressibility, sample_pil_image
 from miles.rollout.rm_hub.media import IMAGE, VIDEO, media_mismatch
 from miles.rollout.rm_hub.ocr import OCR_EXTRA_KEY, ocr_rm
+from miles.rollout.rm_hub.remote import RemoteRewardError, server_rewards
 from miles.rollout.rm_hub.shapes import shapes_reward
 from miles.rollout.rm_hub.video import motion_direction, temporal_consistency
+from miles.rollout.rm_hub.vlm_judge import unparsable_metrics, vlm_judge
 from miles.utils.misc import load_function
-from miles.utils.reward_spec import CUSTOM, parse_reward_spec, reward_spec_from_args, valid_reward_names  # noqa: F401  (re-exported)
+from miles.utils.reward_spec import CUSTOM, parse_reward_spec, remote_url, reward_spec_from_args, valid_reward_names  # noqa: F401  (re-exported)
 from miles.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -51,15 +53,23 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "ocr": ocr_rm,
     "temporal_consistency": temporal_consistency,
     "motion_direction": motion_direction,
+    "vlm_judge": vlm_judge,
 }
 # The media each built-in scores (custom rewards read what they like): image rewards read sample.image, video
 # rewards sample.frames; compute_rewards refuses a mismatch before calling the reward.
 VIDEO_REWARDS = ["temporal_consistency", "motion_direction"]
 REWARD_MEDIA: dict[str, str] = {name: VIDEO if name in VIDEO_REWARDS else IMAGE for name in REWARD_FUNCTIONS}
+REWARD_MEDIA.pop("vlm_judge")  # judges an image or a video's key frames
 
 
-def get_reward_function(name: str | None, custom_path: str | None = None) -> RewardFn:
-    """The reward called `name`; `custom` (the default when `custom_path` is given) loads `--custom-rm-path`."""
+def get_reward_function(
+    name: str | None, custom_path: str | None = None, args: argparse.Namespace | None = None
+) -> RewardFn:
+    """The reward called `name`; `custom` (the default when `custom_path` is given) loads `--custom-rm-path`;
+    `remote<K>` is the reward server of the K-th `--rm-url` (needs `args`)."""
+    url = remote_url(args, name) if args is not None and name else None
+    if url is not None:
+        return server_rewards(url)
     if name is None:
         name = CUSTOM if custom_path else "shapes"
     if name == CUSTOM:
@@ -99,6 +109,8 @@ async def _locate_failure(fn: RewardFn, args: argparse.Namespace, samples: list[
 async def _score_one(name: str, fn: RewardFn, args: argparse.Namespace, samples: list[Sample]) -> list[float]:
     try:
         result = await _call(fn, args, samples)
+    except RemoteRewardError as exc:  # names the URL; re-sending sample by sample would only repeat it
+        raise RewardError(f"reward {name!r}: {exc}") from exc
     except Exception as exc:
         where = await _locate_failure(fn, args, samples)
         raise RewardError(f"reward {name!r} raised on {where}: {type(exc).__name__}: {exc}") from exc
@@ -132,7 +144,7 @@ async def compute_rewards(
 ) -> tuple[list[float], dict[str, list[float]]]:
     """Every reward of `spec` on the batch: (weighted totals per sample, raw values per reward name)."""
     custom_path = getattr(args, "custom_rm_path", None)
-    functions = [get_reward_function(name, custom_path) for name, _ in spec]
+    functions = [get_reward_function(name, custom_path, args) for name, _ in spec]
     if not samples:
         return [], {name: [] for name, _ in spec}
     for name, _ in spec:
@@ -168,4 +180,5 @@ def reward_metrics(
     ocr = [s.extra[OCR_EXTRA_KEY] for s in samples or [] if OCR_EXTRA_KEY in s.extra]
     if ocr:
         metrics["rollout/ocr_correct_mean"] = sum(float(info["correct"]) for info in ocr) / len(ocr)
+    metrics.update(unparsable_metrics(samples or []))
     return metrics
