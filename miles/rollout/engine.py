@@ -321,7 +321,9 @@ class DiffusionEngine:
                 denoised_prev, denoised_now = denoised_now, x0_from_velocity(x, velocity, sigma)
                 if i >= flash_from:  # the ODE after the window: DPM-Solver++(2M) on the compressed grid
                     s_prev, s_now, s_next = (float(s) for s in sigmas[i - 1 : i + 2])
-                    x = dpm_solver_pp_step(x, denoised_now, s_now, s_next, prev_denoised=denoised_prev, sigma_prev=s_prev)
+                    x = dpm_solver_pp_step(
+                        x, denoised_now, s_now, s_next, prev_denoised=denoised_prev, sigma_prev=s_prev
+                    )
                     continue
             step = kernel if i in trained or request.sde_type == "renoise" else ode  # the generator always renoises
             result = step(

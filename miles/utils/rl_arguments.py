@@ -135,7 +135,9 @@ def mixgrpo_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
             "window never holds the last two steps)"
         )
     if args.mixgrpo_mode == "random":
-        ignored = [flag(k) for k in ("mixgrpo_shift_interval", "mixgrpo_stride") if getattr(args, k) != MIXGRPO_DEFAULTS[k]]
+        ignored = [
+            flag(k) for k in ("mixgrpo_shift_interval", "mixgrpo_stride") if getattr(args, k) != MIXGRPO_DEFAULTS[k]
+        ]
         if ignored:
             errors.append(f"{', '.join(ignored)} move the progressive window; --mixgrpo-mode random draws it")
     if args.mixgrpo_flash_ratio != MIXGRPO_FLASH_DEFAULTS["mixgrpo_flash_ratio"] and not args.mixgrpo_flash:

@@ -15,7 +15,9 @@ def shifted_grid(num_steps, shift):
     return (shift * t / (1 + (shift - 1) * t)).float()
 
 
-@pytest.mark.parametrize(("num_steps", "last", "ratio", "n_post"), [(25, 3, 0.4, 8), (25, 22, 0.4, 2), (10, 0, 1.0, 10)])
+@pytest.mark.parametrize(
+    ("num_steps", "last", "ratio", "n_post"), [(25, 3, 0.4, 8), (25, 22, 0.4, 2), (10, 0, 1.0, 10)]
+)
 def test_flash_grid_strictly_decreases_to_zero_from_the_windows_last_sigma(num_steps, last, ratio, n_post):
     shift = 3.0
     grid = shifted_grid(num_steps, shift)

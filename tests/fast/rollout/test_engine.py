@@ -359,7 +359,12 @@ def test_flash_keeps_the_window_bit_for_bit_and_runs_dpm_solver_after_it(engine,
 
     def denoised(x, i):
         v = family.predict_velocity(
-            fresh_transformer, x, flash.sigmas[i].expand(4), flash.conditioning, guidance_scale=4.5, negative=flash.negative
+            fresh_transformer,
+            x,
+            flash.sigmas[i].expand(4),
+            flash.conditioning,
+            guidance_scale=4.5,
+            negative=flash.negative,
         )
         return x.double() - grid[i] * v.double()
 

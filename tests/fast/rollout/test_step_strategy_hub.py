@@ -161,7 +161,9 @@ def mixgrpo_args(**overrides):
     return make_args(**values)
 
 
-@pytest.mark.parametrize(("k", "window"), [(0, [0, 1, 2, 3]), (24, [0, 1, 2, 3]), (25, [1, 2, 3, 4]), (299, range(11, 15))])
+@pytest.mark.parametrize(
+    ("k", "window"), [(0, [0, 1, 2, 3]), (24, [0, 1, 2, 3]), (25, [1, 2, 3, 4]), (299, range(11, 15))]
+)
 def test_mixgrpo_progressive_windows_at_given_rollouts(k, window):
     assert select_trained_steps(mixgrpo_args(), k) == list(window)
 
@@ -198,7 +200,12 @@ def test_mixgrpo_random_windows_are_reproducible_seeded_and_their_own_stream():
     assert starts == [select_trained_steps(mixgrpo_args(mixgrpo_mode="random"), k)[0] for k in range(200)]
     other_seed = [select_trained_steps(mixgrpo_args(mixgrpo_mode="random", rollout_seed=7), k)[0] for k in range(200)]
     assert starts != other_seed
-    window_strategy = [select_trained_steps(make_args(diffusion_num_steps=25, diffusion_num_sde_steps=4, diffusion_sde_window_range="0,23"), k)[0] for k in range(200)]
+    window_strategy = [
+        select_trained_steps(
+            make_args(diffusion_num_steps=25, diffusion_num_sde_steps=4, diffusion_sde_window_range="0,23"), k
+        )[0]
+        for k in range(200)
+    ]
     assert starts != window_strategy  # same range and seed, another stream
     assert len(set(starts[:25])) > 1  # drawn per rollout, not per τ
 

@@ -169,7 +169,10 @@ def test_mixgrpo_window_parses_and_its_flags_need_it(capsys):
         (["--diffusion-sde-window-range", "0,5"], "--mixgrpo-window-size and --diffusion-sde-window-range both choose"),
         (["--diffusion-step-strategy-path", "m.f"], "--mixgrpo-window-size and --diffusion-step-strategy-path both"),
         (["--mixgrpo-window-size", "9"], "--mixgrpo-window-size 9 must be <= --diffusion-num-steps 10 - 2"),
-        (["--mixgrpo-mode", "random", "--mixgrpo-shift-interval", "5"], "--mixgrpo-shift-interval move the progressive"),
+        (
+            ["--mixgrpo-mode", "random", "--mixgrpo-shift-interval", "5"],
+            "--mixgrpo-shift-interval move the progressive",
+        ),
         (["--mixgrpo-window-size", "0"], "--mixgrpo-window-size must be ≥ 1"),
         (["--mixgrpo-flash", "--mixgrpo-flash-ratio", "0"], "--mixgrpo-flash-ratio must be in (0, 1]"),
         (["--diffusion-sde-type", "ode"], "--diffusion-sde-type ode has none"),
@@ -181,4 +184,6 @@ def test_mixgrpo_rules_name_both_flags(extra, message, capsys):
 
 
 def test_mixgrpo_needs_an_sde_sampling_loss_type(capsys):
-    assert "--loss-type nft samples no SDE" in parse_error(BASE + ["--loss-type", "nft", "--mixgrpo-window-size", "2"], capsys)
+    assert "--loss-type nft samples no SDE" in parse_error(
+        BASE + ["--loss-type", "nft", "--mixgrpo-window-size", "2"], capsys
+    )
