@@ -14,6 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from miles.diffusion.dmd import x0_from_velocity
+from miles.diffusion.dpm_solver import dpm_solver_pp_step, flash_sigmas
 from miles.diffusion.schedule import sampling_sigmas
 from miles.diffusion.sde import SDE_KERNELS, get_sde_kernel, renoise_sigmas
 from miles.models.base import get_train_pipeline_config
@@ -45,6 +47,8 @@ class GenerateRequest:
     shift: float | None = None  # σ-grid shift; None: the family's scheduler shift
     return_negative: bool = False  # encode the negative prompt even without CFG (DMD2's teacher needs it)
     initial_seeds: list[int] | None = None  # prompt i's initial latent from initial_seeds[i]; its steps' from seeds[i]
+    # MixGRPO-Flash: after the last trained step L, DPM-Solver++(2M) on `flash_sigmas(grid, L, flash_ratio, shift)`
+    flash_ratio: float | None = None
 
     def rows(self, start: int, end: int) -> GenerateRequest:
         """The request for prompts [start, end) only, with their seeds and initial seeds."""
@@ -71,6 +75,8 @@ class GenerateRequest:
             )
         if steps and self.sde_type == "ode":
             raise ValueError("--diffusion-sde-type ode has no log-probs to record: pass trained_steps=[]")
+        if self.flash_ratio is not None and (not steps or self.sde_type == "renoise"):
+            raise ValueError("flash_ratio (--mixgrpo-flash) runs after the trained steps: it needs an SDE window")
 
 
 @dataclass
@@ -86,7 +92,7 @@ class GenerateResult:
     latents: torch.Tensor  # (B, K, *latent) inputs of the trained steps
     next_latents: torch.Tensor  # (B, K, *latent) their sampled outputs
     log_probs: torch.Tensor  # (B, K) the kernel's per-step log-prob (mean over dims); NaN for `renoise`
-    sigmas: torch.Tensor  # (num_steps + 1,) the grid used
+    sigmas: torch.Tensor  # (num_steps + 1,) the grid used (shorter under MixGRPO-Flash: `flash_sigmas`)
     trained_steps: list[int]
     conditioning: Conditioning  # B rows, the family's named tensors
     negative: Conditioning | None  # 1 row; None without CFG (or return_negative)
@@ -284,6 +290,9 @@ class DiffusionEngine:
             sigmas = family.sampling_sigmas(request.num_steps, request.resolution)
         else:
             sigmas = sampling_sigmas(request.num_steps, shift)
+        flash_from = None if request.flash_ratio is None else request.trained_steps[-1] + 1
+        if flash_from is not None:
+            sigmas = flash_sigmas(sigmas, flash_from - 1, request.flash_ratio, shift)
         sigmas_dev = sigmas.to(self.device)
         embeds = family.encode_prompts(list(request.prompts), device=self.device)
         negative = (
@@ -302,11 +311,20 @@ class DiffusionEngine:
         kernel, ode = get_sde_kernel(request.sde_type), get_sde_kernel("ode")
         trained = set(request.trained_steps)
         recorded_in, recorded_out, log_probs, denoised = [], [], [], []
-        for i in range(request.num_steps):
+        denoised_prev = denoised_now = None  # MixGRPO-Flash: x̂₀ of the last two steps from the window's last one
+        for i in range(len(sigmas) - 1):
             sigma, sigma_next = sigmas_dev[i].expand(batch), sigmas_dev[i + 1].expand(batch)
             velocity = family.predict_velocity(
                 self.transformer, x, sigma, embeds, guidance_scale=request.guidance_scale, negative=negative
             )
+            if flash_from is not None and i >= flash_from - 1:
+                denoised_prev, denoised_now = denoised_now, x0_from_velocity(x, velocity, sigma)
+                if i >= flash_from:  # the ODE after the window: DPM-Solver++(2M) on the compressed grid
+                    s_prev, s_now, s_next = (float(s) for s in sigmas[i - 1 : i + 2])
+                    x = dpm_solver_pp_step(
+                        x, denoised_now, s_now, s_next, prev_denoised=denoised_prev, sigma_prev=s_prev
+                    )
+                    continue
             step = kernel if i in trained or request.sde_type == "renoise" else ode  # the generator always renoises
             result = step(
                 x,

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from miles.rollout.engine import GenerateRequest
+from miles.rollout.step_strategy_hub import flash_ratio
 from miles.utils.types import Sample
 
 
@@ -21,7 +22,8 @@ def group_initial_seeds(samples: list[Sample]) -> list[int]:
 def sampler_request(
     args: argparse.Namespace, samples: list[Sample], *, resolution: int, sde_type: str, trained_steps: list[int]
 ) -> GenerateRequest:
-    """The sampling flags' request for `samples` (CFG, steps, noise, shared initial noise) with the given kernel."""
+    """The sampling flags' request for `samples` (CFG, steps, noise, shared initial noise, MixGRPO-Flash after the
+    trained steps) with the given kernel."""
     return GenerateRequest(
         prompts=[s.prompt for s in samples],
         seeds=[s.seed for s in samples],
@@ -33,6 +35,7 @@ def sampler_request(
         noise_level=args.diffusion_noise_level,
         trained_steps=trained_steps,
         resolution=resolution,
+        flash_ratio=flash_ratio(args) if trained_steps else None,
     )
 
 

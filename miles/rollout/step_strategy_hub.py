@@ -1,7 +1,8 @@
-"""Step strategies: which of the sampling steps are stochastic (SDE) and trained; the rest run the `ode` kernel.
+"""Step strategies: which of the sampling steps are stochastic (SDE) and trained; the rest run the `ode` kernel
+(or, under MixGRPO-Flash, DPM-Solver++ after the window).
 
 The final step (tiny σ') is never trained. Choices are a pure function of (args, rollout_id), so every engine
-and every rank agree without talking.
+and every rank agree without talking; MixGRPO's window counter k is the rollout id.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ logger = logging.getLogger(__name__)
 
 # Mixed into the window's seed so its draws are independent of the other (rollout_seed, rollout_id) streams.
 _WINDOW_STREAM = 0x5DE
+_MIXGRPO_STREAM = 0x313C
+
+# MixGRPO's shift interval τ when --mixgrpo-shift-interval is not given (the authors' FLUX scripts: 25, Flash 20).
+MIXGRPO_SHIFT_INTERVAL, MIXGRPO_FLASH_SHIFT_INTERVAL = 25, 20
 
 
 def select_trained_steps(args: Any, rollout_id: int) -> list[int]:
@@ -29,6 +34,13 @@ def select_trained_steps(args: Any, rollout_id: int) -> list[int]:
     path = getattr(args, "diffusion_step_strategy_path", None)
     num_sde_steps = getattr(args, "diffusion_num_sde_steps", None)
     window_range = getattr(args, "diffusion_sde_window_range", None)
+    if getattr(args, "mixgrpo_window_size", None):
+        if path or window_range is not None:
+            raise ValueError(
+                "--mixgrpo-window-size chooses the trained steps itself; do not combine it with "
+                "--diffusion-step-strategy-path or --diffusion-sde-window-range"
+            )
+        return mixgrpo_steps(args, rollout_id, num_steps)
     if path:  # the user's strategy replaces the window (whose K has a default)
         if window_range is not None:
             raise ValueError(
@@ -86,6 +98,50 @@ def window_steps(num_steps: int, num_sde_steps: int, start: int, end: int, *, se
     rng = stream_rng(seed, rollout_id, _WINDOW_STREAM)
     first = int(rng.integers(start, end - num_sde_steps + 1))
     return list(range(first, first + num_sde_steps))
+
+
+def mixgrpo_steps(args: Any, rollout_id: int, num_steps: int) -> list[int]:
+    """MixGRPO's sliding SDE window W_k for rollout k = `rollout_id`, from the --mixgrpo-* flags."""
+    interval = args.mixgrpo_shift_interval
+    if interval is None:
+        interval = MIXGRPO_FLASH_SHIFT_INTERVAL if args.mixgrpo_flash else MIXGRPO_SHIFT_INTERVAL
+    start = mixgrpo_window_start(
+        num_steps,
+        int(args.mixgrpo_window_size),
+        rollout_id,
+        mode=args.mixgrpo_mode,
+        shift_interval=int(interval),
+        stride=int(args.mixgrpo_stride),
+        seed=int(getattr(args, "rollout_seed", 0)),
+    )
+    return list(range(start, start + int(args.mixgrpo_window_size)))
+
+
+def mixgrpo_window_start(
+    num_steps: int, window: int, k: int, *, mode: str, shift_interval: int, stride: int, seed: int
+) -> int:
+    """The window's first step: progressive start_k = stride·(⌊k/τ⌋ mod (⌊max_t/stride⌋ + 1)) (it rolls back to 0;
+    stride 0 keeps it at 0, the authors' Flash*), random start_k ~ U{0 .. max_t − w} from (seed, k); max_t = N − 2,
+    and start ≤ max_t − w so that the window never holds step N − 2 or N − 1."""
+    max_t = num_steps - 2
+    if not 1 <= window <= max_t:
+        raise ValueError(
+            f"--mixgrpo-window-size {window} must be in [1, {max_t}] (--diffusion-num-steps {num_steps} - 2: the "
+            "window never holds the last two steps)"
+        )
+    if mode == "random":
+        return int(stream_rng(seed, k, _MIXGRPO_STREAM).integers(0, max_t - window + 1))
+    if mode != "progressive":
+        raise ValueError(f"--mixgrpo-mode must be progressive or random, got {mode!r}")
+    positions = max_t // stride + 1 if stride else 1
+    return min(stride * ((k // shift_interval) % positions), max_t - window)
+
+
+def flash_ratio(args: Any) -> float | None:
+    """--mixgrpo-flash-ratio when MixGRPO-Flash is on (the engine then runs DPM-Solver++ after the window), else None."""
+    if getattr(args, "mixgrpo_window_size", None) and getattr(args, "mixgrpo_flash", False):
+        return float(args.mixgrpo_flash_ratio)
+    return None
 
 
 def custom_steps(args: Any, rollout_id: int, num_steps: int, path: str) -> list[int]:

@@ -55,7 +55,8 @@ FLAG_RANGES: dict[str, Range] = {
     "rollout_seed": AT_LEAST_0, "diffusion_num_steps": AT_LEAST_1, "diffusion_guidance_scale": AT_LEAST_0,
     "rollout_num_engines": AT_LEAST_1, "rollout_cpus_per_engine": POSITIVE, "rollout_gpus_per_engine": POSITIVE,
     "diffusion_noise_level": AT_LEAST_0, "diffusion_num_sde_steps": AT_LEAST_0, "image_grid_interval": AT_LEAST_0,
-    "media_max_samples": AT_LEAST_1,
+    "media_max_samples": AT_LEAST_1, "mixgrpo_window_size": AT_LEAST_1, "mixgrpo_shift_interval": AT_LEAST_1,
+    "mixgrpo_stride": AT_LEAST_0, "mixgrpo_flash_ratio": UNIT_OPEN_LOW,
     # rewards and rollout steps
     "rm_num_workers": AT_LEAST_0, "generate_chunk_size": AT_LEAST_0, "diffusion_adv_clip_max": POSITIVE,
     "dynamic_sampling_max_rounds": AT_LEAST_0, "ocr_num_threads": AT_LEAST_0,

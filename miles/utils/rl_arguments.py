@@ -6,8 +6,13 @@ from __future__ import annotations
 import argparse
 
 from miles.algorithms import Algorithm
+from miles.utils.config_file import flag
 from miles.utils.hook_paths import add_rollout_step_arguments, rollout_step_rules
 from miles.utils.reward_spec import remote_rules, reward_spec_from_args
+
+DEFAULT_NUM_SDE_STEPS = 3
+MIXGRPO_DEFAULTS = {"mixgrpo_mode": "progressive", "mixgrpo_shift_interval": None, "mixgrpo_stride": 1}
+MIXGRPO_FLASH_DEFAULTS = {"mixgrpo_flash": False, "mixgrpo_flash_ratio": 0.4}
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +37,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--diffusion-num-sde-steps",
         type=int,
-        default=3,
+        default=DEFAULT_NUM_SDE_STEPS,
         help="Trained steps: one contiguous window of K (0: all but the last); ignored with a strategy path.",
     )
     group.add_argument(
@@ -41,6 +46,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--diffusion-step-strategy-path", default=None, help="fn(args, rollout_id, num_steps) -> trained steps."
     )
+    add_mixgrpo_arguments(group)
     group.add_argument("--debug-rollout-only", action="store_true", help="Generate and score; never train.")
     group.add_argument("--save-debug-rollout-data", default=None, help="Save each rollout's train data: DIR.")
     group.add_argument(
@@ -58,6 +64,85 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         default=4,
         help="Video: samples of a rollout or eval saved as media/NAME/sample_K.mp4 (and contact sheet rows).",
     )
+
+
+def add_mixgrpo_arguments(group: argparse._ArgumentGroup) -> None:
+    """MixGRPO's sliding SDE window (arXiv 2507.21802), a step strategy for every SDE-sampling loss type."""
+    group.add_argument(
+        "--mixgrpo-window-size",
+        type=int,
+        default=None,
+        help="MixGRPO: train a sliding window of W SDE steps, the others ODE (FLUX recipe: 4). Replaces "
+        "--diffusion-num-sde-steps.",
+    )
+    group.add_argument(
+        "--mixgrpo-mode",
+        choices=("progressive", "random"),
+        default=MIXGRPO_DEFAULTS["mixgrpo_mode"],
+        help="progressive: the window moves by the stride every τ rollouts and rolls back to 0; random: its start "
+        "is drawn per rollout from (--rollout-seed, rollout id).",
+    )
+    group.add_argument(
+        "--mixgrpo-shift-interval",
+        type=int,
+        default=MIXGRPO_DEFAULTS["mixgrpo_shift_interval"],
+        help="τ: rollouts per window position (default 25, 20 with --mixgrpo-flash).",
+    )
+    group.add_argument(
+        "--mixgrpo-stride",
+        type=int,
+        default=MIXGRPO_DEFAULTS["mixgrpo_stride"],
+        help="Steps the progressive window moves per shift (0: it stays at step 0, the authors' Flash*).",
+    )
+    group.add_argument(
+        "--mixgrpo-flash",
+        action="store_true",
+        help="MixGRPO-Flash: after the window, DPM-Solver++(2M) on a compressed grid (rollout only; fewer forwards).",
+    )
+    group.add_argument(
+        "--mixgrpo-flash-ratio",
+        type=float,
+        default=MIXGRPO_FLASH_DEFAULTS["mixgrpo_flash_ratio"],
+        help="Flash: the N - L steps after the window's last step L become max(int((N - L)·ratio), 2) grid points.",
+    )
+
+
+def mixgrpo_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
+    """The MixGRPO flags need the window; the window replaces the other step strategies and needs SDE sampling."""
+    window = args.mixgrpo_window_size
+    if not window:
+        given = [k for k, v in {**MIXGRPO_DEFAULTS, **MIXGRPO_FLASH_DEFAULTS}.items() if getattr(args, k) != v]
+        verb = "needs" if len(given) == 1 else "need"
+        return [f"{', '.join(flag(k) for k in given)} {verb} --mixgrpo-window-size (MixGRPO's window)"] if given else []
+    errors = []
+    if not algorithm.samples_sde:
+        errors.append(
+            f"--mixgrpo-window-size chooses SDE steps; --loss-type {algorithm.name} samples no SDE trajectories"
+        )
+    if args.diffusion_sde_type == "ode":
+        errors.append("--mixgrpo-window-size needs SDE steps; --diffusion-sde-type ode has none")
+    others = {
+        "diffusion_step_strategy_path": args.diffusion_step_strategy_path,
+        "diffusion_sde_window_range": args.diffusion_sde_window_range,
+        "diffusion_num_sde_steps": args.diffusion_num_sde_steps != DEFAULT_NUM_SDE_STEPS,
+    }
+    for dest, given in others.items():
+        if given:
+            errors.append(f"--mixgrpo-window-size and {flag(dest)} both choose the trained steps: give one of them")
+    if window > args.diffusion_num_steps - 2:
+        errors.append(
+            f"--mixgrpo-window-size {window} must be <= --diffusion-num-steps {args.diffusion_num_steps} - 2 (the "
+            "window never holds the last two steps)"
+        )
+    if args.mixgrpo_mode == "random":
+        ignored = [
+            flag(k) for k in ("mixgrpo_shift_interval", "mixgrpo_stride") if getattr(args, k) != MIXGRPO_DEFAULTS[k]
+        ]
+        if ignored:
+            errors.append(f"{', '.join(ignored)} move the progressive window; --mixgrpo-mode random draws it")
+    if args.mixgrpo_flash_ratio != MIXGRPO_FLASH_DEFAULTS["mixgrpo_flash_ratio"] and not args.mixgrpo_flash:
+        errors.append("--mixgrpo-flash-ratio needs --mixgrpo-flash")
+    return errors
 
 
 def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
@@ -227,7 +312,7 @@ def rl_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
             f"--diffusion-shared-initial-noise is for SDE rollouts; --loss-type {algorithm.name} samples no SDE "
             "trajectories"
         )
-    errors += rollout_step_rules(args, algorithm)
+    errors += mixgrpo_rules(args, algorithm) + rollout_step_rules(args, algorithm)
     if args.save_debug_rollout_data and args.load_debug_rollout_data:
         errors.append("--save-debug-rollout-data and --load-debug-rollout-data exclude each other")
     errors += remote_rules(args)

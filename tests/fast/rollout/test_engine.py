@@ -228,6 +228,8 @@ def test_request_validation():
         request(sde_type="ode")
     with pytest.raises(ValueError, match="--diffusion-sde-type"):
         request(sde_type="euler")
+    with pytest.raises(ValueError, match="needs an SDE window"):
+        request(trained_steps=[], flash_ratio=0.4)
 
 
 def test_split_evenly():
@@ -344,3 +346,31 @@ def test_an_engine_actor_on_cpu_keeps_its_heap_before_loading(tiny_pipeline_dir,
     assert events == ["gc", "heap", "load"]
     DiffusionEngine(tiny_pipeline_dir)
     assert events == ["gc", "heap", "load", "load"]
+
+
+def test_flash_keeps_the_window_bit_for_bit_and_runs_dpm_solver_after_it(engine, family, fresh_transformer):
+    two = dict(prompts=PROMPTS[:2], seeds=SEEDS[:2], num_steps=8, guidance_scale=1.0, trained_steps=[1, 2])
+    plain, flash = engine.generate(request(**two)), engine.generate(request(**two, flash_ratio=0.5))
+    for name in ("latents", "next_latents", "log_probs"):
+        assert torch.equal(getattr(flash, name), getattr(plain, name))  # the window precedes the Flash part
+    grid = flash.sigmas.double()
+    assert len(grid) == 3 + 3 and torch.equal(grid[:4], plain.sigmas[:4].double())  # max(int((8 − 2)·0.5), 2) = 3
+    assert (grid[3:].diff() < 0).all() and grid[-1] == 0.0
+
+    def denoised(x, i):
+        v = family.predict_velocity(fresh_transformer, x, flash.sigmas[i].expand(2), flash.conditioning)
+        return x.double() - grid[i] * v.double()
+
+    # DPM-Solver++(2M), x₀ form, written out: λ = log((1 − σ)/σ), x' = (σ'/σ)x − α'(e^{−h} − 1)(D0 + D1/2)
+    lam = torch.log((1 - grid[:-1]) / grid[:-1])
+    previous, x = denoised(flash.latents[:, -1], 2), flash.next_latents[:, -1].double()
+    for i in (3, 4):
+        d0 = denoised(x.float(), i)
+        if grid[i + 1] == 0:
+            x = d0  # the last step is first order: x̂₀
+        else:
+            h = lam[i + 1] - lam[i]
+            d1 = (d0 - previous) / ((lam[i] - lam[i - 1]) / h)
+            x = grid[i + 1] / grid[i] * x - (1 - grid[i + 1]) * (torch.exp(-h) - 1) * (d0 + d1 / 2)
+        previous = d0
+    assert (flash.final_latents.double() - x).abs().max().item() <= 1e-5

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from miles.rollout.step_strategy_hub import select_trained_steps
+from miles.rollout.step_strategy_hub import flash_ratio, select_trained_steps
 from miles.utils.misc import HookLoadError, function_registry
 
 
@@ -145,3 +145,80 @@ def test_zero_window_means_all_but_last():
 def test_missing_custom_strategy_file_is_a_load_error(tmp_path):
     with pytest.raises(HookLoadError, match="does not exist"):
         select_trained_steps(make_args(diffusion_step_strategy_path=f"{tmp_path}/nope.py:fn"), 0)
+
+
+def mixgrpo_args(**overrides):
+    values = dict(
+        diffusion_num_steps=25,
+        mixgrpo_window_size=4,
+        mixgrpo_mode="progressive",
+        mixgrpo_shift_interval=25,
+        mixgrpo_stride=1,
+        mixgrpo_flash=False,
+        mixgrpo_flash_ratio=0.4,
+    )
+    values.update(overrides)
+    return make_args(**values)
+
+
+@pytest.mark.parametrize(
+    ("k", "window"), [(0, [0, 1, 2, 3]), (24, [0, 1, 2, 3]), (25, [1, 2, 3, 4]), (299, range(11, 15))]
+)
+def test_mixgrpo_progressive_windows_at_given_rollouts(k, window):
+    assert select_trained_steps(mixgrpo_args(), k) == list(window)
+
+
+def test_mixgrpo_progressive_window_rolls_back_and_defaults_its_interval_by_flash():
+    # max_t = 23: starts 0..23 (24 positions), clamped to 19 = max_t − w; position 24 is start 0 again
+    assert select_trained_steps(mixgrpo_args(), 23 * 25) == [19, 20, 21, 22]
+    assert select_trained_steps(mixgrpo_args(), 24 * 25) == [0, 1, 2, 3]
+    assert select_trained_steps(mixgrpo_args(mixgrpo_stride=3), 2 * 25) == [6, 7, 8, 9]  # 3·(2 mod (23//3 + 1))
+    assert select_trained_steps(mixgrpo_args(mixgrpo_stride=3), 8 * 25) == [0, 1, 2, 3]  # 8 positions: 0, 3 .. 21
+    assert select_trained_steps(mixgrpo_args(mixgrpo_stride=0), 10_000) == [0, 1, 2, 3]  # Flash*: fixed at 0
+    assert select_trained_steps(mixgrpo_args(mixgrpo_shift_interval=None), 25) == [1, 2, 3, 4]  # τ 25
+    assert select_trained_steps(mixgrpo_args(mixgrpo_shift_interval=None, mixgrpo_flash=True), 20) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("mode", ["progressive", "random"])
+@pytest.mark.parametrize(("num_steps", "window", "interval"), [(25, 4, 1), (10, 8, 3), (6, 1, 1)])
+def test_mixgrpo_window_never_holds_the_last_two_steps(mode, num_steps, window, interval):
+    args = mixgrpo_args(
+        diffusion_num_steps=num_steps, mixgrpo_window_size=window, mixgrpo_mode=mode, mixgrpo_shift_interval=interval
+    )
+    seen = set()
+    for k in range(3000):
+        steps = select_trained_steps(args, k)
+        assert steps == list(range(steps[0], steps[0] + window)) and steps[0] >= 0
+        assert steps[-1] <= num_steps - 3  # neither N − 2 nor N − 1
+        seen.add(steps[0])
+    assert seen == set(range(num_steps - 2 - window + 1))  # every start in 0 .. max_t − w is reached
+
+
+def test_mixgrpo_random_windows_are_reproducible_seeded_and_their_own_stream():
+    args = mixgrpo_args(mixgrpo_mode="random", mixgrpo_shift_interval=None)
+    starts = [select_trained_steps(args, k)[0] for k in range(200)]
+    assert starts == [select_trained_steps(mixgrpo_args(mixgrpo_mode="random"), k)[0] for k in range(200)]
+    other_seed = [select_trained_steps(mixgrpo_args(mixgrpo_mode="random", rollout_seed=7), k)[0] for k in range(200)]
+    assert starts != other_seed
+    window_strategy = [
+        select_trained_steps(
+            make_args(diffusion_num_steps=25, diffusion_num_sde_steps=4, diffusion_sde_window_range="0,23"), k
+        )[0]
+        for k in range(200)
+    ]
+    assert starts != window_strategy  # same range and seed, another stream
+    assert len(set(starts[:25])) > 1  # drawn per rollout, not per τ
+
+
+def test_mixgrpo_refuses_another_strategy_and_a_window_that_does_not_fit():
+    with pytest.raises(ValueError, match="--diffusion-step-strategy-path"):
+        select_trained_steps(mixgrpo_args(diffusion_step_strategy_path="m.f"), 0)
+    with pytest.raises(ValueError, match="--mixgrpo-window-size 24 must be in"):
+        select_trained_steps(mixgrpo_args(mixgrpo_window_size=24), 0)
+
+
+def test_flash_ratio_only_with_the_window_and_flash():
+    assert flash_ratio(mixgrpo_args(mixgrpo_flash=True)) == 0.4
+    assert flash_ratio(mixgrpo_args()) is None
+    assert flash_ratio(mixgrpo_args(mixgrpo_window_size=None, mixgrpo_flash=True)) is None
+    assert flash_ratio(make_args()) is None

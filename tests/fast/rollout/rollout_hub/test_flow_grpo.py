@@ -111,3 +111,20 @@ def test_the_request_samples_the_sde_kernel_on_the_strategys_steps():
     assert trained_steps_per_sample(None, request) == NUM_STEPS - 1
     shared = sde_request(sampling_args(diffusion_shared_initial_noise=True), samples, rollout_id=2, resolution=32)
     assert shared.initial_seeds == [10, 10, 12, 12]  # each group starts from its first sample's latent
+
+
+def test_the_request_asks_for_flash_after_the_mixgrpo_window():
+    samples = [Sample(index=i, prompt=f"p{i}", seed=10 + i, group_index=i // 2) for i in range(4)]
+    mixgrpo = dict(
+        diffusion_num_steps=8,
+        mixgrpo_window_size=2,
+        mixgrpo_mode="progressive",
+        mixgrpo_shift_interval=1,
+        mixgrpo_stride=1,
+        mixgrpo_flash_ratio=0.4,
+    )
+    flash = sde_request(sampling_args(**mixgrpo, mixgrpo_flash=True), samples, rollout_id=3, resolution=32)
+    assert flash.trained_steps == [3, 4] and flash.flash_ratio == 0.4
+    plain = sde_request(sampling_args(**mixgrpo, mixgrpo_flash=False), samples, rollout_id=3, resolution=32)
+    assert plain.trained_steps == [3, 4] and plain.flash_ratio is None
+    assert sde_request(sampling_args(), samples, rollout_id=3, resolution=32).flash_ratio is None
