@@ -46,7 +46,9 @@ def read_preference_file(path: str, *, check_images: bool = True) -> list[Prefer
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise PreferenceDataError(f"{path}:{line_no}: not UTF-8 (byte 0x{raw[exc.start]:02x}) ({where})") from None
+                raise PreferenceDataError(
+                    f"{path}:{line_no}: not UTF-8 (byte 0x{raw[exc.start]:02x}) ({where})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -92,7 +94,9 @@ def _image_path(row: dict, key: str, base: str, path: str, line_no: int, where: 
         with Image.open(image_path) as image:
             image.verify()
     except (OSError, UnidentifiedImageError, SyntaxError) as exc:  # PIL raises SyntaxError for some broken files
-        raise PreferenceDataError(f"{path}:{line_no}: {key} {image_path} is not a readable image ({exc}; {where})") from None
+        raise PreferenceDataError(
+            f"{path}:{line_no}: {key} {image_path} is not a readable image ({exc}; {where})"
+        ) from None
     return image_path
 
 

@@ -104,7 +104,9 @@ def preference_pairs(args: argparse.Namespace, family: Any, records: list[dict],
     chosen = encode_records(family, records, resolution)
     rejected = []
     for start in range(0, len(records), ENCODE_BATCH):
-        images = torch.stack([image_to_tensor(r["rejected"], resolution) for r in records[start : start + ENCODE_BATCH]])
+        images = torch.stack(
+            [image_to_tensor(r["rejected"], resolution) for r in records[start : start + ENCODE_BATCH]]
+        )
         rejected.append(family.encode_images(images).float().cpu())
     x0_w = chosen.pop("x0")
     return {"x0_w": x0_w, "x0_l": torch.cat(rejected), "weight": torch.ones(x0_w.shape[0]), **chosen}

@@ -41,9 +41,7 @@ def refresh_due(global_step: int, *, interval: int, steps_per_rollout: int) -> b
 def refresh_reference(ctx: DiffusionLossContext, *, global_step: int) -> dict[str, float]:
     """The per-rollout step: θ_ref ← θ (decay 0) when a refresh is due, else nothing (offline: never, by default)."""
     args = ctx.args
-    due = refresh_due(
-        global_step, interval=args.dpo_ref_update_interval, steps_per_rollout=args.num_steps_per_rollout
-    )
+    due = refresh_due(global_step, interval=args.dpo_ref_update_interval, steps_per_rollout=args.num_steps_per_rollout)
     return {REF_NETWORK: 0.0} if due else {}
 
 
