@@ -70,11 +70,11 @@ def online_pairs(
     gap = torch.zeros(batch, dtype=torch.float32)
     rewards = [float(s.reward if s.reward is not None else 0.0) for s in samples]
     groups = split_groups(samples)
-    for group, (w, l, kept) in zip(groups, group_pairs(args, samples)):
+    for group, (best, worst, kept) in zip(groups, group_pairs(args, samples)):
         rows = torch.tensor([s.index - first for s in group])
-        chosen[rows], rejected[rows] = w - first, l - first
+        chosen[rows], rejected[rows] = best - first, worst - first
         weight[rows] = float(kept)
-        gap[rows] = rewards[w - first] - rewards[l - first]
+        gap[rows] = rewards[best - first] - rewards[worst - first]
     latents = result.final_latents.float()
     return {
         "x0_w": latents[chosen],
