@@ -84,7 +84,10 @@ RULES = """## Rules checked before start-up
   given is loaded and its signature checked before any actor starts (docs/user-guide/customization.md lists them).
 - Each algorithm's own rules (its `validate`) see the run's values with the computed defaults filled in: `dmd2`
   requires `--teacher-load` and refuses `--diffusion-guidance-scale` above 1; `policy_loss` needs stochastic steps;
-  a KL weight above 0 needs a `--ref-mode`.
+  a KL weight above 0 needs a `--ref-mode`; `dpo` pairs `--train-only` with `--dpo-preference-data` (offline; each
+  record is one pair, `--n-samples-per-prompt` is set to 1, no eval), reads and checks that file line by line (keys,
+  images that exist and open, `preferred` 0 or 1; errors name FILE:LINE), and online needs `--n-samples-per-prompt`
+  ≥ 2 (`--dpo-keep-zero-spread` only online).
 - `--rm-url` must start with `http://` or `https://`. Without `vlm_judge` in `--rm-type`, every `--rm-url` is a
   reward server (`remote<K>` in the reward spec and the metrics; with no `--rm-type` and no `--custom-rm-path` the
   servers are the whole spec) and `--rm-url-weight`, when given, has one weight per `--rm-url`; `--rm-model` is

@@ -55,7 +55,10 @@ class RolloutManager:
     # ---- dataset-fed (DatasetSpec) --------------------------------------------------------------
     def _init_dataset(self) -> None:
         started = time.perf_counter()
-        records = load_records(self.args, with_images=True, resolution=self.resolution)
+        if self.spec.records is not None:  # the entry's own records (a file its flag names)
+            records = self.spec.records(self.args, resolution=self.resolution)
+        else:
+            records = load_records(self.args, with_images=True, resolution=self.resolution)
         self.dataset_pairs = self.spec.encode(self.args, self.family, records, resolution=self.resolution)
         logger.info("encoded %d dataset records in %.1fs", len(records), time.perf_counter() - started)
         self.source = self._source(records)

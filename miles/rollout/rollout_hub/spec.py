@@ -17,6 +17,7 @@ RequestFn = Callable[..., GenerateRequest]  # (args, samples, *, rollout_id, res
 ConvertFn = Callable[..., TrainPairs]  # (args, samples, result, advantages, *, rollout_id) -> TrainPairs
 PairsPerSampleFn = Callable[..., int]  # (args, request) -> pairs per sample, sample-major in the converted pairs
 EncodeFn = Callable[..., TrainPairs]  # (args, family, records, *, resolution) -> TrainPairs, row i from records[i]
+RecordsFn = Callable[..., list]  # (args, *, resolution) -> records, each a dict with at least "prompt"
 
 
 def no_metrics(request: GenerateRequest) -> dict[str, Any]:
@@ -32,9 +33,13 @@ class DatasetSpec:
     """An algorithm that trains on (prompt, image) records instead of generated samples: `encode` turns every record
     (loaded with its image at the run's resolution) into train pairs once, at start-up, with the encoders it loads
     itself; each rollout then trains the rows the data source picks (`PromptDataSource.indices`). No engine starts,
-    no reward is scored, nothing is generated (so --async-rollout and the held-out eval have nothing to work on)."""
+    no reward is scored, nothing is generated (so --async-rollout and the held-out eval have nothing to work on).
+
+    `records`: where the records come from when they are not --prompt-data's (prompt, image) records (None), e.g.
+    a file of preference pairs its own flag names and its declaration's rules validated at parse time."""
 
     encode: EncodeFn
+    records: RecordsFn | None = None
 
 
 @dataclass(frozen=True)
