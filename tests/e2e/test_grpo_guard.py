@@ -32,15 +32,15 @@ def test_ratio_is_one_and_log_probs_match_before_first_update(ray_cluster, tiny_
             "--custom-rm-path",
             BRIGHTNESS,
             "--rollout-batch-size",
-            "2",
+            "1",
             "--n-samples-per-prompt",
             "2",
             "--diffusion-num-steps",
-            "6",
+            "4",
             "--diffusion-guidance-scale",
             "1.0",
             "--num-steps-per-rollout",
-            "2",
+            "1",
             "--micro-batch-size",
             "4",
             "--num-rollout",
@@ -58,9 +58,8 @@ def test_ratio_is_one_and_log_probs_match_before_first_update(ray_cluster, tiny_
         ]
     )
     train_diffusion.run(args)
-    windows = [m for m in read_metrics(os.path.join(tmp_path, "metrics.jsonl")) if m.get("role") == "actor"]
-    first = windows[0]
-    assert first["train/ratio_mean"] == 1.0, first
-    assert first["train/log_prob_abs_diff"] < 1e-6, first
-    assert first["train/mean_abs_diff"] < 1e-6, first
-    assert len(windows) == 2 and all(w["train/grad_norm"] > 0 for w in windows), windows
+    (window,) = [m for m in read_metrics(os.path.join(tmp_path, "metrics.jsonl")) if m.get("role") == "actor"]
+    assert window["train/ratio_mean"] == 1.0, window
+    assert window["train/log_prob_abs_diff"] < 1e-6, window
+    assert window["train/mean_abs_diff"] < 1e-6, window
+    assert window["train/grad_norm"] > 0, window
