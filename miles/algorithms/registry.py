@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from miles.algorithms import custom, dmd2, dpo, flow_grpo, nft, sft
+from miles.algorithms import custom, dmd2, dpo, flow_dppo, flow_grpo, grpo_guard, nft, sft
 from miles.algorithms.base import Algorithm
 
 BUILTIN_ALGORITHMS: tuple[Algorithm, ...] = (
     sft.ALGORITHM,
+    grpo_guard.ALGORITHM,  # before policy_loss: the plot recognises a run by the first record whose metrics it logged
+    flow_dppo.ALGORITHM,
     flow_grpo.ALGORITHM,
     nft.ALGORITHM,
     dmd2.ALGORITHM,

@@ -1,5 +1,5 @@
-"""One reverse step of flow-matching sampling (Flow-GRPO `sde`, `cps`, plain `ode`, DMD2's `renoise`) and its
-log-prob.
+"""One reverse step of flow-matching sampling (Flow-GRPO `sde`, `cps`, DanceGRPO's `dance`, plain `ode`, DMD2's
+`renoise`) and its log-prob.
 
 Every step computes in float32 whatever the input dtype; log-probs are means over non-batch dims, never sums.
 """
@@ -68,10 +68,15 @@ def sde_step(
     grid's last step), which is never trained.
     """
     x, v, s, s_next = _prepare(latents, velocity, sigma, sigma_next)
-    dt = s_next - s
     is_one = torch.isclose(s, torch.ones_like(s), rtol=0.0, atol=SIGMA_ONE_ATOL)
     s_tilde = torch.where(is_one, torch.full_like(s, float(sigma_max)), s)
     std_t = noise_level * torch.sqrt(s / (1 - s_tilde))
+    return _flow_sde(x, v, s, s_next, std_t, prev_sample, generator, noise)
+
+
+def _flow_sde(x, v, s, s_next, std_t, prev_sample, generator, noise) -> StepResult:
+    """Flow-GRPO's step mean and Gaussian log-prob for a given std_t (broadcastable to x)."""
+    dt = s_next - s
     mean = x * (1 + std_t**2 * dt / (2 * s)) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
     step_std = std_t * torch.sqrt(-dt)
     drawn = _draw(mean, prev_sample, generator, noise)
@@ -80,6 +85,26 @@ def sde_step(
         -((next_latents.detach() - mean) ** 2) / (2 * step_std**2) - torch.log(step_std) - 0.5 * math.log(2 * math.pi)
     )
     return StepResult(next_latents, mean, std_t.flatten(), step_std.flatten(), _mean_over_dims(log_density))
+
+
+def dance_step(
+    latents: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma: torch.Tensor | float,
+    sigma_next: torch.Tensor | float,
+    *,
+    noise_level: float,
+    sigma_max: float = 1.0,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+) -> StepResult:
+    """DanceGRPO step: Flow-GRPO's mean and log-prob with a constant std_t = η (`noise_level`), so the step std is
+    s = η·√(−dt) and nothing divides by 1 − σ (`sigma_max` is unused: uniform API)."""
+    del sigma_max
+    x, v, s, s_next = _prepare(latents, velocity, sigma, sigma_next)
+    std_t = torch.full_like(s, float(noise_level))
+    return _flow_sde(x, v, s, s_next, std_t, prev_sample, generator, noise)
 
 
 def cps_step(
@@ -169,6 +194,7 @@ def renoise_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
 SDE_KERNELS: dict[str, Callable[..., StepResult]] = {
     "sde": sde_step,
     "cps": cps_step,
+    "dance": dance_step,
     "ode": ode_step,
     "renoise": renoise_step,
 }

@@ -49,6 +49,7 @@ class GenerateRequest:
     initial_seeds: list[int] | None = None  # prompt i's initial latent from initial_seeds[i]; its steps' from seeds[i]
     # MixGRPO-Flash: after the last trained step L, DPM-Solver++(2M) on `flash_sigmas(grid, L, flash_ratio, shift)`
     flash_ratio: float | None = None
+    record_means: bool = False  # also return each trained step's mean μ_old (GenerateResult.means)
 
     def rows(self, start: int, end: int) -> GenerateRequest:
         """The request for prompts [start, end) only, with their seeds and initial seeds."""
@@ -98,6 +99,7 @@ class GenerateResult:
     negative: Conditioning | None  # 1 row; None without CFG (or return_negative)
     weights_version: int
     denoised: torch.Tensor | None = None  # (B, K, *latent) x̂₀ = x − σ·v of the trained steps; `renoise` only
+    means: torch.Tensor | None = None  # (B, K, *latent) the trained steps' means; only with request.record_means
     fps: float | None = None
     audio: torch.Tensor | None = None
     sample_rate: int | None = None
@@ -129,6 +131,7 @@ class GenerateResult:
             negative=first.negative,
             weights_version=versions[0],
             denoised=None if first.denoised is None else torch.cat([p.denoised for p in parts]),
+            means=None if first.means is None else torch.cat([p.means for p in parts]),
             fps=first.fps,
             audio=audio,
             sample_rate=first.sample_rate,
@@ -310,7 +313,7 @@ class DiffusionEngine:
         x = noise[:, 0].contiguous()
         kernel, ode = get_sde_kernel(request.sde_type), get_sde_kernel("ode")
         trained = set(request.trained_steps)
-        recorded_in, recorded_out, log_probs, denoised = [], [], [], []
+        recorded_in, recorded_out, log_probs, denoised, means = [], [], [], [], []
         denoised_prev = denoised_now = None  # MixGRPO-Flash: x̂₀ of the last two steps from the window's last one
         for i in range(len(sigmas) - 1):
             sigma, sigma_next = sigmas_dev[i].expand(batch), sigmas_dev[i + 1].expand(batch)
@@ -341,6 +344,8 @@ class DiffusionEngine:
                 log_probs.append(result.log_prob if result.log_prob is not None else torch.full_like(sigma, torch.nan))
                 if request.sde_type == "renoise":
                     denoised.append(result.mean)  # renoise's mean is the step's x̂₀
+                if request.record_means:
+                    means.append(result.mean)
             x = result.next_latents
         media = family.decode_latents(x) if request.decode else None
         return GenerateResult(
@@ -355,6 +360,7 @@ class DiffusionEngine:
             negative=None if negative is None else negative.to(device="cpu", dtype=torch.float32),
             weights_version=self.version,
             denoised=_stack_steps(denoised, batch, shape) if request.sde_type == "renoise" else None,
+            means=_stack_steps(means, batch, shape) if request.record_means else None,
             fps=None if media is None else media.fps,
             audio=None if media is None or media.audio is None else media.audio.float().cpu(),
             sample_rate=None if media is None else media.sample_rate,

@@ -27,7 +27,12 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         "update, recorded as rollout/staleness. policy_loss (without --diffusion-recompute-old-log-prob), nft and "
         "dmd2 only (docs/user-guide/performance.md).",
     )
-    group.add_argument("--diffusion-sde-type", choices=("sde", "cps", "ode"), default="sde", help="Step kernel.")
+    group.add_argument(
+        "--diffusion-sde-type",
+        choices=("sde", "cps", "dance", "ode"),
+        default="sde",
+        help="Step kernel (dance: DanceGRPO's, Flow-GRPO's mean with a constant std_t = the noise level).",
+    )
     group.add_argument("--diffusion-noise-level", type=float, default=0.7, help="SDE noise level a.")
     group.add_argument(
         "--diffusion-shared-initial-noise",

@@ -51,3 +51,32 @@ def test_a_plugin_that_fails_to_import_names_the_flag(tmp_path, capsys):
         parse_args([*BASE, "--loss-type", "x", "--algorithm-path", str(broken)])
     err = capsys.readouterr().err
     assert "--algorithm-path" in err and str(broken) in err and "boom" in err
+
+
+DANCE = str(Path(__file__).parents[2] / "examples" / "dance_grpo_steps.py") + ":random_steps"
+
+
+def test_the_dance_grpo_strategy_trains_a_seeded_random_60_percent_of_the_steps():
+    from miles.rollout.step_strategy_hub import select_trained_steps
+
+    args = parse_args(
+        [
+            *BASE,
+            "--loss-type",
+            "policy_loss",
+            "--diffusion-sde-type",
+            "dance",
+            "--diffusion-num-steps",
+            "16",
+            "--diffusion-step-strategy-path",
+            DANCE,
+        ]
+    )
+    draws = [select_trained_steps(args, rollout_id) for rollout_id in range(20)]
+    for steps in draws:  # validated by the strategy hub: sorted, unique, never the last step
+        assert len(steps) == 9 and steps == sorted(set(steps)) and 0 <= steps[0] and steps[-1] <= 14
+    assert draws[0] == select_trained_steps(args, 0)
+    assert len({tuple(s) for s in draws}) == 20  # a fresh subset each rollout, not a window
+    assert any(steps != list(range(steps[0], steps[0] + 9)) for steps in draws)
+    counts = [sum(i in steps for steps in draws) for i in range(15)]
+    assert min(counts) > 0  # over 20 rollouts every trainable step is drawn

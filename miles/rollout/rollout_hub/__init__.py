@@ -8,7 +8,7 @@ import argparse
 
 from miles.algorithms import get_algorithm
 from miles.rollout.requests import group_initial_seeds, ode_eval, sampler_request
-from miles.rollout.rollout_hub import custom, dmd2, dpo, flow_grpo, nft, sft
+from miles.rollout.rollout_hub import custom, dmd2, dpo, flow_dppo, flow_grpo, grpo_guard, nft, sft
 from miles.rollout.rollout_hub.dmd2 import generator_eval, generator_pairs, generator_request, one_pair
 from miles.rollout.rollout_hub.flow_grpo import sde_pairs, sde_request, trained_steps_per_sample
 from miles.rollout.rollout_hub.nft import nft_pairs, nft_pairs_count, ode_request
@@ -39,6 +39,8 @@ __all__ = [  # what a plugin builds its entry from
 ROLLOUT_SPECS: dict[str, RolloutSpec | DatasetSpec] = {
     "sft_loss": sft.SPEC,
     "policy_loss": flow_grpo.SPEC,
+    "grpo_guard": grpo_guard.SPEC,
+    "flow_dppo": flow_dppo.SPEC,
     "nft": nft.SPEC,
     "dmd2": dmd2.SPEC,
     "dpo": dpo.SPEC,

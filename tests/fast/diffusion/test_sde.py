@@ -1,4 +1,5 @@
-"""Step kernels: log-probs against torch.distributions, Euler limit, marginal preservation, CPS coefficients."""
+"""Step kernels: log-probs against torch.distributions, Euler limit, marginal preservation, CPS coefficients, the
+DanceGRPO kernel."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from miles.diffusion.schedule import sampling_sigmas
 from miles.diffusion.sde import (
     SDE_KERNELS,
     cps_step,
+    dance_step,
     get_sde_kernel,
     kl_to_reference,
     ode_step,
@@ -135,7 +137,7 @@ def test_log_prob_is_a_mean_not_a_sum_over_dims():
 
 
 def test_unknown_kernel_lists_valid_names():
-    with pytest.raises(ValueError, match="cps, ode, renoise, sde"):
+    with pytest.raises(ValueError, match="cps, dance, ode, renoise, sde"):
         get_sde_kernel("ddim")
 
 
@@ -163,3 +165,35 @@ def test_renoise_grid_is_uniform_in_u_then_shifted():
     torch.testing.assert_close(renoise_sigmas(1, shift=3.0), torch.tensor([1.0, 0.0]))
     grid = renoise_sigmas(2, shift=3.0)
     assert grid[1].item() == pytest.approx(3 * 0.5 / (1 + 2 * 0.5))
+
+
+def test_dance_mean_is_the_sde_mean_with_std_t_eta():
+    # at σ the sde kernel's std_t is a·√(σ/(1 − σ)): with a = η·√((1 − σ)/σ) both kernels have std_t = η
+    torch.manual_seed(1)
+    x, v = torch.randn(3, 2, 4, 4), torch.randn(3, 2, 4, 4)
+    sigma, sigma_next, eta = torch.tensor([0.9, 0.6, 0.3]), torch.tensor([0.8, 0.45, 0.1]), 0.3
+    out = dance_step(x, v, sigma, sigma_next, noise_level=eta, generator=torch.Generator().manual_seed(0))
+    for b in range(3):
+        s = sigma[b].item()
+        a = eta * math.sqrt((1 - s) / s)
+        ref = sde_step(x[b : b + 1], v[b : b + 1], s, sigma_next[b].item(), noise_level=a, sigma_max=0.96)
+        assert ref.std_t.item() == pytest.approx(eta, rel=1e-6)
+        torch.testing.assert_close(out.mean[b : b + 1], ref.mean)
+    assert torch.equal(out.std_t, torch.full((3,), eta))
+    torch.testing.assert_close(out.step_std, eta * torch.sqrt(sigma - sigma_next))
+
+
+def test_dance_log_prob_is_the_gaussian_written_out():
+    torch.manual_seed(2)
+    x, v, x_next = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
+    sigma, sigma_next, eta = torch.tensor([1.0, 0.5]), torch.tensor([0.9, 0.3]), 0.3  # σ = 1 needs no σ̃ here
+    out = dance_step(x, v, sigma, sigma_next, noise_level=eta, prev_sample=x_next)
+    for b in range(2):
+        s, sn = sigma[b].item(), sigma_next[b].item()
+        dt = sn - s
+        mu = x[b] * (1 + eta**2 * dt / (2 * s)) + v[b] * (1 + eta**2 * (1 - s) / (2 * s)) * dt
+        std = eta * math.sqrt(-dt)
+        density = -((x_next[b] - mu) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)
+        torch.testing.assert_close(out.mean[b], mu)
+        assert out.log_prob[b].item() == pytest.approx(density.mean().item(), rel=1e-5)
+    assert torch.equal(out.next_latents, x_next)

@@ -11,7 +11,7 @@ import torch
 from miles.diffusion.sde import get_sde_kernel
 from miles.models.base import get_train_pipeline_config
 from miles.ray.engine_group import EngineError, RolloutEngineGroup
-from miles.rollout.engine import DiffusionEngine, GenerateRequest, RolloutEngine
+from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult, RolloutEngine
 from miles.utils.misc import split_contiguous as split_evenly
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,26 @@ def test_recorded_log_probs_match_train_side_recompute(engine, family, fresh_tra
         diff = (recomputed - result.log_probs[:, k]).abs().max().item()
         logger.info("log-prob recompute |diff| %s cfg %s step %d: %.2e", sde_type, guidance_scale, step, diff)
         assert diff <= 1e-6
+
+
+def test_recorded_means_are_the_train_side_kernel_means_and_only_on_request(engine, family, fresh_transformer):
+    # the DanceGRPO kernel: GRPO-Guard / Flow-DPPO ask for the step means μ_old with record_means
+    dance = dict(sde_type="dance", noise_level=0.3, guidance_scale=1.0, prompts=PROMPTS[:2], seeds=SEEDS[:2])
+    asked = engine.generate(request(**dance, trained_steps=[0, 2], record_means=True))
+    plain = engine.generate(request(**dance, trained_steps=[0, 2]))
+    assert plain.means is None and torch.equal(plain.next_latents, asked.next_latents)
+    assert asked.means.shape == asked.latents.shape
+    batch = 2
+    for k, step in enumerate(asked.trained_steps):
+        sigma, sigma_next = asked.sigmas[step].expand(batch), asked.sigmas[step + 1].expand(batch)
+        velocity = family.predict_velocity(fresh_transformer, asked.latents[:, k], sigma, asked.conditioning)
+        out = get_sde_kernel("dance")(asked.latents[:, k], velocity, sigma, sigma_next, noise_level=0.3)
+        assert (out.mean - asked.means[:, k]).abs().max().item() <= 1e-6
+        # x' = μ + η·√(−dt)·z with the step's own noise: the record is the mean the sample was drawn around
+        z = (asked.next_latents[:, k] - asked.means[:, k]) / out.step_std.reshape(-1, 1, 1, 1)
+        assert 0.5 < z.std().item() < 1.5
+    joined = GenerateResult.concat([asked, asked])
+    assert torch.equal(joined.means, torch.cat([asked.means, asked.means]))
 
 
 def test_sample_trajectory_does_not_depend_on_batch_mates(engine):

@@ -44,7 +44,8 @@ def prepare_policy_batch(
     )
 
 
-def _step(ctx: DiffusionLossContext, batch: TrainPairs, velocity: torch.Tensor):
+def policy_step(ctx: DiffusionLossContext, batch: TrainPairs, velocity: torch.Tensor):
+    """The --diffusion-sde-type kernel scoring the recorded transition x -> x' of `batch` under `velocity`."""
     kernel = get_sde_kernel(ctx.args.diffusion_sde_type)
     return kernel(
         batch["latents"].to(ctx.device),
@@ -73,7 +74,7 @@ def policy_formula(
     """Sum over pairs of the clipped policy loss of the SDE step's log-prob, plus kl_beta·KL to `ref` when the
     prepare named it; in the recompute pass (`write_old_log_prob`) it stores the old log-probs and returns None."""
     args = ctx.args
-    step = _step(ctx, batch, new_pred)
+    step = policy_step(ctx, batch, new_pred)
     log_prob = step.log_prob
     if write_old_log_prob:
         batch["old_log_prob"].copy_(log_prob.detach().to(batch["old_log_prob"].device))
@@ -97,7 +98,7 @@ def policy_formula(
     metrics.add("train/policy_loss", loss)
     if REF_NETWORK in frozen_preds:
         with torch.no_grad():
-            ref_mean = _step(ctx, batch, frozen_preds[REF_NETWORK]).mean
+            ref_mean = policy_step(ctx, batch, frozen_preds[REF_NETWORK]).mean
         kl = kl_to_reference(step.mean, ref_mean, step.std_t)
         metrics.add("train/kl", kl)
         loss = loss + args.diffusion_kl_beta * kl
