@@ -60,7 +60,7 @@ FLAG_RANGES: dict[str, Range] = {
     # rewards and rollout steps
     "rm_num_workers": AT_LEAST_0, "generate_chunk_size": AT_LEAST_0, "diffusion_adv_clip_max": POSITIVE,
     "dynamic_sampling_max_rounds": AT_LEAST_0, "ocr_num_threads": AT_LEAST_0,
-    "rm_timeout": POSITIVE, "rm_retries": AT_LEAST_0, "rm_retry_backoff": AT_LEAST_0, "rm_batch_size": AT_LEAST_1,
+    "rm_url_weight": FINITE, "rm_timeout": POSITIVE, "rm_retries": AT_LEAST_0, "rm_retry_backoff": AT_LEAST_0, "rm_batch_size": AT_LEAST_1,
     "rm_max_concurrency": AT_LEAST_1, "vlm_judge_max_score": POSITIVE, "vlm_judge_default_score": FINITE,
     "vlm_judge_frames": AT_LEAST_1, "vlm_judge_max_tokens": AT_LEAST_1,
     # LoRA and EMA
@@ -74,6 +74,8 @@ FLAG_RANGES: dict[str, Range] = {
 def range_violation(dest: str, value: Any, ranges: Mapping[str, Range] = FLAG_RANGES) -> str | None:
     """Why `value` is out of `dest`'s range in `ranges` (None when it is in range, None, or the flag has no range)."""
     bounds = ranges.get(dest)
+    if isinstance(value, (list, tuple)):  # a flag given several times (action="append"): each value in range
+        return next((p for v in value if (p := range_violation(dest, v, ranges))), None)
     if bounds is None or value is None or isinstance(value, bool) or bounds.contains(value):
         return None
     return f"--{dest.replace('_', '-')} must be {bounds.describe()}, got {value}"
