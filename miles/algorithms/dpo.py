@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm, FrozenNetwork, Role
+from miles.utils.jsonl import read_jsonl_objects
 from miles.utils.ranges import AT_LEAST_0, POSITIVE
 
 REFERENCE = FrozenNetwork("dpo_ref", "shadow")  # θ_ref: a copy of θ at start, moved only by the refresh
@@ -36,46 +37,25 @@ def read_preference_file(path: str, *, check_images: bool = True) -> list[Prefer
     image paths relative to the file (or absolute). Blank lines are skipped. With `check_images` each image must exist
     and be readable as an image (PIL opens and verifies it; pixels are decoded later, when it is encoded)."""
     where = f"--dpo-preference-data {path}"
-    if not os.path.isfile(path):
-        raise PreferenceDataError(f"{where}: file not found")
     base = os.path.dirname(os.path.abspath(path))
     records: list[PreferenceRecord] = []
-    line_no = 0
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise PreferenceDataError(
-                    f"{path}:{line_no}: not UTF-8 (byte 0x{raw[exc.start]:02x}) ({where})"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PreferenceDataError(f"{path}:{line_no}: not valid JSON ({exc.msg}) ({where})") from None
-            if not isinstance(row, dict):
-                raise PreferenceDataError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
-            missing = [key for key in PREFERENCE_KEYS if key not in row]
-            if missing:
-                raise PreferenceDataError(
-                    f"{path}:{line_no}: missing key(s) {', '.join(repr(k) for k in missing)} (a record is "
-                    f'{{"prompt", "image_0", "image_1", "preferred"}}; {where})'
-                )
-            if not isinstance(row["prompt"], str) or not row["prompt"].strip():
-                raise PreferenceDataError(f"{path}:{line_no}: 'prompt' must be a non-empty string ({where})")
-            preferred = row["preferred"]
-            if isinstance(preferred, bool) or preferred not in (0, 1):
-                raise PreferenceDataError(
-                    f"{path}:{line_no}: 'preferred' must be 0 or 1 (which of image_0 / image_1 is preferred), got "
-                    f"{json.dumps(preferred)} ({where})"
-                )
-            images = [_image_path(row, key, base, path, line_no, where, check_images) for key in ("image_0", "image_1")]
-            records.append(PreferenceRecord(row["prompt"], images[preferred], images[1 - preferred]))
-    if not records:
-        what = "the file is empty" if line_no == 0 else f"its {line_no} line(s) are blank"
-        raise PreferenceDataError(f"{path}:{max(line_no, 1)}: no records ({what}; {where})")
+    for line_no, row in read_jsonl_objects(path, PreferenceDataError, where=where):
+        missing = [key for key in PREFERENCE_KEYS if key not in row]
+        if missing:
+            raise PreferenceDataError(
+                f"{path}:{line_no}: missing key(s) {', '.join(repr(k) for k in missing)} (a record is "
+                f'{{"prompt", "image_0", "image_1", "preferred"}}; {where})'
+            )
+        if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+            raise PreferenceDataError(f"{path}:{line_no}: 'prompt' must be a non-empty string ({where})")
+        preferred = row["preferred"]
+        if isinstance(preferred, bool) or preferred not in (0, 1):
+            raise PreferenceDataError(
+                f"{path}:{line_no}: 'preferred' must be 0 or 1 (which of image_0 / image_1 is preferred), got "
+                f"{json.dumps(preferred)} ({where})"
+            )
+        images = [_image_path(row, key, base, path, line_no, where, check_images) for key in ("image_0", "image_1")]
+        records.append(PreferenceRecord(row["prompt"], images[preferred], images[1 - preferred]))
     return records
 
 

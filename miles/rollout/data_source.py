@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 import os
 from typing import Any
@@ -14,6 +13,7 @@ import numpy as np
 
 from miles.data.ocr import BUILTIN_OCR, ocr_prompts
 from miles.data.shapes import shapes_items, shapes_prompts
+from miles.utils.jsonl import read_jsonl_objects
 from miles.utils.seeding import stream_rng
 
 logger = logging.getLogger(__name__)
@@ -29,46 +29,25 @@ def read_jsonl_records(
     path: str, *, input_key: str, metadata_key: str, image_key: str | None = None
 ) -> list[dict[str, Any]]:
     """Records {"prompt", "metadata", ["image"]}; image paths resolve relative to the JSONL file."""
-    if not os.path.isfile(path):
-        raise PromptDataError(f"--prompt-data {path}: file not found")
     base = os.path.dirname(os.path.abspath(path))
     records = []
-    line_no = 0
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise PromptDataError(
-                    f"{path}:{line_no}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PromptDataError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(row, dict):
-                raise PromptDataError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
-            prompt = row.get(input_key)
-            if not isinstance(prompt, str):
-                raise PromptDataError(f"{path}:{line_no}: missing string field {input_key!r} (--input-key)")
-            metadata = row.get(metadata_key) or {}
-            if not isinstance(metadata, dict):
-                raise PromptDataError(f"{path}:{line_no}: field {metadata_key!r} (--metadata-key) must be an object")
-            record: dict[str, Any] = {"prompt": prompt, "metadata": metadata}
-            if image_key is not None:
-                image = row.get(image_key)
-                if not isinstance(image, str):
-                    raise PromptDataError(f"{path}:{line_no}: missing image path field {image_key!r} (--image-key)")
-                image_path = image if os.path.isabs(image) else os.path.join(base, image)
-                if not os.path.isfile(image_path):
-                    raise PromptDataError(f"{path}:{line_no}: image {image_path} not found")
-                record["image"] = image_path
-            records.append(record)
-    if not records:
-        what = "the file is empty" if line_no == 0 else f"its {line_no} line(s) are blank"
-        raise PromptDataError(f"{path}:{max(line_no, 1)}: no records ({what})")
+    for line_no, row in read_jsonl_objects(path, PromptDataError, where=f"--prompt-data {path}"):
+        prompt = row.get(input_key)
+        if not isinstance(prompt, str):
+            raise PromptDataError(f"{path}:{line_no}: missing string field {input_key!r} (--input-key)")
+        metadata = row.get(metadata_key) or {}
+        if not isinstance(metadata, dict):
+            raise PromptDataError(f"{path}:{line_no}: field {metadata_key!r} (--metadata-key) must be an object")
+        record: dict[str, Any] = {"prompt": prompt, "metadata": metadata}
+        if image_key is not None:
+            image = row.get(image_key)
+            if not isinstance(image, str):
+                raise PromptDataError(f"{path}:{line_no}: missing image path field {image_key!r} (--image-key)")
+            image_path = image if os.path.isabs(image) else os.path.join(base, image)
+            if not os.path.isfile(image_path):
+                raise PromptDataError(f"{path}:{line_no}: image {image_path} not found")
+            record["image"] = image_path
+        records.append(record)
     return records
 
 
