@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from miles.algorithms import custom, dmd2, flow_grpo, nft, sft
+from miles.algorithms import awm, custom, dmd2, flow_grpo, nft, sft
 from miles.algorithms.base import Algorithm
 
 BUILTIN_ALGORITHMS: tuple[Algorithm, ...] = (
@@ -13,6 +13,7 @@ BUILTIN_ALGORITHMS: tuple[Algorithm, ...] = (
     flow_grpo.ALGORITHM,
     nft.ALGORITHM,
     dmd2.ALGORITHM,
+    awm.ALGORITHM,
     custom.ALGORITHM,
 )
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in BUILTIN_ALGORITHMS}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.algorithms import Role, algorithm_of
-from miles.backends.fsdp_utils.loss_hub import dmd2, flow_grpo, nft, sft
+from miles.backends.fsdp_utils.loss_hub import awm, dmd2, flow_grpo, nft, sft
 from miles.utils.misc import load_function
 
 PrepareFn = Callable[..., Any]  # (ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len=None) -> PreparedBatch
@@ -69,6 +69,7 @@ LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
         train_output=dmd2.critic_train_output,
     ),
     ("dmd2", "actor"): LossHooks(prepare=dmd2.prepare_generator_batch, formula=dmd2.generator_formula),
+    ("awm", "actor"): LossHooks(prepare=awm.prepare_awm_batch, formula=awm.awm_formula, after_train=awm.decay_ema_anchor),
 }
 
 # What each hook must accept (by name, or through **kwargs): the trunk passes all of these.
