@@ -77,7 +77,12 @@ RULES = """## Rules checked before start-up
   given is loaded and its signature checked before any actor starts (docs/user-guide/customization.md lists them).
 - Each algorithm's own rules (its `validate`) see the run's values with the computed defaults filled in: `dmd2`
   requires `--teacher-load` and refuses `--diffusion-guidance-scale` above 1; `policy_loss` needs stochastic steps;
-  a KL weight above 0 needs a `--ref-mode`.
+  a KL weight above 0 needs a `--ref-mode` (`awm`'s `--awm-kl-beta` defaults to 1e-3: pass `--ref-mode lora_base`
+  with `--use-lora`, or `--awm-kl-beta 0`); `awm` needs its `--awm-train-timesteps` strata to fit in the grid
+  indices [1, int(`--awm-timestep-fraction` x `--diffusion-num-steps`)), and `--awm-sampler sde` a stochastic
+  `--diffusion-sde-type`.
+- `awm` turns `--diffusion-recompute-old-log-prob` on (its `derive`): the rollout records no log-prob, so the old
+  log-prob of windows 1.. is the trainer's recompute pass with the pre-update weights (window 0 its own value).
 """
 
 

@@ -66,4 +66,3 @@ def stratified_indices(num_steps: int, count: int, fraction: float, u: np.ndarra
     """One grid index per stratum: lower_k + floor(u_k·(upper_k − lower_k)), u_k ∈ [0, 1) given (count,)."""
     lower, upper = stratum_bounds(num_steps, count, fraction)
     return lower + np.floor(np.asarray(u, dtype=np.float64) * (upper - lower)).astype(np.int64)
-

@@ -69,7 +69,9 @@ LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
         train_output=dmd2.critic_train_output,
     ),
     ("dmd2", "actor"): LossHooks(prepare=dmd2.prepare_generator_batch, formula=dmd2.generator_formula),
-    ("awm", "actor"): LossHooks(prepare=awm.prepare_awm_batch, formula=awm.awm_formula, after_train=awm.decay_ema_anchor),
+    ("awm", "actor"): LossHooks(
+        prepare=awm.prepare_awm_batch, formula=awm.awm_formula, after_train=awm.decay_ema_anchor
+    ),
 }
 
 # What each hook must accept (by name, or through **kwargs): the trunk passes all of these.

@@ -114,7 +114,9 @@ def test_prepare_renoises_x0_with_noise_seeded_by_the_microbatch_id():
 
 def test_prepare_names_the_networks_each_kl_term_reads():
     batch = make_batch()
-    prepared = prepare_awm_batch(make_ctx(awm_kl_beta=1e-3, awm_ema_kl_beta=1.0), batch, microbatch_id=0, optim_step_idx=0)
+    prepared = prepare_awm_batch(
+        make_ctx(awm_kl_beta=1e-3, awm_ema_kl_beta=1.0), batch, microbatch_id=0, optim_step_idx=0
+    )
     assert prepared.frozen_networks == ("ref", EMA_ANCHOR.name)
     prepared = prepare_awm_batch(make_ctx(awm_ema_kl_beta=1.0), batch, microbatch_id=0, optim_step_idx=0)
     assert prepared.frozen_networks == (EMA_ANCHOR.name,)
