@@ -108,7 +108,7 @@ ALGORITHM = Algorithm(
         *EVAL_PANELS,
         ("AWM loss", ("train/loss", "train/policy_loss")),
         ("KL to reference / EMA anchor", ("train/kl", "train/ema_kl")),
-        ("ratio / clip fraction", ("train/ratio_mean", "train/clipfrac")),
+        ("ratio / clip fraction", ("train/awm_ratio_mean", "train/awm_clipfrac")),
         *COMMON_PANELS,
     ),
     identifying_metrics=("train/awm_log_prob",),

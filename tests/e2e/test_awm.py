@@ -64,10 +64,10 @@ def test_awm_first_ratio_is_one_and_window_one_gets_the_recomputed_old_log_prob(
     windows = [m for m in read_metrics(os.path.join(tmp_path, "metrics.jsonl")) if m.get("role") == "actor"]
     assert [(w["rollout_id"], w["step"]) for w in windows] == [(0, 1), (0, 2)]
     first, second = windows
-    assert first["train/ratio_mean"] == 1.0 and first["train/clipfrac"] == 0.0
+    assert first["train/awm_ratio_mean"] == 1.0 and first["train/awm_clipfrac"] == 0.0
     assert first["train/kl"] == 0.0  # LoRA B = 0: the policy is its base
     assert first["train/ema_kl"] == 0.0  # the anchor starts as the trained weights
     # window 1's logp_old is the recompute pass's, taken before window 0's update (NaN if never written: skipped)
     assert first["train/skipped_steps"] == 0.0 and second["train/skipped_steps"] == 0.0
-    assert second["train/ratio_mean"] != 1.0 and abs(second["train/ratio_mean"] - 1.0) < 0.5
+    assert second["train/awm_ratio_mean"] != 1.0 and abs(second["train/awm_ratio_mean"] - 1.0) < 0.5
     assert second["train/kl"] > 0.0 and second["train/ema_kl"] > 0.0  # the update moved the policy off both

@@ -113,9 +113,9 @@ def awm_formula(
     loss, _ = clipped_policy_loss(log_prob, old, advantage, clip_range=args.awm_clip_range, adv_clip_max=1.0)
     with torch.no_grad():
         delta = log_prob - old
-        metrics.add("train/ratio_mean", torch.exp(delta))
-        metrics.add("train/clipfrac", ((torch.exp(delta) - 1.0).abs() > args.awm_clip_range).float())
-        metrics.add("train/approx_kl", 0.5 * delta**2)
+        metrics.add("train/awm_ratio_mean", torch.exp(delta))
+        metrics.add("train/awm_clipfrac", ((torch.exp(delta) - 1.0).abs() > args.awm_clip_range).float())
+        metrics.add("train/awm_approx_kl", 0.5 * delta**2)
         metrics.add("train/awm_log_prob", log_prob)
         metrics.add("train/sigma_mean", prepared.sigmas)
     metrics.add("train/policy_loss", loss)

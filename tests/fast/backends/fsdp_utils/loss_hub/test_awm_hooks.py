@@ -12,6 +12,7 @@ from miles.algorithms.awm import EMA_ANCHOR
 from miles.backends.fsdp_utils.loss_hub import LossHooks, check_loss_hooks
 from miles.backends.fsdp_utils.loss_hub.awm import awm_formula, decay_ema_anchor, prepare_awm_batch
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, WindowMetrics
+from miles.plot import infer_loss_type
 
 B, C, H, W, L, D, P = 4, 2, 3, 3, 5, 6, 7
 CLIP = 5.0
@@ -129,8 +130,8 @@ def test_on_policy_loss_is_minus_the_mean_scaled_advantage():
     loss_sum = run(ctx, batch, prepared, velocity(prepared), metrics=metrics)
     a_scaled = [1.0, -0.4, 0.2, -0.1]  # clamp(A, ±5)/5 of (6, −2, 1, −0.5)
     assert loss_sum.item() / B == pytest.approx(-sum(a_scaled) / B, abs=1e-7)
-    assert metrics.means()["train/ratio_mean"] == 1.0
-    assert metrics.means()["train/clipfrac"] == 0.0
+    assert metrics.means()["train/awm_ratio_mean"] == 1.0
+    assert metrics.means()["train/awm_clipfrac"] == 0.0
 
 
 @pytest.mark.parametrize("weighting", ["ghuber", "l", "sigma", "sigma2"])
@@ -220,9 +221,20 @@ def test_recompute_pass_stores_the_old_log_prob_and_the_next_pass_has_ratio_one(
     torch.testing.assert_close(batch["old_log_prob"], hand.float(), rtol=1e-6, atol=0)
     metrics = WindowMetrics()
     run(ctx, batch, prepared, v, metrics=metrics, old_log_prob_from_new=False)
-    assert metrics.means()["train/ratio_mean"] == 1.0
+    assert metrics.means()["train/awm_ratio_mean"] == 1.0
 
 
 @pytest.mark.parametrize(("step", "decay"), [(0, 0.0), (1, 0.001), (150, 0.15), (300, 0.3), (5000, 0.3)])
 def test_ema_anchor_decay_is_min_of_cap_and_rate_times_step(step, decay):
     assert decay_ema_anchor(make_ctx(), global_step=step) == {EMA_ANCHOR.name: pytest.approx(decay, abs=1e-15)}
+
+
+def test_the_metrics_it_logs_identify_an_awm_run_for_the_plot():
+    ctx = make_ctx(awm_kl_beta=1e-3, awm_ema_kl_beta=1.0)
+    batch = make_batch()
+    prepared = prepare_awm_batch(ctx, batch, microbatch_id=0, optim_step_idx=0)
+    v = velocity(prepared)
+    metrics = WindowMetrics()
+    run(ctx, batch, prepared, v, {"ref": v.detach(), EMA_ANCHOR.name: v.detach()}, metrics=metrics)
+    record = {**metrics.means(), "rollout/reward_mean": 0.5, "role": "actor"}
+    assert infer_loss_type([record]) == "awm"  # not policy_loss, whose ratio keys it does not share
