@@ -1,4 +1,5 @@
-"""AWM through the driver (dp 1, the tiny model, LoRA with its base as the reference, one rollout of two windows):
+"""AWM through the driver (dp 1, the tiny model, one rollout of two windows; the KL to `ref` is the generic reference
+other e2e runs cover, and LoRA would triple this run's time, so β = 0 here):
 the first window's ratio is exactly 1, the recompute pass gives window 1 its pre-update log-prob, the EMA anchor
 starts at the trained weights (its per-rollout step, `decay_ema_anchor`, runs at the end: a name the declaration does
 not hold would fail there)."""
@@ -28,9 +29,8 @@ def test_awm_first_ratio_is_one_and_window_one_gets_the_recomputed_old_log_prob(
             "builtin:shapes",
             "--custom-rm-path",
             BRIGHTNESS,
-            "--use-lora",
-            "--ref-mode",
-            "lora_base",
+            "--awm-kl-beta",
+            "0",
             "--lr",
             "3e-3",
             "--diffusion-num-steps",
@@ -65,9 +65,8 @@ def test_awm_first_ratio_is_one_and_window_one_gets_the_recomputed_old_log_prob(
     assert [(w["rollout_id"], w["step"]) for w in windows] == [(0, 1), (0, 2)]
     first, second = windows
     assert first["train/awm_ratio_mean"] == 1.0 and first["train/awm_clipfrac"] == 0.0
-    assert first["train/kl"] == 0.0  # LoRA B = 0: the policy is its base
     assert first["train/ema_kl"] == 0.0  # the anchor starts as the trained weights
     # window 1's logp_old is the recompute pass's, taken before window 0's update (NaN if never written: skipped)
     assert first["train/skipped_steps"] == 0.0 and second["train/skipped_steps"] == 0.0
     assert second["train/awm_ratio_mean"] != 1.0 and abs(second["train/awm_ratio_mean"] - 1.0) < 0.5
-    assert second["train/kl"] > 0.0 and second["train/ema_kl"] > 0.0  # the update moved the policy off both
+    assert second["train/ema_kl"] > 0.0  # the update moved the policy off the anchor
