@@ -84,16 +84,21 @@ RULES = """## Rules checked before start-up
   given is loaded and its signature checked before any actor starts (docs/user-guide/customization.md lists them).
 - Each algorithm's own rules (its `validate`) see the run's values with the computed defaults filled in: `dmd2`
   requires `--teacher-load` and refuses `--diffusion-guidance-scale` above 1; `policy_loss` needs stochastic steps;
-  a KL weight above 0 needs a `--ref-mode`; `dpo` pairs `--train-only` with `--dpo-preference-data` (offline; each
+  a KL weight above 0 needs a `--ref-mode` (`awm`'s `--awm-kl-beta` defaults to 1e-3: pass `--ref-mode lora_base`
+  with `--use-lora`, or `--awm-kl-beta 0`); `dpo` pairs `--train-only` with `--dpo-preference-data` (offline; each
   record is one pair, `--n-samples-per-prompt` is set to 1, no eval), reads and checks that file line by line (keys,
   images that exist and open, `preferred` 0 or 1; errors name FILE:LINE), and online needs `--n-samples-per-prompt`
-  ≥ 2 (`--dpo-keep-zero-spread` only online).
+  ≥ 2 (`--dpo-keep-zero-spread` only online); `awm` needs its `--awm-train-timesteps` strata to fit in the grid
+  indices [1, int(`--awm-timestep-fraction` x `--diffusion-num-steps`)), and `--awm-sampler sde` a stochastic
+  `--diffusion-sde-type`.
 - `--rm-url` must start with `http://` or `https://`. Without `vlm_judge` in `--rm-type`, every `--rm-url` is a
   reward server (`remote<K>` in the reward spec and the metrics; with no `--rm-type` and no `--custom-rm-path` the
   servers are the whole spec) and `--rm-url-weight`, when given, has one weight per `--rm-url`; `--rm-model` is
   refused. With `vlm_judge`, exactly one `--rm-url` (the judge's base URL) and `--rm-model` are required,
   `--rm-url-weight` is refused, and `--vlm-judge-prompt-file` must exist. `--rm-token-env` must name a set,
   non-empty environment variable.
+- `awm` turns `--diffusion-recompute-old-log-prob` on (its `derive`): the rollout records no log-prob, so the old
+  log-prob of windows 1.. is the trainer's recompute pass with the pre-update weights (window 0 its own value).
 """
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from miles.algorithms import custom, dmd2, dpo, flow_dppo, flow_grpo, grpo_guard, nft, sft
+from miles.algorithms import awm, custom, dmd2, dpo, flow_dppo, flow_grpo, grpo_guard, nft, sft
 from miles.algorithms.base import Algorithm
 
 BUILTIN_ALGORITHMS: tuple[Algorithm, ...] = (
@@ -16,6 +16,7 @@ BUILTIN_ALGORITHMS: tuple[Algorithm, ...] = (
     nft.ALGORITHM,
     dmd2.ALGORITHM,
     dpo.ALGORITHM,
+    awm.ALGORITHM,
     custom.ALGORITHM,
 )
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in BUILTIN_ALGORITHMS}

@@ -8,7 +8,7 @@ import argparse
 
 from miles.algorithms import get_algorithm
 from miles.rollout.requests import group_initial_seeds, ode_eval, sampler_request
-from miles.rollout.rollout_hub import custom, dmd2, dpo, flow_dppo, flow_grpo, grpo_guard, nft, sft
+from miles.rollout.rollout_hub import awm, custom, dmd2, dpo, flow_dppo, flow_grpo, grpo_guard, nft, sft
 from miles.rollout.rollout_hub.dmd2 import generator_eval, generator_pairs, generator_request, one_pair
 from miles.rollout.rollout_hub.flow_grpo import sde_pairs, sde_request, trained_steps_per_sample
 from miles.rollout.rollout_hub.nft import nft_pairs, nft_pairs_count, ode_request
@@ -44,6 +44,7 @@ ROLLOUT_SPECS: dict[str, RolloutSpec | DatasetSpec] = {
     "nft": nft.SPEC,
     "dmd2": dmd2.SPEC,
     "dpo": dpo.SPEC,
+    "awm": awm.SPEC,
     "custom_loss": custom.SPEC,
 }
 

@@ -48,6 +48,29 @@ def draw_timestep_indices(num_steps: int, count: int, *, seed: int, rollout_id: 
     return torch.from_numpy(rng.permutation(num_steps)[:count].copy()).long()
 
 
+def clean_latent_pairs(result: GenerateResult, advantages: torch.Tensor, index: torch.Tensor, steps: int) -> TrainPairs:
+    """Sample-major pairs of clean latents: sample b's `steps` pairs are rows b·K .. b·K+K−1, pair i at the grid σ
+    `result.sigmas[index[i]]`. Columns: x0 (the clean latent), t (that σ), advantage, the conditioning (`cond/*`),
+    sample_index (and the negative conditioning `negative_cond/*` when the engine sampled with CFG)."""
+    batch = result.final_latents.shape[0]
+    if advantages.shape != (batch,):
+        raise ValueError(f"expected one advantage per sample ({batch},), got {tuple(advantages.shape)}")
+
+    def per_pair(x: torch.Tensor) -> torch.Tensor:  # (B, ...) -> (B·K, ...)
+        return x.repeat_interleave(steps, dim=0)
+
+    pairs: TrainPairs = {
+        "x0": per_pair(result.final_latents.float()),
+        "t": result.sigmas.float()[index].clone(),
+        "advantage": per_pair(advantages.float()),
+        **result.conditioning.repeat_interleave(steps).to_columns(),
+        "sample_index": per_pair(torch.arange(batch)),
+    }
+    if result.negative is not None:
+        pairs |= negative_columns(result.negative, batch * steps)
+    return pairs
+
+
 def nft_pairs(
     args: argparse.Namespace,
     samples: list[Sample],
@@ -56,38 +79,19 @@ def nft_pairs(
     *,
     rollout_id: int,
 ) -> TrainPairs:
-    """Sample-major pairs: sample b's K pairs are rows b·K .. b·K+K−1, K = `nft_pairs_per_sample` of
-    --diffusion-nft-timestep-fraction; timesteps drawn from (--rollout-seed, rollout id, sample).
+    """`clean_latent_pairs` with K = `nft_pairs_per_sample` of --diffusion-nft-timestep-fraction distinct grid
+    timesteps per sample (a σ of `result.sigmas[:-1]`, never 0), drawn from (--rollout-seed, rollout id, sample).
 
-    `result` is the engine's deterministic (ODE) sampling; `advantages` (B,) one per sample. Columns: x0 (the clean
-    latent), t (a σ of `result.sigmas[:-1]`, never 0), advantage, the conditioning (`cond/*`), sample_index (and the
-    negative conditioning `negative_cond/*` when the engine sampled with CFG).
+    `result` is the engine's deterministic (ODE) sampling; `advantages` (B,) one per sample.
     """
     batch = result.final_latents.shape[0]
-    if advantages.shape != (batch,):
-        raise ValueError(f"expected one advantage per sample ({batch},), got {tuple(advantages.shape)}")
-    grid = result.sigmas.float()[:-1]  # σ = 0 is the clean end: nothing to denoise there
-    num_steps = grid.shape[0]
+    num_steps = result.sigmas.shape[0] - 1  # σ = 0 is the clean end: nothing to denoise there
     steps = nft_pairs_per_sample(num_steps, args.diffusion_nft_timestep_fraction)
     draws = [
         draw_timestep_indices(num_steps, steps, seed=args.rollout_seed, rollout_id=rollout_id, sample=b)
         for b in range(batch)
     ]
-    index = torch.cat(draws)
-
-    def per_pair(x: torch.Tensor) -> torch.Tensor:  # (B, ...) -> (B·K, ...)
-        return x.repeat_interleave(steps, dim=0)
-
-    pairs: TrainPairs = {
-        "x0": per_pair(result.final_latents.float()),
-        "t": grid[index].clone(),
-        "advantage": per_pair(advantages.float()),
-        **result.conditioning.repeat_interleave(steps).to_columns(),
-        "sample_index": per_pair(torch.arange(batch)),
-    }
-    if result.negative is not None:
-        pairs |= negative_columns(result.negative, batch * steps)
-    return pairs
+    return clean_latent_pairs(result, advantages, torch.cat(draws), steps)
 
 
 SPEC = RolloutSpec(

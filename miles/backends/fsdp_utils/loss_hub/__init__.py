@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.algorithms import Role, algorithm_of
-from miles.backends.fsdp_utils.loss_hub import dmd2, dpo, flow_dppo, flow_grpo, grpo_guard, nft, sft
+from miles.backends.fsdp_utils.loss_hub import awm, dmd2, dpo, flow_dppo, flow_grpo, grpo_guard, nft, sft
 from miles.utils.misc import load_function
 
 PrepareFn = Callable[..., Any]  # (ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len=None) -> PreparedBatch
@@ -73,6 +73,9 @@ LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
     ("dmd2", "actor"): LossHooks(prepare=dmd2.prepare_generator_batch, formula=dmd2.generator_formula),
     ("dpo", "actor"): LossHooks(
         prepare=dpo.prepare_dpo_batch, formula=dpo.dpo_formula, after_train=dpo.refresh_reference
+    ),
+    ("awm", "actor"): LossHooks(
+        prepare=awm.prepare_awm_batch, formula=awm.awm_formula, after_train=awm.decay_ema_anchor
     ),
 }
 
