@@ -28,13 +28,25 @@ WEIGHTS_NAME = "diffusion_pytorch_model{suffix}.safetensors"  # diffusers' safet
 RUN_DEFAULTS_FILE = "miles_defaults.json"
 
 
+def diffusers_class(value: type | str) -> type:
+    """A family's class attribute as a class: itself, or the `diffusers` attribute it names (imported now)."""
+    if not isinstance(value, str):
+        return value
+    import diffusers
+
+    return getattr(diffusers, value)
+
+
 class DiffusersFamily(TrainPipelineConfig):
     """A family whose folder is a diffusers pipeline: a transformer in `transformer/`, text encoders its pipeline class
     encodes prompts with, a VAE in `vae/`. A subclass declares the classes and names below and its own maths."""
 
     transformer_class: ClassVar[type[nn.Module]]  # what load_transformer builds
-    text_pipeline_class: ClassVar[type]  # the pipeline whose encode_prompt load_text_encoders keeps
-    vae_class: ClassVar[type[nn.Module]]  # what load_vae builds from `vae/`
+    # the pipeline whose encode_prompt load_text_encoders keeps, and what load_vae builds from `vae/`: a class or its
+    # name in `diffusers` (a name is imported on first use: a trainer rank, which loads neither, skips importing
+    # the pipeline, its text-encoder classes and every diffusers VAE, about 1 s per process)
+    text_pipeline_class: ClassVar[type | str]
+    vae_class: ClassVar[type[nn.Module] | str]
     # the pipeline components the text pipeline leaves out, and its text modules (eval mode, no gradients)
     non_text_components: ClassVar[tuple[str, ...]] = ("transformer", "vae")
     text_modules: ClassVar[tuple[str, ...]] = ("text_encoder",)
@@ -117,7 +129,7 @@ class DiffusersFamily(TrainPipelineConfig):
     def load_text_encoders(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
         """`text_pipeline_class` holding only the tokenizers and text modules (eval mode), cached."""
         return self.load_text_pipeline(
-            self.text_pipeline_class,
+            diffusers_class(self.text_pipeline_class),
             without=self.non_text_components,
             frozen=self.text_modules,
             device=device,
@@ -127,7 +139,9 @@ class DiffusersFamily(TrainPipelineConfig):
     # media
     def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
         """The VAE (`vae_class` from `vae/`) in eval mode, cached."""
-        vae = self.vae_class.from_pretrained(self.path, subfolder="vae", **{DTYPE_KW: dtype}, local_files_only=True)
+        vae = diffusers_class(self.vae_class).from_pretrained(
+            self.path, subfolder="vae", **{DTYPE_KW: dtype}, local_files_only=True
+        )
         vae = vae.to(device).eval().requires_grad_(False)
         self._loaded["vae"] = vae
         return vae

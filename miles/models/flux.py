@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
+from diffusers import FluxTransformer2DModel
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import nn
 
@@ -57,9 +57,9 @@ class FluxPipelineConfig(DiffusersFamily):
     # joint attention of the double-stream blocks; the single-stream blocks' to_q/to_k/to_v match too
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
     transformer_class = FluxTransformer2DModel
-    text_pipeline_class = FluxPipeline
+    text_pipeline_class = "FluxPipeline"
     text_modules = ("text_encoder", "text_encoder_2")
-    vae_class = AutoencoderKL
+    vae_class = "AutoencoderKL"
 
     # networks
     def transformer_blocks(self, transformer: nn.Module) -> list[nn.Module]:

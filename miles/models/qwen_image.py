@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+from diffusers import QwenImageTransformer2DModel
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from torch import nn
 
@@ -59,8 +59,8 @@ class QwenImagePipelineConfig(DiffusersFamily):
     name = "qwen-image"
     pipeline_class_name = "QwenImagePipeline"
     transformer_class = QwenImageTransformer2DModel
-    text_pipeline_class = QwenImagePipeline
-    vae_class = AutoencoderKLQwenImage
+    text_pipeline_class = "QwenImagePipeline"
+    vae_class = "AutoencoderKLQwenImage"
     # diffusers' Qwen-Image LoRA training default (train_dreambooth_lora_qwen_image.py): the image-stream attention
     default_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
 

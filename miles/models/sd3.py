@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 from torch import nn
 
 from miles.models.base import compute_dtype, register_train_pipeline_config
@@ -36,9 +36,9 @@ class SD3PipelineConfig(DiffusersFamily):
     # joint attention of SD3's JointTransformerBlock: image-stream and context-stream projections
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
     transformer_class = SD3Transformer2DModel
-    text_pipeline_class = StableDiffusion3Pipeline
+    text_pipeline_class = "StableDiffusion3Pipeline"
     text_modules = ("text_encoder", "text_encoder_2", "text_encoder_3")
-    vae_class = AutoencoderKL
+    vae_class = "AutoencoderKL"
 
     # text
     @property
