@@ -23,7 +23,7 @@ from typing import Any
 
 import diffusers
 import torch
-from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+from diffusers import WanTransformer3DModel
 from torch import nn
 
 from miles.models.base import compute_dtype, load_pretrained, register_train_pipeline_config
@@ -64,9 +64,9 @@ class WanPipelineConfig(DiffusersFamily):
     # self- and cross-attention of every WanTransformerBlock
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     transformer_class = WanTransformer3DModel
-    text_pipeline_class = WanPipeline
+    text_pipeline_class = "WanPipeline"
     non_text_components = ("transformer", "transformer_2", "vae")
-    vae_class = AutoencoderKLWan
+    vae_class = "AutoencoderKLWan"
 
     def __init__(self, path: str, **options: Any) -> None:
         super().__init__(path, **options)
