@@ -20,6 +20,9 @@ if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   "$venv/bin/python" -m pip install -q -e "$root[dev]"
   touch "$stamp"
 fi
+# miles' own bytecode, written ahead: with PYTHONDONTWRITEBYTECODE set (as on CI machines) every process would
+# recompile miles from source, ~0.5-1 s in each Ray actor; up-to-date files are skipped (~0.1 s)
+"$venv/bin/python" -m compileall -q "$root/miles" "$root/train_diffusion.py" >/dev/null
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
 export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -1,6 +1,6 @@
 """Throughput of a 64-image batch scored by a reward server on loopback vs the same reward in process.
 
-    python scripts/bench_reward_server.py [--repeats 5]
+    python benchmarks/bench_reward_server.py [--repeats 5]
 
 Rewards: `shapes` on the builtin 32 px shapes images, and `jpeg_compressibility` on 512 px noise images (a
 realistic image size). Prints the median seconds per batch and images per second of each way.
