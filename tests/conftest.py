@@ -305,8 +305,11 @@ def family_case(request):
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
-    """One local Ray cluster for the whole session (actors ask for fractional CPUs)."""
+    """One local Ray cluster for the whole session (actors ask for fractional CPUs). Whole runs reuse each other's
+    trainer-rank and engine processes (`miles.ray.actor_pool`): a new actor process costs ~5 s of CPU in imports."""
     import ray
+
+    from miles.ray.actor_pool import reusing_actors
 
     temp_dir = tmp_path_factory.mktemp("ray")
     ray.init(
@@ -316,5 +319,6 @@ def ray_cluster(tmp_path_factory):
         log_to_driver=False,
         configure_logging=False,
     )
-    yield ray
+    with reusing_actors():
+        yield ray
     ray.shutdown()

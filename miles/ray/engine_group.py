@@ -5,6 +5,7 @@ A batch is split into contiguous chunks (seeds and initial seeds travel with the
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles.ray.actor_pool import ActorPool, ReusableActor
 from miles.ray.placement_group import Colocation
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
 from miles.utils.failures import where
@@ -48,12 +50,14 @@ def engine_options(
     return {"num_cpus": num_cpus, "num_gpus": gpus, "scheduling_strategy": strategy}
 
 
-class EngineActor(DiffusionEngine):
+class EngineActor(DiffusionEngine, ReusableActor):
     """A `DiffusionEngine` in its own Ray worker process, which on CPU keeps the memory each generation frees for the
-    next one (`miles.utils.heap`) before it loads the pipeline."""
+    next one (`miles.utils.heap`) before it loads the pipeline. An `ActorPool` may hand its process to the next run
+    (`release`, then `reuse` with that run's pipeline)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         import_gc.resume()  # this module's imports are done (the pause at its top)
+        self._remember_process_baseline()
         if torch.device(kwargs.get("device", "cpu")).type == "cpu":
             keep_freed_memory()
         super().__init__(*args, **kwargs)
@@ -77,28 +81,39 @@ class RolloutEngineGroup:
         timeout_s: float = 600.0,
         wait: bool = True,
         colocation: Colocation | None = None,
+        pool: ActorPool | None = None,
     ) -> None:
         """Start the engine actors; with `wait=False` they load in the background until `wait_ready` (so the
         driver can start trainer ranks meanwhile). With `colocation` (--colocate) engine i runs in bundle
-        i % dp-size of the shared placement group, next to the trainer ranks of that bundle."""
+        i % dp-size of the shared placement group, next to the trainer ranks of that bundle. With `pool` (not with
+        `colocation`), idle engines of an earlier run with the same resource shares load this pipeline instead of
+        new processes, and go back to it at `shutdown`."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
         self.timeout_s = timeout_s
+        self.failed = False
         device = "cuda" if num_gpus_per_engine > 0 else "cpu"
+        self.pool = pool if colocation is None else None
+        self.pool_key = ("engine", num_cpus_per_engine, num_gpus_per_engine)
+        init_kwargs = {
+            "model_family": model_family,
+            "device": device,
+            "forward_dtype": forward_dtype,
+            "lora_config": lora_config,
+            "family_options": family_options,
+        }
         remote_cls = ray.remote(EngineActor)
-        self.engines = [
-            remote_cls.options(**engine_options(index, num_cpus_per_engine, num_gpus_per_engine, colocation)).remote(
-                hf_checkpoint,
-                model_family=model_family,
-                device=device,
-                forward_dtype=forward_dtype,
-                lora_config=lora_config,
-                family_options=family_options,
-            )
-            for index in range(num_engines)
-        ]
+        self.engines, self._starting = [], {}
+        for index in range(num_engines):
+            engine = self.pool.take(self.pool_key) if self.pool is not None else None
+            if engine is not None:  # its answer to `reuse` is its health once the pipeline is loaded
+                self._starting[index] = engine.reuse.remote(hf_checkpoint, **init_kwargs)
+            else:
+                options = engine_options(index, num_cpus_per_engine, num_gpus_per_engine, colocation)
+                engine = remote_cls.options(**options).remote(hf_checkpoint, **init_kwargs)
+                self._starting[index] = engine.health.remote()
+            self.engines.append(engine)
         self.device = device
-        self._starting: dict[int, ray.ObjectRef] | None = {i: e.health.remote() for i, e in enumerate(self.engines)}
         if wait:
             self.wait_ready()
 
@@ -175,10 +190,22 @@ class RolloutEngineGroup:
             try:
                 alive.append(bool(ray.get(engine.health.remote(), timeout=self.timeout_s)))
             except (RayActorError, GetTimeoutError):
+                self.failed = True
                 alive.append(False)
         return alive
 
     def shutdown(self) -> None:
+        """Kill the engines or, with a pool and none failed, give them back to it once they have released what
+        the run held."""
+        if self.pool is not None and not self.failed:
+            try:
+                ray.get([e.release.remote() for e in self.engines], timeout=min(self.timeout_s, 60.0))
+            except Exception as exc:  # noqa: BLE001 - an engine that cannot release is ended below with the others
+                logger.warning("rollout engines could not release for reuse (%s); ending them", exc)
+            else:
+                for engine in self.engines:
+                    self.pool.put(self.pool_key, engine, functools.partial(ray.kill, engine))
+                return
         for engine in self.engines:
             ray.kill(engine)
 
@@ -190,8 +217,10 @@ class RolloutEngineGroup:
             try:
                 out[index] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
             except RayActorError as exc:
+                self.failed = True
                 raise EngineError(f"rollout engine {index} of {self.num_engines} died during {what}: {exc}") from exc
             except GetTimeoutError as exc:
+                self.failed = True
                 raise EngineError(
                     f"rollout engine {index} of {self.num_engines} did not answer {what} within {self.timeout_s:.0f}s"
                 ) from exc

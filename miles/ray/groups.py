@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from miles.algorithms import algorithm_of
+from miles.ray.actor_pool import ActorPool, current_pool
 from miles.ray.checkpoint_folders import check_roles_agree, save_folders, write_latest_pointers
 from miles.ray.colocation import PhaseMemory
 from miles.ray.placement_group import Colocation, actor_nodes, create_colocation, write_placement
@@ -62,20 +63,27 @@ class RunGroups:
         self.phases = phases if phases is not None else PhaseMemory(args, {}, None)
 
     @classmethod
-    def launch(cls, args: argparse.Namespace) -> RunGroups:
-        """Every actor starts at once, none waited for (`start` waits); on a failure those started are stopped."""
+    def launch(cls, args: argparse.Namespace, pool: ActorPool | None = None) -> RunGroups:
+        """Every actor starts at once, none waited for (`start` waits); on a failure those started are stopped.
+        `pool` (default: that of an enclosing `reusing_actors` block): idle actors of earlier runs to reuse; what
+        this run does not take is ended."""
         # imported here, not at the top: the driver imports this module before ray.init, and these (diffusers,
         # transformers, peft: ~4 s of CPU) load meanwhile on the start-up checks' thread (miles/startup.py)
         from miles.ray.evaluator import Evaluator
         from miles.ray.rollout_manager import RolloutManager
         from miles.ray.train_group import RayTrainGroup
 
+        pool = current_pool() if pool is None else pool
+        if pool is not None and args.colocate:  # a colocated run's actors live in its own placement group
+            pool.evict_idle()
         launched = cls(args, {}, None, colocation=colocation_for(args))
         try:
             for role in roles_to_start(args):
-                launched.groups[role] = RayTrainGroup(args, role, colocation=launched.colocation)
-            launched.rollout_manager = RolloutManager(args, wait=False, colocation=launched.colocation)
+                launched.groups[role] = RayTrainGroup(args, role, colocation=launched.colocation, pool=pool)
+            launched.rollout_manager = RolloutManager(args, wait=False, colocation=launched.colocation, pool=pool)
             launched.evaluator = Evaluator(args) if eval_enabled(args) else None
+            if pool is not None:
+                pool.evict_idle()
         except BaseException:  # a placement group that never came, a broken prompt file
             run_cleanup(launched.shutdown_steps())
             raise

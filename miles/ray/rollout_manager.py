@@ -13,6 +13,7 @@ import torch
 from miles.algorithms import algorithm_of
 from miles.backends.fsdp_utils.fsdp import parse_dtype
 from miles.models.base import family_options, get_train_pipeline_config
+from miles.ray.actor_pool import ActorPool
 from miles.ray.engine_group import RolloutEngineGroup
 from miles.ray.reward_workers import RewardWorkerPool
 from miles.rollout import steps
@@ -35,10 +36,13 @@ class RolloutManager:
     """The run's rollout entry (`rollout_spec_of`) decides: a DatasetSpec's records are encoded once and each rollout
     trains the rows the data source picks; a RolloutSpec's rollouts the engines generate and the rewards score."""
 
-    def __init__(self, args: argparse.Namespace, *, wait: bool = True, colocation: Any = None) -> None:
+    def __init__(
+        self, args: argparse.Namespace, *, wait: bool = True, colocation: Any = None, pool: ActorPool | None = None
+    ) -> None:
         """With `wait=False` the engines and reward workers load in the background until `wait_ready` (the driver
-        starts the trainer ranks meanwhile). `colocation`: the shared placement group of --colocate."""
-        self.args, self._wait, self._colocation = args, wait, colocation
+        starts the trainer ranks meanwhile). `colocation`: the shared placement group of --colocate. `pool`: where
+        the engines come from and go back to (`miles.ray.actor_pool`)."""
+        self.args, self._wait, self._colocation, self._pool = args, wait, colocation, pool
         self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
         self.resolution = args.resolution or self.family.default_resolution
         self.engines = self.rewards = None
@@ -93,6 +97,7 @@ class RolloutManager:
             family_options=family_options(args),
             wait=self._wait,
             colocation=self._colocation,
+            pool=self._pool,
         )
         # an algorithm that scores no rewards (its declaration) scores them only when asked, as metrics
         if algorithm_of(args).scores_rewards or args.rm_type or args.custom_rm_path or args.rm_url:

@@ -18,6 +18,7 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
+from miles.ray.actor_pool import ActorPool, ReusableActor
 from miles.ray.placement_group import Colocation, create_placement_group
 from miles.utils.box import Box
 from miles.utils.distributed import uses_gpu
@@ -26,12 +27,17 @@ from miles.utils.failures import gather
 logger = logging.getLogger(__name__)
 
 
-class TrainRankActor(FSDPTrainRayActor):
-    """The trunk actor as Ray starts it: the collector back on, first thing, once this module's imports are done."""
+class TrainRankActor(FSDPTrainRayActor, ReusableActor):
+    """The trunk actor as Ray starts it: the collector back on, first thing, once this module's imports are done.
+    An `ActorPool` may hand its process to the next run (`release`, then `reuse`)."""
 
     def __init__(self, world_size: int, rank: int, role: str) -> None:
         import_gc.resume()
+        self._remember_process_baseline()
         super().__init__(world_size, rank, role)
+
+    def _release_resources(self) -> None:
+        self.shutdown()
 
 
 def rank_options(
@@ -49,16 +55,29 @@ class RayTrainGroup:
     """N ranks of one role in one placement group; rank i of this group pairs with rank i of the next."""
 
     def __init__(
-        self, args: argparse.Namespace, role: str, *, timeout: float | None = None, colocation: Colocation | None = None
+        self,
+        args: argparse.Namespace,
+        role: str,
+        *,
+        timeout: float | None = None,
+        colocation: Colocation | None = None,
+        pool: ActorPool | None = None,
     ) -> None:
         """Rank i runs in bundle i of its own placement group, or with `colocation` (--colocate) of the shared one,
-        with its share of that bundle's GPU."""
+        with its share of that bundle's GPU. With `pool`, ranks (and their placement group) of an earlier run of
+        the same shape are reused and go back to it at `shutdown` (not with `colocation`: that group is the run's)."""
         self.args, self.role, self.timeout = args, role, timeout
         self.world_size = args.dp_size
         self.last_rollout_id: int | None = None  # named by failures of calls that are not told the rollout
         self.failed = False
         gpu = uses_gpu(args)
         self.owns_placement_group = colocation is None
+        self.pool = pool if colocation is None else None
+        self.pool_key = ("trainer", self.world_size, gpu, args.cpus_per_rank, args.gpus_per_rank)
+        reused = self._take_from_pool(role)
+        if reused is not None:
+            self.placement_group, self.actors = reused
+            return
         if colocation is None:
             self.placement_group = create_placement_group(
                 self.world_size, use_gpu=gpu, cpus_per_bundle=args.cpus_per_rank, gpus_per_bundle=args.gpus_per_rank
@@ -72,6 +91,21 @@ class RayTrainGroup:
             )
             for rank in range(self.world_size)
         ]
+
+    def _take_from_pool(self, role: str) -> tuple[Any, list] | None:
+        """Idle ranks of this shape from the pool, rebuilt as this group's (None: none there, or one did not answer,
+        and then they are ended)."""
+        reused = self.pool.take(self.pool_key) if self.pool is not None else None
+        if reused is None:
+            return None
+        placement_group, actors = reused
+        try:
+            ray.get([a.reuse.remote(self.world_size, rank, role) for rank, a in enumerate(actors)], timeout=60)
+        except Exception as exc:  # a rank died while idle: start afresh
+            logger.warning("pooled %s ranks could not be reused (%s); starting new ones", role, exc)
+            _end_ranks(placement_group, actors)
+            return None
+        return placement_group, actors
 
     def _get(self, refs: list, phase: str, rollout_id: int | None = None) -> list:
         """Every rank's answer; a failure names this role, the rank, the phase and the rollout (`failures.gather`)."""
@@ -158,13 +192,27 @@ class RayTrainGroup:
         return self._get([getattr(a, method).remote(*args, **kwargs) for a in self.actors], method)
 
     def shutdown(self, timeout: float = 60.0) -> None:
-        """Tear the ranks down gracefully within `timeout`, then kill them whatever happened. After a failure, kill
-        at once: the surviving ranks may be blocked in a collective with the dead one and would never answer."""
+        """Tear the ranks down gracefully within `timeout`, then kill them whatever happened (or, with a pool, give
+        them back to it once they have released what the run held). After a failure, kill at once: the surviving
+        ranks may be blocked in a collective with the dead one and would never answer."""
+        pooled = False
         try:
             if not self.failed:
-                ray.get([a.shutdown.remote() for a in self.actors], timeout=timeout)
+                if self.pool is not None:
+                    ray.get([a.release.remote() for a in self.actors], timeout=timeout)
+                    placement_group, actors = self.placement_group, self.actors
+                    self.pool.put(self.pool_key, (placement_group, actors), lambda: _end_ranks(placement_group, actors))
+                    pooled = True
+                else:
+                    ray.get([a.shutdown.remote() for a in self.actors], timeout=timeout)
         finally:
-            for actor in self.actors:
-                ray.kill(actor)
-            if self.owns_placement_group:  # a shared one (--colocate) is the driver's to remove
-                ray.util.remove_placement_group(self.placement_group)
+            if not pooled:
+                _end_ranks(self.placement_group if self.owns_placement_group else None, self.actors)
+
+
+def _end_ranks(placement_group: Any, actors: list) -> None:
+    """Kill `actors`, then remove `placement_group` (None: a shared one, --colocate, that the driver removes)."""
+    for actor in actors:
+        ray.kill(actor)
+    if placement_group is not None:
+        ray.util.remove_placement_group(placement_group)
