@@ -1,6 +1,7 @@
 """Actor processes kept between runs of one driver process (a test session, a sweep): a run's trainer ranks and
-engines go back to an `ActorPool` at shutdown and the next run with the same resource shape takes them, skipping a
-new Python process and its imports (~5 s of CPU each: torch, diffusers, transformers)."""
+engines go back to an `ActorPool` at shutdown and a later run with the same resource shape takes them, skipping a
+new Python process and its imports (~5 s of CPU each: torch, diffusers, transformers). Idle actors keep their
+resources until a new actor needs them (`make_room`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import gc
 import logging
 import os
 from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -58,47 +60,65 @@ class ReusableActor:
 
 
 class ActorPool:
-    """Idle actors by key (what the actors were started with: role kind, count, resource shares). `take` hands out
-    a match or, on a miss, ends the idle actors of that kind (their resources go to the new ones); `evict_idle` ends
-    every idle actor (a run calls it once it has taken what it needs, so the pool holds at most one run's actors)."""
+    """Idle actors by key (what they were started with: role kind, count, resource shares), each holding its
+    resources. `take` hands out the newest match; `make_room` ends the oldest idle ones until the cluster has what a
+    new actor needs; `evict_idle` ends them all."""
 
     def __init__(self) -> None:
-        self._idle: dict[Hashable, list[tuple[Any, Callable[[], None]]]] = {}
+        self._idle: dict[Hashable, list[_Idle]] = {}
         self._session = _ray_session()
+        self._puts = 0
 
     def take(self, key: tuple) -> Any | None:
-        """An idle item started with `key`, or None (then the idle items of kind `key[0]` are ended)."""
+        """The newest idle item started with `key`, or None."""
         if self._session != _ray_session():  # Ray restarted: the idle actors died with the old cluster
             self._idle.clear()
             self._session = _ray_session()
         items = self._idle.get(key)
-        if items:
-            item, _ = items.pop()
-            return item
-        for other in [k for k in self._idle if k[0] == key[0]]:
-            self._end(other)
-        return None
+        return items.pop().item if items else None
 
-    def put(self, key: tuple, item: Any, end: Callable[[], None]) -> None:
-        """Keep `item` for the next `take(key)`; `end()` kills it when it is evicted."""
-        self._idle.setdefault(key, []).append((item, end))
+    def put(self, key: tuple, item: Any, end: Callable[[], None], resources: dict[str, float] | None = None) -> None:
+        """Keep `item` (holding `resources`, e.g. {"CPU": 1.0}) for the next `take(key)`; `end()` kills it."""
+        self._puts += 1
+        self._idle.setdefault(key, []).append(_Idle(item, end, dict(resources or {}), self._puts))
+
+    def make_room(self, need: dict[str, float]) -> None:
+        """End idle items, oldest first, until what the cluster has free plus what they held covers `need`."""
+        free = ray.available_resources() if ray.is_initialized() else {}
+        short = {k: v - free.get(k, 0.0) for k, v in need.items() if v - free.get(k, 0.0) > 1e-9}
+        while short and len(self):
+            key, oldest = min(((k, items[0]) for k, items in self._idle.items() if items), key=lambda e: e[1].stamp)
+            self._idle[key].pop(0)
+            _end(oldest)
+            short = {k: v - oldest.resources.get(k, 0.0) for k, v in short.items()}
+            short = {k: v for k, v in short.items() if v > 1e-9}
 
     def __len__(self) -> int:
         """Idle items held."""
         return sum(len(items) for items in self._idle.values())
 
     def evict_idle(self) -> None:
-        for key in list(self._idle):
-            self._end(key)
-
-    def _end(self, key: Hashable) -> None:
-        for _, end in self._idle.pop(key, []):
-            try:
-                end()
-            except Exception as exc:  # an actor that died idle: nothing left to end
-                logger.warning("ending an idle pooled actor failed: %s", exc)
+        for items in self._idle.values():
+            for idle in items:
+                _end(idle)
+        self._idle.clear()
 
     close = evict_idle
+
+
+@dataclass
+class _Idle:
+    item: Any
+    end: Callable[[], None]  # kills the item's actors (and removes their placement group)
+    resources: dict[str, float]  # what it holds while idle
+    stamp: int  # put order: the oldest is ended first
+
+
+def _end(idle: _Idle) -> None:
+    try:
+        idle.end()
+    except Exception as exc:  # an actor that died idle: nothing left to end
+        logger.warning("ending an idle pooled actor failed: %s", exc)
 
 
 def _ray_session() -> str | None:

@@ -109,6 +109,8 @@ class RolloutEngineGroup:
             if engine is not None:  # its answer to `reuse` is its health once the pipeline is loaded
                 self._starting[index] = engine.reuse.remote(hf_checkpoint, **init_kwargs)
             else:
+                if self.pool is not None:  # idle pooled actors hold resources: end the oldest until this one fits
+                    self.pool.make_room({"CPU": num_cpus_per_engine, "GPU": num_gpus_per_engine})
                 options = engine_options(index, num_cpus_per_engine, num_gpus_per_engine, colocation)
                 engine = remote_cls.options(**options).remote(hf_checkpoint, **init_kwargs)
                 self._starting[index] = engine.health.remote()
@@ -203,8 +205,9 @@ class RolloutEngineGroup:
             except Exception as exc:  # noqa: BLE001 - an engine that cannot release is ended below with the others
                 logger.warning("rollout engines could not release for reuse (%s); ending them", exc)
             else:
+                held = {"CPU": self.pool_key[1], "GPU": self.pool_key[2]}
                 for engine in self.engines:
-                    self.pool.put(self.pool_key, engine, functools.partial(ray.kill, engine))
+                    self.pool.put(self.pool_key, engine, functools.partial(ray.kill, engine), resources=held)
                 return
         for engine in self.engines:
             ray.kill(engine)

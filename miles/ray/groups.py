@@ -65,8 +65,7 @@ class RunGroups:
     @classmethod
     def launch(cls, args: argparse.Namespace, pool: ActorPool | None = None) -> RunGroups:
         """Every actor starts at once, none waited for (`start` waits); on a failure those started are stopped.
-        `pool` (default: that of an enclosing `reusing_actors` block): idle actors of earlier runs to reuse; what
-        this run does not take is ended."""
+        `pool` (default: that of an enclosing `reusing_actors` block): idle actors of earlier runs to reuse."""
         # imported here, not at the top: the driver imports this module before ray.init, and these (diffusers,
         # transformers, peft: ~4 s of CPU) load meanwhile on the start-up checks' thread (miles/startup.py)
         from miles.ray.evaluator import Evaluator
@@ -82,8 +81,6 @@ class RunGroups:
                 launched.groups[role] = RayTrainGroup(args, role, colocation=launched.colocation, pool=pool)
             launched.rollout_manager = RolloutManager(args, wait=False, colocation=launched.colocation, pool=pool)
             launched.evaluator = Evaluator(args) if eval_enabled(args) else None
-            if pool is not None:
-                pool.evict_idle()
         except BaseException:  # a placement group that never came, a broken prompt file
             run_cleanup(launched.shutdown_steps())
             raise

@@ -79,6 +79,9 @@ class RayTrainGroup:
             self.placement_group, self.actors = reused
             return
         if colocation is None:
+            if self.pool is not None:  # idle pooled actors hold resources: end the oldest until these ranks fit
+                per_rank = {"GPU": args.gpus_per_rank, "CPU": 0.01} if gpu else {"CPU": args.cpus_per_rank}
+                self.pool.make_room({k: v * self.world_size for k, v in per_rank.items()})
             self.placement_group = create_placement_group(
                 self.world_size, use_gpu=gpu, cpus_per_bundle=args.cpus_per_rank, gpus_per_bundle=args.gpus_per_rank
             )
@@ -91,6 +94,14 @@ class RayTrainGroup:
             )
             for rank in range(self.world_size)
         ]
+
+    def _held_resources(self) -> dict[str, float]:
+        """What this group's placement group reserves (its bundles' sum)."""
+        held: dict[str, float] = {}
+        for bundle in self.placement_group.bundle_specs:
+            for name, amount in bundle.items():
+                held[name] = held.get(name, 0.0) + amount
+        return held
 
     def _take_from_pool(self, role: str) -> tuple[Any, list] | None:
         """Idle ranks of this shape from the pool, rebuilt as this group's (None: none there, or one did not answer,
@@ -201,7 +212,12 @@ class RayTrainGroup:
                 if self.pool is not None:
                     ray.get([a.release.remote() for a in self.actors], timeout=timeout)
                     placement_group, actors = self.placement_group, self.actors
-                    self.pool.put(self.pool_key, (placement_group, actors), lambda: _end_ranks(placement_group, actors))
+                    self.pool.put(
+                        self.pool_key,
+                        (placement_group, actors),
+                        lambda: _end_ranks(placement_group, actors),
+                        resources=self._held_resources(),
+                    )
                     pooled = True
                 else:
                     ray.get([a.shutdown.remote() for a in self.actors], timeout=timeout)

@@ -51,4 +51,4 @@ def test_a_second_run_takes_the_first_runs_processes_with_their_settings_put_bac
     assert [r["pid"] for r in second] == [r["pid"] for r in first]
     assert all(r["deterministic"] and r["cublas"] is not None for r in first)  # the flag took effect
     assert not any(r["deterministic"] or r["cublas"] is not None for r in second), second
-    assert len(current_pool()) == 2  # the rank group and the engine, back for the next run
+    assert len(current_pool()) >= 2  # at least this run's rank group and engine, back for the next run

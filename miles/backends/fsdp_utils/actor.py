@@ -339,6 +339,6 @@ class FSDPTrainRayActor(TrainLoop):
         return out_dir
 
     def shutdown(self) -> None:
-        if hasattr(self, "prefetcher"):
+        if self.prefetcher is not None:  # None until init built it
             self.prefetcher.shutdown()
         destroy_process_group()
