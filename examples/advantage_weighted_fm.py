@@ -16,7 +16,7 @@ import torch
 
 from miles.algorithms import Algorithm, register_algorithm
 from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS, LossHooks
-from miles.backends.fsdp_utils.loss_hub.sft import microbatch_generator
+from miles.backends.fsdp_utils.loss_hub.sft import pair_generators, pair_noise
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, WindowMetrics, conditioning_from_pairs
 from miles.diffusion.schedule import add_noise
 from miles.rollout.rollout_hub import ROLLOUT_SPECS, RolloutSpec, nft_pairs, nft_pairs_count, ode_request
@@ -36,7 +36,7 @@ def advantage_weighted_fm_loss(
 # ---- the train side: prepare and formula, one LOSS_HOOKS entry ----------------------------------------------------
 def prepare(ctx, batch, *, microbatch_id: int, optim_step_idx: int, pad_to_len=None) -> PreparedBatch:
     x0, t = batch["x0"].float(), batch["t"].float()
-    noise = torch.randn(x0.shape, generator=microbatch_generator(ctx, microbatch_id), dtype=torch.float32)
+    noise = pair_noise(pair_generators(ctx, batch, optim_step_idx), x0.shape)
     x0, noise, t = x0.to(ctx.device), noise.to(ctx.device), t.to(ctx.device)
     return PreparedBatch(
         latents=add_noise(x0, noise, t),

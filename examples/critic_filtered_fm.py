@@ -26,7 +26,7 @@ import torch
 from miles.algorithms import Algorithm, Role, register_algorithm
 from miles.algorithms.base import COMMON_PANELS
 from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS, LossHooks
-from miles.backends.fsdp_utils.loss_hub.sft import microbatch_generator
+from miles.backends.fsdp_utils.loss_hub.sft import pair_generators, pair_noise
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, WindowMetrics, conditioning_from_pairs
 from miles.diffusion.schedule import add_noise
 from miles.rollout.rollout_hub import ROLLOUT_SPECS, RolloutSpec, nft_pairs, nft_pairs_count, ode_request
@@ -95,7 +95,7 @@ ALGORITHM = register_algorithm(
 def prepare(ctx, batch, *, microbatch_id: int, optim_step_idx: int, pad_to_len=None) -> PreparedBatch:
     """x_t = (1 − t)·x₀ + t·ε at the pair's recorded t, ε seeded by the role's micro-batch id; CFG-free."""
     x0, t = batch["x0"].float(), batch["t"].float()
-    noise = torch.randn(x0.shape, generator=microbatch_generator(ctx, microbatch_id), dtype=torch.float32)
+    noise = pair_noise(pair_generators(ctx, batch, optim_step_idx), x0.shape)
     x0, noise, t = x0.to(ctx.device), noise.to(ctx.device), t.to(ctx.device)
     return PreparedBatch(
         latents=add_noise(x0, noise, t),

@@ -9,6 +9,7 @@ import torch
 
 # Train pairs are columnar: every value is a tensor whose first dimension indexes the pair.
 TrainPairs = dict[str, torch.Tensor]
+PAIR_INDEX = "pair_index"  # the column `shard_pairs` adds: a pair's row in its rollout's whole batch
 
 
 @dataclass
@@ -49,9 +50,12 @@ def slice_pairs(pairs: TrainPairs, start: int, end: int) -> TrainPairs:
 
 
 def shard_pairs(pairs: TrainPairs, dp_size: int) -> list[TrainPairs]:
-    """Split pairs into `dp_size` contiguous, equal shards (rank i gets shard i)."""
+    """Deal pairs to `dp_size` equal shards, rank i taking rows i, i + dp_size, i + 2·dp_size, ...; each row also gets
+    `pair_index`, its row in `pairs`. Dealt this way, window k of every rank's schedule (equal windows of its rows,
+    `build_microbatch_schedule`) holds its share of window k of the whole batch at any dp size, so an optimizer step
+    sees the same pairs whatever the layout; `pair_index` keys the trainer's per-pair draws (noise, timesteps)."""
     total = num_pairs(pairs)
     if total % dp_size != 0:
         raise ValueError(f"{total} train pairs cannot be split evenly over {dp_size} data-parallel ranks")
-    per_rank = total // dp_size
-    return [{k: v[r * per_rank : (r + 1) * per_rank].clone() for k, v in pairs.items()} for r in range(dp_size)]
+    indexed = {**pairs, PAIR_INDEX: torch.arange(total)}
+    return [{k: v[r::dp_size].clone() for k, v in indexed.items()} for r in range(dp_size)]

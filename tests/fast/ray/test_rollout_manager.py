@@ -45,7 +45,7 @@ def test_a_dataset_entry_is_encoded_once_and_each_rollout_trains_the_data_source
     for rollout_id in range(3):
         shards = manager.generate(rollout_id)
         assert len(shards) == 2 and all(len(s["record"]) == 2 for s in shards)
-        rows = torch.cat([s["record"] for s in shards]).tolist()
+        rows = torch.cat([s["record"] for s in shards])[torch.cat([s["pair_index"] for s in shards]).argsort()].tolist()
         assert rows == list(source.indices(rollout_id))
         seen += rows
     assert len(encoded) == 1 and len(encoded[0]) == RECORDS  # once, every record

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 
 from miles.algorithms.awm import EMA_ANCHOR
-from miles.backends.fsdp_utils.loss_hub.sft import microbatch_generator
+from miles.backends.fsdp_utils.loss_hub.sft import pair_generators, pair_noise
 from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
     PreparedBatch,
@@ -66,7 +66,7 @@ def prepare_awm_batch(
     the engine sampled."""
     args = ctx.args
     x0, sigma = batch["x0"].float(), batch["t"].float()
-    noise = torch.randn(x0.shape, generator=microbatch_generator(ctx, microbatch_id), dtype=torch.float32)
+    noise = pair_noise(pair_generators(ctx, batch, optim_step_idx), x0.shape)
     x0, noise, sigma = x0.to(ctx.device), noise.to(ctx.device), sigma.to(ctx.device)
     guided = args.diffusion_guidance_scale > 1.0
     return PreparedBatch(

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from miles.backends.fsdp_utils.loss_hub.sft import microbatch_generator
+from miles.backends.fsdp_utils.loss_hub.sft import pair_generators, pair_noise
 from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
     Guidance,
@@ -66,11 +66,10 @@ def prepare_critic_batch(
     In the scoring window it names the teacher, run on the same x_t with CFG --dmd2-real-guidance-scale."""
     args = ctx.args
     x = batch["x"].float()
-    generator = microbatch_generator(ctx, microbatch_id, salt=_CRITIC_SALT)
-    t = sample_dmd_timesteps(
-        x.shape[0], shift=timestep_shift(ctx), t_min=args.dmd2_t_min, t_max=args.dmd2_t_max, generator=generator
-    )
-    noise = torch.randn(x.shape, generator=generator, dtype=torch.float32)
+    generators = pair_generators(ctx, batch, optim_step_idx, salt=_CRITIC_SALT)
+    limits = {"shift": timestep_shift(ctx), "t_min": args.dmd2_t_min, "t_max": args.dmd2_t_max}
+    t = torch.cat([sample_dmd_timesteps(1, generator=g, **limits) for g in generators])
+    noise = pair_noise(generators, x.shape)
     x, noise, t = x.to(ctx.device), noise.to(ctx.device), t.to(ctx.device)
     frozen: tuple[str, ...] = ()
     guidance: dict[str, Guidance] = {}

@@ -10,7 +10,7 @@ from functools import lru_cache
 import torch
 
 from miles.algorithms.dpo import REFERENCE
-from miles.backends.fsdp_utils.loss_hub.sft import microbatch_generator
+from miles.backends.fsdp_utils.loss_hub.sft import pair_generators, pair_noise
 from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
     PreparedBatch,
@@ -57,11 +57,10 @@ def prepare_dpo_batch(
     on the scheduler's training table), seeded by ids; the rows interleave (w₀, l₀, w₁, l₁, ...) so that one forward
     of the policy and one of `dpo_ref` score both."""
     x0_w, x0_l = batch["x0_w"].float(), batch["x0_l"].float()
-    pairs = x0_w.shape[0]
-    generator = microbatch_generator(ctx, microbatch_id)
-    u = sample_timestep_density("logit_normal", pairs, generator=generator)
+    generators = pair_generators(ctx, batch, optim_step_idx)
+    u = torch.cat([sample_timestep_density("logit_normal", 1, generator=g) for g in generators])
     sigmas = sigmas_from_u(u, _sigma_table(float(ctx.family.scheduler_shift)))
-    noise = torch.randn(x0_w.shape, generator=generator, dtype=torch.float32)
+    noise = pair_noise(generators, x0_w.shape)
     x0 = torch.stack([x0_w, x0_l], dim=1).flatten(0, 1).to(ctx.device)  # (2P, ...) interleaved
     noise = noise.repeat_interleave(2, dim=0).to(ctx.device)
     sigmas = sigmas.repeat_interleave(2).to(ctx.device)

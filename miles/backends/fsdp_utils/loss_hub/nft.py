@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from miles.backends.fsdp_utils.loss_hub.sft import microbatch_generator
+from miles.backends.fsdp_utils.loss_hub.sft import pair_generators, pair_noise
 from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
     PreparedBatch,
@@ -47,11 +47,11 @@ def prepare_nft_batch(
     optim_step_idx: int,
     pad_to_len: int | None = None,
 ) -> PreparedBatch:
-    """x_t = (1 − t)·x₀ + t·ε with fresh ε seeded by ids; the trunk runs `old` on the same inputs
+    """x_t = (1 − t)·x₀ + t·ε with fresh ε seeded per pair (`pair_generators`); the trunk runs `old` on the same inputs
     (`frozen_preds["old"]`), and `ref` too when the KL term is on (`frozen_preds["ref"]`)."""
     args = ctx.args
     x0, t = batch["x0"].float(), batch["t"].float()
-    noise = torch.randn(x0.shape, generator=microbatch_generator(ctx, microbatch_id), dtype=torch.float32)
+    noise = pair_noise(pair_generators(ctx, batch, optim_step_idx), x0.shape)
     x0, noise, t = x0.to(ctx.device), noise.to(ctx.device), t.to(ctx.device)
     guidance = float(args.diffusion_nft_guidance_scale)
     negative = None

@@ -20,7 +20,7 @@ from miles.diffusion.schedule import (
     training_sigmas,
 )
 from miles.utils.seeding import stream_generator
-from miles.utils.types import TrainPairs
+from miles.utils.types import PAIR_INDEX, TrainPairs
 
 
 @lru_cache(maxsize=8)
@@ -28,9 +28,24 @@ def _sigma_table(shift: float) -> torch.Tensor:
     return training_sigmas(shift=shift)
 
 
-def microbatch_generator(ctx: DiffusionLossContext, microbatch_id: int, salt: int = 0) -> torch.Generator:
-    """Noise seeded by (seed, rollout, rank, micro-batch): identical in every pass over the same micro-batch."""
-    return stream_generator(ctx.args.seed, ctx.rollout_id, ctx.dp_rank, microbatch_id, salt)
+def pair_generators(
+    ctx: DiffusionLossContext, batch: TrainPairs, optim_step_idx: int, salt: int = 0
+) -> list[torch.Generator]:
+    """One generator per pair, seeded by (seed, rollout, window, the pair's row in the rollout's batch, salt): a pair
+    draws the same noise and timestep in every pass over its window and on whichever rank and micro-batch it lands
+    (any --dp-size: ranks are dealt rows so that window k holds the same pairs), and fresh ones in another window
+    (dmd2's critic sees each pair once per window)."""
+    if PAIR_INDEX not in batch:
+        raise KeyError(
+            f"train pairs lack {PAIR_INDEX!r} (miles.utils.types.shard_pairs adds it); columns: {sorted(batch)}"
+        )
+    rollout, seed = ctx.rollout_id, ctx.args.seed
+    return [stream_generator(seed, rollout, optim_step_idx, int(i), salt) for i in batch[PAIR_INDEX].tolist()]
+
+
+def pair_noise(generators: list[torch.Generator], shape: torch.Size) -> torch.Tensor:
+    """(len(generators), *shape[1:]) float32 standard normal, row i from generator i."""
+    return torch.stack([torch.randn(shape[1:], generator=g, dtype=torch.float32) for g in generators])
 
 
 def prepare_sft_batch(
@@ -43,17 +58,11 @@ def prepare_sft_batch(
 ) -> PreparedBatch:
     args = ctx.args
     x0 = batch["x0"].float()
-    generator = microbatch_generator(ctx, microbatch_id)
-    u = sample_timestep_density(
-        args.sft_timestep_sampling,
-        x0.shape[0],
-        logit_mean=args.sft_logit_mean,
-        logit_std=args.sft_logit_std,
-        mode_scale=args.sft_mode_scale,
-        generator=generator,
-    )
+    generators = pair_generators(ctx, batch, optim_step_idx)
+    density = {"logit_mean": args.sft_logit_mean, "logit_std": args.sft_logit_std, "mode_scale": args.sft_mode_scale}
+    u = torch.cat([sample_timestep_density(args.sft_timestep_sampling, 1, generator=g, **density) for g in generators])
     sigmas = sigmas_from_u(u, _sigma_table(float(ctx.family.scheduler_shift)))
-    noise = torch.randn(x0.shape, generator=generator, dtype=torch.float32)
+    noise = pair_noise(generators, x0.shape)
     x0, noise, sigmas = x0.to(ctx.device), noise.to(ctx.device), sigmas.to(ctx.device)
     embeds = conditioning_from_pairs(batch, ctx.device)
     return PreparedBatch(

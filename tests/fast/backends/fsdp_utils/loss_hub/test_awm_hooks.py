@@ -13,6 +13,7 @@ from miles.backends.fsdp_utils.loss_hub import LossHooks, check_loss_hooks
 from miles.backends.fsdp_utils.loss_hub.awm import awm_formula, decay_ema_anchor, prepare_awm_batch
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, WindowMetrics
 from miles.plot import infer_loss_type
+from miles.utils.types import slice_pairs
 
 B, C, H, W, L, D, P = 4, 2, 3, 3, 5, 6, 7
 CLIP = 5.0
@@ -60,6 +61,7 @@ def make_batch(advantage=(6.0, -2.0, 1.0, -0.5), seed=0):
         "old_log_prob": torch.full((B,), float("nan")),
         "cond/prompt_embeds": torch.randn(B, L, D, generator=g),
         "cond/pooled_prompt_embeds": torch.randn(B, P, generator=g),
+        "pair_index": torch.arange(B),
     }
 
 
@@ -100,13 +102,15 @@ def test_awm_hooks_pass_the_signature_check_with_the_ratio_keywords():
     )
 
 
-def test_prepare_renoises_x0_with_noise_seeded_by_the_microbatch_id():
+def test_prepare_renoises_x0_with_noise_seeded_per_pair_and_window():
     ctx, batch = make_ctx(), make_batch()
     first = prepare_awm_batch(ctx, batch, microbatch_id=3, optim_step_idx=1)
-    again = prepare_awm_batch(ctx, batch, microbatch_id=3, optim_step_idx=1)
-    other = prepare_awm_batch(ctx, batch, microbatch_id=4, optim_step_idx=1)
+    again = prepare_awm_batch(ctx, batch, microbatch_id=9, optim_step_idx=1)  # another pass, rank or micro-batch
+    other = prepare_awm_batch(ctx, batch, microbatch_id=3, optim_step_idx=2)
     assert torch.equal(first.extras["noise"], again.extras["noise"])  # recompute and training pass agree
     assert not torch.equal(first.extras["noise"], other.extras["noise"])
+    alone = prepare_awm_batch(ctx, slice_pairs(batch, 2, 3), microbatch_id=0, optim_step_idx=1)
+    assert torch.equal(alone.extras["noise"][0], first.extras["noise"][2])
     s = torch.tensor(SIGMA).view(-1, 1, 1, 1)
     torch.testing.assert_close(first.latents, (1 - s) * batch["x0"] + s * first.extras["noise"], rtol=0, atol=1e-6)
     assert torch.equal(first.sigmas, batch["t"])

@@ -85,6 +85,7 @@ def make_pairs(seed=0):
         "negative_cond/prompt_embeds": torch.zeros(P, L, D),
         "negative_cond/pooled_prompt_embeds": torch.randn(1, Q, generator=g).expand(P, -1).clone(),
         "sample_index": torch.arange(P),
+        "pair_index": torch.arange(P),
     }
 
 
@@ -154,8 +155,8 @@ def test_critic_pairs_are_tiled_once_per_window_with_their_rows():
 def test_critic_prepare_noises_x_at_clamped_seeded_timesteps():
     ctx, pairs = make_ctx(), make_pairs()
     first = prepare_critic_batch(ctx, pairs, microbatch_id=1, optim_step_idx=0)
-    again = prepare_critic_batch(ctx, pairs, microbatch_id=1, optim_step_idx=0)
-    other = prepare_critic_batch(ctx, pairs, microbatch_id=2, optim_step_idx=0)
+    again = prepare_critic_batch(ctx, pairs, microbatch_id=5, optim_step_idx=0)  # another rank's micro-batch
+    other = prepare_critic_batch(ctx, pairs, microbatch_id=1, optim_step_idx=1)  # the pair's copy in a later window
     assert torch.equal(first.latents, again.latents) and not torch.equal(first.latents, other.latents)
     t = first.sigmas
     assert bool(((t >= 0.02) & (t <= 0.98)).all())

@@ -52,6 +52,7 @@ def make_batch(weight=None):
         "weight": torch.ones(P) if weight is None else torch.tensor(weight, dtype=torch.float32),
         "cond/prompt_embeds": torch.randn(P, L, E, generator=g),
         "cond/pooled_prompt_embeds": torch.randn(P, E, generator=g),
+        "pair_index": torch.arange(P),
     }
 
 
@@ -72,11 +73,11 @@ def test_dpo_hooks_pass_the_signature_check():
     check_loss_hooks(LossHooks(prepare=prepare_dpo_batch, formula=dpo_formula, after_train=refresh_reference))
 
 
-def test_a_pair_shares_one_eps_and_one_sigma_from_the_table_seeded_by_the_microbatch_id():
+def test_a_pair_shares_one_eps_and_one_sigma_from_the_table_seeded_per_pair_and_window():
     ctx, batch = make_ctx(), make_batch()
     prepared = prepare_dpo_batch(ctx, batch, microbatch_id=3, optim_step_idx=0)
-    again = prepare_dpo_batch(ctx, batch, microbatch_id=3, optim_step_idx=0)
-    other = prepare_dpo_batch(ctx, batch, microbatch_id=4, optim_step_idx=0)
+    again = prepare_dpo_batch(ctx, batch, microbatch_id=4, optim_step_idx=0)  # another rank's micro-batch
+    other = prepare_dpo_batch(ctx, batch, microbatch_id=3, optim_step_idx=1)
     assert torch.equal(prepared.latents, again.latents) and not torch.equal(prepared.latents, other.latents)
     eps, sigma = prepared.extras["noise"], prepared.sigmas
     assert prepared.latents.shape == (2 * P, C, H, W) and prepared.frozen_networks == ("dpo_ref",)

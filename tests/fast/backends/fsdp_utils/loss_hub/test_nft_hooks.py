@@ -10,6 +10,8 @@ import torch
 from miles.backends.fsdp_utils.loss_hub import LossHooks, check_loss_hooks
 from miles.backends.fsdp_utils.loss_hub.nft import nft_formula, nft_old_decay, prepare_nft_batch
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, WindowMetrics
+from miles.utils.seeding import stream_generator
+from miles.utils.types import slice_pairs
 
 B, C, H, W, L, D, P = 3, 2, 4, 4, 5, 6, 7
 CLIP = 5.0
@@ -72,6 +74,7 @@ def make_batch(advantage=None, negative=False, seed=0):
         "cond/prompt_embeds": torch.randn(B, L, D, generator=g),
         "cond/pooled_prompt_embeds": torch.randn(B, P, generator=g),
         "sample_index": torch.arange(B),
+        "pair_index": torch.arange(B) + 5,  # the rows' places in the rollout's batch (shard_pairs)
     }
     if negative:
         batch["negative_cond/prompt_embeds"] = torch.zeros(B, L, D)
@@ -105,13 +108,20 @@ def test_nft_hooks_pass_the_signature_check():
     check_loss_hooks(LossHooks(prepare=prepare_nft_batch, formula=nft_formula))
 
 
-def test_prepare_renoises_x0_with_noise_seeded_by_the_microbatch_id():
+def test_prepare_renoises_x0_with_noise_seeded_per_pair_and_window():
     ctx, batch = make_ctx(), make_batch()
     first = prepare_nft_batch(ctx, batch, microbatch_id=2, optim_step_idx=1)
-    again = prepare_nft_batch(ctx, batch, microbatch_id=2, optim_step_idx=1)
-    other = prepare_nft_batch(ctx, batch, microbatch_id=3, optim_step_idx=1)
-    assert torch.equal(first.latents, again.latents)
+    elsewhere = prepare_nft_batch(ctx, batch, microbatch_id=7, optim_step_idx=1)  # another rank's micro-batch
+    other = prepare_nft_batch(ctx, batch, microbatch_id=2, optim_step_idx=2)
+    assert torch.equal(first.latents, elsewhere.latents)
     assert not torch.equal(first.latents, other.latents)
+    alone = prepare_nft_batch(ctx, slice_pairs(batch, 1, 2), microbatch_id=0, optim_step_idx=1)
+    assert torch.equal(alone.extras["noise"][0], first.extras["noise"][1])  # a pair's ε ignores its neighbours
+    pair = int(batch["pair_index"][1])
+    expected_noise = torch.randn(
+        first.extras["noise"].shape[1:], generator=stream_generator(ctx.args.seed, ctx.rollout_id, 1, pair, 0)
+    )
+    assert torch.equal(first.extras["noise"][1], expected_noise)
     t = batch["t"].reshape(-1, 1, 1, 1)
     expected = (1 - t) * batch["x0"] + t * first.extras["noise"]
     torch.testing.assert_close(first.latents, expected)
