@@ -2,9 +2,10 @@
 each engine recomputes them over what it loaded (`verify_loaded`); a difference names the tensor.
 
 A checksum is exact, not a float tolerance: it sums the tensor's bits read as 16-bit words (0..65535), plain and
-weighted by position ((p mod 65521) + 1), in int64. Integer sums do not depend on the order or the split of the
-addition, so the trainer's sum over gathered pieces equals the engine's over the whole tensor, and any change of
-one bit or any swap of two different words shows (neither sum can overflow below 2**31 words, 4 GiB, per tensor).
+weighted by position ((p mod 32749) + 1), the products in int32 and the sums in int64. Integer sums do not depend on
+the order or the split of the addition, so the trainer's sum over gathered pieces equals the engine's over the whole
+tensor, and any change of one bit or any swap of two different words (not 32749 apart) shows; nothing overflows below
+2**31 words (4 GiB) per tensor.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-MODULUS = 65521  # the largest prime below 2**16: position weights stay in 1..65521, a weighted word below 2**32
-CHUNK_WORDS = 1 << 24  # words per pass: bounds the int64 temporaries (3 of 128 MiB) on a large tensor's device
+MODULUS = 32749  # the largest prime below 2**15: a word (< 2**16) times its weight (<= 32749) stays below 2**31
+CHUNK_WORDS = 1 << 22  # words per pass: bounds the int32 temporaries (two of 16 MiB) on a large tensor's device
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}  # per device, the weights of CHUNK_WORDS words from any offset
 
 
 class WeightSyncError(RuntimeError):
@@ -37,6 +39,14 @@ def _raw_words(flat: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
 
 
+def _weights(device: torch.device) -> torch.Tensor:
+    """(p mod MODULUS) + 1 for p in [0, CHUNK_WORDS + MODULUS), int32, made once per device: a chunk starting at
+    position q takes the slice from q mod MODULUS (no modulo per word)."""
+    if device not in _WEIGHTS:
+        _WEIGHTS[device] = (torch.arange(CHUNK_WORDS + MODULUS, device=device) % MODULUS + 1).to(torch.int32)
+    return _WEIGHTS[device]
+
+
 def checksum_terms(pieces: Iterable[torch.Tensor]) -> torch.Tensor:
     """(2,) int64 on the pieces' device: the word sum and the position-weighted word sum of consecutive pieces of one
     flat tensor (a gather's pieces, in order). No host synchronisation: callers stack the terms of many tensors and
@@ -46,10 +56,10 @@ def checksum_terms(pieces: Iterable[torch.Tensor]) -> torch.Tensor:
         flat = piece.detach().contiguous().reshape(-1)
         words = _raw_words(flat)
         for start in range(0, words.numel(), CHUNK_WORDS):
-            chunk = words[start : start + CHUNK_WORDS].to(torch.int64) & 0xFFFF  # int16 reads signed
+            chunk = words[start : start + CHUNK_WORDS].to(torch.int32) & 0xFFFF  # int16 reads signed
             first = (position + start) % MODULUS
-            weights = (torch.arange(chunk.numel(), device=chunk.device, dtype=torch.int64) + first) % MODULUS + 1
-            terms = torch.stack([chunk.sum(), (chunk * weights).sum()])
+            weights = _weights(chunk.device)[first : first + chunk.numel()]
+            terms = torch.stack([chunk.sum(dtype=torch.int64), (chunk * weights).sum(dtype=torch.int64)])
             total = terms if total is None else total + terms
         position += words.numel()
     if total is None:  # an empty tensor
