@@ -1,6 +1,8 @@
 """The weight export's gather at dp >= 2, side by side: torch's per-tensor full state dict (one all-gather per
 tensor) vs miles' bucketed one (`fsdp.bucketed_full_state_dict`: one all-gather per bucket), on the same FSDP2
-transformer, interleaved; checks that both give the same bits and prints the medians and the ratio.
+transformer, interleaved; checks that both give the same bits and prints the medians and the ratio. Then what the
+verified sync adds: the bucketed gather with the trainer's checksums (`miles.utils.weight_checksum`), and on the
+engine side the load (`load_state_dict` into an unsharded transformer) against the verification of what it loaded.
 
     python benchmarks/bench_weight_sync.py                          # the tiny pipeline, 2 gloo ranks on CPU
     python benchmarks/bench_weight_sync.py --hf-checkpoint DIR --world-size 4 --repeats 5
@@ -33,6 +35,7 @@ from miles.models.base import get_train_pipeline_config  # noqa: E402
 from miles.models.builtin import resolve_checkpoint  # noqa: E402
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group  # noqa: E402
 from miles.utils.heap import keep_freed_memory  # noqa: E402
+from miles.utils.weight_checksum import verify_loaded  # noqa: E402
 
 
 def rank_body(rank: int, opts: argparse.Namespace, port: int, out: str) -> None:
@@ -50,6 +53,10 @@ def rank_body(rank: int, opts: argparse.Namespace, port: int, out: str) -> None:
                 model, bucket_bytes=None if opts.bucket_mb is None else opts.bucket_mb << 20
             ),
         }
+        checksums: dict = {}
+        sides["bucketed gather + checksums"] = lambda: bucketed_full_state_dict(
+            model, bucket_bytes=None if opts.bucket_mb is None else opts.bucket_mb << 20, checksums=checksums
+        )
         results = {name: fn() for name, fn in sides.items()}  # warm-up, and the bits to compare
         seconds: dict[str, list[float]] = {name: [] for name in sides}
         for _ in range(opts.repeats):
@@ -59,12 +66,30 @@ def rank_body(rank: int, opts: argparse.Namespace, port: int, out: str) -> None:
                 fn()
                 seconds[name].append(time.perf_counter() - started)
         if rank == 0:
-            a, b = results.values()
+            a, b, _ = results.values()
             same = list(a) == list(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
             parameters = sum(t.numel() for t in a.values())
+            seconds.update(engine_side(family, opts, b, checksums))
             torch.save({"seconds": seconds, "same": same, "tensors": len(a), "parameters": parameters}, out)
     finally:
         destroy_process_group()
+
+
+def engine_side(family, opts: argparse.Namespace, state: dict, checksums: dict) -> dict[str, list[float]]:
+    """An engine's part of a sync, interleaved: loading the exported weights, and verifying what it loaded."""
+    engine = family.load_transformer(opts.hf_checkpoint, dtype=torch.float32).eval()
+    sides = {
+        "engine load": lambda: engine.load_state_dict(state, strict=True),
+        "engine verify": lambda: verify_loaded(checksums, engine.state_dict(), state, version=0),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    with torch.no_grad():
+        for _ in range(opts.repeats + 1):  # the first round warms up
+            for name, fn in sides.items():
+                started = time.perf_counter()
+                fn()
+                seconds[name].append(time.perf_counter() - started)
+    return {name: times[1:] for name, times in seconds.items()}
 
 
 def main() -> None:
@@ -103,9 +128,15 @@ def main() -> None:
     )
     medians = {name: statistics.median(times) for name, times in report["seconds"].items()}
     for name, median in medians.items():
-        print(f"{name:<20}{median * 1000:>10.1f} ms median{min(report['seconds'][name]) * 1000:>10.1f} ms best")
-    per_tensor, bucketed = medians.values()
+        print(f"{name:<30}{median * 1000:>10.1f} ms median{min(report['seconds'][name]) * 1000:>10.1f} ms best")
+    per_tensor, bucketed = medians["per-tensor gather"], medians["bucketed gather"]
     print(f"ratio per-tensor / bucketed = {per_tensor / bucketed:.2f}  (bit-identical: {report['same']})")
+    trainer = medians["bucketed gather + checksums"] - bucketed
+    sync = bucketed + medians["engine load"]
+    print(
+        f"checksums: trainer +{trainer * 1000:.1f} ms, engine verify {medians['engine verify'] * 1000:.1f} ms; "
+        f"(trainer + verify) / (gather + load) = {(trainer + medians['engine verify']) / sync:.2f}"
+    )
     if not report["same"]:
         sys.exit("the bucketed gather differs from the per-tensor one")
 

@@ -224,7 +224,7 @@ def run_sft(args: argparse.Namespace, init_dir: Path, data: Path, out_dir: Path,
     )  # fmt: skip
 
     def save_ema(groups: dict) -> None:
-        state = groups["actor"].call("export_weights")[0]  # collective; rank 0 holds the EMA weights
+        state = groups["actor"].call("export_weights")[0][0]  # collective; rank 0 holds the EMA weights
         get_train_pipeline_config(str(init_dir)).save_transformer(state, str(ema_dir))
 
     for folder in (out_dir, ema_dir, Path(args.workdir) / "sft"):  # the metrics writer appends to old files

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm, FrozenNetwork, Role
+from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm, FirstWindowMetrics, FrozenNetwork, Role
 from miles.utils.ranges import AT_LEAST_0, AT_LEAST_1, POSITIVE, UNIT, UNIT_OPEN_LOW
 
 # the EMA anchor v_ema: a copy of the trained weights that only the per-rollout step moves (d = min(max, rate·step))
@@ -80,6 +80,7 @@ ALGORITHM = Algorithm(
     name="awm",
     roles=(Role("actor", frozen_networks=(EMA_ANCHOR,)),),
     log_prob_ratio=True,
+    first_window_metrics=FirstWindowMetrics(ratio="train/awm_ratio_mean", log_prob_abs_diff=None),
     samples_sde=False,
     guidance_scale=1.0,  # the authors' SD3.5-M recipe samples and trains CFG-free
     shapes_eval_interval=20,

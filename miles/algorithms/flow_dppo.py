@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm
+from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm, FirstWindowMetrics
 from miles.algorithms.grpo_guard import reference_rule
 from miles.utils.ranges import POSITIVE
 
@@ -34,6 +34,7 @@ def validate(args: argparse.Namespace) -> list[str]:
 ALGORITHM = Algorithm(
     name="flow_dppo",
     log_prob_ratio=True,
+    first_window_metrics=FirstWindowMetrics(),
     shapes_eval_interval=20,
     add_arguments=add_arguments,
     flag_ranges={"flow_dppo_kl_threshold": POSITIVE},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm
+from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm, FirstWindowMetrics
 from miles.utils.ranges import AT_LEAST_0, POSITIVE
 
 
@@ -28,6 +28,7 @@ def validate(args: argparse.Namespace) -> list[str]:
 ALGORITHM = Algorithm(
     name="policy_loss",
     log_prob_ratio=True,
+    first_window_metrics=FirstWindowMetrics(),
     shapes_eval_interval=20,
     add_arguments=add_arguments,
     flag_ranges={"diffusion_clip_range": POSITIVE, "diffusion_kl_beta": AT_LEAST_0},

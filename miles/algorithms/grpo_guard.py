@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm
+from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm, FirstWindowMetrics
 from miles.utils.ranges import POSITIVE
 
 
@@ -45,6 +45,7 @@ def validate(args: argparse.Namespace) -> list[str]:
 ALGORITHM = Algorithm(
     name="grpo_guard",
     log_prob_ratio=True,
+    first_window_metrics=FirstWindowMetrics(),
     shapes_eval_interval=20,
     add_arguments=add_arguments,
     flag_ranges={"grpo_guard_clip_range": POSITIVE},

@@ -19,7 +19,7 @@ import_gc.pause_in_ray_worker()
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.ray.actor_pool import ActorPool, ReusableActor
@@ -28,6 +28,7 @@ from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResul
 from miles.utils.failures import where
 from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import split_contiguous
+from miles.utils.weight_checksum import TensorChecksum, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -174,11 +175,18 @@ class RolloutEngineGroup:
         return GenerateResult.concat([results[i] for i in sorted(results)])
 
     def update_weights(
-        self, weights: dict[str, torch.Tensor] | ray.ObjectRef, version: int, rollout_id: int | None = None
+        self,
+        weights: dict[str, torch.Tensor] | ray.ObjectRef,
+        version: int,
+        rollout_id: int | None = None,
+        *,
+        checksums: dict[str, TensorChecksum] | ray.ObjectRef | None = None,
     ) -> None:
-        """Put the weights in the object store once (or take a ref already there); every engine loads them."""
+        """Put the weights in the object store once (or take a ref already there); every engine loads them and,
+        given the trainer's `checksums`, verifies what it loaded (a `WeightSyncError` names the tensor, the engine
+        and the rollout)."""
         ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
-        refs = {i: e.update_weights.remote(ref, version) for i, e in enumerate(self.engines)}
+        refs = {i: e.update_weights.remote(ref, version, checksums) for i, e in enumerate(self.engines)}
         self._gather(refs, where(f"weight sync (version {version})", rollout_id))
 
     def get_versions(self) -> list[int]:
@@ -222,6 +230,9 @@ class RolloutEngineGroup:
             except RayActorError as exc:
                 self.failed = True
                 raise EngineError(f"rollout engine {index} of {self.num_engines} died during {what}: {exc}") from exc
+            except WeightSyncError as exc:  # the engine is alive; the run must not sample from what it holds
+                cause = exc.cause if isinstance(exc, RayTaskError) else exc
+                raise WeightSyncError(f"rollout engine {index} of {self.num_engines}, {what}: {cause}") from exc
             except GetTimeoutError as exc:
                 self.failed = True
                 raise EngineError(

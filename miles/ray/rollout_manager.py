@@ -322,10 +322,10 @@ class RolloutManager:
             return 0.0
         started = time.perf_counter()
         self.weights_version += 1
-        exported = actor_group.export_weights_ref()
+        weights, checksums = actor_group.export_weights_ref()
         if before_load is not None:
             before_load()
-        self.engines.update_weights(exported, self.weights_version, rollout_id)
+        self.engines.update_weights(weights, self.weights_version, rollout_id, checksums=checksums)
         return time.perf_counter() - started
 
     def metrics(self, rollout_id: int) -> dict[str, Any]:

@@ -181,19 +181,23 @@ class RayTrainGroup:
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The weights for rollout engines, fetched into the caller (tools and tests)."""
-        return ray.get(self.export_weights_ref(), timeout=self.timeout)
+        return ray.get(self.export_weights_ref()[0], timeout=self.timeout)
 
-    def export_weights_ref(self) -> ray.ObjectRef:
-        """Rank 0's exported weights as an object ref (every rank takes part in the gather); engines resolve it.
+    def export_weights_ref(self) -> tuple[ray.ObjectRef, ray.ObjectRef]:
+        """Rank 0's exported weights and their checksums as two object refs (every rank takes part in the gather);
+        engines resolve them.
 
-        The driver never fetches the payload: rank 0's ref goes to the engines as it is.
+        The driver never fetches the payload: rank 0's refs go to the engines as they are.
         """
-        refs = [a.export_weights.remote() for a in self.actors]
+        pairs = [a.export_weights.options(num_returns=2).remote() for a in self.actors]
+        refs = [ref for pair in pairs for ref in pair]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout, fetch_local=False)
         if len(ready) != len(refs):
             raise TimeoutError(f"{self.role}: export_weights did not finish within {self.timeout}s")
-        self._get(refs[1:], "weight sync", self.last_rollout_id)  # rank 0's errors surface where engines resolve it
-        return refs[0]
+        # rank 0's errors surface where engines resolve its refs
+        self._get([pair[0] for pair in pairs[1:]], "weight sync", self.last_rollout_id)
+        weights, checksums = pairs[0]
+        return weights, checksums
 
     def save_hf(self, out_dir: str) -> str:
         return self._get([a.save_hf.remote(out_dir) for a in self.actors], "save_hf", self.last_rollout_id)[0]

@@ -20,8 +20,10 @@ from miles.diffusion.schedule import sampling_sigmas
 from miles.diffusion.sde import SDE_KERNELS, get_sde_kernel, renoise_sigmas
 from miles.models.base import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
+from miles.models.lora_targets import check_lora_targets
 from miles.utils.offload import HostSwap
 from miles.utils.threads import node_info, torch_threads
+from miles.utils.weight_checksum import TensorChecksum, WeightSyncError, verify_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +146,9 @@ class RolloutEngine(Protocol):
 
     def generate(self, request: GenerateRequest) -> GenerateResult: ...
 
-    def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None: ...
+    def update_weights(
+        self, weights: dict[str, torch.Tensor], version: int, checksums: dict[str, TensorChecksum] | None = None
+    ) -> None: ...
 
     def get_version(self) -> int: ...
 
@@ -188,6 +192,7 @@ class DiffusionEngine:
     def _inject_lora(self, lora_config: dict[str, Any]) -> None:
         from peft import LoraConfig  # local: peft costs ~1.3 s per process and only LoRA engines need it
 
+        check_lora_targets(self.transformer, lora_config["target_modules"], "the rollout engine's transformer")
         self.transformer.add_adapter(LoraConfig(**lora_config))
         names = [n for n, _ in self.transformer.named_parameters() if "lora_" in n]
         # accept the engine's own names and PEFT's adapter-less export names (".lora_A.weight")
@@ -235,35 +240,46 @@ class DiffusionEngine:
         return dataclasses.asdict(report)
 
     @torch.no_grad()
-    def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    def update_weights(
+        self, weights: dict[str, torch.Tensor], version: int, checksums: dict[str, TensorChecksum] | None = None
+    ) -> None:
         """Load new transformer weights (full state dict, or LoRA weights only) unless `version` is stale; wakes
-        a sleeping engine first."""
+        a sleeping engine first. With the trainer's `checksums`, verify what was loaded (`WeightSyncError` naming
+        the tensor; the version stays the old one)."""
         self.wake()
         if version <= self.version:
             logger.warning("ignoring weights version %d: engine already holds version %d", version, self.version)
             return
         if self.lora_config is None:
             self.transformer.load_state_dict(weights, strict=True)
+            loaded = self.transformer.state_dict()
         else:
-            self._load_lora(weights)
+            params = self._load_lora(weights)
+            loaded = {key: params[self._lora_names[self._lora_key(key)]] for key in weights}
+        if checksums is not None:
+            verify_loaded(checksums, loaded, weights, version=version)
         self.version = int(version)
         self.weights_pending = False
         logger.info("engine loaded weights version %d (%d tensors)", version, len(weights))
 
-    def _load_lora(self, weights: dict[str, torch.Tensor]) -> None:
+    def _load_lora(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy the adapter's weights in; the transformer's parameters by name. Every exported adapter tensor must
+        have a weight in this engine's adapter and every weight of it must be sent (else it would keep its init)."""
         unknown = sorted(k for k in weights if self._lora_key(k) not in self._lora_names)
         if unknown:
-            raise KeyError(
-                f"update_weights got {len(unknown)} keys that are not LoRA weights of this engine's adapter, "
-                f"e.g. {unknown[:3]}; a LoRA engine takes only keys containing 'lora_'"
+            raise WeightSyncError(
+                f"update_weights got {len(unknown)} adapter tensors this engine's adapter has no weight for, e.g. "
+                f"{unknown[:3]}: the trainer's and the engine's LoRA targets differ (a LoRA engine takes only keys "
+                "containing 'lora_')"
             )
         targets = {self._lora_names[self._lora_key(k)]: v for k, v in weights.items()}
         missing = sorted(set(self._lora_names.values()) - set(targets))
         if missing:
-            raise KeyError(f"update_weights is missing {len(missing)} LoRA weights, e.g. {missing[:3]}")
+            raise WeightSyncError(f"update_weights is missing {len(missing)} LoRA weights, e.g. {missing[:3]}")
         params = dict(self.transformer.named_parameters())
         for name, value in targets.items():
             params[name].copy_(value.to(device=params[name].device, dtype=params[name].dtype))
+        return params
 
     @staticmethod
     def _lora_key(key: str) -> str:

@@ -137,6 +137,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="Stop after this many consecutive optimizer steps skipped for a non-finite loss or gradient norm.",
     )
+    group.add_argument(
+        "--allow-rollout-mismatch",
+        action="store_true",
+        help="Only warn when, before the first update, the policy ratio is not 1 or train/log_prob_abs_diff is over "
+        "the forward dtype's bound (losses with a policy ratio; default: the run fails naming both numbers).",
+    )
     group.add_argument("--micro-batch-size", type=int, default=32, help="Train pairs per forward/backward.")
     group.add_argument(
         "--global-batch-size", type=int, default=None, help="Samples per optimizer step over all ranks (§7)."

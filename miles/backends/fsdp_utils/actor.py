@@ -47,6 +47,7 @@ from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import load_module
 from miles.utils.offload import HostSwap
 from miles.utils.threads import gpu_rank_threads, node_info
+from miles.utils.weight_checksum import TensorChecksum
 
 logger = logging.getLogger(__name__)
 SHADOW_CHECKPOINT_KEYS = {"old": "nft_old"}  # the name checkpoints written before the loss-hub declarations use
@@ -130,6 +131,8 @@ class FSDPTrainRayActor(TrainLoop):
         self.hooks: LossHooks = get_loss_hooks(args, self.role)
         algorithm = algorithm_of(args)
         self.log_prob_ratio = algorithm.log_prob_ratio
+        # the first-window guard checks the actor (the role the engines sample) before the run's first update
+        self.first_window_metrics = algorithm.first_window_metrics if self.role == "actor" else None
         self.frozen: tuple[FrozenNetwork, ...] = algorithm.role(self.role).frozen_networks
         self.prefetcher = MicrobatchPrefetcher(prefetch_enabled(args, self.device), self.device)
         self.optimizer = build_optimizer(self.model.parameters(), args, self.settings["lr"])
@@ -287,15 +290,22 @@ class FSDPTrainRayActor(TrainLoop):
             sharded=self._sharded_state(),
         )
 
-    def export_weights(self) -> dict[str, torch.Tensor] | None:
-        """Weights for the rollout engines on rank 0 (None elsewhere); collective.
+    def export_weights(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, TensorChecksum] | None]:
+        """(weights, their checksums) for the rollout engines on rank 0, (None, None) elsewhere; collective.
 
         The declared shadow the loss-hub entry names (`engine_weights`, e.g. NFT's old policy), else EMA weights with
-        `--ema-rollout-policy ema`, else the live ones; only the LoRA entries with LoRA.
+        `--ema-rollout-policy ema`, else the live ones; only the LoRA entries with LoRA. Each engine verifies what it
+        loaded against the checksums (`miles.utils.weight_checksum`), computed here on the device before the weights
+        leave it.
         """
         self.wake()
+        checksums: dict[str, TensorChecksum] = {}
         # only the adapter with LoRA; the rest in the engines' dtype, cast before it leaves the device
-        gather = {"keep": is_lora_key if self.lora_config is not None else None, "as_dtype": self._engine_dtype()}
+        gather = {
+            "keep": is_lora_key if self.lora_config is not None else None,
+            "as_dtype": self._engine_dtype(),
+            "checksums": checksums,
+        }
         if self.hooks.engine_weights is not None:
             state = self.shadows[self.hooks.engine_weights].full_state_dict(self.model, **gather)
         elif self.ema is not None and self.args.ema_rollout_policy == "ema":
@@ -303,8 +313,10 @@ class FSDPTrainRayActor(TrainLoop):
         else:
             state = full_state_dict(self.model, **gather)
         if self.rank != 0:
-            return None
-        return lora_state_dict(state) if self.lora_config is not None else state
+            return None, None
+        if self.lora_config is not None:
+            state = lora_state_dict(state)
+        return state, {name: checksums[name] for name in state}
 
     def _engine_dtype(self):
         """`as_dtype` of the weight export: the forward dtype the engines hold their transformer in, except what

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from miles.utils.distributed import collective_device
+from miles.utils.weight_checksum import TensorChecksum, build_checksums, checksum_terms, tensor_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -287,6 +288,7 @@ def full_state_dict(
     cpu_offload: bool = True,
     keep: Callable[[str], bool] | None = None,
     as_dtype: Callable[[str], torch.dtype | None] | None = None,
+    checksums: dict[str, TensorChecksum] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Gather the sharded parameters into full tensors (collective: every rank must call it).
 
@@ -297,17 +299,23 @@ def full_state_dict(
     `keep(name)` picks the entries to gather (e.g. only a LoRA adapter's); the others cost no collective. Every rank
     must pass the same filter: ranks that keep different names issue different collectives. `as_dtype(name)`: the
     dtype a floating entry is cast to on its device before it is gathered (None: as stored; with the rank-0 gather
-    only), e.g. the engines' forward dtype, so that half the bytes leave the device.
+    only), e.g. the engines' forward dtype, so that half the bytes leave the device. `checksums`: a dict that the
+    ranks receiving the tensors fill with each one's `TensorChecksum` (the weight sync's; on the device where the
+    bucketed gather has it, before it moves to the CPU).
     """
     if cpu_offload and dist.is_initialized():
-        return bucketed_full_state_dict(model, keep=keep, as_dtype=as_dtype)
+        return bucketed_full_state_dict(model, keep=keep, as_dtype=as_dtype, checksums=checksums)
     if keep is not None and not cpu_offload:
         # per tensor, as `get_model_state_dict` gathers (it has no filter and would gather every tensor)
         state = model.state_dict()
-        return {name: _full_tensor(value) for name, value in state.items() if keep(name)}
-    options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
-    state = get_model_state_dict(model, options=options)
-    return state if keep is None else {name: value for name, value in state.items() if keep(name)}
+        state = {name: _full_tensor(value) for name, value in state.items() if keep(name)}
+    else:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+        state = get_model_state_dict(model, options=options)
+        state = state if keep is None else {name: value for name, value in state.items() if keep(name)}
+    if checksums is not None:
+        checksums.update(tensor_checksums(state))
+    return state
 
 
 # Bytes each rank sends per all-gather (a bucket closes once it reaches them; also about the extra memory a gather
@@ -434,6 +442,7 @@ def bucketed_full_state_dict(
     bucket_bytes: int | None = None,
     keep: Callable[[str], bool] | None = None,
     as_dtype: Callable[[str], torch.dtype | None] | None = None,
+    checksums: dict[str, TensorChecksum] | None = None,
 ) -> dict[str, torch.Tensor]:
     """`full_state_dict(model)` on rank 0 (CPU tensors, the state dict's order; `{}` elsewhere), bit-identical, with
     one all-gather per bucket of consecutive parameters instead of one per tensor (collective).
@@ -443,7 +452,8 @@ def bucketed_full_state_dict(
     cuts the gathered flats back into full tensors. Tensors of another layout, and buffers, go one by one.
     `bucket_bytes`: per rank, default `GATHER_BUCKET_BYTES` of the collective device. `keep(name)`: only those
     entries (the same filter on every rank); the others cost no collective. `as_dtype(name)`: the dtype a floating
-    entry is sent and returned in (cast on the device, before the gather; None: as stored).
+    entry is sent and returned in (cast on the device, before the gather; None: as stored). `checksums`: filled on
+    rank 0 with each returned tensor's checksum, computed on the collective device over the gathered pieces.
     """
     if bucket_bytes is None:
         bucket_bytes = GATHER_BUCKET_BYTES.get(collective_device().type, GATHER_BUCKET_BYTES["cuda"])
@@ -452,16 +462,22 @@ def bucketed_full_state_dict(
     out: dict[str, torch.Tensor] = {}
     entries = gather_entries(state, keep, as_dtype)
     dtypes = {entry.name: entry.dtype for entry in entries}
+    terms: dict[str, torch.Tensor] | None = {} if checksums is not None and rank0 else None
     for bucket in gather_plan(entries, bucket_bytes):
         if bucket.layout is None:
             name = bucket.names[0]
             full = _full_tensor(state[name].to(dtypes[name]))
             if rank0:
+                if terms is not None:
+                    terms[name] = checksum_terms([full])
                 out[name] = full.detach().cpu()
             continue
         pairs = [(name, state[name]) for name in bucket.names]
-        out.update(_gather_bucket(pairs, bucket.layout.shard_dim, rank0, dtypes[bucket.names[0]]))
-    return {name: out[name] for name in state if name in out}
+        out.update(_gather_bucket(pairs, bucket.layout.shard_dim, rank0, dtypes[bucket.names[0]], terms))
+    ordered = {name: out[name] for name in state if name in out}
+    if terms is not None:
+        checksums.update(build_checksums([(n, t.dtype, tuple(t.shape), terms[n]) for n, t in ordered.items()]))
+    return ordered
 
 
 def _full_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -469,10 +485,14 @@ def _full_tensor(value: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_bucket(
-    bucket: list[tuple[str, DTensor]], shard_dim: int, rank0: bool, dtype: torch.dtype
+    bucket: list[tuple[str, DTensor]],
+    shard_dim: int,
+    rank0: bool,
+    dtype: torch.dtype,
+    terms: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One all-gather of the bucket's dim-0 shards over the group of mesh dim `shard_dim`; the full tensors on rank 0
-    (CPU)."""
+    (CPU). `terms`: filled with each tensor's checksum terms, over the gathered pieces still on the device."""
     group = bucket[0][1].device_mesh.get_group(shard_dim)
     world, me = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
     device = collective_device()
@@ -500,6 +520,13 @@ def _gather_bucket(
     dist.all_gather(received, send, group=group)
     if not rank0:
         return {}
+    if terms is not None:
+        offset = 0
+        for name, _, rows, row, chunk in layout:
+            terms[name] = checksum_terms(
+                received[r][offset : offset + max(0, min(chunk, rows - r * chunk)) * row] for r in range(world)
+            )
+            offset += chunk * row
     received = [r.cpu() for r in received]
     out, offset = {}, 0
     for name, shape, rows, row, chunk in layout:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from miles.models.base import all_family_classes, family_class
+from miles.models.lora_targets import check_lora_targets
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ def apply_lora(transformer: nn.Module, config: dict[str, Any]) -> nn.Module:
     rng = torch.get_rng_state()
     from peft import LoraConfig  # local: peft (and the transformers it imports) costs every rank ~1.5 s to import
 
+    check_lora_targets(transformer, config["target_modules"], "the trained transformer")
     transformer.add_adapter(LoraConfig(**config), adapter_name=ADAPTER_NAME)
     if on_meta:
         torch.set_rng_state(rng)

@@ -14,6 +14,8 @@ import ray
 import torch
 import torch.distributed as dist
 
+from miles.algorithms import FirstWindowMetrics
+from miles.backends.fsdp_utils.first_window_guard import check_first_window
 from miles.backends.fsdp_utils.fsdp import clip_grad_norm_
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, Guidance, PreparedBatch, WindowMetrics
 from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_schedule, pairs_in_window
@@ -46,6 +48,8 @@ class TrainLoop:
     the `write_old_log_prob` / `old_log_prob_from_new` keywords (ARCHITECTURE §6)."""
 
     log_prob_ratio: bool = False
+    # the declared metrics of the first-window guard, until the run's first window has been checked (then None)
+    first_window_metrics: FirstWindowMetrics | None = None
     train_threads: int | None = None  # torch threads while training (None: the base count)
     prefetcher: MicrobatchPrefetcher | None = None
 
@@ -142,8 +146,27 @@ class TrainLoop:
                 if self.ema is not None and self.ema_config.due(self.global_step):
                     self.ema.update(self.ema_config.decay_at(self.global_step))
             metrics.add("train/skipped_steps", float(skipped))
-            self._record_window(ctx, metrics, grad_norm, lr, time.perf_counter() - started)
+            record = self._record_window(ctx, metrics, grad_norm, lr, time.perf_counter() - started)
+            if self.first_window_metrics is not None:  # window 0 of the run's first train call
+                self._check_first_window(ctx, record)
         return train_output_inputs
+
+    def _check_first_window(self, ctx: DiffusionLossContext, record: dict[str, Any]) -> None:
+        """The first-window guard, once per run, on every rank alike (the record is reduced over dp): no rank
+        raises alone into the next collective."""
+        keys, self.first_window_metrics = self.first_window_metrics, None
+        if self.args.allow_rollout_mismatch and self.rank != 0:
+            return  # rank 0 warns for every rank
+        problem = check_first_window(
+            record,
+            keys,
+            self.args.diffusion_forward_dtype,
+            allow_mismatch=self.args.allow_rollout_mismatch,
+            role=self.role,
+            rollout_id=ctx.rollout_id,
+        )
+        if problem is not None:  # the warning, in metrics.jsonl too (the record rank 0 hands the driver)
+            record["train/rollout_mismatch"] = 1.0
 
     def _skip_non_finite(self, ctx: DiffusionLossContext, window: int, losses_finite: bool, grad_norm: float) -> bool:
         """The non-finite guard: one decision for every rank (any rank's non-finite loss or gradient norm skips the
@@ -246,7 +269,8 @@ class TrainLoop:
 
     def _record_window(
         self, ctx: DiffusionLossContext, metrics: WindowMetrics, grad_norm: float, lr: float, seconds: float
-    ) -> None:
+    ) -> dict[str, Any]:
+        """The window's metrics reduced over dp (the same record on every rank); rank 0 keeps it for the driver."""
         names = sorted(metrics.sums)
         totals = metrics.totals(names) if names else torch.zeros(0, 2, dtype=torch.float64)
         if self.world_size > 1 and names:
@@ -258,6 +282,7 @@ class TrainLoop:
         record.update({"train/grad_norm": float(grad_norm), "train/lr": float(lr), "perf/train_step_s": seconds})
         if self.rank == 0:
             self.pending_metrics.append(record)
+        return record
 
     def pop_metrics(self) -> list[dict[str, Any]]:
         records, self.pending_metrics = self.pending_metrics, []

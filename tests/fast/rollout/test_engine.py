@@ -13,6 +13,7 @@ from miles.models.base import get_train_pipeline_config
 from miles.ray.engine_group import EngineError, RolloutEngineGroup
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult, RolloutEngine
 from miles.utils.misc import split_contiguous as split_evenly
+from miles.utils.weight_checksum import WeightSyncError, tensor_checksums
 
 logger = logging.getLogger(__name__)
 TIMEOUT = 120
@@ -228,11 +229,44 @@ def test_lora_update_equals_merged_full_weights(tiny_pipeline_dir, engine):
     full_engine.update_weights(merged, version=1)
     assert (full_engine.generate(req).final_latents - with_lora.final_latents).abs().max().item() <= 1e-5
 
-    with pytest.raises(KeyError, match="not LoRA weights"):
+    with pytest.raises(WeightSyncError, match="adapter has no weight for"):
         lora_engine.update_weights({**weights, "proj_out.weight": torch.zeros(1)}, version=2)
-    with pytest.raises(KeyError, match="missing"):
+    with pytest.raises(WeightSyncError, match="missing"):
         lora_engine.update_weights(dict(list(weights.items())[1:]), version=2)
     assert lora_engine.get_version() == 1
+
+
+def flip_one_bit(weights, name):
+    """`weights` with the lowest bit of one element of `name` flipped: a corruption in transit."""
+    out = {k: v.clone() for k, v in weights.items()}
+    out[name].view(-1).view(torch.int16)[5] ^= 1
+    return out
+
+
+def test_a_sync_verified_against_the_trainers_checksums_names_a_corrupted_tensor(tiny_pipeline_dir):
+    local = DiffusionEngine(tiny_pipeline_dir)
+    sent = {k: v * 1.01 for k, v in local.transformer.state_dict().items()}
+    local.update_weights(sent, version=1, checksums=tensor_checksums(sent))
+    assert local.get_version() == 1
+    with pytest.raises(WeightSyncError, match=r"version 2: 1 of \d+ tensors differ .* first 'proj_out.weight'"):
+        local.update_weights(flip_one_bit(sent, "proj_out.weight"), version=2, checksums=tensor_checksums(sent))
+    assert local.get_version() == 1
+
+
+def test_a_bf16_lora_engine_verifies_the_fp32_adapter_it_casts(tiny_pipeline_dir):
+    lora_engine = DiffusionEngine(tiny_pipeline_dir, forward_dtype=torch.bfloat16, lora_config=LORA)
+    weights = lora_weights(lora_engine)  # fp32, as the trainer sends the adapter
+    lora_engine.update_weights(weights, version=1, checksums=tensor_checksums(weights))
+    name = sorted(weights)[3]
+    with pytest.raises(WeightSyncError, match=f"first '{name}'"):
+        lora_engine.update_weights(flip_one_bit(weights, name), version=2, checksums=tensor_checksums(weights))
+
+
+def test_an_adapter_whose_target_modules_do_not_exist_fails_at_start_naming_them(tiny_pipeline_dir):
+    # peft alone binds to_q and skips the others without a word (it fails only when no target exists)
+    config = {**LORA, "target_modules": ["to_q", "to_qkv", "ff.proj"]}
+    with pytest.raises(ValueError, match=r"--lora-target-modules \['to_qkv', 'ff.proj'\] match no module of the "):
+        DiffusionEngine(tiny_pipeline_dir, lora_config=config)
 
 
 def test_request_validation():
@@ -283,12 +317,20 @@ def test_engine_group_matches_one_engine_syncs_weights_and_names_a_dead_engine(r
             result.final_latents - engine.generate(request(prompts=PROMPTS[:2], seeds=SEEDS[:2])).final_latents
         ).abs().max() > 1e-3
 
+        checked = {k: v * 1.01 for k, v in original.items()}
+        group.update_weights(checked, version=2, checksums=tensor_checksums(checked))
+        with pytest.raises(
+            WeightSyncError, match=r"rollout engine 0 of 2, weight sync \(version 3\) of rollout 4: .*'pos_embed.proj"
+        ):
+            corrupted = flip_one_bit(checked, "pos_embed.proj.weight")
+            group.update_weights(corrupted, version=3, rollout_id=4, checksums=tensor_checksums(checked))
+
         ray.kill(group.engines[1])
         assert group.health() == [True, False]
         with pytest.raises(EngineError, match="rollout engine 1 of 2 died during generate of rollout 5"):
             group.generate(request(), rollout_id=5)
-        with pytest.raises(EngineError, match=r"engine 1 of 2 died during weight sync \(version 2\) of rollout 6"):
-            group.update_weights(original, version=2, rollout_id=6)
+        with pytest.raises(EngineError, match=r"engine 1 of 2 died during weight sync \(version 4\) of rollout 6"):
+            group.update_weights(original, version=4, rollout_id=6)
         with pytest.raises(EngineError, match="rollout engine 1 of 2 died during sleep of rollout 7"):
             group.sleep(rollout_id=7)
         with pytest.raises(EngineError, match="rollout engine 1 of 2 died during wake of rollout 7"):

@@ -202,3 +202,12 @@ def test_saved_adapter_loads_into_sd3_pipeline(trained, family, inputs, base_out
 def test_apply_lora_after_fsdp2_is_rejected(trained):
     with pytest.raises(RuntimeError, match="before apply_fsdp2"):
         apply_lora(trained["model"], trained["config"])
+
+
+def test_lora_targets_that_match_no_module_fail_before_the_adapter_is_injected(family):
+    # peft alone binds to_q and skips to_qkv without a word; the trainer refuses at start-up, naming it
+    model = family.load_transformer()
+    config = {"r": 4, "lora_alpha": 4.0, "target_modules": ["to_q", "to_qkv"], "init_lora_weights": True}
+    with pytest.raises(ValueError, match=r"--lora-target-modules \['to_qkv'\] match no module of the trained"):
+        apply_lora(model, config)
+    assert not any("lora_" in name for name, _ in model.named_parameters())
