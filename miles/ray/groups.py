@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from miles.algorithms import algorithm_of
+from miles.backends.fsdp_utils.checkpoint import read_latest
 from miles.ray.actor_pool import ActorPool, current_pool
 from miles.ray.checkpoint_folders import check_roles_agree, save_folders, write_latest_pointers
 from miles.ray.colocation import PhaseMemory
@@ -103,8 +105,8 @@ class RunGroups:
         start_rollout_id = min(starts.values(), default=0)
         if args.load and start_rollout_id > 0:
             check_data_source_resume(args.load, start_rollout_id, manager.source)
-        if groups:
-            manager.update_weights(groups["actor"])
+        if groups:  # the version an uninterrupted run holds here: one sync at its start and one per rollout
+            manager.update_weights(groups["actor"], version=start_rollout_id + 1)
         self.phases = PhaseMemory(args, groups, manager.engines, self.record_placement())
         self.phases.start()
         return start_rollout_id
@@ -150,6 +152,18 @@ class RunGroups:
             self.groups[role].save(rollout_id, extra)
         write_latest_pointers(folders, rollout_id)
         return time.perf_counter() - started
+
+    def save_on_stop(self, rollout_id: int) -> list[str]:
+        """A stop signal's save: rollout `rollout_id`, the last completed (its trained state is what the ranks hold),
+        unless every save folder's latest pointer names it already. Its iteration folders ([] when no role saves or
+        no rollout completed)."""
+        folders = save_folders(self.args, list(self.groups))
+        if not folders or rollout_id < 0:
+            return []
+        if any(read_latest(folder) != rollout_id for folder in folders.values()):
+            self.phases.to_train(rollout_id)  # with --colocate-sleep the ranks sleep after a weight sync
+            self.save(rollout_id)
+        return [os.path.join(folder, f"iter_{rollout_id:07d}") for folder in dict.fromkeys(folders.values())]
 
     def update_weights(self, rollout_id: int) -> float:
         """The actor's weights to the engines after rollout `rollout_id` trained; with --colocate-sleep the trainer
