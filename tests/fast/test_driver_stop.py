@@ -1,5 +1,5 @@
 """The driver's loop after a stop signal (real SIGTERMs to this process, in-process peers): a signal during a
-generation drops that batch, one during training lets the rollout finish; the stop's save skips a saved rollout."""
+generation drops that batch, one during training lets the rollout finish; the stop's save skips what this run saved."""
 
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ import os
 import signal
 import time
 
-import pytest
-
 import train_diffusion
 from miles.backends.fsdp_utils.checkpoint import META_FILE, checkpoint_dir, read_latest, write_latest
-from miles.ray.groups import RunGroups
+from miles.ray.groups import RunGroups, resumes_from_save_folders
 from miles.utils.stop_signals import StopSignals
 from tests.fast.test_async_rollout import World, args_for
 
@@ -76,17 +74,28 @@ class SavingGroup:
         self.saved.append(rollout_id)
 
 
-@pytest.mark.parametrize("pointer", [None, 2, 3])
-def test_the_stop_saves_the_last_completed_rollout_unless_the_pointer_names_it(tmp_path, pointer):
+def test_the_stop_saves_the_last_completed_rollout_unless_this_run_saved_it(tmp_path):
     save_dir = str(tmp_path / "ckpt")
     group = SavingGroup(save_dir)
-    if pointer is not None:
-        group.save(pointer, None)
-        write_latest(save_dir, pointer)
-        group.saved.clear()
+    group.save(3, None)
+    write_latest(save_dir, 3)  # another run's save of rollout 3 in this folder: not this run's state
+    group.saved.clear()
     args = args_for("--loss-type", "nft", "--save", save_dir)
     manager = type("Manager", (), {"source": type("Source", (), {"state_dict": lambda self, n: {"next": n}})()})()
-    folders = RunGroups(args, {"actor": group}, manager).save_on_stop(3)
-    assert folders == [os.path.join(save_dir, "iter_0000003")]
-    assert group.saved == ([] if pointer == 3 else [3]) and read_latest(save_dir) == 3
-    assert RunGroups(args, {"actor": group}, manager).save_on_stop(-1) == []  # nothing completed: nothing to save
+    run_groups = RunGroups(args, {"actor": group}, manager)
+    assert run_groups.save_on_stop(3) == [os.path.join(save_dir, "iter_0000003")]
+    assert group.saved == [3] and read_latest(save_dir) == 3  # saved again, from this run's ranks
+    run_groups.save(4)  # a --save-interval save
+    assert run_groups.save_on_stop(4) == [os.path.join(save_dir, "iter_0000004")]
+    assert group.saved == [3, 4] and read_latest(save_dir) == 4  # not saved twice
+    assert run_groups.save_on_stop(-1) == []  # nothing completed: nothing to save
+
+
+def test_a_run_resumed_from_its_own_save_folder_holds_its_start_as_saved(tmp_path):
+    ckpt, elsewhere = str(tmp_path / "ckpt"), tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.makedirs(ckpt)
+    assert resumes_from_save_folders(args_for("--loss-type", "nft", "--save", ckpt, "--load", ckpt), ["actor"])
+    other = args_for("--loss-type", "nft", "--save", ckpt, "--load", str(elsewhere))
+    assert not resumes_from_save_folders(other, ["actor"])
+    assert not resumes_from_save_folders(args_for("--loss-type", "nft", "--load", ckpt), ["actor"])
