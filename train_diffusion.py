@@ -26,6 +26,7 @@ with import_gc.paused():  # the driver's imports (torch, Ray) without the collec
     from miles.utils.arguments import parse_args
     from miles.utils.console import ProgressLine, TqdmHandler, progress_bar, summary_line
     from miles.utils.failures import run_cleanup
+    from miles.utils.stop_signals import EXIT_PREEMPTED, StopSignals, stop_line
     from miles.utils.tracking import Tracking, open_tracking, read_metrics
 
 logger = logging.getLogger("miles.driver")
@@ -53,14 +54,20 @@ def run_rollout(
     generations: Generations,
     writer: Tracking,
     started: float | None = None,
-) -> dict:
+    stop: StopSignals | None = None,
+) -> dict | None:
     """One rollout: generate, train each group in order, save when due, sync weights, eval when due; returns its
     record (the trainer windows' records are logged as they come). `started`: the command's start on the
-    perf_counter clock, given for the run's first rollout only: its record then holds `perf/startup_s`."""
+    perf_counter clock, given for the run's first rollout only: its record then holds `perf/startup_s`. After a stop
+    signal during the generation the rollout is abandoned (None: its batch is dropped, the resumed run regenerates
+    it alike); after that the rollout runs to its end (a train step is collective over the ranks)."""
     groups, rollout_manager, phases = run_groups.groups, run_groups.rollout_manager, run_groups.phases
     last = args.num_rollout - 1
     t0 = time.perf_counter()
     data, rollout_metrics, generate_s = generations.get(rollout_id)
+    if stop is not None and stop.requested:  # training it would delay the stop by the longest phase
+        stop.abandoned = f"rollout {rollout_id} generated, not trained"
+        return None
     t1 = time.perf_counter()
     async_metrics = staleness_metrics(args, rollout_manager, rollout_id, rollout_metrics, t1 - t0)
     if not args.debug_rollout_only:
@@ -101,22 +108,31 @@ def train_rollouts(
     start_rollout_id: int,
     summary: dict,
     started: float,
-) -> None:
-    """The outer loop (ARCHITECTURE §4) with a progress bar; `started` as in `run`."""
+    stop: StopSignals | None = None,
+) -> int:
+    """The outer loop (ARCHITECTURE §4) with a progress bar; `started` as in `run`. Returns the last rollout
+    completed, which is `args.num_rollout - 1` unless a stop signal (`stop.requested`) ended the loop early."""
     bar, progress = progress_bar(range(start_rollout_id, args.num_rollout), args), ProgressLine(args.loss_type)
     generations = Generations(args, run_groups.rollout_manager)
+    completed = start_rollout_id - 1
     try:
         for rollout_id in bar:
             first = rollout_id == start_rollout_id
             if first:
                 logger.info("start-up: %.1fs from the command to the first rollout", time.perf_counter() - started)
-            record = run_rollout(args, rollout_id, run_groups, generations, writer, started if first else None)
+            record = run_rollout(args, rollout_id, run_groups, generations, writer, started if first else None, stop)
+            if record is None:
+                break
+            completed = rollout_id
             summary["losses"] += record.pop("_actor_losses")
             train_records = record.pop("_train_records")
             summary.setdefault("rollouts", []).append(record)
             bar.set_postfix(progress.update([*train_records, record]))
+            if stop is not None and stop.requested:
+                break
     finally:
         generations.close()
+    return completed
 
 
 def run(
@@ -125,38 +141,48 @@ def run(
     *,
     started: float | None = None,
 ) -> dict:
-    """Run the whole job; returns a summary (actor losses, wall time).
+    """Run the whole job; returns a summary (actor losses, wall time; `stopped`: the last line of a run that a
+    SIGTERM / SIGINT stopped early, see `miles.utils.stop_signals`).
 
     `before_shutdown(groups)` lets tools and tests inspect the live groups after the last rollout. `started`: when
     the command started, on the `time.perf_counter` clock (`main` passes the process's start); default now. The
     first rollout's record holds `perf/startup_s`, the seconds from then to its start.
     """
     started = time.perf_counter() if started is None else started
-    with import_gc.paused():  # the start-up's imports (diffusers, the families) without the collector
-        startup = start_up(args)  # the checks on a thread while Ray starts: their errors come before any actor
-    writer = run_groups = None
     summary: dict = {"losses": []}
-    try:
-        writer = open_tracking(args)
-        check_cluster(args)
-        run_groups = RunGroups.launch(args)  # every actor starts at once; start waits for them all
-        start_rollout_id = run_groups.start()
-        startup.log_phases(started)
-        if run_groups.evaluator is not None and not args.no_eval_before_train:  # the baseline, before any update
-            writer.log({"rollout_id": start_rollout_id, "step": 0, **run_groups.evaluate(start_rollout_id)})
-        if args.eval_only:
-            return summary
-        train_rollouts(args, run_groups, writer, start_rollout_id, summary, started)
-        if args.save_hf and run_groups.groups:
-            run_groups.save_hf(args.save_hf, args.num_rollout - 1)
-        if before_shutdown is not None:
-            before_shutdown(run_groups.groups)
-    finally:  # every step runs; a failing one does not hide the error that stopped the run
-        steps = run_groups.shutdown_steps() if run_groups is not None else []
-        if writer is not None:
-            steps.append(("closing metrics.jsonl", writer.close))
-        run_cleanup([*steps, *startup.shutdown_steps()])
+    with StopSignals() as stop:  # a first signal stops at the next safe point, a second exits at once
+        with import_gc.paused():  # the start-up's imports (diffusers, the families) without the collector
+            startup = start_up(args)  # the checks on a thread while Ray starts: their errors come before any actor
+        writer = run_groups = None
+        try:
+            writer = open_tracking(args)
+            check_cluster(args)
+            run_groups = RunGroups.launch(args)  # every actor starts at once; start waits for them all
+            start_rollout_id = run_groups.start()
+            startup.log_phases(started)
+            if run_groups.evaluator is not None and not args.no_eval_before_train:  # the baseline, before any update
+                writer.log({"rollout_id": start_rollout_id, "step": 0, **run_groups.evaluate(start_rollout_id)})
+            if args.eval_only:
+                return summary
+            completed = start_rollout_id - 1  # a signal during the start-up stops before the first rollout
+            if not stop.requested:
+                completed = train_rollouts(args, run_groups, writer, start_rollout_id, summary, started, stop)
+            if stop.requested and completed < args.num_rollout - 1:  # a signal in the last rollout lets the run end
+                summary["stopped"] = stop_line(stop, completed, run_groups.save_on_stop(completed), args.save)
+            else:
+                if args.save_hf and run_groups.groups:
+                    run_groups.save_hf(args.save_hf, args.num_rollout - 1)
+                if before_shutdown is not None:
+                    before_shutdown(run_groups.groups)
+        finally:  # every step runs; a failing one does not hide the error that stopped the run
+            steps = run_groups.shutdown_steps() if run_groups is not None else []
+            if writer is not None:
+                steps.append(("closing metrics.jsonl", writer.close))
+            run_cleanup([*steps, *startup.shutdown_steps()])
     summary["wall_s"] = time.perf_counter() - started
+    if "stopped" in summary:  # the trackers are closed and the actors gone: the run's last line
+        logger.warning(summary["stopped"])
+        return summary
     summary["plot"] = plot_run(args.output_dir, args.loss_type)
     logger.info(summary_line(args, read_metrics(writer.path), summary["wall_s"], summary["plot"]))
     return summary
@@ -167,8 +193,8 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
     started = time.perf_counter() if started is None else started
     args = parse_args(argv)
     setup_logging(args)
-    run(args, started=started)
-    return 0
+    summary = run(args, started=started)
+    return EXIT_PREEMPTED if "stopped" in summary else 0
 
 
 if __name__ == "__main__":

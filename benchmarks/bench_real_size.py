@@ -182,8 +182,9 @@ def pss_bytes(pid: int) -> int:
 
 class MemoryWatch(threading.Thread):
     """Samples, every `interval` s, the summed PSS of this process and its descendants (Ray's processes and actors)
-    and keeps the peak; stops the run (SIGINT to this process: the driver then shuts its actors down) when the
-    machine's available memory falls below `floor` bytes, since other users share the machine."""
+    and keeps the peak; stops the run (SIGINT to this process: the driver finishes the phase under way, then shuts
+    its actors down; `miles.utils.stop_signals`) when the machine's available memory falls below `floor` bytes, since
+    other users share the machine."""
 
     def __init__(self, floor: int, interval: float = 0.5) -> None:
         super().__init__(daemon=True)
@@ -261,13 +262,10 @@ def measure_run(argv: list[str], out: str, floor: int, time_load: bool) -> dict:
     started = time.perf_counter()
     try:
         train_diffusion.run(args, before_shutdown=before_shutdown)
-    except KeyboardInterrupt as interrupt:
-        if watch.tripped:
-            message = f"stopped: available memory fell below {floor / GIB:.1f} GiB (--min-available-gib)"
-            raise SystemExit(message) from interrupt
-        raise
     finally:
         found["all_pss"] = watch.stop()
+    if watch.tripped:
+        raise SystemExit(f"stopped: available memory fell below {floor / GIB:.1f} GiB (--min-available-gib)")
     found["wall_s"] = time.perf_counter() - started
     records = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "perf/generate_total_s" in r]
     found["record"] = records[-1]

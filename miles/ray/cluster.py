@@ -14,6 +14,7 @@ from miles.ray.reward_workers import REWARD_WORKER_CPUS
 from miles.utils.console import ray_init_kwargs
 from miles.utils.distributed import engine_cpus, uses_gpu
 from miles.utils.fsdp_arguments import resolve_cluster_device
+from miles.utils.stop_signals import keeping_signal_handlers
 
 
 def actor_shares(args: argparse.Namespace, per_rank: float, per_engine: float) -> tuple[float, float]:
@@ -92,5 +93,6 @@ def start_ray(settings: dict | None) -> bool:
     thread: Ray's processes end with the thread that started them."""
     if settings is None:
         return False
-    ray.init(include_dashboard=False, log_to_driver=True, **settings)
+    with keeping_signal_handlers():  # the driver's stop signals (miles.utils.stop_signals), not Ray's exit / abort
+        ray.init(include_dashboard=False, log_to_driver=True, **settings)
     return True

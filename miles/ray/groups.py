@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from miles.algorithms import algorithm_of
 from miles.ray.actor_pool import ActorPool, current_pool
-from miles.ray.checkpoint_folders import check_roles_agree, save_folders, write_latest_pointers
+from miles.ray.checkpoint_folders import check_roles_agree, load_folders, save_folders, write_latest_pointers
 from miles.ray.colocation import PhaseMemory
 from miles.ray.placement_group import Colocation, actor_nodes, create_colocation, write_placement
 from miles.startup import check_data_source_resume
@@ -44,6 +45,13 @@ def colocation_for(args: argparse.Namespace) -> Colocation | None:
     )
 
 
+def resumes_from_save_folders(args: argparse.Namespace, roles: list[str]) -> bool:
+    """Whether every role that saves loads from the folder it saves into (`--load DIR --save DIR`)."""
+    saves, loads = save_folders(args, roles), load_folders(args, roles)
+    same = [loads[role] and os.path.realpath(loads[role]) == os.path.realpath(folder) for role, folder in saves.items()]
+    return bool(saves) and all(same)
+
+
 class RunGroups:
     """`groups` (role -> RayTrainGroup, in training order), `rollout_manager`, and what they share; `phases` moves
     them in and out of device memory (--colocate-sleep; off until `start`)."""
@@ -61,6 +69,7 @@ class RunGroups:
         self.args, self.groups, self.rollout_manager = args, groups, rollout_manager
         self.colocation, self.evaluator = colocation, evaluator
         self.phases = phases if phases is not None else PhaseMemory(args, {}, None)
+        self.saved: int | None = None  # the last rollout whose checkpoint the save folders hold from this run
 
     @classmethod
     def launch(cls, args: argparse.Namespace, pool: ActorPool | None = None) -> RunGroups:
@@ -100,8 +109,10 @@ class RunGroups:
         start_rollout_id = min(starts.values(), default=0)
         if args.load and start_rollout_id > 0:
             check_data_source_resume(args.load, start_rollout_id, manager.source)
-        if groups:
-            manager.update_weights(groups["actor"])
+            if resumes_from_save_folders(args, list(groups)):
+                self.saved = start_rollout_id - 1
+        if groups:  # the version an uninterrupted run holds here: one sync at its start and one per rollout
+            manager.update_weights(groups["actor"], version=start_rollout_id + 1)
         self.phases = PhaseMemory(args, groups, manager.engines, self.record_placement())
         self.phases.start()
         return start_rollout_id
@@ -146,7 +157,20 @@ class RunGroups:
         for role in folders:
             self.groups[role].save(rollout_id, extra)
         write_latest_pointers(folders, rollout_id)
+        self.saved = rollout_id
         return time.perf_counter() - started
+
+    def save_on_stop(self, rollout_id: int) -> list[str]:
+        """A stop signal's save: rollout `rollout_id`, the last completed (its trained state is what the ranks hold),
+        unless this run saved it already (or resumed from it in its own save folders). Its iteration folders ([] when
+        no role saves or no rollout completed)."""
+        folders = save_folders(self.args, list(self.groups))
+        if not folders or rollout_id < 0:
+            return []
+        if self.saved != rollout_id:  # not the folders' pointer: it may name another run's save of that rollout
+            self.phases.to_train(rollout_id)  # with --colocate-sleep the ranks sleep after a weight sync
+            self.save(rollout_id)
+        return [os.path.join(folder, f"iter_{rollout_id:07d}") for folder in dict.fromkeys(folders.values())]
 
     def update_weights(self, rollout_id: int) -> float:
         """The actor's weights to the engines after rollout `rollout_id` trained; with --colocate-sleep the trainer

@@ -311,17 +311,20 @@ class RolloutManager:
             return {}
         return {"rollout/removed_samples_frac": sum(s.remove_sample for s in samples) / max(len(samples), 1)}
 
-    def update_weights(self, actor_group: Any, before_load: Any = None, *, rollout_id: int | None = None) -> float:
+    def update_weights(
+        self, actor_group: Any, before_load: Any = None, *, rollout_id: int | None = None, version: int | None = None
+    ) -> float:
         """Push the actor's weights (or LoRA / EMA weights, as the actor decides) to every engine; seconds taken.
         `before_load()` runs once the weights are exported (in the object store), before the engines load them
         (`--colocate-sleep`: the trainer ranks sleep and the engines wake there). `rollout_id`: the rollout an
-        engine's failure names (None for the sync before the first rollout)."""
+        engine's failure names (None for the sync before the first rollout). `version`: the weights version to
+        give (default: one more than the last; a resumed run's first sync continues the uninterrupted count)."""
+        self.weights_version = self.weights_version + 1 if version is None else version
         if self.engines is None:
             if before_load is not None:
                 before_load()
             return 0.0
         started = time.perf_counter()
-        self.weights_version += 1
         weights, checksums = actor_group.export_weights_ref()
         if before_load is not None:
             before_load()

@@ -83,9 +83,9 @@ def test_a_plugin_with_a_critic_role_trains_resumes_and_locks_its_critic_folder(
     assert resumed.critic_load == str(tmp_path / "resumed" / "critic")  # the critic resumes from its own folder
     train_diffusion.run(resumed)
 
-    def rollout_1(path):  # the weights version counts this process's syncs: one fewer after a resume
+    def rollout_1(path):
         return [
-            {k: v for k, v in m.items() if not k.startswith("perf/") and k != "rollout/weights_version"}
+            {k: v for k, v in m.items() if not k.startswith("perf/")}
             for m in read_metrics(path)
             if m.get("rollout_id") == 1
         ]
