@@ -64,6 +64,7 @@ from miles.rollout.rollout_hub.flow_grpo import sde_pairs  # noqa: E402
 from miles.rollout.rollout_hub.nft import nft_pairs  # noqa: E402
 from miles.rollout.step_strategy_hub import window_steps  # noqa: E402
 from miles.utils.arguments import parse_args as parse_train_args  # noqa: E402
+from miles.utils.types import shard_pairs  # noqa: E402
 
 logger = logging.getLogger("bench_gradient_signal")
 LOSSES = ("policy_loss", "nft")
@@ -215,6 +216,7 @@ def gradient(engine: DiffusionEngine, args: argparse.Namespace, loss: str, pairs
     params = [p for p in engine.transformer.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
+    pairs = shard_pairs(pairs, 1)[0]  # one rank: the pairs with their pair_index, as the trainer receives them
     total = len(next(iter(pairs.values())))
     with torch.enable_grad():
         for microbatch_id, start in enumerate(range(0, total, args.micro_batch_size)):

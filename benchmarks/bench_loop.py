@@ -65,7 +65,7 @@ from miles.backends.fsdp_utils.optim import build_optimizer  # noqa: E402
 from miles.models.builtin import resolve_checkpoint  # noqa: E402
 from miles.rollout.engine import DiffusionEngine  # noqa: E402
 from miles.utils.arguments import parse_args  # noqa: E402
-from miles.utils.types import num_pairs, slice_pairs  # noqa: E402
+from miles.utils.types import num_pairs, shard_pairs, slice_pairs  # noqa: E402
 
 PHASES = ("wait", "train", "sync")  # the driver's phases of a rollout (wait: for the batch, generated meanwhile)
 STARTUP = "start"  # a miles run's start-up: `train_diffusion.run`'s call to its first rollout (not in "all")
@@ -190,9 +190,9 @@ def driver_phases(meter: CpuMeter, timed: range) -> Iterator[None]:
         meter.mark("train" if rollout_id in timed else None)
         return result
 
-    def timed_update_weights(self, actor_group, **kwargs):
+    def timed_update_weights(self, actor_group, *args, **kwargs):
         meter.mark("sync" if meter.phase is not None else None)
-        seconds = update_weights(self, actor_group, **kwargs)
+        seconds = update_weights(self, actor_group, *args, **kwargs)
         meter.mark(None)
         return seconds
 
@@ -226,17 +226,17 @@ class InProcessEngines:
 def plain_loop(argv: list[str], rollouts: int, meter: CpuMeter) -> list[float]:
     """Seconds of each rollout (generate, score, convert, train, copy weights) in one process, no Ray; the phases
     after the first rollout (the warm-up) go on `meter`."""
-    import miles.ray.engine_group as engine_group
+    import miles.ray.rollout_manager as rollout_manager  # its RolloutEngineGroup name is what __init__ calls
     from miles.ray.rollout_manager import RolloutManager
 
     args = parse_args([*argv, "--rm-num-workers", "0"])
     args.hf_checkpoint = resolve_checkpoint(args.hf_checkpoint)
     torch.set_num_threads(os.cpu_count() or 1)
-    saved, engine_group.RolloutEngineGroup = engine_group.RolloutEngineGroup, InProcessEngines
+    saved, rollout_manager.RolloutEngineGroup = rollout_manager.RolloutEngineGroup, InProcessEngines
     try:
         manager = RolloutManager(args)
     finally:
-        engine_group.RolloutEngineGroup = saved
+        rollout_manager.RolloutEngineGroup = saved
     engine = manager.engines.engine
     family, hooks = manager.family, get_loss_hooks(args, "actor")
     model = family.load_transformer(args.hf_checkpoint, dtype=torch.float32)
@@ -247,7 +247,7 @@ def plain_loop(argv: list[str], rollouts: int, meter: CpuMeter) -> list[float]:
     for rollout_id in range(rollouts):
         started = time.perf_counter()
         meter.mark("wait" if rollout_id > 0 else None)
-        pairs = manager._rl_rollout(rollout_id)
+        pairs = shard_pairs(manager._rl_rollout(rollout_id), 1)[0]  # with pair_index, as a rank receives them
         meter.mark("train" if rollout_id > 0 else None)
         ctx = DiffusionLossContext(
             args=args,

@@ -126,9 +126,10 @@ def make_pairs(family, n: int, seed: int) -> dict[str, torch.Tensor]:
 def train_call(group, rollout_id: int, pairs: dict) -> dict:
     """One train call: the windows' seconds and losses (metrics), the prepares' seconds (train output), wall."""
     from miles.utils.box import put_box
+    from miles.utils.types import shard_pairs
 
     started = time.perf_counter()
-    output = group.train(rollout_id, [put_box(pairs)])[0].get(timeout=600)
+    output = group.train(rollout_id, [put_box(shard_pairs(pairs, 1)[0])])[0].get(timeout=600)  # + pair_index
     wall = time.perf_counter() - started
     records = group.pop_metrics()
     return {

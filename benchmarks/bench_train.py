@@ -29,16 +29,15 @@ from miles.diffusion.schedule import flow_matching_loss  # noqa: E402
 from miles.models.base import get_train_pipeline_config  # noqa: E402
 from miles.utils.arguments import parse_args  # noqa: E402
 from miles.utils.box import put_box  # noqa: E402
+from miles.utils.types import shard_pairs  # noqa: E402
 
 
 def make_pairs(family, n: int) -> dict[str, torch.Tensor]:
     family.load_text_encoders()
     embeds = family.encode_prompts([f"{i % 3 + 1} red circles on the left" for i in range(n)])
     g = torch.Generator().manual_seed(0)
-    return {
-        "x0": torch.randn((n, *family.latent_shape()), generator=g),
-        **embeds.to(dtype=torch.float32).to_columns(),
-    }
+    pairs = {"x0": torch.randn((n, *family.latent_shape()), generator=g), **embeds.to(dtype=torch.float32).to_columns()}
+    return shard_pairs(pairs, 1)[0]  # one rank's pairs with their pair_index, as the trainer receives them
 
 
 def plain_loop(args, family, pairs, windows: int) -> float:

@@ -67,11 +67,13 @@ def test_a_damaged_checkpoint_fails_the_resume_on_every_rank_naming_the_file(kil
     shard = os.path.join(checkpoint_dir(ckpt, 0, "actor"), "dcp", "__1_0.distcp")
     flip_bytes(shard)
     resume = sft_args(tiny_pipeline_dir, killed_run["out"], *COMMON, "--save", ckpt, "--load", ckpt)
-    before = set(ray.util.placement_group_table())
+    before = {pg: state["state"] for pg, state in ray.util.placement_group_table().items()}
     with pytest.raises(ray.exceptions.RayTaskError) as info:
         train_diffusion.run(resume)
-    created = {pg: state for pg, state in ray.util.placement_group_table().items() if pg not in before}
-    assert created and all(state["state"] == "REMOVED" for state in created.values())  # the failed group was ended
+    after = {pg: state["state"] for pg, state in ray.util.placement_group_table().items()}
+    # the failed group was ended: its placement group (new, or an idle pooled one it took) is removed, none is left
+    ended = {pg for pg, state in after.items() if state == "REMOVED" and before.get(pg, "CREATED") != "REMOVED"}
+    assert ended and not [pg for pg, state in after.items() if pg not in before and state != "REMOVED"], after
     message = str(info.value)
     assert "loading the actor checkpoint" in message and "failed on rank 1" in message
     assert f"{shard} is damaged: its CRC32" in message
