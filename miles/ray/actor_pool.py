@@ -103,8 +103,6 @@ class ActorPool:
                 _end(idle)
         self._idle.clear()
 
-    close = evict_idle
-
 
 @dataclass
 class _Idle:
@@ -139,4 +137,4 @@ def reusing_actors(pool: ActorPool | None = None) -> Iterator[ActorPool]:
         yield pool
     finally:
         _CURRENT.reset(token)
-        pool.close()
+        pool.evict_idle()
