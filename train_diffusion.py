@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 COMMAND_STARTED = time.perf_counter()  # as a script: the command's start, less the interpreter's own (~0.05 s)
 
@@ -22,12 +23,13 @@ with import_gc.paused():  # the driver's imports (torch, Ray) without the collec
     from miles.ray.cluster import check_cluster
     from miles.ray.generations import Generations, staleness_metrics
     from miles.ray.groups import RunGroups
+    from miles.ray.restarts import RESTARTABLE, Restarts
     from miles.startup import start_up
     from miles.utils.arguments import parse_args
     from miles.utils.console import ProgressLine, TqdmHandler, progress_bar, summary_line
     from miles.utils.failures import run_cleanup
     from miles.utils.stop_signals import EXIT_PREEMPTED, StopSignals, stop_line
-    from miles.utils.tracking import Tracking, open_tracking, read_metrics
+    from miles.utils.tracking import Tracking, current_records, open_tracking, read_metrics
 
 logger = logging.getLogger("miles.driver")
 
@@ -124,7 +126,7 @@ def train_rollouts(
             if record is None:
                 break
             completed = rollout_id
-            summary["losses"] += record.pop("_actor_losses")
+            summary["losses"] += record["_actor_losses"]
             train_records = record.pop("_train_records")
             summary.setdefault("rollouts", []).append(record)
             bar.set_postfix(progress.update([*train_records, record]))
@@ -153,20 +155,15 @@ def run(
     with StopSignals() as stop:  # a first signal stops at the next safe point, a second exits at once
         with import_gc.paused():  # the start-up's imports (diffusers, the families) without the collector
             startup = start_up(args)  # the checks on a thread while Ray starts: their errors come before any actor
-        writer = run_groups = None
+        writer = restarts = None
         try:
             writer = open_tracking(args)
             check_cluster(args)
-            run_groups = RunGroups.launch(args)  # every actor starts at once; start waits for them all
-            start_rollout_id = run_groups.start()
-            startup.log_phases(started)
-            if run_groups.evaluator is not None and not args.no_eval_before_train:  # the baseline, before any update
-                writer.log({"rollout_id": start_rollout_id, "step": 0, **run_groups.evaluate(start_rollout_id)})
-            if args.eval_only:
+            restarts = Restarts(args)  # --max-restarts: the run's attempts and their groups
+            completed = train_with_restarts(restarts, writer, summary, started, stop, startup)
+            run_groups = restarts.groups
+            if completed is None:  # --eval-only
                 return summary
-            completed = start_rollout_id - 1  # a signal during the start-up stops before the first rollout
-            if not stop.requested:
-                completed = train_rollouts(args, run_groups, writer, start_rollout_id, summary, started, stop)
             if stop.requested and completed < args.num_rollout - 1:  # a signal in the last rollout lets the run end
                 summary["stopped"] = stop_line(stop, completed, run_groups.save_on_stop(completed), args.save)
             else:
@@ -175,7 +172,7 @@ def run(
                 if before_shutdown is not None:
                     before_shutdown(run_groups.groups)
         finally:  # every step runs; a failing one does not hide the error that stopped the run
-            steps = run_groups.shutdown_steps() if run_groups is not None else []
+            steps = restarts.groups.shutdown_steps() if restarts is not None and restarts.groups is not None else []
             if writer is not None:
                 steps.append(("closing metrics.jsonl", writer.close))
             run_cleanup([*steps, *startup.shutdown_steps()])
@@ -184,8 +181,43 @@ def run(
         logger.warning(summary["stopped"])
         return summary
     summary["plot"] = plot_run(args.output_dir, args.loss_type)
-    logger.info(summary_line(args, read_metrics(writer.path), summary["wall_s"], summary["plot"]))
+    logger.info(summary_line(args, current_records(read_metrics(writer.path)), summary["wall_s"], summary["plot"]))
     return summary
+
+
+def train_with_restarts(
+    restarts: Restarts, writer: Tracking, summary: dict, started: float, stop: StopSignals, startup: Any
+) -> int | None:
+    """Start the groups and train; when an actor dies, restart from the latest checkpoint while --max-restarts
+    allows (`miles.ray.restarts`). Returns the last rollout completed (None: --eval-only)."""
+    while True:
+        try:
+            return start_and_train(restarts, writer, summary, started, stop, startup)
+        except RESTARTABLE as exc:
+            if stop.requested or not restarts.can_restart(exc):
+                raise
+            writer.log(restarts.recover(exc, summary))
+            started = time.perf_counter()  # the restarted attempt's perf/startup_s counts from here
+
+
+def start_and_train(
+    restarts: Restarts, writer: Tracking, summary: dict, started: float, stop: StopSignals, startup: Any
+) -> int | None:
+    """One attempt: every actor starts at once (start waits for them all), the baseline eval (first attempt only),
+    then the rollouts; returns as `train_with_restarts`."""
+    args = restarts.args
+    restarts.groups = run_groups = RunGroups.launch(args)
+    start_rollout_id = run_groups.start()
+    restarts.start_attempt(start_rollout_id)
+    if restarts.count == 0:
+        startup.log_phases(started)
+        if run_groups.evaluator is not None and not args.no_eval_before_train:  # the baseline, before any update
+            writer.log({"rollout_id": start_rollout_id, "step": 0, **run_groups.evaluate(start_rollout_id)})
+        if args.eval_only:
+            return None
+    if stop.requested:  # a signal during the start-up stops before the first rollout
+        return start_rollout_id - 1
+    return train_rollouts(args, run_groups, writer, start_rollout_id, summary, started, stop)
 
 
 def main(argv: Sequence[str] | None = None, started: float | None = None) -> int:

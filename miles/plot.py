@@ -15,7 +15,7 @@ from typing import Any
 from miles.algorithms import ALGORITHMS, get_algorithm
 from miles.algorithms.base import DEFAULT_PLOT_PANELS, PlotPanel
 from miles.utils.misc import HookLoadError, load_module
-from miles.utils.tracking import read_metrics, scalar_points
+from miles.utils.tracking import current_records, read_metrics, scalar_points
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def plot_run(output_dir: str, loss_type: str | None = None, filename: str = PLOT
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist: pass the --output-dir of a run")
-    records = read_metrics(path)
+    records = current_records(read_metrics(path))  # without the rollouts a restart redid
     loss_type = loss_type or infer_loss_type(records)
     panels = plot_panels(records, loss_type)
     if not panels:

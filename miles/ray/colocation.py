@@ -25,14 +25,17 @@ from miles.utils.distributed import uses_gpu
 logger = logging.getLogger(__name__)
 
 
+NOT_RANKS = ("engines", "reward_workers")  # the placement's entries that are not trainer groups
+
+
 def shared_gpus(placement: dict[str, list[dict[str, Any]]]) -> set[str]:
     """The GPUs ("node/gpu") that hold both a rollout engine and a trainer rank, from the run's placement
-    (`RunGroups.record_placement`: `engines` and one entry per trained role)."""
+    (`RunGroups.record_placement`: `engines`, `reward_workers` and one entry per trained role)."""
 
     def slots(entries: list[dict[str, Any]]) -> set[str]:
         return {f"{entry['node_id']}/{gpu}" for entry in entries for gpu in entry.get("gpus", [])}
 
-    ranks = set().union(*(slots(entries) for role, entries in placement.items() if role != "engines"))
+    ranks = set().union(*(slots(entries) for role, entries in placement.items() if role not in NOT_RANKS))
     return slots(placement.get("engines", [])) & ranks
 
 

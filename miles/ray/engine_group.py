@@ -25,16 +25,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from miles.ray.actor_pool import ActorPool, ReusableActor
 from miles.ray.placement_group import Colocation
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
-from miles.utils.failures import where
+from miles.utils.failures import EngineError, where
 from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import split_contiguous
 from miles.utils.weight_checksum import TensorChecksum, WeightSyncError
 
 logger = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """A rollout engine died or did not answer in time."""
 
 
 def engine_options(
@@ -229,13 +225,16 @@ class RolloutEngineGroup:
                 out[index] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
             except RayActorError as exc:
                 self.failed = True
-                raise EngineError(f"rollout engine {index} of {self.num_engines} died during {what}: {exc}") from exc
+                raise EngineError(
+                    f"rollout engine {index} of {self.num_engines} died during {what}: {exc}", index
+                ) from exc
             except WeightSyncError as exc:  # the engine is alive; the run must not sample from what it holds
                 cause = exc.cause if isinstance(exc, RayTaskError) else exc
                 raise WeightSyncError(f"rollout engine {index} of {self.num_engines}, {what}: {cause}") from exc
             except GetTimeoutError as exc:
                 self.failed = True
                 raise EngineError(
-                    f"rollout engine {index} of {self.num_engines} did not answer {what} within {self.timeout_s:.0f}s"
+                    f"rollout engine {index} of {self.num_engines} did not answer {what} within {self.timeout_s:.0f}s",
+                    index,
                 ) from exc
         return out

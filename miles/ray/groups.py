@@ -70,6 +70,7 @@ class RunGroups:
         self.colocation, self.evaluator = colocation, evaluator
         self.phases = phases if phases is not None else PhaseMemory(args, {}, None)
         self.saved: int | None = None  # the last rollout whose checkpoint the save folders hold from this run
+        self.placement: dict[str, list[dict[str, Any]]] = {}  # where each actor runs, once started (`start`)
 
     @classmethod
     def launch(cls, args: argparse.Namespace, pool: ActorPool | None = None) -> RunGroups:
@@ -113,7 +114,8 @@ class RunGroups:
                 self.saved = start_rollout_id - 1
         if groups:  # the version an uninterrupted run holds here: one sync at its start and one per rollout
             manager.update_weights(groups["actor"], version=start_rollout_id + 1)
-        self.phases = PhaseMemory(args, groups, manager.engines, self.record_placement())
+        self.placement = self.record_placement()
+        self.phases = PhaseMemory(args, groups, manager.engines, self.placement)
         self.phases.start()
         return start_rollout_id
 
@@ -123,6 +125,8 @@ class RunGroups:
         placement = {role: actor_nodes(group.actors) for role, group in self.groups.items()}
         if self.rollout_manager.engines is not None:
             placement["engines"] = actor_nodes(self.rollout_manager.engines.engines)
+        if self.rollout_manager.rewards is not None and self.rollout_manager.rewards.workers:
+            placement["reward_workers"] = actor_nodes(self.rollout_manager.rewards.workers)
         write_placement(self.args.output_dir, placement)
         return placement
 

@@ -101,7 +101,7 @@ def actor_nodes(actors: list[Any], timeout: float = 60.0) -> list[dict[str, Any]
 
 
 def write_placement(output_dir: str, placement: dict[str, list[dict[str, Any]]]) -> str:
-    """`output_dir/placement.json`: for each role (`actor`, `critic`, `engines`), where each rank or engine ran
+    """`output_dir/placement.json`: for each role (`actor`, `critic`, `engines`, `reward_workers`), where each actor ran
     (`actor_nodes`); one line per role in the log. Returns the file's path."""
     path = os.path.join(output_dir, "placement.json")
     with open(path, "w") as f:

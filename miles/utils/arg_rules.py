@@ -76,7 +76,15 @@ def given_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
     roles = algorithm.role_names[::-1]  # the actor's --save first
     if args.save_interval is not None and not any(getattr(args, role_dest(r, "save"), None) for r in roles):
         errors.append("--save-interval needs " + " or ".join(f"{role_flag(r, 'save')} DIR" for r in roles))
+    errors += restart_rules(args)
     return errors + rl_rules(args, algorithm) + eval_rules(args) + sharding_rules(args) + colocate_rules(args)
+
+
+def restart_rules(args: argparse.Namespace) -> list[str]:
+    """A restart resumes every trained role from its save folder (a role's --<role>-save defaults to --save)."""
+    if args.max_restarts > 0 and not args.save:
+        return [f"--max-restarts {args.max_restarts} resumes from the latest checkpoint in --save: pass --save DIR"]
+    return []
 
 
 def exclusive_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:

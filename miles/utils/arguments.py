@@ -209,6 +209,21 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         "on trusted storage; flipped bytes then go unnoticed).",
     )
     group.add_argument("--save-hf", default=None, help="At the end, write a diffusers pipeline folder with the result.")
+    group.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="When an actor dies (trainer rank, rollout engine, reward worker; a lost node): tear the groups down, "
+        "wait for the resources, start them again and resume from the latest checkpoint in --save, at most N times "
+        "(docs/user-guide/failures.md). Needs --save; pair it with --save-interval.",
+    )
+    group.add_argument(
+        "--restart-timeout",
+        type=float,
+        default=600.0,
+        help="With --max-restarts: seconds a restart waits for the cluster to hold the run's CPUs / GPUs again "
+        "before the run fails with the actor's error.",
+    )
 
 
 def add_logging_arguments(parser: argparse.ArgumentParser) -> None:

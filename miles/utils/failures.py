@@ -27,6 +27,14 @@ class ActorDied(RuntimeError):
         super().__init__(f"{role} {rank} died during {where(phase, rollout_id)}: {type(cause).__name__}: {cause}")
 
 
+class EngineError(RuntimeError):
+    """A rollout engine died or did not answer in time (`miles.ray.engine_group`); `index` is the engine's."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index
+
+
 def gather(
     refs: Sequence[Any], *, role: str, phase: str, rollout_id: int | None = None, timeout: float | None = None
 ) -> list:

@@ -52,6 +52,20 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return [{k: NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in r.items()} for r in records]
 
 
+RESTART_KEY = "restart/count"  # a restart's record (miles/ray/restarts.py): rollouts from its rollout_id on redone
+
+
+def current_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the rollouts that count: a restart's record (`--max-restarts`) drops the records logged before
+    it for the rollouts it redoes (those from its rollout_id on); the restart records themselves stay."""
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        if RESTART_KEY in record:
+            kept = [r for r in kept if RESTART_KEY in r or r.get("rollout_id", -1) < record["rollout_id"]]
+        kept.append(record)
+    return kept
+
+
 def scalar_points(record: dict[str, Any]) -> list[tuple[str, str, int, float]]:
     """(tag, axis name, x, value) of each number in a record.
 

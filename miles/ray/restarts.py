@@ -1,0 +1,151 @@
+"""--max-restarts: when an actor of the run dies (its process killed, its node lost) or a rollout engine stops
+answering, the driver tears the groups down, waits for the cluster to hold the run's resources again, starts them
+afresh and resumes from the latest checkpoint in the save folders: the path `--load` takes. At most N times.
+
+What restarts: `ActorDied` (a trainer rank or a reward worker) and `EngineError` (an engine died or timed out).
+What does not: an exception raised by code inside a live actor (a bug, a damaged checkpoint, a corrupted weight
+sync), which would fail again the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from miles.algorithms import role_dest, training_order
+from miles.backends.fsdp_utils.checkpoint import read_latest
+from miles.ray.checkpoint_folders import save_folders
+from miles.ray.cluster import actor_shares
+from miles.ray.reward_workers import REWARD_WORKER_CPUS
+from miles.utils.distributed import engine_cpus, uses_gpu
+from miles.utils.failures import ActorDied, EngineError, run_cleanup
+from miles.utils.tracking import RESTART_KEY
+
+logger = logging.getLogger(__name__)
+
+RESTARTABLE = (ActorDied, EngineError)
+WAIT_LOG_S = 30.0  # how often the wait for resources says what it still misses
+
+
+@dataclass
+class Failure:
+    """What died: `who` reads like "actor rank 1", `node` is its IP (or "unknown node")."""
+
+    who: str
+    node: str
+    message: str
+
+
+def describe(exc: BaseException, placement: dict[str, list[dict[str, Any]]]) -> Failure:
+    """The dead actor's role, rank and node, from the error and the run's placement (`RunGroups.placement`)."""
+    if isinstance(exc, ActorDied):
+        who, index = f"{exc.role} {exc.rank}", exc.rank
+        key = "reward_workers" if exc.role == "reward worker" else exc.role.removesuffix(" rank")
+    else:
+        who, index, key = f"rollout engine {exc.index}", exc.index, "engines"
+    entries = placement.get(key, [])
+    node = entries[index]["ip"] if index < len(entries) else "unknown node"
+    return Failure(who, node, str(exc).splitlines()[0])
+
+
+def needed_resources(args: argparse.Namespace) -> dict[str, float]:
+    """The CPUs and GPUs the run's actors ask Ray for (trainer ranks, engines, reward workers)."""
+    gpu = uses_gpu(args)
+    cpus = sum(actor_shares(args, 0.0 if gpu else args.cpus_per_rank, engine_cpus(args)))
+    cpus += REWARD_WORKER_CPUS * args.rm_num_workers
+    gpus = sum(actor_shares(args, args.gpus_per_rank, args.rollout_gpus_per_engine)) if gpu else 0.0
+    return {"CPU": cpus, "GPU": gpus}
+
+
+def missing_resources(target: dict[str, float]) -> dict[str, float]:
+    """What the cluster's live nodes lack of `target` (empty: nothing)."""
+    total = ray.cluster_resources()
+    return {name: need - total.get(name, 0.0) for name, need in target.items() if total.get(name, 0.0) < need - 1e-9}
+
+
+def wait_for_resources(target: dict[str, float], timeout_s: float, poll_s: float = 1.0) -> float:
+    """Wait until the cluster holds `target` again (a lost node back, or a replacement); seconds waited. Raises
+    TimeoutError naming what is missing after `timeout_s`."""
+    started = last_log = time.monotonic()
+    while missing := missing_resources(target):
+        waited = time.monotonic() - started
+        if waited >= timeout_s:
+            raise TimeoutError(f"the cluster still lacks {fmt(missing)} after {timeout_s:.0f}s (--restart-timeout)")
+        if time.monotonic() - last_log >= WAIT_LOG_S:
+            logger.warning("restart: waiting for %s (%.0fs of --restart-timeout %.0f)", fmt(missing), waited, timeout_s)
+            last_log = time.monotonic()
+        time.sleep(poll_s)
+    return time.monotonic() - started
+
+
+def fmt(resources: dict[str, float]) -> str:
+    return ", ".join(f"{amount:g} {name}" for name, amount in resources.items())
+
+
+def resume_args(args: argparse.Namespace) -> tuple[argparse.Namespace, int | None]:
+    """The run's flags with every role loading from its save folder, and the rollout they resume after; the flags
+    as given (and None) when no save folder holds a checkpoint yet."""
+    folders = save_folders(args, training_order(args))
+    latest = [read_latest(folder) for folder in folders.values()]
+    if not folders or any(rollout is None for rollout in latest):
+        return args, None
+    resumed = copy.copy(args)
+    for role, folder in folders.items():
+        setattr(resumed, role_dest(role, "load"), folder)
+    return resumed, min(latest)
+
+
+class Restarts:
+    """The run's attempts: the restart budget, the current attempt's flags (`args`: `--load` at the save folders
+    once it restarted) and groups (`groups`, a `RunGroups` the driver launches). The driver calls `start_attempt`
+    once the groups started, `recover` when an attempt failed."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.given, self.groups = args, args, None
+        self.count, self.first_rollout = 0, 0
+        self.target = {k: min(v, ray.cluster_resources().get(k, 0.0)) for k, v in needed_resources(args).items()}
+
+    def can_restart(self, exc: BaseException) -> bool:
+        return isinstance(exc, RESTARTABLE) and self.count < self.given.max_restarts
+
+    def start_attempt(self, first_rollout: int) -> None:
+        self.first_rollout = first_rollout
+
+    def recover(self, exc: BaseException, summary: dict) -> dict[str, Any]:
+        """Tear the failed attempt's groups down, wait for the resources, point the next attempt at the latest
+        checkpoint and drop the redone rollouts from `summary`; returns the restart's metrics record. Raises the
+        original error when the wait times out."""
+        failure = describe(exc, self.groups.placement if self.groups is not None else {})
+        completed = [r["rollout_id"] for r in summary.get("rollouts", []) if r["rollout_id"] >= self.first_rollout]
+        in_flight = max(completed, default=self.first_rollout - 1) + 1
+        self.count += 1
+        logger.error(
+            "restart %d of --max-restarts %d: %s on %s failed in rollout %d: %s",
+            self.count, self.given.max_restarts, failure.who, failure.node, in_flight, failure.message,
+        )  # fmt: skip
+        if self.groups is not None:
+            groups, self.groups = self.groups, None
+            run_cleanup(groups.shutdown_steps())
+        try:
+            waited = wait_for_resources(self.target, self.given.restart_timeout)
+        except TimeoutError as timeout:
+            exc.add_note(f"not restarted: {timeout}")
+            raise exc from None
+        self.args, saved = resume_args(self.given)
+        resume_at = 0 if saved is None else saved + 1
+        lost = list(range(resume_at, in_flight + 1))
+        logger.error(
+            "restart %d: resuming at rollout %d from %s; redone (not saved): rollouts %s",
+            self.count, resume_at, self.args.load if saved is not None else "the start (nothing saved yet)",
+            ", ".join(map(str, lost)),
+        )  # fmt: skip
+        summary["rollouts"] = [r for r in summary.get("rollouts", []) if r["rollout_id"] < resume_at]
+        summary["losses"] = [loss for r in summary["rollouts"] for loss in r["_actor_losses"]]
+        return {"rollout_id": resume_at, RESTART_KEY: self.count, "restart/lost_rollouts": len(lost),
+                "restart/failed_rollout": in_flight, "restart/wait_s": waited}  # fmt: skip
