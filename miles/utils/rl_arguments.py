@@ -186,7 +186,20 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
         help="onnxruntime threads of the ocr reward's models in each reward process (0: onnxruntime's default, one "
         "per core; spread a large batch with --rm-num-workers instead).",
     )
-    group.add_argument("--globalize-reward-std", action="store_true", help="Normalise by the batch-wide reward std.")
+    batch_std = ", ".join(a.name for a in BUILTIN_ALGORITHMS if a.globalize_reward_std)
+    group.add_argument(
+        "--globalize-reward-std",
+        action="store_true",
+        default=None,  # unset: the algorithm's default (`Algorithm.globalize_reward_std`, filled by derive_args)
+        help=f"Normalise by the batch-wide reward std instead of each group's (the default under {batch_std}).",
+    )
+    group.add_argument(
+        "--no-globalize-reward-std",
+        dest="globalize_reward_std",
+        action="store_false",
+        default=None,
+        help=f"Normalise by each group's reward std (the default except under {batch_std}).",
+    )
     group.add_argument(
         "--disable-grpo-std-normalization", action="store_true", help="Advantages are reward minus group mean."
     )

@@ -164,7 +164,7 @@ RACE_RECIPES = {
     "policy_loss": ("--loss-type", "policy_loss"),
     "grpo_guard": ("--loss-type", "grpo_guard", "--diffusion-noise-level", "1.2", "--diffusion-num-sde-steps", "2"),
     "flow_dppo": ("--loss-type", "flow_dppo"),
-    "awm": ("--loss-type", "awm", "--awm-kl-beta", "0", "--lr", "3e-4", "--globalize-reward-std"),
+    "awm": ("--loss-type", "awm", "--awm-kl-beta", "0", "--lr", "3e-4"),  # batch reward std: awm's default
     "dpo": ("--loss-type", "dpo"),
     "dance": (
         "--loss-type",
