@@ -74,7 +74,8 @@ RULES = """## Rules checked before start-up
   samples of a prompt would all be one image; `dmd2`).
 - An algorithm without engines (`sft_loss`) needs `--train-only`; `--train-only` is rejected under one that needs
   them (`policy_loss`, `nft`, `dmd2`). `sft_loss` trains each pair once: `--n-samples-per-prompt` is set to 1.
-- `--diffusion-guidance-scale` unset takes the algorithm's default; `--eval-interval` unset takes the algorithm's on
+- `--diffusion-guidance-scale` unset takes the algorithm's default, and so does `--globalize-reward-std` (on under
+  `awm`; `--no-globalize-reward-std` turns it off); `--eval-interval` unset takes the algorithm's on
   builtin:shapes prompts with an image family (off for video families: the shapes eval scores images).
 - `--load DIR` must exist unless it equals `--save` (auto-resume); likewise `--<role>-load` and `--<role>-save`.
 - A rollout-step path flag the run never reads is rejected: every one of them needs a generating rollout
@@ -103,6 +104,8 @@ RULES = """## Rules checked before start-up
 
 
 def _default(action: argparse.Action) -> str:
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) and action.default is None:
+        return "per algorithm"  # unset: the declaration's default (its help names where it is on)
     if isinstance(action, argparse._StoreTrueAction):
         return "off"
     if action.default is None:

@@ -83,6 +83,7 @@ ALGORITHM = Algorithm(
     first_window_metrics=FirstWindowMetrics(ratio="train/awm_ratio_mean", log_prob_abs_diff=None),
     samples_sde=False,
     guidance_scale=1.0,  # the authors' SD3.5-M recipe samples and trains CFG-free
+    globalize_reward_std=True,  # the authors' advantage: per-prompt mean, batch std
     shapes_eval_interval=20,
     add_arguments=add_arguments,
     flag_ranges={

@@ -64,6 +64,7 @@ CRITIC = Role(
 
 ALGORITHM = Algorithm(
     name="dmd2",
+    async_rollout=True,
     roles=(CRITIC, Role("actor")),
     scores_rewards=False,
     samples_sde=False,

@@ -151,6 +151,7 @@ def derive(args: argparse.Namespace) -> dict[str, Any]:
 
 ALGORITHM = Algorithm(
     name="dpo",
+    async_rollout=True,
     roles=(Role("actor", frozen_networks=(REFERENCE,)),),
     samples_sde=False,  # online pairs are ODE samples; the loss needs only their clean latents
     accepts_train_only=True,  # offline: --train-only --dpo-preference-data (RolloutSpec.dataset)

@@ -27,6 +27,7 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 ALGORITHM = Algorithm(
     name="policy_loss",
+    async_rollout=True,
     log_prob_ratio=True,
     first_window_metrics=FirstWindowMetrics(),
     shapes_eval_interval=20,

@@ -44,6 +44,7 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 ALGORITHM = Algorithm(
     name="grpo_guard",
+    async_rollout=True,
     log_prob_ratio=True,
     first_window_metrics=FirstWindowMetrics(),
     shapes_eval_interval=20,

@@ -235,6 +235,12 @@ class TrainPipelineConfig(ABC):
         pipeline shifts by resolution (FLUX's `mu`) overrides it."""
         return static_shift_sampling_sigmas(num_steps, self.scheduler_shift)
 
+    def sampling_shift(self, resolution: int | None = None) -> float:
+        """The static shift s of `sampling_sigmas` at `resolution`: its σ follow σ = s·t/(1 + (s − 1)·t) of the
+        unshifted time t (MixGRPO-Flash's compressed grid after the window follows the same map). Default:
+        `scheduler_shift`, the shift of the default grid; a family that shifts by resolution overrides it."""
+        return self.scheduler_shift
+
     # geometry
     @property
     @abstractmethod

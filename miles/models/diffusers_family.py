@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 from typing import Any, ClassVar
@@ -246,6 +247,19 @@ def training_shift(scheduler_config: dict[str, Any]) -> float:
     if scheduler_config.get("use_dynamic_shifting", False):
         return 1.0
     return float(scheduler_config.get("shift", 1.0))
+
+
+def dynamic_sampling_shift(scheduler_config: dict[str, Any], mu: float) -> float:
+    """The static shift s whose map σ = s·t/(1 + (s − 1)·t) is what `dynamic_shift_sigmas` applies to the unshifted
+    t = linspace(1, 1/N, N): diffusers' time shift with exponent 1 is that map with s = e^μ (`time_shift_type`
+    "exponential", FLUX.1's) or s = μ ("linear"); without dynamic shifting the config's `shift` (FLUX.1-schnell:
+    1). A `shift_terminal` stretch after it (Qwen-Image, LTX-2: an affine map of σ) is not part of it."""
+    if not scheduler_config.get("use_dynamic_shifting", False):
+        return float(scheduler_config.get("shift", 1.0))
+    kind = scheduler_config.get("time_shift_type", "exponential")
+    if kind not in ("exponential", "linear"):
+        raise ValueError(f"scheduler time_shift_type {kind!r} is not one diffusers defines (exponential, linear)")
+    return math.exp(mu) if kind == "exponential" else float(mu)
 
 
 def dynamic_shift_sigmas(scheduler_config: dict[str, Any], num_steps: int, mu: float) -> torch.Tensor:

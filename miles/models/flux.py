@@ -21,6 +21,7 @@ from miles.models.diffusers_family import (
     DiffusersFamily,
     check_velocity_inputs,
     decode_shift_scaled,
+    dynamic_sampling_shift,
     dynamic_shift_sigmas,
     encode_shift_scaled,
     square_latent_side,
@@ -171,6 +172,10 @@ class FluxPipelineConfig(DiffusersFamily):
     def sampling_sigmas(self, num_steps: int, resolution: int | None = None) -> torch.Tensor:
         """FluxPipeline's grid: σ = linspace(1, 1/N, N) through the folder's scheduler with `mu(resolution)`, then 0."""
         return dynamic_shift_sigmas(self.scheduler_config(), num_steps, self.mu(resolution))
+
+    def sampling_shift(self, resolution: int | None = None) -> float:
+        """FluxPipeline's time shift at `resolution` as a static shift: e^mu (exponential time shift)."""
+        return dynamic_sampling_shift(self.scheduler_config(), self.mu(resolution))
 
     # geometry
     @property

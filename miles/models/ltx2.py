@@ -34,7 +34,13 @@ from torch import nn
 from miles.algorithms import algorithm_of
 from miles.models.base import DTYPE_KW, compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
-from miles.models.diffusers_family import DiffusersFamily, check_velocity_inputs, dynamic_shift_sigmas, training_shift
+from miles.models.diffusers_family import (
+    DiffusersFamily,
+    check_velocity_inputs,
+    dynamic_sampling_shift,
+    dynamic_shift_sigmas,
+    training_shift,
+)
 from miles.models.media import Media
 from miles.models.options import options_of
 
@@ -322,6 +328,11 @@ class LTX2PipelineConfig(DiffusersFamily):
                 f"(shift_terminal={self.scheduler_config().get('shift_terminal')}); use --diffusion-num-steps >= 2"
             )
         return sigmas
+
+    def sampling_shift(self, resolution: int | None = None) -> float:
+        """LTX2Pipeline's time shift at `resolution` as a static shift: e^mu (exponential time shift; its
+        shift_terminal stretch, an affine map of σ, is not part of it)."""
+        return dynamic_sampling_shift(self.scheduler_config(), self.mu(resolution))
 
     # geometry
     @property

@@ -32,6 +32,7 @@ from miles.models.diffusers_family import (
     DiffusersFamily,
     channel_stats,
     check_velocity_inputs,
+    dynamic_sampling_shift,
     dynamic_shift_sigmas,
     posterior_latents,
     square_latent_side,
@@ -198,6 +199,11 @@ class QwenImagePipelineConfig(DiffusersFamily):
         """QwenImagePipeline's grid: σ = linspace(1, 1/N, N) through the folder's scheduler with `mu(resolution)`
         (Qwen-Image's: exponential time shift, stretched to its shift_terminal), then 0."""
         return dynamic_shift_sigmas(self.scheduler_config(), num_steps, self.mu(resolution))
+
+    def sampling_shift(self, resolution: int | None = None) -> float:
+        """QwenImagePipeline's time shift at `resolution` as a static shift: e^mu (exponential time shift; its
+        shift_terminal stretch, an affine map of σ, is not part of it)."""
+        return dynamic_sampling_shift(self.scheduler_config(), self.mu(resolution))
 
     # geometry
     @property

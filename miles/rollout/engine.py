@@ -49,7 +49,8 @@ class GenerateRequest:
     shift: float | None = None  # σ-grid shift; None: the family's scheduler shift
     return_negative: bool = False  # encode the negative prompt even without CFG (DMD2's teacher needs it)
     initial_seeds: list[int] | None = None  # prompt i's initial latent from initial_seeds[i]; its steps' from seeds[i]
-    # MixGRPO-Flash: after the last trained step L, DPM-Solver++(2M) on `flash_sigmas(grid, L, flash_ratio, shift)`
+    # MixGRPO-Flash: after the last trained step L, DPM-Solver++(2M) on `flash_sigmas(grid, L, flash_ratio, s)`, s the
+    # grid's own shift (`shift`, or the family's `sampling_shift` at the resolution: FLUX's e^μ)
     flash_ratio: float | None = None
     record_means: bool = False  # also return each trained step's mean μ_old (GenerateResult.means)
 
@@ -310,8 +311,9 @@ class DiffusionEngine:
         else:
             sigmas = sampling_sigmas(request.num_steps, shift)
         flash_from = None if request.flash_ratio is None else request.trained_steps[-1] + 1
-        if flash_from is not None:
-            sigmas = flash_sigmas(sigmas, flash_from - 1, request.flash_ratio, shift)
+        if flash_from is not None:  # the post grid follows the sampling grid's own shift (FLUX: e^μ, by resolution)
+            flash_shift = family.sampling_shift(request.resolution) if request.shift is None else request.shift
+            sigmas = flash_sigmas(sigmas, flash_from - 1, request.flash_ratio, flash_shift)
         sigmas_dev = sigmas.to(self.device)
         embeds = family.encode_prompts(list(request.prompts), device=self.device)
         negative = (

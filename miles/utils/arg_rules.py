@@ -144,15 +144,17 @@ def batch_rules(args: argparse.Namespace, view: argparse.Namespace) -> list[str]
 
 def derive_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill every computed default, in this order (each step reads the ones before): the family from
-    --train-pipeline-config-path, the algorithm's own (`derive`), the sampling guidance (the algorithm's), the
-    global batch size (from the batch invariant), the eval interval, the roles' overrides, and the `auto` device
-    and dtype of a cluster this run starts. Returns `args`, updated."""
+    --train-pipeline-config-path, the algorithm's own (`derive`), the sampling guidance and the advantage's reward
+    std (the algorithm's), the global batch size (from the batch invariant), the eval interval, the roles'
+    overrides, and the `auto` device and dtype of a cluster this run starts. Returns `args`, updated."""
     algorithm = algorithm_of(args)
     if args.train_pipeline_config_path:
         args.model_family = args.train_pipeline_config_path  # every process resolves the family from it
     vars(args).update(algorithm.derive(args))
     if args.diffusion_guidance_scale is None:
         args.diffusion_guidance_scale = algorithm.guidance_scale
+    if args.globalize_reward_std is None:
+        args.globalize_reward_std = algorithm.globalize_reward_std
     if args.global_batch_size is None:
         args.global_batch_size = args.rollout_batch_size * args.n_samples_per_prompt // args.num_steps_per_rollout
     vars(args).update(eval_defaults(args, algorithm))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from miles.algorithms import Algorithm
+from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
 from miles.utils.config_file import flag
 from miles.utils.hook_paths import add_rollout_step_arguments, rollout_step_rules
 from miles.utils.reward_spec import remote_rules, reward_spec_from_args
@@ -13,6 +13,15 @@ from miles.utils.reward_spec import remote_rules, reward_spec_from_args
 DEFAULT_NUM_SDE_STEPS = 3
 MIXGRPO_DEFAULTS = {"mixgrpo_mode": "progressive", "mixgrpo_shift_interval": None, "mixgrpo_stride": 1}
 MIXGRPO_FLASH_DEFAULTS = {"mixgrpo_flash": False, "mixgrpo_flash_ratio": 0.4}
+
+
+def async_rollout_loss_types() -> str:
+    """--async-rollout's help: the built-in loss types whose declarations accept it (`Algorithm.async_rollout`)."""
+    accepted = [a for a in BUILTIN_ALGORITHMS if a.async_rollout]
+    with_ratio = [a.name for a in accepted if a.log_prob_ratio]
+    names = ", ".join(a.name for a in accepted)
+    ratio_rule = f" ({', '.join(with_ratio)}: not with --diffusion-recompute-old-log-prob)" if with_ratio else ""
+    return f"Accepted by {names}{ratio_rule} and a plugin whose declaration says async_rollout=True"
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,8 +33,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         "--async-rollout",
         action="store_true",
         help="Generate rollout k+1 while rollout k trains, with the weights before update k: staleness at most one "
-        "update, recorded as rollout/staleness. policy_loss (without --diffusion-recompute-old-log-prob), nft and "
-        "dmd2 only (docs/user-guide/performance.md).",
+        f"update, recorded as rollout/staleness. {async_rollout_loss_types()} (docs/user-guide/performance.md).",
     )
     group.add_argument(
         "--diffusion-sde-type",
@@ -178,7 +186,20 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
         help="onnxruntime threads of the ocr reward's models in each reward process (0: onnxruntime's default, one "
         "per core; spread a large batch with --rm-num-workers instead).",
     )
-    group.add_argument("--globalize-reward-std", action="store_true", help="Normalise by the batch-wide reward std.")
+    batch_std = ", ".join(a.name for a in BUILTIN_ALGORITHMS if a.globalize_reward_std)
+    group.add_argument(
+        "--globalize-reward-std",
+        action="store_true",
+        default=None,  # unset: the algorithm's default (`Algorithm.globalize_reward_std`, filled by derive_args)
+        help=f"Normalise by the batch-wide reward std instead of each group's (the default under {batch_std}).",
+    )
+    group.add_argument(
+        "--no-globalize-reward-std",
+        dest="globalize_reward_std",
+        action="store_false",
+        default=None,
+        help=f"Normalise by each group's reward std (the default except under {batch_std}).",
+    )
     group.add_argument(
         "--disable-grpo-std-normalization", action="store_true", help="Advantages are reward minus group mean."
     )

@@ -6,7 +6,10 @@ plain Euler steps of its own scheduler. DiffusionNFT fine-tunes the shipped mode
 it is the no-flag run (`./scripts/demo.sh`), and its standard is the default run's.
 `python tests/e2e/test_learning.py dmd2 SEED...` re-measures every dmd2 number below (1- and 2-step generators);
 `default` (the no-flag run: nft, lr 1e-4, 40 rollouts; seed `none` keeps its own seeds), `policy_loss` or
-`policy_loss_long` in place of `dmd2` measures those runs' before/after.
+`policy_loss_long` in place of `dmd2` measures those runs' before/after. `python tests/e2e/test_learning.py race
+grpo_guard,dance 1 2 3` runs loss types' recipes (`RACE_RECIPES`, `all` for every one) at the demo's budget, one run at a
+time, and prints a JSON line per run: accuracy and eval reward at rollouts 0 / 20 / 40, samples, wall and CPU seconds
+(the README's "Which learns fastest here").
 
 Measured on this machine (2 CPU cores), `eval/shapes_accuracy` on 500 eval prompts (the teacher rows are the same
 for every seed: fixed eval noise):
@@ -154,6 +157,31 @@ RL_RUNS = {  # what `measure` runs: the default (nft) as its standard; policy_lo
     "default": (),
     "default_async": ("--async-rollout",),  # the default run with rollout k+1 generated while k trains
 }
+# `race`: each loss type's recipe as the README's "The other loss types" gives it, on top of the demo's defaults (40
+# rollouts of 8 prompts x 8 samples, 500 eval prompts), evaluated every RACE_EVAL_INTERVAL rollouts (0 / 20 / 40)
+RACE_RECIPES = {
+    "nft": (),
+    "policy_loss": ("--loss-type", "policy_loss"),
+    "grpo_guard": ("--loss-type", "grpo_guard", "--diffusion-noise-level", "1.2", "--diffusion-num-sde-steps", "2"),
+    "flow_dppo": ("--loss-type", "flow_dppo"),
+    "awm": ("--loss-type", "awm", "--awm-kl-beta", "0", "--lr", "3e-4"),  # batch reward std: awm's default
+    "dpo": ("--loss-type", "dpo"),
+    "dance": (
+        "--loss-type",
+        "policy_loss",
+        "--diffusion-sde-type",
+        "dance",
+        "--diffusion-noise-level",
+        "0.3",
+        "--diffusion-num-steps",
+        "16",
+        "--diffusion-shared-initial-noise",
+        "--diffusion-step-strategy-path",
+        "examples/dance_grpo_steps.py:random_steps",
+    ),
+    "mixgrpo": ("--loss-type", "policy_loss", "--diffusion-num-steps", "25", "--mixgrpo-window-size", "4"),
+}
+RACE_EVAL_INTERVAL = 20
 
 
 def shapes_args(out, seed: int | None, *extra: str):
@@ -254,6 +282,99 @@ def test_the_default_run_still_learns_with_async_rollout(ray_cluster, tmp_path):
     assert result[REWARD][1] >= result[REWARD][0] + MIN_NFT_REWARD_GAIN, result
 
 
+class TreeCpu:
+    """CPU seconds (user + system) of this process and all its descendants (the Ray head, raylet and workers a local
+    cluster starts), sampled every `period` s on a thread: a process's last sample stands for it once it exits, so up
+    to one period of each process's CPU is missed. A process alive at entry (a worker an earlier run in this process kept)
+    counts from its entry sample."""
+
+    def __init__(self, period: float = 0.5):
+        import threading
+
+        self.period = period
+        self.seen: dict[tuple[int, float], float] = {}  # (pid, create time) -> its last user + system seconds
+        self.at_entry: dict[tuple[int, float], float] = {}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.poll, daemon=True)
+
+    def sample(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        for process in [me, *me.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+                self.seen[(process.pid, process.create_time())] = times.user + times.system
+            except psutil.Error:  # it exited between the listing and the read: its previous sample stands
+                pass
+
+    def poll(self) -> None:
+        while not self.done.wait(self.period):
+            self.sample()
+
+    def __enter__(self) -> TreeCpu:
+        self.sample()
+        self.at_entry = dict(self.seen)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+        self.sample()
+
+    @property
+    def seconds(self) -> float:
+        return sum(seconds - self.at_entry.get(key, 0.0) for key, seconds in self.seen.items())
+
+
+def race_run(name: str, seed: int | None, out) -> dict:
+    """One loss type's recipe (`RACE_RECIPES`) at the demo's budget: accuracy and eval reward at each eval (before
+    training and every RACE_EVAL_INTERVAL rollouts), the samples it generated, its wall and CPU seconds and the
+    load average (1 min) before and after."""
+    import os
+    import time
+
+    args = shapes_args(out, seed, *RACE_RECIPES[name])
+    args.eval_interval = RACE_EVAL_INTERVAL
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    with TreeCpu() as cpu:
+        train_diffusion.run(args)
+    wall = time.perf_counter() - started
+    series = eval_series(out, (ACC, REWARD))
+    return {
+        "recipe": name,
+        "seed": seed,
+        "eval_rollouts": [0, *range(RACE_EVAL_INTERVAL, args.num_rollout + 1, RACE_EVAL_INTERVAL)],
+        "accuracy": series[ACC],
+        "reward": series[REWARD],
+        "samples": args.num_rollout * args.rollout_batch_size * args.n_samples_per_prompt,
+        "wall_s": round(wall, 1),
+        "cpu_s": round(cpu.seconds, 1),
+        "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "flags": list(RACE_RECIPES[name]),
+    }
+
+
+def race(which: list[str], seeds: list[int | None]) -> None:
+    """`python tests/e2e/test_learning.py race grpo_guard,dance 1 2 3`: one JSON line per recipe and seed, one run
+    at a time (`all`: every recipe)."""
+    import json
+    import os
+    import tempfile
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    root = Path(tempfile.mkdtemp(prefix="miles-race-"))
+    names = list(RACE_RECIPES) if which == ["all"] else which
+    unknown = sorted(set(names) - set(RACE_RECIPES))
+    if unknown:
+        raise SystemExit(f"unknown recipes {unknown}: the race knows {', '.join(RACE_RECIPES)}")
+    for seed in seeds:
+        for name in names:
+            print(json.dumps(race_run(name, seed, root / f"{name}_{seed}")), flush=True)
+
+
 def measure(which: list[str], seeds: list[int | None]) -> None:
     """Re-measure: prints one line per run and seed."""
     import os
@@ -280,4 +401,7 @@ def measure(which: list[str], seeds: list[int | None]) -> None:
 
 
 if __name__ == "__main__":
-    measure(sys.argv[1].split(","), [None if s == "none" else int(s) for s in sys.argv[2:]])  # none: the parser's
+    if sys.argv[1] == "race":
+        race(sys.argv[2].split(","), [None if s == "none" else int(s) for s in sys.argv[3:]])
+    else:
+        measure(sys.argv[1].split(","), [None if s == "none" else int(s) for s in sys.argv[2:]])  # none: the parser's

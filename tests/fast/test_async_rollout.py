@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -26,11 +27,39 @@ def args_for(*flags):
         ("--loss-type", "policy_loss"),
         ("--loss-type", "nft"),
         ("--loss-type", "dmd2", "--teacher-load", "builtin:tiny-shapes"),
+        ("--loss-type", "grpo_guard"),
+        ("--loss-type", "flow_dppo"),
+        ("--loss-type", "dpo"),
     ],
 )
 def test_loss_types_that_say_what_they_do_with_a_stale_batch_accept_it(flags):
     check_async_rollout(args_for("--async-rollout", *flags))
     assert ROLLOUT_SPECS[flags[1]].stale_batch
+
+
+def test_the_help_names_every_built_in_loss_type_whose_rollout_side_takes_a_stale_batch_and_no_other():
+    from miles.algorithms import BUILTIN_ALGORITHMS
+    from miles.utils.arguments import build_parser
+
+    (action,) = [a for a in build_parser()._actions if "--async-rollout" in a.option_strings]
+    named = set(re.findall(r"[a-z][a-z0-9_]+", action.help.split("Accepted by ")[1].split(" (")[0]))
+    builtin = {a.name for a in BUILTIN_ALGORITHMS}
+    takes_stale = {n for n, spec in ROLLOUT_SPECS.items() if n in builtin and getattr(spec, "stale_batch", None)}
+    assert named == takes_stale, (named, takes_stale)
+    assert {"awm", "sft_loss", "custom_loss"}.isdisjoint(named)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_declaration_whose_async_rollout_disagrees_with_its_rollout_side_is_refused(monkeypatch, declared):
+    from dataclasses import replace
+
+    from miles.algorithms import ALGORITHMS
+    from miles.rollout.rollout_hub import get_rollout_spec
+
+    name = "nft" if not declared else "awm"  # nft's entry says what it does with a stale batch, awm's does not
+    monkeypatch.setitem(ALGORITHMS, name, replace(ALGORITHMS[name], async_rollout=declared))
+    with pytest.raises(ValueError, match=f"--loss-type {name}: its declaration says async_rollout={declared}"):
+        get_rollout_spec(name)
 
 
 @pytest.mark.parametrize(
@@ -62,6 +91,8 @@ def test_loss_types_that_say_what_they_do_with_a_stale_batch_accept_it(flags):
             "custom_loss trains on dataset pairs here",
         ),
         (("--loss-type", "nft", "--debug-rollout-only"), "--debug-rollout-only has no training"),
+        (("--loss-type", "awm", "--awm-kl-beta", "0"), "awm does not declare what it does with a batch generated"),
+        (("--loss-type", "grpo_guard", "--diffusion-recompute-old-log-prob"), "recompute-old-log-prob replaces"),
     ],
 )
 def test_async_rollout_is_refused_where_a_stale_batch_would_be_wrong(flags, message):

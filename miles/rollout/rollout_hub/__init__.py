@@ -58,12 +58,20 @@ def get_rollout_spec(loss_type: str) -> RolloutSpec | DatasetSpec:
             f"ROLLOUT_SPECS[{loss_type!r}] = RolloutSpec(...) in its --algorithm-path module"
         )
     spec = ROLLOUT_SPECS[loss_type]
-    uses_engines = get_algorithm(loss_type).uses_engines
-    if uses_engines != isinstance(spec, RolloutSpec):
-        wanted = "RolloutSpec" if uses_engines else "DatasetSpec"
+    algorithm = get_algorithm(loss_type)
+    if algorithm.uses_engines != isinstance(spec, RolloutSpec):
+        wanted = "RolloutSpec" if algorithm.uses_engines else "DatasetSpec"
         raise ValueError(
-            f"--loss-type {loss_type}: its declaration says uses_engines={uses_engines}, so its ROLLOUT_SPECS entry "
-            f"must be a {wanted}, not a {type(spec).__name__}"
+            f"--loss-type {loss_type}: its declaration says uses_engines={algorithm.uses_engines}, so its "
+            f"ROLLOUT_SPECS entry must be a {wanted}, not a {type(spec).__name__}"
+        )
+    says_stale = isinstance(spec, RolloutSpec) and spec.stale_batch is not None
+    if algorithm.async_rollout != says_stale:
+        wanted = "says" if algorithm.async_rollout else "does not say"
+        raise ValueError(
+            f"--loss-type {loss_type}: its declaration says async_rollout={algorithm.async_rollout}, so its "
+            f"ROLLOUT_SPECS entry {wanted} what the loss does with a stale batch (RolloutSpec.stale_batch); it "
+            f"{'does not' if algorithm.async_rollout else 'does'}"
         )
     return spec
 

@@ -2,6 +2,7 @@
 diffusers' own pipeline, per-sample determinism, weight sync (full and LoRA), and Ray engine groups."""
 
 import logging
+import math
 
 import numpy as np
 import pytest
@@ -409,6 +410,30 @@ def test_an_engine_actor_on_cpu_keeps_its_heap_before_loading(tiny_pipeline_dir,
     assert events == ["gc", "heap", "load"]
     DiffusionEngine(tiny_pipeline_dir)
     assert events == ["gc", "heap", "load", "load"]
+
+
+def test_flash_on_flux_compresses_fluxs_own_resolution_shifted_schedule(tiny_flux_dev_dir):
+    """FluxPipeline's grid is σ = e^μ·t/(1 + (e^μ − 1)·t) at t = linspace(1, 1/N, N) (diffusers' exponential time
+    shift; μ from the resolution), then 0: the Flash grid after the window takes the same map of a coarser uniform t,
+    so where the spacings divide it is a subset of the grid itself, and at ratio 1 it is the grid."""
+    from miles.diffusion.dpm_solver import flash_sigmas
+
+    flux = DiffusionEngine(tiny_flux_dev_dir)
+    resolution, steps = 32, 25
+    mu = flux.family.mu(resolution)
+    t = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64)
+    by_hand = math.exp(mu) * t / (1 + (math.exp(mu) - 1) * t)
+    grid = flux.family.sampling_sigmas(steps, resolution)
+    torch.testing.assert_close(grid[:-1].double(), by_hand, atol=1e-6, rtol=0)  # the ground truth is diffusers'
+    assert abs(math.exp(mu) - 1) > 0.3 and flux.family.sampling_shift(resolution) == pytest.approx(math.exp(mu))
+    # window 0-3 (L = 3), ratio 0.4: max(int(22·0.4), 2) = 8 post points, t from 21/25 in steps of 3/25
+    subset = grid[[0, 1, 2, 3, 4, 7, 10, 13, 16, 19, 22, 25]]
+    assert not torch.allclose(flash_sigmas(grid, 3, 0.4, 1.0), subset, atol=1e-3)  # the linear post grid was not
+    short = dict(prompts=PROMPTS[:1], seeds=SEEDS[:1], num_steps=steps, guidance_scale=1.0, resolution=resolution)
+    flash = flux.generate(request(**short, trained_steps=[0, 1, 2, 3], flash_ratio=0.4))
+    torch.testing.assert_close(flash.sigmas, subset, atol=1e-6, rtol=0)
+    whole = flux.generate(request(**short, trained_steps=[0, 1, 2, 3], flash_ratio=1.0))
+    torch.testing.assert_close(whole.sigmas, grid, atol=1e-6, rtol=0)
 
 
 def test_flash_keeps_the_window_bit_for_bit_and_runs_dpm_solver_after_it(engine, family, fresh_transformer):

@@ -137,3 +137,25 @@ def test_make_samples_continues_indices_seeds_and_groups():
     assert [s.index for s in first + more] == list(range(6))
     assert [s.group_index for s in more] == [2, 2] and more[0].metadata == {"k": 1}
     assert len({s.seed for s in first + more}) == 6
+
+
+@pytest.mark.parametrize(
+    ("flags", "batch_std"),
+    [
+        (("--loss-type", "awm", "--awm-kl-beta", "0"), True),  # the declaration's default: the authors' advantage
+        (("--loss-type", "awm", "--awm-kl-beta", "0", "--no-globalize-reward-std"), False),
+        (("--loss-type", "policy_loss"), False),
+        (("--loss-type", "policy_loss", "--globalize-reward-std"), True),
+        (("--loss-type", "nft", "--no-globalize-reward-std"), False),
+    ],
+)
+def test_the_advantage_divides_by_the_batch_std_where_the_run_says_so(flags, batch_std):
+    from miles.utils.arguments import parse_args
+
+    args = parse_args(["--n-samples-per-prompt", "2", "--rollout-batch-size", "2", *flags])
+    rewards = torch.tensor([1.0, 0.0, 0.2, 0.6])
+    # group means 0.5 and 0.4; group stds 0.5 and 0.2; the batch's population std, by hand: mean 0.45,
+    # squared deviations 0.3025, 0.2025, 0.0625, 0.0225 -> sqrt(0.59 / 4)
+    std = torch.tensor([0.59 / 4] * 4).sqrt() if batch_std else torch.tensor([0.5, 0.5, 0.2, 0.2])
+    expected = torch.tensor([0.5, -0.5, -0.2, 0.2]) / (std + 1e-4)
+    torch.testing.assert_close(steps.compute_advantages(args, samples_of(2, 2), rewards), expected)
