@@ -1,4 +1,5 @@
-"""Throughput of a 64-image batch scored by a reward server on loopback vs the same reward in process.
+"""Throughput of a 64-image batch scored by a reward server on loopback vs the same reward in process, and of the
+server merging the client's concurrent requests into one batch vs scoring each alone (`--server-max-batch-size 1`).
 
     python benchmarks/bench_reward_server.py [--repeats 5]
 
@@ -55,28 +56,38 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench(name: str, repeats: int) -> tuple[float, float]:
-    """(in-process, over-loopback) median seconds of one 64-image batch of reward `name`."""
+def served(name: str, samples: list[Sample], repeats: int, *server_flags: str) -> float:
+    """Median seconds of one batch sent to a reward server (4 concurrent requests of --rm-batch-size 16)."""
+    with reward_server("--rm-type", name, *server_flags) as (_, url):
+        args = build_parser().parse_args(["--rm-url", url])
+        pool = RewardWorkerPool(args, reward_spec_from_args(args), num_workers=0)
+        return timed(lambda: pool.score(samples), repeats)
+
+
+def bench(name: str, repeats: int) -> tuple[float, float, float]:
+    """(in-process, over loopback merged, over loopback unmerged) median seconds of one 64-image batch of `name`."""
     samples = batches(name)
     local_args = build_parser().parse_args(["--rm-type", name])
     local = timed(lambda: asyncio.run(compute_rewards(local_args, samples, [(name, 1.0)])), repeats)
-    with reward_server("--rm-type", name) as (_, url):
-        args = build_parser().parse_args(["--rm-url", url])
-        pool = RewardWorkerPool(args, reward_spec_from_args(args), num_workers=0)
-        remote = timed(lambda: pool.score(samples), repeats)
-    return local, remote
+    merged = served(name, samples, repeats)
+    unmerged = served(name, samples, repeats, "--server-max-batch-size", "1")
+    return local, merged, unmerged
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     repeats = parser.parse_args().repeats
-    print("| reward | images | in process | over loopback | ratio |\n|---|---|---|---|---|")
+    print(
+        "| reward | images | in process | over loopback, merged | ratio | unmerged (max batch 1) | merged / unmerged |"
+        "\n|---|---|---|---|---|---|---|"
+    )
     for name, size in (("shapes", "32 px"), ("jpeg_compressibility", "512 px")):
-        local, remote = bench(name, repeats)
+        local, remote, unmerged = bench(name, repeats)
         print(
             f"| `{name}` | 64 x {size} | {local * 1000:.0f} ms ({BATCH / local:.0f} img/s) | "
-            f"{remote * 1000:.0f} ms ({BATCH / remote:.0f} img/s) | {remote / local:.1f}x |"
+            f"{remote * 1000:.0f} ms ({BATCH / remote:.0f} img/s) | {remote / local:.1f}x | "
+            f"{unmerged * 1000:.0f} ms | {remote / unmerged:.2f}x |"
         )
 
 

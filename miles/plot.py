@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import logging
 import os
 import sys
@@ -52,15 +53,29 @@ def running_mean(values: list[float], window: int) -> list[float]:
     return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
 
 
+def logged_keys(keys: Sequence[str], logged: dict[str, Any]) -> tuple[str, ...]:
+    """The keys that were logged, in order; a key with `*` stands for every logged key it matches, sorted."""
+    out: list[str] = []
+    for key in keys:
+        if "*" in key:
+            matches = sorted(tag for tag in logged if fnmatch.fnmatchcase(tag, key))
+        else:
+            matches = [key] if key in logged else []
+        out += [m for m in matches if m not in out]
+    return tuple(out)
+
+
 def plot_panels(records: list[dict[str, Any]], loss_type: str | None) -> list[PlotPanel]:
     """The panels the loss type declares (None: the default ones) with at least one series in the run, each keeping
-    only the logged keys."""
+    only the logged keys; a panel whose series an earlier panel already draws is left out (the monitors' KL panel
+    under an algorithm that plots its KL)."""
     logged = series(records)
-    panels = []
+    panels, drawn = [], set()
     for title, keys in get_algorithm(loss_type).plot_panels if loss_type else DEFAULT_PLOT_PANELS:
-        present = tuple(k for k in keys if k in logged)
-        if present:
+        present = logged_keys(keys, logged)
+        if present and not set(present) <= drawn:
             panels.append((title, present))
+            drawn.update(present)
     return panels
 
 

@@ -1,10 +1,11 @@
 """Serve any built-in or custom reward over HTTP: `python -m miles.reward_server --rm-type shapes --port 8000`.
 
 A training run scores it with `--rm-url http://host:8000` (docs/user-guide/reward-server.md; the wire format is in
-`miles/rollout/rm_hub/remote.py`). Starlette + uvicorn (`pip install miles[server]`); every request's samples are
-scored as one batch by `compute_rewards`, one request at a time in a scoring thread (a reward model is loaded once and
-is not shared between threads), so `/health` answers while a batch is scored. The reward flags (`--rm-type` with
-weights, `--custom-rm-path`, `--clip-model-path`, ...) are the training parser's, with the same defaults.
+`miles/rollout/rm_hub/remote.py`). Starlette + uvicorn (`pip install miles[server]`); requests that arrive together
+are merged into one `compute_rewards` batch (`miles/reward_batcher.py`, up to --server-max-batch-size samples), scored
+in one scoring thread (a reward model is loaded once and is not shared between threads), so `/health` answers while a
+batch is scored. The reward flags (`--rm-type` with weights, `--custom-rm-path`, `--clip-model-path`, ...) are the
+training parser's, with the same defaults.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from miles.reward_batcher import RequestBatcher
+from miles.utils.ranges import AT_LEAST_0, AT_LEAST_1, Range, range_violation
 from miles.utils.reward_spec import remote_rules, reward_spec_from_args
 
 logger = logging.getLogger("miles.reward_server")
@@ -29,6 +32,7 @@ MISSING_EXTRA = (
     "(or pip install starlette uvicorn)"
 )
 MAX_BODY_BYTES = 512 * 1024 * 1024
+SERVER_RANGES: dict[str, Range] = {"server_max_batch_size": AT_LEAST_1, "server_batch_wait_ms": AT_LEAST_0}
 
 
 def require_server_extra() -> None:
@@ -60,7 +64,27 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Environment variable holding the bearer token every /score request must send (unset: no token).",
     )
+    group.add_argument(
+        "--server-max-batch-size",
+        type=int,
+        default=256,
+        help="Most samples scored in one compute_rewards call: requests that arrive while a batch is scored (or "
+        "within --server-batch-wait-ms) are merged up to this many samples, never splitting a request (1: each "
+        "request alone).",
+    )
+    group.add_argument(
+        "--server-batch-wait-ms",
+        type=float,
+        default=0.0,
+        help="Milliseconds an idle server waits after a request for others to merge with it (0: none, the first "
+        "request is scored at once; requests that queue behind a batch being scored merge either way).",
+    )
     group.add_argument("--ready-file", default=None, help="Write the bound port here once listening (for scripts).")
+
+
+def server_rules(args: argparse.Namespace) -> list[str]:
+    """The server flags' SERVER_RANGES (the training parser's parse-time range check knows only its own flags)."""
+    return [problem for dest in SERVER_RANGES if (problem := range_violation(dest, getattr(args, dest), SERVER_RANGES))]
 
 
 def jsonable_extra(entries: dict[str, Any]) -> dict[str, Any]:
@@ -88,17 +112,27 @@ def create_app(args: argparse.Namespace, spec: list[tuple[str, float]], token: s
     scorer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
     rm_type = ",".join(f"{name}:{weight:g}" for name, weight in spec)
 
-    def score_batch(samples: list[Any]) -> tuple[list[float], list[dict[str, Any]]]:
+    def score_batch(samples: list[Any]) -> list[tuple[float, dict[str, Any]]]:
+        """(weighted total, JSON extra entries the rewards added) per sample."""
         before = [dict(sample.extra) for sample in samples]
         totals, _ = asyncio.run(compute_rewards(args, samples, spec))
         added = [
             jsonable_extra({k: v for k, v in sample.extra.items() if k not in old or old[k] is not v})
             for sample, old in zip(samples, before)
         ]
-        return totals, added
+        return list(zip(totals, added))
+
+    batcher = RequestBatcher(
+        score_batch,
+        max_batch_size=args.server_max_batch_size,
+        wait_s=args.server_batch_wait_ms / 1000.0,
+        executor=scorer,
+    )
 
     async def health(request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "version": WIRE_VERSION, "rm_type": rm_type})
+        return JSONResponse(
+            {"status": "ok", "version": WIRE_VERSION, "rm_type": rm_type, "batching": batcher.describe()}
+        )
 
     async def score(request: Request) -> JSONResponse:
         if token is not None:
@@ -118,13 +152,13 @@ def create_app(args: argparse.Namespace, spec: list[tuple[str, float]], token: s
         except ValueError as exc:
             return JSONResponse({"error": f"bad request: {exc}"}, status_code=400)
         try:
-            totals, extra = await asyncio.get_running_loop().run_in_executor(scorer, score_batch, samples)
+            scored = await batcher.submit(samples)
         except RewardError as exc:
             return JSONResponse({"error": str(exc)}, status_code=422)
         except Exception as exc:  # a reward server stays up; the client names the URL and the message
             logger.exception("scoring failed")
             return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=500)
-        return JSONResponse({"rewards": totals, "extra": extra})
+        return JSONResponse({"rewards": [total for total, _ in scored], "extra": [extra for _, extra in scored]})
 
     return Starlette(routes=[Route("/health", health), Route("/score", score, methods=["POST"])])
 
@@ -136,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO), format="%(asctime)s %(name)s %(message)s"
     )
-    errors = remote_rules(args)  # a served vlm_judge or a server in front of another one
+    errors = remote_rules(args) + server_rules(args)  # remote_rules: a served vlm_judge, or a server behind another
     if errors:
         parser.error("; ".join(errors))
     try:

@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from miles.algorithms import BUILTIN_ALGORITHMS  # noqa: E402
 from miles.algorithms.roles import add_role_arguments  # noqa: E402
-from miles.reward_server import add_server_arguments  # noqa: E402
+from miles.reward_server import SERVER_RANGES, add_server_arguments  # noqa: E402
 from miles.utils.arg_rules import flag_ranges  # noqa: E402
 from miles.utils.arguments import build_parser  # noqa: E402
 
@@ -114,7 +114,7 @@ def _default(action: argparse.Action) -> str:
 
 
 def _tables(parser: argparse.ArgumentParser, level: str) -> list[str]:
-    ranges = flag_ranges(BUILTIN_ALGORITHMS)
+    ranges = {**flag_ranges(BUILTIN_ALGORITHMS), **SERVER_RANGES}
     lines = []
     for group in parser._action_groups:
         actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]

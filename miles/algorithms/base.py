@@ -127,9 +127,27 @@ DEFAULT_PROGRESS_KEYS: tuple[ProgressKey, ...] = (
     ("reward", "rollout/reward_mean", ".3f"),
     ("loss", "train/loss", ".4f"),
 )
+# the reward-hacking monitors (miles/rollout/monitors.py); a key with `*` draws every logged key it matches
+MONITOR_PANELS: tuple[PlotPanel, ...] = (
+    ("reward components", ("rollout/reward_*_mean",)),
+    ("reward correlations", ("monitor/reward_corr/*",)),
+    (
+        "decoded brightness / saturation",
+        (
+            "monitor/x0_brightness_mean",
+            "monitor/x0_brightness_std",
+            "monitor/x0_saturation_mean",
+            "monitor/x0_saturation_std",
+        ),
+    ),
+    ("x0 latent RMS norm", ("monitor/x0_norm_mean", "monitor/x0_norm_std")),
+    ("diversity within prompt groups", ("monitor/diversity_pixel", "monitor/diversity_clip")),
+    ("KL to reference", ("train/kl",)),
+)
 COMMON_PANELS: tuple[PlotPanel, ...] = (
     ("grad norm", ("train/grad_norm",)),
     ("seconds per rollout", ("perf/rollout_s", "perf/reward_s", "perf/train_s", "perf/weight_sync_s", "perf/eval_s")),
+    *MONITOR_PANELS,
 )
 EVAL_PANELS: tuple[PlotPanel, ...] = (
     (

@@ -8,6 +8,7 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from miles.algorithms import algorithm_of
@@ -20,7 +21,9 @@ from miles.rollout import steps
 from miles.rollout.data_source import PromptDataSource, load_records, records_digest
 from miles.rollout.engine import GenerateResult
 from miles.rollout.media_files import save_media
+from miles.rollout.monitors import DriftWatch, monitor_metrics, watches
 from miles.rollout.rm_hub import reward_metrics, reward_spec_from_args
+from miles.rollout.rm_hub.clip import CLIP_EMBEDDING_KEY
 from miles.rollout.rm_hub.media import attach_media
 from miles.rollout.rollout_hub import DatasetSpec, rollout_spec_of
 from miles.utils.box import Box
@@ -49,6 +52,9 @@ class RolloutManager:
         self.dataset_pairs: TrainPairs | None = None
         self.weights_version = 0
         self.last_metrics: dict[str, float] = {}
+        self.drift = DriftWatch(
+            watches(args.monitor_image_drift, args.monitor_norm_drift, args.monitor_diversity_collapse)
+        )
         self.hooks = load_path_flags(args)  # the rollout steps the path flags replace, {flag dest: function}
         self.spec = rollout_spec_of(args)
         if isinstance(self.spec, DatasetSpec):
@@ -175,11 +181,26 @@ class RolloutManager:
             **spec.metrics(request),
             **({"rollout/dynamic_sampling_rounds": rounds} if "dynamic_sampling_filter_path" in self.hooks else {}),
             **self._removed_metric(samples),
+            **self._monitor_metrics(rollout_id, samples, result),
             "perf/rollout_s": t1 - t0,
             "perf/reward_s": t2 - t1,
         }
         self._save_media(rollout_id, result)
         return pairs
+
+    def _monitor_metrics(self, rollout_id: int, samples: list[Sample], result: Any) -> dict[str, float]:
+        """The reward-hacking monitors of the batch (`miles.rollout.monitors`), their warnings, `monitor/alerts`."""
+        groups = [[s.index for s in group] for group in steps.split_groups(samples)]
+        per_reward = {name: [s.extra[REWARD_TERMS][name] for s in samples] for name in self._term_names(samples)}
+        embeddings = None
+        if samples and all(CLIP_EMBEDDING_KEY in s.extra for s in samples):
+            embeddings = np.stack([s.extra[CLIP_EMBEDDING_KEY] for s in samples])
+        metrics = monitor_metrics(result.images, result.final_latents.float().numpy(), groups, per_reward, embeddings)
+        return {**metrics, "monitor/alerts": len(self.drift.check(rollout_id, metrics))}
+
+    @staticmethod
+    def _term_names(samples: list[Sample]) -> list[str]:
+        return list(samples[0].extra.get(REWARD_TERMS, {})) if samples else []
 
     def _save_media(self, rollout_id: int, result: Any) -> None:
         """Every --image-grid-interval rollouts: the image grid, or for video the first --media-max-samples
@@ -298,7 +319,7 @@ class RolloutManager:
 
     @staticmethod
     def _reward_metrics(samples: list[Sample], rewards: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
-        names = list(samples[0].extra.get(REWARD_TERMS, {})) if samples else []
+        names = RolloutManager._term_names(samples)
         per_reward = {name: [s.extra[REWARD_TERMS][name] for s in samples] for name in names}
         return {
             **reward_metrics([s.reward for s in samples], per_reward, samples),

@@ -247,9 +247,36 @@ def add_ema_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_monitor_arguments(parser: argparse.ArgumentParser) -> None:
+    """The reward-hacking monitors' warning thresholds (miles/rollout/monitors.py; docs/user-guide/rewards.md)."""
+    group = parser.add_argument_group("reward-hacking monitors (monitor/* metrics, warned once per run)")
+    group.add_argument(
+        "--monitor-image-drift",
+        type=float,
+        default=0.1,
+        help="Warn when the batch-mean brightness or saturation of the decoded samples (each in [0, 1]) moves more "
+        "than this from the first rollout's (0: no warning).",
+    )
+    group.add_argument(
+        "--monitor-norm-drift",
+        type=float,
+        default=0.25,
+        help="Warn when the batch-mean RMS norm of the final latent x0 moves more than this fraction of the first "
+        "rollout's (0: no warning).",
+    )
+    group.add_argument(
+        "--monitor-diversity-collapse",
+        type=float,
+        default=0.5,
+        help="Warn when the diversity within prompt groups (pixel, or CLIP with a CLIP reward) falls below this "
+        "fraction of the first rollout's (0: no warning).",
+    )
+
+
 RL_ARGUMENT_GROUPS = (
     add_sampling_arguments,
     add_reward_arguments,
+    add_monitor_arguments,
     add_reference_arguments,
     add_lora_arguments,
     add_ema_arguments,

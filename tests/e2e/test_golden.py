@@ -127,11 +127,16 @@ RUNS: dict[str, list[str]] = {
 RUNS["nft_async"] = [*RUNS["nft"], "--async-rollout"]
 
 
+# perf/*: timings differ from run to run. monitor/*: the reward-hacking monitors read the samples and feed nothing
+# back, so they cannot move a recorded key (this test proves it); tests/fast/rollout/test_monitors.py pins their maths
+UNRECORDED = ("perf/", "monitor/")
+
+
 def series(metrics_path: str) -> list[dict]:
-    """Every record of a run without its timings (perf/*), which differ from run to run."""
+    """Every record of a run without the UNRECORDED keys."""
     from miles.utils.tracking import read_metrics
 
-    return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in read_metrics(metrics_path)]
+    return [{k: v for k, v in m.items() if not k.startswith(UNRECORDED)} for m in read_metrics(metrics_path)]
 
 
 def run_series(loss_type: str, out: str, *extra: str) -> list[dict]:

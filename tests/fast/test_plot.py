@@ -74,6 +74,31 @@ def test_panels_are_those_of_the_loss_type_that_the_run_logged():
     assert dict(plot_panels(nft_records(), "nft"))["seconds per rollout"] == ("perf/rollout_s", "perf/train_s")
 
 
+def test_monitor_panels_expand_patterns_and_skip_a_kl_the_algorithm_already_draws():
+    records = [
+        {"role": "actor", "step": 1, "train/ratio_mean": 1.0, "train/clipfrac": 0.0, "train/kl": 0.01},
+        {
+            "rollout_id": 0,
+            "step": 1,
+            "rollout/reward_mean": 0.5,
+            "rollout/reward_shapes_mean": 0.4,
+            "rollout/reward_custom_mean": 0.6,
+            "rollout/reward_std": 0.1,
+            "monitor/reward_corr/shapes__custom": -0.3,
+            "monitor/x0_brightness_mean": 0.5,
+            "monitor/x0_norm_mean": 1.1,
+            "monitor/diversity_pixel": 0.2,
+        },
+    ]
+    panels = dict(plot_panels(records, "policy_loss"))
+    assert panels["reward components"] == ("rollout/reward_custom_mean", "rollout/reward_shapes_mean")
+    assert panels["reward correlations"] == ("monitor/reward_corr/shapes__custom",)
+    assert panels["decoded brightness / saturation"] == ("monitor/x0_brightness_mean",)
+    assert panels["diversity within prompt groups"] == ("monitor/diversity_pixel",)
+    assert "KL to reference" not in panels and "train/kl" in panels["KL / clip fraction"]
+    assert dict(plot_panels(records, None))["KL to reference"] == ("train/kl",)  # no other panel draws it
+
+
 def test_the_plot_is_a_png_beside_metrics_jsonl(tmp_path):
     writer = MetricsWriter(str(tmp_path))
     for record in nft_records():

@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 # Images and prompts go through the model this many at a time (bounds activation memory).
 CLIP_BATCH_SIZE = 32
+CLIP_EMBEDDING_KEY = "clip_image_embedding"  # Sample.extra: the unit image embedding, float32 (projection dim,)
 _LOADED: dict[tuple[str, str], tuple[Any, Any]] = {}
 
 
@@ -58,10 +59,10 @@ def load_clip(path: str | None, flag: str) -> tuple[Any, Any]:
 
 
 @torch.no_grad()
-def image_text_cosine(model: Any, processor: Any, samples: list[Sample]) -> torch.Tensor:
-    """Cosine similarity of each sample's image embedding with its own prompt's embedding, shape (N,)."""
+def clip_embeddings(model: Any, processor: Any, samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unit-norm (image, prompt) embeddings of each sample, float32 on CPU, each (N, projection dim)."""
     device = next(model.parameters()).device
-    scores = []
+    images, texts = [], []
     for start in range(0, len(samples), CLIP_BATCH_SIZE):
         chunk = samples[start : start + CLIP_BATCH_SIZE]
         pixels = processor.image_processor(images=[sample_pil_image(s) for s in chunk], return_tensors="pt")
@@ -71,10 +72,20 @@ def image_text_cosine(model: Any, processor: Any, samples: list[Sample]) -> torc
         image_emb = model.get_image_features(pixel_values=pixels["pixel_values"].to(device)).pooler_output
         text_emb = model.get_text_features(input_ids=text["input_ids"], attention_mask=text["attention_mask"])
         text_emb = text_emb.pooler_output
-        image_emb = image_emb / image_emb.norm(dim=-1, keepdim=True)
-        text_emb = text_emb / text_emb.norm(dim=-1, keepdim=True)
-        scores.append((image_emb * text_emb).sum(dim=-1).float().cpu())
-    return torch.cat(scores) if scores else torch.zeros(0)
+        images.append((image_emb / image_emb.norm(dim=-1, keepdim=True)).float().cpu())
+        texts.append((text_emb / text_emb.norm(dim=-1, keepdim=True)).float().cpu())
+    if not images:
+        return torch.zeros(0, 0), torch.zeros(0, 0)
+    return torch.cat(images), torch.cat(texts)
+
+
+def image_text_cosine(model: Any, processor: Any, samples: list[Sample]) -> torch.Tensor:
+    """Cosine similarity of each sample's image embedding with its own prompt's embedding, shape (N,); each
+    sample's unit image embedding is kept in `extra["clip_image_embedding"]` (the diversity monitor reads it)."""
+    image_emb, text_emb = clip_embeddings(model, processor, samples)
+    for sample, embedding in zip(samples, image_emb.numpy()):
+        sample.extra[CLIP_EMBEDDING_KEY] = embedding
+    return (image_emb * text_emb).sum(dim=-1) if len(samples) else torch.zeros(0)
 
 
 async def clip_score(args: argparse.Namespace, samples: list[Sample]) -> list[float]:

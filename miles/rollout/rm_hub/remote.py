@@ -9,7 +9,7 @@ Wire format (version 1), JSON both ways, media as base64 PNG (lossless, so a ser
                   {..., "frames": ["<base64 PNG>", ...], "fps": float}        (a video sample: one PNG per frame)
     200           {"rewards": [float, ...], "extra": [{...}, ...]}           (one of each per sample, in order)
     4xx / 5xx     {"error": "why"}
-    GET /health   {"status": "ok", "version": 1, "rm_type": "shapes"}
+    GET /health   {"status": "ok", "version": 1, "rm_type": "shapes", "batching": {...}}   (the merging counters)
 
 Audio is not sent. `extra` holds the JSON-serialisable `sample.extra` entries the served reward added (the shapes
 reward's per-field scores), copied into the caller's samples.

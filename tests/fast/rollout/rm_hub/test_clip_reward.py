@@ -71,7 +71,7 @@ def make_samples():
     ]
 
 
-def reference_cosine(path, samples):
+def reference_cosine(path, samples, with_image_embeds=False):
     """Cosine from the model's full forward (its normalised embeds), not from the reward's feature calls."""
     from PIL import Image
     from transformers import CLIPModel, CLIPProcessor
@@ -87,6 +87,8 @@ def reference_cosine(path, samples):
         out = model(**inputs)
     cosine = torch.nn.functional.cosine_similarity(out.image_embeds, out.text_embeds, dim=-1)
     assert torch.allclose(out.logits_per_image.diagonal(), model.logit_scale.exp() * cosine, atol=1e-5)
+    if with_image_embeds:
+        return cosine, out.image_embeds / out.image_embeds.norm(dim=-1, keepdim=True)
     return cosine, model.logit_scale.exp().item()
 
 
@@ -96,6 +98,15 @@ def test_clip_score_is_the_image_text_cosine(clip_dir):
     expected, _ = reference_cosine(clip_dir, samples)
     assert len(values) == len(samples) and np.isfinite(values).all()
     assert values == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+def test_each_sample_keeps_its_unit_image_embedding_for_the_diversity_monitor(clip_dir):
+    samples = make_samples()
+    asyncio.run(clip_score(argparse.Namespace(clip_model_path=clip_dir), samples))
+    _, expected = reference_cosine(clip_dir, samples, with_image_embeds=True)
+    kept = np.stack([s.extra["clip_image_embedding"] for s in samples])
+    assert kept.dtype == np.float32 and kept.shape == tuple(expected.shape)
+    assert np.allclose(kept, expected.numpy(), atol=1e-6)
 
 
 def test_pickscore_is_logit_scale_times_cosine(clip_dir):

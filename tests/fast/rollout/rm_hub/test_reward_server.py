@@ -24,6 +24,7 @@ BRIGHTNESS = (
     os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))), "e2e", "rewards.py")
     + ":brightness"
 )
+SLOW = os.path.join(os.path.dirname(__file__), "slow_rewards.py") + ":slow_brightness"
 TOKEN = "s3cret-token"
 
 
@@ -80,7 +81,7 @@ def test_served_rewards_equal_in_process_weigh_like_a_local_reward_and_need_the_
     url = served
     with httpx.Client() as client:
         health = client.get(url + "/health").json()
-    assert health == {"status": "ok", "version": 1, "rm_type": SERVED}
+    assert {k: health[k] for k in ("status", "version", "rm_type")} == {"status": "ok", "version": 1, "rm_type": SERVED}
     local, remote = shape_samples(64), shape_samples(64)
     expected, terms = asyncio.run(
         compute_rewards(flags("--custom-rm-path", BRIGHTNESS), local, [("shapes", 1.0), ("custom", 2.0)])
@@ -116,6 +117,34 @@ def test_served_rewards_equal_in_process_weigh_like_a_local_reward_and_need_the_
         with pytest.raises(RewardError, match=rf"{url}/score refused .*HTTP 401, the bearer token was refused"):
             score(args, remote[:2])
         assert time.perf_counter() - started < 0.9  # the first retry would wait 1 s
+
+
+def post_together(url, bodies):
+    async def send():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(url + "/score", json=body) for body in bodies))
+
+    return asyncio.run(send())
+
+
+def test_concurrent_requests_merge_into_batches_answered_as_if_each_was_scored_alone():
+    samples = shape_samples(24)
+    chunks = [samples[start : start + 4] for start in range(0, 24, 4)]
+    poison = Sample(index=99, prompt="poison", image=samples[0].image)
+    bodies = [{"version": 1, "samples": [encode_sample(s) for s in chunk]} for chunk in [*chunks, [poison]]]
+    with reward_server("--rm-type", "custom", "--custom-rm-path", SLOW) as (_, url):
+        replies = post_together(url, bodies)
+        stats = httpx.get(url + "/health").json()["batching"]
+    alone = [
+        asyncio.run(compute_rewards(flags("--custom-rm-path", BRIGHTNESS), c, [("custom", 1.0)]))[0] for c in chunks
+    ]
+    assert [reply.status_code for reply in replies] == [200] * 6 + [422]
+    assert [reply.json()["rewards"] for reply in replies[:6]] == alone  # slow_brightness is brightness, bit for bit
+    assert "prompt='poison': ValueError: refusing the poison prompt" in replies[6].json()["error"]
+    assert stats["requests"] == 7 and stats["samples"] == 25
+    # 7 requests sent together to a reward that takes 0.3 s per call: they queue and merge (evidence of merging)
+    assert stats["batches"] < 7 and stats["largest_batch_requests"] >= 2, stats
+    assert (stats["max_batch_size"], stats["wait_ms"]) == (256, 0.0)
 
 
 def test_retries_back_off_then_succeed_or_fail_naming_url_and_rollout(fake):
