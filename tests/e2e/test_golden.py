@@ -10,7 +10,11 @@ for bit. CPU kernels differ between machines (MKL and oneDNN pick code by instru
 the same runs differ in the last digits: there the records must have the same keys, the same whole numbers and
 strings, and floats within `CROSS_MACHINE`. Measured on 2026-12-01: a recording of 2026-11-30 from another machine
 against this one's, 6 loss types, 2 rollouts each: the same keys and whole numbers, floats at most 1.4e-5 apart
-relative where a value is above 1e-3, and 1.3e-7 absolute on values near zero (`train/log_prob_abs_diff`).
+relative where a value is above 1e-3, and 1.3e-7 absolute on values near zero (`train/log_prob_abs_diff`). On
+2026-12-02, AVX-512 (the previous fixture) against AVX2 kernels of one CPU model: rollout 0 within 1e-6, rollout 1 up to
+6.1e-3 relative on policy_loss's `train/loss` (a sum that nearly cancels, after an update from weights that differ by
+rounding) and 4.1e-3 on custom_loss's `rollout/reward_std`; under 1.3e-5 for the other loss types; 3e-8 absolute.
+The fixture is now this AVX2 machine's.
 """
 
 from __future__ import annotations
@@ -154,7 +158,7 @@ VARIANTS = {"nft": ("--colocate-sleep", "on"), "dmd2": ("--colocate", "--colocat
 CASES = [(loss, ()) for loss in sorted(RUNS)] + [(loss, flags) for loss, flags in VARIANTS.items()]
 
 
-CROSS_MACHINE = {"rel_tol": 2e-4, "abs_tol": 2e-6}  # ~15x the drift measured between two machines (docstring)
+CROSS_MACHINE = {"rel_tol": 2e-2, "abs_tol": 2e-6}  # ~3x the largest drift measured between machines (docstring)
 
 
 def machine() -> dict:
