@@ -31,9 +31,14 @@ def local_ray_cpus(args: argparse.Namespace) -> int:
     Shares are scheduling labels, not pinned cores: a dmd2 run (actor and critic groups, an engine) asks for more
     than a 2-core laptop has, and Ray would wait forever for CPUs that never come.
     """
+    return max(os.cpu_count() or 1, math.ceil(actor_cpus(args)))
+
+
+def actor_cpus(args: argparse.Namespace) -> float:
+    """The CPUs every actor of the run asks Ray for: trainer ranks (none on GPU), engines, reward workers."""
     trainers, engines = actor_shares(args, 0.0 if uses_gpu(args) else args.cpus_per_rank, engine_cpus(args))
     workers = REWARD_WORKER_CPUS * args.rm_num_workers if algorithm_of(args).uses_engines else 0.0
-    return max(os.cpu_count() or 1, math.ceil(trainers + engines + workers))
+    return trainers + engines + workers
 
 
 def check_gpus_fit(args: argparse.Namespace, cluster_gpus: float) -> None:

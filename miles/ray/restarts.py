@@ -21,9 +21,8 @@ import ray
 from miles.algorithms import role_dest, training_order
 from miles.backends.fsdp_utils.checkpoint import read_latest
 from miles.ray.checkpoint_folders import save_folders
-from miles.ray.cluster import actor_shares
-from miles.ray.reward_workers import REWARD_WORKER_CPUS
-from miles.utils.distributed import engine_cpus, uses_gpu
+from miles.ray.cluster import actor_cpus, actor_shares
+from miles.utils.distributed import uses_gpu
 from miles.utils.failures import ActorDied, EngineError, run_cleanup
 from miles.utils.tracking import RESTART_KEY
 
@@ -56,11 +55,8 @@ def describe(exc: BaseException, placement: dict[str, list[dict[str, Any]]]) -> 
 
 def needed_resources(args: argparse.Namespace) -> dict[str, float]:
     """The CPUs and GPUs the run's actors ask Ray for (trainer ranks, engines, reward workers)."""
-    gpu = uses_gpu(args)
-    cpus = sum(actor_shares(args, 0.0 if gpu else args.cpus_per_rank, engine_cpus(args)))
-    cpus += REWARD_WORKER_CPUS * args.rm_num_workers
-    gpus = sum(actor_shares(args, args.gpus_per_rank, args.rollout_gpus_per_engine)) if gpu else 0.0
-    return {"CPU": cpus, "GPU": gpus}
+    gpus = sum(actor_shares(args, args.gpus_per_rank, args.rollout_gpus_per_engine)) if uses_gpu(args) else 0.0
+    return {"CPU": actor_cpus(args), "GPU": gpus}
 
 
 def missing_resources(target: dict[str, float]) -> dict[str, float]:

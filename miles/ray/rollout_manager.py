@@ -191,7 +191,7 @@ class RolloutManager:
     def _monitor_metrics(self, rollout_id: int, samples: list[Sample], result: Any) -> dict[str, float]:
         """The reward-hacking monitors of the batch (`miles.rollout.monitors`), their warnings, `monitor/alerts`."""
         groups = [[s.index for s in group] for group in steps.split_groups(samples)]
-        per_reward = {name: [s.extra[REWARD_TERMS][name] for s in samples] for name in self._term_names(samples)}
+        per_reward = self._per_reward(samples)
         embeddings = None
         if samples and all(CLIP_EMBEDDING_KEY in s.extra for s in samples):
             embeddings = np.stack([s.extra[CLIP_EMBEDDING_KEY] for s in samples])
@@ -199,8 +199,10 @@ class RolloutManager:
         return {**metrics, "monitor/alerts": len(self.drift.check(rollout_id, metrics))}
 
     @staticmethod
-    def _term_names(samples: list[Sample]) -> list[str]:
-        return list(samples[0].extra.get(REWARD_TERMS, {})) if samples else []
+    def _per_reward(samples: list[Sample]) -> dict[str, list[float]]:
+        """Each weighted reward's raw values, in sample order ({} for a single unnamed reward)."""
+        names = list(samples[0].extra.get(REWARD_TERMS, {})) if samples else []
+        return {name: [s.extra[REWARD_TERMS][name] for s in samples] for name in names}
 
     def _save_media(self, rollout_id: int, result: Any) -> None:
         """Every --image-grid-interval rollouts: the image grid, or for video the first --media-max-samples
@@ -319,8 +321,7 @@ class RolloutManager:
 
     @staticmethod
     def _reward_metrics(samples: list[Sample], rewards: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
-        names = RolloutManager._term_names(samples)
-        per_reward = {name: [s.extra[REWARD_TERMS][name] for s in samples] for name in names}
+        per_reward = RolloutManager._per_reward(samples)
         return {
             **reward_metrics([s.reward for s in samples], per_reward, samples),
             "rollout/reward_std": float(rewards.std(unbiased=False)),

@@ -19,7 +19,7 @@ from miles.ray.reward_workers import RewardWorkerPool
 from miles.ray.train_group import RayTrainGroup
 from miles.utils.arguments import parse_args
 from miles.utils.tracking import RESTART_KEY, current_records, read_metrics
-from tests.e2e.test_golden import COMMON, FIXTURE, RUNS, differences, machine
+from tests.e2e.test_golden import COMMON, FIXTURE, RUNS, UNRECORDED, differences, machine
 
 pytestmark = pytest.mark.e2e
 FLAGS = [*COMMON, *RUNS["nft"], "--rm-num-workers", "1", "--save-interval", "1", "--max-restarts", "3"]
@@ -31,7 +31,7 @@ def run_flags(tmp, name: str, *extra: str) -> list[str]:
 
 
 def series(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in records if RESTART_KEY not in r]
+    return [{k: v for k, v in r.items() if not k.startswith(UNRECORDED)} for r in records if RESTART_KEY not in r]
 
 
 def kill_once(at: int, victim, done: set, name: str):

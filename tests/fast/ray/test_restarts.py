@@ -90,9 +90,11 @@ def test_the_wait_returns_once_the_cluster_holds_the_resources_again(monkeypatch
 
 
 def test_needed_resources_count_every_actor():
-    args = args_for("--dp-size", "2", "--cpus-per-rank", "0.5", "--rm-num-workers", "2")
-    cpus = needed_resources(args)["CPU"]
-    assert cpus == pytest.approx(2 * 0.5 + args.rollout_num_engines * restarts_module.engine_cpus(args) + 2 * 0.25)
+    args = args_for(
+        "--dp-size", "2", "--cpus-per-rank", "0.5", "--rm-num-workers", "2",
+        "--rollout-num-engines", "3", "--rollout-cpus-per-engine", "0.75", "--device", "cpu",
+    )  # fmt: skip
+    assert needed_resources(args) == {"CPU": pytest.approx(2 * 0.5 + 3 * 0.75 + 2 * 0.25), "GPU": 0.0}
 
 
 def test_a_restart_record_supersedes_the_records_of_the_rollouts_it_redoes():
