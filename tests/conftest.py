@@ -1,10 +1,12 @@
 """Shared, expensive fixtures: the tiny pipeline folders, one Ray cluster per test session, the model-family
 cases of the family contract suite (`FAMILY_CASES`: one line per family configuration), and `load_script` for the
-repository's scripts and benchmarks (files, not package modules)."""
+repository's scripts and benchmarks (files, not package modules); the background jobs of `tests/background.py`
+(started once collection has selected their tests, stopped at the session's end)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +18,55 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_JOBS = None  # tests.background.Jobs of this session, once a selected test asks for one
+
+
+def pytest_collection_finish(session):
+    """Start the background jobs the selected tests ask for (`@pytest.mark.background(SCRIPT, JOB)`)."""
+    global _JOBS
+    wanted = []
+    for item in session.items:
+        for mark in item.iter_markers("background"):
+            key = (os.path.join(ROOT, mark.args[0]), mark.args[1])
+            if key not in wanted:
+                wanted.append(key)
+    if wanted and not session.config.option.collectonly:
+        import tests.background
+
+        _JOBS = tests.background.CURRENT = tests.background.Jobs()
+        _JOBS.start(wanted)
+
+
+_POOL = None  # the session's ActorPool (ray_cluster), for its counts in the summary
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _POOL is not None:
+        terminalreporter.write_line(f"actor pool: {_POOL.stats}")
+    if _JOBS is not None:
+        for line in _JOBS.summary():
+            terminalreporter.write_line(f"background job {line}")
+
+
+def pytest_sessionfinish(session):
+    if _JOBS is not None:
+        _JOBS.stop()
+
+
+def pytest_unconfigure(config):
+    if _JOBS is not None:
+        shutil.rmtree(_JOBS.root, ignore_errors=True)
+
+
+@pytest.fixture
+def background_job(request):
+    """The folder of this test's background job once it has finished (`tests/background.py`); waits for it."""
+    from tests.background import job_folder
+
+    mark = request.node.get_closest_marker("background")
+    if mark is None:
+        pytest.fail("background_job needs @pytest.mark.background(SCRIPT, JOB) on the test")
+    return job_folder(mark.args[0], mark.args[1], timeout=mark.kwargs.get("timeout", 1500))
 
 
 @pytest.fixture(scope="session")
@@ -313,12 +364,14 @@ def ray_cluster(tmp_path_factory):
 
     temp_dir = tmp_path_factory.mktemp("ray")
     ray.init(
-        num_cpus=4,
+        num_cpus=6,  # logical: room for a run and the idle actors of two or three earlier shapes
         include_dashboard=False,
         _temp_dir=str(temp_dir),
         log_to_driver=False,
         configure_logging=False,
     )
-    with reusing_actors():
+    global _POOL
+    with reusing_actors() as pool:
+        _POOL = pool
         yield ray
     ray.shutdown()

@@ -68,6 +68,8 @@ class ActorPool:
         self._idle: dict[Hashable, list[_Idle]] = {}
         self._session = _ray_session()
         self._puts = 0
+        # takes that found an idle item (a trainer group, an engine) or did not; idle items ended to make room
+        self.stats = {"reused": 0, "missed": 0, "ended_for_room": 0}
 
     def take(self, key: tuple) -> Any | None:
         """The newest idle item started with `key`, or None."""
@@ -75,6 +77,7 @@ class ActorPool:
             self._idle.clear()
             self._session = _ray_session()
         items = self._idle.get(key)
+        self.stats["reused" if items else "missed"] += 1
         return items.pop().item if items else None
 
     def put(self, key: tuple, item: Any, end: Callable[[], None], resources: dict[str, float] | None = None) -> None:
@@ -90,6 +93,7 @@ class ActorPool:
             key, oldest = min(((k, items[0]) for k, items in self._idle.items() if items), key=lambda e: e[1].stamp)
             self._idle[key].pop(0)
             _end(oldest)
+            self.stats["ended_for_room"] += 1
             short = {k: v - oldest.resources.get(k, 0.0) for k, v in short.items()}
             short = {k: v for k, v in short.items() if v > 1e-9}
 

@@ -27,8 +27,8 @@ pytestmark = pytest.mark.e2e
 
 FIRST_ROLLOUT = {"rel_tol": 1e-4, "abs_tol": 1e-7}
 LATER_ROLLOUTS = {"rel_tol": 2e-3, "abs_tol": 1e-5}
-# dp 4: dmd2 trains two groups of four ranks beside the engine; 0.25 CPUs a rank fits the suite's 4-CPU cluster (a rank
-# runs one torch thread at 0.25 as at 0.5). Every dp-4 run asks the same, so they share their ranks' processes.
+# dp 4: dmd2 trains two groups of four ranks beside the engine; at 0.25 CPUs a rank that fits a 4-CPU cluster (the
+# suite's has 6; a rank runs one torch thread at 0.25 as at 0.5). Every dp-4 run asks the same: they share processes.
 CPUS = {1: "0.5", 4: "0.25"}
 CASES = [(dp, loss) for dp in (1, 4) for loss in sorted(RUNS)]  # dp-major: runs of one shape reuse their actors
 

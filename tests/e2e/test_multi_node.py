@@ -4,7 +4,8 @@ logical CPUs), the stand-in for docs/user-guide/multi-node.md's `ray start --hea
 on either, and the process group meeting at rank 0's node IP. It trains, and `placement.json` shows the ranks on two
 nodes.
 
-The cluster and the run live in a subprocess (this file run as a script), apart from the suite's session Ray cluster.
+The cluster and the run live in a subprocess (this file run as a script: the background job `two-nodes`, started with
+the session, tests/background.py), apart from the suite's session Ray cluster.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -88,13 +88,9 @@ def run_on_two_nodes(output_dir: str) -> None:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_ranks_on_two_nodes_train_together(tmp_path):
-    out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(HERE) + os.pathsep + os.path.dirname(os.path.dirname(HERE))}
-    done = subprocess.run(
-        [sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=240, check=False
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+@pytest.mark.background("tests/e2e/test_multi_node.py", "two-nodes")
+def test_ranks_on_two_nodes_train_together(background_job):
+    out = background_job / "run"
     placement = json.loads((out / "placement.json").read_text())
     rank_nodes = [entry["node_id"] for entry in placement["actor"]]
     assert len(rank_nodes) == 2 and len(set(rank_nodes)) == 2, placement  # one rank per node
@@ -105,5 +101,5 @@ def test_ranks_on_two_nodes_train_together(tmp_path):
     assert all(w["train/grad_norm"] > 0 for w in windows), windows  # gradients crossed the two-node group
 
 
-if __name__ == "__main__":
-    run_on_two_nodes(sys.argv[1])
+if __name__ == "__main__":  # the background job (tests/background.py): python test_multi_node.py two-nodes OUT_DIR
+    run_on_two_nodes(os.path.join(sys.argv[2], "run"))

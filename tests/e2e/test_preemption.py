@@ -1,6 +1,8 @@
 """Preemption with real signals to a `python train_diffusion.py` process: SIGTERM stops after a rollout, saves it and
 exits with EXIT_PREEMPTED; a second signal exits at once with EXIT_FORCED and the last complete checkpoint still
-resumes; the pieces of the interrupted runs plus the resumed run give an uninterrupted run's series bit for bit."""
+resumes; the pieces of the interrupted runs plus the resumed run give an uninterrupted run's series bit for bit.
+Runs 1 and 2 (the signalled drivers) are this file's background job `signals`, started with the session
+(tests/background.py); run 3 and the reference run are in process, in the session's Ray cluster."""
 
 from __future__ import annotations
 
@@ -64,14 +66,11 @@ def finish(driver: subprocess.Popen) -> str:
         raise
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("preempt")
-    return {name: tmp / name for name in ("ckpt", "stopped", "forced", "resumed", "reference")}
+JOB = ("tests/e2e/test_preemption.py", "signals")  # runs 1 and 2 (their own drivers), from the session's start
+NAMES = ("ckpt", "stopped", "forced", "resumed", "reference")
 
 
-@pytest.fixture(scope="module")
-def stopped(folders):
+def run_stopped(folders: dict[str, Path]) -> dict:
     """Run 1: one SIGTERM as soon as rollout 0 is recorded: it lands in rollout 1's generation, whose batch is then
     dropped (on a machine slow enough to miss that, in rollout 1's training, which runs to its end); no
     --save-interval, so the checkpoint is the signal's own save."""
@@ -81,11 +80,45 @@ def stopped(folders):
     driver.send_signal(signal.SIGTERM)
     stderr = finish(driver)
     lines = STOP_LINE.findall(stderr)
-    return {"driver": driver, "stderr": stderr, "lines": lines, "last": int(lines[0][0]) if lines else None}
+    return {
+        "returncode": driver.returncode,
+        "stderr": stderr,
+        "lines": lines,
+        "last": int(lines[0][0]) if lines else None,
+    }
 
 
+def run_forced(folders: dict[str, Path]) -> dict:
+    """Run 2: resumes from run 1's checkpoint; one SIGTERM once its first rollout is recorded (so the stop saves
+    that rollout), and a second as soon as that save has created its folder (so it lands inside the save)."""
+    out, ckpt = folders["forced"], folders["ckpt"]
+    before = read_latest(str(ckpt))
+    driver = start_driver(out, "--save", str(ckpt), "--load", str(ckpt))
+    wait_for(lambda: rollout_records(out), driver, "the resumed run's first rollout record")
+    driver.send_signal(signal.SIGTERM)
+    save_started = lambda: any(int(p.name[len("iter_") :]) > before for p in ckpt.glob("iter_*"))  # noqa: E731
+    wait_for(save_started, driver, "the stop signal's save to start")
+    driver.send_signal(signal.SIGTERM)
+    stderr = finish(driver)
+    return {"returncode": driver.returncode, "stderr": stderr, "before": before}
+
+
+@pytest.fixture(scope="module")
+def folders() -> dict[str, Path]:
+    from tests.background import job_folder
+
+    root = job_folder(*JOB)
+    return {name: root / name for name in NAMES}
+
+
+@pytest.fixture(scope="module")
+def stopped(folders):
+    return json.loads((folders["ckpt"].parent / "stopped.json").read_text())
+
+
+@pytest.mark.background(*JOB)
 def test_sigterm_stops_after_a_rollout_saves_it_and_exits_with_exit_preempted(stopped, folders):
-    assert stopped["driver"].returncode == EXIT_PREEMPTED, stopped["stderr"][-4000:]
+    assert stopped["returncode"] == EXIT_PREEMPTED, stopped["stderr"][-4000:]
     assert len(stopped["lines"]) == 1, stopped["stderr"][-4000:]
     last, checkpoint, load, code = stopped["last"], *stopped["lines"][0][1:]
     assert last < NUM_ROLLOUT - 2  # stopped early, with room for run 2
@@ -104,21 +137,12 @@ def test_sigterm_stops_after_a_rollout_saves_it_and_exits_with_exit_preempted(st
 
 @pytest.fixture(scope="module")
 def forced(stopped, folders):
-    """Run 2: resumes from run 1's checkpoint; one SIGTERM once its first rollout is recorded (so the stop saves
-    that rollout), and a second as soon as that save has created its folder (so it lands inside the save)."""
-    out, ckpt = folders["forced"], folders["ckpt"]
-    before = read_latest(str(ckpt))
-    driver = start_driver(out, "--save", str(ckpt), "--load", str(ckpt))
-    wait_for(lambda: rollout_records(out), driver, "the resumed run's first rollout record")
-    driver.send_signal(signal.SIGTERM)
-    save_started = lambda: any(int(p.name[len("iter_") :]) > before for p in ckpt.glob("iter_*"))  # noqa: E731
-    wait_for(save_started, driver, "the stop signal's save to start")
-    driver.send_signal(signal.SIGTERM)
-    return {"driver": driver, "stderr": finish(driver), "before": before}
+    return json.loads((folders["ckpt"].parent / "forced.json").read_text())
 
 
+@pytest.mark.background(*JOB)
 def test_a_second_signal_exits_at_once_and_the_last_complete_checkpoint_stays_the_latest(forced, folders):
-    assert forced["driver"].returncode == EXIT_FORCED, forced["stderr"][-4000:]
+    assert forced["returncode"] == EXIT_FORCED, forced["stderr"][-4000:]
     assert "SIGTERM again (after SIGTERM): exiting at once with code 143" in forced["stderr"]
     assert not STOP_LINE.search(forced["stderr"])  # no cleanup, no stop line: it ended inside the save
     recorded = {r["rollout_id"] for r in read_metrics(folders["forced"] / "metrics.jsonl")}
@@ -143,6 +167,7 @@ def by_rollout(out: Path) -> dict[int, list[dict]]:
     return grouped
 
 
+@pytest.mark.background(*JOB)
 def test_the_interrupted_runs_and_the_resumed_run_give_the_uninterrupted_series(stopped, forced, resumed, folders):
     train_diffusion.run(parse_args([*FLAGS, "--output-dir", str(folders["reference"])]))
     reference = by_rollout(folders["reference"])
@@ -153,3 +178,10 @@ def test_the_interrupted_runs_and_the_resumed_run_give_the_uninterrupted_series(
     for name, rollouts in runs.items():  # every rollout each run recorded, bit for bit (timings aside)
         for rollout_id, records in rollouts.items():
             assert records == reference[rollout_id], json.dumps({name: records, "reference": reference[rollout_id]})
+
+
+if __name__ == "__main__":  # the background job (tests/background.py): runs 1 and 2, each a driver process of its own
+    root = Path(sys.argv[2])
+    job = {name: root / name for name in NAMES}
+    (root / "stopped.json").write_text(json.dumps(run_stopped(job)))
+    (root / "forced.json").write_text(json.dumps(run_forced(job)))

@@ -1,6 +1,7 @@
-"""Run as a script by test_colocation.py: a Ray cluster of its own with 2 (declared) GPUs, the placement of a
---colocate dmd2 run with 3 engines, printed as JSON: each trainer rank's and engine's GPU ids (stand-in actors that
-load nothing, placed with the Ray options the trainer groups and the engine group use)."""
+"""The background job `placement` of test_colocation.py (tests/background.py: `python colocated_placement.py placement
+OUT_DIR`): a Ray cluster of its own with 2 (declared) GPUs, the placement of a --colocate dmd2 run with 3 engines,
+written to OUT_DIR/placement.json: each trainer rank's and engine's GPU ids (stand-in actors that load nothing, placed
+with the Ray options the trainer groups and the engine group use)."""
 
 import json
 import sys
@@ -36,7 +37,7 @@ def main() -> None:
     engines = [stand_in.options(**engine_options(i, 1.0, 1.0, colocation)).remote() for i in range(3)]
     placement["engines"] = [ray.get(e.ids.remote(), timeout=60) for e in engines]
     placement["share"] = colocation.gpu_share
-    print(json.dumps(placement))
+    (Path(sys.argv[2]) / "placement.json").write_text(json.dumps(placement))
     ray.shutdown()
 
 

@@ -131,18 +131,13 @@ def test_each_rollout_hands_the_device_to_the_trainer_ranks_then_back_to_the_eng
     assert events == [("actor", "sleep"), *rollout(0), *rollout(1)]
 
 
-def test_colocate_puts_rank_i_of_every_group_and_its_engines_on_gpu_i():
+@pytest.mark.background("tests/fast/ray/colocated_placement.py", "placement")
+def test_colocate_puts_rank_i_of_every_group_and_its_engines_on_gpu_i(background_job):
     """Ray packs fractional GPU bundles onto one GPU; --colocate's whole-GPU bundles keep one rank of each group per
-    GPU (a cluster with 2 declared GPUs in a subprocess: the test session's cluster has none)."""
+    GPU (a cluster with 2 declared GPUs in a background job: the test session's cluster has none)."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).with_name("colocated_placement.py")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    placement = json.loads(done.stdout.strip().splitlines()[-1])
+    placement = json.loads((background_job / "placement.json").read_text())
     gpu = {role: [ids[0] for ids in placement[role]] for role in ("actor", "critic", "engines")}
     assert sorted(gpu["actor"]) == [0, 1]  # distinct GPUs for the ranks of a group
     assert gpu["critic"] == gpu["actor"]  # rank i of every group on the same GPU

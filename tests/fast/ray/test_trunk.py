@@ -10,6 +10,7 @@ import torch
 from miles.backends.fsdp_utils.loss_hub import sft
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext
 from miles.models.base import get_train_pipeline_config
+from miles.ray.actor_pool import current_pool
 from miles.utils.arguments import parse_args
 from miles.utils.box import put_box
 from miles.utils.types import shard_pairs, slice_pairs
@@ -125,7 +126,7 @@ def test_fsdp2_group_matches_plain_pytorch_after_two_adamw_steps(ray_cluster, ti
 
     args = trunk_args(tiny_pipeline_dir, dp_size)
     pairs = make_pairs(family, 8)
-    group = RayTrainGroup(args, "actor", timeout=TIMEOUT)
+    group = RayTrainGroup(args, "actor", timeout=TIMEOUT, pool=current_pool())
     try:
         assert group.init() == 0
         group.train(0, [put_box(s) for s in shard_pairs(pairs, dp_size)])
@@ -168,7 +169,7 @@ def train_recording(args, family) -> tuple[list[dict], list[dict]]:
     """One train call of the recording hooks on a dp-2 group: (each rank's output, each rank's full weights)."""
     from miles.ray.train_group import RayTrainGroup
 
-    group = RayTrainGroup(args, "actor", timeout=TIMEOUT)
+    group = RayTrainGroup(args, "actor", timeout=TIMEOUT, pool=current_pool())
     try:
         group.init()
         boxes = group.train(0, [put_box(s) for s in shard_pairs(make_pairs(family, 12), 2)])
@@ -230,7 +231,7 @@ def test_a_sleeping_rank_holds_no_state_and_wakes_bit_for_bit(ray_cluster, tiny_
 
     args = trunk_args(tiny_pipeline_dir, 2, "--use-ema", "--ema-decay", "0.5")
     shards = [put_box(s) for s in shard_pairs(make_pairs(family, 8), 2)]
-    group = RayTrainGroup(args, "actor", timeout=TIMEOUT)
+    group = RayTrainGroup(args, "actor", timeout=TIMEOUT, pool=current_pool())
     try:
         group.init()
         group.train(0, shards)

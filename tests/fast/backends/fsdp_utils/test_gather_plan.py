@@ -43,12 +43,9 @@ from miles.models.qwen_image import QwenImagePipelineConfig
 from miles.models.sd3 import SD3PipelineConfig
 from miles.models.wan import WanPipelineConfig
 from miles.models.wan_experts import WanExperts
-from tests.fast.backends.fsdp_utils.fsdp_workers import run_ranks
-from tests.fast.backends.fsdp_utils.gather_plan_workers import (
-    SHARD,
-    gather_hybrid,
-    is_lora,
-)
+from tests.background import job_folder
+from tests.fast.backends.fsdp_utils import rank_jobs
+from tests.fast.backends.fsdp_utils.gather_plan_workers import SHARD, is_lora
 
 F32, BF16 = torch.float32, torch.bfloat16
 BUCKET_BYTES = (GATHER_BUCKET_BYTES["cpu"], GATHER_BUCKET_BYTES["cuda"])
@@ -355,14 +352,21 @@ def test_fsdp2_ranks_read_the_meta_plan_inputs_from_uneven_shards(world, shard, 
 # gloo ranks
 
 
+GLOO_JOB = "gather-ws6-shard3"
+ON_GLOO = pytest.mark.background(rank_jobs.SCRIPT, GLOO_JOB)  # the tests that read its reports start the job
+
+
 @pytest.fixture(scope="module")
-def gloo_reports(tmp_path_factory) -> dict[str, list[dict]]:
+def gloo_reports() -> dict[str, list[dict]]:
     """What each rank of a 6-rank run in 2 replicas of 3 shards reported (`gather_report`): its shard groups hold the
     uneven rows a plain 3-rank run would, so one run covers both (a separate 3-rank run cost ~25 s more). Before the
-    plan, this run aborted in gloo ("Received data size doesn't match expected size", 612 vs 112 bytes)."""
-    return {"ws6-shard3": run_ranks(gather_hybrid, 2 * SHARD, str(tmp_path_factory.mktemp("ws6")))}
+    plan, this run aborted in gloo ("Received data size doesn't match expected size", 612 vs 112 bytes). The run is
+    the background job `gather-ws6-shard3` of rank_jobs.py (`gather_hybrid` on 2 x SHARD ranks)."""
+    assert rank_jobs.JOBS[GLOO_JOB][1:3] == ("gather_hybrid", 2 * SHARD)
+    return {"ws6-shard3": rank_jobs.reports(job_folder(rank_jobs.SCRIPT, GLOO_JOB), GLOO_JOB)}
 
 
+@ON_GLOO
 @pytest.mark.parametrize("run", ["ws6-shard3"])
 def test_bucketed_gather_of_odd_rows_equals_full_tensor(gloo_reports, run):
     """At every bucket size, rank 0 gets each tensor bit for bit as `full_tensor()` gathers it alone; others `{}`."""
@@ -378,6 +382,7 @@ def test_bucketed_gather_of_odd_rows_equals_full_tensor(gloo_reports, run):
                 assert got[name].dtype == expected.dtype and torch.equal(got[name], expected), (size, name)
 
 
+@ON_GLOO
 @pytest.mark.parametrize("run", ["ws6-shard3"])
 def test_ranks_plan_alike_and_send_the_planned_bytes(gloo_reports, run):
     """The odd tables straddle bucket ends at these sizes; the ranks of a group hold different rows of them yet plan
@@ -398,6 +403,7 @@ def test_ranks_plan_alike_and_send_the_planned_bytes(gloo_reports, run):
     assert any(old[0][size] != other[size] for other in old[1:] for size in old[0])
 
 
+@ON_GLOO
 @pytest.mark.parametrize("run", ["ws6-shard3"])
 def test_name_filter_gathers_only_kept_tensors(gloo_reports, run):
     """`keep` gathers the LoRA tensors only: one all-gather per 100-byte bucket, A (4, 8) and B (8, 4) of a block
@@ -419,6 +425,7 @@ def test_name_filter_gathers_only_kept_tensors(gloo_reports, run):
             assert all(torch.equal(got[name], expected) for name, expected in lora.items())
 
 
+@ON_GLOO
 @pytest.mark.parametrize("run", ["ws6-shard3"])
 def test_gather_in_the_engines_dtype_casts_before_it_sends(gloo_reports, run):
     """`as_dtype` (the weight export's: bf16 but the LoRA tensors): rank 0 receives each tensor as `full_tensor()`

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.background import job_folder
+from tests.fast.backends.fsdp_utils import rank_jobs
 from tests.fast.backends.fsdp_utils.fsdp_workers import run_ranks
-from tests.fast.backends.fsdp_utils.sharding_workers import checkpointed_gradients, hybrid_and_plain
+from tests.fast.backends.fsdp_utils.sharding_workers import checkpointed_gradients
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +29,17 @@ def test_gradient_checkpointing_gives_the_same_gradients_at_dp_size_2(checkpoint
             torch.testing.assert_close(checkpointed["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+HYBRID_JOB = "hybrid-ws4"  # `hybrid_and_plain` on 4 ranks, a background job (rank_jobs.py, tests/background.py)
+ON_HYBRID = pytest.mark.background(rank_jobs.SCRIPT, HYBRID_JOB)
+
+
 @pytest.fixture(scope="module")
-def hybrid_reports(tmp_path_factory) -> list[dict]:
-    return run_ranks(hybrid_and_plain, 4, str(tmp_path_factory.mktemp("hybrid")), timeout=120.0)
+def hybrid_reports() -> list[dict]:
+    assert rank_jobs.JOBS[HYBRID_JOB][1:3] == ("hybrid_and_plain", 4)
+    return rank_jobs.reports(job_folder(rank_jobs.SCRIPT, HYBRID_JOB), HYBRID_JOB)
 
 
+@ON_HYBRID
 def test_hybrid_sharding_2x2_matches_plain_fsdp2_at_dp_size_4(hybrid_reports):
     for report in hybrid_reports:
         assert (report["plain"]["mesh_dims"], report["hybrid"]["mesh_dims"]) == (1, 2)
@@ -42,6 +50,7 @@ def test_hybrid_sharding_2x2_matches_plain_fsdp2_at_dp_size_4(hybrid_reports):
         assert all(torch.equal(report["hybrid"]["params"][n], v) for n, v in first.items())  # replicas agree
 
 
+@ON_HYBRID
 def test_checkpoint_saved_at_2x2_resumes_under_plain_fsdp2(hybrid_reports):
     for report in hybrid_reports:
         for name, value in report["hybrid"]["params"].items():
