@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,9 +39,21 @@ def pytest_collection_finish(session):
 
 
 _POOL = None  # the session's ActorPool (ray_cluster), for its counts in the summary
+_TIER_STARTS: dict[str, float] = {}  # tier folder -> when its first test started (time.monotonic)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    tier = nodeid.split("/")[1] if nodeid.startswith("tests/") and nodeid.count("/") > 1 else "other"
+    _TIER_STARTS.setdefault(tier, time.monotonic())
 
 
 def pytest_terminal_summary(terminalreporter):
+    if len(_TIER_STARTS) > 1:  # how long each tier ran in this session, in the order they ran
+        starts = sorted(_TIER_STARTS.items(), key=lambda item: item[1])
+        ends = [start for _, start in starts[1:]] + [time.monotonic()]
+        terminalreporter.write_line(
+            "tiers: " + ", ".join(f"tests/{t} {e - s:.0f} s" for (t, s), e in zip(starts, ends))
+        )
     if _POOL is not None:
         terminalreporter.write_line(f"actor pool: {_POOL.stats}")
     if _JOBS is not None:
