@@ -198,11 +198,13 @@ def differences(got: dict, expected: dict, exact: bool) -> list[str]:
 
 
 @pytest.mark.parametrize("loss_type,extra", CASES, ids=[" ".join((loss, *flags)) for loss, flags in CASES])
-def test_metric_series_match_the_recorded_fixture(ray_cluster, tmp_path, loss_type, extra):
+def test_metric_series_match_the_recorded_fixture(ray_cluster, tmp_path, loss_type, extra, golden_series_here):
     fixture = json.loads(FIXTURE.read_text())
     exact = fixture["machine"] == machine()
     expected = fixture["series"][loss_type]
     got = run_series(loss_type, str(tmp_path), *extra)
+    if not extra:  # this machine's own dp-2 series, for test_golden_dp_invariance.py
+        golden_series_here[loss_type] = got
     if extra:  # the variant really ran: every rollout record times its sleeps and wakes
         from miles.utils.tracking import read_metrics
 

@@ -1,5 +1,11 @@
 """The same run at any data-parallel size: every loss type's golden run (test_golden.py: dp 2, a fixed global batch,
-seeds and micro-batch size) at dp 1 and dp 4 gives the recorded dp-2 series to fp32 rounding.
+seeds and micro-batch size) at dp 1 and dp 4 gives the dp-2 series to fp32 rounding.
+
+The dp-2 series is this machine's own (the golden test's run of this session, or a run of the golden flags here when
+that test did not run): the committed fixture may come from a machine with other CPU kernels, whose rounding differs
+from this one's by more than the layout's (measured 2026-12-04: this AVX-512 machine's dp-1 policy_loss against the
+AVX2 fixture, 3.6e-4 relative on the first step's grad norm; against its own dp-2 run, within the bounds below).
+This file sorts after test_golden.py so that the golden runs come first.
 
 What makes it so: ranks are dealt pairs i, i + dp, i + 2·dp, ... (`shard_pairs`), so every optimizer step (window) sees
 the same pairs at any dp size; the trainer draws each pair's noise and timestep from (seed, rollout, window, the pair's
@@ -15,13 +21,12 @@ held to a looser bound, still 100x under what a layout-dependent draw gives (35-
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
 import pytest
 
-from tests.e2e.test_golden import COMMON, FIXTURE, RUNS, series
+from tests.e2e.test_golden import COMMON, RUNS, run_series, series
 
 pytestmark = pytest.mark.e2e
 
@@ -58,9 +63,11 @@ def far_apart(got: dict, expected: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("dp,loss_type", CASES, ids=[f"{loss}-dp{dp}" for dp, loss in CASES])
-def test_the_series_is_the_recorded_dp_2_series_at_another_dp_size(ray_cluster, tmp_path, dp, loss_type):
-    expected = json.loads(FIXTURE.read_text())["series"][loss_type]
-    got = run_at(dp, loss_type, str(tmp_path))
+def test_the_series_is_the_dp_2_series_at_another_dp_size(ray_cluster, tmp_path, dp, loss_type, golden_series_here):
+    if loss_type not in golden_series_here:
+        golden_series_here[loss_type] = run_series(loss_type, str(tmp_path / "dp2"))
+    expected = golden_series_here[loss_type]
+    got = run_at(dp, loss_type, str(tmp_path / f"dp{dp}"))
     assert len(got) == len(expected)
     problems = {i: far_apart(g, e) for i, (g, e) in enumerate(zip(got, expected))}
     assert not any(problems.values()), {i: p for i, p in problems.items() if p}
