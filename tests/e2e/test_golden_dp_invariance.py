@@ -38,11 +38,37 @@ CPUS = {1: "0.5", 4: "0.25"}
 CASES = [(dp, loss) for dp in (1, 4) for loss in sorted(RUNS)]  # dp-major: runs of one shape reuse their actors
 
 
+# The loss types outside the golden fixture, each with the flags of its e2e test on the golden COMMON: one rollout of
+# two windows (the second off-policy, so the ratio and the recompute pass are exercised) at dp 2, 1 and 4.
+# Measured 2026-12-04 (this machine, two rollouts each): first rollout within 4.5e-6 relative (flow_dppo's approx_kl
+# at dp 4) and 7.3e-10 absolute near zero; the second within 6e-5 (grpo_guard's loss, its samples from weights that
+# differ by rounding).
+NEWER: dict[str, list[str]] = {
+    "grpo_guard": ["--loss-type", "grpo_guard", "--diffusion-noise-level", "1.2", "--diffusion-num-sde-steps", "2"],
+    "flow_dppo": [
+        *("--loss-type", "flow_dppo", "--diffusion-sde-type", "dance", "--diffusion-noise-level", "0.3"),
+        *("--diffusion-num-sde-steps", "2"),
+    ],
+    "mixgrpo": ["--loss-type", "policy_loss", "--mixgrpo-window-size", "2", "--mixgrpo-flash"],
+    "awm": ["--loss-type", "awm", "--awm-train-timesteps", "2", "--use-ema", "--ref-mode", "ema"],
+    "dpo": [  # online: one pair per prompt group, so 4 groups for 4 ranks
+        *("--loss-type", "dpo", "--rollout-batch-size", "4", "--num-steps-per-rollout", "1"),
+        *("--dpo-keep-zero-spread", "--dpo-ref-update-interval", "1"),
+    ],
+}
+NEWER_COMMON = ["--num-steps-per-rollout", "2", "--lr", "1e-4", "--num-rollout", "1"]
+RATIO = ("grpo_guard", "flow_dppo", "mixgrpo")  # their second window's old log-prob comes from the recompute pass
+
+
 def run_at(dp: int, loss_type: str, out: str) -> list[dict]:
+    return run_flags(dp, [*COMMON, *RUNS[loss_type]], out)
+
+
+def run_flags(dp: int, flags: list[str], out: str) -> list[dict]:
     import train_diffusion
     from miles.utils.arguments import parse_args
 
-    argv = [*COMMON, *RUNS[loss_type], "--output-dir", out, "--cpus-per-rank", CPUS[dp]]
+    argv = [*flags, "--output-dir", out] + (["--cpus-per-rank", CPUS[dp]] if dp in CPUS else [])
     argv[argv.index("--dp-size") + 1] = str(dp)
     train_diffusion.run(parse_args(argv))
     return series(os.path.join(out, "metrics.jsonl"))
@@ -71,3 +97,16 @@ def test_the_series_is_the_dp_2_series_at_another_dp_size(ray_cluster, tmp_path,
     assert len(got) == len(expected)
     problems = {i: far_apart(g, e) for i, (g, e) in enumerate(zip(got, expected))}
     assert not any(problems.values()), {i: p for i, p in problems.items() if p}
+
+
+@pytest.mark.parametrize("loss_type", list(NEWER))
+def test_the_newer_loss_types_give_the_same_series_at_dp_size_1_2_and_4(ray_cluster, tmp_path, loss_type):
+    recompute = ["--diffusion-recompute-old-log-prob"] if loss_type in RATIO else []
+    flags = [*COMMON, *NEWER_COMMON, *NEWER[loss_type], *recompute]
+    expected = run_flags(2, flags, str(tmp_path / "dp2"))
+    assert any(r.get("role") == "actor" for r in expected), "the run trained nothing"
+    for dp in (1, 4):
+        got = run_flags(dp, flags, str(tmp_path / f"dp{dp}"))
+        assert len(got) == len(expected), f"dp {dp}: {len(got)} records, dp 2 wrote {len(expected)}"
+        problems = {i: far_apart(g, e) for i, (g, e) in enumerate(zip(got, expected))}
+        assert not any(problems.values()), {f"dp {dp} record {i}": p for i, p in problems.items() if p}
