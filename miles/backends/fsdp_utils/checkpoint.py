@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -47,6 +48,9 @@ from miles.backends.fsdp_utils.checkpoint_files import (
     write_tree,
 )
 from miles.backends.fsdp_utils.checkpoint_files import verify_checksums as verify_checksums_of
+from miles.backends.fsdp_utils.ema import local_tensor
+from miles.utils.distributed import collective_device
+from miles.utils.weight_checksum import checksum_terms
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +60,13 @@ DCP_DIR = "dcp"
 LR_SCHEDULER_STEM = "lr_scheduler"
 EXTRA_STEM = "extra"
 _REQUIRED_META = ("rollout_id", "role", "world_size", "miles_version", "time")
-_RESERVED_META = (*_REQUIRED_META, "model")
+_RESERVED_META = (*_REQUIRED_META, "model", "frozen_weights")
+# Frozen parameters (a LoRA base, Wan's untrained expert) never change while training: a resumed run rebuilds them
+# from its model folder, so a checkpoint holds only what trains (a LoRA run saves its adapter, not the whole base).
+# meta.json keeps a digest of the frozen weights that were left out, checked when the run that loads has rebuilt its own.
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+# setting them back: the state holds exactly TRAINED_ONLY's keys, so non-strict only lets the frozen ones be absent
+SET_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 @dataclass(frozen=True)
@@ -143,7 +153,8 @@ def save_checkpoint(
                 os.remove(target)
     _barrier()
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    frozen = frozen_weights_digest(model)
+    model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED_ONLY)
     dcp.save(
         {"model": model_state, "optimizer": optim_state, **(sharded or {})},
         checkpoint_id=os.path.join(path, DCP_DIR),
@@ -164,6 +175,7 @@ def save_checkpoint(
             "miles_version": __version__,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "model": model_identity(model),
+            "frozen_weights": frozen,
             **(meta or {}),
         }
         _atomic_write_text(os.path.join(path, META_FILE), json.dumps(record, indent=2) + "\n")
@@ -294,6 +306,7 @@ def load_checkpoint(
     failure on one rank raises on every rank, naming the file, instead of leaving the others waiting.
     """
     rank = _rank()
+    frozen = frozen_weights_digest(model)  # collective: every rank, before anything that may fail on one
     error: BaseException | None = None
     hashing = None
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify")
@@ -301,6 +314,7 @@ def load_checkpoint(
     try:
         rollout_id, path = _resolve_checkpoint(load_dir, role, rollout_id)
         meta = _check_meta(path, role, rollout_id, model)
+        _check_frozen_weights(path, role, meta, frozen)
         manifest = read_manifest(path)
         # What every rank reads alike is checked alike (same files, same verdict) before DCP's own collectives.
         shared = [n for n in manifest if not n.startswith("rng_rank")]
@@ -309,9 +323,9 @@ def load_checkpoint(
         if verify_checksums:  # the small files are parsed, so they are checked before; the shards beside the load
             verify_checksums_of(path, manifest, [n for n in shared if n not in shards])
             hashing = pool.submit(verify_checksums_of, path, manifest, shards[rank :: _world_size()])
-        state = {"model": get_model_state_dict(model), **(sharded or {})}
+        state = {"model": get_model_state_dict(model, options=TRAINED_ONLY), **(sharded or {})}
         if load_optimizer:
-            model_state, optim_state = get_state_dict(model, optimizer)
+            model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED_ONLY)
             state = {"model": model_state, "optimizer": optim_state, **(sharded or {})}
         read_dcp_metadata(os.path.join(path, DCP_DIR, ".metadata"))  # refused here, alike on every rank
         dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(path, DCP_DIR)), planner=SafeLoadPlanner())
@@ -329,11 +343,17 @@ def load_checkpoint(
     _decide_together(error, role, path)
 
     if load_optimizer:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=SET_TRAINED,
+        )
         if schedule is not None:
             lr_scheduler.load_state_dict(schedule)
     else:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=SET_TRAINED)
     set_rng_state(rng)
     logger.info("loaded %s checkpoint of rollout %d from %s", role, rollout_id, path)
     return LoadedCheckpoint(rollout_id=rollout_id, extra=extra, meta=meta)
@@ -381,6 +401,34 @@ def _check_meta(path: str, role: str, rollout_id: int, model: nn.Module) -> dict
     if mismatch is not None:
         raise CheckpointError(f"{meta_path}: refusing to load this {role} checkpoint: {mismatch}")
     return meta
+
+
+def frozen_weights_digest(model: nn.Module) -> dict[str, int]:
+    """Count, elements and the exact 16-bit word sum (`weight_checksum`) of the frozen parameters over every rank's
+    shard (collective): integer sums, so the same whatever the sharding or the device."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    device = collective_device()
+    words = torch.zeros((), dtype=torch.int64, device=device)
+    if frozen:  # one transfer: the terms stay on the device until the sum
+        words = torch.stack([checksum_terms([local_tensor(p)])[0].to(device) for p in frozen]).sum()
+    if _world_size() > 1:
+        dist.all_reduce(words)
+    return {"tensors": len(frozen), "elements": sum(p.numel() for p in frozen), "words": int(words.item())}
+
+
+def _check_frozen_weights(path: str, role: str, meta: dict[str, Any], here: dict[str, int]) -> None:
+    """The frozen weights this run rebuilt from its model folder are the ones the checkpoint was trained on (they are
+    not in the checkpoint). Checkpoints from before the digest stored them and carry none: nothing to check."""
+    saved = meta.get("frozen_weights")
+    if saved is None or saved == here:
+        return
+    raise CheckpointError(
+        f"{os.path.join(path, META_FILE)}: refusing to load this {role} checkpoint: its frozen weights ({saved['tensors']} "
+        f"tensors, {saved['elements']} values, e.g. a LoRA base) are not stored in it and this run's differ "
+        f"({here['tensors']} tensors, {here['elements']} values, word sum {here['words']} against {saved['words']}); "
+        "resume from the same --hf-checkpoint (and --teacher-load / --critic-* model folders) the checkpoint was "
+        "trained from"
+    )
 
 
 def _decide_together(error: BaseException | None, role: str, path: str) -> None:

@@ -244,3 +244,52 @@ def test_resaving_an_iteration_drops_stale_files(tmp_path, trainer):
     assert loaded.extra is None
     with pytest.raises(FileNotFoundError, match="saved without an LR scheduler"):
         load_checkpoint(save_dir, "actor", rollout_id=1, **trainer)
+
+
+def frozen_base_trainer(seed: int) -> dict[str, Any]:
+    """A model whose first two blocks are frozen (a LoRA base's part), the optimizer over the rest, as optim.py builds
+    it; the frozen values come from `seed`."""
+    from tests.fast.backends.fsdp_utils.fsdp_workers import build_fsdp_model
+
+    model = build_fsdp_model(seed)
+    for block in list(model.blocks)[:2]:
+        block.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return {"model": model, "optimizer": optimizer, "lr_scheduler": None}
+
+
+def trained_and_frozen(model: torch.nn.Module) -> tuple[dict, dict]:
+    values = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+    trained = {n: v for n, v in values.items() if dict(model.named_parameters())[n].requires_grad}
+    return trained, {n: v for n, v in values.items() if n not in trained}
+
+
+def test_frozen_weights_are_left_out_and_checked_against_the_rebuilt_model(tmp_path, gloo_world_of_one):
+    saved = frozen_base_trainer(seed=7)
+    model = saved["model"]
+    model(torch.ones(2, DIM)).square().sum().backward()
+    saved["optimizer"].step()
+    save_checkpoint(str(tmp_path), 1, "actor", **saved)
+    trained, frozen = trained_and_frozen(model)
+
+    role_dir = checkpoint_dir(str(tmp_path), 1, "actor")
+    stored = set(checkpoint.read_dcp_metadata(os.path.join(role_dir, "dcp", ".metadata")).state_dict_metadata)
+    model_keys = {k.removeprefix("model.") for k in stored if k.startswith("model.")}
+    assert model_keys == set(trained) and frozen and not set(frozen) & model_keys  # the base is not on disk
+    with open(os.path.join(role_dir, "meta.json")) as f:
+        digest = json.load(f)["frozen_weights"]
+    assert digest["tensors"] == len(frozen) and digest["elements"] == sum(v.numel() for v in frozen.values())
+
+    again = frozen_base_trainer(seed=7)  # the same base rebuilt from its folder, the trained part from the checkpoint
+    for p in again["model"].parameters():
+        if p.requires_grad:
+            p.data.to_local().zero_()
+    load_checkpoint(str(tmp_path), "actor", rollout_id=1, **again)
+    got_trained, got_frozen = trained_and_frozen(again["model"])
+    assert_bitwise_equal(got_trained, trained)
+    assert_bitwise_equal(got_frozen, frozen)
+    assert again["optimizer"].state  # AdamW's moments came back with the weights
+
+    other_base = frozen_base_trainer(seed=8)
+    with pytest.raises(checkpoint.CheckpointError, match=r"its frozen weights \(4 tensors.*same --hf-checkpoint"):
+        load_checkpoint(str(tmp_path), "actor", rollout_id=1, **other_base)
