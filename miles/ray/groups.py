@@ -45,6 +45,12 @@ def colocation_for(args: argparse.Namespace) -> Colocation | None:
     )
 
 
+def engines_after_trainers(args: argparse.Namespace) -> bool:
+    """--colocate on GPUs: the engines start loading only once the trainer ranks have sharded, so a GPU never holds
+    an engine's whole model beside a rank's loading buffers (on CPU they load meanwhile: start-up is shorter)."""
+    return bool(args.colocate) and uses_gpu(args) and bool(roles_to_start(args))
+
+
 def resumes_from_save_folders(args: argparse.Namespace, roles: list[str]) -> bool:
     """Whether every role that saves loads from the folder it saves into (`--load DIR --save DIR`)."""
     saves, loads = save_folders(args, roles), load_folders(args, roles)
@@ -71,6 +77,7 @@ class RunGroups:
         self.phases = phases if phases is not None else PhaseMemory(args, {}, None)
         self.saved: int | None = None  # the last rollout whose checkpoint the save folders hold from this run
         self.placement: dict[str, list[dict[str, Any]]] = {}  # where each actor runs, once started (`start`)
+        self.start_engines: Callable[[], Any] | None = None  # the rollout manager's start, when it waits (`launch`)
 
     @classmethod
     def launch(cls, args: argparse.Namespace, pool: ActorPool | None = None) -> RunGroups:
@@ -89,7 +96,13 @@ class RunGroups:
         try:
             for role in roles_to_start(args):
                 launched.groups[role] = RayTrainGroup(args, role, colocation=launched.colocation, pool=pool)
-            launched.rollout_manager = RolloutManager(args, wait=False, colocation=launched.colocation, pool=pool)
+            start_engines = functools.partial(
+                RolloutManager, args, wait=False, colocation=launched.colocation, pool=pool
+            )
+            if engines_after_trainers(args):
+                launched.start_engines = start_engines  # `start` calls it once the ranks hold only their shards
+            else:
+                launched.rollout_manager = start_engines()
             launched.evaluator = Evaluator(args) if eval_enabled(args) else None
         except BaseException:  # a placement group that never came, a broken prompt file
             run_cleanup(launched.shutdown_steps())
@@ -100,11 +113,18 @@ class RunGroups:
         """Initialise and resume the trainer groups while the engines and reward workers load, set the per-phase
         thread counts, give the engines the actor's weights, record where everything runs and, with
         --colocate-sleep, put the trainer ranks to sleep. Returns the first rollout id."""
-        args, groups, manager = self.args, self.groups, self.rollout_manager
+        args, groups = self.args, self.groups
         for group in groups.values():
             group.start_init()
-        manager.wait_ready()
-        starts = {role: group.finish_init() for role, group in groups.items()}
+        if self.start_engines is not None:  # colocated on GPUs: the engines' whole models after the ranks' shards
+            starts = {role: group.finish_init() for role, group in groups.items()}
+            logger.info("trainer ranks hold their shards: the colocated engines load now")
+            self.rollout_manager, self.start_engines = self.start_engines(), None
+            self.rollout_manager.wait_ready()
+        else:  # the engines and reward workers loaded meanwhile
+            self.rollout_manager.wait_ready()
+            starts = {role: group.finish_init() for role, group in groups.items()}
+        manager = self.rollout_manager
         check_roles_agree(args, list(starts), starts)
         self.set_phase_threads()
         start_rollout_id = min(starts.values(), default=0)

@@ -143,3 +143,53 @@ def test_colocate_puts_rank_i_of_every_group_and_its_engines_on_gpu_i(background
     assert gpu["critic"] == gpu["actor"]  # rank i of every group on the same GPU
     assert gpu["engines"] == [gpu["actor"][i % 2] for i in range(3)]
     assert placement["share"] == 0.25  # bundle 0: actor rank, critic rank, engines 0 and 2
+
+
+@pytest.mark.parametrize(
+    ("device", "colocate", "after"), [("cuda", True, True), ("cuda", False, False), ("cpu", True, False)]
+)
+def test_colocated_engines_on_gpus_load_once_the_ranks_hold_their_shards(monkeypatch, device, colocate, after):
+    """On shared GPUs an engine's whole model must not load beside the ranks' loading; elsewhere both load at once."""
+    import miles.ray.groups as groups_module
+    import miles.ray.rollout_manager
+    import miles.ray.train_group
+
+    events: list = []
+
+    class Group:
+        def __init__(self, args, role, colocation=None, pool=None):
+            self.role = role
+
+        def start_init(self):
+            events.append(f"{self.role} loads its shards")
+
+        def finish_init(self):
+            events.append(f"{self.role} ready")
+            return 0
+
+    class Manager:
+        engines = None
+
+        def __init__(self, args, *, wait, colocation, pool):
+            assert wait is False
+            events.append("engines load")
+
+        def wait_ready(self):
+            events.append("engines ready")
+
+        def update_weights(self, group, version):
+            events.append("sync")
+
+    monkeypatch.setattr(miles.ray.train_group, "RayTrainGroup", Group)
+    monkeypatch.setattr(miles.ray.rollout_manager, "RolloutManager", Manager)
+    monkeypatch.setattr(groups_module, "colocation_for", lambda args: None)
+    monkeypatch.setattr(groups_module.RunGroups, "record_placement", lambda self: {})
+    monkeypatch.setattr(groups_module, "uses_gpu", lambda args: args.device == "cuda")
+    args = args_for("--device", device, "--eval-interval", "0", *(["--colocate"] if colocate else []))
+    assert groups_module.engines_after_trainers(args) is after
+    run_groups = groups_module.RunGroups.launch(args, pool=None)
+    assert run_groups.start() == 0
+    if after:
+        assert events == ["actor loads its shards", "actor ready", "engines load", "engines ready", "sync"]
+    else:
+        assert events == ["engines load", "actor loads its shards", "engines ready", "actor ready", "sync"]
