@@ -33,7 +33,7 @@ def test_too_few_gpus_fail_at_once_naming_the_flags():
     check_gpus_fit(colocated, 2.0)
     with pytest.raises(ValueError, match=r"--colocate puts rank i .* --dp-size 2 needs 2 GPUs .* has 1"):
         check_gpus_fit(colocated, 1.0)
-    with pytest.raises(ValueError, match=r"lower --dp-size to at most 1"):
+    with pytest.raises(ValueError, match=r"lower --dp-size x --sp-size to at most 1"):
         check_gpus_fit(parse_args([*base, "--dp-size", "2"]), 1.0)
     check_gpus_fit(parse_args([*base, "--dp-size", "2"]), 4.0)
     check_gpus_fit(parse_args([*base, "--dp-size", "2", "--device", "cpu"]), 0.0)
