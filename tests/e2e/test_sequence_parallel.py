@@ -1,5 +1,5 @@
-"""A whole Flow-GRPO (policy_loss) run of the tiny Wan family at --dp-size 1 --sp-size 2 gives the --sp-size 1 metric
-series to fp32 rounding: both ranks of the sequence-parallel group train the same pairs with the same draws, the
+"""Whole Flow-GRPO (policy_loss) and DiffusionNFT (nft) runs of the tiny Wan family at --dp-size 1 --sp-size 2 give the
+--sp-size 1 metric series to fp32 rounding: both ranks of the sequence-parallel group train the same pairs with the same draws, the
 blocks run on half the tokens each, and the loss, gradients and updates are those of one rank."""
 
 from __future__ import annotations
@@ -21,15 +21,20 @@ LATER_ROLLOUTS = {"rel_tol": 2e-3, "abs_tol": 1e-5}  # sampled from weights that
 SKIPPED = ("perf/", "time/", "memory/", "throughput/")  # wall-clock and process measurements differ by layout
 
 
-def run_series(out: str, pipeline: str, sp_size: int) -> list[dict]:
+LOSSES = {  # each loss type's own flags
+    "policy_loss": ["--diffusion-noise-level", "0.7", "--diffusion-num-sde-steps", "2"],
+    "nft": [],
+}
+
+
+def run_series(out: str, pipeline: str, loss_type: str, sp_size: int) -> list[dict]:
     args = parse_args(
         [
             *("--hf-checkpoint", pipeline, "--prompt-data", "builtin:shapes", "--resolution", "32"),
-            *("--num-frames", "5", "--loss-type", "policy_loss", "--custom-rm-path", BRIGHTENING),
+            *("--num-frames", "5", "--loss-type", loss_type, *LOSSES[loss_type], "--custom-rm-path", BRIGHTENING),
             *("--dp-size", "1", "--sp-size", str(sp_size), "--cpus-per-rank", "0.5"),
             *("--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"),
-            *("--diffusion-num-steps", "3", "--num-steps-per-rollout", "2", "--diffusion-noise-level", "0.7"),
-            *("--diffusion-num-sde-steps", "2", "--global-batch-size", "2"),
+            *("--diffusion-num-steps", "3", "--num-steps-per-rollout", "2", "--global-batch-size", "2"),
             *("--seed", "1", "--rollout-seed", "1", "--lr", "1e-3", "--eval-interval", "0"),
             *("--image-grid-interval", "0", "--no-progress", "--log-level", "WARNING", "--output-dir", out),
         ]
@@ -38,9 +43,10 @@ def run_series(out: str, pipeline: str, sp_size: int) -> list[dict]:
     return list(read_metrics(os.path.join(out, "metrics.jsonl")))
 
 
-def test_policy_loss_run_at_sp_size_2_matches_sp_size_1(ray_cluster, tiny_wan_dir, tmp_path):
-    plain = run_series(str(tmp_path / "sp1"), tiny_wan_dir, 1)
-    split = run_series(str(tmp_path / "sp2"), tiny_wan_dir, 2)
+@pytest.mark.parametrize("loss_type", sorted(LOSSES))
+def test_a_run_at_sp_size_2_matches_sp_size_1(ray_cluster, tiny_wan_dir, tmp_path, loss_type):
+    plain = run_series(str(tmp_path / "sp1"), tiny_wan_dir, loss_type, 1)
+    split = run_series(str(tmp_path / "sp2"), tiny_wan_dir, loss_type, 2)
     assert len(plain) == len(split) and any("train/loss" in r for r in plain)
     compared = 0
     for mine, theirs in zip(split, plain):

@@ -1,7 +1,7 @@
 """Rank body of the sequence-parallel equality job (`rank_jobs.py sp-wan-ws2`): tiny Wan at --sp-size 2 (dp 1, FSDP2
-over both ranks, with and without activation checkpointing) against the plain unsharded transformer on one process,
-for velocities (with and without CFG), a Flow-GRPO SDE log-prob, a flow-matching (nft/sft-style) loss and every
-parameter's gradient."""
+over both ranks, with and without activation checkpointing; and the two-expert layout) against the plain unsharded
+transformer on one process, for velocities (with and without CFG), a Flow-GRPO SDE log-prob, a flow-matching
+(nft/sft-style) loss and every parameter's gradient."""
 
 from __future__ import annotations
 
@@ -88,6 +88,16 @@ def wan_sp_equality(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
             gradient_checkpointing=checkpointing,
         )
         report["sp_checkpointed" if checkpointing else "sp"] = quantities(family, model, inputs)
+    # two experts (Wan 2.2 A14B layout): t = 900 goes to the high-noise expert, 450 to the low-noise one
+    experts = get_train_pipeline_config(resolve_checkpoint("builtin:tiny-wan-2-experts"))
+    report["experts_plain"] = quantities(experts, experts.load_transformer().train(), inputs)
+    model = experts.load_transformer().train()
+    experts.apply_sequence_parallel(model, sp)
+    apply_fsdp2(
+        model, experts.transformer_blocks(model), param_dtype=torch.float32, reduce_dtype=torch.float32,
+        cast_root_inputs=False,
+    )  # fmt: skip
+    report["experts_sp"] = quantities(experts, model, inputs)
     return report
 
 
