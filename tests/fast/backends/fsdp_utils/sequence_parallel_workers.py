@@ -1,15 +1,17 @@
 """Rank body of the sequence-parallel equality job (`rank_jobs.py sp-wan-ws2`): tiny Wan at --sp-size 2 (dp 1, FSDP2
-over both ranks, with and without activation checkpointing; and the two-expert layout) against the plain unsharded
+over both ranks, with and without activation checkpointing; the two-expert layout; LoRA) against the plain unsharded
 transformer on one process, for velocities (with and without CFG), a Flow-GRPO SDE log-prob, a flow-matching
 (nft/sft-style) loss and every parameter's gradient."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import torch
 
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2
+from miles.backends.fsdp_utils.lora import apply_lora, lora_config_from_args
 from miles.diffusion.sde import sde_step
 from miles.models.base import get_train_pipeline_config
 from miles.models.builtin import resolve_checkpoint
@@ -55,7 +57,8 @@ def quantities(family: Any, model: torch.nn.Module, inputs: dict[str, torch.Tens
     grads = {}
     for name, param in model.named_parameters():
         grad = param.grad
-        grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+        if grad is not None:  # frozen: the base weights under LoRA
+            grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
     return {
         "velocity": velocity.detach(),
         "guided": guided.detach(),
@@ -98,7 +101,28 @@ def wan_sp_equality(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
         cast_root_inputs=False,
     )  # fmt: skip
     report["experts_sp"] = quantities(experts, model, inputs)
+    # LoRA: the Ulysses processor calls the adapted projections
+    report["lora_plain"] = quantities(family, with_lora(family), inputs)
+    model = with_lora(family)
+    family.apply_sequence_parallel(model, sp)
+    apply_fsdp2(
+        model, family.transformer_blocks(model), param_dtype=torch.float32, reduce_dtype=torch.float32,
+        cast_root_inputs=False,
+    )  # fmt: skip
+    report["lora_sp"] = quantities(family, model, inputs)
     return report
+
+
+def with_lora(family: Any) -> torch.nn.Module:
+    """The transformer with a LoRA adapter whose A and B are both random (seeded), so every adapter weight has a
+    gradient (B = 0 at the usual init would leave A's at zero)."""
+    model = apply_lora(family.load_transformer().train(), lora_config_from_args(argparse.Namespace(), "wan"))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return model
 
 
 def _tokens(model: torch.nn.Module, latents: torch.Tensor) -> int:

@@ -1,4 +1,4 @@
-"""--sp-size 2 on tiny Wan (dp 1, FSDP2 over both ranks, with and without activation checkpointing; two experts too)
+"""--sp-size 2 on tiny Wan (dp 1, FSDP2 over both ranks, with and without activation checkpointing; two experts; LoRA)
 computes what the plain unsharded transformer computes: velocities, a Flow-GRPO log-prob, a flow-matching loss and
 every gradient, to fp32 rounding. One spawned world-size-2 run (a background job) that every test here reads."""
 
@@ -12,7 +12,12 @@ from tests.fast.backends.fsdp_utils import rank_jobs
 
 SP_JOB = "sp-wan-ws2"  # `wan_sp_equality` on 2 ranks (sequence_parallel_workers.py)
 ON_SP = pytest.mark.background(rank_jobs.SCRIPT, SP_JOB)
-SP_RUNS = {"sp": "plain", "sp_checkpointed": "plain", "experts_sp": "experts_plain"}  # run -> its reference
+SP_RUNS = {  # run -> its reference
+    "sp": "plain",
+    "sp_checkpointed": "plain",
+    "experts_sp": "experts_plain",
+    "lora_sp": "lora_plain",
+}
 
 
 @pytest.fixture(scope="module")
