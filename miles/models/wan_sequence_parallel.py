@@ -8,6 +8,8 @@ unpatchify), which every rank of the group computes alike on the gathered tokens
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from diffusers import WanTransformer3DModel
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -61,9 +63,10 @@ class UlyssesWanSelfAttention:
         return attn.to_out[1](attn.to_out[0](out))
 
 
-def _split_block_inputs(sp: SequenceParallelGroup):
+def _split_block_inputs(sp: SequenceParallelGroup) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]:
     """Pre-hook of the first block: keep this rank's chunk of the tokens. The rotary table (argument 3) holds one row
-    per token of the whole sequence, so inputs already split (an activation-checkpointing recompute) pass as they are."""
+    per token of the whole sequence, so inputs already split (an activation-checkpointing recompute) pass as they
+    are."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden_states, rest = args[0], args[1:]
@@ -74,7 +77,7 @@ def _split_block_inputs(sp: SequenceParallelGroup):
     return hook
 
 
-def _gather_before_output_norm(sp: SequenceParallelGroup):
+def _gather_before_output_norm(sp: SequenceParallelGroup) -> Callable[[nn.Module, tuple], tuple]:
     """Pre-hook of `norm_out`: every rank's chunk, so the output layers and the loss see the whole sequence."""
 
     def hook(module: nn.Module, args: tuple) -> tuple:

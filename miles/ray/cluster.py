@@ -56,9 +56,10 @@ def check_gpus_fit(args: argparse.Namespace, cluster_gpus: float) -> None:
     world = trainer_world_size(args)
     if world > 1 and args.gpus_per_rank < 1:
         raise ValueError(
-            f"--gpus-per-rank {args.gpus_per_rank:g} with {world} ranks per group (--dp-size x --sp-size): Ray packs fractional shares onto "
-            "as few GPUs as it can, so ranks of one group would share a GPU, which NCCL refuses; to share GPUs "
-            "between trainer ranks and rollout engines use --colocate (whole GPUs, one rank of each group per GPU)"
+            f"--gpus-per-rank {args.gpus_per_rank:g} with {world} ranks per group (--dp-size x --sp-size): Ray packs "
+            "fractional shares onto as few GPUs as it can, so ranks of one group would share a GPU, which NCCL "
+            "refuses; to share GPUs between trainer ranks and rollout engines use --colocate (whole GPUs, one rank of "
+            "each group per GPU)"
         )
     trainers, engines = actor_shares(args, args.gpus_per_rank, args.rollout_gpus_per_engine)
     if trainers + engines <= cluster_gpus + 1e-9:
@@ -72,8 +73,8 @@ def check_gpus_fit(args: argparse.Namespace, cluster_gpus: float) -> None:
         hint = "share them with --colocate (rank i of every group and engines i, i + dp-size, ... on GPU i)"
     raise ValueError(
         f"the run needs {trainers + engines:g} GPUs ({len(algorithm_of(args).role_names)} group(s) x --dp-size "
-        f"{args.dp_size} x --sp-size {args.sp_size} x --gpus-per-rank {args.gpus_per_rank:g}, plus {engines:g} for the rollout engines) but the "
-        f"Ray cluster has {cluster_gpus:g}: {hint}"
+        f"{args.dp_size} x --sp-size {args.sp_size} x --gpus-per-rank {args.gpus_per_rank:g}, plus {engines:g} for "
+        f"the rollout engines) but the Ray cluster has {cluster_gpus:g}: {hint}"
     )
 
 
