@@ -6,6 +6,7 @@ transformer on one process, for velocities (with and without CFG), a Flow-GRPO S
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import torch
@@ -71,6 +72,7 @@ def quantities(family: Any, model: torch.nn.Module, inputs: dict[str, torch.Tens
 def wan_sp_equality(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     """The plain transformer (no process group used), then --sp-size 2 with FSDP2 over both ranks, without and with
     activation checkpointing; each rank reports all three."""
+    os.environ["MILES_CACHE"] = os.path.join(out_dir, "cache")  # its own tiny folders (one rank builds, under a lock)
     family = get_train_pipeline_config(resolve_checkpoint("builtin:tiny-wan"))
     inputs = fixed_inputs(family)
     plain = family.load_transformer().train()
