@@ -13,6 +13,12 @@ then materialised: no rank ever holds the full model. Memory is the process's re
 - step peak: the peak RSS of forward + backward minus RSS before the forward.
 It prints both and the two ratios the design asks for (state ws2 / ws1 ≤ 0.6; activations with / without
 checkpointing ≤ 0.5, at dp 2). Not a timed test: step times are printed for information only.
+
+    python benchmarks/bench_memory.py --sp              # sequence parallelism: a Wan transformer, a long clip
+
+`--sp` compares, on two ranks, dp 2 (each rank a whole sample: --sp-size 1) with dp 1 --sp-size 2 (one sample's tokens
+split over both ranks, miles.models.wan_sequence_parallel): the same parameter shards per rank, so the activations per
+rank differ by what sequence parallelism saves (target: sp 2 ≤ 0.6x sp 1).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2  # noqa: E402
+from miles.models.sequence_parallel import new_sequence_parallel_group  # noqa: E402
+from miles.models.wan_sequence_parallel import shard_wan_sequence  # noqa: E402
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group  # noqa: E402
 
 MIB = 2**20
@@ -124,10 +132,75 @@ def rank_main(rank: int, world_size: int, port: int, opts: dict, out: str) -> No
     destroy_process_group()
 
 
-def measure(world_size: int, checkpointing: bool, opts: argparse.Namespace) -> dict:
+def wan_config(layers: int) -> dict:
+    """Wan-architecture transformer, 512 wide (8 heads of 64), 16 latent channels, patch 1x2x2."""
+    return dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=8,
+        attention_head_dim=64,
+        in_channels=16,
+        out_channels=16,
+        text_dim=512,
+        freq_dim=256,
+        ffn_dim=2048,
+        num_layers=layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+    )
+
+
+def wan_rank_main(rank: int, world_size: int, port: int, opts: dict, out: str) -> None:
+    """One training step of a Wan transformer on 2 ranks: dp 2 (sp_size 1, a sample per rank) or one sample split
+    over both (sp_size 2); the same report as `rank_main`."""
+    from diffusers import WanTransformer3DModel
+
+    torch.set_num_threads(max(1, opts["threads"] // world_size))
+    init_process_group(rank, world_size, "127.0.0.1", port, "cpu", timeout=timedelta(minutes=10))
+    sp = new_sequence_parallel_group(opts["sp_size"])
+    before = trimmed_rss()
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**wan_config(opts["layers"]))
+    model.train()
+    if sp is not None:
+        shard_wan_sequence(model, sp)
+    apply_fsdp2(
+        model, list(model.blocks), param_dtype=torch.float32, reduce_dtype=torch.float32, cast_root_inputs=False
+    )
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02)
+    num_params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    side = opts["resolution"] // 8
+    gen = torch.Generator().manual_seed(rank if sp is None else 0)  # an sp group shares its sample
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, opts["frames"], side, side, generator=gen),
+        encoder_hidden_states=torch.randn(1, 64, 512, generator=gen),
+        timestep=torch.full((1,), 500.0),
+    )
+    start = trimmed_rss()
+    reset_peak()
+    started = time.perf_counter()
+    loss = model(**inputs, return_dict=False)[0].float().pow(2).mean()
+    activations = trimmed_rss() - start
+    loss.backward()
+    peak = rss("VmHWM") - start
+    optimizer.step()
+    seconds = time.perf_counter() - started
+    del loss
+    state = trimmed_rss() - before
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(
+            {"state": state, "activations": activations, "peak": peak, "seconds": seconds, "params": num_params}, f
+        )
+    destroy_process_group()
+
+
+def measure(world_size: int, checkpointing: bool, opts: argparse.Namespace, main_fn=rank_main, **extra) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        rank_opts = {**vars(opts), "checkpointing": checkpointing}
-        mp.spawn(rank_main, args=(world_size, find_free_port(), rank_opts, out), nprocs=world_size)
+        rank_opts = {**vars(opts), "checkpointing": checkpointing, **extra}
+        mp.spawn(main_fn, args=(world_size, find_free_port(), rank_opts, out), nprocs=world_size)
         reports = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world_size)]
     return {key: max(r[key] for r in reports) for key in reports[0]}  # the worst rank
 
@@ -138,7 +211,12 @@ def main() -> None:
     parser.add_argument("--resolution", type=int, default=512, help="Image side in pixels (latents: side / 8).")
     parser.add_argument("--batch", type=int, default=1, help="Images per rank.")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="Torch threads over all ranks.")
+    parser.add_argument("--sp", action="store_true", help="The sequence-parallel side instead (Wan, 2 ranks).")
+    parser.add_argument("--frames", type=int, default=4, help="--sp: latent frames of the clip.")
     opts = parser.parse_args()
+    if opts.sp:
+        main_sp(opts)
+        return
     runs = {
         "dp 1": measure(1, False, opts),
         "dp 2": measure(2, False, opts),
@@ -154,6 +232,20 @@ def main() -> None:
     act_ratio = runs["dp 2 + checkpointing"]["activations"] / runs["dp 2"]["activations"]
     print(f"state per rank dp 2 / dp 1 = {state_ratio:.2f}  (target ≤ 0.6)")
     print(f"activations with / without checkpointing = {act_ratio:.2f}  (target ≤ 0.5)")
+
+
+def main_sp(opts: argparse.Namespace) -> None:
+    """dp 2 against dp 1 x sp 2 on the same two ranks: per-rank memory of one step (`wan_rank_main`)."""
+    runs = {f"sp {n}": measure(2, False, opts, wan_rank_main, sp_size=n) for n in (1, 2)}
+    side = opts.resolution // 16
+    tokens = opts.frames * side * side
+    print(f"Wan transformer {runs['sp 1']['params'] / 1e6:.0f}M parameters, {tokens} tokens per sample, 2 ranks, CPU")
+    print(f"{'MiB per rank':<24}{'state':>8}{'activations':>13}{'step peak':>11}{'step s':>8}")
+    for name, r in runs.items():
+        row = f"{r['state'] / MIB:>8.0f}{r['activations'] / MIB:>13.0f}{r['peak'] / MIB:>11.0f}{r['seconds']:>8.1f}"
+        print(f"{name + (' (dp 2)' if name == 'sp 1' else ' (dp 1)'):<24}{row}")
+    ratio = runs["sp 2"]["activations"] / runs["sp 1"]["activations"]
+    print(f"activations per rank sp 2 / sp 1 = {ratio:.2f}  (target ≤ 0.6)")
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 def check_startup(args: argparse.Namespace) -> None:
-    """Every path flag loads with the right signature, the family accepts its options and the run's flags, the
-    loss type has its entries."""
+    """Every path flag loads with the right signature, the family accepts its options and the run's flags (--sp-size
+    among them), the loss type has its entries."""
     # diffusers and transformers (~3 s of CPU): imported here, on the checks' thread while ray.init runs
     from miles.models.base import family_options, get_train_pipeline_config, load_family_class
     from miles.rollout.rollout_hub import check_async_rollout, rollout_spec_of
@@ -40,6 +40,9 @@ def check_startup(args: argparse.Namespace) -> None:
     # the family's options (--num-frames, ...) against the folder, and its own checks of the run's flags
     family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
     family.check_run_args(args)
+    problems = family.sequence_parallel_problems(args.sp_size, args.resolution)  # --sp-size: support, heads, tokens
+    if problems:
+        raise ValueError("; ".join(problems))
     if eval_enabled(args) and not args.eval_function_path and len(family.latent_shape(args.resolution)) != 3:
         raise ValueError(
             f"the built-in shapes eval scores images, and {family.name} makes video: pass --eval-interval 0 or your "

@@ -25,6 +25,7 @@ from miles.models.conditioning import Conditioning
 from miles.models.media import Media
 from miles.models.options import FamilyOption, family_options, option_flag  # noqa: F401  (family_options: re-exported)
 from miles.models.registry import BUILTIN_FAMILIES, builtin_family_of_pipeline
+from miles.models.sequence_parallel import SequenceParallelGroup, sequence_parallel_problems
 from miles.utils import import_gc
 from miles.utils.misc import load_function
 
@@ -91,6 +92,9 @@ class TrainPipelineConfig(ABC):
     default_lora_targets: ClassVar[tuple[str, ...]] = ()
     # the run options this family reads (`miles.models.options`: its flags, ranges, help); others are refused
     options: ClassVar[tuple[FamilyOption, ...]] = ()
+    # whether the trainer may split a sample's tokens over --sp-size ranks (Ulysses): such a family implements
+    # `sequence_parallel_problems` and `apply_sequence_parallel`; the others refuse --sp-size > 1 at start-up
+    supports_sequence_parallel: ClassVar[bool] = False
 
     def __init__(self, path: str, **options: Any) -> None:
         self.path = str(check_pipeline_components(check_pipeline_folder(path), self.name))
@@ -187,6 +191,16 @@ class TrainPipelineConfig(ABC):
         """Start-up checks of a run's flags against this folder, before any actor starts (the driver calls it);
         raise ValueError naming the flag. Default: none."""
         return None
+
+    def sequence_parallel_problems(self, sp_size: int, resolution: int | None = None) -> list[str]:
+        """Why --sp-size `sp_size` cannot run on this folder at `resolution` (empty: it can); checked at start-up.
+        Default: any sp_size > 1 is refused, naming the family."""
+        return sequence_parallel_problems(self.name, sp_size, heads=1, tokens=1, supported=False)
+
+    def apply_sequence_parallel(self, transformer: nn.Module, sp: SequenceParallelGroup) -> None:
+        """Split `transformer`'s tokens over the ranks of `sp` (before FSDP2 wraps it); families that declare
+        `supports_sequence_parallel` implement it."""
+        raise NotImplementedError(f"the {self.name} family does not support sequence parallelism (--sp-size)")
 
     def loaded_modules(self) -> list[nn.Module]:
         """Every network the family has loaded (text encoders, VAE and the like; not the transformer, which its

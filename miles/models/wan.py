@@ -38,7 +38,9 @@ from miles.models.diffusers_family import (
 )
 from miles.models.media import Media
 from miles.models.options import TRAINED_EXPERTS, options_of
+from miles.models.sequence_parallel import SequenceParallelGroup, sequence_parallel_problems
 from miles.models.wan_experts import HIGH_NOISE, LOW_NOISE, WanExperts
+from miles.models.wan_sequence_parallel import shard_wan_sequence
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class WanPipelineConfig(DiffusersFamily):
     options = options_of("wan")
     # self- and cross-attention of every WanTransformerBlock
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.wan_sequence_parallel)
     transformer_class = WanTransformer3DModel
     text_pipeline_class = "WanPipeline"
     non_text_components = ("transformer", "transformer_2", "vae")
@@ -174,6 +177,35 @@ class WanPipelineConfig(DiffusersFamily):
                 f"--use-lora with a two-expert Wan folder ({self.path}) is not supported: miles injects one adapter "
                 "into one transformer; train the experts fully (--wan-trained-experts picks which)"
             )
+
+    def sequence_parallel_problems(self, sp_size: int, resolution: int | None = None) -> list[str]:
+        """--sp-size must divide the attention heads and the patch tokens per sample at `resolution`; Wan 2.2 TI2V's
+        per-token timesteps (expand_timesteps) are refused: its per-token modulation is not split."""
+        if sp_size == 1:
+            return []
+        config = self.cached_json("transformer", "config.json")
+        _, frames, height, width = self.latent_shape(resolution)
+        p_t, p_h, p_w = self.patch_size
+        tokens = (frames // p_t) * (height // p_h) * (width // p_w)
+        problems = sequence_parallel_problems(
+            self.name, sp_size, heads=int(config["num_attention_heads"]), tokens=tokens
+        )
+        if self.expand_timesteps:
+            problems.append(
+                f"--sp-size {sp_size} with {self.path}: Wan 2.2 TI2V's per-token timesteps (expand_timesteps) are not "
+                "split over the sequence-parallel ranks; use --sp-size 1"
+            )
+        return problems
+
+    def apply_sequence_parallel(self, transformer: nn.Module, sp: SequenceParallelGroup) -> None:
+        """Every expert's tokens split over the ranks of `sp` (`shard_wan_sequence`)."""
+        experts = (
+            [transformer.transformer, transformer.transformer_2]
+            if isinstance(transformer, WanExperts)
+            else [transformer]
+        )
+        for expert in experts:
+            shard_wan_sequence(expert, sp)
 
     # text
     @property

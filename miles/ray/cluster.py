@@ -13,14 +13,14 @@ from miles.algorithms import algorithm_of
 from miles.ray.reward_workers import REWARD_WORKER_CPUS
 from miles.utils.console import ray_init_kwargs
 from miles.utils.distributed import engine_cpus, uses_gpu
-from miles.utils.fsdp_arguments import resolve_cluster_device
+from miles.utils.fsdp_arguments import resolve_cluster_device, trainer_world_size
 from miles.utils.stop_signals import keeping_signal_handlers
 
 
 def actor_shares(args: argparse.Namespace, per_rank: float, per_engine: float) -> tuple[float, float]:
     """(trainer ranks' total, rollout engines' total) of one resource, given each actor's share of it."""
     algorithm = algorithm_of(args)
-    trainers = args.dp_size * per_rank * len(algorithm.role_names)
+    trainers = trainer_world_size(args) * per_rank * len(algorithm.role_names)
     engines = args.rollout_num_engines * per_engine if algorithm.uses_engines else 0.0
     return trainers, engines
 
@@ -53,23 +53,28 @@ def check_gpus_fit(args: argparse.Namespace, cluster_gpus: float) -> None:
                 f"{args.dp_size} GPUs but the Ray cluster has {cluster_gpus:g}: lower --dp-size"
             )
         return
-    if args.dp_size > 1 and args.gpus_per_rank < 1:
+    world = trainer_world_size(args)
+    if world > 1 and args.gpus_per_rank < 1:
         raise ValueError(
-            f"--gpus-per-rank {args.gpus_per_rank:g} with --dp-size {args.dp_size}: Ray packs fractional shares onto "
-            "as few GPUs as it can, so ranks of one group would share a GPU, which NCCL refuses; to share GPUs "
-            "between trainer ranks and rollout engines use --colocate (whole GPUs, one rank of each group per GPU)"
+            f"--gpus-per-rank {args.gpus_per_rank:g} with {world} ranks per group (--dp-size x --sp-size): Ray packs "
+            "fractional shares onto as few GPUs as it can, so ranks of one group would share a GPU, which NCCL "
+            "refuses; to share GPUs between trainer ranks and rollout engines use --colocate (whole GPUs, one rank of "
+            "each group per GPU)"
         )
     trainers, engines = actor_shares(args, args.gpus_per_rank, args.rollout_gpus_per_engine)
     if trainers + engines <= cluster_gpus + 1e-9:
         return
-    if args.dp_size > cluster_gpus:
-        hint = f"lower --dp-size to at most {int(cluster_gpus)} (ranks of one group need distinct GPUs under nccl)"
+    if world > cluster_gpus:
+        hint = (
+            f"lower --dp-size x --sp-size to at most {int(cluster_gpus)} (ranks of one group need distinct GPUs under "
+            "nccl)"
+        )
     else:
         hint = "share them with --colocate (rank i of every group and engines i, i + dp-size, ... on GPU i)"
     raise ValueError(
         f"the run needs {trainers + engines:g} GPUs ({len(algorithm_of(args).role_names)} group(s) x --dp-size "
-        f"{args.dp_size} x --gpus-per-rank {args.gpus_per_rank:g}, plus {engines:g} for the rollout engines) but the "
-        f"Ray cluster has {cluster_gpus:g}: {hint}"
+        f"{args.dp_size} x --sp-size {args.sp_size} x --gpus-per-rank {args.gpus_per_rank:g}, plus {engines:g} for "
+        f"the rollout engines) but the Ray cluster has {cluster_gpus:g}: {hint}"
     )
 
 

@@ -140,9 +140,13 @@ class RunGroups:
         return start_rollout_id
 
     def record_placement(self) -> dict:
-        """Where every trainer rank and engine runs (node, IP, GPU ids): `placement.json` in the output folder and a
-        log line per role. Returns it, by role (`engines` for the engines)."""
+        """Where every trainer rank and engine runs (node, IP, GPU ids; a trainer rank's data-parallel group and
+        sequence-parallel rank too): `placement.json` in the output folder and a log line per role. Returns it, by
+        role (`engines` for the engines)."""
         placement = {role: actor_nodes(group.actors) for role, group in self.groups.items()}
+        for role in self.groups:
+            for rank, entry in enumerate(placement[role]):
+                entry["dp_rank"], entry["sp_rank"] = divmod(rank, self.args.sp_size)
         if self.rollout_manager.engines is not None:
             placement["engines"] = actor_nodes(self.rollout_manager.engines.engines)
         if self.rollout_manager.rewards is not None and self.rollout_manager.rewards.workers:

@@ -1,4 +1,5 @@
-"""RayTrainGroup: the data-parallel ranks of one role as Ray actors, every call broadcast to all ranks."""
+"""RayTrainGroup: the ranks of one role as Ray actors (--dp-size data-parallel groups of --sp-size sequence-parallel
+ranks), every call broadcast to all ranks."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from miles.ray.placement_group import Colocation, create_placement_group
 from miles.utils.box import Box
 from miles.utils.distributed import uses_gpu
 from miles.utils.failures import gather
+from miles.utils.fsdp_arguments import trainer_world_size
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,8 @@ def rank_options(
 
 
 class RayTrainGroup:
-    """N ranks of one role in one placement group; rank i of this group pairs with rank i of the next."""
+    """dp x sp ranks of one role in one placement group; rank i of this group pairs with rank i of the next. Ranks
+    [k·sp, (k + 1)·sp) form sequence-parallel group k and all train data-parallel shard k."""
 
     def __init__(
         self,
@@ -67,7 +70,8 @@ class RayTrainGroup:
         with its share of that bundle's GPU. With `pool`, ranks (and their placement group) of an earlier run of
         the same shape are reused and go back to it at `shutdown` (not with `colocation`: that group is the run's)."""
         self.args, self.role, self.timeout = args, role, timeout
-        self.world_size = args.dp_size
+        self.world_size = trainer_world_size(args)
+        self.dp_size, self.sp_size = args.dp_size, args.sp_size
         self.last_rollout_id: int | None = None  # named by failures of calls that are not told the rollout
         self.failed = False
         gpu = uses_gpu(args)
@@ -145,13 +149,14 @@ class RayTrainGroup:
         return starts[0]
 
     def train(self, rollout_id: int, data: list[Box], peer: list[Box] | None = None) -> list[Box]:
-        """One `train` call on every rank; returns the ranks' boxed outputs (the driver never opens them)."""
-        if len(data) != self.world_size:
-            raise ValueError(f"{self.role}: {len(data)} data shards for {self.world_size} ranks")
+        """One `train` call on every rank, rank r on data-parallel shard r // sp-size; returns the ranks' boxed
+        outputs (the driver never opens them)."""
+        if len(data) != self.dp_size:
+            raise ValueError(f"{self.role}: {len(data)} data shards for {self.dp_size} data-parallel groups")
         if peer is not None and len(peer) != self.world_size:
             raise ValueError(f"{self.role}: {len(peer)} peer outputs for {self.world_size} ranks")
         refs = [
-            actor.train.remote(rollout_id, data[rank], None if peer is None else peer[rank])
+            actor.train.remote(rollout_id, data[rank // self.sp_size], None if peer is None else peer[rank])
             for rank, actor in enumerate(self.actors)
         ]
         self.last_rollout_id = rollout_id

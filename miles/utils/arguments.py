@@ -28,7 +28,12 @@ CFG_FREE = ", ".join(
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cluster")
     group.add_argument("--ray-address", default=None, help="Ray cluster address; default starts a local one.")
-    group.add_argument("--dp-size", type=int, default=2, help="Data-parallel ranks (Ray actors) per trained role.")
+    group.add_argument(
+        "--dp-size",
+        type=int,
+        default=2,
+        help="Data-parallel ranks per trained role (each a group of --sp-size Ray actors).",
+    )
     group.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),

@@ -54,8 +54,23 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="Hybrid sharding: shard within groups of N ranks (e.g. a node's GPUs), replicate across the groups "
-        "(a 2-D mesh; N must divide --dp-size; default: shard over every rank).",
+        "(a 2-D mesh; N must divide --dp-size x --sp-size; default: shard over every rank).",
     )
+    group.add_argument(
+        "--sp-size",
+        type=int,
+        default=1,
+        help="Ulysses sequence parallelism in the trainer: each group of N consecutive ranks trains the same pairs, "
+        "each rank running the transformer blocks on 1/N of every sample's tokens (attention on all tokens of 1/N "
+        "of the heads). A role then has --dp-size x --sp-size ranks; FSDP2 shards over all of them. Families that "
+        "declare support only (wan); N must divide the attention heads and the latent tokens per sample. The "
+        "rollout engines stay whole (docs/user-guide/video.md).",
+    )
+
+
+def trainer_world_size(args: argparse.Namespace) -> int:
+    """Ranks of one trained role: --dp-size data-parallel groups of --sp-size sequence-parallel ranks each."""
+    return args.dp_size * args.sp_size
 
 
 def device_defaults(args: argparse.Namespace, cluster_gpus: float) -> dict[str, Any]:
@@ -93,10 +108,21 @@ def resolve_cluster_device(args: argparse.Namespace, cluster_gpus: float) -> Non
 
 
 def sharding_rules(args: argparse.Namespace) -> list[str]:
-    shard = args.fsdp_shard_size
-    if shard is not None and args.dp_size % shard != 0:  # ≥ 1 is checked with the other ranges
-        return [f"--fsdp-shard-size {shard} must divide --dp-size {args.dp_size} (ranks per model copy)"]
-    return []
+    """Hybrid sharding's and sequence parallelism's rules (≥ 1 is checked with the other ranges; the family's own
+    --sp-size rules, heads and tokens, at start-up: `TrainPipelineConfig.sequence_parallel_problems`)."""
+    errors = []
+    shard, world = args.fsdp_shard_size, trainer_world_size(args)
+    if shard is not None and world % shard != 0:
+        errors.append(
+            f"--fsdp-shard-size {shard} must divide the trainer's ranks, --dp-size x --sp-size = {world} (ranks per "
+            "model copy)"
+        )
+    if args.sp_size > 1 and args.colocate:
+        errors.append(
+            f"--sp-size {args.sp_size} with --colocate: colocation places one rank of each group per GPU bundle of "
+            "--dp-size; sequence-parallel groups are not placed there yet. Drop --colocate or use --sp-size 1"
+        )
+    return errors
 
 
 def precision_rules(args: argparse.Namespace) -> list[str]:

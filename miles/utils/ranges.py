@@ -41,7 +41,7 @@ UNIT, UNIT_OPEN_LOW, BETA = Range(0, 1), Range(0, 1, low_open=True), Range(0, 1,
 # family options (--num-frames, ...) declare theirs (miles.models.options.family_option_ranges)
 FLAG_RANGES: dict[str, Range] = {
     # cluster and model
-    "dp_size": AT_LEAST_1, "fsdp_shard_size": AT_LEAST_1, "cpus_per_rank": POSITIVE, "gpus_per_rank": POSITIVE, "seed": AT_LEAST_0,
+    "dp_size": AT_LEAST_1, "sp_size": AT_LEAST_1, "fsdp_shard_size": AT_LEAST_1, "cpus_per_rank": POSITIVE, "gpus_per_rank": POSITIVE, "seed": AT_LEAST_0,
     "resolution": AT_LEAST_1,
     # optimizer and schedule
     "lr": POSITIVE, "min_lr": AT_LEAST_0, "lr_warmup_steps": AT_LEAST_0,

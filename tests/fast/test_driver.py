@@ -18,6 +18,17 @@ def test_a_local_cluster_has_room_for_every_actor_share():
     assert local_ray_cpus(rl) == max(os.cpu_count() or 1, 5)  # 4 + 0.5 + 2 x 0.25
 
 
+def test_sequence_parallel_ranks_are_counted_in_the_cluster_size():
+    common = ["--hf-checkpoint", "unused", "--loss-type", "policy_loss", "--dp-size", "2", "--sp-size", "2"]
+    cpu = parse_args([*common, "--cpus-per-rank", "4", "--device", "cpu", "--rm-num-workers", "2"])
+    assert actor_shares(cpu, 4.0, 0.5) == (16.0, 0.5)  # 2 dp x 2 sp ranks of 4 CPUs; the engine stays whole
+    assert local_ray_cpus(cpu) == max(os.cpu_count() or 1, 17)  # 16 + 0.5 + 2 x 0.25
+    gpu = parse_args([*common, "--device", "cuda"])
+    check_gpus_fit(gpu, 5.0)  # 4 ranks + 1 engine
+    with pytest.raises(ValueError, match=r"--dp-size 2 x --sp-size 2 x --gpus-per-rank 1.*lower --dp-size x --sp-size"):
+        check_gpus_fit(gpu, 3.0)
+
+
 def test_too_few_gpus_fail_at_once_naming_the_flags():
     base = ["--hf-checkpoint", "unused", "--device", "cuda", "--loss-type", "policy_loss"]
     one_rank = parse_args([*base, "--dp-size", "1"])
@@ -33,7 +44,7 @@ def test_too_few_gpus_fail_at_once_naming_the_flags():
     check_gpus_fit(colocated, 2.0)
     with pytest.raises(ValueError, match=r"--colocate puts rank i .* --dp-size 2 needs 2 GPUs .* has 1"):
         check_gpus_fit(colocated, 1.0)
-    with pytest.raises(ValueError, match=r"lower --dp-size to at most 1"):
+    with pytest.raises(ValueError, match=r"lower --dp-size x --sp-size to at most 1"):
         check_gpus_fit(parse_args([*base, "--dp-size", "2"]), 1.0)
     check_gpus_fit(parse_args([*base, "--dp-size", "2"]), 4.0)
     check_gpus_fit(parse_args([*base, "--dp-size", "2", "--device", "cpu"]), 0.0)

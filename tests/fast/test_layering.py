@@ -56,3 +56,12 @@ def test_only_the_ray_layer_creates_actors():
         if "ray.remote(" in file.read_text() and file.parent.name != "ray"
     }
     assert not creators, f"Ray actors are created outside miles/ray/: {sorted(creators)}"
+
+
+def test_the_rollout_engines_stay_whole_under_sequence_parallelism():
+    """--sp-size is the trainer's: the engines, the rollout side and the group that starts the engines never read it,
+    so an engine always runs a whole sample (docs/user-guide/video.md)."""
+    engine_side = [*(PACKAGE / "rollout").rglob("*.py"), PACKAGE / "ray" / "engine_group.py"]
+    assert PACKAGE / "rollout" / "engine.py" in engine_side
+    readers = sorted(str(f.relative_to(PACKAGE.parent)) for f in engine_side if "sp_size" in f.read_text())
+    assert not readers, f"the engine side reads --sp-size: {readers}"

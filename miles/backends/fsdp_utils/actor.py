@@ -37,6 +37,7 @@ from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher, prefetch_en
 from miles.backends.fsdp_utils.sharded_load import load_sharded
 from miles.backends.fsdp_utils.train_loop import TrainLoop
 from miles.models.base import family_options, get_train_pipeline_config
+from miles.models.sequence_parallel import SequenceParallelGroup, new_sequence_parallel_group
 from miles.utils.distributed import (
     collective_device,
     destroy_process_group,
@@ -62,10 +63,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 class FSDPTrainRayActor(TrainLoop):
-    """One data-parallel rank of one role; wrapped by `ray.remote` in `miles.ray.train_group`."""
+    """One rank of one role (data-parallel group `dp_rank`, sequence-parallel rank `rank % sp_size` within it);
+    wrapped by `ray.remote` in `miles.ray.train_group`."""
 
     def __init__(self, world_size: int, rank: int, role: str) -> None:
         self.world_size, self.rank, self.role = world_size, rank, role
+        self.sp: SequenceParallelGroup | None = None  # this rank's sequence-parallel group (--sp-size > 1), from init
         self.global_step = 0
         self.consecutive_skips, self.first_non_finite = 0, ""  # the non-finite guard's state (train_loop.py)
         self.pending_metrics: list[dict[str, Any]] = []
@@ -103,7 +106,9 @@ class FSDPTrainRayActor(TrainLoop):
         if args.deterministic_mode:
             use_deterministic_algorithms()
         init_process_group(self.rank, self.world_size, master_addr, master_port, self.device)
-        self._seed_everything(args.seed + self.rank)
+        self.sp = new_sequence_parallel_group(args.sp_size)
+        # the ranks of a sequence-parallel group draw alike: they compute one data-parallel rank's pairs together
+        self._seed_everything(args.seed + self.dp_rank)
         self.forward_dtype = parse_dtype(args.diffusion_forward_dtype)
         self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
         master_dtype = parse_dtype(args.fsdp_master_dtype)  # what the optimizer updates; forwards cast to forward_dtype
@@ -114,7 +119,7 @@ class FSDPTrainRayActor(TrainLoop):
             self.settings["checkpoint"],
             dtype=master_dtype,
             device=self._home(),
-            prepare=None if self.lora_config is None else lambda model: apply_lora(model, self.lora_config),
+            prepare=self._prepare_trained,
             shard=lambda model: apply_fsdp2(
                 model,
                 self.family.transformer_blocks(model),
@@ -172,7 +177,7 @@ class FSDPTrainRayActor(TrainLoop):
             path,
             dtype=self.forward_dtype,
             device=self._home(),
-            prepare=lambda network: network.requires_grad_(False),
+            prepare=lambda network: self._split_sequence(network.requires_grad_(False)),
             shard=lambda network: apply_fsdp2(
                 network,
                 self.family.transformer_blocks(network),
@@ -183,6 +188,28 @@ class FSDPTrainRayActor(TrainLoop):
             ),
         )
         return network.eval()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel group: the shard of train pairs it trains on (with its sequence-parallel peers)."""
+        return self.rank // self.args.sp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.args.sp_size
+
+    def _prepare_trained(self, model: torch.nn.Module) -> None:
+        """The trained network before sharding: the LoRA adapter, then its tokens split over the sequence-parallel
+        group."""
+        if self.lora_config is not None:
+            apply_lora(model, self.lora_config)
+        self._split_sequence(model)
+
+    def _split_sequence(self, network: torch.nn.Module) -> torch.nn.Module:
+        """`network` run under Ulysses sequence parallelism over this rank's group (as it is at --sp-size 1)."""
+        if self.sp is not None:
+            self.family.apply_sequence_parallel(network, self.sp)
+        return network
 
     def _home(self) -> torch.device:
         """Where the shards live: with CPU offload the model never visits the GPU (FSDP2 pins the CPU shards)."""

@@ -39,12 +39,25 @@ def test_cpu_offload_needs_cuda(capsys):
 
 def test_shard_size_must_divide_dp_size(capsys):
     err = parse_error(BASE + ["--dp-size", "4", "--fsdp-shard-size", "3"], capsys)
-    assert "--fsdp-shard-size 3 must divide --dp-size 4" in err
+    assert "--fsdp-shard-size 3 must divide the trainer's ranks, --dp-size x --sp-size = 4" in err
     assert "--fsdp-shard-size" in parse_error(BASE + ["--dp-size", "4", "--fsdp-shard-size", "0"], capsys)
 
 
 def test_shard_size_dividing_dp_size_is_accepted():
     assert parse_args(BASE + ["--dp-size", "4", "--fsdp-shard-size", "2"]).fsdp_shard_size == 2
+
+
+def test_shard_size_divides_the_ranks_of_data_and_sequence_parallelism_together(capsys):
+    assert parse_args(BASE + ["--dp-size", "1", "--sp-size", "4", "--fsdp-shard-size", "2"]).fsdp_shard_size == 2
+    err = parse_error(BASE + ["--dp-size", "2", "--sp-size", "3", "--fsdp-shard-size", "4"], capsys)
+    assert "--dp-size x --sp-size = 6" in err
+
+
+def test_sp_size_must_be_at_least_one_and_is_refused_with_colocate(capsys):
+    assert parse_args(BASE).sp_size == 1
+    assert "--sp-size" in parse_error(BASE + ["--sp-size", "0"], capsys)
+    err = parse_error(BASE + ["--sp-size", "2", "--colocate"], capsys)
+    assert "--sp-size 2 with --colocate" in err
 
 
 def test_auto_device_and_dtype_follow_the_cluster_gpus():

@@ -1,0 +1,133 @@
+"""Rank body of the sequence-parallel equality job (`rank_jobs.py sp-wan-ws2`): tiny Wan at --sp-size 2 (dp 1, FSDP2
+over both ranks, with and without activation checkpointing; the two-expert layout; LoRA) against the plain unsharded
+transformer on one process, for velocities (with and without CFG), a Flow-GRPO SDE log-prob, a flow-matching
+(nft/sft-style) loss and every parameter's gradient."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+
+from miles.backends.fsdp_utils.fsdp import apply_fsdp2
+from miles.backends.fsdp_utils.lora import apply_lora, lora_config_from_args
+from miles.diffusion.sde import sde_step
+from miles.models.base import get_train_pipeline_config
+from miles.models.builtin import resolve_checkpoint
+from miles.models.conditioning import Conditioning
+from miles.models.sequence_parallel import new_sequence_parallel_group
+
+BATCH = 2
+GUIDANCE = 4.5
+NOISE_LEVEL = 0.7
+
+
+def fixed_inputs(family: Any) -> dict[str, torch.Tensor]:
+    """One batch every rank draws alike: x0, noise, σ, the next σ, text embeddings (and a negative one)."""
+    gen = torch.Generator().manual_seed(11)
+    shape = (BATCH, *family.latent_shape())
+    text_dim = family.cached_json("transformer", "config.json")["text_dim"]
+    return {
+        "x0": torch.randn(shape, generator=gen),
+        "noise": torch.randn(shape, generator=gen),
+        "next_noise": torch.randn(shape, generator=gen),
+        "sigma": torch.tensor([0.9, 0.45]),
+        "sigma_next": torch.tensor([0.8, 0.3]),
+        "embeds": torch.randn(BATCH, 6, text_dim, generator=gen),
+        "negative": torch.randn(1, 6, text_dim, generator=gen),
+    }
+
+
+def quantities(family: Any, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Velocity, CFG velocity, SDE log-prob and flow-matching loss of one batch; backward of their sum, every full
+    gradient (FSDP2's DTensors gathered)."""
+    sigma, x0, noise = inputs["sigma"], inputs["x0"], inputs["noise"]
+    view = sigma.view(-1, 1, 1, 1, 1)
+    x_t = (1 - view) * x0 + view * noise
+    embeds = Conditioning({"prompt_embeds": inputs["embeds"]})
+    negative = Conditioning({"prompt_embeds": inputs["negative"]})
+    velocity = family.predict_velocity(model, x_t, sigma, embeds)
+    guided = family.predict_velocity(model, x_t, sigma, embeds, guidance_scale=GUIDANCE, negative=negative)
+    step = sde_step(
+        x_t, guided, sigma, inputs["sigma_next"], noise_level=NOISE_LEVEL, sigma_max=0.95, noise=inputs["next_noise"]
+    )
+    fm_loss = ((velocity - (noise - x0)) ** 2).mean()
+    (fm_loss + step.log_prob.mean()).backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is not None:  # frozen: the base weights under LoRA
+            grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+    return {
+        "velocity": velocity.detach(),
+        "guided": guided.detach(),
+        "log_prob": step.log_prob.detach(),
+        "fm_loss": fm_loss.detach(),
+        "grads": grads,
+    }
+
+
+def wan_sp_equality(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """The plain transformer (no process group used), then --sp-size 2 with FSDP2 over both ranks, without and with
+    activation checkpointing; each rank reports all three."""
+    os.environ["MILES_CACHE"] = os.path.join(out_dir, "cache")  # its own tiny folders (one rank builds, under a lock)
+    family = get_train_pipeline_config(resolve_checkpoint("builtin:tiny-wan"))
+    inputs = fixed_inputs(family)
+    plain = family.load_transformer().train()
+    report: dict[str, Any] = {"plain": quantities(family, plain, inputs), "tokens": _tokens(plain, inputs["x0"])}
+    sp = new_sequence_parallel_group(world_size)
+    report["sp_rank"] = sp.rank
+    for checkpointing in (False, True):
+        model = family.load_transformer().train()
+        family.apply_sequence_parallel(model, sp)
+        seen = report.setdefault("tokens_in_last_block", [])  # that the blocks really ran on a chunk
+        model.blocks[-1].register_forward_pre_hook(lambda _, args, seen=seen: seen.append(args[0].shape[1]))
+        apply_fsdp2(
+            model,
+            family.transformer_blocks(model),
+            param_dtype=torch.float32,
+            reduce_dtype=torch.float32,
+            cast_root_inputs=False,
+            gradient_checkpointing=checkpointing,
+        )
+        report["sp_checkpointed" if checkpointing else "sp"] = quantities(family, model, inputs)
+    # two experts (Wan 2.2 A14B layout): t = 900 goes to the high-noise expert, 450 to the low-noise one
+    experts = get_train_pipeline_config(resolve_checkpoint("builtin:tiny-wan-2-experts"))
+    report["experts_plain"] = quantities(experts, experts.load_transformer().train(), inputs)
+    model = experts.load_transformer().train()
+    experts.apply_sequence_parallel(model, sp)
+    apply_fsdp2(
+        model, experts.transformer_blocks(model), param_dtype=torch.float32, reduce_dtype=torch.float32,
+        cast_root_inputs=False,
+    )  # fmt: skip
+    report["experts_sp"] = quantities(experts, model, inputs)
+    # LoRA: the Ulysses processor calls the adapted projections
+    report["lora_plain"] = quantities(family, with_lora(family), inputs)
+    model = with_lora(family)
+    family.apply_sequence_parallel(model, sp)
+    apply_fsdp2(
+        model, family.transformer_blocks(model), param_dtype=torch.float32, reduce_dtype=torch.float32,
+        cast_root_inputs=False,
+    )  # fmt: skip
+    report["lora_sp"] = quantities(family, model, inputs)
+    return report
+
+
+def with_lora(family: Any) -> torch.nn.Module:
+    """The transformer with a LoRA adapter whose A and B are both random (seeded), so every adapter weight has a
+    gradient (B = 0 at the usual init would leave A's at zero)."""
+    model = apply_lora(family.load_transformer().train(), lora_config_from_args(argparse.Namespace(), "wan"))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return model
+
+
+def _tokens(model: torch.nn.Module, latents: torch.Tensor) -> int:
+    """Patch tokens per sample of `latents` (B, C, F, H, W)."""
+    p_t, p_h, p_w = model.config.patch_size
+    return latents.shape[2] // p_t * (latents.shape[3] // p_h) * (latents.shape[4] // p_w)
