@@ -91,6 +91,8 @@ class TrainPipelineConfig(ABC):
     default_lora_targets: ClassVar[tuple[str, ...]] = ()
     # the run options this family reads (`miles.models.options`: its flags, ranges, help); others are refused
     options: ClassVar[tuple[FamilyOption, ...]] = ()
+    # why `--compile` cannot run this family's transformer (the run is refused at start-up with it); None: it can
+    compile_refusal: ClassVar[str | None] = None
 
     def __init__(self, path: str, **options: Any) -> None:
         self.path = str(check_pipeline_components(check_pipeline_folder(path), self.name))

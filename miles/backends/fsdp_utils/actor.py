@@ -122,6 +122,7 @@ class FSDPTrainRayActor(TrainLoop):
                 reduce_dtype=parse_dtype(args.fsdp_reduce_dtype),
                 cast_root_inputs=False,  # the family's predict_velocity casts, exactly as in the engines
                 gradient_checkpointing=args.gradient_checkpointing,
+                compile_mode=args.compile,
                 **self._placement(),
             ),
         )
@@ -179,6 +180,7 @@ class FSDPTrainRayActor(TrainLoop):
                 param_dtype=self.forward_dtype,
                 reduce_dtype=parse_dtype(self.args.fsdp_reduce_dtype),
                 cast_root_inputs=False,
+                compile_mode=self.args.compile,
                 **self._placement(),
             ),
         )
