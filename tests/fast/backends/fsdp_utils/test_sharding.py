@@ -59,7 +59,7 @@ def test_checkpoint_saved_at_2x2_resumes_under_plain_fsdp2(hybrid_reports):
             torch.testing.assert_close(report["resumed_third_step"][name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
-COMPILE_JOB = "compile-ws2"  # `compiled_gradients` on 2 ranks, a background job: 4 min cold on 2 loaded cores
+COMPILE_JOB = "compile-ws2"  # `compiled_gradients` on 2 ranks, a background job: 4 min cold, 64 s warm cache
 # Compiled vs eager blocks under FSDP2 at dp 2 (inductor reorders fp32 sums), measured on this machine 2026-12-04:
 # velocity 8.5e-6 apart; each gradient within 3.5e-6 of its own largest entry (to_q / to_k biases; |g| up to 68)
 COMPILED_VELOCITY_TOLERANCE = 5e-5
