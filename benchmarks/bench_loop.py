@@ -1,6 +1,7 @@
 """Whole-loop throughput, side by side in one run: a plain single-process loop vs miles' driver, with the colocated
-CPU phases (`--cpu-phase-threads auto`, the default), without them (`off`: each actor keeps its Ray share), and
-with generation overlapping training (`--async-rollout`: rollout k+1 generates while k trains).
+CPU phases (`--cpu-phase-threads auto`, the default), without them (`off`: each actor keeps its Ray share), with
+generation overlapping training (`--async-rollout`: rollout k+1 generates while k trains), and with compiled
+transformer blocks in the trainer and the engine (`--compile blocks`, otherwise the `auto` side).
 
 Every side runs the same Flow-GRPO rollouts (default settings: 8 prompts x 8 samples, 10 steps, 2 trained SDE
 steps) with the same model:
@@ -22,6 +23,8 @@ Reported per side, over the timed rollouts (the first rollout of each run is a w
   seconds that this process and all its descendants (Ray's GCS, raylet and workers: every actor) used in the phase,
   over the phase's wall seconds, read from /proc via psutil at each phase boundary. Other users' processes are not
   counted; a process that ends between two boundaries loses its CPU since the last one (actors live for the run).
+- the compiled side's compile seconds (trainer rank 0 and engine, `perf/compile_s` / `perf/engine_compile_s`, in its
+  warm-up rollout), and how many rollouts its per-rollout saving over the `auto` side takes to pay them back.
 
 Runs are interleaved (plain, auto, off, async, plain, ...; each side first in turn) so that a noisy neighbour hits
 every side.
@@ -74,9 +77,11 @@ SIDES = {  # side -> its miles flags (None: the plain loop)
     "miles (phase threads auto)": ["--cpu-phase-threads", "auto"],
     "miles (phase threads off)": ["--cpu-phase-threads", "off"],
     "miles (async rollout)": ["--async-rollout"],
+    "miles (--compile blocks)": ["--cpu-phase-threads", "auto", "--compile", "blocks"],
 }
 SHORT = {"plain": "plain loop", "auto": "miles (phase threads auto)", "off": "miles (phase threads off)"}
 SHORT["async"] = "miles (async rollout)"
+SHORT["compile"] = "miles (--compile blocks)"
 
 BASE = [
     "--loss-type",
@@ -295,11 +300,12 @@ def plain_loop(argv: list[str], rollouts: int, meter: CpuMeter) -> list[float]:
     return seconds
 
 
-def miles_run(argv: list[str], rollouts: int, out: str, meter: CpuMeter) -> tuple[float, list[dict]]:
+def miles_run(argv: list[str], rollouts: int, out: str, meter: CpuMeter) -> tuple[float, list[dict], float]:
     """`train_diffusion.run` on its own local Ray cluster: a warm-up rollout, then `rollouts` timed ones (their
     phases on `meter`), with --async-rollout then one more, not timed: its training has no next generation to overlap
     (the pipeline drains), so the timed rollouts hold as many generations as trainings. Returns the start-up seconds
-    and the timed rollouts' records."""
+    and the timed rollouts' records, and the seconds the trainer's rank 0 and the engine spent compiling (0 without
+    --compile)."""
     import train_diffusion
     from miles.utils.tracking import read_metrics
 
@@ -308,8 +314,11 @@ def miles_run(argv: list[str], rollouts: int, out: str, meter: CpuMeter) -> tupl
     with driver_phases(meter, range(1, rollouts + 1)):
         meter.mark(STARTUP)
         train_diffusion.run(args)
-    records = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "perf/generate_total_s" in r]
-    return records[0]["perf/startup_s"], records[1 : rollouts + 1]
+    metrics = read_metrics(os.path.join(out, "metrics.jsonl"))
+    records = [r for r in metrics if "perf/generate_total_s" in r]
+    compile_s = max((r.get("perf/compile_s", 0.0) for r in metrics), default=0.0)
+    compile_s += max((r.get("perf/engine_compile_s", 0.0) for r in records), default=0.0)
+    return records[0]["perf/startup_s"], records[1 : rollouts + 1], compile_s
 
 
 def rollout_seconds(record: dict) -> float:
@@ -325,14 +334,16 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side, interleaved")
     parser.add_argument("--no-plain", action="store_true", help="miles' sides only")
     parser.add_argument(
-        "--sides", default="auto,off,async", help="miles' sides, comma-separated from auto, off, async (default all)"
+        "--sides",
+        default="auto,off,async,compile",
+        help="miles' sides, comma-separated from auto, off, async, compile (default all)",
     )
     parser.add_argument("--extra", action="append", default=[], help="more miles flags, e.g. --extra=--dp-size=1")
     opts = parser.parse_args(argv)
     names = [name.strip() for name in opts.sides.split(",") if name.strip()]
     unknown = [name for name in names if name not in SHORT or name == "plain"]
     if unknown or not names:
-        parser.error(f"--sides: unknown side(s) {unknown or opts.sides!r}; choose from auto, off, async")
+        parser.error(f"--sides: unknown side(s) {unknown or opts.sides!r}; choose from auto, off, async, compile")
     if opts.rollouts < 1 or opts.repeats < 1:
         parser.error("--rollouts and --repeats must be >= 1")
     opts.sides = ([] if opts.no_plain else ["plain loop"]) + [SHORT[name] for name in names]
@@ -348,6 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     seconds: dict[str, list[float]] = {name: [] for name in opts.sides}
     records: dict[str, list[dict]] = {name: [] for name in opts.sides}
     startup: dict[str, list[float]] = {name: [] for name in opts.sides}
+    compile_s: dict[str, list[float]] = {name: [] for name in opts.sides}
     meters = {name: CpuMeter() for name in opts.sides}
     for repeat in range(opts.repeats):
         shift = repeat % len(opts.sides)  # each side goes first in turn: a neighbour's load drifting hits every side
@@ -356,8 +368,9 @@ def main(argv: list[str] | None = None) -> dict:
                 seconds[name] += plain_loop(argv, opts.rollouts + 1, meters[name])[1:]
                 continue
             with tempfile.TemporaryDirectory() as out:
-                startup_s, timed = miles_run([*argv, *SIDES[name]], opts.rollouts, out, meters[name])
+                startup_s, timed, compiled_s = miles_run([*argv, *SIDES[name]], opts.rollouts, out, meters[name])
             startup[name].append(startup_s)
+            compile_s[name].append(compiled_s)
             records[name] += timed
             seconds[name] += [rollout_seconds(r) for r in timed]
     print(f"{samples} samples per rollout, {opts.rollouts} timed rollouts x {opts.repeats} runs per side")
@@ -394,16 +407,22 @@ def main(argv: list[str] | None = None) -> dict:
             if kinds:
                 shown = ", ".join(f"{kind} {cores:.2f}" for kind, cores in kinds.items())
                 print(f"  {name:<26} {phase:<5} {shown}")
-    targets = {"miles (phase threads auto)": 0.9, "miles (async rollout)": 1.2}
+    targets = {"miles (phase threads auto)": 0.9, "miles (async rollout)": 1.2, SHORT["compile"]: 1.15}
     rates = {name: row["samples_per_s"] for name, row in results.items()}
     if "plain loop" in rates:
         for name in rates:
             if name != "plain loop":
                 target = f" (target >= {targets[name]})" if name in targets else ""
                 print(f"ratio {name} / plain loop = {rates[name] / rates['plain loop']:.2f}{target}")
-    for a, b in (("auto", "off"), ("async", "auto")):
+    for a, b in (("auto", "off"), ("async", "auto"), ("compile", "auto")):
         if SHORT[a] in rates and SHORT[b] in rates:
             print(f"ratio {a} / {b} = {rates[SHORT[a]] / rates[SHORT[b]]:.2f}")
+    if SHORT["compile"] in rates and SHORT["auto"] in rates:  # the compile paid back by the per-rollout saving
+        spent = statistics.median(compile_s[SHORT["compile"]])
+        saved = results[SHORT["auto"]]["s_per_rollout"] - results[SHORT["compile"]]["s_per_rollout"]
+        payback = f"{spent / saved:.0f} rollouts" if saved > 0 else "never (no saving per rollout)"
+        print(f"compile: {spent:.1f} s per run (trainer rank 0 + engine, median), saving {saved:.2f} s per rollout: "
+              f"paid back after {payback}")  # fmt: skip
     starts = {name: row["startup_s"] for name, row in results.items() if "startup_s" in row}
     if starts:
         print("start-up to the first rollout, median (target <= 8 s): " + ", ".join(

@@ -1,11 +1,13 @@
 """Trunk training throughput vs a plain PyTorch loop doing identical maths on the same model (ARCHITECTURE §11).
 
 Both sides train the same transformer with the flow-matching (sft_loss) objective on the same pairs: the trunk
-through a 1-rank `RayTrainGroup` (Ray actor, FSDP2, hooks, metrics), the plain loop in this process. Runs are
-interleaved and the median of several repetitions is reported, as train pairs/s and the ratio trunk / plain.
+through a 1-rank `RayTrainGroup` (Ray actor, FSDP2, hooks, metrics), the plain loop in this process; and a second
+trunk group with `--compile MODE` (compiled transformer blocks; its compile is its warm-up call, timed apart). Runs are
+interleaved and the median of several repetitions is reported, as train pairs/s and the ratios trunk / plain and
+compiled / eager trunk.
 
     python benchmarks/bench_train.py                      # the tiny pipeline, built offline
-    python benchmarks/bench_train.py --hf-checkpoint DIR --pairs 64 --micro-batch-size 8
+    python benchmarks/bench_train.py --hf-checkpoint DIR --pairs 64 --micro-batch-size 8 --compile off
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=16, help="optimizer steps per measured call")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument(
+        "--compile", default="blocks", choices=("off", "blocks", "full"), help="the compiled side's mode (off: none)"
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -94,7 +99,62 @@ def main() -> None:
 
         path = save_tiny_sd3_pipeline(os.path.join(tmp, "tiny"), seed=0)
     total = opts.pairs * opts.windows
-    args = parse_args(
+    args = trunk_args(path, opts, total, "off")
+    torch.set_num_threads(max(1, round(args.cpus_per_rank)))
+    family = get_train_pipeline_config(path)
+    pairs = make_pairs(family, total)
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _temp_dir=os.path.join(tmp, "ray"), log_to_driver=False)
+    from miles.ray.train_group import RayTrainGroup
+
+    sides = {"miles trunk (Ray + FSDP2)": RayTrainGroup(args, "actor", timeout=600)}
+    if opts.compile != "off":
+        sides[f"miles trunk, --compile {opts.compile}"] = RayTrainGroup(
+            trunk_args(path, opts, total, opts.compile), "actor", timeout=1800
+        )
+    times: dict[str, list[float]] = {"plain PyTorch loop": [], **{name: [] for name in sides}}
+    warm_up_s = {}
+    try:
+        for name, group in sides.items():
+            group.init()
+            started = time.perf_counter()
+            group.train(0, [put_box(pairs)])  # warm-up (and the compiled side's compile)
+            warm_up_s[name] = time.perf_counter() - started
+        plain_loop(args, family, {k: v[: opts.pairs] for k, v in pairs.items()}, 1)  # warm-up
+        for rep in range(opts.repeats):
+            for name, group in sides.items():
+                boxed = [put_box(pairs)]  # the rollout side's put, not the trunk's work
+                started = time.perf_counter()
+                group.train(rep + 1, boxed)
+                times[name].append(time.perf_counter() - started)
+            plain = plain_loop(args, family, {k: v[: opts.pairs] for k, v in pairs.items()}, opts.windows)
+            times["plain PyTorch loop"].append(plain)
+    finally:
+        for group in sides.values():
+            group.shutdown()
+        ray.shutdown()
+    print(f"{'runner':<34}{'pairs/s best':>14}{'pairs/s median':>16}{'first call s':>14}")
+    for name, seconds in times.items():
+        first = f"{warm_up_s[name]:>14.1f}" if name in warm_up_s else ""
+        print(f"{name:<34}{total / min(seconds):>14.1f}{total / statistics.median(seconds):>16.1f}{first}")
+    names = list(times)
+    print_ratio("trunk / plain", times[names[1]], times[names[0]], opts.repeats, "≥ 0.9")
+    if len(names) > 2:
+        print_ratio(
+            f"--compile {opts.compile} trunk / eager trunk", times[names[2]], times[names[1]], opts.repeats, "≥ 1.2"
+        )
+        print_ratio(f"--compile {opts.compile} trunk / plain", times[names[2]], times[names[0]], opts.repeats, "")
+
+
+def print_ratio(what: str, fast: list[float], slow: list[float], repeats: int, target: str) -> None:
+    """Throughput ratio of the side timed `fast` over the side timed `slow` (seconds per call)."""
+    best, median = min(slow) / min(fast), statistics.median(slow) / statistics.median(fast)
+    print(
+        f"ratio {what} = {best:.3f} best-of-{repeats}, {median:.3f} median" + (f"  (target {target})" if target else "")
+    )
+
+
+def trunk_args(path: str, opts: argparse.Namespace, total: int, compile_mode: str) -> argparse.Namespace:
+    return parse_args(
         [
             "--loss-type",
             "sft_loss",
@@ -119,34 +179,10 @@ def main() -> None:
             str(opts.threads),
             "--log-level",
             "WARNING",
+            "--compile",
+            compile_mode,
         ]
     )
-    torch.set_num_threads(max(1, round(args.cpus_per_rank)))
-    family = get_train_pipeline_config(path)
-    pairs = make_pairs(family, total)
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _temp_dir=os.path.join(tmp, "ray"), log_to_driver=False)
-    from miles.ray.train_group import RayTrainGroup
-
-    group = RayTrainGroup(args, "actor", timeout=600)
-    try:
-        group.init()
-        group.train(0, [put_box(pairs)])  # warm-up
-        plain_loop(args, family, {k: v[: opts.pairs] for k, v in pairs.items()}, 1)  # warm-up
-        trunk_s, plain_s = [], []
-        for rep in range(opts.repeats):
-            boxed = [put_box(pairs)]  # the rollout side's put, not the trunk's work
-            started = time.perf_counter()
-            group.train(rep + 1, boxed)
-            trunk_s.append(time.perf_counter() - started)
-            plain_s.append(plain_loop(args, family, {k: v[: opts.pairs] for k, v in pairs.items()}, opts.windows))
-    finally:
-        group.shutdown()
-        ray.shutdown()
-    print(f"{'runner':<28}{'pairs/s best':>14}{'pairs/s median':>16}")
-    for name, times in (("plain PyTorch loop", plain_s), ("miles trunk (Ray + FSDP2)", trunk_s)):
-        print(f"{name:<28}{total / min(times):>14.1f}{total / statistics.median(times):>16.1f}")
-    best, median = min(plain_s) / min(trunk_s), statistics.median(plain_s) / statistics.median(trunk_s)
-    print(f"ratio trunk / plain = {best:.3f} best-of-{opts.repeats}, {median:.3f} median  (target ≥ 0.9)")
 
 
 if __name__ == "__main__":

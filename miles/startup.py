@@ -32,6 +32,7 @@ def check_startup(args: argparse.Namespace) -> None:
     among them), the loss type has its entries."""
     # diffusers and transformers (~3 s of CPU): imported here, on the checks' thread while ray.init runs
     from miles.models.base import family_options, get_train_pipeline_config, load_family_class
+    from miles.models.compile import check_compile
     from miles.rollout.rollout_hub import check_async_rollout, rollout_spec_of
 
     load_path_flags(args)
@@ -43,6 +44,7 @@ def check_startup(args: argparse.Namespace) -> None:
     problems = family.sequence_parallel_problems(args.sp_size, args.resolution)  # --sp-size: support, heads, tokens
     if problems:
         raise ValueError("; ".join(problems))
+    check_compile(family, args.compile)  # a family that cannot be compiled is refused here, naming its reason
     if eval_enabled(args) and not args.eval_function_path and len(family.latent_shape(args.resolution)) != 3:
         raise ValueError(
             f"the built-in shapes eval scores images, and {family.name} makes video: pass --eval-interval 0 or your "

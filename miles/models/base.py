@@ -95,6 +95,8 @@ class TrainPipelineConfig(ABC):
     # whether the trainer may split a sample's tokens over --sp-size ranks (Ulysses): such a family implements
     # `sequence_parallel_problems` and `apply_sequence_parallel`; the others refuse --sp-size > 1 at start-up
     supports_sequence_parallel: ClassVar[bool] = False
+    # why `--compile` cannot run this family's transformer (the run is refused at start-up with it); None: it can
+    compile_refusal: ClassVar[str | None] = None
 
     def __init__(self, path: str, **options: Any) -> None:
         self.path = str(check_pipeline_components(check_pipeline_folder(path), self.name))

@@ -75,6 +75,7 @@ class RolloutEngineGroup:
         forward_dtype: torch.dtype = torch.float32,
         lora_config: dict[str, Any] | None = None,
         family_options: dict[str, Any] | None = None,
+        compile_mode: str = "off",
         timeout_s: float = 600.0,
         wait: bool = True,
         colocation: Colocation | None = None,
@@ -98,6 +99,7 @@ class RolloutEngineGroup:
             "forward_dtype": forward_dtype,
             "lora_config": lora_config,
             "family_options": family_options,
+            "compile_mode": compile_mode,
         }
         remote_cls = ray.remote(EngineActor)
         self.engines, self._starting = [], {}

@@ -101,6 +101,7 @@ class RolloutManager:
             forward_dtype=parse_dtype(args.diffusion_forward_dtype),  # the trainer's: log-probs must match (§7)
             lora_config=self._lora_config(),
             family_options=family_options(args),
+            compile_mode=args.compile,
             wait=self._wait,
             colocation=self._colocation,
             pool=self._pool,
@@ -184,6 +185,7 @@ class RolloutManager:
             **self._monitor_metrics(rollout_id, samples, result),
             "perf/rollout_s": t1 - t0,
             "perf/reward_s": t2 - t1,
+            **{f"perf/engine_{name}": value for name, value in (result.compile_counters or {}).items()},
         }
         self._save_media(rollout_id, result)
         return pairs

@@ -19,6 +19,7 @@ from miles.diffusion.dpm_solver import dpm_solver_pp_step, flash_sigmas
 from miles.diffusion.schedule import sampling_sigmas
 from miles.diffusion.sde import SDE_KERNELS, get_sde_kernel, renoise_sigmas
 from miles.models.base import get_train_pipeline_config
+from miles.models.compile import check_compile, compile_counters, compile_transformer
 from miles.models.conditioning import Conditioning
 from miles.models.lora_targets import check_lora_targets
 from miles.utils.offload import HostSwap
@@ -106,6 +107,8 @@ class GenerateResult:
     fps: float | None = None
     audio: torch.Tensor | None = None
     sample_rate: int | None = None
+    # with --compile: the engine process's compile totals (`miles.models.compile.compile_counters`) after this batch
+    compile_counters: dict[str, float] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -138,6 +141,7 @@ class GenerateResult:
             fps=first.fps,
             audio=audio,
             sample_rate=first.sample_rate,
+            compile_counters=_most_of_each([p.compile_counters for p in parts]),
         )
 
 
@@ -161,7 +165,9 @@ class DiffusionEngine:
 
     `family_options` go to the family (`miles.models.base.family_options`: --num-frames and the like).
     With `lora_config` (kwargs of `peft.LoraConfig`) an adapter is injected at init and `update_weights` takes
-    only its weights; otherwise it takes the full transformer state dict. Wrapped by `ray.remote` where used.
+    only its weights; otherwise it takes the full transformer state dict (copied into the parameters in place, so
+    compiled blocks keep their code). `compile_mode`: `--compile` (`miles.models.compile`). Wrapped by `ray.remote`
+    where used.
     """
 
     def __init__(
@@ -173,9 +179,11 @@ class DiffusionEngine:
         forward_dtype: torch.dtype = torch.float32,
         lora_config: dict[str, Any] | None = None,
         family_options: dict[str, Any] | None = None,
+        compile_mode: str = "off",
     ) -> None:
         self.device = torch.device(device)
         self.family = get_train_pipeline_config(hf_checkpoint, model_family, **(family_options or {}))
+        check_compile(self.family, compile_mode)
         self.transformer = self.family.load_transformer(dtype=forward_dtype).to(self.device).eval()
         self.family.load_text_encoders(device=self.device, dtype=forward_dtype)
         self.family.load_vae(device=self.device, dtype=forward_dtype)
@@ -184,6 +192,9 @@ class DiffusionEngine:
         if self.lora_config is not None:
             self._inject_lora(self.lora_config)
         self.transformer.requires_grad_(False)
+        # after the adapter, as the trainer compiles after apply_lora: both sides run the same compiled blocks
+        compile_transformer(self.transformer, self.family.transformer_blocks(self.transformer), compile_mode)
+        self.compile_mode = compile_mode
         self.version = INITIAL_WEIGHTS_VERSION
         self.generate_threads: int | None = None  # torch threads while generating (None: the base count)
         self.swap = HostSwap(self.device)  # sleep / wake (--colocate-sleep)
@@ -382,7 +393,14 @@ class DiffusionEngine:
             fps=None if media is None else media.fps,
             audio=None if media is None or media.audio is None else media.audio.float().cpu(),
             sample_rate=None if media is None else media.sample_rate,
+            compile_counters=None if self.compile_mode == "off" else compile_counters(),
         )
+
+
+def _most_of_each(counters: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """Each counter's largest value over the engines' parts (None without --compile)."""
+    present = [c for c in counters if c is not None]
+    return {key: max(c[key] for c in present) for key in present[0]} if present else None
 
 
 def draw_sample_noise(

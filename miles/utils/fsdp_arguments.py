@@ -1,5 +1,6 @@
-"""Flags of sharding, precision and memory: activation checkpointing, master dtype, CPU offload, hybrid sharding,
-deterministic mode; what `auto` resolves to, and their rules (checked by `validate_args` before any actor starts)."""
+"""Flags of sharding, precision, memory and compilation: activation checkpointing, master dtype, CPU offload, hybrid
+sharding, deterministic mode, `--compile`; what `auto` resolves to, and their rules (checked by `validate_args` before
+any actor starts)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from miles.algorithms import algorithm_of
 
 DTYPE_CHOICES = ("fp32", "bf16", "fp16")
+COMPILE_CHOICES = ("off", "blocks", "full")  # miles.models.compile.COMPILE_MODES (not imported here: torch)
 
 
 def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +28,15 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Recompute each transformer block's activations in backward: activation memory down to the blocks' "
         "inputs, for about one more forward per step (docs/user-guide/memory.md).",
+    )
+    group.add_argument(
+        "--compile",
+        default="off",
+        choices=COMPILE_CHOICES,
+        help="torch.compile the transformer, in the trainer ranks and the rollout engines alike (the same function "
+        "on both sides). blocks: each transformer block in place (identical blocks share one compiled code; names "
+        "and checkpoint keys unchanged); full: the whole forward (--dp-size 1 only). Compiling costs tens of seconds "
+        "per process on CPU, cached in TORCHINDUCTOR_CACHE_DIR across runs (docs/user-guide/performance.md).",
     )
     group.add_argument(
         "--fsdp-reduce-dtype", default="fp32", choices=DTYPE_CHOICES, help="FSDP gradient reduce dtype (not fp16)."
@@ -121,6 +132,22 @@ def sharding_rules(args: argparse.Namespace) -> list[str]:
         errors.append(
             f"--sp-size {args.sp_size} with --colocate: colocation places one rank of each group per GPU bundle of "
             "--dp-size; sequence-parallel groups are not placed there yet. Drop --colocate or use --sp-size 1"
+        )
+    if args.compile == "full" and world > 1:
+        errors.append(
+            f"--compile full needs one trainer rank (got --dp-size x --sp-size = {world}): with several FSDP2 gathers "
+            "each block's shards in hooks around the block, which break a whole-transformer graph into per-block "
+            "pieces anyway; use --compile blocks, which compiles inside the per-block groups"
+        )
+    if args.compile != "off" and args.sp_size > 1:
+        errors.append(
+            f"--compile {args.compile} with --sp-size {args.sp_size}: the sequence-parallel attention's all-to-alls "
+            "inside compiled blocks are not checked yet; use --compile off with --sp-size > 1"
+        )
+    if args.compile == "full" and args.gradient_checkpointing:
+        errors.append(
+            "--compile full with --gradient-checkpointing: the per-block recompute hooks would be traced into the "
+            "whole-transformer graph; use --compile blocks (checkpointing wraps the compiled blocks)"
         )
     return errors
 

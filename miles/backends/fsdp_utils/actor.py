@@ -127,6 +127,7 @@ class FSDPTrainRayActor(TrainLoop):
                 reduce_dtype=parse_dtype(args.fsdp_reduce_dtype),
                 cast_root_inputs=False,  # the family's predict_velocity casts, exactly as in the engines
                 gradient_checkpointing=args.gradient_checkpointing,
+                compile_mode=args.compile,
                 **self._placement(),
             ),
         )
@@ -184,6 +185,7 @@ class FSDPTrainRayActor(TrainLoop):
                 param_dtype=self.forward_dtype,
                 reduce_dtype=parse_dtype(self.args.fsdp_reduce_dtype),
                 cast_root_inputs=False,
+                compile_mode=self.args.compile,
                 **self._placement(),
             ),
         )

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from miles.models.compile import compile_transformer
 from miles.utils.distributed import collective_device
 from miles.utils.weight_checksum import TensorChecksum, build_checksums, checksum_terms, tensor_checksums
 
@@ -53,6 +54,7 @@ def apply_fsdp2(
     cpu_offload: bool = False,
     mesh: DeviceMesh | None = None,
     keep_in_fp32: set[str] | None = None,
+    compile_mode: str = "off",
 ) -> nn.Module:
     """Shard each block with `fully_shard`, then the root (which picks up the remaining parameters).
 
@@ -65,6 +67,10 @@ def apply_fsdp2(
 
     With `gradient_checkpointing` each block keeps only its inputs in forward and recomputes its activations in
     backward, applied before `fully_shard` as torchtitan does (composable, so parameter names do not change).
+
+    With `compile_mode` (`--compile`, `miles.models.compile.compile_transformer`) the blocks (or the whole model) are
+    compiled in place after activation checkpointing and before `fully_shard`, as torchtitan orders them: FSDP2's
+    gathers run around each compiled block, and the names FSDP2 and the checkpoints see do not change.
 
     With `cpu_offload` (FSDP2's `CPUOffloadPolicy`) sharded parameters, gradients and optimizer state live in CPU
     memory and each group is copied to the GPU for its forward and backward. `mesh` (from `build_mesh`) shards within
@@ -88,6 +94,7 @@ def apply_fsdp2(
     if gradient_checkpointing:
         for block in blocks:
             checkpoint_activations(block)
+    compile_transformer(model, blocks, compile_mode)
     keep = keep_in_fp32_names(model) if keep_in_fp32 is None else set(keep_in_fp32)
     cast_buffers_as_loaded(model, param_dtype, keep)
     if dist.get_world_size() == 1 and not cpu_offload:  # offloading still moves one block at a time

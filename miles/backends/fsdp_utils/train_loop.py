@@ -20,6 +20,7 @@ from miles.backends.fsdp_utils.fsdp import clip_grad_norm_
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, Guidance, PreparedBatch, WindowMetrics
 from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_schedule, pairs_in_window
 from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher
+from miles.models.compile import compile_counters
 from miles.utils.box import Box
 from miles.utils.distributed import collective_device
 from miles.utils.threads import torch_threads
@@ -280,6 +281,8 @@ class TrainLoop:
         record: dict[str, Any] = {"rollout_id": ctx.rollout_id, "step": self.global_step, "role": self.role}
         record.update({n: float(s / max(c, 1.0)) for n, (s, c) in zip(names, totals.tolist())})
         record.update({"train/grad_norm": float(grad_norm), "train/lr": float(lr), "perf/train_step_s": seconds})
+        if self.args.compile != "off":  # this rank's process totals (rank 0's go to the driver)
+            record.update({f"perf/{name}": value for name, value in compile_counters().items()})
         if self.rank == 0:
             self.pending_metrics.append(record)
         return record

@@ -94,3 +94,14 @@ def test_cluster_rules_that_wait_for_the_device_run_after_it_is_known():
     ok = parse_args(BASE + ["--loss-type", "nft", "--ray-address", "x:1", "--fsdp-master-dtype", "bf16"])
     resolve_cluster_device(ok, cluster_gpus=4)
     assert ok.diffusion_forward_dtype == "bf16"
+
+
+def test_compile_full_is_refused_at_dp_above_one_and_with_checkpointing(capsys):
+    full = BASE + ["--compile", "full", "--dp-size", "1"]
+    err = parse_error(BASE + ["--compile", "full", "--dp-size", "2"], capsys)
+    assert "--compile full needs one trainer rank (got --dp-size x --sp-size = 2)" in err and "use --compile blocks" in err
+    assert "--compile full with --gradient-checkpointing" in parse_error(full + ["--gradient-checkpointing"], capsys)
+    assert parse_args(full).compile == "full"
+    assert parse_args(BASE + ["--compile", "blocks", "--dp-size", "2", "--gradient-checkpointing"]).compile == "blocks"
+    assert parse_args(BASE).compile == "off"
+    assert "--compile blocks with --sp-size 2" in parse_error(BASE + ["--compile", "blocks", "--sp-size", "2"], capsys)

@@ -111,3 +111,48 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: An
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+COMPILE_BATCH = 8  # rows over the ranks; the second call takes 6 (3 per rank at dp 2), to show no recompile
+
+
+def compiled_gradients(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """The shipped tiny SD3 transformer under FSDP2, eager, with `--compile blocks`, and with both `--compile blocks`
+    and activation checkpointing: its velocity and full gradients of one backward, its parameter and state-dict
+    names, and the recompiles and compile seconds of a second forward and backward with fewer rows."""
+    from miles.models.builtin import resolve_checkpoint
+    from miles.models.compile import compile_counters
+
+    family = get_train_pipeline_config(resolve_checkpoint("builtin:tiny-shapes"))
+    report: dict[str, Any] = {}
+    for name, mode, checkpointing in (("eager", "off", False), ("blocks", "blocks", False), ("ac", "blocks", True)):
+        model = family.load_transformer()
+        gen = torch.Generator().manual_seed(7)
+        latents = torch.randn(COMPILE_BATCH, *family.latent_shape(), generator=gen)
+        sigmas = torch.rand(COMPILE_BATCH, generator=gen) * 0.9 + 0.05
+        embeds = family.encode_prompts([f"{i % 3 + 1} red circles" for i in range(COMPILE_BATCH)])
+        apply_fsdp2(
+            model,
+            family.transformer_blocks(model),
+            param_dtype=torch.float32,
+            reduce_dtype=torch.float32,
+            cast_root_inputs=False,
+            gradient_checkpointing=checkpointing,
+            compile_mode=mode,
+        )
+        out = {}
+        for call, rows in enumerate((COMPILE_BATCH, COMPILE_BATCH * 3 // 4)):
+            mine = slice(rank * rows // world_size, (rank + 1) * rows // world_size)
+            model.zero_grad(set_to_none=True)
+            velocity = family.predict_velocity(model, latents[mine], sigmas[mine], embeds.rows(mine))
+            weights = torch.linspace(-1.0, 1.0, velocity.numel()).reshape(velocity.shape)
+            ((velocity * weights).sum() * world_size / rows).backward()
+            if call == 0:
+                out["velocity"] = velocity.detach().clone()
+                out["grads"] = {n: p.grad.full_tensor().detach().clone() for n, p in model.named_parameters()}
+                out["after_first"] = compile_counters()
+        out["after_second"] = compile_counters()
+        out["names"] = [n for n, _ in model.named_parameters()]
+        out["keys"] = list(model.state_dict())
+        report[name] = out
+    return report
