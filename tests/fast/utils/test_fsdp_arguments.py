@@ -99,7 +99,9 @@ def test_cluster_rules_that_wait_for_the_device_run_after_it_is_known():
 def test_compile_full_is_refused_at_dp_above_one_and_with_checkpointing(capsys):
     full = BASE + ["--compile", "full", "--dp-size", "1"]
     err = parse_error(BASE + ["--compile", "full", "--dp-size", "2"], capsys)
-    assert "--compile full needs one trainer rank (got --dp-size x --sp-size = 2)" in err and "use --compile blocks" in err
+    assert (
+        "--compile full needs one trainer rank (got --dp-size x --sp-size = 2)" in err and "use --compile blocks" in err
+    )
     assert "--compile full with --gradient-checkpointing" in parse_error(full + ["--gradient-checkpointing"], capsys)
     assert parse_args(full).compile == "full"
     assert parse_args(BASE + ["--compile", "blocks", "--dp-size", "2", "--gradient-checkpointing"]).compile == "blocks"
