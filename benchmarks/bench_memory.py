@@ -114,6 +114,14 @@ def rank_main(rank: int, world_size: int, port: int, opts: dict, out: str) -> No
         timestep=torch.full((opts["batch"],), 500.0),
     )
 
+    measured_step(model, inputs, optimizer, before, num_params, os.path.join(out, f"rank{rank}.json"))
+    destroy_process_group()
+
+
+def measured_step(model, inputs: dict, optimizer, before: int, num_params: int, path: str) -> None:
+    """One forward, backward and optimizer step; writes the rank's report to `path`: resident bytes of the state
+    (above `before`, the process before the model), of the activations the forward keeps for backward, the step's
+    peak, its seconds and the parameter count."""
     start = trimmed_rss()
     reset_peak()
     started = time.perf_counter()
@@ -125,11 +133,10 @@ def rank_main(rank: int, world_size: int, port: int, opts: dict, out: str) -> No
     seconds = time.perf_counter() - started
     del loss
     state = trimmed_rss() - before
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(
             {"state": state, "activations": activations, "peak": peak, "seconds": seconds, "params": num_params}, f
         )
-    destroy_process_group()
 
 
 def wan_config(layers: int) -> dict:
@@ -179,21 +186,7 @@ def wan_rank_main(rank: int, world_size: int, port: int, opts: dict, out: str) -
         encoder_hidden_states=torch.randn(1, 64, 512, generator=gen),
         timestep=torch.full((1,), 500.0),
     )
-    start = trimmed_rss()
-    reset_peak()
-    started = time.perf_counter()
-    loss = model(**inputs, return_dict=False)[0].float().pow(2).mean()
-    activations = trimmed_rss() - start
-    loss.backward()
-    peak = rss("VmHWM") - start
-    optimizer.step()
-    seconds = time.perf_counter() - started
-    del loss
-    state = trimmed_rss() - before
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(
-            {"state": state, "activations": activations, "peak": peak, "seconds": seconds, "params": num_params}, f
-        )
+    measured_step(model, inputs, optimizer, before, num_params, os.path.join(out, f"rank{rank}.json"))
     destroy_process_group()
 
 
