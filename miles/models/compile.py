@@ -5,6 +5,7 @@ and the process's compile counters (seconds, recompiles) the metrics report."""
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch._dynamo
@@ -21,6 +22,10 @@ COMPILE_MODES = ("off", "blocks", "full")
 # forwards, batch 1 (specialised even with dynamic shapes) and others, adapters on and off (the LoRA `ref`). torch's
 # default of 8 would silently fall back to eager past it.
 RECOMPILE_LIMIT = 64
+# torch.compile's backend: inductor generates fused kernels; `aot_eager` traces the same graphs (guards, recompiles,
+# autograd) and runs them with eager kernels, with no code generation: for checking how compilation composes with a
+# setup without paying inductor's minutes on a CPU (the fast tests use it)
+BACKEND_ENV = "MILES_COMPILE_BACKEND"
 # dynamo's own timer around each frame it compiles (tracing, AOT autograd, inductor's code generation)
 _COMPILE_TIMER = "_compile.compile_inner"
 
@@ -50,7 +55,7 @@ def compile_transformer(transformer: nn.Module, blocks: list[nn.Module], mode: s
     `_orig_mod.`), and `load_state_dict` / `copy_` into the parameters reuse the compiled code. Shapes are dynamic
     from the first call (`dynamic=True`): micro-batches, CFG's doubled batch and eval batches share one graph; a batch
     of 1 gets its own (torch specialises sizes 0 and 1). Call it after LoRA injection and activation checkpointing and
-    before `fully_shard` (torchtitan's order)."""
+    before `fully_shard` (torchtitan's order). The backend is inductor unless $MILES_COMPILE_BACKEND names another."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"--compile {mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if mode == "off":
@@ -60,13 +65,13 @@ def compile_transformer(transformer: nn.Module, blocks: list[nn.Module], mode: s
     # without duck shaping a batch of 2 gets its own symbol instead of sharing one with another size-2 dimension
     # (Wan's, LTX-2's), which made the next batch size recompile every block's graph
     torch.fx.experimental._config.use_duck_shape = False
-    name = type(transformer).__name__
+    name, backend = type(transformer).__name__, os.environ.get(BACKEND_ENV, "inductor")
     if mode == "blocks":
         for block in blocks:
-            block.compile(dynamic=True)
+            block.compile(dynamic=True, backend=backend)
         logger.info("compiled %d blocks of the %s in place (regional compilation)", len(blocks), name)
     else:
-        transformer.compile(dynamic=True)
+        transformer.compile(dynamic=True, backend=backend)
         logger.info("compiled the whole %s forward", name)
 
 
