@@ -30,20 +30,19 @@ BACKEND_ENV = "MILES_COMPILE_BACKEND"
 _COMPILE_TIMER = "_compile.compile_inner"
 
 
-def compile_refusal(family: TrainPipelineConfig, mode: str) -> str | None:
-    """Why `family` cannot run under `--compile mode` (its declared `compile_refusal`), or None."""
-    if mode == "off":
-        return None
-    return family.compile_refusal
+def _check_mode(mode: str) -> None:
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"--compile {mode!r} is not one of {', '.join(COMPILE_MODES)}")
 
 
 def check_compile(family: TrainPipelineConfig, mode: str) -> None:
-    """Raise ValueError naming the flag when `mode` is unknown or the family refuses compilation."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"--compile {mode!r} is not one of {', '.join(COMPILE_MODES)}")
-    reason = compile_refusal(family, mode)
-    if reason is not None:
-        raise ValueError(f"--compile {mode}: the {family.name} family cannot be compiled ({reason}); use --compile off")
+    """Raise ValueError naming the flag when `mode` is unknown or the family refuses compilation (its declared
+    `compile_refusal`)."""
+    _check_mode(mode)
+    if mode != "off" and family.compile_refusal is not None:
+        raise ValueError(
+            f"--compile {mode}: the {family.name} family cannot be compiled ({family.compile_refusal}); use --compile off"
+        )
 
 
 def compile_transformer(transformer: nn.Module, blocks: list[nn.Module], mode: str) -> None:
@@ -56,8 +55,7 @@ def compile_transformer(transformer: nn.Module, blocks: list[nn.Module], mode: s
     from the first call (`dynamic=True`): micro-batches, CFG's doubled batch and eval batches share one graph; a batch
     of 1 gets its own (torch specialises sizes 0 and 1). Call it after LoRA injection and activation checkpointing and
     before `fully_shard` (torchtitan's order). The backend is inductor unless $MILES_COMPILE_BACKEND names another."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"--compile {mode!r} is not one of {', '.join(COMPILE_MODES)}")
+    _check_mode(mode)
     if mode == "off":
         return
     watch_recompiles()
