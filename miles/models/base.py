@@ -97,6 +97,12 @@ class TrainPipelineConfig(ABC):
     supports_sequence_parallel: ClassVar[bool] = False
     # why `--compile` cannot run this family's transformer (the run is refused at start-up with it); None: it can
     compile_refusal: ClassVar[str | None] = None
+    # editing and image-to-video: how many source images each prompt takes, (fewest, most); (0, 0) is text only.
+    # A family with a non-zero range implements `encode_prompts(prompts, device, images=...)`
+    source_image_range: ClassVar[tuple[int, int]] = (0, 0)
+    # its negative conditioning encodes each prompt's source images (`encode_negative_of_images` returns a row per
+    # prompt) rather than one text row shared by the batch
+    negative_per_prompt: ClassVar[bool] = False
 
     def __init__(self, path: str, **options: Any) -> None:
         self.path = str(check_pipeline_components(check_pipeline_folder(path), self.name))
@@ -188,6 +194,62 @@ class TrainPipelineConfig(ABC):
         if key not in self._loaded:
             self._loaded[key] = self.encode_prompts([negative_prompt], device=device)
         return self._loaded[key].expand(batch_size)
+
+    @property
+    def takes_source_images(self) -> bool:
+        """Whether this family's samples are conditioned on source images (editing, image-to-video)."""
+        return self.source_image_range[1] > 0
+
+    def source_image_problem(self, counts: list[int]) -> str | None:
+        """Why prompts with `counts` source images each cannot run on this family (None: they can)."""
+        low, high = self.source_image_range
+        wrong = sorted({n for n in counts if not low <= n <= high})
+        if not wrong:
+            return None
+        if high == 0:
+            return (
+                f"the {self.name} family ({self.pipeline_class_name}) generates from text only, but the prompts "
+                "carry source images; use an editing or image-to-video family"
+            )
+        want = str(low) if low == high else f"{low} to {high}"
+        return (
+            f"the {self.name} family ({self.pipeline_class_name}) takes {want} source image(s) per prompt, "
+            f"got prompts with {', '.join(map(str, wrong))}"
+        )
+
+    def encode_request(
+        self,
+        prompts: list[str],
+        source_images: list[list[Any]] | None,
+        negative_prompt: str,
+        *,
+        negative: bool,
+        device: torch.device | str | None = None,
+    ) -> tuple[Conditioning, Conditioning | None]:
+        """An engine request's conditioning (one row per prompt) and, when `negative`, its negative conditioning.
+
+        Text families: `encode_prompts(prompts)` and the cached one-row `encode_negative`. Families that take source
+        images: `encode_prompts(prompts, images=source_images)` (each image (H, W, 3) uint8) and
+        `encode_negative_of_images`, which may return one row or one per prompt (`negative_columns` takes both)."""
+        problem = self.source_image_problem([0 if source_images is None else len(s) for s in (source_images or [])])
+        if problem is None and source_images is None and self.source_image_range[0] > 0:
+            problem = self.source_image_problem([0] * len(prompts))
+        if problem is not None:
+            raise ValueError(problem)
+        if source_images is None:
+            embeds = self.encode_prompts(prompts, device=device)
+            return embeds, self.encode_negative(1, negative_prompt, device=device) if negative else None
+        embeds = self.encode_prompts(prompts, device=device, images=source_images)  # type: ignore[call-arg]
+        return embeds, self.encode_negative_of_images(negative_prompt, source_images, device) if negative else None
+
+    def encode_negative_of_images(
+        self, negative_prompt: str, source_images: list[list[Any]], device: torch.device | str | None = None
+    ) -> Conditioning:
+        """The negative conditioning of prompts conditioned on `source_images`: by default the text alone (one row;
+        the family's `predict_velocity` pairs it with each prompt's image inputs), as FLUX Kontext and Wan
+        image-to-video guide. A family whose negative encodes the image too (`negative_per_prompt`) returns one row
+        per prompt."""
+        return self.encode_negative(1, negative_prompt, device=device)
 
     def check_run_args(self, args: Any) -> None:
         """Start-up checks of a run's flags against this folder, before any actor starts (the driver calls it);

@@ -54,12 +54,20 @@ class GenerateRequest:
     # grid's own shift (`shift`, or the family's `sampling_shift` at the resolution: FLUX's e^μ)
     flash_ratio: float | None = None
     record_means: bool = False  # also return each trained step's mean μ_old (GenerateResult.means)
+    # editing / image-to-video: prompt i's source images, each (H, W, 3) uint8 at the run's resolution (what
+    # `miles.data.source_images` loads); None for text-only families
+    source_images: list[list[np.ndarray]] | None = None
 
     def rows(self, start: int, end: int) -> GenerateRequest:
-        """The request for prompts [start, end) only, with their seeds and initial seeds."""
+        """The request for prompts [start, end) only, with their seeds, initial seeds and source images."""
         initial = None if self.initial_seeds is None else list(self.initial_seeds[start:end])
+        sources = None if self.source_images is None else list(self.source_images[start:end])
         return dataclasses.replace(
-            self, prompts=list(self.prompts[start:end]), seeds=list(self.seeds[start:end]), initial_seeds=initial
+            self,
+            prompts=list(self.prompts[start:end]),
+            seeds=list(self.seeds[start:end]),
+            initial_seeds=initial,
+            source_images=sources,
         )
 
     def __post_init__(self) -> None:
@@ -67,6 +75,10 @@ class GenerateRequest:
             raise ValueError(f"GenerateRequest has {len(self.prompts)} prompts but {len(self.seeds)} seeds")
         if self.initial_seeds is not None and len(self.initial_seeds) != len(self.seeds):
             raise ValueError(f"GenerateRequest has {len(self.seeds)} seeds but {len(self.initial_seeds)} initial_seeds")
+        if self.source_images is not None and len(self.source_images) != len(self.prompts):
+            raise ValueError(
+                f"GenerateRequest has {len(self.prompts)} prompts but {len(self.source_images)} source image lists"
+            )
         if self.sde_type not in SDE_KERNELS:
             raise ValueError(f"unknown --diffusion-sde-type {self.sde_type!r}; valid: {', '.join(sorted(SDE_KERNELS))}")
         if self.num_steps < 1:
@@ -100,7 +112,7 @@ class GenerateResult:
     sigmas: torch.Tensor  # (num_steps + 1,) the grid used (shorter under MixGRPO-Flash: `flash_sigmas`)
     trained_steps: list[int]
     conditioning: Conditioning  # B rows, the family's named tensors
-    negative: Conditioning | None  # 1 row; None without CFG (or return_negative)
+    negative: Conditioning | None  # 1 row (or B: negative_per_prompt); None without CFG (or return_negative)
     weights_version: int
     denoised: torch.Tensor | None = None  # (B, K, *latent) x̂₀ = x − σ·v of the trained steps; `renoise` only
     means: torch.Tensor | None = None  # (B, K, *latent) the trained steps' means; only with request.record_means
@@ -109,6 +121,8 @@ class GenerateResult:
     sample_rate: int | None = None
     # with --compile: the engine process's compile totals (`miles.models.compile.compile_counters`) after this batch
     compile_counters: dict[str, float] | None = None
+    # the negative holds a row per prompt (a family whose negative encodes each prompt's source images)
+    negative_per_prompt: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -134,7 +148,8 @@ class GenerateResult:
             sigmas=first.sigmas,
             trained_steps=list(first.trained_steps),
             conditioning=Conditioning.cat([p.conditioning for p in parts]),
-            negative=first.negative,
+            negative=Conditioning.cat([p.negative for p in parts]) if first.negative_per_prompt else first.negative,
+            negative_per_prompt=first.negative_per_prompt,
             weights_version=versions[0],
             denoised=None if first.denoised is None else torch.cat([p.denoised for p in parts]),
             means=None if first.means is None else torch.cat([p.means for p in parts]),
@@ -326,11 +341,12 @@ class DiffusionEngine:
             flash_shift = family.sampling_shift(request.resolution) if request.shift is None else request.shift
             sigmas = flash_sigmas(sigmas, flash_from - 1, request.flash_ratio, flash_shift)
         sigmas_dev = sigmas.to(self.device)
-        embeds = family.encode_prompts(list(request.prompts), device=self.device)
-        negative = (
-            family.encode_negative(1, request.negative_prompt, device=self.device)
-            if request.guidance_scale > 1.0 or request.return_negative  # scale 1 is the conditional branch alone
-            else None
+        embeds, negative = family.encode_request(
+            list(request.prompts),
+            request.source_images,
+            request.negative_prompt,
+            negative=request.guidance_scale > 1.0 or request.return_negative,  # scale 1: the conditional branch
+            device=self.device,
         )
         noise = draw_sample_noise(
             request.seeds,
@@ -387,6 +403,9 @@ class DiffusionEngine:
             trained_steps=list(request.trained_steps),
             conditioning=embeds.to(device="cpu", dtype=torch.float32),
             negative=None if negative is None else negative.to(device="cpu", dtype=torch.float32),
+            negative_per_prompt=negative is not None
+            and request.source_images is not None
+            and family.negative_per_prompt,
             weights_version=self.version,
             denoised=_stack_steps(denoised, batch, shape) if request.sde_type == "renoise" else None,
             means=_stack_steps(means, batch, shape) if request.record_means else None,

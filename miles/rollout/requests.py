@@ -19,6 +19,13 @@ def group_initial_seeds(samples: list[Sample]) -> list[int]:
     return [first[sample.group_index] for sample in samples]
 
 
+def source_images_of(samples: list[Sample]) -> list[list[Any]] | None:
+    """The samples' source images for a request (editing, image-to-video), or None when they are text-only."""
+    if all(s.source_images is None for s in samples):
+        return None
+    return [list(s.source_images or []) for s in samples]
+
+
 def sampler_request(
     args: argparse.Namespace, samples: list[Sample], *, resolution: int, sde_type: str, trained_steps: list[int]
 ) -> GenerateRequest:
@@ -36,6 +43,7 @@ def sampler_request(
         trained_steps=trained_steps,
         resolution=resolution,
         flash_ratio=flash_ratio(args) if trained_steps else None,
+        source_images=source_images_of(samples),
     )
 
 

@@ -53,6 +53,7 @@ def make_samples(
                     metadata=record.get("metadata") or {},
                     group_index=group,
                     seed=sample_seed(args.rollout_seed, rollout_id, index),
+                    source_images=record.get("source_images"),
                 )
             )
     return samples

@@ -25,6 +25,9 @@ class Sample:
     # fills `frames` (F, H, W, 3) uint8 played at `fps`, and `audio` (channels, samples) float32 in [-1, 1] at
     # `sample_rate` Hz when it has sound.
     image: Any = None
+    # editing / image-to-video: the prompt's source images, each (H, W, 3) uint8 at the run's resolution (rewards
+    # compare the result with them; the engine conditions on them); None for text-only prompts
+    source_images: list[Any] | None = None
     frames: Any = None
     fps: float | None = None
     audio: Any = None

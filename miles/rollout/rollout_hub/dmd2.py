@@ -10,6 +10,7 @@ import torch
 
 from miles.rollout.conditioning import negative_columns
 from miles.rollout.engine import GenerateRequest, GenerateResult
+from miles.rollout.requests import source_images_of
 from miles.rollout.rollout_hub.spec import RolloutSpec
 from miles.utils.seeding import stream_rng
 from miles.utils.types import Sample, TrainPairs
@@ -47,6 +48,7 @@ def generator_request(
         resolution=resolution,
         shift=args.dmd2_timestep_shift,
         return_negative=True,
+        source_images=source_images_of(samples),
     )
 
 
