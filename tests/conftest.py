@@ -240,6 +240,10 @@ class FamilyCase:
     # guidance scales of the whole-run parity test (the first also checks --save-hf); fewer where other tests or
     # cases already run the same family code the same way
     e2e_guidances: tuple[float, ...] = (1.0, 3.5)
+    # editing / image-to-video: source images per prompt (the contract tests draw them) and the pipeline __call__
+    # kwargs that pass them (a list per prompt of PIL images in; the pipeline's own argument names out)
+    source_images: int = 0
+    image_kwargs: Callable[[list[list[Any]]], dict[str, Any]] = lambda images: {"image": [i[0] for i in images]}
 
     @property
     def pipeline_kwargs(self) -> dict[str, Any]:

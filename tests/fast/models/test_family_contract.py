@@ -12,8 +12,10 @@ import argparse
 import functools
 
 import diffusers
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from miles.backends.fsdp_utils.lora import apply_lora, lora_config_from_args, lora_state_dict, save_lora_adapter
 from miles.models import get_train_pipeline_config
@@ -24,6 +26,23 @@ PROMPTS = ["two red circles on the left", "a blue square"]
 SEEDS = [3, 11]
 GUIDANCE = [1.0, 3.5]  # without and with the family's guidance
 TOLERANCE = 1e-5  # fp32; measured: 0 (SD3, FLUX guidance embedding), ~1e-6 (batched vs sequential CFG branches)
+
+
+def source_images(case) -> list[list[np.ndarray]] | None:
+    """`case.source_images` seeded (H, W, 3) uint8 images per prompt at the case's resolution (None: text only):
+    smooth colour fields, so that a VAE's encoding of them is not all noise."""
+    if not case.source_images:
+        return None
+    rng = np.random.default_rng(7)
+    side = case.resolution
+    ramp = np.linspace(0.0, 1.0, side)[:, None] * np.linspace(1.0, 0.0, side)[None, :]
+    images = []
+    for _ in PROMPTS:
+        colours = rng.uniform(0, 255, size=(case.source_images, 1, 1, 3))
+        noise = rng.uniform(-20, 20, size=(case.source_images, side, side, 3))
+        pixels = np.clip(colours * (0.3 + 0.7 * ramp[None, :, :, None]) + noise, 0, 255).astype(np.uint8)
+        images.append(list(pixels))
+    return images
 
 
 @functools.lru_cache(maxsize=4)
@@ -44,12 +63,15 @@ def run_pipeline(case, path, guidance, num_steps):
         return scheduler_step(scheduler, model_output, timestep, sample, *args, **kwargs)
 
     pipe.scheduler.step = recording_step.__get__(pipe.scheduler)
+    sources = source_images(case)
+    images = {} if sources is None else case.image_kwargs([[Image.fromarray(i) for i in s] for s in sources])
     try:
         latents = pipe(
-            PROMPTS,
+            prompt=PROMPTS,
             num_inference_steps=num_steps,
             generator=[torch.Generator().manual_seed(s) for s in SEEDS],
             output_type="latent",
+            **images,
             **case.cfg_kwargs(guidance),
             **case.pipeline_kwargs,
         )
@@ -70,8 +92,7 @@ def test_predict_velocity_is_what_the_pipeline_steps_with(family_case, guidance)
     family = get_train_pipeline_config(path, **case.family_options)
     assert family.name == case.family
     transformer = family.load_transformer()
-    embeds = family.encode_prompts(PROMPTS)
-    negative = family.encode_negative(len(PROMPTS), "") if guidance > 1 else None
+    embeds, negative = family.encode_request(PROMPTS, source_images(case), "", negative=guidance > 1)
     assert len(steps) == 2
     for i, (pipeline_velocity, sample) in enumerate(steps):
         with torch.no_grad():
@@ -104,6 +125,7 @@ def test_engine_ode_sampling_reproduces_the_pipeline(family_case, guidance):
             noise_level=0.0,
             trained_steps=[],
             resolution=case.resolution,
+            source_images=source_images(case),
         )
     )
     assert torch.equal(result.sigmas, sigmas), (result.sigmas, sigmas)  # the pipeline's grid (FLUX: shifted by mu)
@@ -130,7 +152,7 @@ def test_default_lora_adapter_loads_through_the_pipelines_load_lora_weights(requ
         for name, param in model.named_parameters():
             if ".lora_B." in name:  # lora_B starts at zero: give the adapter an effect, as training would
                 param.copy_(0.1 * torch.randn(param.shape, generator=gen))
-    embeds = family.encode_prompts(PROMPTS)
+    embeds, _ = family.encode_request(PROMPTS, source_images(case), "", negative=False)
     latents = torch.randn(len(PROMPTS), *family.latent_shape(case.resolution), generator=gen)
     sigmas = torch.tensor([0.7, 0.3])
     # what the trainer's save_hf writes with --use-lora: the LoRA slice of the full state dict, for the family's class
