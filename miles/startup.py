@@ -41,6 +41,7 @@ def check_startup(args: argparse.Namespace) -> None:
     # the family's options (--num-frames, ...) against the folder, and its own checks of the run's flags
     family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
     family.check_run_args(args)
+    args.source_image_range = tuple(family.source_image_range)  # what the data loaders and the eval read
     problems = family.sequence_parallel_problems(args.sp_size, args.resolution)  # --sp-size: support, heads, tokens
     if problems:
         raise ValueError("; ".join(problems))

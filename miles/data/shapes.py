@@ -142,11 +142,16 @@ def sample_layout(scene: ShapeScene, rng: np.random.Generator) -> list[tuple[flo
 
 def render_scene(scene: ShapeScene, rng: np.random.Generator, resolution: int = 32) -> Image.Image:
     """Draw the scene (layout from `rng`) at 4x resolution and box-downsample: exact area antialiasing."""
+    return draw_layout(scene, sample_layout(scene, rng), resolution)
+
+
+def draw_layout(scene: ShapeScene, layout: list[tuple[float, float, float]], resolution: int = 32) -> Image.Image:
+    """The scene's shapes at the given (cx, cy, size) places (`sample_layout`), drawn as `render_scene` draws."""
     big = resolution * _SUPERSAMPLE
     image = Image.new("RGB", (big, big), BACKGROUND)
     draw = ImageDraw.Draw(image)
     fill = PALETTE[scene.color]
-    for cx, cy, size in sample_layout(scene, rng):
+    for cx, cy, size in layout:
         x0, y0, x1, y1 = ((cx - size / 2) * big, (cy - size / 2) * big, (cx + size / 2) * big, (cy + size / 2) * big)
         if scene.shape == "circle":
             draw.ellipse((x0, y0, x1, y1), fill=fill)

@@ -10,7 +10,8 @@ from typing import Any
 
 from miles.data.ocr import BUILTIN_OCR, ocr_prompts, unquoted_prompts
 from miles.data.shapes import BUILTIN_SHAPES, ShapeScene, shapes_prompts
-from miles.rollout.data_source import read_prompt_file
+from miles.data.shapes_edit import BUILTIN_SHAPES_EDIT, shapes_edit_items
+from miles.rollout.data_source import read_prompt_file, wants_source_images
 from miles.rollout.evaluation import evaluate_ocr, evaluate_shapes
 from miles.rollout.media_files import save_media
 from miles.rollout.rollout_hub import DatasetSpec, rollout_spec_of
@@ -23,16 +24,18 @@ logger = logging.getLogger(__name__)
 SHAPES_EVAL, OCR_EVAL = "shapes", "ocr"
 
 
-def load_eval_records(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
+def load_eval_records(args: argparse.Namespace, source_images: bool = False) -> tuple[str, list[dict[str, Any]]]:
     """(which eval, its records). builtin:shapes -> its eval split (disjoint seeds from training); builtin:ocr -> the
     first --eval-num-prompts of its eval split (words disjoint from training). A file is an OCR eval when no record
     has shapes metadata (every prompt then needs quoted text), else a shapes eval (every record needs it)."""
     data = args.eval_prompt_data
+    if data == BUILTIN_SHAPES_EDIT:  # metadata: the target scene, scored as a shapes eval (and the preservation)
+        return SHAPES_EVAL, shapes_edit_items(args.eval_num_prompts, seed=args.eval_seed, split="eval")
     if data == BUILTIN_SHAPES:
         return SHAPES_EVAL, shapes_prompts(args.eval_num_prompts, seed=args.eval_seed, split="eval")
     if data == BUILTIN_OCR:
         return OCR_EVAL, ocr_prompts(split="eval")[: args.eval_num_prompts]
-    records = read_prompt_file(data, args, flag="--eval-prompt-data")
+    records = read_prompt_file(data, args, flag="--eval-prompt-data", source_images=source_images)
     if not any(record["metadata"] for record in records):
         unquoted = unquoted_prompts(records)
         if unquoted:
@@ -61,7 +64,8 @@ class Evaluator:
             )
         self.args, self.sampler = args, spec.eval_sampler
         self.custom = load_path_flags(args).get("eval_function_path")
-        self.kind, self.records = load_eval_records(args) if self.custom is None else (None, [])
+        sources = wants_source_images(args)
+        self.kind, self.records = load_eval_records(args, sources) if self.custom is None else (None, [])
 
     def evaluate(self, engine: Any, rollout_id: int) -> dict[str, float]:
         args, started = self.args, time.perf_counter()
@@ -90,6 +94,8 @@ class Evaluator:
             audio=samples.audio,
             sample_rate=samples.sample_rate,
             max_samples=args.media_max_samples,
+            columns=args.n_samples_per_eval_prompt if samples.sources is not None else None,
+            sources=samples.sources,
         )
         metrics["perf/eval_s"] = time.perf_counter() - started
         metrics[EVAL_AXIS] = rollout_id  # the x of this eval in plots and trackers: 0 is the baseline

@@ -20,7 +20,7 @@ from miles.ray.reward_workers import RewardWorkerPool
 from miles.rollout import steps
 from miles.rollout.data_source import PromptDataSource, load_records, records_digest
 from miles.rollout.engine import GenerateResult
-from miles.rollout.media_files import save_media
+from miles.rollout.media_files import first_sources, save_media
 from miles.rollout.monitors import DriftWatch, monitor_metrics, watches
 from miles.rollout.rm_hub import reward_metrics, reward_spec_from_args
 from miles.rollout.rm_hub.clip import CLIP_EMBEDDING_KEY
@@ -187,7 +187,7 @@ class RolloutManager:
             "perf/reward_s": t2 - t1,
             **{f"perf/engine_{name}": value for name, value in (result.compile_counters or {}).items()},
         }
-        self._save_media(rollout_id, result)
+        self._save_media(rollout_id, result, samples)
         return pairs
 
     def _monitor_metrics(self, rollout_id: int, samples: list[Sample], result: Any) -> dict[str, float]:
@@ -206,7 +206,7 @@ class RolloutManager:
         names = list(samples[0].extra.get(REWARD_TERMS, {})) if samples else []
         return {name: [s.extra[REWARD_TERMS][name] for s in samples] for name in names}
 
-    def _save_media(self, rollout_id: int, result: Any) -> None:
+    def _save_media(self, rollout_id: int, result: Any, samples: list[Sample]) -> None:
         """Every --image-grid-interval rollouts: the image grid, or for video the first --media-max-samples
         samples as mp4s (audio muxed when there is sound) and their contact sheet (`media_files.save_media`)."""
         args = self.args
@@ -221,6 +221,7 @@ class RolloutManager:
             sample_rate=result.sample_rate,
             columns=args.n_samples_per_prompt,
             max_samples=args.media_max_samples,
+            sources=first_sources(samples),
         )
 
     def _collect(self, rollout_id: int) -> tuple[list[Sample], Any, Any, int]:
@@ -281,7 +282,15 @@ class RolloutManager:
             indices = steps.refill_record_indices(
                 len(records), num_prompts, seed=args.rollout_seed, rollout_id=rollout_id, round_index=attempt
             )
-        return steps.make_samples(args, records, indices, rollout_id, first_index=first_index, first_group=first_group)
+        return steps.make_samples(
+            args,
+            records,
+            indices,
+            rollout_id,
+            first_index=first_index,
+            first_group=first_group,
+            resolution=self.resolution,
+        )
 
     def _generate_and_score(self, samples: list[Sample], request: Any, rollout_id: int) -> Any:
         """The generate and score steps. With --generate-chunk-size N (and rewards to score, with the built-in

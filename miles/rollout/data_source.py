@@ -13,6 +13,8 @@ import numpy as np
 
 from miles.data.ocr import BUILTIN_OCR, ocr_prompts
 from miles.data.shapes import shapes_items, shapes_prompts
+from miles.data.shapes_edit import BUILTIN_SHAPES_EDIT, shapes_edit_items
+from miles.data.source_images import source_image_paths
 from miles.utils.jsonl import read_jsonl_objects
 from miles.utils.seeding import stream_rng
 
@@ -26,9 +28,11 @@ class PromptDataError(ValueError):
 
 
 def read_jsonl_records(
-    path: str, *, input_key: str, metadata_key: str, image_key: str | None = None
+    path: str, *, input_key: str, metadata_key: str, image_key: str | None = None, source_images: bool = False
 ) -> list[dict[str, Any]]:
-    """Records {"prompt", "metadata", ["image"]}; image paths resolve relative to the JSONL file."""
+    """Records {"prompt", "metadata", ["image"], ["source_images"]}: `image` the sft_loss target (`image_key`),
+    `source_images` the paths of an editing / image-to-video prompt's inputs (`image` or `images`, checked to
+    decode); paths resolve relative to the JSONL file."""
     base = os.path.dirname(os.path.abspath(path))
     records = []
     for line_no, row in read_jsonl_objects(path, PromptDataError, where=f"--prompt-data {path}"):
@@ -47,6 +51,11 @@ def read_jsonl_records(
             if not os.path.isfile(image_path):
                 raise PromptDataError(f"{path}:{line_no}: image {image_path} not found")
             record["image"] = image_path
+        if source_images:
+            try:
+                record["source_images"] = source_image_paths(row, base, f"{path}:{line_no}")
+            except ValueError as exc:
+                raise PromptDataError(str(exc)) from None
         records.append(record)
     return records
 
@@ -67,12 +76,69 @@ def read_text_prompts(path: str, flag: str = "--prompt-data") -> list[dict[str, 
 
 
 def read_prompt_file(
-    path: str, args: argparse.Namespace, *, image_key: str | None = None, flag: str = "--prompt-data"
+    path: str,
+    args: argparse.Namespace,
+    *,
+    image_key: str | None = None,
+    flag: str = "--prompt-data",
+    source_images: bool = False,
 ) -> list[dict[str, Any]]:
-    """A prompt file by its extension: .txt one prompt per line, anything else JSONL (`read_jsonl_records`)."""
+    """A prompt file by its extension: .txt one prompt per line, anything else JSONL (`read_jsonl_records`);
+    `source_images`: the run's family edits or animates images, so every record names its source images."""
     if path.endswith(".txt") and image_key is None:
+        if source_images:
+            raise PromptDataError(
+                f"{flag} {path}: a .txt prompt file has no source images; this model edits or animates images, so "
+                "give a JSONL file whose records name them ('image' or 'images')"
+            )
         return read_text_prompts(path, flag)
-    return read_jsonl_records(path, input_key=args.input_key, metadata_key=args.metadata_key, image_key=image_key)
+    return read_jsonl_records(
+        path,
+        input_key=args.input_key,
+        metadata_key=args.metadata_key,
+        image_key=image_key,
+        source_images=source_images,
+    )
+
+
+def wants_source_images(args: argparse.Namespace) -> bool:
+    """Whether the run's family conditions on source images (set at start-up: `args.source_image_range`)."""
+    return source_image_range(args)[1] > 0
+
+
+def source_image_range(args: argparse.Namespace) -> tuple[int, int]:
+    """The family's (fewest, most) source images per prompt; (0, 0) before the start-up checks set it (a
+    Namespace built by hand: text only)."""
+    return tuple(getattr(args, "source_image_range", (0, 0)))
+
+
+def check_source_image_counts(records: list[dict[str, Any]], args: argparse.Namespace, flag: str, data: str) -> None:
+    """Every record carries as many source images as the family takes (`args.source_image_range`), and builtin
+    worlds match the family: text-only worlds need a text family, builtin:shapes-edit an editing one."""
+    low, high = source_image_range(args)
+    if high == 0:
+        if data == BUILTIN_SHAPES_EDIT:
+            raise PromptDataError(
+                f"{flag} {BUILTIN_SHAPES_EDIT} holds editing triples (a source image and an instruction), and this "
+                "model generates from text only: use an editing family (builtin:tiny-flux-kontext, ...)"
+            )
+        return
+    if data.startswith("builtin:") and data != BUILTIN_SHAPES_EDIT:
+        raise PromptDataError(
+            f"{flag} {data} holds text prompts, and this model edits or animates source images: use "
+            f"{BUILTIN_SHAPES_EDIT} or a JSONL whose records name their source images ('image' or 'images')"
+        )
+    for line, record in enumerate(records, start=1):
+        count = len(record.get("source_images") or [])
+        if not low <= count <= high:
+            want = str(low) if low == high else f"{low} to {high}"
+            raise PromptDataError(f"{flag} {data}:{line}: {count} source image(s); this model takes {want} per prompt")
+
+
+def sft_image_key(args: argparse.Namespace, source_images: bool) -> str:
+    """The JSONL key of sft_loss's target image: --image-key, else `image`, or `target` when `image` names the
+    source image (an editing family's (source, instruction, target) triples)."""
+    return args.image_key or ("target" if source_images else "image")
 
 
 def check_distinct_prompts(records: list[dict[str, Any]], args: argparse.Namespace, source: str) -> None:
@@ -80,10 +146,19 @@ def check_distinct_prompts(records: list[dict[str, Any]], args: argparse.Namespa
     would silently train on the same prompt several times in every rollout."""
     if args.allow_repeated_prompts or getattr(args, "data_source_path", None):  # the user's own stream
         return
-    # SFT: the same caption with another image is another item (in-memory images are always distinct)
-    keys = {(r["prompt"], r["image"] if isinstance(r.get("image"), str) else i) for i, r in enumerate(records)}
-    if "image" not in records[0]:
-        keys = {r["prompt"] for r in records}
+
+    # the same caption with another image (SFT's target, an edit's source) is another item; in-memory images are
+    # always distinct
+    def image_key(i: int, image: Any) -> Any:
+        if image is None:
+            return None
+        if isinstance(image, str) or (isinstance(image, list) and all(isinstance(p, str) for p in image)):
+            return str(image)
+        return i
+
+    keys = {
+        (r["prompt"], image_key(i, r.get("image")), image_key(i, r.get("source_images"))) for i, r in enumerate(records)
+    }
     if len(keys) < args.rollout_batch_size:
         raise PromptDataError(
             f"--prompt-data {source}: {len(keys)} distinct prompt(s), fewer than --rollout-batch-size "
@@ -101,8 +176,15 @@ def records_digest(records: list[dict[str, Any]]) -> str:
     return h.hexdigest()[:16]
 
 
-def load_records(args: argparse.Namespace, *, with_images: bool, resolution: int) -> list[dict[str, Any]]:
-    if args.prompt_data == BUILTIN_OCR and not with_images:
+def load_records(args: argparse.Namespace, *, with_images: bool, resolution: int | None) -> list[dict[str, Any]]:
+    """The run's prompt records: built-in worlds or --prompt-data's file; `with_images` sft_loss's (prompt, target)
+    pairs; an editing / image-to-video family's records also name their source images (`source_images`)."""
+    source_images = wants_source_images(args)
+    if args.prompt_data == BUILTIN_SHAPES_EDIT:
+        records = shapes_edit_items(
+            args.builtin_dataset_size, seed=args.rollout_seed, split="train", resolution=resolution, targets=with_images
+        )
+    elif args.prompt_data == BUILTIN_OCR and not with_images:
         records = ocr_prompts(split="train")
     elif args.prompt_data == BUILTIN_SHAPES:
         if with_images:
@@ -112,7 +194,9 @@ def load_records(args: argparse.Namespace, *, with_images: bool, resolution: int
         else:
             records = shapes_prompts(args.builtin_dataset_size, seed=args.rollout_seed, split="train")
     else:
-        records = read_prompt_file(args.prompt_data, args, image_key=args.image_key if with_images else None)
+        image_key = sft_image_key(args, source_images) if with_images else None
+        records = read_prompt_file(args.prompt_data, args, image_key=image_key, source_images=source_images)
+    check_source_image_counts(records, args, "--prompt-data", args.prompt_data)
     check_distinct_prompts(records, args, args.prompt_data)
     return records
 

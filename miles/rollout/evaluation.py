@@ -14,7 +14,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from miles.data.source_images import load_source_images
 from miles.rollout.engine import GenerateRequest, GenerateResult
+from miles.rollout.rm_hub.edit import PSNR_CAP_DB, keep_mask, masked_psnr
 from miles.rollout.rm_hub.ocr import OcrScore, load_ocr_engine, ocr_scores
 from miles.rollout.rm_hub.shapes import ShapeScore, shapes_reward
 from miles.utils.seeding import stream_seed
@@ -43,6 +45,7 @@ class EvalSamples:
     fps: float | None = None
     audio: torch.Tensor | None = None
     sample_rate: int | None = None
+    sources: np.ndarray | None = None  # (N, H, W, 3) each sample's first source image (editing, image-to-video)
 
 
 class GenerateEngine(Protocol):
@@ -116,6 +119,11 @@ def generate_eval_samples(
         )
     prompts = [r["prompt"] for r in records for _ in range(num_samples_per_prompt)]
     seeds = [eval_seed(seed, i, k) for i in range(len(records)) for k in range(num_samples_per_prompt)]
+    sources = None
+    if any(r.get("source_images") is not None for r in records):  # editing / image-to-video prompts
+        side = resolution or engine_resolution(records)
+        loaded = [load_source_images(r.get("source_images"), side) or [] for r in records]
+        sources = [images for images in loaded for _ in range(num_samples_per_prompt)]
     images, audio, last = [], [], None
     for start in range(0, len(prompts), batch_size):
         request = GenerateRequest(
@@ -129,6 +137,7 @@ def generate_eval_samples(
             trained_steps=[],
             resolution=resolution,
             shift=shift,
+            source_images=None if sources is None else sources[start : start + batch_size],
         )
         result = engine.generate(request)
         if result.images is None:
@@ -141,7 +150,30 @@ def generate_eval_samples(
         fps=last.fps,
         audio=torch.cat(audio) if audio else None,
         sample_rate=last.sample_rate if audio else None,
+        sources=None if sources is None else np.stack([images[0] for images in sources]),
     )
+
+
+def engine_resolution(records: list[dict[str, Any]]) -> int:
+    """The side of the first in-memory source image (an eval run without --resolution: the records' own size)."""
+    for record in records:
+        for image in record.get("source_images") or []:
+            if isinstance(image, np.ndarray):
+                return int(image.shape[0])
+    raise ValueError("the eval's source images are files: pass --resolution so they are loaded at the run's size")
+
+
+def edit_eval_metrics(images: np.ndarray, records: list[dict[str, Any]], num_samples_per_prompt: int) -> dict:
+    """`eval/edit_preservation_mean` of an editing eval's images against their records' first source image."""
+    side = images.shape[1]
+    scores = []
+    for i, record in enumerate(records):
+        source = load_source_images(record["source_images"][:1], side)[0]
+        keep = keep_mask(side, images.shape[2], record["metadata"].get("edit_box"))
+        for k in range(num_samples_per_prompt):
+            psnr = masked_psnr(images[i * num_samples_per_prompt + k], source, keep)
+            scores.append(min(psnr, PSNR_CAP_DB) / PSNR_CAP_DB)
+    return {"eval/edit_preservation_mean": float(np.mean(scores))}
 
 
 def evaluate_shapes(
@@ -155,6 +187,8 @@ def evaluate_shapes(
     samples = generate_eval_samples(engine, records, num_samples_per_prompt=num_samples_per_prompt, **sampling)
     metadatas = [r["metadata"] for r in records for _ in range(num_samples_per_prompt)]
     metrics = shapes_eval_metrics(score_shapes_media(samples.images, metadatas))
+    if samples.images.ndim == 4 and any(r.get("source_images") is not None for r in records):
+        metrics |= edit_eval_metrics(samples.images, records, num_samples_per_prompt)
     logger.info(
         "shapes eval: %d samples, %d %s steps, cfg %.2f: accuracy %.3f",
         len(metadatas),

@@ -9,7 +9,15 @@ import os
 
 from miles.algorithms import algorithm_of
 from miles.data.ocr import BUILTIN_OCR, unquoted_prompts
-from miles.rollout.data_source import BUILTIN_SHAPES, load_records, read_prompt_file
+from miles.data.shapes_edit import BUILTIN_SHAPES_EDIT
+from miles.rollout.data_source import (
+    BUILTIN_SHAPES,
+    check_source_image_counts,
+    load_records,
+    read_prompt_file,
+    wants_source_images,
+)
+from miles.utils.eval_arguments import eval_enabled
 from miles.utils.reward_spec import reward_spec_from_args
 
 
@@ -67,12 +75,18 @@ def check_input_files(args: argparse.Namespace) -> None:
         raise InputFileError(
             f"--prompt-data {BUILTIN_OCR} holds prompts only; --loss-type {algorithm.name} trains on prompts with images"
         )
-    if args.prompt_data != BUILTIN_SHAPES:
-        records = load_records(args, with_images=with_images, resolution=None)
+    if args.prompt_data.startswith("builtin:"):  # a built-in world matches the family: text, or source images
+        check_source_image_counts([], args, "--prompt-data", args.prompt_data)
+    if args.prompt_data not in (BUILTIN_SHAPES, BUILTIN_SHAPES_EDIT):
+        records = load_records(args, with_images=with_images, resolution=None)  # source images decoded: checked
         check_ocr_prompts(args, records)
     eval_data = getattr(args, "eval_prompt_data", BUILTIN_SHAPES)
-    if (args.eval_only or args.eval_interval is not None) and eval_data not in (BUILTIN_SHAPES, BUILTIN_OCR):
-        read_prompt_file(eval_data, args, flag="--eval-prompt-data")
+    if eval_enabled(args) and not getattr(args, "eval_function_path", None):
+        eval_records = []
+        if not eval_data.startswith("builtin:"):
+            sources = wants_source_images(args)
+            eval_records = read_prompt_file(eval_data, args, flag="--eval-prompt-data", source_images=sources)
+        check_source_image_counts(eval_records, args, "--eval-prompt-data", eval_data)
 
 
 def check_ocr_prompts(args: argparse.Namespace, records: list[dict]) -> None:

@@ -99,15 +99,41 @@ def contact_frame_indices(num_frames: int, per_sample: int = CONTACT_SHEET_FRAME
     return sorted({round(i) for i in np.linspace(0, num_frames - 1, min(per_sample, num_frames))})
 
 
-def contact_sheet(videos: Any, path: str, per_sample: int = CONTACT_SHEET_FRAMES) -> str:
-    """One PNG of `videos` (B, F, H, W, 3) uint8: a row per sample, `per_sample` evenly spaced frames across it."""
+def contact_sheet(
+    videos: Any, path: str, per_sample: int = CONTACT_SHEET_FRAMES, sources: np.ndarray | None = None
+) -> str:
+    """One PNG of `videos` (B, F, H, W, 3) uint8: a row per sample, `per_sample` evenly spaced frames across it
+    (after the sample's source image (B, H, W, 3) when given)."""
     array = np.asarray(videos)
     if array.ndim != 5 or array.shape[0] < 1:
         raise ValueError(f"contact_sheet expects videos (B >= 1, F, H, W, 3), got shape {array.shape}")
     _check_frames(array[0], "contact_sheet videos")
     picks = contact_frame_indices(array.shape[1], per_sample)
-    tiles = array[:, picks].reshape(-1, *array.shape[2:])
-    return save_image_grid(tiles, path, columns=len(picks), max_images=len(tiles))
+    tiles = array[:, picks]
+    if sources is not None:  # image-to-video: each row starts with the sample's source image
+        tiles = np.concatenate([np.asarray(sources)[: len(array), None], tiles], axis=1)
+    columns = tiles.shape[1]
+    tiles = tiles.reshape(-1, *array.shape[2:])
+    return save_image_grid(tiles, path, columns=columns, max_images=len(tiles))
+
+
+def first_sources(samples: list[Any]) -> np.ndarray | None:
+    """Each sample's first source image stacked (B, H, W, 3), or None when the samples are text-only."""
+    if not samples or samples[0].source_images is None:
+        return None
+    return np.stack([np.asarray(s.source_images[0]) for s in samples])
+
+
+def beside_sources(images: np.ndarray, sources: np.ndarray, group: int) -> np.ndarray:
+    """Tiles (N + N / group, H, W, 3): each run of `group` images (one prompt's samples) after its source image;
+    `sources` (N, H, W, 3) holds each image's source (the group shares one)."""
+    if sources.shape != images.shape:
+        raise ValueError(f"source images {sources.shape} and results {images.shape} must have one shape to be shown")
+    tiles = []
+    for start in range(0, len(images), group):
+        tiles.append(sources[start])
+        tiles.extend(images[start : start + group])
+    return np.stack(tiles)
 
 
 def save_media(
@@ -120,15 +146,21 @@ def save_media(
     sample_rate: int | None = None,
     columns: int | None = None,
     max_samples: int = 64,
+    sources: np.ndarray | None = None,
 ) -> list[str]:
     """Save a batch under the run's `output_dir` as `name` (`rollout_0000003`, `eval_0000003`); returns the paths.
 
-    Images (B, H, W, 3): the grid `images/{name}.png` (at most 64, `columns` wide). Video (B, F, H, W, 3) at
+    Images (B, H, W, 3): the grid `images/{name}.png` (at most 64, `columns` wide); with `sources` (B, H, W, 3),
+    each sample's first source image (editing, image-to-video), a row per prompt starts with its source. Video (B, F, H, W, 3) at
     `fps`: the first `max_samples` samples as `media/{name}/sample_{k}.mp4` (with their `audio` (B, channels,
     samples) muxed when given) and their contact sheet `images/{name}.png`, where trackers pick up image grids.
     """
     grid_path = os.path.join(output_dir, "images", f"{name}.png")
     array = np.asarray(images)
+    if array.ndim == 4 and sources is not None:  # editing: each row a prompt's source, then its `columns` results
+        group = columns or 1
+        tiles = beside_sources(array, np.asarray(sources), group)
+        return [save_image_grid(tiles, grid_path, columns=group + 1, max_images=(group + 1) * max(1, 64 // group))]
     if array.ndim == 4:
         return [save_image_grid(array, grid_path, columns=columns, max_images=64)]
     if array.ndim != 5:
@@ -148,6 +180,6 @@ def save_media(
         )
         for k in range(count)
     ]
-    paths.append(contact_sheet(array[:count], grid_path))
+    paths.append(contact_sheet(array[:count], grid_path, sources=None if sources is None else sources[:count]))
     logger.info("wrote %d mp4 sample(s) and a contact sheet for %s", count, name)
     return paths

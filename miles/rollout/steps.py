@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from miles.data.source_images import load_source_images
 from miles.rollout.advantages import compute_grpo_advantages, per_reward_group_advantages
 from miles.utils.box import Box, put_box
 from miles.utils.reward_spec import reward_spec_from_args
@@ -39,11 +40,18 @@ def make_samples(
     *,
     first_index: int = 0,
     first_group: int = 0,
+    resolution: int | None = None,
 ) -> list[Sample]:
-    """--n-samples-per-prompt samples per record, consecutive per prompt group, seeded by their rollout index."""
+    """--n-samples-per-prompt samples per record, consecutive per prompt group, seeded by their rollout index; a
+    record's source images (editing, image-to-video) are loaded at `resolution` and shared by its group."""
     samples = []
     for group, record_index in enumerate(record_indices, start=first_group):
         record = records[record_index]
+        sources = record.get("source_images")
+        if sources is not None:
+            if resolution is None:
+                raise ValueError("make_samples: records with source images need the run's resolution")
+            sources = load_source_images(sources, resolution)
         for _ in range(args.n_samples_per_prompt):
             index = first_index + len(samples)
             samples.append(
@@ -53,7 +61,7 @@ def make_samples(
                     metadata=record.get("metadata") or {},
                     group_index=group,
                     seed=sample_seed(args.rollout_seed, rollout_id, index),
-                    source_images=record.get("source_images"),
+                    source_images=sources,
                 )
             )
     return samples

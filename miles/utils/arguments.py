@@ -168,11 +168,20 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--prompt-data",
         default="builtin:shapes",
-        help="JSONL of prompts (and images for SFT), a .txt of prompts (one a line), builtin:shapes or builtin:ocr.",
+        help="JSONL of prompts (and images for SFT; source images for an editing or image-to-video family), a .txt "
+        "of prompts (one a line), builtin:shapes, builtin:shapes-edit or builtin:ocr.",
     )
     group.add_argument("--input-key", default="prompt", help="JSONL key of the prompt.")
-    group.add_argument("--image-key", default="image", help="JSONL key of the image path (SFT), relative to the file.")
+    group.add_argument(
+        "--image-key",
+        default=None,
+        help="JSONL key of sft_loss's target image path, relative to the file (default: image; target for an "
+        "editing or image-to-video family, whose 'image' / 'images' name the source images).",
+    )
     group.add_argument("--metadata-key", default="metadata", help="JSONL key of per-prompt metadata.")
+    # not a flag: the family's source images per prompt, (fewest, most), set by the start-up checks from the family
+    # (`TrainPipelineConfig.source_image_range`); what the data loaders and the eval read
+    parser.set_defaults(source_image_range=(0, 0))
     group.add_argument("--builtin-dataset-size", type=int, default=2048, help="Items of builtin:shapes.")
     group.add_argument("--rollout-batch-size", type=int, default=8, help="Prompts per rollout.")
     group.add_argument("--n-samples-per-prompt", type=int, default=8, help="Samples per prompt (a GRPO group).")

@@ -24,6 +24,7 @@ BUILTIN_REWARDS: tuple[str, ...] = (
     "temporal_consistency",
     "motion_direction",
     "vlm_judge",
+    "edit_preservation",
 )
 REMOTE = "remote"  # remote<K>: the reward server of the K-th --rm-url (not a --rm-type name)
 JUDGE = "vlm_judge"  # takes --rm-url as its chat-completions endpoint instead of a reward server

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 from miles.rollout.rm_hub.clip import clip_score, pickscore
+from miles.rollout.rm_hub.edit import edit_preservation
 from miles.rollout.rm_hub.jpeg import jpeg_compressibility, jpeg_incompressibility, sample_pil_image
 from miles.rollout.rm_hub.media import IMAGE, VIDEO, media_mismatch
 from miles.rollout.rm_hub.ocr import OCR_EXTRA_KEY, ocr_rm
@@ -54,6 +55,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "temporal_consistency": temporal_consistency,
     "motion_direction": motion_direction,
     "vlm_judge": vlm_judge,
+    "edit_preservation": edit_preservation,
 }
 # The media each built-in scores (custom rewards read what they like): image rewards read sample.image, video
 # rewards sample.frames; compute_rewards refuses a mismatch before calling the reward.

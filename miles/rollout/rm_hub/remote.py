@@ -7,6 +7,7 @@ Wire format (version 1), JSON both ways, media as base64 PNG (lossless, so a ser
       SAMPLE      {"index": int, "prompt": str, "metadata": {...}, "group_index": int, "seed": int,
                    "image": "<base64 PNG>"}                                  (an image sample)
                   {..., "frames": ["<base64 PNG>", ...], "fps": float}        (a video sample: one PNG per frame)
+                  {..., "source_images": ["<base64 PNG>", ...]}              (editing / image-to-video inputs)
     200           {"rewards": [float, ...], "extra": [{...}, ...]}           (one of each per sample, in order)
     4xx / 5xx     {"error": "why"}
     GET /health   {"status": "ok", "version": 1, "rm_type": "shapes", "batching": {...}}   (the merging counters)
@@ -84,6 +85,8 @@ def encode_sample(sample: Sample) -> dict[str, Any]:
         out["fps"] = float(sample.fps) if sample.fps is not None else None
     elif sample.image is not None:
         out["image"] = png_b64(sample.image)
+    if sample.source_images is not None:
+        out["source_images"] = [png_b64(np.asarray(image)) for image in sample.source_images]
     return out
 
 
@@ -112,6 +115,11 @@ def decode_sample(record: Any, position: int) -> Sample:
         sample.fps = float(record["fps"]) if record.get("fps") is not None else None
     elif "image" in record:
         sample.image = png_from_b64(record["image"], f"{where}.image")
+    if "source_images" in record:
+        sources = record["source_images"]
+        if not isinstance(sources, list) or not sources:
+            raise ValueError(f"{where}.source_images must be a non-empty list of base64 PNGs")
+        sample.source_images = [png_from_b64(x, f"{where}.source_images[{k}]") for k, x in enumerate(sources)]
     return sample
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from miles.data.source_images import load_source_images
 from miles.models.conditioning import Conditioning
 from miles.rollout.rollout_hub.spec import DatasetSpec
 from miles.utils.types import TrainPairs
@@ -41,7 +42,11 @@ def encode_records(family: Any, records: list[dict], resolution: int, batch_size
     for start in range(0, len(records), batch_size):
         chunk = records[start : start + batch_size]
         images = torch.stack([image_to_tensor(r["image"], resolution) for r in chunk])
-        embeds.append(family.encode_prompts([r["prompt"] for r in chunk]).to(device="cpu", dtype=torch.float32))
+        sources = None  # an editing family's (source, instruction, target) triples: conditioned on the source
+        if any(r.get("source_images") is not None for r in chunk):
+            sources = [load_source_images(r.get("source_images"), resolution) or [] for r in chunk]
+        cond, _ = family.encode_request([r["prompt"] for r in chunk], sources, "", negative=False)
+        embeds.append(cond.to(device="cpu", dtype=torch.float32))
         latents.append(family.encode_images(images).float().cpu())
     # Conditioning.cat: chunks of a family with variable-length prompts are padded to one length
     return {"x0": torch.cat(latents), **Conditioning.cat(embeds).to_columns()}
