@@ -4,12 +4,18 @@ scene is in the metadata (what `miles.rollout.rm_hub.shapes_edit` scores against
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from miles.data.shapes import PALETTE, POSITIONS, SHAPES, SPLITS, ShapeScene, draw_layout, sample_layout, sample_scene
 from miles.utils.seeding import stream_rng
+
+logger = logging.getLogger(__name__)
 
 BUILTIN_SHAPES_EDIT = "builtin:shapes-edit"
 EDITS: tuple[str, ...] = ("recolor", "reshape", "move")
@@ -84,3 +90,25 @@ def shapes_edit_items(
     (sft_loss's pairs)."""
     resolution = resolution or 32
     return [shapes_edit_item(seed, split, i, resolution, target=targets) for i in range(num)]
+
+
+def write_shapes_edit_jsonl(path: str | Path, num: int, seed: int, split: str = "train", resolution: int = 32) -> Path:
+    """Write `num` triples as PNGs in `<stem>_images/` beside a JSONL of {"prompt", "image" (the source),
+    "target" (sft_loss's target), "metadata"}: the editing data format (docs/user-guide/editing.md)."""
+    path = Path(path)
+    image_dir = path.parent / f"{path.stem}_images"
+    image_dir.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for index, item in enumerate(shapes_edit_items(num, seed, split, resolution, targets=True)):
+            source, target = image_dir / f"{index:06d}_source.png", image_dir / f"{index:06d}_target.png"
+            Image.fromarray(item["source_images"][0]).save(source)
+            item["image"].save(target)
+            record = {
+                "prompt": item["prompt"],
+                "image": source.relative_to(path.parent).as_posix(),
+                "target": target.relative_to(path.parent).as_posix(),
+                "metadata": item["metadata"],
+            }
+            f.write(json.dumps(record) + "\n")
+    logger.info("wrote %d shapes-edit triples (%s, seed %d) to %s", num, split, seed, path)
+    return path

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from miles.data.shapes_edit import shapes_edit_item, write_shapes_edit_jsonl
 from miles.data.source_images import load_source_image
-from miles.rollout.data_source import PromptDataError, check_source_image_counts, read_prompt_file
+from miles.rollout.data_source import PromptDataError, check_source_image_counts, read_prompt_file, sft_image_key
 
 ARGS = argparse.Namespace(input_key="prompt", metadata_key="metadata", source_image_range=(1, 2))
 
@@ -81,3 +82,14 @@ def test_source_images_load_as_uint8_at_the_run_resolution(pictures):
     assert load_source_image(array, 32) is array  # already at size: as it is
     with pytest.raises(ValueError, match=r"\(H, W, 3\) uint8"):
         load_source_image(np.zeros((32, 32), np.float32), 32)
+
+
+def test_a_written_shapes_edit_file_reads_back_as_triples(tmp_path):
+    path = write_shapes_edit_jsonl(tmp_path / "edits.jsonl", 3, seed=0)
+    args = argparse.Namespace(**vars(ARGS), image_key=None)
+    records = read_prompt_file(str(path), args, image_key=sft_image_key(args, True), source_images=True)
+    item = shapes_edit_item(0, "train", 0, target=True)
+    assert records[0]["prompt"] == item["prompt"] and records[0]["metadata"] == item["metadata"]
+    assert np.array_equal(load_source_image(records[0]["source_images"][0], 32), item["source_images"][0])
+    assert np.array_equal(load_source_image(records[0]["image"], 32), np.asarray(item["image"]))  # the target
+    assert sft_image_key(args, False) == "image"
