@@ -10,9 +10,11 @@ import diffusers
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import train_diffusion
 from miles.data.shapes import write_shapes_jsonl
+from miles.data.shapes_edit import shapes_edit_item, write_shapes_edit_jsonl
 from miles.utils.arguments import parse_args
 from miles.utils.tracking import read_metrics
 from tests.conftest import FAMILY_CASES
@@ -57,7 +59,9 @@ LOSS_RUNS = {
 def run(case, path, out, *extra):
     """A run of `case` at its resolution (Qwen-Image's default is the pipeline's 128 latents per side) with its own
     flags (`FamilyCase.run_args`)."""
-    args = ["--hf-checkpoint", path, "--resolution", str(case.resolution), *TINY, *case.run_args]
+    # editing / image-to-video cases: the shapes edit world's (source image, instruction) prompts
+    data = ["--prompt-data", "builtin:shapes-edit"] if case.source_images else []
+    args = ["--hf-checkpoint", path, "--resolution", str(case.resolution), *TINY, *data, *case.run_args]
     train_diffusion.run(parse_args([*args, "--output-dir", str(out), *extra]))
     return [m for m in read_metrics(os.path.join(out, "metrics.jsonl")) if m.get("role") in ("actor", "critic")]
 
@@ -91,11 +95,16 @@ def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, request
         return
     pipe = getattr(diffusers, case.pipeline_class).from_pretrained(str(hf), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
+    images = {}
+    if case.source_images:
+        source = Image.fromarray(shapes_edit_item(0, "eval", 0, case.resolution)["source_images"][0])
+        images = case.image_kwargs([[source] * case.source_images])
     output = pipe(
         "two red circles",
         num_inference_steps=2,
         generator=torch.Generator().manual_seed(0),
         output_type="np",
+        **images,
         **case.pipeline_kwargs,
     )
     media = (output.images if case.num_frames is None else output.frames)[0]
@@ -148,8 +157,9 @@ def test_bf16_first_step_matches_the_engines_at_dp_size_1_and_2(ray_cluster, req
 def test_every_loss_type_runs_at_dp_size_2(ray_cluster, request, tmp_path, case, loss_type):
     path = request.getfixturevalue(case.fixture)
     extra = list(LOSS_RUNS[loss_type])
-    if loss_type == "sft_loss":
-        extra[-4:-4] = ["--prompt-data", str(write_shapes_jsonl(tmp_path / "shapes.jsonl", 4, seed=0))]
+    if loss_type == "sft_loss":  # (prompt, image) pairs, or an editing family's (source, instruction, target)
+        write = write_shapes_edit_jsonl if case.source_images else write_shapes_jsonl
+        extra[-4:-4] = ["--prompt-data", str(write(tmp_path / "shapes.jsonl", 4, seed=0))]
     if loss_type == "dmd2":
         extra += ["--teacher-load", path]
     if loss_type == "sft_loss" and not case.sft:  # refused at start-up, before Ray and any actor
@@ -160,3 +170,18 @@ def test_every_loss_type_runs_at_dp_size_2(ray_cluster, request, tmp_path, case,
     assert windows and all(np.isfinite(m["train/loss"]) for m in windows), windows
     if loss_type == "dmd2":
         assert {m["role"] for m in windows} == {"actor", "critic"}
+
+
+EDIT_CASES = [case for case in FAMILY_CASES if case.source_images]
+
+
+@pytest.mark.parametrize("case", EDIT_CASES[:1], ids=[case.id for case in EDIT_CASES[:1]])
+def test_a_broken_source_image_fails_before_any_actor_starts_naming_it(request, tmp_path, case):
+    path = request.getfixturevalue(case.fixture)
+    data = write_shapes_edit_jsonl(tmp_path / "edits.jsonl", 4, seed=0)
+    lines = data.read_text().splitlines()
+    lines[2] = lines[2].replace("_source.png", "_gone.png")
+    data.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"edits\.jsonl:3: source image 0 .*_gone\.png not found"):
+        run(case, path, tmp_path / "run", "--loss-type", "nft", *REWARD, "--prompt-data", str(data))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

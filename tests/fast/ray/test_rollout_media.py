@@ -93,9 +93,9 @@ def test_every_interval_a_rollout_saves_bounded_mp4s_with_sound_and_a_contact_sh
     )
     manager = SimpleNamespace(args=args)
     result = video_result([2, -2, 0], audio_level=[0.25, 0.5, 0.0])
-    RolloutManager._save_media(manager, 3, result)
+    RolloutManager._save_media(manager, 3, result, [])
     assert not (tmp_path / "media").exists()
-    RolloutManager._save_media(manager, 4, result)
+    RolloutManager._save_media(manager, 4, result, [])
     folder = tmp_path / "media" / "rollout_0000004"
     assert sorted(p.name for p in folder.iterdir()) == ["sample_0.mp4", "sample_1.mp4"]
     assert (tmp_path / "images" / "rollout_0000004.png").is_file()
