@@ -141,6 +141,16 @@ def tiny_flux_schnell_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_kontext_dir(tmp_path_factory):
+    """A tiny FLUX.1-Kontext-dev-style (guidance-embedding) FluxKontextPipeline folder, built once per session."""
+    from miles.models.tiny_flux import save_tiny_flux_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_flux_kontext") / "pipeline"
+    save_tiny_flux_pipeline(str(path), seed=2, kontext=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen_image_dir(tmp_path_factory):
     """A tiny Qwen-Image pipeline folder (Qwen2.5-VL text encoder, Qwen's video VAE), built offline once."""
     from miles.models.tiny_qwen_image import save_tiny_qwen_image_pipeline
@@ -302,6 +312,20 @@ FAMILY_CASES = [
         _flux_unpacked,
         loss_runs=False,
         e2e_guidances=(3.5,),  # its true CFG; the conditional forward alone is flux-dev's without the embedding
+    ),
+    # editing: one source image per prompt. The pipeline would resize it to a preferred Kontext resolution and
+    # generate at max_area (default 1024²); miles' loader resizes it to the run's resolution, generated at too
+    FamilyCase(
+        "flux-kontext",
+        "flux-kontext",
+        "tiny_flux_kontext_dir",
+        "FluxKontextPipeline",
+        lambda w: {"guidance_scale": w},
+        _flux_unpacked,
+        call_kwargs={"max_sequence_length": 32, "_auto_resize": False, "max_area": 32 * 32},
+        loss_runs=False,
+        e2e_guidances=(),
+        source_images=1,
     ),
     # the pipeline's default max_sequence_length (512) is the family's
     FamilyCase(

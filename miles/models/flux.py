@@ -28,20 +28,11 @@ from miles.models.diffusers_family import (
     training_shift,
 )
 from miles.models.media import Media
-from miles.models.packing import pack_latents, unpack_latents
+from miles.models.packing import pack_latents, packed_position_ids, unpack_latents
 
 logger = logging.getLogger(__name__)
 
 _FLUX_MAX_T5_LENGTH = 512  # FluxPipeline's default (and maximum) max_sequence_length
-
-
-def latent_image_ids(height: int, width: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-    """(height * width, 3) position ids (0, row, column) of the packed sequence (FluxPipeline._prepare_latent_image_ids,
-    with height and width counted in 2x2 patches)."""
-    ids = torch.zeros(height, width, 3)
-    ids[..., 1] = ids[..., 1] + torch.arange(height)[:, None]
-    ids[..., 2] = ids[..., 2] + torch.arange(width)[None, :]
-    return ids.reshape(height * width, 3).to(device=device, dtype=dtype)
 
 
 @register_train_pipeline_config
@@ -149,7 +140,7 @@ class FluxPipelineConfig(DiffusersFamily):
             pooled_projections=cond["pooled_prompt_embeds"],
             encoder_hidden_states=cond["prompt_embeds"],
             txt_ids=torch.zeros(cond["prompt_embeds"].shape[1], 3, device=device, dtype=dtype),
-            img_ids=latent_image_ids(height // 2, width // 2, device, dtype),
+            img_ids=packed_position_ids(height // 2, width // 2, device, dtype),
             return_dict=False,
         )[0].float()
         if cfg:

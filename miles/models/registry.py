@@ -18,6 +18,7 @@ class BuiltinFamily(NamedTuple):
 # tests/fast/models/test_base.py checks this table against the classes.
 BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
     "flux": BuiltinFamily("miles.models.flux", "FluxPipeline", "FluxPipelineConfig"),
+    "flux-kontext": BuiltinFamily("miles.models.flux_kontext", "FluxKontextPipeline", "FluxKontextPipelineConfig"),
     "ltx2": BuiltinFamily("miles.models.ltx2", "LTX2Pipeline", "LTX2PipelineConfig", video=True),
     "qwen-image": BuiltinFamily("miles.models.qwen_image", "QwenImagePipeline", "QwenImagePipelineConfig"),
     "sd3": BuiltinFamily("miles.models.sd3", "StableDiffusion3Pipeline", "SD3PipelineConfig"),

@@ -1,5 +1,6 @@
 """A tiny FLUX.1-architecture pipeline built offline from configs (the real diffusers/transformers classes at toy
-sizes, tokenizers built in code as in `miles.models.tiny`): dev-style (guidance embedding) or schnell-style."""
+sizes, tokenizers built in code as in `miles.models.tiny`): dev-style (guidance embedding) or schnell-style, as a
+`FluxPipeline` or, with the same components, a `FluxKontextPipeline` (FLUX.1 Kontext's folder layout)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 from pathlib import Path
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel
 
 from miles.models.base import strip_name_or_path
 from miles.models.tiny import (
@@ -24,9 +25,12 @@ from miles.models.tiny import (
 logger = logging.getLogger(__name__)
 
 
-def build_tiny_flux_pipeline(seed: int = 0, resolution: int = 32, *, guidance_embeds: bool = True) -> FluxPipeline:
+def build_tiny_flux_pipeline(
+    seed: int = 0, resolution: int = 32, *, guidance_embeds: bool = True, kontext: bool = False
+) -> FluxPipeline | FluxKontextPipeline:
     """The tiny FLUX pipeline in float32, eval mode, seeded random weights; `guidance_embeds` True is FLUX.1-dev's
-    guidance-distilled layout, False schnell's. The scheduler is FLUX.1's (dynamic, resolution-dependent shift)."""
+    guidance-distilled layout, False schnell's. The scheduler is FLUX.1's (dynamic, resolution-dependent shift), as
+    FLUX.1-Kontext-dev's is too. `kontext`: the same networks in a FluxKontextPipeline (no IP-adapter encoder)."""
     vae_factor = 2 ** (len(VAE_BLOCK_OUT_CHANNELS) - 1)
     if resolution % (2 * vae_factor) != 0:
         raise ValueError(f"resolution {resolution} must be a multiple of {2 * vae_factor} (VAE factor x packing)")
@@ -60,7 +64,7 @@ def build_tiny_flux_pipeline(seed: int = 0, resolution: int = 32, *, guidance_em
         base_image_seq_len=256,
         max_image_seq_len=4096,
     )
-    pipe = FluxPipeline(
+    pipe = (FluxKontextPipeline if kontext else FluxPipeline)(
         scheduler=scheduler,
         vae=vae,
         text_encoder=text_encoder,
@@ -74,12 +78,15 @@ def build_tiny_flux_pipeline(seed: int = 0, resolution: int = 32, *, guidance_em
     return pipe
 
 
-def save_tiny_flux_pipeline(path: str, seed: int = 0, resolution: int = 32, *, guidance_embeds: bool = True) -> str:
-    """Build the tiny FLUX pipeline and write it as a diffusers folder (safetensors); returns `path`."""
-    pipe = build_tiny_flux_pipeline(seed=seed, resolution=resolution, guidance_embeds=guidance_embeds)
+def save_tiny_flux_pipeline(
+    path: str, seed: int = 0, resolution: int = 32, *, guidance_embeds: bool = True, kontext: bool = False
+) -> str:
+    """Build the tiny FLUX (or FLUX Kontext) pipeline and write it as a diffusers folder (safetensors); returns
+    `path`."""
+    pipe = build_tiny_flux_pipeline(seed=seed, resolution=resolution, guidance_embeds=guidance_embeds, kontext=kontext)
     Path(path).mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path, safe_serialization=True)
     strip_name_or_path(path)
-    style = "dev" if guidance_embeds else "schnell"
+    style = ("Kontext " if kontext else "") + ("dev" if guidance_embeds else "schnell")
     logger.info("wrote tiny FLUX (%s-style) pipeline (seed %d, %dx%d) to %s", style, seed, resolution, resolution, path)
     return path

@@ -102,8 +102,8 @@ def test_unknown_pipeline_class_lists_known_families(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "CogVideoXPipeline"}))
     with pytest.raises(
         ValueError,
-        match=r"CogVideoXPipeline.*flux \(FluxPipeline\), ltx2 \(LTX2Pipeline\), qwen-image \(QwenImagePipeline\), "
-        r"sd3 \(StableDiffusion3Pipeline\), wan \(WanPipeline\)",
+        match=r"CogVideoXPipeline.*flux \(FluxPipeline\), flux-kontext \(FluxKontextPipeline\), ltx2 \(LTX2Pipeline\), "
+        r"qwen-image \(QwenImagePipeline\), sd3 \(StableDiffusion3Pipeline\), wan \(WanPipeline\)",
     ):
         get_train_pipeline_config(str(tmp_path))
 

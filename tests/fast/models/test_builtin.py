@@ -17,6 +17,7 @@ EXPECTED = {
     "builtin:tiny-shapes": ("StableDiffusion3Pipeline", "sd3", (4, 16, 16)),  # pretrained at 64 px
     "builtin:tiny-sd3": ("StableDiffusion3Pipeline", "sd3", (4, 8, 8)),
     "builtin:tiny-flux": ("FluxPipeline", "flux", (4, 8, 8)),
+    "builtin:tiny-flux-kontext": ("FluxKontextPipeline", "flux-kontext", (4, 8, 8)),
     "builtin:tiny-qwen-image": ("QwenImagePipeline", "qwen-image", (4, 8, 8)),
     "builtin:tiny-wan": ("WanPipeline", "wan", (4, 2, 4, 4)),  # 5 frames at 32 px
     "builtin:tiny-wan-2-experts": ("WanPipeline", "wan", (4, 2, 4, 4)),
