@@ -323,8 +323,7 @@ FAMILY_CASES = [
         lambda w: {"guidance_scale": w},
         _flux_unpacked,
         call_kwargs={"max_sequence_length": 32, "_auto_resize": False, "max_area": 32 * 32},
-        loss_runs=False,
-        e2e_guidances=(),
+        e2e_guidances=(1.0,),  # the guidance embedding takes w as an input, as flux-dev's
         source_images=1,
     ),
     # the pipeline's default max_sequence_length (512) is the family's

@@ -18,7 +18,6 @@ from diffusers.pipelines.flux.pipeline_flux_kontext import calculate_shift
 from PIL import Image
 from torch import nn
 
-from miles.algorithms import algorithm_of
 from miles.models.base import compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
@@ -33,7 +32,6 @@ from miles.models.diffusers_family import (
 )
 from miles.models.media import Media
 from miles.models.packing import pack_latents, packed_position_ids, unpack_latents
-from miles.utils.eval_arguments import eval_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -73,20 +71,7 @@ class FluxKontextPipelineConfig(DiffusersFamily):
     source_image_range = (1, 1)  # the pipeline takes one image per prompt
 
     def check_run_args(self, args: argparse.Namespace) -> None:
-        """Refused at start-up: what needs a sample without its source image (dataset records, the text-prompt
-        shapes eval), and a negative prompt the guidance-distilled transformer would not use."""
-        if getattr(args, "train_only", False) or not algorithm_of(args).uses_engines:
-            raise ValueError(
-                f"--loss-type {args.loss_type} trains on (prompt, image) dataset records (--train-only), which is not "
-                f"supported for the {self.name} family ({self.path}): its samples are conditioned on a source image "
-                "that those records do not carry; train it with an algorithm whose rollouts are generated "
-                "(policy_loss, nft, dmd2 or a custom loss)"
-            )
-        if eval_enabled(args) and not getattr(args, "eval_function_path", None):
-            raise ValueError(
-                f"the built-in eval generates from text prompts, and the {self.name} family edits a source image per "
-                "prompt: pass --eval-interval 0 or your own --eval-function-path"
-            )
+        """Refused at start-up: a negative prompt the guidance-distilled transformer would not use."""
         if self.guidance_embeds and getattr(args, "negative_prompt", ""):
             raise ValueError(
                 f"--negative-prompt with the guidance-distilled {self.path}: --diffusion-guidance-scale is its "

@@ -100,7 +100,7 @@ def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, request
         source = Image.fromarray(shapes_edit_item(0, "eval", 0, case.resolution)["source_images"][0])
         images = case.image_kwargs([[source] * case.source_images])
     output = pipe(
-        "two red circles",
+        prompt="two red circles",
         num_inference_steps=2,
         generator=torch.Generator().manual_seed(0),
         output_type="np",

@@ -1,5 +1,5 @@
 """The flux-kontext family beyond the family contract (`test_family_contract.py`, its guidance-distilled case): the
-pipeline's true CFG of a folder without a guidance embedding, and what a run refuses at start-up."""
+pipeline's true CFG of a folder without a guidance embedding, and what a run accepts and refuses at start-up."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from miles.models import get_train_pipeline_config
 from miles.models.tiny_flux import save_tiny_flux_pipeline
-from miles.startup import check_startup
+from miles.startup import startup_checks
 from miles.utils.arguments import parse_args
 from tests.conftest import FAMILY_CASES
 from tests.fast.models.test_family_contract import PROMPTS, TOLERANCE, run_pipeline, source_images
@@ -40,14 +40,16 @@ def test_true_cfg_pairs_the_negative_text_with_the_source_image(tmp_path):
 
 def test_a_run_refuses_what_kontext_does_not_support(tiny_flux_kontext_dir):
     def check(*flags):
-        check_startup(parse_args(["--hf-checkpoint", tiny_flux_kontext_dir, *flags]))
+        data = ["--prompt-data", "builtin:shapes-edit"]
+        startup_checks(parse_args(["--hf-checkpoint", tiny_flux_kontext_dir, *data, *flags]))
 
     check("--loss-type", "policy_loss", "--eval-interval", "0")
-    refused = r"--loss-type sft_loss trains on \(prompt, image\) dataset records .* source image that those records"
-    with pytest.raises(ValueError, match=refused):
-        check("--loss-type", "sft_loss", "--eval-interval", "0", "--train-only")
-    with pytest.raises(ValueError, match="built-in eval generates from text prompts"):
-        check("--loss-type", "nft")  # nft evaluates on builtin:shapes by default
+    check("--loss-type", "sft_loss", "--train-only")  # (source, instruction, target) triples
+    check("--loss-type", "nft")  # its default eval: the shapes edit world's eval split
+    with pytest.raises(ValueError, match="--eval-prompt-data builtin:ocr holds text prompts"):
+        check("--loss-type", "nft", "--eval-prompt-data", "builtin:ocr")
+    with pytest.raises(ValueError, match="--prompt-data builtin:shapes holds text prompts"):
+        check("--eval-interval", "0", "--prompt-data", "builtin:shapes")
     with pytest.raises(ValueError, match="--negative-prompt with the guidance-distilled"):
         check("--eval-interval", "0", "--negative-prompt", "blurry")
     family = get_train_pipeline_config(tiny_flux_kontext_dir)
