@@ -32,6 +32,9 @@ TINY_FOLDERS: dict[str, TinyFolder] = {
     "builtin:tiny-sd3": TinyFolder("sd3", "miles.models.tiny:save_tiny_sd3_pipeline"),
     "builtin:tiny-flux": TinyFolder("flux", "miles.models.tiny_flux:save_tiny_flux_pipeline"),
     "builtin:tiny-qwen-image": TinyFolder("qwen-image", "miles.models.tiny_qwen_image:save_tiny_qwen_image_pipeline"),
+    "builtin:tiny-qwen-image-edit": TinyFolder(
+        "qwen-image-edit", "miles.models.tiny_qwen_image_edit:save_tiny_qwen_image_edit_pipeline"
+    ),
     "builtin:tiny-wan": TinyFolder("wan", "miles.models.tiny_wan:save_tiny_wan_pipeline"),
     "builtin:tiny-wan-2-experts": TinyFolder(
         "wan", "miles.models.tiny_wan:save_tiny_wan_pipeline", {"two_experts": True}
