@@ -45,7 +45,7 @@ from miles.models.diffusers_family import (
 )
 from miles.models.media import Media
 from miles.models.packing import pack_latents, unpack_latents
-from miles.models.qwen_image import (
+from miles.models.qwen_common import (
     check_no_guidance_embeds,
     decode_qwen_latents,
     encode_qwen_latents,
