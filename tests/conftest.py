@@ -5,10 +5,13 @@ repository's scripts and benchmarks (files, not package modules); the background
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,6 +164,16 @@ def tiny_qwen_image_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_image_edit_dir(tmp_path_factory):
+    """A tiny Qwen-Image-Edit pipeline folder (the VL encoder reads the source image), built offline once."""
+    from miles.models.tiny_qwen_image_edit import save_tiny_qwen_image_edit_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_qwen_image_edit") / "pipeline"
+    save_tiny_qwen_image_edit_pipeline(str(path), seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_wan_dir(tmp_path_factory):
     """A tiny Wan 2.1-style (one expert) pipeline folder, built offline once per session."""
     from miles.models.tiny_wan import save_tiny_wan_pipeline
@@ -200,6 +213,27 @@ def _flux_unpacked(pipe: Any, latents: Any, resolution: int) -> Any:
 
 def _qwen_image_unpacked(pipe: Any, latents: Any, resolution: int) -> Any:
     return pipe._unpack_latents(latents, resolution, resolution, pipe.vae_scale_factor)[:, :, 0]  # one frame
+
+
+@contextlib.contextmanager
+def _qwen_edit_reference_area(path: str) -> Iterator[None]:
+    """QwenImageEditPipeline.__call__ resizing the source image to the area the tiny folder records (the family reads
+    it there; the pipeline hard-codes one megapixel, seconds of VAE per image on a CPU): its `calculate_dimensions`
+    is given that area instead of 1024 * 1024."""
+    from unittest import mock
+
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+
+    with open(os.path.join(path, "miles_defaults.json")) as f:
+        area = json.load(f)["reference_area"]
+    original = pipeline_qwenimage_edit.calculate_dimensions
+
+    def at_folder_area(target_area: int, ratio: float) -> Any:
+        assert target_area == 1024 * 1024, target_area  # the pipeline's constant, replaced
+        return original(area, ratio)
+
+    with mock.patch.object(pipeline_qwenimage_edit, "calculate_dimensions", at_folder_area):
+        yield
 
 
 def _ltx2_joint(pipe: Any, latents: Any, resolution: int, num_frames: int = 121) -> Any:
@@ -254,6 +288,9 @@ class FamilyCase:
     # kwargs that pass them (a list per prompt of PIL images in; the pipeline's own argument names out)
     source_images: int = 0
     image_kwargs: Callable[[list[list[Any]]], dict[str, Any]] = lambda images: {"image": [i[0] for i in images]}
+    # around the pipeline's __call__, given the folder: what the family reads from a tiny folder that the pipeline
+    # hard-codes (Qwen-Image-Edit's reference area)
+    call_context: Callable[[str], AbstractContextManager[Any]] = lambda path: contextlib.nullcontext()
 
     @property
     def pipeline_kwargs(self) -> dict[str, Any]:
@@ -335,6 +372,20 @@ FAMILY_CASES = [
         lambda w: {"true_cfg_scale": w, **({"negative_prompt": ""} if w > 1 else {})},
         _qwen_image_unpacked,
         call_kwargs={},
+    ),
+    # one source image per prompt; the negative prompt is read with each prompt's image, so the pipeline takes it as
+    # a list (a string would be one text for two images); the reference area is the tiny folder's
+    FamilyCase(
+        "qwen-image-edit",
+        "qwen-image-edit",
+        "tiny_qwen_image_edit_dir",
+        "QwenImageEditPipeline",
+        lambda w: {"true_cfg_scale": w, **({"negative_prompt": ["", ""]} if w > 1 else {})},  # the suite's 2 prompts
+        _qwen_image_unpacked,
+        call_kwargs={},
+        e2e_guidances=(3.5,),  # true CFG with per-prompt negatives (encoded with each source image) in the trainer
+        source_images=1,
+        call_context=_qwen_edit_reference_area,
     ),
     FamilyCase(
         "wan",

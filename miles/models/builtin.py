@@ -35,6 +35,9 @@ TINY_FOLDERS: dict[str, TinyFolder] = {
         "flux-kontext", "miles.models.tiny_flux:save_tiny_flux_pipeline", {"kontext": True}
     ),
     "builtin:tiny-qwen-image": TinyFolder("qwen-image", "miles.models.tiny_qwen_image:save_tiny_qwen_image_pipeline"),
+    "builtin:tiny-qwen-image-edit": TinyFolder(
+        "qwen-image-edit", "miles.models.tiny_qwen_image_edit:save_tiny_qwen_image_edit_pipeline"
+    ),
     "builtin:tiny-wan": TinyFolder("wan", "miles.models.tiny_wan:save_tiny_wan_pipeline"),
     "builtin:tiny-wan-2-experts": TinyFolder(
         "wan", "miles.models.tiny_wan:save_tiny_wan_pipeline", {"two_experts": True}

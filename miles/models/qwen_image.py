@@ -23,24 +23,29 @@ import logging
 
 import torch
 from diffusers import QwenImageTransformer2DModel
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from torch import nn
 
 from miles.models.base import compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
-    channel_stats,
     check_velocity_inputs,
     dynamic_sampling_shift,
     dynamic_shift_sigmas,
-    posterior_latents,
     square_latent_side,
     training_shift,
-    unit_range,
 )
 from miles.models.media import Media
 from miles.models.packing import pack_latents, unpack_latents
+from miles.models.qwen_common import (
+    check_no_guidance_embeds,
+    decode_qwen_latents,
+    encode_qwen_latents,
+    qwen_mu,
+    qwen_vae_scale_factor,
+    trim_prompt_padding,
+    true_cfg,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +77,7 @@ class QwenImagePipelineConfig(DiffusersFamily):
         """The transformer (`DiffusersFamily`'s loader); a guidance-distilled one (`guidance_embeds`) is refused:
         QwenImagePipeline cannot run it either (its timestep embedding takes no guidance)."""
         model = super().load_transformer(path, dtype, empty=empty)
-        if model.config.get("guidance_embeds", False):
-            raise ValueError(
-                f"{path or self.path}: this QwenImageTransformer2DModel has guidance_embeds=True, which "
-                "QwenImagePipeline does not run (its timestep embedding takes no guidance); not supported"
-            )
+        check_no_guidance_embeds(model, path or self.path, self.pipeline_class_name)
         return model
 
     # text
@@ -105,32 +106,13 @@ class QwenImagePipelineConfig(DiffusersFamily):
         return Conditioning({"prompt_embeds": prompt_embeds, "prompt_embeds_mask": mask}).to(device=device)
 
     # media
-    @staticmethod
-    def _latents_stats(vae: nn.Module, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The config's per-channel latents_mean and 1 / latents_std, shaped (1, C, 1, 1, 1) as the pipeline has
-        them."""
-        mean, std = channel_stats(vae, like)
-        return mean, 1.0 / std
-
-    @torch.no_grad()
     def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Normalized latents (B, C, H, W) = (z - latents_mean) / latents_std of images (B, 3, H, W) in [-1, 1],
-        encoded as one frame (QwenImageImg2ImgPipeline's `_encode_vae_image`). z is the posterior mode without a
-        generator, a posterior sample drawn with it otherwise. float32."""
-        vae = self.cached_vae()
-        z = posterior_latents(vae, images.to(device=vae.device, dtype=vae.dtype).unsqueeze(2), generator)
-        mean, inv_std = self._latents_stats(vae, z)
-        return ((z - mean) * inv_std)[:, :, 0].float()
+        """`encode_qwen_latents` with the folder's VAE."""
+        return encode_qwen_latents(self.cached_vae(), images, generator)
 
-    @torch.no_grad()
     def decode_latents(self, x0: torch.Tensor) -> Media:
-        """Images (B, 3, H, W) in [0, 1], float32, from normalized latents, as QwenImagePipeline decodes them:
-        z = x0 / (1 / latents_std) + latents_mean, decoded as one frame."""
-        vae = self.cached_vae()
-        z = x0.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)
-        mean, inv_std = self._latents_stats(vae, z)
-        images = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
-        return Media(unit_range(images))
+        """`decode_qwen_latents` with the folder's VAE."""
+        return decode_qwen_latents(self.cached_vae(), x0)
 
     # the flow
     def predict_velocity(
@@ -167,7 +149,7 @@ class QwenImagePipelineConfig(DiffusersFamily):
                 raise ValueError("guidance_scale > 1 (true CFG) needs negative embeddings (see encode_negative)")
             cond = Conditioning.cat([negative.expand(batch), embeds])  # padded to one length
             hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
-        prompt_embeds, mask = _trim_padding(cond)
+        prompt_embeds, mask = trim_prompt_padding(cond)
         pred = transformer(
             hidden_states=hidden,
             timestep=timestep,
@@ -178,22 +160,13 @@ class QwenImagePipelineConfig(DiffusersFamily):
             return_dict=False,
         )[0].float()
         if cfg:
-            uncond, text = pred.chunk(2)
-            comb = uncond + guidance_scale * (text - uncond)
-            pred = comb * (torch.norm(text, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+            pred = true_cfg(*pred.chunk(2), guidance_scale)
         return unpack_latents(pred, height, width)
 
     def mu(self, resolution: int | None = None) -> float:
         """QwenImagePipeline's resolution-dependent shift: `calculate_shift` of the packed sequence length."""
         _, h, w = self.latent_shape(resolution)
-        config = self.scheduler_config()
-        return calculate_shift(
-            (h // 2) * (w // 2),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        return qwen_mu(self.scheduler_config(), h, w)
 
     def sampling_sigmas(self, num_steps: int, resolution: int | None = None) -> torch.Tensor:
         """QwenImagePipeline's grid: σ = linspace(1, 1/N, N) through the folder's scheduler with `mu(resolution)`
@@ -215,7 +188,7 @@ class QwenImagePipelineConfig(DiffusersFamily):
     @property
     def vae_scale_factor(self) -> int:
         """2 ** len(temperal_downsample), as QwenImagePipeline computes it (8 for Qwen-Image)."""
-        return 2 ** len(self.cached_json("vae", "config.json")["temperal_downsample"])
+        return qwen_vae_scale_factor(self.cached_json("vae", "config.json"))
 
     @property
     def patch_size(self) -> int:
@@ -233,15 +206,3 @@ class QwenImagePipelineConfig(DiffusersFamily):
         multiple = self.vae_scale_factor * self.patch_size
         side = square_latent_side(resolution, self.vae_scale_factor, multiple, "VAE factor x 2x2 packing")
         return int(self.cached_json("vae", "config.json")["z_dim"]), side, side
-
-
-def _trim_padding(cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`prompt_embeds` and `prompt_embeds_mask` without the trailing columns that are padding in every row; the mask
-    is None when no padding is left (what QwenImagePipeline.encode_prompt passes for such a batch)."""
-    embeds, mask = cond["prompt_embeds"], cond["prompt_embeds_mask"]
-    valid = mask.bool()
-    if bool(valid.all()):
-        return embeds, None
-    length = int(valid.any(dim=0).nonzero().max()) + 1 if bool(valid.any()) else embeds.shape[1]
-    embeds, valid = embeds[:, :length], valid[:, :length]
-    return embeds, None if bool(valid.all()) else valid

@@ -21,6 +21,9 @@ BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
     "flux-kontext": BuiltinFamily("miles.models.flux_kontext", "FluxKontextPipeline", "FluxKontextPipelineConfig"),
     "ltx2": BuiltinFamily("miles.models.ltx2", "LTX2Pipeline", "LTX2PipelineConfig", video=True),
     "qwen-image": BuiltinFamily("miles.models.qwen_image", "QwenImagePipeline", "QwenImagePipelineConfig"),
+    "qwen-image-edit": BuiltinFamily(
+        "miles.models.qwen_image_edit", "QwenImageEditPipeline", "QwenImageEditPipelineConfig"
+    ),
     "sd3": BuiltinFamily("miles.models.sd3", "StableDiffusion3Pipeline", "SD3PipelineConfig"),
     "wan": BuiltinFamily("miles.models.wan", "WanPipeline", "WanPipelineConfig", video=True),
 }

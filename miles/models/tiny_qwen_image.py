@@ -63,8 +63,9 @@ def build_qwen2_tokenizer(words: tuple[str, ...] = TEMPLATE_WORDS + SHAPES_WORDS
     return tokenizer
 
 
-def _text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
-    """A 2-layer Qwen2.5-VL (its vision tower 1 block deep, never run: the pipeline encodes text only)."""
+def build_qwen_vl_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
+    """A 2-layer Qwen2.5-VL, its vision tower 1 block deep (QwenImagePipeline encodes text only; the editing
+    pipeline runs the tower on its source image)."""
     ids = tokenizer.convert_tokens_to_ids
     heads = 2
     config = Qwen2_5_VLConfig(
@@ -105,7 +106,8 @@ def _text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGenerati
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def _vae() -> AutoencoderKLQwenImage:
+def build_qwen_image_vae() -> AutoencoderKLQwenImage:
+    """Qwen's video VAE at toy sizes (vae_scale_factor 4), latents_mean / std still 0 / 1 (`calibrate_qwen_image_vae`)."""
     return AutoencoderKLQwenImage(
         base_dim=8,
         z_dim=LATENT_CHANNELS,
@@ -118,7 +120,7 @@ def _vae() -> AutoencoderKLQwenImage:
 
 
 @torch.no_grad()
-def _calibrate_vae(vae: AutoencoderKLQwenImage, resolution: int, generator: torch.Generator) -> None:
+def calibrate_qwen_image_vae(vae: AutoencoderKLQwenImage, resolution: int, generator: torch.Generator) -> None:
     """Per-channel latents_mean / latents_std (Qwen-Image's normalization) of smooth random images, registered
     in the VAE config, so that normalized latents are zero-mean, unit-variance per channel."""
     coarse = torch.rand(16, 3, 4, 4, generator=generator) * 2 - 1
@@ -128,6 +130,20 @@ def _calibrate_vae(vae: AutoencoderKLQwenImage, resolution: int, generator: torc
     vae.register_to_config(
         latents_mean=[float(m) for m in per_channel.mean(dim=1)],
         latents_std=[float(s) for s in per_channel.std(dim=1).clamp_min(1e-6)],
+    )
+
+
+def build_qwen_image_transformer() -> QwenImageTransformer2DModel:
+    """A 2-block QwenImageTransformer2DModel over the tiny VAE's packed latents and the tiny text encoder's width."""
+    return QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4 * LATENT_CHANNELS,  # 2x2 packed latents
+        out_channels=LATENT_CHANNELS,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT_WIDTH,
+        axes_dims_rope=(4, 6, 6),  # frame, height, width; sums to the head dim
     )
 
 
@@ -154,19 +170,10 @@ def build_tiny_qwen_image_pipeline(seed: int = 0, resolution: int = 32) -> QwenI
         raise ValueError(f"resolution {resolution} must be a multiple of {2 * vae_factor} (VAE factor x packing)")
     tokenizer = build_qwen2_tokenizer()
     torch.manual_seed(seed)
-    text_encoder = _text_encoder(tokenizer)
-    vae = _vae()
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2,
-        in_channels=4 * LATENT_CHANNELS,  # 2x2 packed latents
-        out_channels=LATENT_CHANNELS,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=TEXT_WIDTH,
-        axes_dims_rope=(4, 6, 6),  # frame, height, width; sums to the head dim
-    )
-    _calibrate_vae(vae, resolution, torch.Generator().manual_seed(seed))
+    text_encoder = build_qwen_vl_text_encoder(tokenizer)
+    vae = build_qwen_image_vae()
+    transformer = build_qwen_image_transformer()
+    calibrate_qwen_image_vae(vae, resolution, torch.Generator().manual_seed(seed))
     pipe = QwenImagePipeline(
         scheduler=qwen_image_scheduler(),
         vae=vae,

@@ -11,6 +11,7 @@ from typing import Any
 from miles.algorithms import ALGORITHMS, BUILTIN_ALGORITHMS, DEFAULT_LOSS_TYPE, Algorithm
 from miles.algorithms.roles import add_role_arguments
 from miles.models.options import add_family_arguments
+from miles.models.registry import BUILTIN_FAMILIES
 from miles.utils.arg_rules import ArgumentError, derive_args, flag_ranges, validate_args
 from miles.utils.config_file import config_defaults, dest_of, read_config
 from miles.utils.eval_arguments import add_eval_arguments
@@ -91,9 +92,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model-family",
         default="auto",
-        help="Model family (auto: from model_index.json's _class_name); built in: sd3 (StableDiffusion3Pipeline), "
-        "flux (FluxPipeline), flux-kontext (FluxKontextPipeline), ltx2 (LTX2Pipeline), qwen-image (QwenImagePipeline), "
-        "wan (WanPipeline).",
+        help="Model family (auto: from model_index.json's _class_name); built in: "
+        + ", ".join(f"{name} ({entry.pipeline_class_name})" for name, entry in sorted(BUILTIN_FAMILIES.items()))
+        + ".",
     )
     group.add_argument(
         "--train-pipeline-config-path",

@@ -99,14 +99,15 @@ def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, request
     if case.source_images:
         source = Image.fromarray(shapes_edit_item(0, "eval", 0, case.resolution)["source_images"][0])
         images = case.image_kwargs([[source] * case.source_images])
-    output = pipe(
-        prompt="two red circles",
-        num_inference_steps=2,
-        generator=torch.Generator().manual_seed(0),
-        output_type="np",
-        **images,
-        **case.pipeline_kwargs,
-    )
+    with case.call_context(str(hf)):
+        output = pipe(
+            prompt="two red circles",
+            num_inference_steps=2,
+            generator=torch.Generator().manual_seed(0),
+            output_type="np",
+            **images,
+            **case.pipeline_kwargs,
+        )
     media = (output.images if case.num_frames is None else output.frames)[0]
     assert media.shape == case.media_shape and np.isfinite(media).all() and media.std() > 0
     if getattr(output, "audio", None) is not None:  # joint audio-video families

@@ -71,7 +71,7 @@ def test_a_run_of_one_family_imports_no_other(tiny_pipeline_dir):
         f"config = get_train_pipeline_config({str(tiny_pipeline_dir)!r})\n"
         "from miles.models import SD3PipelineConfig\n"
         "assert type(config) is SD3PipelineConfig\n"
-        "print(sorted(m for m in ('flux', 'ltx2', 'qwen_image', 'wan', 'sd3') if 'miles.models.' + m in sys.modules))"
+        "print(sorted(m for m in ('flux', 'ltx2', 'qwen_image', 'qwen_image_edit', 'wan', 'sd3') if 'miles.models.' + m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
@@ -103,7 +103,8 @@ def test_unknown_pipeline_class_lists_known_families(tmp_path):
     with pytest.raises(
         ValueError,
         match=r"CogVideoXPipeline.*flux \(FluxPipeline\), flux-kontext \(FluxKontextPipeline\), ltx2 \(LTX2Pipeline\), "
-        r"qwen-image \(QwenImagePipeline\), sd3 \(StableDiffusion3Pipeline\), wan \(WanPipeline\)",
+        r"qwen-image \(QwenImagePipeline\), qwen-image-edit \(QwenImageEditPipeline\), sd3 \(StableDiffusion3Pipeline\), "
+        r"wan \(WanPipeline\)",
     ):
         get_train_pipeline_config(str(tmp_path))
 

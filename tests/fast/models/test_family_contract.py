@@ -66,15 +66,16 @@ def run_pipeline(case, path, guidance, num_steps):
     sources = source_images(case)
     images = {} if sources is None else case.image_kwargs([[Image.fromarray(i) for i in s] for s in sources])
     try:
-        latents = pipe(
-            prompt=PROMPTS,
-            num_inference_steps=num_steps,
-            generator=[torch.Generator().manual_seed(s) for s in SEEDS],
-            output_type="latent",
-            **images,
-            **case.cfg_kwargs(guidance),
-            **case.pipeline_kwargs,
-        )
+        with case.call_context(path):
+            latents = pipe(
+                prompt=PROMPTS,
+                num_inference_steps=num_steps,
+                generator=[torch.Generator().manual_seed(s) for s in SEEDS],
+                output_type="latent",
+                **images,
+                **case.cfg_kwargs(guidance),
+                **case.pipeline_kwargs,
+            )
     finally:
         del pipe.scheduler.step
     latents = case.output_latents(latents)

@@ -1,0 +1,90 @@
+"""A tiny Qwen-Image-Edit pipeline built offline: tiny Qwen-Image's networks (`miles.models.tiny_qwen_image`) with
+a Qwen2.5-VL vision tower that now runs, and a Qwen2VLProcessor built in code around the same byte-level tokenizer
+(`Qwen2VLImageTextProcessor`: the same code without the video processor, which would need torchvision).
+
+The tokenizer knows the words and punctuation of QwenImageEditPipeline's prompt template as whole tokens, so its
+system part is the 64 tokens the pipeline drops (`prompt_template_encode_start_idx`), as with the real tokenizer.
+The folder records a small `reference_area` (`miles.models.qwen_image_edit`): the pipeline's one megapixel would make
+every VAE encode of a source image cost seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from diffusers import QwenImageEditPipeline
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from miles.models.base import strip_name_or_path
+from miles.models.diffusers_family import write_run_defaults
+from miles.models.qwen_image_edit import Qwen2VLImageTextProcessor
+from miles.models.tiny import SHAPES_WORDS
+from miles.models.tiny_qwen_image import (
+    TEMPLATE_WORDS,
+    VAE_DIM_MULT,
+    build_qwen2_tokenizer,
+    build_qwen_image_transformer,
+    build_qwen_image_vae,
+    build_qwen_vl_text_encoder,
+    calibrate_qwen_image_vae,
+    qwen_image_scheduler,
+)
+
+logger = logging.getLogger(__name__)
+
+# the words and punctuation runs of QwenImageEditPipeline.prompt_template_encode's system part, each one token of
+# the real Qwen2 tokenizer (" (", "'s", "),": Qwen2's pre-tokenizer keeps them whole)
+EDIT_TEMPLATE_WORDS: tuple[str, ...] = (
+    *(
+        "Describe key features of input color size texture objects then explain how user text instruction should "
+        "alter or modify Generate a new that meets requirements while maintaining consistency with original where "
+        "appropriate"
+    ).split(),
+    "(",
+    "'s",
+    "),",
+)
+REFERENCE_AREA = 64 * 64  # the tiny folder's reference area (pixels): 16 x 16 latents, 64 packed tokens
+# Qwen2.5-VL's image processor: 14-pixel patches merged 2 x 2 (the tiny vision tower's), at least 56 x 56 pixels
+VISION_PATCH, VISION_MERGE, VISION_TEMPORAL_PATCH = 14, 2, 2
+
+
+def build_tiny_qwen_image_edit_pipeline(seed: int = 0, resolution: int = 32) -> QwenImageEditPipeline:
+    """The tiny Qwen-Image-Edit pipeline in float32, eval mode, seeded random weights, Qwen-Image's scheduler."""
+    vae_factor = 2 ** (len(VAE_DIM_MULT) - 1)
+    if resolution % (2 * vae_factor) != 0:
+        raise ValueError(f"resolution {resolution} must be a multiple of {2 * vae_factor} (VAE factor x packing)")
+    tokenizer = build_qwen2_tokenizer(TEMPLATE_WORDS + EDIT_TEMPLATE_WORDS + SHAPES_WORDS)
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=VISION_PATCH, merge_size=VISION_MERGE, temporal_patch_size=VISION_TEMPORAL_PATCH
+    )
+    processor = Qwen2VLImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    torch.manual_seed(seed)
+    text_encoder = build_qwen_vl_text_encoder(tokenizer)
+    vae = build_qwen_image_vae()
+    transformer = build_qwen_image_transformer()
+    calibrate_qwen_image_vae(vae, resolution, torch.Generator().manual_seed(seed))
+    pipe = QwenImageEditPipeline(
+        scheduler=qwen_image_scheduler(),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        processor=processor,
+        transformer=transformer,
+    )
+    for module in (transformer, vae, text_encoder):
+        module.eval()  # from-config models start in train mode
+    return pipe
+
+
+def save_tiny_qwen_image_edit_pipeline(path: str, seed: int = 0, resolution: int = 32) -> str:
+    """Build the tiny Qwen-Image-Edit pipeline and write it as a diffusers folder (safetensors); returns `path`."""
+    pipe = build_tiny_qwen_image_edit_pipeline(seed=seed, resolution=resolution)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(path, safe_serialization=True)
+    strip_name_or_path(path)
+    write_run_defaults(path, resolution=resolution, reference_area=REFERENCE_AREA)
+    logger.info("wrote tiny Qwen-Image-Edit pipeline (seed %d, %dx%d) to %s", seed, resolution, resolution, path)
+    return path
