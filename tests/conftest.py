@@ -180,6 +180,16 @@ def tiny_wan_2_experts_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_wan_i2v_dir(tmp_path_factory):
+    """A tiny Wan 2.1 I2V-style pipeline folder (CLIP vision image branch, condition channels), built once."""
+    from miles.models.tiny_wan_i2v import save_tiny_wan_i2v_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_wan_i2v") / "pipeline"
+    save_tiny_wan_i2v_pipeline(str(path), seed=0)
+    return str(path)
+
+
 def _same_layout(pipe: Any, latents: Any, resolution: int) -> Any:
     return latents
 
@@ -244,6 +254,9 @@ class FamilyCase:
     # kwargs that pass them (a list per prompt of PIL images in; the pipeline's own argument names out)
     source_images: int = 0
     image_kwargs: Callable[[list[list[Any]]], dict[str, Any]] = lambda images: {"image": [i[0] for i in images]}
+    # the pipeline takes one prompt's source images per __call__: it is called per prompt (image_kwargs then gets
+    # one prompt's list), its latents and loop steps concatenated along the batch
+    per_prompt_calls: bool = False
 
     @property
     def pipeline_kwargs(self) -> dict[str, Any]:
@@ -340,6 +353,27 @@ FAMILY_CASES = [
         output_latents=lambda output: output.frames,
         family_options={"num_frames": 5, "guidance_scale_2": 2.0},
         run_args=("--num-frames", "5", "--diffusion-guidance-scale-2", "2.0"),
+    ),
+    # Wan 2.1 I2V layout: one source image per prompt, which WanImageToVideoPipeline takes one at a time (it
+    # repeats one image's embeddings and latents over the batch): the harness calls it per prompt
+    FamilyCase(
+        "wan-i2v",
+        "wan-i2v",
+        "tiny_wan_i2v_dir",
+        "WanImageToVideoPipeline",
+        lambda w: {"guidance_scale": w},
+        _same_layout,
+        call_kwargs={},  # the pipeline's 512 text tokens, which its image branch requires
+        loss_runs=False,
+        num_frames=5,
+        output_latents=lambda output: output.frames,
+        family_options={"num_frames": 5},
+        run_args=("--num-frames", "5"),
+        sft=False,
+        e2e_guidances=(),
+        source_images=1,
+        image_kwargs=lambda images: {"image": images[0][0]},  # one prompt's: the pipeline takes a PIL image
+        per_prompt_calls=True,
     ),
     # joint audio-video latents; the pipeline run without STG and modality guidance (which miles does not run)
     FamilyCase(
