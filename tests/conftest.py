@@ -190,6 +190,16 @@ def tiny_wan_i2v_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_wan_i2v_2_experts_dir(tmp_path_factory):
+    """A tiny Wan 2.2 I2V-A14B-style pipeline folder (no image encoder, two experts), built once per session."""
+    from miles.models.tiny_wan_i2v import save_tiny_wan_i2v_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_wan_i2v_2_experts") / "pipeline"
+    save_tiny_wan_i2v_pipeline(str(path), seed=1, two_experts=True)
+    return str(path)
+
+
 def _same_layout(pipe: Any, latents: Any, resolution: int) -> Any:
     return latents
 
@@ -373,6 +383,27 @@ FAMILY_CASES = [
         e2e_guidances=(),
         source_images=1,
         image_kwargs=lambda images: {"image": images[0][0]},  # one prompt's: the pipeline takes a PIL image
+        per_prompt_calls=True,
+    ),
+    # Wan 2.2 I2V-A14B layout: no image embeddings, the steps route to both experts (guidance_scale_2 on the
+    # low-noise one), through the same code as wan-i2v's and wan-2-experts'
+    FamilyCase(
+        "wan-i2v-2-experts",
+        "wan-i2v",
+        "tiny_wan_i2v_2_experts_dir",
+        "WanImageToVideoPipeline",
+        lambda w: {"guidance_scale": w, "guidance_scale_2": 2.0},
+        _same_layout,
+        call_kwargs={},
+        loss_runs=False,
+        num_frames=5,
+        output_latents=lambda output: output.frames,
+        family_options={"num_frames": 5, "guidance_scale_2": 2.0},
+        run_args=("--num-frames", "5", "--diffusion-guidance-scale-2", "2.0"),
+        sft=False,
+        e2e_guidances=(),
+        source_images=1,
+        image_kwargs=lambda images: {"image": images[0][0]},
         per_prompt_calls=True,
     ),
     # joint audio-video latents; the pipeline run without STG and modality guidance (which miles does not run)

@@ -1,6 +1,7 @@
-"""A tiny Wan 2.1 image-to-video pipeline (`WanImageToVideoPipeline`) built offline from configs: tiny_wan's UMT5,
-VAE and transformer pieces, the transformer taking the condition channels (2C + 4 in) and an image branch, plus a tiny
-CLIPVisionModel and its CLIPImageProcessor (32x32 crops, PIL backend: no torchvision, no hub download).
+"""Tiny Wan image-to-video pipelines (`WanImageToVideoPipeline`) built offline from configs: tiny_wan's UMT5, VAE
+and transformer pieces, the transformer taking the condition channels (2C + 4 in). Wan 2.1 I2V's layout adds an image
+branch and a tiny CLIPVisionModel with its CLIPImageProcessor (32x32 crops, PIL backend: no torchvision, no hub
+download); Wan 2.2 I2V-A14B's has no image encoder and two experts split at a boundary ratio.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from miles.models.diffusers_family import write_run_defaults
 from miles.models.tiny import _t5_encoder, build_t5_tokenizer
 from miles.models.tiny_wan import (
     SCHEDULER_SHIFT,
+    TINY_WAN_BOUNDARY_RATIO,
     TINY_WAN_LATENT_CHANNELS,
     TINY_WAN_NUM_FRAMES,
     TINY_WAN_RESOLUTION,
@@ -55,8 +57,10 @@ def tiny_clip_vision() -> tuple[CLIPVisionModel, CLIPImageProcessor]:
     return CLIPVisionModel(config), processor
 
 
-def build_tiny_wan_i2v_pipeline(seed: int = 0) -> WanImageToVideoPipeline:
-    """The tiny Wan 2.1 I2V pipeline in float32, eval mode, seeded random weights."""
+def build_tiny_wan_i2v_pipeline(seed: int = 0, *, two_experts: bool = False) -> WanImageToVideoPipeline:
+    """The tiny Wan I2V pipeline in float32, eval mode, seeded random weights: Wan 2.1's layout (CLIP vision image
+    branch, one expert), or with `two_experts` Wan 2.2 I2V-A14B's (no image encoder; a `transformer_2` and a
+    boundary ratio, tiny_wan's 0.875)."""
     tokenizer = build_t5_tokenizer()
     # the I2V transformer takes the last 512 context tokens as text: prompts are encoded at the pipeline's 512
     tokenizer.model_max_length = WAN_MAX_SEQUENCE_LENGTH
@@ -64,11 +68,11 @@ def build_tiny_wan_i2v_pipeline(seed: int = 0) -> WanImageToVideoPipeline:
     torch.manual_seed(seed)
     text_encoder = _t5_encoder(tokenizer, text_dim, d_kv=8, config_class=UMT5Config, model_class=UMT5EncoderModel)
     vae = tiny_wan_vae()
-    channels = TINY_WAN_LATENT_CHANNELS
-    transformer = tiny_wan_transformer(
-        text_dim, in_channels=2 * channels + vae.config.scale_factor_temporal, image_dim=TINY_CLIP_VISION_WIDTH
-    )
-    image_encoder, image_processor = tiny_clip_vision()
+    in_channels = 2 * TINY_WAN_LATENT_CHANNELS + vae.config.scale_factor_temporal  # latents, mask, image latents
+    image_dim = None if two_experts else TINY_CLIP_VISION_WIDTH
+    transformer = tiny_wan_transformer(text_dim, in_channels=in_channels, image_dim=image_dim)
+    transformer_2 = tiny_wan_transformer(text_dim, in_channels=in_channels) if two_experts else None
+    image_encoder, image_processor = (None, None) if two_experts else tiny_clip_vision()
     calibrate_tiny_wan_vae(vae, TINY_WAN_RESOLUTION, torch.Generator().manual_seed(seed))
     pipe = WanImageToVideoPipeline(
         tokenizer=tokenizer,
@@ -78,18 +82,22 @@ def build_tiny_wan_i2v_pipeline(seed: int = 0) -> WanImageToVideoPipeline:
         image_processor=image_processor,
         image_encoder=image_encoder,
         transformer=transformer,
+        transformer_2=transformer_2,
+        boundary_ratio=TINY_WAN_BOUNDARY_RATIO if two_experts else None,
     )
-    for module in (text_encoder, vae, transformer, image_encoder):
-        module.eval()  # from-config models start in train mode
+    for module in (text_encoder, vae, transformer, transformer_2, image_encoder):
+        if module is not None:
+            module.eval()  # from-config models start in train mode
     return pipe
 
 
-def save_tiny_wan_i2v_pipeline(path: str, seed: int = 0) -> str:
+def save_tiny_wan_i2v_pipeline(path: str, seed: int = 0, *, two_experts: bool = False) -> str:
     """Build the tiny Wan I2V pipeline and write it as a diffusers folder (safetensors); returns `path`."""
-    pipe = build_tiny_wan_i2v_pipeline(seed=seed)
+    pipe = build_tiny_wan_i2v_pipeline(seed=seed, two_experts=two_experts)
     Path(path).mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path, safe_serialization=True)
     strip_name_or_path(path)
     write_run_defaults(path, resolution=TINY_WAN_RESOLUTION, num_frames=TINY_WAN_NUM_FRAMES)  # its toy sizes
-    logger.info("wrote tiny Wan image-to-video pipeline (seed %d) to %s", seed, path)
+    layout = "Wan 2.2 I2V, two experts" if two_experts else "Wan 2.1 I2V"
+    logger.info("wrote tiny Wan image-to-video pipeline (%s, seed %d) to %s", layout, seed, path)
     return path

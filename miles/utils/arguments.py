@@ -92,7 +92,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-family",
         default="auto",
         help="Model family (auto: from model_index.json's _class_name); built in: sd3 (StableDiffusion3Pipeline), "
-        "flux (FluxPipeline), ltx2 (LTX2Pipeline), qwen-image (QwenImagePipeline), wan (WanPipeline).",
+        "flux (FluxPipeline), ltx2 (LTX2Pipeline), qwen-image (QwenImagePipeline), wan (WanPipeline), "
+        "wan-i2v (WanImageToVideoPipeline).",
     )
     group.add_argument(
         "--train-pipeline-config-path",
