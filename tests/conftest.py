@@ -203,6 +203,26 @@ def tiny_wan_2_experts_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_wan_i2v_dir(tmp_path_factory):
+    """A tiny Wan 2.1 I2V-style pipeline folder (CLIP vision image branch, condition channels), built once."""
+    from miles.models.tiny_wan_i2v import save_tiny_wan_i2v_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_wan_i2v") / "pipeline"
+    save_tiny_wan_i2v_pipeline(str(path), seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_i2v_2_experts_dir(tmp_path_factory):
+    """A tiny Wan 2.2 I2V-A14B-style pipeline folder (no image encoder, two experts), built once per session."""
+    from miles.models.tiny_wan_i2v import save_tiny_wan_i2v_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_wan_i2v_2_experts") / "pipeline"
+    save_tiny_wan_i2v_pipeline(str(path), seed=1, two_experts=True)
+    return str(path)
+
+
 def _same_layout(pipe: Any, latents: Any, resolution: int) -> Any:
     return latents
 
@@ -291,6 +311,9 @@ class FamilyCase:
     # around the pipeline's __call__, given the folder: what the family reads from a tiny folder that the pipeline
     # hard-codes (Qwen-Image-Edit's reference area)
     call_context: Callable[[str], AbstractContextManager[Any]] = lambda path: contextlib.nullcontext()
+    # the pipeline takes one prompt's source images per __call__: it is called per prompt (image_kwargs then gets
+    # one prompt's list), its latents and loop steps concatenated along the batch
+    per_prompt_calls: bool = False
 
     @property
     def pipeline_kwargs(self) -> dict[str, Any]:
@@ -414,6 +437,45 @@ FAMILY_CASES = [
         output_latents=lambda output: output.frames,
         family_options={"num_frames": 5, "guidance_scale_2": 2.0},
         run_args=("--num-frames", "5", "--diffusion-guidance-scale-2", "2.0"),
+    ),
+    # Wan 2.1 I2V layout: one source image per prompt, which WanImageToVideoPipeline takes one at a time (it
+    # repeats one image's embeddings and latents over the batch): the harness calls it per prompt
+    FamilyCase(
+        "wan-i2v",
+        "wan-i2v",
+        "tiny_wan_i2v_dir",
+        "WanImageToVideoPipeline",
+        lambda w: {"guidance_scale": w},
+        _same_layout,
+        call_kwargs={},  # the pipeline's 512 text tokens, which its image branch requires
+        num_frames=5,
+        output_latents=lambda output: output.frames,
+        family_options={"num_frames": 5},
+        run_args=("--num-frames", "5"),
+        e2e_guidances=(3.5,),  # CFG: the negative text with the prompt's image inputs
+        source_images=1,
+        image_kwargs=lambda images: {"image": images[0][0]},  # one prompt's: the pipeline takes a PIL image
+        per_prompt_calls=True,
+    ),
+    # Wan 2.2 I2V-A14B layout: no image embeddings, the steps route to both experts (guidance_scale_2 on the
+    # low-noise one), through the same code as wan-i2v's and wan-2-experts'
+    FamilyCase(
+        "wan-i2v-2-experts",
+        "wan-i2v",
+        "tiny_wan_i2v_2_experts_dir",
+        "WanImageToVideoPipeline",
+        lambda w: {"guidance_scale": w, "guidance_scale_2": 2.0},
+        _same_layout,
+        call_kwargs={},
+        loss_runs=False,
+        num_frames=5,
+        output_latents=lambda output: output.frames,
+        family_options={"num_frames": 5, "guidance_scale_2": 2.0},
+        run_args=("--num-frames", "5", "--diffusion-guidance-scale-2", "2.0"),
+        e2e_guidances=(1.0,),  # the image inputs routed row by row to both experts
+        source_images=1,
+        image_kwargs=lambda images: {"image": images[0][0]},
+        per_prompt_calls=True,
     ),
     # joint audio-video latents; the pipeline run without STG and modality guidance (which miles does not run)
     FamilyCase(

@@ -39,28 +39,30 @@ TRAINED_EXPERTS = ("both", "high-noise", "low-noise")
 # Every built-in family's options, in the order their flags appear in --help.
 FAMILY_OPTIONS: tuple[FamilyOption, ...] = (
     FamilyOption("wan", "num_frames", "--num-frames", "default 81, 4k + 1", int, range=AT_LEAST_1),
+    FamilyOption("wan-i2v", "num_frames", "--num-frames", "default 81, 4k + 1", int, range=AT_LEAST_1),
     FamilyOption("ltx2", "num_frames", "--num-frames", "default 121, 8k + 1", int, range=AT_LEAST_1),
-    FamilyOption(
-        "wan",
-        "trained_experts",
-        "--wan-trained-experts",
-        "two-expert Wan 2.2 folders: which experts train, the others frozen; default both, so every σ the trained "
-        "steps visit is trained through the expert that sampled it",
-        choices=TRAINED_EXPERTS,
-    ),
-    FamilyOption(
-        "wan",
-        "guidance_scale_2",
-        "--diffusion-guidance-scale-2",
-        "two experts: CFG scale of the low-noise expert's steps",
-        float,
-        range=AT_LEAST_0,
-        added_by="rollout",  # beside --diffusion-guidance-scale in add_rollout_arguments
+    FamilyOption("wan", "trained_experts", "--wan-trained-experts", "text-to-video", choices=TRAINED_EXPERTS),
+    FamilyOption("wan-i2v", "trained_experts", "--wan-trained-experts", "image-to-video", choices=TRAINED_EXPERTS),
+    *(
+        FamilyOption(
+            family,
+            "guidance_scale_2",
+            "--diffusion-guidance-scale-2",
+            "two experts: CFG scale of the low-noise expert's steps",
+            float,
+            range=AT_LEAST_0,
+            added_by="rollout",  # beside --diffusion-guidance-scale in add_rollout_arguments
+        )
+        for family in ("wan", "wan-i2v")
     ),
 )
 
 # what a flag shared by several families means, before each family's own part of its help
-FLAG_SUMMARIES = {"--num-frames": "Frames per video sample of a video family"}
+FLAG_SUMMARIES = {
+    "--num-frames": "Frames per video sample of a video family",
+    "--wan-trained-experts": "Two-expert Wan 2.2 folders: which experts train, the others frozen; default both, so "
+    "every σ the trained steps visit is trained through the expert that sampled it",
+}
 
 
 def options_of(family: str) -> tuple[FamilyOption, ...]:

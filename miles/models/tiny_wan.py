@@ -29,7 +29,7 @@ _TARGET_MEAN = (0.5, -0.5, 0.25, -0.25)  # per-channel statistics the tiny VAE's
 _TARGET_STD = (0.8, 1.2, 1.0, 1.5)
 
 
-def _wan_vae() -> AutoencoderKLWan:
+def tiny_wan_vae() -> AutoencoderKLWan:
     """Wan's VAE layout (three downsamples: 8x spatial, 4x temporal) at 8 base channels."""
     return AutoencoderKLWan(
         base_dim=8,
@@ -46,7 +46,7 @@ def _wan_vae() -> AutoencoderKLWan:
 
 
 @torch.no_grad()
-def _calibrate_wan_vae(vae: AutoencoderKLWan, resolution: int, generator: torch.Generator) -> None:
+def calibrate_tiny_wan_vae(vae: AutoencoderKLWan, resolution: int, generator: torch.Generator) -> None:
     """Make the random VAE's latents of smooth random clips unit-scale and record their per-channel statistics.
 
     At random init the encoder's means come out ~0.07 wide around offsets of ~0.3: decoding normalized latents
@@ -76,13 +76,20 @@ def _calibrate_wan_vae(vae: AutoencoderKLWan, resolution: int, generator: torch.
     )
 
 
-def _wan_transformer(text_dim: int) -> WanTransformer3DModel:
+def tiny_wan_transformer(
+    text_dim: int, *, in_channels: int = TINY_WAN_LATENT_CHANNELS, image_dim: int | None = None
+) -> WanTransformer3DModel:
+    """Two Wan blocks at width 32; `in_channels` beyond the latent's take conditioning channels (image-to-video),
+    `image_dim` adds Wan 2.1 I2V's image branch (image embedder, added key/value projections of that width)."""
+    inner = 2 * 16
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=16,  # rotary split: 8 temporal, 4 + 4 spatial
-        in_channels=TINY_WAN_LATENT_CHANNELS,
+        in_channels=in_channels,
         out_channels=TINY_WAN_LATENT_CHANNELS,
+        image_dim=image_dim,
+        added_kv_proj_dim=None if image_dim is None else inner,
         text_dim=text_dim,
         freq_dim=32,
         ffn_dim=64,
@@ -100,10 +107,10 @@ def build_tiny_wan_pipeline(seed: int = 0, *, two_experts: bool = False) -> WanP
     text_dim = 32
     torch.manual_seed(seed)
     text_encoder = _t5_encoder(tokenizer, text_dim, d_kv=8, config_class=UMT5Config, model_class=UMT5EncoderModel)
-    vae = _wan_vae()
-    transformer = _wan_transformer(text_dim)
-    transformer_2 = _wan_transformer(text_dim) if two_experts else None
-    _calibrate_wan_vae(vae, TINY_WAN_RESOLUTION, torch.Generator().manual_seed(seed))
+    vae = tiny_wan_vae()
+    transformer = tiny_wan_transformer(text_dim)
+    transformer_2 = tiny_wan_transformer(text_dim) if two_experts else None
+    calibrate_tiny_wan_vae(vae, TINY_WAN_RESOLUTION, torch.Generator().manual_seed(seed))
     pipe = WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,

@@ -62,10 +62,12 @@ class WanExperts(nn.Module):
 
     @staticmethod
     def _run(expert, hidden_states, timestep, encoder_hidden_states, index, kwargs) -> torch.Tensor:
-        """The expert's output on rows `index` (all rows without a copy when they are all of them)."""
+        """The expert's output on rows `index` (all rows without a copy when they are all of them); tensor keywords
+        (the image-to-video pipelines' `encoder_hidden_states_image`) are per row too."""
         if index.numel() != hidden_states.shape[0]:
             hidden_states, timestep = hidden_states[index], timestep[index]
             encoder_hidden_states = encoder_hidden_states[index]
+            kwargs = {k: v[index] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         return expert(
             hidden_states=hidden_states,
             timestep=timestep,

@@ -64,21 +64,30 @@ def run_pipeline(case, path, guidance, num_steps):
 
     pipe.scheduler.step = recording_step.__get__(pipe.scheduler)
     sources = source_images(case)
-    images = {} if sources is None else case.image_kwargs([[Image.fromarray(i) for i in s] for s in sources])
+    pil = None if sources is None else [[Image.fromarray(i) for i in s] for s in sources]
+
+    def call(rows):
+        images = {} if pil is None else case.image_kwargs([pil[i] for i in rows])
+        output = pipe(
+            prompt=[PROMPTS[i] for i in rows],
+            num_inference_steps=num_steps,
+            generator=[torch.Generator().manual_seed(SEEDS[i]) for i in rows],
+            output_type="latent",
+            **images,
+            **case.cfg_kwargs(guidance),
+            **case.pipeline_kwargs,
+        )
+        return case.output_latents(output)
+
     try:
         with case.call_context(path):
-            latents = pipe(
-                prompt=PROMPTS,
-                num_inference_steps=num_steps,
-                generator=[torch.Generator().manual_seed(s) for s in SEEDS],
-                output_type="latent",
-                **images,
-                **case.cfg_kwargs(guidance),
-                **case.pipeline_kwargs,
-            )
+            if not case.per_prompt_calls:
+                latents = call(range(len(PROMPTS)))
+            else:  # each call's steps in turn: step i of prompt p is steps[p * num_steps + i]
+                latents = torch.cat([call([p]) for p in range(len(PROMPTS))])
+                steps = [tuple(torch.cat(t) for t in zip(*steps[i::num_steps])) for i in range(num_steps)]
     finally:
         del pipe.scheduler.step
-    latents = case.output_latents(latents)
     if case.scheduler_steps > 1:  # one step of each stream's scheduler per denoising step: group them
         n = case.scheduler_steps
         steps = [tuple(zip(*steps[i : i + n])) for i in range(0, len(steps), n)]

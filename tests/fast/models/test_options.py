@@ -24,7 +24,8 @@ def test_each_family_class_takes_the_options_declared_for_it():
         declared.setdefault(option.family, set()).add(option.name)
     for name, cls in all_family_classes().items():
         assert {option.name for option in cls.options} == declared.get(name, set()), name
-    assert declared == {"wan": {"num_frames", "guidance_scale_2", "trained_experts"}, "ltx2": {"num_frames"}}
+    wan = {"num_frames", "guidance_scale_2", "trained_experts"}
+    assert declared == {"wan": wan, "wan-i2v": wan, "ltx2": {"num_frames"}}
 
 
 def test_a_flag_two_families_share_is_added_once_and_its_help_names_both():
@@ -32,7 +33,10 @@ def test_a_flag_two_families_share_is_added_once_and_its_help_names_both():
     assert len(actions) == 1 and actions[0].type is int and actions[0].default is None
     assert "wan: default 81, 4k + 1" in actions[0].help and "ltx2: default 121, 8k + 1" in actions[0].help
     experts = next(a for a in build_parser()._actions if "--wan-trained-experts" in a.option_strings)
-    assert tuple(experts.choices) == ("both", "high-noise", "low-noise") and "(wan family)" in experts.help
+    assert (
+        tuple(experts.choices) == ("both", "high-noise", "low-noise")
+        and "wan: text-to-video; wan-i2v: image-to-video" in experts.help
+    )
 
 
 def test_ranges_come_from_the_declarations(capsys):
@@ -58,7 +62,9 @@ def test_the_run_flags_become_the_family_constructor_options():
 def test_families_that_disagree_on_a_shared_flag_are_an_error(monkeypatch):
     clash = FamilyOption("cogvideox", "num_frames", "--num-frames", "default 49", float)
     monkeypatch.setattr("miles.models.options.FAMILY_OPTIONS", (*FAMILY_OPTIONS, clash))
-    with pytest.raises(ValueError, match=r"--num-frames: the families \['wan', 'ltx2', 'cogvideox'\] declare it"):
+    with pytest.raises(
+        ValueError, match=r"--num-frames: the families \['wan', 'wan-i2v', 'ltx2', 'cogvideox'\] declare it"
+    ):
         add_family_arguments(argparse.ArgumentParser())
 
 
