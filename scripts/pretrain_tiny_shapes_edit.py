@@ -180,7 +180,7 @@ def evaluate(args: argparse.Namespace, folder: Path) -> dict[str, float]:
         f"eval {args.eval_prompts} triples, {args.eval_steps} ODE steps ({time.perf_counter() - started:.0f}s): "
         + ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items())
     )
-    save_media(args.workdir, "eval", samples.images[:32], columns=4, sources=samples.sources[:32])
+    save_media(args.workdir, "eval", samples.images[:32], columns=1, sources=samples.sources[:32])
     return metrics
 
 

@@ -1,6 +1,6 @@
-"""Named built-in checkpoints: `builtin:tiny-shapes` (shipped, pretrained on the shapes world) and one random tiny
-folder per family (`builtin:tiny-sd3`, `builtin:tiny-wan`, ...), built on first use into the cache under a file lock.
-Torch-free until a folder is built."""
+"""Named built-in checkpoints: `builtin:tiny-shapes` and `builtin:tiny-shapes-edit` (shipped, pretrained on the shapes
+world and the shapes edit world) and one random tiny folder per family (`builtin:tiny-sd3`, `builtin:tiny-wan`, ...),
+built on first use into the cache under a file lock. Torch-free until a folder is built."""
 
 from __future__ import annotations
 
@@ -16,9 +16,15 @@ from miles.models.registry import BUILTIN_FAMILIES, builtin_family_of_pipeline
 logger = logging.getLogger(__name__)
 
 BUILTIN_SHAPES_MODEL = "builtin:tiny-shapes"  # pretrained on the shapes world, shipped in the package (§9)
-SHIPPED_SHAPES_DIR = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny_shapes_sd3"
-)
+ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+SHIPPED_SHAPES_DIR = os.path.join(ASSETS_DIR, "tiny_shapes_sd3")
+BUILTIN_SHAPES_EDIT_MODEL = "builtin:tiny-shapes-edit"  # a FLUX.1 Kontext-architecture editor of the shapes edit world
+SHIPPED_SHAPES_EDIT_DIR = os.path.join(ASSETS_DIR, "tiny_shapes_edit")
+# pretrained folders shipped in the package: name -> (folder, the script that rebuilds it)
+SHIPPED_FOLDERS: dict[str, tuple[str, str]] = {
+    BUILTIN_SHAPES_MODEL: (SHIPPED_SHAPES_DIR, "scripts/pretrain_tiny_shapes.py"),
+    BUILTIN_SHAPES_EDIT_MODEL: (SHIPPED_SHAPES_EDIT_DIR, "scripts/pretrain_tiny_shapes_edit.py"),
+}
 
 
 class TinyFolder(NamedTuple):
@@ -46,7 +52,7 @@ TINY_FOLDERS: dict[str, TinyFolder] = {
     "builtin:tiny-ltx2": TinyFolder("ltx2", "miles.models.tiny_ltx2:save_tiny_ltx2_pipeline"),
 }
 BUILTIN_TINY = "builtin:tiny-sd3"  # the tiny folder of the default family
-BUILTIN_NAMES = (BUILTIN_SHAPES_MODEL, *TINY_FOLDERS)
+BUILTIN_NAMES = (*SHIPPED_FOLDERS, *TINY_FOLDERS)
 
 
 def cache_dir() -> str:
@@ -56,13 +62,14 @@ def cache_dir() -> str:
 def resolve_checkpoint(path: str | None) -> str | None:
     """Map a builtin name to a pipeline folder, building a tiny one under a file lock the first time; other paths
     pass."""
-    if path == BUILTIN_SHAPES_MODEL:
-        if not os.path.isfile(os.path.join(SHIPPED_SHAPES_DIR, "model_index.json")):
+    if path in SHIPPED_FOLDERS:
+        folder, script = SHIPPED_FOLDERS[path]
+        if not os.path.isfile(os.path.join(folder, "model_index.json")):
             raise FileNotFoundError(
-                f"--hf-checkpoint {BUILTIN_SHAPES_MODEL}: the shipped folder {SHIPPED_SHAPES_DIR} is missing; "
-                "reinstall miles or rebuild it with scripts/pretrain_tiny_shapes.py"
+                f"--hf-checkpoint {path}: the shipped folder {folder} is missing; reinstall miles or rebuild it "
+                f"with {script}"
             )
-        return SHIPPED_SHAPES_DIR
+        return folder
     if path is None or not path.startswith("builtin:"):
         return path
     if path not in TINY_FOLDERS:

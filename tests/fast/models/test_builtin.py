@@ -15,6 +15,7 @@ from miles.models.builtin import BUILTIN_NAMES, makes_video, resolve_checkpoint
 # name -> (pipeline class, family, default latent shape): written out here, not read from the table under test
 EXPECTED = {
     "builtin:tiny-shapes": ("StableDiffusion3Pipeline", "sd3", (4, 16, 16)),  # pretrained at 64 px
+    "builtin:tiny-shapes-edit": ("FluxKontextPipeline", "flux-kontext", (4, 16, 16)),  # pretrained at 32 px
     "builtin:tiny-sd3": ("StableDiffusion3Pipeline", "sd3", (4, 8, 8)),
     "builtin:tiny-flux": ("FluxPipeline", "flux", (4, 8, 8)),
     "builtin:tiny-flux-kontext": ("FluxKontextPipeline", "flux-kontext", (4, 8, 8)),
