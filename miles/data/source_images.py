@@ -1,16 +1,20 @@
 """Source images of editing and image-to-video prompts: the paths a prompt record names (`image` or `images`,
-relative to its file), checked at start-up (a missing or undecodable file names the file and line), and loaded as
-(H, W, 3) uint8 arrays at the run's resolution."""
+relative to its file) or a folder of pairs holds, checked at start-up (a missing or undecodable file names the file
+and line), and loaded as (H, W, 3) uint8 arrays at the run's resolution."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 SOURCE_IMAGE_KEYS = ("image", "images")  # one path, or a list of paths
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+TARGET_SUFFIX = "_target"  # a folder of pairs' sft_loss target: NAME_target.png beside NAME.png
 
 
 def source_image_paths(row: dict[str, Any], base: str, where: str) -> list[str]:
@@ -72,3 +76,41 @@ def load_source_images(images: list[Any] | None, resolution: int) -> list[np.nda
     if images is None:
         return None
     return [load_source_image(image, resolution) for image in images]
+
+
+def read_pairs_folder(folder: str, *, targets: bool, flag: str = "--prompt-data") -> list[dict[str, Any]]:
+    """Records of a folder of pairs: each `NAME.txt` holds an instruction, `NAME.png` (or .jpg, .jpeg, .webp) is its
+    source image, `NAME.json` its metadata (optional) and, with `targets` (sft_loss), `NAME_target.png` its target.
+    Records in name order; a missing or undecodable file is an error naming it."""
+    root = Path(folder)
+    records = []
+    for text in sorted(root.glob("*.txt")):
+        where = f"{flag} {folder}: {text.name}"
+        prompt = text.read_text(encoding="utf-8").strip()
+        if not prompt:
+            raise ValueError(f"{where}: empty instruction")
+        source = _image_beside(text.with_suffix(""), where, "source image")
+        record: dict[str, Any] = {"prompt": prompt, "metadata": {}, "source_images": [str(source)]}
+        meta = text.with_suffix(".json")
+        if meta.is_file():
+            try:
+                record["metadata"] = json.loads(meta.read_text(encoding="utf-8"))
+            except ValueError as exc:
+                raise ValueError(f"{flag} {folder}: {meta.name} is not JSON ({exc})") from None
+            if not isinstance(record["metadata"], dict):
+                raise ValueError(f"{flag} {folder}: {meta.name} must hold a JSON object")
+        if targets:
+            record["image"] = str(_image_beside(text.with_name(text.stem + TARGET_SUFFIX), where, "target image"))
+        records.append(record)
+    if not records:
+        raise ValueError(f"{flag} {folder}: no NAME.txt instructions in the folder (a folder of editing pairs)")
+    return records
+
+
+def _image_beside(stem: Path, where: str, what: str) -> Path:
+    for suffix in IMAGE_SUFFIXES:
+        path = stem.with_name(stem.name + suffix)
+        if path.is_file():
+            check_image_file(str(path), f"{where}: {what}")
+            return path
+    raise ValueError(f"{where}: no {what} {stem.name}{{{','.join(IMAGE_SUFFIXES)}}} beside it")

@@ -14,7 +14,7 @@ import numpy as np
 from miles.data.ocr import BUILTIN_OCR, ocr_prompts
 from miles.data.shapes import shapes_items, shapes_prompts
 from miles.data.shapes_edit import BUILTIN_SHAPES_EDIT, shapes_edit_items
-from miles.data.source_images import source_image_paths
+from miles.data.source_images import read_pairs_folder, source_image_paths
 from miles.utils.jsonl import read_jsonl_objects
 from miles.utils.seeding import stream_rng
 
@@ -83,8 +83,19 @@ def read_prompt_file(
     flag: str = "--prompt-data",
     source_images: bool = False,
 ) -> list[dict[str, Any]]:
-    """A prompt file by its extension: .txt one prompt per line, anything else JSONL (`read_jsonl_records`);
-    `source_images`: the run's family edits or animates images, so every record names its source images."""
+    """A prompt file by its extension: .txt one prompt per line, anything else JSONL (`read_jsonl_records`), or an
+    editing family's folder of pairs (`read_pairs_folder`); `source_images`: the run's family edits or animates
+    images, so every record names its source images."""
+    if os.path.isdir(path):
+        if not source_images:
+            raise PromptDataError(
+                f"{flag} {path} is a folder: a folder of (instruction, source image) pairs is for an editing or "
+                "image-to-video family; this model generates from text (give a JSONL or .txt prompt file)"
+            )
+        try:
+            return read_pairs_folder(path, targets=image_key is not None, flag=flag)
+        except ValueError as exc:
+            raise PromptDataError(str(exc)) from None
     if path.endswith(".txt") and image_key is None:
         if source_images:
             raise PromptDataError(

@@ -93,3 +93,23 @@ def test_a_written_shapes_edit_file_reads_back_as_triples(tmp_path):
     assert np.array_equal(load_source_image(records[0]["source_images"][0], 32), item["source_images"][0])
     assert np.array_equal(load_source_image(records[0]["image"], 32), np.asarray(item["image"]))  # the target
     assert sft_image_key(args, False) == "image"
+
+
+def test_a_folder_of_pairs_reads_as_records_in_name_order(pictures):
+    folder = pictures / "pairs"
+    folder.mkdir()
+    for name, colour in [("b", (0, 200, 0)), ("a", (200, 0, 0))]:
+        (folder / f"{name}.txt").write_text(f"make the {name} shape blue\n")
+        Image.new("RGB", (8, 8), colour).save(folder / f"{name}.png")
+        Image.new("RGB", (8, 8), (0, 0, 200)).save(folder / f"{name}_target.jpg")
+    (folder / "a.json").write_text('{"color": "blue"}')
+    records = read_prompt_file(str(folder), ARGS, source_images=True)
+    assert [r["prompt"] for r in records] == ["make the a shape blue", "make the b shape blue"]
+    assert records[0]["source_images"] == [str(folder / "a.png")] and records[0]["metadata"] == {"color": "blue"}
+    sft = read_prompt_file(str(folder), ARGS, image_key="target", source_images=True)
+    assert sft[1]["image"] == str(folder / "b_target.jpg")
+    (folder / "c.txt").write_text("make it red")
+    with pytest.raises(PromptDataError, match=r"pairs: c\.txt: no source image c\{\.png"):
+        read_prompt_file(str(folder), ARGS, source_images=True)
+    with pytest.raises(PromptDataError, match="is a folder: a folder of .* pairs is for an editing"):
+        read_prompt_file(str(folder), ARGS)
