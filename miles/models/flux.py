@@ -64,14 +64,8 @@ class FluxPipelineConfig(FluxFolderFamily):
             raise ValueError(f"FLUX latents pack 2x2 patches: height and width must be even, got {height}x{width}")
         dtype = compute_dtype(transformer)
         hidden = pack_latents(latents.to(dtype))
+        img_ids = packed_position_ids(height // 2, width // 2, latents.device, dtype)
         pred = self.guided_velocity(
-            transformer,
-            hidden,
-            packed_position_ids(height // 2, width // 2, latents.device, dtype),
-            sigmas,
-            embeds,
-            guidance_scale=guidance_scale,
-            negative=negative,
-            noise_tokens=hidden.shape[1],
+            transformer, hidden, img_ids, sigmas, embeds, guidance_scale=guidance_scale, negative=negative
         )
         return unpack_latents(pred, height, width)

@@ -18,6 +18,7 @@ from miles.models.base import compute_dtype
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
+    calculate_shift_args,
     decode_shift_scaled,
     dynamic_sampling_shift,
     dynamic_shift_sigmas,
@@ -102,14 +103,14 @@ class FluxFolderFamily(DiffusersFamily):
         *,
         guidance_scale: float,
         negative: Conditioning | None,
-        noise_tokens: int,
+        noise_tokens: int | None = None,
     ) -> torch.Tensor:
         """The packed velocity (float32, (B, noise_tokens, 4C)) of the packed sequence `hidden` (B, N, 4C) in the
         transformer's dtype, positioned by `img_ids` (N, 3), at noise levels `sigmas` (B,), as the pipelines' loops
         compute it: timestep σ (the scheduler's timestep / 1000), the text of `embeds` with zero text ids, the
         guidance embedding when the transformer has one, else true CFG uncond + w * (cond - uncond) when w > 1 (the
         negative text, a batch of one or one per row, with the same image tokens; both branches in one batched
-        forward); the output's first `noise_tokens` tokens."""
+        forward); the output's first `noise_tokens` tokens (all by default)."""
         batch, device, dtype = hidden.shape[0], hidden.device, compute_dtype(transformer)
         # the pipelines pass scheduler.timesteps (σ·1000, cast to the latents' dtype) divided by 1000
         timestep = (sigmas.to(device=device, dtype=torch.float32) * 1000.0).to(dtype) / 1000
@@ -144,14 +145,7 @@ class FluxFolderFamily(DiffusersFamily):
         """The pipelines' resolution-dependent shift: `calculate_shift` of the generated image's packed token count
         (an editing pipeline's source image tokens do not count)."""
         _, h, w = self.latent_shape(resolution)
-        config = self.scheduler_config()
-        return calculate_shift(
-            (h // 2) * (w // 2),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        return calculate_shift((h // 2) * (w // 2), *calculate_shift_args(self.scheduler_config()))
 
     def sampling_sigmas(self, num_steps: int, resolution: int | None = None) -> torch.Tensor:
         """The pipelines' grid: σ = linspace(1, 1/N, N) through the folder's scheduler with `mu(resolution)`, then 0."""

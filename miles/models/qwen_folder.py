@@ -19,6 +19,7 @@ from miles.models.base import compute_dtype
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
+    calculate_shift_args,
     channel_stats,
     dynamic_sampling_shift,
     dynamic_shift_sigmas,
@@ -95,14 +96,14 @@ class QwenFolderFamily(DiffusersFamily):
         *,
         guidance_scale: float,
         negative: Conditioning | None,
-        noise_tokens: int,
+        noise_tokens: int | None = None,
     ) -> torch.Tensor:
         """The packed velocity (float32, (B, noise_tokens, 4C)) of the packed sequence `hidden` (B, N, 4C) in the
         transformer's dtype, of one sample's `img_shapes` (frames, rows, columns of 2x2 patches, per image in the
         sequence), at noise levels `sigmas` (B,), as the pipelines' loops compute it: timestep σ (the scheduler's
         timestep / 1000), the prompt mask (none when no token is padding), with w > 1 true CFG against `negative`
         (one row or one per row; the same image tokens), both branches in one batched forward (the pipelines run
-        two); the output's first `noise_tokens` tokens."""
+        two); the output's first `noise_tokens` tokens (all by default)."""
         batch, device, dtype = hidden.shape[0], hidden.device, compute_dtype(transformer)
         # the pipelines pass scheduler.timesteps (σ·1000, cast to the latents' dtype) divided by 1000
         timestep = (sigmas.to(device=device, dtype=torch.float32) * 1000.0).to(dtype) / 1000
@@ -132,14 +133,7 @@ class QwenFolderFamily(DiffusersFamily):
         """The pipelines' resolution-dependent shift: `calculate_shift` of the generated image's packed sequence
         length (its 2 x 2 patches; an editing pipeline's reference tokens do not count)."""
         _, h, w = self.latent_shape(resolution)
-        config = self.scheduler_config()
-        return calculate_shift(
-            (h // 2) * (w // 2),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        return calculate_shift((h // 2) * (w // 2), *calculate_shift_args(self.scheduler_config()))
 
     def sampling_sigmas(self, num_steps: int, resolution: int | None = None) -> torch.Tensor:
         """The pipelines' grid: σ = linspace(1, 1/N, N) through the folder's scheduler with `mu(resolution)`

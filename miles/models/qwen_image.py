@@ -85,14 +85,8 @@ class QwenImagePipelineConfig(QwenFolderFamily):
                 f"Qwen-Image latents pack 2x2 patches: height and width must be even, got {height}x{width}"
             )
         hidden = pack_latents(latents.to(compute_dtype(transformer)))
+        shapes = [(1, height // 2, width // 2)]
         pred = self.guided_velocity(
-            transformer,
-            hidden,
-            [(1, height // 2, width // 2)],
-            sigmas,
-            embeds,
-            guidance_scale=guidance_scale,
-            negative=negative,
-            noise_tokens=hidden.shape[1],
+            transformer, hidden, shapes, sigmas, embeds, guidance_scale=guidance_scale, negative=negative
         )
         return unpack_latents(pred, height, width)
