@@ -262,6 +262,17 @@ def dynamic_sampling_shift(scheduler_config: dict[str, Any], mu: float) -> float
     return math.exp(mu) if kind == "exponential" else float(mu)
 
 
+def calculate_shift_args(scheduler_config: dict[str, Any]) -> tuple[int, int, float, float]:
+    """The arguments after the token count of the FLUX.1 and Qwen-Image pipelines' `calculate_shift` (mu of the
+    resolution): the config's base_image_seq_len, max_image_seq_len, base_shift and max_shift, with their defaults."""
+    return (
+        scheduler_config.get("base_image_seq_len", 256),
+        scheduler_config.get("max_image_seq_len", 4096),
+        scheduler_config.get("base_shift", 0.5),
+        scheduler_config.get("max_shift", 1.15),
+    )
+
+
 def dynamic_shift_sigmas(scheduler_config: dict[str, Any], num_steps: int, mu: float) -> torch.Tensor:
     """The grid of pipelines that shift by resolution: σ = linspace(1, 1/N, N) through the folder's flow-matching
     scheduler with `mu`, then 0 (float32, N + 1 values)."""

@@ -12,8 +12,8 @@ What the pipeline does with the source image, and where it lives here (`encode_p
   the reference's `img_shapes` entry. `predict_velocity` packs them after the noise tokens along the sequence and
   keeps the transformer's output on the noise tokens only.
 
-Latents, σ grid (mu of the generated tokens only), true CFG with the norm rescale and the VAE scaling are Qwen-Image's
-(`miles.models.qwen_image`'s public helpers). QwenImageEditPlusPipeline (2509, several references) is not this
+Latents, σ grid (mu of the generated tokens only), true CFG with the norm rescale and the VAE scaling are every
+Qwen-Image folder's (`miles.models.qwen_folder`). QwenImageEditPlusPipeline (2509, several references) is not this
 family: its template, its 384² condition images and its batch of one differ (a folder of it is not recognised).
 """
 
@@ -23,7 +23,6 @@ import logging
 
 import numpy as np
 import torch
-from diffusers import QwenImageTransformer2DModel
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from PIL import Image
@@ -33,31 +32,13 @@ from transformers.processing_utils import ProcessorMixin
 
 from miles.models.base import compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
-from miles.models.diffusers_family import (
-    DiffusersFamily,
-    check_velocity_inputs,
-    dynamic_sampling_shift,
-    dynamic_shift_sigmas,
-    square_latent_side,
-    training_shift,
-)
-from miles.models.media import Media
+from miles.models.diffusers_family import check_velocity_inputs
 from miles.models.packing import pack_latents, unpack_latents
-from miles.models.qwen_common import (
-    check_no_guidance_embeds,
-    decode_qwen_latents,
-    encode_qwen_latents,
-    qwen_mu,
-    qwen_vae_scale_factor,
-    trim_prompt_padding,
-    true_cfg,
-)
+from miles.models.qwen_folder import QwenFolderFamily, encode_qwen_latents
 
 logger = logging.getLogger(__name__)
 
 PIPELINE_REFERENCE_AREA = 1024 * 1024  # QwenImageEditPipeline.__call__'s calculate_dimensions target (pixels)
-_QWEN_DEFAULT_SAMPLE_SIZE = 128  # QwenImageEditPipeline.default_sample_size: latents per side at the default size
-TEXT_NAMES = ("prompt_embeds", "prompt_embeds_mask")  # the VL encoder's part of the conditioning (the negative's)
 
 
 class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
@@ -73,7 +54,7 @@ class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
 
 
 @register_train_pipeline_config
-class QwenImageEditPipelineConfig(DiffusersFamily):
+class QwenImageEditPipelineConfig(QwenFolderFamily):
     """Qwen-Image-Edit pipeline folders (`QwenImageEditPipeline`): one source image per prompt.
 
     Guidance: `guidance_scale > 1` is the pipeline's true CFG (`true_cfg_scale` with a negative prompt, encoded
@@ -83,21 +64,9 @@ class QwenImageEditPipelineConfig(DiffusersFamily):
 
     name = "qwen-image-edit"
     pipeline_class_name = "QwenImageEditPipeline"
-    transformer_class = QwenImageTransformer2DModel
     text_pipeline_class = "QwenImageEditPipeline"
-    vae_class = "AutoencoderKLQwenImage"
-    default_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")  # Qwen-Image's (diffusers' LoRA training default)
     source_image_range = (1, 1)
     negative_per_prompt = True
-
-    # networks
-    def load_transformer(
-        self, path: str | None = None, dtype: torch.dtype = torch.float32, *, empty: bool = False
-    ) -> nn.Module:
-        """The transformer (`DiffusersFamily`'s loader); a guidance-distilled one is refused."""
-        model = super().load_transformer(path, dtype, empty=empty)
-        check_no_guidance_embeds(model, path or self.path, self.pipeline_class_name)
-        return model
 
     # the source image
     @property
@@ -130,13 +99,6 @@ class QwenImageEditPipelineConfig(DiffusersFamily):
         return VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
 
     # text
-    def _encode_text(self, prompts: list[str], sources: list[Image.Image], device) -> Conditioning:
-        pipe = self.text_pipeline()
-        embeds, mask = pipe.encode_prompt(prompt=list(prompts), image=sources, device=pipe.text_encoder.device)
-        if mask is None:
-            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        return Conditioning({"prompt_embeds": embeds, "prompt_embeds_mask": mask}).to(device=device)
-
     @torch.no_grad()
     def encode_prompts(
         self,
@@ -153,7 +115,7 @@ class QwenImageEditPipelineConfig(DiffusersFamily):
         if images is None:
             raise ValueError(f"the {self.name} family edits a source image: encode_prompts needs images=")
         sources, width, height = self._resized_sources(images, len(prompts))
-        text = self._encode_text(prompts, sources, device)
+        text = self.encode_text(prompts, device, image=sources)
         pixels = self.image_processor().preprocess(sources, height, width)
         vae = self.cached_vae()
         # one image per VAE call, as the pipeline encodes them with a generator per prompt
@@ -163,20 +125,11 @@ class QwenImageEditPipelineConfig(DiffusersFamily):
     def encode_negative_of_images(
         self, negative_prompt: str, source_images: list[list[np.ndarray]], device: torch.device | str | None = None
     ) -> Conditioning:
-        """The negative prompt read with each prompt's source image: one text row (`TEXT_NAMES`) per prompt
+        """The negative prompt read with each prompt's source image: one text row (`QWEN_TEXT`) per prompt
         (`predict_velocity` takes the reference latents from the prompt's conditioning)."""
         with torch.no_grad():
             sources, _, _ = self._resized_sources(source_images, len(source_images))
-            return self._encode_text([negative_prompt] * len(sources), sources, device)
-
-    # media
-    def encode_images(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """`encode_qwen_latents` with the folder's VAE."""
-        return encode_qwen_latents(self.cached_vae(), images, generator)
-
-    def decode_latents(self, x0: torch.Tensor) -> Media:
-        """`decode_qwen_latents` with the folder's VAE."""
-        return decode_qwen_latents(self.cached_vae(), x0)
+            return self.encode_text([negative_prompt] * len(sources), device, image=sources)
 
     # the flow
     def predict_velocity(
@@ -191,11 +144,10 @@ class QwenImageEditPipelineConfig(DiffusersFamily):
     ) -> torch.Tensor:
         """The velocity (float32, latents' shape (B, C, H, W)) at noise levels `sigmas` (B,), as
         QwenImageEditPipeline's loop computes it: the packed latents followed by the packed `image_latents`,
-        `img_shapes` of both, timestep σ, the prompt mask (none when no token is padding), the output's noise tokens.
-        With `guidance_scale` w > 1, true CFG against `negative` (one row, or one per prompt), both branches in one
-        batched forward (the pipeline runs two)."""
+        `img_shapes` of both, through `guided_velocity` (with w > 1 true CFG against `negative`, one row or one per
+        prompt); the output's noise tokens."""
         check_velocity_inputs(latents, sigmas, embeds)
-        batch, _, height, width = latents.shape
+        _, _, height, width = latents.shape
         reference = embeds["image_latents"]
         ref_height, ref_width = reference.shape[-2:]
         if height % 2 or width % 2 or ref_height % 2 or ref_width % 2:
@@ -204,66 +156,16 @@ class QwenImageEditPipelineConfig(DiffusersFamily):
                 f"{ref_height}x{ref_width}"
             )
         dtype, device = compute_dtype(transformer), latents.device
-        timestep = (sigmas.to(device=device, dtype=torch.float32) * 1000.0).to(dtype) / 1000
         noise_tokens = pack_latents(latents.to(dtype))
         hidden = torch.cat([noise_tokens, pack_latents(reference.to(device=device, dtype=dtype))], dim=1)
-        text = Conditioning({name: embeds[name] for name in TEXT_NAMES})
-        cfg = guidance_scale > 1.0
-        if cfg:
-            if negative is None:
-                raise ValueError("guidance_scale > 1 (true CFG) needs negative embeddings (encode_negative_of_images)")
-            text = Conditioning.cat([negative.expand(batch), text])  # padded to one length
-            hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
-        prompt_embeds, mask = trim_prompt_padding(text)
-        pred = transformer(
-            hidden_states=hidden,
-            timestep=timestep,
-            guidance=None,
-            encoder_hidden_states_mask=None if mask is None else mask.to(device),
-            encoder_hidden_states=prompt_embeds.to(device=device, dtype=dtype),
-            img_shapes=[[(1, height // 2, width // 2), (1, ref_height // 2, ref_width // 2)]] * hidden.shape[0],
-            return_dict=False,
-        )[0][:, : noise_tokens.shape[1]].float()
-        if cfg:
-            pred = true_cfg(*pred.chunk(2), guidance_scale)
+        pred = self.guided_velocity(
+            transformer,
+            hidden,
+            [(1, height // 2, width // 2), (1, ref_height // 2, ref_width // 2)],
+            sigmas,
+            embeds,
+            guidance_scale=guidance_scale,
+            negative=negative,
+            noise_tokens=noise_tokens.shape[1],
+        )
         return unpack_latents(pred, height, width)
-
-    def mu(self, resolution: int | None = None) -> float:
-        """The pipeline's resolution-dependent shift of the generated tokens (`qwen_mu`)."""
-        _, h, w = self.latent_shape(resolution)
-        return qwen_mu(self.scheduler_config(), h, w)
-
-    def sampling_sigmas(self, num_steps: int, resolution: int | None = None) -> torch.Tensor:
-        """The pipeline's grid: σ = linspace(1, 1/N, N) through the folder's scheduler with `mu(resolution)`, then 0."""
-        return dynamic_shift_sigmas(self.scheduler_config(), num_steps, self.mu(resolution))
-
-    def sampling_shift(self, resolution: int | None = None) -> float:
-        """The pipeline's time shift at `resolution` as a static shift (e^mu)."""
-        return dynamic_sampling_shift(self.scheduler_config(), self.mu(resolution))
-
-    # geometry
-    @property
-    def scheduler_shift(self) -> float:
-        """The training table's shift: 1 under dynamic shifting, the config's `shift` otherwise."""
-        return training_shift(self.scheduler_config())
-
-    @property
-    def vae_scale_factor(self) -> int:
-        return qwen_vae_scale_factor(self.cached_json("vae", "config.json"))
-
-    @property
-    def patch_size(self) -> int:
-        return 2  # the pipeline's 2x2 packing
-
-    @property
-    def default_resolution(self) -> int:
-        """The folder's suggested resolution, else the pipeline's default (default_sample_size x vae_scale_factor,
-        1024 for Qwen-Image-Edit)."""
-        return int(self.folder_default("resolution") or _QWEN_DEFAULT_SAMPLE_SIZE * self.vae_scale_factor)
-
-    def latent_shape(self, resolution: int | None = None) -> tuple[int, int, int]:
-        """(z_dim, h, w) of the generated image's latents (square), without the VAE's frame axis."""
-        resolution = resolution or self.default_resolution
-        multiple = self.vae_scale_factor * self.patch_size
-        side = square_latent_side(resolution, self.vae_scale_factor, multiple, "VAE factor x 2x2 packing")
-        return int(self.cached_json("vae", "config.json")["z_dim"]), side, side

@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from miles.models.base import strip_name_or_path
+from miles.models.diffusers_family import write_run_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -244,17 +245,32 @@ def build_tiny_sd3_pipeline(
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,
     )
-    for module in (transformer, vae, text_encoder, text_encoder_2, text_encoder_3):
-        module.eval()  # built under the float32 default dtype; from-config models start in train mode
-    return pipe
+    return eval_mode(pipe)
 
 
 def save_tiny_sd3_pipeline(path: str, seed: int = 0, resolution: int = 32, **sizes: Any) -> str:
     """Build the tiny pipeline (`sizes`: build_tiny_sd3_pipeline's keywords) and write it as a diffusers folder
     (safetensors); returns `path`."""
-    pipe = build_tiny_sd3_pipeline(seed=seed, resolution=resolution, **sizes)
+    save_tiny_folder(build_tiny_sd3_pipeline(seed=seed, resolution=resolution, **sizes), path)
+    logger.info("wrote tiny SD3 pipeline (seed %d, %dx%d) to %s", seed, resolution, resolution, path)
+    return path
+
+
+# what every tiny builder (this module's and the other families' tiny_*.py) does last
+def eval_mode(pipe: Any) -> Any:
+    """`pipe` with every torch module among its components in eval mode (from-config models start in train mode)."""
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
+    return pipe
+
+
+def save_tiny_folder(pipe: Any, path: str, **run_defaults: Any) -> str:
+    """Write a tiny pipeline as a diffusers folder (safetensors) at `path`, its configs without the build machine's
+    paths, and the run defaults it was built for (`write_run_defaults`; none: the pipeline's own). Returns `path`."""
     Path(path).mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path, safe_serialization=True)
     strip_name_or_path(path)
-    logger.info("wrote tiny SD3 pipeline (seed %d, %dx%d) to %s", seed, resolution, resolution, path)
+    if run_defaults:
+        write_run_defaults(path, **run_defaults)
     return path

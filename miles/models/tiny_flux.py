@@ -5,12 +5,10 @@ sizes, tokenizers built in code as in `miles.models.tiny`): dev-style (guidance 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel
 
-from miles.models.base import strip_name_or_path
 from miles.models.tiny import (
     LATENT_CHANNELS,
     VAE_BLOCK_OUT_CHANNELS,
@@ -20,6 +18,8 @@ from miles.models.tiny import (
     _vae,
     build_clip_tokenizer,
     build_t5_tokenizer,
+    eval_mode,
+    save_tiny_folder,
 )
 
 logger = logging.getLogger(__name__)
@@ -73,9 +73,7 @@ def build_tiny_flux_pipeline(
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
-    for module in (transformer, vae, text_encoder, text_encoder_2):
-        module.eval()  # from-config models start in train mode
-    return pipe
+    return eval_mode(pipe)
 
 
 def save_tiny_flux_pipeline(
@@ -84,9 +82,7 @@ def save_tiny_flux_pipeline(
     """Build the tiny FLUX (or FLUX Kontext) pipeline and write it as a diffusers folder (safetensors); returns
     `path`."""
     pipe = build_tiny_flux_pipeline(seed=seed, resolution=resolution, guidance_embeds=guidance_embeds, kontext=kontext)
-    Path(path).mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(path, safe_serialization=True)
-    strip_name_or_path(path)
+    save_tiny_folder(pipe, path)
     style = ("Kontext " if kontext else "") + ("dev" if guidance_embeds else "schnell")
     logger.info("wrote tiny FLUX (%s-style) pipeline (seed %d, %dx%d) to %s", style, seed, resolution, resolution, path)
     return path

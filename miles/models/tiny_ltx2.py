@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import string
-from pathlib import Path
 
 import torch
 from diffusers import (
@@ -26,9 +25,7 @@ from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GemmaTokenizer
 
-from miles.models.base import strip_name_or_path
-from miles.models.diffusers_family import write_run_defaults
-from miles.models.tiny import SHAPES_WORDS, _learn_bpe_merges
+from miles.models.tiny import SHAPES_WORDS, _learn_bpe_merges, eval_mode, save_tiny_folder
 
 logger = logging.getLogger(__name__)
 
@@ -228,17 +225,11 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
         transformer=transformer,
         vocoder=vocoder,
     )
-    for module in (text_encoder, connectors, vae, audio_vae, vocoder, transformer):
-        module.eval()  # from-config models start in train mode
-    return pipe
+    return eval_mode(pipe)
 
 
 def save_tiny_ltx2_pipeline(path: str, seed: int = 0) -> str:
     """Build the tiny LTX-2 pipeline and write it as a diffusers folder (safetensors); returns `path`."""
-    pipe = build_tiny_ltx2_pipeline(seed=seed)
-    Path(path).mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(path, safe_serialization=True)
-    strip_name_or_path(path)
-    write_run_defaults(path, resolution=TINY_LTX2_RESOLUTION)
+    save_tiny_folder(build_tiny_ltx2_pipeline(seed=seed), path, resolution=TINY_LTX2_RESOLUTION)
     logger.info("wrote tiny LTX-2 pipeline (seed %d) to %s", seed, path)
     return path

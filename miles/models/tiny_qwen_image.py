@@ -10,7 +10,7 @@ shapes words (`miles.models.tiny.SHAPES_WORDS`) are whole tokens too, any other 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import (
@@ -22,9 +22,7 @@ from diffusers import (
 from tokenizers import AddedToken
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from miles.models.base import strip_name_or_path
-from miles.models.diffusers_family import write_run_defaults
-from miles.models.tiny import SHAPES_WORDS, _bytes_to_unicode, _learn_bpe_merges
+from miles.models.tiny import SHAPES_WORDS, _bytes_to_unicode, _learn_bpe_merges, eval_mode, save_tiny_folder
 
 logger = logging.getLogger(__name__)
 
@@ -163,35 +161,34 @@ def qwen_image_scheduler() -> FlowMatchEulerDiscreteScheduler:
     )
 
 
-def build_tiny_qwen_image_pipeline(seed: int = 0, resolution: int = 32) -> QwenImagePipeline:
-    """The tiny Qwen-Image pipeline in float32, eval mode, seeded random weights, with Qwen-Image's scheduler."""
+def tiny_qwen_image_components(tokenizer: Qwen2Tokenizer, seed: int, resolution: int) -> dict[str, Any]:
+    """The components every tiny Qwen-Image pipeline holds, seeded: `tokenizer`, the text encoder over it, the VAE
+    calibrated at `resolution` (a multiple of VAE factor x packing), the transformer and Qwen-Image's scheduler."""
     vae_factor = 2 ** (len(VAE_DIM_MULT) - 1)
     if resolution % (2 * vae_factor) != 0:
         raise ValueError(f"resolution {resolution} must be a multiple of {2 * vae_factor} (VAE factor x packing)")
-    tokenizer = build_qwen2_tokenizer()
     torch.manual_seed(seed)
     text_encoder = build_qwen_vl_text_encoder(tokenizer)
     vae = build_qwen_image_vae()
     transformer = build_qwen_image_transformer()
     calibrate_qwen_image_vae(vae, resolution, torch.Generator().manual_seed(seed))
-    pipe = QwenImagePipeline(
-        scheduler=qwen_image_scheduler(),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-    )
-    for module in (transformer, vae, text_encoder):
-        module.eval()  # from-config models start in train mode
-    return pipe
+    return {
+        "scheduler": qwen_image_scheduler(),
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "transformer": transformer,
+    }
+
+
+def build_tiny_qwen_image_pipeline(seed: int = 0, resolution: int = 32) -> QwenImagePipeline:
+    """The tiny Qwen-Image pipeline in float32, eval mode, seeded random weights, with Qwen-Image's scheduler."""
+    return eval_mode(QwenImagePipeline(**tiny_qwen_image_components(build_qwen2_tokenizer(), seed, resolution)))
 
 
 def save_tiny_qwen_image_pipeline(path: str, seed: int = 0, resolution: int = 32) -> str:
     """Build the tiny Qwen-Image pipeline and write it as a diffusers folder (safetensors); returns `path`."""
-    pipe = build_tiny_qwen_image_pipeline(seed=seed, resolution=resolution)
-    Path(path).mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(path, safe_serialization=True)
-    strip_name_or_path(path)
-    write_run_defaults(path, resolution=resolution)  # the size it is built for (the pipeline's default: 512 px)
+    # the size it is built for (the pipeline's default: 512 px)
+    save_tiny_folder(build_tiny_qwen_image_pipeline(seed=seed, resolution=resolution), path, resolution=resolution)
     logger.info("wrote tiny Qwen-Image pipeline (seed %d, %dx%d) to %s", seed, resolution, resolution, path)
     return path

@@ -11,26 +11,13 @@ every VAE encode of a source image cost seconds on a CPU.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
-import torch
 from diffusers import QwenImageEditPipeline
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from miles.models.base import strip_name_or_path
-from miles.models.diffusers_family import write_run_defaults
 from miles.models.qwen_image_edit import Qwen2VLImageTextProcessor
-from miles.models.tiny import SHAPES_WORDS
-from miles.models.tiny_qwen_image import (
-    TEMPLATE_WORDS,
-    VAE_DIM_MULT,
-    build_qwen2_tokenizer,
-    build_qwen_image_transformer,
-    build_qwen_image_vae,
-    build_qwen_vl_text_encoder,
-    calibrate_qwen_image_vae,
-    qwen_image_scheduler,
-)
+from miles.models.tiny import SHAPES_WORDS, eval_mode, save_tiny_folder
+from miles.models.tiny_qwen_image import TEMPLATE_WORDS, build_qwen2_tokenizer, tiny_qwen_image_components
 
 logger = logging.getLogger(__name__)
 
@@ -53,38 +40,18 @@ VISION_PATCH, VISION_MERGE, VISION_TEMPORAL_PATCH = 14, 2, 2
 
 def build_tiny_qwen_image_edit_pipeline(seed: int = 0, resolution: int = 32) -> QwenImageEditPipeline:
     """The tiny Qwen-Image-Edit pipeline in float32, eval mode, seeded random weights, Qwen-Image's scheduler."""
-    vae_factor = 2 ** (len(VAE_DIM_MULT) - 1)
-    if resolution % (2 * vae_factor) != 0:
-        raise ValueError(f"resolution {resolution} must be a multiple of {2 * vae_factor} (VAE factor x packing)")
     tokenizer = build_qwen2_tokenizer(TEMPLATE_WORDS + EDIT_TEMPLATE_WORDS + SHAPES_WORDS)
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=VISION_PATCH, merge_size=VISION_MERGE, temporal_patch_size=VISION_TEMPORAL_PATCH
     )
     processor = Qwen2VLImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer)
-    torch.manual_seed(seed)
-    text_encoder = build_qwen_vl_text_encoder(tokenizer)
-    vae = build_qwen_image_vae()
-    transformer = build_qwen_image_transformer()
-    calibrate_qwen_image_vae(vae, resolution, torch.Generator().manual_seed(seed))
-    pipe = QwenImageEditPipeline(
-        scheduler=qwen_image_scheduler(),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        processor=processor,
-        transformer=transformer,
-    )
-    for module in (transformer, vae, text_encoder):
-        module.eval()  # from-config models start in train mode
-    return pipe
+    components = tiny_qwen_image_components(tokenizer, seed, resolution)
+    return eval_mode(QwenImageEditPipeline(**components, processor=processor))
 
 
 def save_tiny_qwen_image_edit_pipeline(path: str, seed: int = 0, resolution: int = 32) -> str:
     """Build the tiny Qwen-Image-Edit pipeline and write it as a diffusers folder (safetensors); returns `path`."""
     pipe = build_tiny_qwen_image_edit_pipeline(seed=seed, resolution=resolution)
-    Path(path).mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(path, safe_serialization=True)
-    strip_name_or_path(path)
-    write_run_defaults(path, resolution=resolution, reference_area=REFERENCE_AREA)
+    save_tiny_folder(pipe, path, resolution=resolution, reference_area=REFERENCE_AREA)
     logger.info("wrote tiny Qwen-Image-Edit pipeline (seed %d, %dx%d) to %s", seed, resolution, resolution, path)
     return path

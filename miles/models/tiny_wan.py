@@ -8,21 +8,20 @@ flow-matching Euler one, which WanPipeline accepts, so miles' ODE sampling can b
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-from transformers import UMT5Config, UMT5EncoderModel
+from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
-from miles.models.base import strip_name_or_path
-from miles.models.diffusers_family import write_run_defaults
-from miles.models.tiny import _t5_encoder, build_t5_tokenizer
+from miles.models.tiny import _t5_encoder, build_t5_tokenizer, eval_mode, save_tiny_folder
 
 logger = logging.getLogger(__name__)
 
 TINY_WAN_NUM_FRAMES = 5  # two latent frames
 TINY_WAN_RESOLUTION = 32  # 4x4 latents, 2x2 patches per latent frame
 TINY_WAN_LATENT_CHANNELS = 4
+TINY_WAN_TEMPORAL_FACTOR = 4  # the VAE's frames per latent frame (Wan's)
 TINY_WAN_BOUNDARY_RATIO = 0.875  # Wan 2.2 A14B's text-to-video boundary
 SCHEDULER_SHIFT = 3.0
 _TARGET_MEAN = (0.5, -0.5, 0.25, -0.25)  # per-channel statistics the tiny VAE's latents are given
@@ -40,7 +39,7 @@ def tiny_wan_vae() -> AutoencoderKLWan:
         temperal_downsample=[False, True, True],
         latents_mean=[0.0] * TINY_WAN_LATENT_CHANNELS,
         latents_std=[1.0] * TINY_WAN_LATENT_CHANNELS,
-        scale_factor_temporal=4,
+        scale_factor_temporal=TINY_WAN_TEMPORAL_FACTOR,
         scale_factor_spatial=8,
     )
 
@@ -100,39 +99,45 @@ def tiny_wan_transformer(
     )
 
 
-def build_tiny_wan_pipeline(seed: int = 0, *, two_experts: bool = False) -> WanPipeline:
-    """The tiny Wan pipeline in float32, eval mode, seeded random weights; `two_experts` adds a `transformer_2`
-    (low-noise expert, its own weights) and `boundary_ratio` 0.875, Wan 2.2 A14B's layout."""
-    tokenizer = build_t5_tokenizer()
+def tiny_wan_components(
+    tokenizer: T5Tokenizer,
+    seed: int,
+    *,
+    two_experts: bool,
+    in_channels: int = TINY_WAN_LATENT_CHANNELS,
+    image_dim: int | None = None,
+) -> dict[str, Any]:
+    """The components every tiny Wan pipeline holds, seeded: `tokenizer`, a UMT5 encoder over it, the calibrated
+    VAE, the Euler scheduler, the transformer (`in_channels`, `image_dim`: `tiny_wan_transformer`'s) and, with
+    `two_experts`, a low-noise `transformer_2` (its own weights, no image branch) split at boundary ratio 0.875."""
     text_dim = 32
     torch.manual_seed(seed)
     text_encoder = _t5_encoder(tokenizer, text_dim, d_kv=8, config_class=UMT5Config, model_class=UMT5EncoderModel)
     vae = tiny_wan_vae()
-    transformer = tiny_wan_transformer(text_dim)
-    transformer_2 = tiny_wan_transformer(text_dim) if two_experts else None
+    transformer = tiny_wan_transformer(text_dim, in_channels=in_channels, image_dim=image_dim)
+    transformer_2 = tiny_wan_transformer(text_dim, in_channels=in_channels) if two_experts else None
     calibrate_tiny_wan_vae(vae, TINY_WAN_RESOLUTION, torch.Generator().manual_seed(seed))
-    pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SCHEDULER_SHIFT),
-        transformer=transformer,
-        transformer_2=transformer_2,
-        boundary_ratio=TINY_WAN_BOUNDARY_RATIO if two_experts else None,
-    )
-    for module in (text_encoder, vae, transformer, transformer_2):
-        if module is not None:
-            module.eval()  # from-config models start in train mode
-    return pipe
+    return {
+        "tokenizer": tokenizer,
+        "text_encoder": text_encoder,
+        "vae": vae,
+        "scheduler": FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SCHEDULER_SHIFT),
+        "transformer": transformer,
+        "transformer_2": transformer_2,
+        "boundary_ratio": TINY_WAN_BOUNDARY_RATIO if two_experts else None,
+    }
+
+
+def build_tiny_wan_pipeline(seed: int = 0, *, two_experts: bool = False) -> WanPipeline:
+    """The tiny Wan pipeline in float32, eval mode, seeded random weights; `two_experts` adds a `transformer_2`
+    (low-noise expert, its own weights) and `boundary_ratio` 0.875, Wan 2.2 A14B's layout."""
+    return eval_mode(WanPipeline(**tiny_wan_components(build_t5_tokenizer(), seed, two_experts=two_experts)))
 
 
 def save_tiny_wan_pipeline(path: str, seed: int = 0, *, two_experts: bool = False) -> str:
     """Build the tiny Wan pipeline and write it as a diffusers folder (safetensors); returns `path`."""
     pipe = build_tiny_wan_pipeline(seed=seed, two_experts=two_experts)
-    Path(path).mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(path, safe_serialization=True)
-    strip_name_or_path(path)
-    write_run_defaults(path, resolution=TINY_WAN_RESOLUTION, num_frames=TINY_WAN_NUM_FRAMES)  # its toy sizes
+    save_tiny_folder(pipe, path, resolution=TINY_WAN_RESOLUTION, num_frames=TINY_WAN_NUM_FRAMES)  # its toy sizes
     logger.info(
         "wrote tiny Wan pipeline (%s, seed %d) to %s", "two experts" if two_experts else "one expert", seed, path
     )
