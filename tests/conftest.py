@@ -194,6 +194,16 @@ def tiny_ltx2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_hunyuan_video15_dir(tmp_path_factory):
+    """A tiny HunyuanVideo-1.5-architecture text-to-video pipeline folder, built offline once per session."""
+    from miles.models.tiny_hunyuan_video15 import save_tiny_hunyuan_video15_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_hunyuan_video15") / "pipeline"
+    save_tiny_hunyuan_video15_pipeline(str(path), seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_wan_2_experts_dir(tmp_path_factory):
     """A tiny Wan 2.2-A14B-style (two experts, boundary ratio 0.875) pipeline folder, built once per session."""
     from miles.models.tiny_wan import save_tiny_wan_pipeline
@@ -314,6 +324,11 @@ class FamilyCase:
     # the pipeline takes one prompt's source images per __call__: it is called per prompt (image_kwargs then gets
     # one prompt's list), its latents and loop steps concatenated along the batch
     per_prompt_calls: bool = False
+    # the pipeline reads its guidance from a component rather than a __call__ kwarg (HunyuanVideo 1.5's guider):
+    # set it on the loaded pipeline for miles' scale w before each call
+    set_pipeline_guidance: Callable[[Any, float], None] = lambda pipe, w: None
+    # the pipeline class loads a LoRA adapter (`load_lora_weights`); False: --use-lora --save-hf is refused for it
+    loads_lora: bool = True
 
     @property
     def pipeline_kwargs(self) -> dict[str, Any]:
@@ -476,6 +491,24 @@ FAMILY_CASES = [
         source_images=1,
         image_kwargs=lambda images: {"image": images[0][0]},
         per_prompt_calls=True,
+    ),
+    # text-to-video with the guider as a component: its scale is set on the pipeline (w = 1: its CFG is off)
+    FamilyCase(
+        "hunyuan-video15",
+        "hunyuan-video15",
+        "tiny_hunyuan_video15_dir",
+        "HunyuanVideo15Pipeline",
+        lambda w: {},
+        _same_layout,
+        call_kwargs={},  # the pipeline's fixed text lengths (1000 Qwen, 256 ByT5 tokens)
+        loss_runs=False,
+        num_frames=5,
+        output_latents=lambda output: output.frames,
+        family_options={"num_frames": 5},
+        run_args=("--num-frames", "5"),
+        e2e_guidances=(1.0,),
+        set_pipeline_guidance=lambda pipe, w: setattr(pipe, "guider", pipe.guider.new(guidance_scale=w)),
+        loads_lora=False,
     ),
     # joint audio-video latents; the pipeline run without STG and modality guidance (which miles does not run)
     FamilyCase(

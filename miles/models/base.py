@@ -135,13 +135,15 @@ class TrainPipelineConfig(ABC):
         frozen: tuple[str, ...],
         device: torch.device | str,
         dtype: torch.dtype,
+        components: dict[str, Any] | None = None,
     ) -> Any:
-        """The folder's `pipeline_class` with the components named in `without` left out (None), its `frozen`
+        """The folder's `pipeline_class` with the components named in `without` left out (None) and those in
+        `components` given rather than loaded (a module the family already holds), its `frozen`
         modules in eval mode without gradients, cached as the family's text encoders (`text_pipeline`): the
         pipeline's own `encode_prompt` then encodes exactly as its `__call__` does. Negatives cached from the
         previous encoders are dropped."""
         pipe = pipeline_class.from_pretrained(
-            self.path, **dict.fromkeys(without), **{DTYPE_KW: dtype}, local_files_only=True
+            self.path, **dict.fromkeys(without), **(components or {}), **{DTYPE_KW: dtype}, local_files_only=True
         ).to(device)
         pipe.set_progress_bar_config(disable=True)
         for name in frozen:

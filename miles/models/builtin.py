@@ -49,6 +49,9 @@ TINY_FOLDERS: dict[str, TinyFolder] = {
         "wan", "miles.models.tiny_wan:save_tiny_wan_pipeline", {"two_experts": True}
     ),
     "builtin:tiny-wan-i2v": TinyFolder("wan-i2v", "miles.models.tiny_wan_i2v:save_tiny_wan_i2v_pipeline"),
+    "builtin:tiny-hunyuan-video15": TinyFolder(
+        "hunyuan-video15", "miles.models.tiny_hunyuan_video15:save_tiny_hunyuan_video15_pipeline"
+    ),
     "builtin:tiny-ltx2": TinyFolder("ltx2", "miles.models.tiny_ltx2:save_tiny_ltx2_pipeline"),
 }
 BUILTIN_TINY = "builtin:tiny-sd3"  # the tiny folder of the default family

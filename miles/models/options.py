@@ -40,6 +40,7 @@ TRAINED_EXPERTS = ("both", "high-noise", "low-noise")
 FAMILY_OPTIONS: tuple[FamilyOption, ...] = (
     FamilyOption("wan", "num_frames", "--num-frames", "default 81, 4k + 1", int, range=AT_LEAST_1),
     FamilyOption("wan-i2v", "num_frames", "--num-frames", "default 81, 4k + 1", int, range=AT_LEAST_1),
+    FamilyOption("hunyuan-video15", "num_frames", "--num-frames", "default 121, 4k + 1", int, range=AT_LEAST_1),
     FamilyOption("ltx2", "num_frames", "--num-frames", "default 121, 8k + 1", int, range=AT_LEAST_1),
     FamilyOption("wan", "trained_experts", "--wan-trained-experts", "text-to-video", choices=TRAINED_EXPERTS),
     FamilyOption("wan-i2v", "trained_experts", "--wan-trained-experts", "image-to-video", choices=TRAINED_EXPERTS),

@@ -19,6 +19,9 @@ class BuiltinFamily(NamedTuple):
 BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
     "flux": BuiltinFamily("miles.models.flux", "FluxPipeline", "FluxPipelineConfig"),
     "flux-kontext": BuiltinFamily("miles.models.flux_kontext", "FluxKontextPipeline", "FluxKontextPipelineConfig"),
+    "hunyuan-video15": BuiltinFamily(
+        "miles.models.hunyuan_video15", "HunyuanVideo15Pipeline", "HunyuanVideo15PipelineConfig", video=True
+    ),
     "ltx2": BuiltinFamily("miles.models.ltx2", "LTX2Pipeline", "LTX2PipelineConfig", video=True),
     "qwen-image": BuiltinFamily("miles.models.qwen_image", "QwenImagePipeline", "QwenImagePipelineConfig"),
     "qwen-image-edit": BuiltinFamily(

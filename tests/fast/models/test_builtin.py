@@ -24,6 +24,7 @@ EXPECTED = {
     "builtin:tiny-wan": ("WanPipeline", "wan", (4, 2, 4, 4)),  # 5 frames at 32 px
     "builtin:tiny-wan-2-experts": ("WanPipeline", "wan", (4, 2, 4, 4)),
     "builtin:tiny-wan-i2v": ("WanImageToVideoPipeline", "wan-i2v", (4, 2, 4, 4)),
+    "builtin:tiny-hunyuan-video15": ("HunyuanVideo15Pipeline", "hunyuan-video15", (4, 2, 8, 8)),  # 5 frames, 32 px
     "builtin:tiny-ltx2": ("LTX2Pipeline", "ltx2", (512 + 1008,)),  # 121 frames at 32 px: video then audio dims
 }
 
@@ -62,7 +63,7 @@ def test_an_unknown_builtin_name_lists_every_known_one():
 
 def test_a_run_knows_whether_its_model_makes_video_before_importing_a_family(builtin_folders, tmp_path):
     for name, (_, family, _) in EXPECTED.items():
-        video = family in ("wan", "wan-i2v", "ltx2")
+        video = family in ("wan", "wan-i2v", "ltx2", "hunyuan-video15")
         assert makes_video(name) == video and makes_video(builtin_folders[name]) == video, name
     assert makes_video("/nowhere", "wan") and not makes_video(builtin_folders["builtin:tiny-wan"], "sd3")
     assert not makes_video("/nowhere") and not makes_video(None)

@@ -25,7 +25,7 @@ def test_each_family_class_takes_the_options_declared_for_it():
     for name, cls in all_family_classes().items():
         assert {option.name for option in cls.options} == declared.get(name, set()), name
     wan = {"num_frames", "guidance_scale_2", "trained_experts"}
-    assert declared == {"wan": wan, "wan-i2v": wan, "ltx2": {"num_frames"}}
+    assert declared == {"wan": wan, "wan-i2v": wan, "hunyuan-video15": {"num_frames"}, "ltx2": {"num_frames"}}
 
 
 def test_a_flag_two_families_share_is_added_once_and_its_help_names_both():
@@ -63,7 +63,8 @@ def test_families_that_disagree_on_a_shared_flag_are_an_error(monkeypatch):
     clash = FamilyOption("cogvideox", "num_frames", "--num-frames", "default 49", float)
     monkeypatch.setattr("miles.models.options.FAMILY_OPTIONS", (*FAMILY_OPTIONS, clash))
     with pytest.raises(
-        ValueError, match=r"--num-frames: the families \['wan', 'wan-i2v', 'ltx2', 'cogvideox'\] declare it"
+        ValueError,
+        match=r"--num-frames: the families \['wan', 'wan-i2v', 'hunyuan-video15', 'ltx2', 'cogvideox'\] declare it",
     ):
         add_family_arguments(argparse.ArgumentParser())
 
