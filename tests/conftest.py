@@ -329,6 +329,9 @@ class FamilyCase:
     set_pipeline_guidance: Callable[[Any, float], None] = lambda pipe, w: None
     # the pipeline class loads a LoRA adapter (`load_lora_weights`); False: --use-lora --save-hf is refused for it
     loads_lora: bool = True
+    # its pipeline runs seconds per forward on a CPU (fixed long sequences): its pipeline-parity cases (fast
+    # velocity / ODE, e2e parity) run in the standard tier, outside the suite's minutes
+    slow: bool = False
 
     @property
     def pipeline_kwargs(self) -> dict[str, Any]:
@@ -509,6 +512,7 @@ FAMILY_CASES = [
         e2e_guidances=(1.0,),
         set_pipeline_guidance=lambda pipe, w: setattr(pipe, "guider", pipe.guider.new(guidance_scale=w)),
         loads_lora=False,
+        slow=True,
     ),
     # joint audio-video latents; the pipeline run without STG and modality guidance (which miles does not run)
     FamilyCase(
@@ -534,7 +538,12 @@ FAMILY_CASES = [
 ]
 
 
-@pytest.fixture(params=FAMILY_CASES, ids=[case.id for case in FAMILY_CASES])
+def case_params(cases: list[FamilyCase]) -> list[Any]:
+    """`cases` as pytest params, a `slow` case's marked `standard` (run by ./scripts/test.sh -m standard)."""
+    return [pytest.param(case, marks=pytest.mark.standard) if case.slow else case for case in cases]
+
+
+@pytest.fixture(params=case_params(FAMILY_CASES), ids=[case.id for case in FAMILY_CASES])
 def family_case(request):
     """(case, pipeline folder) for every family configuration of FAMILY_CASES."""
     return request.param, request.getfixturevalue(request.param.fixture)

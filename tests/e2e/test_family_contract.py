@@ -66,10 +66,14 @@ def run(case, path, out, *extra):
     return [m for m in read_metrics(os.path.join(out, "metrics.jsonl")) if m.get("role") in ("actor", "critic")]
 
 
-PARITY_RUNS = [(case, guidance) for case in FAMILY_CASES for guidance in case.e2e_guidances]
+PARITY_RUNS = [
+    pytest.param(case, guidance, marks=[pytest.mark.standard] if case.slow else [], id=f"{case.id}-{guidance}")
+    for case in FAMILY_CASES
+    for guidance in case.e2e_guidances
+]
 
 
-@pytest.mark.parametrize(("case", "guidance"), PARITY_RUNS, ids=[f"{c.id}-{g}" for c, g in PARITY_RUNS])
+@pytest.mark.parametrize(("case", "guidance"), PARITY_RUNS)
 def test_ratio_is_one_before_first_update_and_save_hf_loads(ray_cluster, request, tmp_path, case, guidance):
     path = request.getfixturevalue(case.fixture)
     hf = tmp_path / "hf"
