@@ -10,6 +10,12 @@ eval-split triples with deterministic ODE steps (`evaluate_shapes`: the target s
 preservation outside the edit) and prints them; then the folder is copied to `--out`.
 
     python scripts/pretrain_tiny_shapes_edit.py --workdir /tmp/pretrain_edit --out miles/assets/tiny_shapes_edit
+
+The defaults are the recipe of the shipped folder (miles/assets/tiny_shapes_edit, 3.1 MB, 0.46 M transformer
+parameters: 2 double- and 2 single-stream blocks of 4 heads x 16, seed 0). Measured on the shared 2-core CPU machine
+(2026-12-04): SFT 1 600 steps in 678 s (loss 1.46 over the first 50 steps, 0.147 over the last 50), eval 66 s, 749 s
+in all. Held-out all-correct edits on 200 eval triples, 20 ODE steps, CFG-free: 0.435 (colour 0.895, shape 0.710,
+count 0.795, position 0.945), preservation outside the edit 0.895.
 """
 
 from __future__ import annotations
