@@ -42,6 +42,8 @@ def check_startup(args: argparse.Namespace) -> None:
     family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
     family.check_run_args(args)
     args.source_image_range = tuple(family.source_image_range)  # what the data loaders and the eval read
+    if family.takes_source_images and args.resolution is None:  # the eval loads source images at the run's size
+        args.resolution = family.default_resolution
     problems = family.sequence_parallel_problems(args.sp_size, args.resolution)  # --sp-size: support, heads, tokens
     if problems:
         raise ValueError("; ".join(problems))

@@ -219,6 +219,15 @@ class TrainPipelineConfig(ABC):
             f"got prompts with {', '.join(map(str, wrong))}"
         )
 
+    def check_source_images(self, num_prompts: int, images: list[list[Any]] | None) -> None:
+        """Raise ValueError unless `images` (None: text only) holds one list per prompt, each with as many images
+        as this family takes (`source_image_range`)."""
+        if images is not None and len(images) != num_prompts:
+            raise ValueError(f"{num_prompts} prompts but {len(images)} source image lists")
+        problem = self.source_image_problem([0] * num_prompts if images is None else [len(i) for i in images])
+        if problem is not None:
+            raise ValueError(problem)
+
     def encode_request(
         self,
         prompts: list[str],
@@ -233,11 +242,7 @@ class TrainPipelineConfig(ABC):
         Text families: `encode_prompts(prompts)` and the cached one-row `encode_negative`. Families that take source
         images: `encode_prompts(prompts, images=source_images)` (each image (H, W, 3) uint8) and
         `encode_negative_of_images`, which may return one row or one per prompt (`negative_columns` takes both)."""
-        problem = self.source_image_problem([0 if source_images is None else len(s) for s in (source_images or [])])
-        if problem is None and source_images is None and self.source_image_range[0] > 0:
-            problem = self.source_image_problem([0] * len(prompts))
-        if problem is not None:
-            raise ValueError(problem)
+        self.check_source_images(len(prompts), source_images)
         if source_images is None:
             embeds = self.encode_prompts(prompts, device=device)
             return embeds, self.encode_negative(1, negative_prompt, device=device) if negative else None

@@ -76,11 +76,7 @@ class FluxKontextPipelineConfig(FluxFolderFamily):
         text = self.encode_text(prompts)
         if images is None:
             return text.to(device=device)
-        if len(images) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(images)} source image lists")
-        problem = self.source_image_problem([len(i) for i in images])
-        if problem is not None:
-            raise ValueError(problem)
+        self.check_source_images(len(prompts), images)
         image_latents = self.encode_source_images([i[0] for i in images]).to(text["prompt_embeds"].device)
         return Conditioning({**text, "image_latents": image_latents}).to(device=device)
 

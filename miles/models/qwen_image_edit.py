@@ -82,9 +82,7 @@ class QwenImageEditPipelineConfig(QwenFolderFamily):
 
     def _resized_sources(self, images: list[list[np.ndarray]], count: int) -> tuple[list[Image.Image], int, int]:
         """Each prompt's source image resized as the pipeline resizes it, and (width, height)."""
-        problem = self.source_image_problem([len(s) for s in images])
-        if problem is not None or len(images) != count:
-            raise ValueError(problem or f"{count} prompts but {len(images)} source image lists")
+        self.check_source_images(count, images)
         pil = [Image.fromarray(np.asarray(s[0], dtype=np.uint8)) for s in images]
         if len({p.size for p in pil}) != 1:
             raise ValueError(

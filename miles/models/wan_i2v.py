@@ -95,11 +95,7 @@ class WanI2VPipelineConfig(WanFolderFamily):
         text = self.encode_text(prompts, device)
         if images is None:
             return Conditioning({"prompt_embeds": text})
-        if len(images) != len(prompts) or any(len(i) != 1 for i in images):
-            raise ValueError(
-                f"the {self.name} family takes one source image per prompt: got {[len(i) for i in images]} for "
-                f"{len(prompts)} prompts"
-            )
+        self.check_source_images(len(prompts), images)
         pixels = [np.asarray(i[0]) for i in images]
         shapes = {p.shape for p in pixels}
         if len(shapes) != 1 or pixels[0].ndim != 3 or pixels[0].shape[2] != 3 or pixels[0].dtype != np.uint8:

@@ -160,7 +160,7 @@ def check_distinct_prompts(records: list[dict[str, Any]], args: argparse.Namespa
 
     # the same caption with another image (SFT's target, an edit's source) is another item; in-memory images are
     # always distinct
-    def image_key(i: int, image: Any) -> Any:
+    def image_identity(i: int, image: Any) -> Any:
         if image is None:
             return None
         if isinstance(image, str) or (isinstance(image, list) and all(isinstance(p, str) for p in image)):
@@ -168,7 +168,8 @@ def check_distinct_prompts(records: list[dict[str, Any]], args: argparse.Namespa
         return i
 
     keys = {
-        (r["prompt"], image_key(i, r.get("image")), image_key(i, r.get("source_images"))) for i, r in enumerate(records)
+        (r["prompt"], image_identity(i, r.get("image")), image_identity(i, r.get("source_images")))
+        for i, r in enumerate(records)
     }
     if len(keys) < args.rollout_batch_size:
         raise PromptDataError(

@@ -121,8 +121,9 @@ def generate_eval_samples(
     seeds = [eval_seed(seed, i, k) for i in range(len(records)) for k in range(num_samples_per_prompt)]
     sources = None
     if any(r.get("source_images") is not None for r in records):  # editing / image-to-video prompts
-        side = resolution or engine_resolution(records)
-        loaded = [load_source_images(r.get("source_images"), side) or [] for r in records]
+        if resolution is None:
+            raise ValueError("the eval's prompts carry source images: pass the run's resolution to load them at")
+        loaded = [load_source_images(r.get("source_images"), resolution) or [] for r in records]
         sources = [images for images in loaded for _ in range(num_samples_per_prompt)]
     images, audio, last = [], [], None
     for start in range(0, len(prompts), batch_size):
@@ -154,25 +155,14 @@ def generate_eval_samples(
     )
 
 
-def engine_resolution(records: list[dict[str, Any]]) -> int:
-    """The side of the first in-memory source image (an eval run without --resolution: the records' own size)."""
-    for record in records:
-        for image in record.get("source_images") or []:
-            if isinstance(image, np.ndarray):
-                return int(image.shape[0])
-    raise ValueError("the eval's source images are files: pass --resolution so they are loaded at the run's size")
-
-
-def edit_eval_metrics(images: np.ndarray, records: list[dict[str, Any]], num_samples_per_prompt: int) -> dict:
-    """`eval/edit_preservation_mean` of an editing eval's images against their records' first source image."""
-    side = images.shape[1]
-    scores = []
-    for i, record in enumerate(records):
-        source = load_source_images(record["source_images"][:1], side)[0]
-        keep = keep_mask(side, images.shape[2], record["metadata"].get("edit_box"))
-        for k in range(num_samples_per_prompt):
-            psnr = masked_psnr(images[i * num_samples_per_prompt + k], source, keep)
-            scores.append(min(psnr, PSNR_CAP_DB) / PSNR_CAP_DB)
+def edit_eval_metrics(samples: EvalSamples, metadatas: list[dict[str, Any]]) -> dict[str, float]:
+    """`eval/edit_preservation_mean` of an editing eval's images against their first source images (`sources`),
+    outside each sample's `edit_box`."""
+    height, width = samples.images.shape[1:3]
+    scores = [
+        min(masked_psnr(image, source, keep_mask(height, width, meta.get("edit_box"))), PSNR_CAP_DB) / PSNR_CAP_DB
+        for image, source, meta in zip(samples.images, samples.sources, metadatas)
+    ]
     return {"eval/edit_preservation_mean": float(np.mean(scores))}
 
 
@@ -187,8 +177,8 @@ def evaluate_shapes(
     samples = generate_eval_samples(engine, records, num_samples_per_prompt=num_samples_per_prompt, **sampling)
     metadatas = [r["metadata"] for r in records for _ in range(num_samples_per_prompt)]
     metrics = shapes_eval_metrics(score_shapes_media(samples.images, metadatas))
-    if samples.images.ndim == 4 and any(r.get("source_images") is not None for r in records):
-        metrics |= edit_eval_metrics(samples.images, records, num_samples_per_prompt)
+    if samples.images.ndim == 4 and samples.sources is not None:
+        metrics |= edit_eval_metrics(samples, metadatas)
     logger.info(
         "shapes eval: %d samples, %d %s steps, cfg %.2f: accuracy %.3f",
         len(metadatas),

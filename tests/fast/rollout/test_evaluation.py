@@ -201,3 +201,27 @@ def test_ocr_eval_accuracy_is_the_rate_of_fully_read_targets():
     assert np.array_equal(samples.images, images)
     with pytest.raises(ValueError, match="OCR eval scores images"):
         evaluate_ocr(FakeEngine(np.zeros((1, 2, 8, 8, 3), np.uint8)), records[:1], num_steps=4, guidance_scale=1.0)
+
+
+def test_an_editing_eval_sends_each_prompts_source_and_scores_what_the_result_kept():
+    """Each request carries its prompts' sources loaded at the resolution; `eval/edit_preservation_mean` is the
+    masked PSNR score of each result against its source, computed here by hand."""
+    from miles.data.shapes_edit import shapes_edit_items
+    from miles.rollout.rm_hub.edit import PSNR_CAP_DB, keep_mask, masked_psnr
+
+    records = shapes_edit_items(3, seed=0, split="eval", targets=True)
+    sources = [r["source_images"][0] for r in records]
+    results = np.stack([s for s in sources for _ in range(2)])  # each source copied: nothing changed
+    results[1, :4] = 0  # one sample repaints a band, partly outside its edit box
+    engine = FakeEngine(results)
+    metrics, samples = evaluate_shapes(
+        engine, records, num_samples_per_prompt=2, num_steps=2, guidance_scale=1.0, resolution=32, batch_size=4
+    )
+    sent = [image for request in engine.requests for images in request.source_images for image in images]
+    assert all(np.array_equal(a, b) for a, b in zip(sent, [s for s in sources for _ in range(2)]))
+    assert np.array_equal(samples.sources, np.stack([s for s in sources for _ in range(2)]))
+    keep = keep_mask(32, 32, records[0]["metadata"]["edit_box"])
+    expected = (5 + min(masked_psnr(results[1], sources[0], keep), PSNR_CAP_DB) / PSNR_CAP_DB) / 6
+    assert metrics["eval/edit_preservation_mean"] == pytest.approx(expected, rel=1e-12) and expected < 1
+    with pytest.raises(ValueError, match="pass the run's resolution"):
+        evaluate_shapes(FakeEngine(results), records, num_steps=2, guidance_scale=1.0)
