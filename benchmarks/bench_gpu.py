@@ -16,6 +16,11 @@ How it measures, per preset (configurations side by side in one run; nothing her
   A configuration that does not fit is reported as OOM, not a crash (FLUX.1-dev's 12B with fp32 master weights and
   AdamW needs ~190 GB before activations: use `--master-dtype bf16` or several GPUs).
 - MFU = counted FLOPs x batch / step time / the GPU's dense bf16 peak (a table of known GPUs, or `--peak-tflops`).
+- `--preset wan2.1-14b-sp8` (not in the default set: it needs 8 GPUs): Wan 2.1 14B at 81 frames x 720x1280 (75,600
+  tokens a sample) with Ulysses sequence parallelism over 8 ranks, one process per GPU (`torch.multiprocessing`,
+  NCCL), FSDP2 over the 8 as well: what `--sp-size 8 --dp-size 1` trains. Step time is the slowest rank's, peak memory
+  the largest rank's, MFU per GPU. Add `--gradient-checkpointing` (the fp32 master weights and AdamW alone are ~29 GB a
+  rank). `--preset tiny-wan-sp2 --device cpu` runs the same path on two CPU ranks (the test suite does).
 - `--rl-pipeline`: a whole RL iteration at real size, `train_diffusion.py` with Flow-GRPO for `--rl-rollouts`
   rollouts on that local pipeline folder; prints the per-rollout phase times from its metrics.jsonl.
 
@@ -35,13 +40,17 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2  # noqa: E402
+from miles.models.sequence_parallel import SequenceParallelGroup, new_sequence_parallel_group  # noqa: E402
+from miles.models.wan_sequence_parallel import shard_wan_sequence  # noqa: E402
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group  # noqa: E402
 
 GIB = 2**30
@@ -74,12 +83,17 @@ class Preset:
     # (config, batch, resolution or video size, text tokens, dtype) -> the transformer's forward kwargs
     make_inputs: Callable[[dict[str, Any], int, Any, int, torch.dtype], dict[str, torch.Tensor]]
     video: tuple[int, int, int] | None = None  # (frames, height, width) of a video preset; images: --resolution
+    # Ulysses sequence parallelism (Wan only): the step runs on sp_size ranks (one GPU each) that split one sample's
+    # tokens between its first block and the output norm (miles.models.wan_sequence_parallel) and shard the
+    # parameters with FSDP2 over all of them: what --sp-size does in the trainer, at dp 1
+    sp_size: int = 1
 
     def size(self, resolution: int) -> Any:
         return self.video if self.video is not None else resolution
 
     def describe(self, resolution: int) -> str:
-        return "{}x{}x{}".format(*self.video) if self.video is not None else f"{resolution} px"
+        size = "{}x{}x{}".format(*self.video) if self.video is not None else f"{resolution} px"
+        return size if self.sp_size == 1 else f"{size} sp{self.sp_size}"
 
     def build(self) -> torch.nn.Module:
         import diffusers
@@ -99,7 +113,7 @@ def _sd3_inputs(config, batch, resolution, text_tokens, dtype):
         hidden_states=torch.randn(batch, config["in_channels"], side, side, dtype=dtype),
         encoder_hidden_states=torch.randn(batch, text_tokens, config["joint_attention_dim"], dtype=dtype),
         pooled_projections=torch.randn(batch, config["pooled_projection_dim"], dtype=dtype),
-        timestep=torch.full((batch,), 500.0, dtype=dtype),
+        timestep=torch.full((batch,), 500.0),  # fp32, as the families pass it
     )
 
 
@@ -109,7 +123,7 @@ def _flux_inputs(config, batch, resolution, text_tokens, dtype):
         hidden_states=torch.randn(batch, packed, config["in_channels"], dtype=dtype),
         encoder_hidden_states=torch.randn(batch, text_tokens, config["joint_attention_dim"], dtype=dtype),
         pooled_projections=torch.randn(batch, config["pooled_projection_dim"], dtype=dtype),
-        timestep=torch.full((batch,), 0.5, dtype=dtype),
+        timestep=torch.full((batch,), 0.5),
         guidance=torch.full((batch,), 3.5) if config.get("guidance_embeds") else None,
         img_ids=torch.zeros(packed, 3),
         txt_ids=torch.zeros(text_tokens, 3),
@@ -124,7 +138,7 @@ def _wan_inputs(config, batch, video, text_tokens, dtype):
     return dict(
         hidden_states=torch.randn(*latent, dtype=dtype),
         encoder_hidden_states=torch.randn(batch, text_tokens, config["text_dim"], dtype=dtype),
-        timestep=torch.full((batch,), 500.0, dtype=dtype),
+        timestep=torch.full((batch,), 500.0),  # fp32, as the families pass it
     )
 
 
@@ -199,13 +213,34 @@ TINY = dict(  # a toy SD3 transformer: the whole path on a CPU in a second (the 
     pos_embed_max_size=16,
 )
 
+TINY_WAN = dict(  # a toy Wan transformer: the sequence-parallel path on CPU ranks (the test suite runs it)
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=8,
+    in_channels=4,
+    out_channels=4,
+    text_dim=16,
+    freq_dim=16,
+    ffn_dim=32,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=64,
+)
+
 PRESETS = {
     "sd3.5-medium": Preset("sd3.5-medium", "SD3Transformer2DModel", SD35_MEDIUM, 77 + 256, _sd3_inputs),
     "sd3.5-large": Preset("sd3.5-large", "SD3Transformer2DModel", SD35_LARGE, 77 + 256, _sd3_inputs),
     "flux-dev": Preset("flux-dev", "FluxTransformer2DModel", FLUX_DEV, 512, _flux_inputs),
     "wan2.1-1.3b": Preset("wan2.1-1.3b", "WanTransformer3DModel", WAN21_1_3B, 512, _wan_inputs, (81, 480, 832)),
     "wan2.1-14b": Preset("wan2.1-14b", "WanTransformer3DModel", WAN21_14B, 512, _wan_inputs, (81, 480, 832)),
+    # 720p, 81 frames: 21 x 45 x 80 = 75,600 tokens a sample, split over 8 GPUs (40 heads: 5 a rank in attention)
+    "wan2.1-14b-sp8": Preset(
+        "wan2.1-14b-sp8", "WanTransformer3DModel", WAN21_14B, 512, _wan_inputs, (81, 720, 1280), sp_size=8
+    ),
     "tiny": Preset("tiny", "SD3Transformer2DModel", TINY, 8, _sd3_inputs),
+    "tiny-wan-sp2": Preset("tiny-wan-sp2", "WanTransformer3DModel", TINY_WAN, 8, _wan_inputs, (5, 32, 32), sp_size=2),
 }
 REAL_PRESETS = ("sd3.5-medium", "sd3.5-large", "flux-dev", "wan2.1-1.3b", "wan2.1-14b")
 
@@ -245,8 +280,11 @@ def peak_tflops(device: torch.device, override: float | None) -> float | None:
     return None
 
 
-def measure_step(preset: Preset, opts: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """Median step time and peak memory of FSDP2 (world size 1) training steps; {"oom": True} when it does not fit."""
+def measure_step(
+    preset: Preset, opts: argparse.Namespace, device: torch.device, sp: SequenceParallelGroup | None = None
+) -> dict[str, Any]:
+    """Median step time and peak memory of FSDP2 training steps over the default process group (world size 1, or
+    the `sp` group's ranks with the tokens split over them); {"oom": True} when it does not fit."""
     from miles.backends.fsdp_utils.fsdp import parse_dtype
 
     cuda = device.type == "cuda"
@@ -257,11 +295,17 @@ def measure_step(preset: Preset, opts: argparse.Namespace, device: torch.device)
         with torch.device("meta"):
             model = preset.build().to(master)  # the sharded parameters the optimizer updates
         model.train()
+        if sp is not None:
+            shard_wan_sequence(model, sp)
         apply_fsdp2(
             model,
             preset.blocks(model),
             param_dtype=compute,
             reduce_dtype=torch.float32,
+            # as the trainer: the inputs come cast (latents and text in bf16, timesteps fp32); with FSDP2 casting the
+            # root's inputs, a root split into groups of two dtypes (Wan's fp32 time embedder, scale-shift table)
+            # would hand its bf16 patch embedding fp32 latents
+            cast_root_inputs=False,
             gradient_checkpointing=opts.gradient_checkpointing,
         )
         model.to_empty(device=device)
@@ -269,7 +313,9 @@ def measure_step(preset: Preset, opts: argparse.Namespace, device: torch.device)
             for param in model.parameters():
                 param.normal_(0.0, 0.02)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=cuda)
-        inputs = preset.make_inputs(preset.config, opts.batch, preset.size(opts.resolution), preset.text_tokens, master)
+        inputs = preset.make_inputs(
+            preset.config, opts.batch, preset.size(opts.resolution), preset.text_tokens, compute
+        )
         inputs = {k: None if v is None else v.to(device) for k, v in inputs.items()}
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -293,6 +339,46 @@ def measure_step(preset: Preset, opts: argparse.Namespace, device: torch.device)
         del model, optimizer
         if cuda:
             torch.cuda.empty_cache()
+
+
+def _sp_rank_main(rank: int, name: str, opts: dict[str, Any], device_type: str, port: int, out: str) -> None:
+    """One rank of a sequence-parallel preset (`mp.spawn`): GPU `rank` (or a CPU process with gloo), the group of all
+    ranks, the same sample on each (one seed), `measure_step`; its report written to out/rank{rank}.json."""
+    preset = PRESETS[name]
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // preset.sp_size))
+    # a rank that runs out of memory leaves the others waiting in a collective: the timeout ends them
+    init_process_group(rank, preset.sp_size, "127.0.0.1", port, device, timeout=timedelta(minutes=5))
+    try:
+        torch.manual_seed(0)  # one sample for the whole group, as an sp group trains one dp shard
+        row = measure_step(preset, argparse.Namespace(**opts), device, new_sequence_parallel_group(preset.sp_size))
+    finally:
+        destroy_process_group()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(row, f)
+
+
+def measure_sp_step(preset: Preset, opts: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """`measure_step` on `preset.sp_size` ranks, one process and GPU each: the slowest rank's median step time and the
+    largest per-rank peak memory; {"skipped": why} when there are fewer GPUs than ranks."""
+    if device.type == "cuda" and torch.cuda.device_count() < preset.sp_size:
+        return {"skipped": f"needs {preset.sp_size} GPUs, {torch.cuda.device_count()} visible"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:  # the spawned ranks import this file by its module name
+        sys.path.insert(0, here)
+    with tempfile.TemporaryDirectory() as out:
+        args = (preset.name, vars(opts), device.type, find_free_port(), out)
+        mp.spawn(_sp_rank_main, args=args, nprocs=preset.sp_size)
+        rows = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(preset.sp_size)]
+    if any(row["oom"] for row in rows):
+        return {"oom": True}
+    peaks = [row["peak_bytes"] for row in rows]
+    return {
+        "oom": False,
+        "step_s": max(row["step_s"] for row in rows),
+        "peak_bytes": None if None in peaks else max(peaks),
+    }
 
 
 def rl_iteration(pipeline: str, rollouts: int, extra: list[str]) -> dict[str, float]:
@@ -361,9 +447,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
             params, flops = count_step_flops(preset, opts.resolution)
             row: dict[str, Any] = {"params": params, "step_tflop_per_sample": flops / 1e12}
             if device is not None:
-                row.update(measure_step(preset, opts, device))
-                if not row["oom"] and peak:
-                    row["mfu"] = flops * opts.batch / row["step_s"] / (peak * 1e12)
+                row.update(
+                    measure_step(preset, opts, device) if preset.sp_size == 1 else measure_sp_step(preset, opts, device)
+                )
+                if row.get("oom") is False and peak:  # per GPU: an sp preset's step runs on sp_size of them
+                    row["mfu"] = flops * opts.batch / row["step_s"] / (peak * 1e12 * preset.sp_size)
             results[name] = row
     finally:
         if device is not None:
@@ -375,9 +463,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         f"checkpointing {'on' if opts.gradient_checkpointing else 'off'}, device {where}, "
         f"bf16 peak {f'{peak:.0f} TFLOP/s' if peak else 'unknown (--peak-tflops)'}"
     )
-    print(f"{'preset':<14}{'size':>12}{'params':>9}{'TFLOP/step':>12}{'step s':>9}{'peak GiB':>10}{'MFU':>7}")
+    print(f"{'preset':<16}{'size':>18}{'params':>9}{'TFLOP/step':>12}{'step s':>9}{'peak GiB':>10}{'MFU':>7}")
     for name, r in results.items():
-        measured = ""
+        measured = f"  {r['skipped']}" if "skipped" in r else ""
         if "oom" in r:
             measured = f"{'OOM':>9}" if r["oom"] else f"{r['step_s']:>9.3f}"
             if not r["oom"]:
@@ -385,7 +473,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
                 measured += f"{r['mfu']:>7.1%}" if "mfu" in r else f"{'-':>7}"
         tflop = r["step_tflop_per_sample"] * opts.batch
         size = PRESETS[name].describe(opts.resolution)
-        print(f"{name:<14}{size:>12}{r['params'] / 1e9:>8.2f}B{tflop:>12.1f}{measured}")
+        print(f"{name:<16}{size:>18}{r['params'] / 1e9:>8.2f}B{tflop:>12.1f}{measured}")
     if opts.rl_pipeline:
         times = rl_iteration(opts.rl_pipeline, opts.rl_rollouts, opts.rl_args.split())
         results["rl_iteration"] = times

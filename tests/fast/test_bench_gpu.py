@@ -23,8 +23,20 @@ def test_flux_dev_step_is_counted_without_materialising_12b_parameters(bench):
     assert 200e12 < flops < 6 * params * (4096 + 512)  # the per-sample adaLN projections are not per-token FLOPs
 
 
-def test_cpu_step_path_runs_on_the_toy_model(bench, capsys):
-    results = bench.main(["--preset", "tiny", "--device", "cpu", "--resolution", "64", "--warmup", "1", "--steps", "1"])
-    row = results["tiny"]
-    assert row["oom"] is False and row["step_s"] > 0 and row["peak_bytes"] is None
-    assert "tiny" in capsys.readouterr().out
+def test_cpu_step_path_runs_on_the_toy_models_with_and_without_sequence_parallelism(bench, capsys):
+    argv = ["--preset", "tiny", "--preset", "tiny-wan-sp2", "--device", "cpu", "--resolution", "64"]
+    results = bench.main([*argv, "--warmup", "1", "--steps", "1"])
+    for name in ("tiny", "tiny-wan-sp2"):  # the second: two spawned gloo ranks splitting one clip's tokens
+        row = results[name]
+        assert row["oom"] is False and row["step_s"] > 0 and row["peak_bytes"] is None
+    out = capsys.readouterr().out
+    assert "tiny " in out and "5x32x32 sp2" in out
+
+
+def test_the_14b_sequence_parallel_preset_splits_a_720p_clip_over_8_ranks(bench):
+    preset = bench.PRESETS["wan2.1-14b-sp8"]
+    frames, height, width = preset.video
+    tokens = ((frames - 1) // 4 + 1) * (height // 16) * (width // 16)
+    assert tokens == 75_600 and tokens % preset.sp_size == 0
+    assert preset.config["num_attention_heads"] % preset.sp_size == 0
+    assert "wan2.1-14b-sp8" not in bench.REAL_PRESETS  # the default run has one GPU
