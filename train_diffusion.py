@@ -95,12 +95,29 @@ def run_rollout(
         **({"perf/save_s": save_s} if save_s is not None else {}),
         **({"perf/colocate_swap_s": phases.pop_seconds()} if phases.enabled else {}),
     }
+    if started is not None and args.compile != "off":
+        rollout_record["perf/startup_compile_s"] = first_compile_seconds(rollout_record, records)
     if run_groups.evaluator is not None and is_due(rollout_id, args.eval_interval, last):
         rollout_record.update(run_groups.evaluate(rollout_id + 1))
     writer.log(rollout_record)
     rollout_record["_actor_losses"] = [r["train/loss"] for r in records if "train/loss" in r and r["role"] == "actor"]
     rollout_record["_train_records"] = records
     return rollout_record
+
+
+def first_compile_seconds(rollout_record: dict, train_records: list[dict]) -> float:
+    """With --compile, the start-up's last part: torch compiles at the first calls (it needs the batch's shapes), so
+    the first rollout's generate and train phases hold the compiling, the engines' (the most of any engine) and then
+    the trainer's (rank 0's). Logged beside the start-up and recorded as `perf/startup_compile_s`."""
+    engine = rollout_record.get("perf/engine_compile_s", 0.0)
+    trainer = max((r["perf/compile_s"] for r in train_records if "perf/compile_s" in r), default=0.0)
+    logger.info(
+        "start-up, continued: --compile compiled %.1fs in the first rollout (engines %.1fs, then the trainer %.1fs)",
+        engine + trainer,
+        engine,
+        trainer,
+    )
+    return engine + trainer
 
 
 def train_rollouts(

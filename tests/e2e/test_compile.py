@@ -53,3 +53,7 @@ def test_compiled_run_has_ratio_one_and_no_recompile_between_rollouts(ray_cluste
     assert windows[1]["perf/compile_recompiles"] == windows[0]["perf/compile_recompiles"]
     assert rollouts[1]["perf/engine_compile_recompiles"] == rollouts[0]["perf/engine_compile_recompiles"]
     assert windows[1]["perf/compile_s"] == windows[0]["perf/compile_s"]
+    # the start-up's compiling, done in the first rollout's phases, recorded there only
+    first = rollouts[0]["perf/engine_compile_s"] + windows[0]["perf/compile_s"]
+    assert rollouts[0]["perf/startup_compile_s"] == pytest.approx(first)
+    assert "perf/startup_compile_s" not in rollouts[1]
