@@ -16,9 +16,10 @@ checkpointing ≤ 0.5, at dp 2). Not a timed test: step times are printed for in
 
     python benchmarks/bench_memory.py --sp              # sequence parallelism: a Wan transformer, a long clip
 
-`--sp` compares, on two ranks, dp 2 (each rank a whole sample: --sp-size 1) with dp 1 --sp-size 2 (one sample's tokens
-split over both ranks, miles.models.wan_sequence_parallel): the same parameter shards per rank, so the activations per
-rank differ by what sequence parallelism saves (target: sp 2 ≤ 0.6x sp 1).
+`--sp` compares, on the same ranks (as many as the largest of `--sp-sizes`, default 1,2,4: four), --sp-size 1 (dp 4:
+each rank a whole sample) with --sp-size 2 (dp 2) and --sp-size 4 (dp 1: one sample's tokens split over all four,
+miles.models.wan_sequence_parallel): the same parameter shards per rank, so the activations per rank differ by what
+sequence parallelism saves (target: sp 2 ≤ 0.6x sp 1).
 """
 
 from __future__ import annotations
@@ -157,8 +158,8 @@ def wan_config(layers: int) -> dict:
 
 
 def wan_rank_main(rank: int, world_size: int, port: int, opts: dict, out: str) -> None:
-    """One training step of a Wan transformer on 2 ranks: dp 2 (sp_size 1, a sample per rank) or one sample split
-    over both (sp_size 2); the same report as `rank_main`."""
+    """One training step of a Wan transformer on `world_size` ranks, a sample per group of sp_size ranks (sp_size 1:
+    a sample per rank) split over the group; the same report as `rank_main`."""
     from diffusers import WanTransformer3DModel
 
     torch.set_num_threads(max(1, opts["threads"] // world_size))
@@ -180,7 +181,7 @@ def wan_rank_main(rank: int, world_size: int, port: int, opts: dict, out: str) -
     num_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     side = opts["resolution"] // 8
-    gen = torch.Generator().manual_seed(rank if sp is None else 0)  # an sp group shares its sample
+    gen = torch.Generator().manual_seed(rank // opts["sp_size"])  # an sp group shares its sample
     inputs = dict(
         hidden_states=torch.randn(1, 16, opts["frames"], side, side, generator=gen),
         encoder_hidden_states=torch.randn(1, 64, 512, generator=gen),
@@ -204,7 +205,10 @@ def main() -> None:
     parser.add_argument("--resolution", type=int, default=512, help="Image side in pixels (latents: side / 8).")
     parser.add_argument("--batch", type=int, default=1, help="Images per rank.")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="Torch threads over all ranks.")
-    parser.add_argument("--sp", action="store_true", help="The sequence-parallel side instead (Wan, 2 ranks).")
+    parser.add_argument("--sp", action="store_true", help="The sequence-parallel sides instead (Wan).")
+    parser.add_argument(
+        "--sp-sizes", default="1,2,4", help="--sp: the --sp-size values compared, on as many ranks as the largest."
+    )
     parser.add_argument("--frames", type=int, default=4, help="--sp: latent frames of the clip.")
     opts = parser.parse_args()
     if opts.sp:
@@ -228,17 +232,24 @@ def main() -> None:
 
 
 def main_sp(opts: argparse.Namespace) -> None:
-    """dp 2 against dp 1 x sp 2 on the same two ranks: per-rank memory of one step (`wan_rank_main`)."""
-    runs = {f"sp {n}": measure(2, False, opts, wan_rank_main, sp_size=n) for n in (1, 2)}
+    """Each of --sp-sizes on the same ranks (dp x sp = the largest size): per-rank memory of one step
+    (`wan_rank_main`)."""
+    sizes = sorted({int(n) for n in opts.sp_sizes.split(",")})
+    world = sizes[-1]
+    if sizes[0] != 1 or any(world % n for n in sizes):
+        raise SystemExit(f"--sp-sizes {opts.sp_sizes}: needs 1 and sizes that divide the largest")
+    runs = {n: measure(world, False, opts, wan_rank_main, sp_size=n) for n in sizes}
     side = opts.resolution // 16
     tokens = opts.frames * side * side
-    print(f"Wan transformer {runs['sp 1']['params'] / 1e6:.0f}M parameters, {tokens} tokens per sample, 2 ranks, CPU")
+    print(f"Wan transformer {runs[1]['params'] / 1e6:.0f}M parameters, {tokens} tokens per sample, {world} ranks, CPU")
     print(f"{'MiB per rank':<24}{'state':>8}{'activations':>13}{'step peak':>11}{'step s':>8}")
-    for name, r in runs.items():
+    for n, r in runs.items():
         row = f"{r['state'] / MIB:>8.0f}{r['activations'] / MIB:>13.0f}{r['peak'] / MIB:>11.0f}{r['seconds']:>8.1f}"
-        print(f"{name + (' (dp 2)' if name == 'sp 1' else ' (dp 1)'):<24}{row}")
-    ratio = runs["sp 2"]["activations"] / runs["sp 1"]["activations"]
-    print(f"activations per rank sp 2 / sp 1 = {ratio:.2f}  (target ≤ 0.6)")
+        print(f"{f'sp {n} (dp {world // n})':<24}{row}")
+    for n in sizes[1:]:
+        ratio = runs[n]["activations"] / runs[1]["activations"]
+        target = "  (target ≤ 0.6)" if n == 2 else ""
+        print(f"activations per rank sp {n} / sp 1 = {ratio:.2f}{target}")
 
 
 if __name__ == "__main__":

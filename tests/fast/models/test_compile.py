@@ -9,12 +9,17 @@ job of test_sharding.py) and on whole runs by tests/e2e/test_compile.py (`-m sta
 2026-12-04 with inductor: final latents 3.6e-7 from eager without CFG, 2.3e-6 with CFG 4.5, log-probs 1.2e-7, within
 the bounds below."""
 
+import os
+
 import pytest
 import torch
 
 from miles.models.base import get_train_pipeline_config
 from miles.models.compile import BACKEND_ENV, check_compile, compile_counters, compile_transformer
 from miles.rollout.engine import DiffusionEngine, GenerateRequest
+from tests.conftest import FAMILY_CASES
+from tests.fast.models.test_family_contract import PROMPTS as CONTRACT_PROMPTS
+from tests.fast.models.test_family_contract import source_images as contract_source_images
 
 # Compiled vs eager, the same weights and noise (inductor fuses and reorders fp32 sums): measured on this machine
 # 2026-12-04, 3 prompts, 4 steps: final latents 3.6e-7 apart without CFG and 2.3e-6 with CFG 4.5 (which scales the
@@ -111,3 +116,48 @@ def test_a_family_that_declares_a_refusal_is_refused_naming_the_flag(tiny_pipeli
     with pytest.raises(ValueError, match=r"--compile blocks: the sd3 family cannot be compiled \(its blocks call"):
         check_compile(family, "blocks")
     check_compile(family, "off")
+
+
+# one configuration of each family (the first in FAMILY_CASES), loading LoRA adapters or not
+EACH_FAMILY = [case for i, case in enumerate(FAMILY_CASES) if case.family not in {c.family for c in FAMILY_CASES[:i]}]
+
+
+# every family's blocks traced (17 min under a load of 10-20 on 2 cores, FLUX.1 197 s, LTX-2 past 300 s); the suite
+# compiles SD3's above
+@pytest.mark.standard
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("case", EACH_FAMILY, ids=[case.id for case in EACH_FAMILY])
+def test_each_family_compiles_to_its_eager_velocity_or_refuses_at_start_up(request, case, monkeypatch):
+    """`--compile blocks` on every family: its blocks compiled in place give the eager velocity (with and without
+    its guidance, with source images where it takes them), or the family declares why not and the start-up check
+    refuses it. The backend is $MILES_COMPILE_BACKEND if set (inductor: the performance.md table), else aot_eager."""
+    path = request.getfixturevalue(case.fixture)
+    family = get_train_pipeline_config(path, **case.family_options)
+    if family.compile_refusal is not None:
+        with pytest.raises(ValueError, match=f"--compile blocks: the {family.name} family cannot be compiled"):
+            check_compile(family, "blocks")
+        return
+    check_compile(family, "blocks")
+    sources = contract_source_images(case)
+    prompts = CONTRACT_PROMPTS[: len(sources) if sources else 2]
+    embeds, negative = family.encode_request(prompts, sources, "", negative=True)
+    latents = torch.randn(
+        len(prompts), *family.latent_shape(case.resolution), generator=torch.Generator().manual_seed(0)
+    )
+    sigmas = torch.full((len(prompts),), 0.7)
+    transformer = family.load_transformer()
+
+    def velocities():
+        with torch.no_grad():
+            return [
+                family.predict_velocity(transformer, latents, sigmas, embeds, guidance_scale=w, negative=negative)
+                for w in (1.0, 3.5)
+            ]
+
+    eager = velocities()
+    monkeypatch.setenv(BACKEND_ENV, os.environ.get(BACKEND_ENV, "aot_eager"))
+    compile_transformer(transformer, family.transformer_blocks(transformer), "blocks")
+    compiled = velocities()
+    assert all(block._compiled_call_impl is not None for block in family.transformer_blocks(transformer))
+    for w, want, got in zip((1.0, 3.5), eager, compiled):
+        assert (got - want).abs().max().item() <= LATENT_TOLERANCE * max(1.0, want.abs().max().item()), (case.id, w)
