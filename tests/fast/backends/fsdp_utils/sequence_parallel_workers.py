@@ -76,8 +76,13 @@ def quantities(family: Any, model: torch.nn.Module, inputs: dict[str, Any]) -> d
 
 
 def sp_equality(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
-    """Both families' reports in one spawn: Wan's at the top level, LTX-2's under "ltx2"."""
-    return {**wan_sp_equality(rank, world_size, out_dir), "ltx2": ltx2_sp_equality(rank, world_size, out_dir)}
+    """Every family's report in one spawn: Wan's at the top level, LTX-2's under "ltx2", HunyuanVideo 1.5's under
+    "hunyuan_video15"."""
+    return {
+        **wan_sp_equality(rank, world_size, out_dir),
+        "ltx2": ltx2_sp_equality(rank, world_size, out_dir),
+        "hunyuan_video15": hunyuan_video15_sp_equality(rank, world_size, out_dir),
+    }
 
 
 def wan_sp_equality(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
@@ -154,6 +159,52 @@ def ltx2_sp_equality(rank: int, world_size: int, out_dir: str) -> dict[str, Any]
     family.apply_sequence_parallel(model, sp)
     report["lora_sp"] = ltx2_quantities(family, sharded(family, model, False), inputs)
     return report
+
+
+def hunyuan_video15_sp_equality(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """Tiny HunyuanVideo 1.5 (5 frames at 32 px: 2 x 8 x 8 = 128 video tokens, 2 heads; the joint attention's text
+    whole): the plain transformer, then --sp-size 2 under FSDP2 without and with activation checkpointing, and
+    LoRA (its targets include the text stream's projections)."""
+    os.environ["MILES_CACHE"] = os.path.join(out_dir, "cache")
+    family = get_train_pipeline_config(resolve_checkpoint("builtin:tiny-hunyuan-video15"))
+    inputs = hunyuan_video15_inputs(family)
+    sp = sequence_parallel_group(world_size)
+    report: dict[str, Any] = {"tokens": math.prod(family.latent_shape()[1:])}
+    report["plain"] = quantities(family, family.load_transformer().train(), inputs)
+    for checkpointing in (False, True):
+        model = family.load_transformer().train()
+        family.apply_sequence_parallel(model, sp)
+        seen = report.setdefault("tokens_in_last_block", [])
+        model.transformer_blocks[-1].register_forward_pre_hook(lambda _, args, seen=seen: seen.append(args[0].shape[1]))
+        sharded(family, model, checkpointing)
+        report["sp_checkpointed" if checkpointing else "sp"] = quantities(family, model, inputs)
+    report["lora_plain"] = quantities(family, with_lora(family), inputs)
+    model = with_lora(family)
+    family.apply_sequence_parallel(model, sp)
+    report["lora_sp"] = quantities(family, sharded(family, model, False), inputs)
+    return report
+
+
+def hunyuan_video15_inputs(family: Any) -> dict[str, Any]:
+    """HunyuanVideo 1.5's batch: latents, then both text encoders' embeddings (short sequences: the transformer takes
+    any length) with masks that leave some tokens out, the prompts' and the negative's."""
+    gen = torch.Generator().manual_seed(17)
+    config = family.cached_json("transformer", "config.json")
+
+    def text(rows: int, valid: list[int]) -> Conditioning:
+        mask, mask_2 = torch.zeros(rows, 8, dtype=torch.int64), torch.zeros(rows, 4, dtype=torch.int64)
+        for row, count in enumerate(valid):
+            mask[row, :count], mask_2[row, : count // 2] = 1, 1
+        return Conditioning(
+            {
+                "prompt_embeds": torch.randn(rows, 8, config["text_embed_dim"], generator=gen),
+                "prompt_embeds_mask": mask,
+                "prompt_embeds_2": torch.randn(rows, 4, config["text_embed_2_dim"], generator=gen),
+                "prompt_embeds_mask_2": mask_2,
+            }
+        )
+
+    return {**_latents((BATCH, *family.latent_shape()), gen), "embeds": text(BATCH, [8, 5]), "negative": text(1, [3])}
 
 
 def ltx2_inputs(family: Any) -> dict[str, Any]:
