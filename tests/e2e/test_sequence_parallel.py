@@ -4,7 +4,9 @@ rounding: both ranks of the sequence-parallel group train the same pairs with th
 the tokens each, and the loss, gradients and updates are those of one rank.
 
 Measured here (2026-12-04): Wan's first rollout within 9.6e-8 relative (policy_loss) and 8.0e-8 (nft); the second,
-sampled from weights that differ by rounding, within 7.4e-4 (policy_loss's loss) and 2.5e-4 (nft)."""
+sampled from weights that differ by rounding, within 7.4e-4 (policy_loss's loss) and 2.5e-4 (nft). LTX-2 (standard
+tier): the first rollout within 6.5e-6 relative (train/approx_kl, a value near the 1e-6 floor), the second within
+7.1e-5."""
 
 from __future__ import annotations
 
@@ -32,11 +34,13 @@ LOSSES = {  # each loss type's own flags
 FAMILIES = {  # family -> its folder's fixture, its frames (LTX-2: 17 frames, 3 x 2 x 2 = 12 video and 18 audio tokens)
     "wan": ("tiny_wan_dir", "5"),
     "ltx2": ("tiny_ltx2_dir", "17"),
+    "hunyuan-video15": ("tiny_hunyuan_video15_dir", "5"),  # 2 x 8 x 8 = 128 video tokens
 }
-RUNS = [  # LTX-2's pair of runs (~95 s here under load: its engines decode 17 frames and their sound) is standard
+RUNS = [  # LTX-2's and HunyuanVideo 1.5's pairs of runs (LTX-2's: 94 s here under load) are standard
     pytest.param("wan", "nft", id="wan-nft"),
     pytest.param("wan", "policy_loss", id="wan-policy_loss"),
     pytest.param("ltx2", "policy_loss", id="ltx2-policy_loss", marks=pytest.mark.standard),
+    pytest.param("hunyuan-video15", "policy_loss", id="hunyuan-video15-policy_loss", marks=pytest.mark.standard),
 ]
 
 
