@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 import torch
+from diffusers import LTX2VideoTransformer3DModel
 
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2
 from miles.backends.fsdp_utils.lora import apply_lora, lora_config_from_args
@@ -158,7 +159,29 @@ def ltx2_sp_equality(rank: int, world_size: int, out_dir: str) -> dict[str, Any]
     model = with_lora(family)
     family.apply_sequence_parallel(model, sp)
     report["lora_sp"] = ltx2_quantities(family, sharded(family, model, False), inputs)
+    report["variant_plain"] = ltx2_quantities(family, ltx2_variant(family), inputs)
+    model = ltx2_variant(family)
+    family.apply_sequence_parallel(model, sp)
+    report["variant_sp"] = ltx2_quantities(family, sharded(family, model, False), inputs)
     return report
+
+
+def ltx2_variant(family: Any) -> torch.nn.Module:
+    """The tiny transformer's configuration with LTX-2.3's block options (interleaved rotary, per-head attention
+    gates, cross-attention modulation, the perturbed-attention processors) and 4 video heads (2 per rank), seeded."""
+    config = dict(family.cached_json("transformer", "config.json"))
+    config.update(
+        rope_type="interleaved",
+        gated_attn=True,
+        audio_gated_attn=True,
+        cross_attn_mod=True,
+        audio_cross_attn_mod=True,
+        perturbed_attn=True,
+        num_attention_heads=4,
+        attention_head_dim=4,
+    )
+    torch.manual_seed(3)
+    return LTX2VideoTransformer3DModel.from_config(config).train()
 
 
 def hunyuan_video15_sp_equality(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
