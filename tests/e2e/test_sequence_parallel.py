@@ -1,7 +1,8 @@
 """Whole Flow-GRPO (policy_loss) and DiffusionNFT (nft) runs of the tiny Wan family, and policy_loss runs of tiny
-LTX-2 (video and audio tokens both split) and tiny HunyuanVideo 1.5 (video tokens split, the text whole), at --dp-size 1 --sp-size 2 give the --sp-size 1 metric series to fp32
-rounding: both ranks of the sequence-parallel group train the same pairs with the same draws, the blocks run on half
-the tokens each, and the loss, gradients and updates are those of one rank.
+LTX-2 (video and audio tokens both split) and tiny HunyuanVideo 1.5 (video tokens split, the text whole), at
+--dp-size 1 --sp-size 2 give the --sp-size 1 metric series to fp32 rounding: both ranks of the sequence-parallel group
+train the same pairs with the same draws, the blocks run on half the tokens each, and the loss, gradients and updates
+are those of one rank.
 
 Measured here (2026-12-04): Wan's first rollout within 9.6e-8 relative (policy_loss) and 8.0e-8 (nft); the second,
 sampled from weights that differ by rounding, within 7.4e-4 (policy_loss's loss) and 2.5e-4 (nft). LTX-2 (standard
