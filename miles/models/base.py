@@ -265,8 +265,13 @@ class TrainPipelineConfig(ABC):
 
     def sequence_parallel_problems(self, sp_size: int, resolution: int | None = None) -> list[str]:
         """Why --sp-size `sp_size` cannot run on this folder at `resolution` (empty: it can); checked at start-up.
-        Default: any sp_size > 1 is refused, naming the family."""
-        return sequence_parallel_problems(self.name, sp_size, heads=1, tokens=1, supported=False)
+        Default: any sp_size > 1 is refused, naming the family and the families that support it."""
+        if sp_size == 1:
+            return []
+        supporting = sorted(name for name, cls in all_family_classes().items() if cls.supports_sequence_parallel)
+        return sequence_parallel_problems(
+            self.name, sp_size, heads=1, tokens=1, supported=False, supporting=", ".join(supporting)
+        )
 
     def apply_sequence_parallel(self, transformer: nn.Module, sp: SequenceParallelGroup) -> None:
         """Split `transformer`'s tokens over the ranks of `sp` (before FSDP2 wraps it); families that declare

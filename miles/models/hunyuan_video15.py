@@ -32,8 +32,10 @@ from miles.models.diffusers_family import (
     square_latent_side,
     unit_range,
 )
+from miles.models.hunyuan_video15_sequence_parallel import shard_hunyuan_video15_sequence
 from miles.models.media import Media
 from miles.models.options import options_of
+from miles.models.sequence_parallel import SequenceParallelGroup, sequence_parallel_problems
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class HunyuanVideo15PipelineConfig(DiffusersFamily):
         "attn.to_add_out",
     )
     compile_refusal: ClassVar[str | None] = None
+    supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.hunyuan_video15_sequence_parallel)
 
     def __init__(self, path: str, **options: Any) -> None:
         super().__init__(path, **options)
@@ -216,6 +219,23 @@ class HunyuanVideo15PipelineConfig(DiffusersFamily):
             return pred
         uncond, cond = pred.chunk(2)
         return uncond + guidance_scale * (cond - uncond)
+
+    def sequence_parallel_problems(self, sp_size: int, resolution: int | None = None) -> list[str]:
+        """--sp-size must divide the attention heads (the joint video + text attention) and the video patch tokens
+        per sample at `resolution` and `num_frames` (the text stays whole on every rank)."""
+        if sp_size == 1:
+            return []
+        config = self.cached_json("transformer", "config.json")
+        _, frames, height, width = self.latent_shape(resolution)
+        patch, patch_t = int(config.get("patch_size", 1)), int(config.get("patch_size_t", 1))
+        tokens = (frames // patch_t) * (height // patch) * (width // patch)
+        return sequence_parallel_problems(
+            self.name, sp_size, heads=int(config.get("num_attention_heads", 16)), tokens=tokens
+        )
+
+    def apply_sequence_parallel(self, transformer: nn.Module, sp: SequenceParallelGroup) -> None:
+        """The video tokens split over the ranks of `sp` (`shard_hunyuan_video15_sequence`)."""
+        shard_hunyuan_video15_sequence(transformer, sp)
 
     @property
     def num_train_timesteps(self) -> int:

@@ -41,8 +41,10 @@ from miles.models.diffusers_family import (
     dynamic_shift_sigmas,
     training_shift,
 )
+from miles.models.ltx2_sequence_parallel import shard_ltx2_sequence
 from miles.models.media import Media
 from miles.models.options import options_of
+from miles.models.sequence_parallel import SequenceParallelGroup, sequence_parallel_problems
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ class LTX2PipelineConfig(DiffusersFamily):
     non_text_components = ("transformer", "vae", "audio_vae", "vocoder")
     text_modules = ("text_encoder", "connectors")
     vae_class = AutoencoderKLLTX2Video
+    supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.ltx2_sequence_parallel)
 
     def __init__(self, path: str, **options: Any) -> None:
         super().__init__(path, **options)
@@ -131,6 +134,28 @@ class LTX2PipelineConfig(DiffusersFamily):
             )
 
     # networks: `DiffusersFamily`'s (the audio-video blocks are its `transformer_blocks`)
+    def sequence_parallel_problems(self, sp_size: int, resolution: int | None = None) -> list[str]:
+        """--sp-size must divide the video attention heads (video self- and text cross-attention), the audio ones
+        (audio self- and text cross-attention, both audio-video cross-attentions), and the video and the audio tokens
+        per sample at `resolution` and `num_frames`."""
+        if sp_size == 1:
+            return []
+        config = self.read_json("transformer", "config.json")
+        (_, frames, height, width), (_, audio_frames, _) = self.stream_shapes(resolution)
+        patch, patch_t = self.transformer_patch_sizes
+        return sequence_parallel_problems(
+            self.name,
+            sp_size,
+            heads={
+                "video": int(config.get("num_attention_heads", 32)),
+                "audio": int(config.get("audio_num_attention_heads", 32)),
+            },
+            tokens={"video": (frames // patch_t) * (height // patch) * (width // patch), "audio": audio_frames},
+        )
+
+    def apply_sequence_parallel(self, transformer: nn.Module, sp: SequenceParallelGroup) -> None:
+        """The video and the audio tokens split over the ranks of `sp` (`shard_ltx2_sequence`)."""
+        shard_ltx2_sequence(transformer, sp)
 
     # text
     @property

@@ -98,26 +98,36 @@ def gather_sequence(x: torch.Tensor, sp: SequenceParallelGroup, dim: int = 1) ->
 
 
 def sequence_parallel_problems(
-    family_name: str, sp_size: int, *, heads: int, tokens: int, supported: bool = True
+    family_name: str,
+    sp_size: int,
+    *,
+    heads: int | dict[str, int],
+    tokens: int | dict[str, int],
+    supported: bool = True,
+    supporting: str = "",
 ) -> list[str]:
     """Why `--sp-size sp_size` cannot split a transformer with `heads` attention heads over `tokens` tokens per sample
-    (empty: it can). The flag's rules a family reports at start-up."""
+    (empty: it can). The flag's rules a family reports at start-up. A family of several attention kinds or token
+    sequences names each: `heads` {"audio": 3, ...} reads "its 3 audio attention heads", `tokens` likewise; an
+    unsupported family's refusal lists the families that do support it (`supporting`)."""
     if sp_size == 1:
         return []
     if not supported:
         return [
             f"--sp-size {sp_size}: the {family_name} family does not support sequence parallelism (only families "
-            "that declare supports_sequence_parallel do: wan); use --sp-size 1"
+            f"that declare supports_sequence_parallel do: {supporting or 'wan'}); use --sp-size 1"
         ]
     problems = []
-    if heads % sp_size:
-        problems.append(
-            f"--sp-size {sp_size} must divide the transformer's {heads} attention heads (each rank attends with "
-            "heads / sp-size of them); choose a divisor"
-        )
-    if tokens % sp_size:
-        problems.append(
-            f"--sp-size {sp_size} must divide the {tokens} latent tokens per sample of this run's geometry "
-            "(--resolution, --num-frames); choose a divisor or change the geometry"
-        )
+    for kind, count in (heads if isinstance(heads, dict) else {"": heads}).items():
+        if count % sp_size:
+            problems.append(
+                f"--sp-size {sp_size} must divide the transformer's {count} {kind + ' ' if kind else ''}attention "
+                "heads (each rank attends with heads / sp-size of them); choose a divisor"
+            )
+    for kind, count in (tokens if isinstance(tokens, dict) else {"": tokens}).items():
+        if count % sp_size:
+            problems.append(
+                f"--sp-size {sp_size} must divide the {count} {kind + ' ' if kind else ''}latent tokens per sample of "
+                "this run's geometry (--resolution, --num-frames); choose a divisor or change the geometry"
+            )
     return problems

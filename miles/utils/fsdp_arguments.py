@@ -74,8 +74,8 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
         help="Ulysses sequence parallelism in the trainer: each group of N consecutive ranks trains the same pairs, "
         "each rank running the transformer blocks on 1/N of every sample's tokens (attention on all tokens of 1/N "
         "of the heads). A role then has --dp-size x --sp-size ranks; FSDP2 shards over all of them. Families that "
-        "declare support only (wan); N must divide the attention heads and the latent tokens per sample. The "
-        "rollout engines stay whole (docs/user-guide/video.md).",
+        "declare support only (wan, ltx2, hunyuan-video15); N must divide the attention heads and the latent tokens "
+        "per sample. The rollout engines stay whole (docs/user-guide/video.md).",
     )
 
 

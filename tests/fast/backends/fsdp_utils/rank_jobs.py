@@ -14,7 +14,7 @@ import torch
 JOBS = {  # job -> (worker module in this folder, its function, world size, timeout s)
     "gather-ws6-shard3": ("gather_plan_workers", "gather_hybrid", 6, 240.0),
     "hybrid-ws4": ("sharding_workers", "hybrid_and_plain", 4, 240.0),
-    "sp-wan-ws2": ("sequence_parallel_workers", "wan_sp_equality", 2, 240.0),
+    "sp-ws2": ("sequence_parallel_workers", "sp_equality", 2, 300.0),
     "compile-ws2": ("sharding_workers", "compiled_gradients", 2, 900.0),
 }
 SCRIPT = "tests/fast/backends/fsdp_utils/rank_jobs.py"

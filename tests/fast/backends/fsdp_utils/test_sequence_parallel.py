@@ -10,7 +10,7 @@ import torch
 from tests.background import job_folder
 from tests.fast.backends.fsdp_utils import rank_jobs
 
-SP_JOB = "sp-wan-ws2"  # `wan_sp_equality` on 2 ranks (sequence_parallel_workers.py)
+SP_JOB = "sp-ws2"  # `sp_equality` on 2 ranks (sequence_parallel_workers.py): tiny Wan, then tiny LTX-2
 ON_SP = pytest.mark.background(rank_jobs.SCRIPT, SP_JOB)
 SP_RUNS = {  # run -> its reference
     "sp": "plain",
@@ -22,7 +22,7 @@ SP_RUNS = {  # run -> its reference
 
 @pytest.fixture(scope="module")
 def sp_reports() -> list[dict]:
-    assert rank_jobs.JOBS[SP_JOB][1:3] == ("wan_sp_equality", 2)
+    assert rank_jobs.JOBS[SP_JOB][1:3] == ("sp_equality", 2)
     return rank_jobs.reports(job_folder(rank_jobs.SCRIPT, SP_JOB), SP_JOB)
 
 
