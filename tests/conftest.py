@@ -174,6 +174,16 @@ def tiny_qwen_image_edit_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_image_edit_plus_dir(tmp_path_factory):
+    """A tiny Qwen-Image-Edit-Plus pipeline folder (several source images per prompt), built offline once."""
+    from miles.models.tiny_qwen_image_edit import save_tiny_qwen_image_edit_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_qwen_image_edit_plus") / "pipeline"
+    save_tiny_qwen_image_edit_pipeline(str(path), seed=0, plus=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_wan_dir(tmp_path_factory):
     """A tiny Wan 2.1-style (one expert) pipeline folder, built offline once per session."""
     from miles.models.tiny_wan import save_tiny_wan_pipeline
@@ -247,22 +257,29 @@ def _qwen_image_unpacked(pipe: Any, latents: Any, resolution: int) -> Any:
 
 @contextlib.contextmanager
 def _qwen_edit_reference_area(path: str) -> Iterator[None]:
-    """QwenImageEditPipeline.__call__ resizing the source image to the area the tiny folder records (the family reads
-    it there; the pipeline hard-codes one megapixel, seconds of VAE per image on a CPU): its `calculate_dimensions`
-    is given that area instead of 1024 * 1024."""
+    """The editing pipelines' __call__ resizing the source images to the areas the tiny folder records (the family
+    reads them there; the pipelines hard-code them, one megapixel for the VAE: seconds per image on a CPU):
+    QwenImageEditPipeline's `calculate_dimensions` is given the reference area instead of 1024 * 1024, and
+    QwenImageEditPlusPipeline's VAE_IMAGE_SIZE and CONDITION_IMAGE_SIZE (its VL images, 384²) are the folder's."""
     from unittest import mock
 
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
 
     with open(os.path.join(path, "miles_defaults.json")) as f:
-        area = json.load(f)["reference_area"]
+        areas = json.load(f)
     original = pipeline_qwenimage_edit.calculate_dimensions
 
     def at_folder_area(target_area: int, ratio: float) -> Any:
         assert target_area == 1024 * 1024, target_area  # the pipeline's constant, replaced
-        return original(area, ratio)
+        return original(areas["reference_area"], ratio)
 
-    with mock.patch.object(pipeline_qwenimage_edit, "calculate_dimensions", at_folder_area):
+    assert (plus.VAE_IMAGE_SIZE, plus.CONDITION_IMAGE_SIZE) == (1024 * 1024, 384 * 384)  # the constants replaced
+    with (
+        mock.patch.object(pipeline_qwenimage_edit, "calculate_dimensions", at_folder_area),
+        mock.patch.object(plus, "VAE_IMAGE_SIZE", areas["reference_area"]),
+        mock.patch.object(plus, "CONDITION_IMAGE_SIZE", areas.get("condition_area", plus.CONDITION_IMAGE_SIZE)),
+    ):
         yield
 
 
@@ -427,6 +444,28 @@ FAMILY_CASES = [
         e2e_guidances=(3.5,),  # true CFG with per-prompt negatives (encoded with each source image) in the trainer
         source_images=1,
         call_context=_qwen_edit_reference_area,
+    ),
+    # Qwen-Image-Edit-Plus (2509): two source images per prompt (it takes one to three), each read by the VL encoder
+    # at its condition size and by the VAE at its reference size (the folder's areas), their latents in turn.
+    # The pipeline takes one prompt per call. Its loss types are not run again: the loss hooks reach the family only
+    # through encode_request / predict_velocity / encode_images / decode_latents, which qwen-image-edit's loss runs
+    # drive through the same QwenEditFamily code (predict_velocity, the VAE, true CFG with per-prompt negatives) but
+    # for the conditioning's encoding and layout (`encode_prompts`, `reference_tokens`), which the parity run below
+    # covers in the trainer at dp 2 (ratio 1, |Δ log-prob| at fp32 rounding) and the fast tests against the pipeline
+    FamilyCase(
+        "qwen-image-edit-plus",
+        "qwen-image-edit-plus",
+        "tiny_qwen_image_edit_plus_dir",
+        "QwenImageEditPlusPipeline",
+        lambda w: {"true_cfg_scale": w, **({"negative_prompt": ""} if w > 1 else {})},  # one prompt per call
+        _qwen_image_unpacked,
+        call_kwargs={},
+        loss_runs=False,
+        e2e_guidances=(3.5,),  # true CFG with per-prompt negatives read with both images, and --save-hf
+        source_images=2,
+        image_kwargs=lambda images: {"image": images[0]},  # one prompt's: a list of PIL images
+        call_context=_qwen_edit_reference_area,
+        per_prompt_calls=True,
     ),
     FamilyCase(
         "wan",

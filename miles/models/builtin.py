@@ -44,6 +44,9 @@ TINY_FOLDERS: dict[str, TinyFolder] = {
     "builtin:tiny-qwen-image-edit": TinyFolder(
         "qwen-image-edit", "miles.models.tiny_qwen_image_edit:save_tiny_qwen_image_edit_pipeline"
     ),
+    "builtin:tiny-qwen-image-edit-plus": TinyFolder(
+        "qwen-image-edit-plus", "miles.models.tiny_qwen_image_edit:save_tiny_qwen_image_edit_pipeline", {"plus": True}
+    ),
     "builtin:tiny-wan": TinyFolder("wan", "miles.models.tiny_wan:save_tiny_wan_pipeline"),
     "builtin:tiny-wan-2-experts": TinyFolder(
         "wan", "miles.models.tiny_wan:save_tiny_wan_pipeline", {"two_experts": True}

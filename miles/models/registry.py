@@ -27,6 +27,9 @@ BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
     "qwen-image-edit": BuiltinFamily(
         "miles.models.qwen_image_edit", "QwenImageEditPipeline", "QwenImageEditPipelineConfig"
     ),
+    "qwen-image-edit-plus": BuiltinFamily(
+        "miles.models.qwen_image_edit", "QwenImageEditPlusPipeline", "QwenImageEditPlusPipelineConfig"
+    ),
     "sd3": BuiltinFamily("miles.models.sd3", "StableDiffusion3Pipeline", "SD3PipelineConfig"),
     "wan": BuiltinFamily("miles.models.wan", "WanPipeline", "WanPipelineConfig", video=True),
     "wan-i2v": BuiltinFamily("miles.models.wan_i2v", "WanImageToVideoPipeline", "WanI2VPipelineConfig", video=True),

@@ -4,6 +4,7 @@ train/rollout parity before the first update with and without guidance, every lo
 
 from __future__ import annotations
 
+import json
 import os
 
 import diffusers
@@ -56,11 +57,25 @@ LOSS_RUNS = {
 }
 
 
+def edit_data(case, folder) -> list[str]:
+    """An editing / image-to-video case's prompts: the shapes edit world's (source image, instruction) pairs; for a
+    case with several source images per prompt, a JSONL of them whose records list their own source image and the
+    next records' (`images`)."""
+    if case.source_images <= 1:
+        return ["--prompt-data", "builtin:shapes-edit"]
+    path = write_shapes_edit_jsonl(folder / "edits.jsonl", 8, seed=0, resolution=case.resolution)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    sources = [record.pop("image") for record in records]
+    for i, record in enumerate(records):
+        record["images"] = [sources[(i + k) % len(sources)] for k in range(case.source_images)]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return ["--prompt-data", str(path)]
+
+
 def run(case, path, out, *extra):
     """A run of `case` at its resolution (Qwen-Image's default is the pipeline's 128 latents per side) with its own
     flags (`FamilyCase.run_args`)."""
-    # editing / image-to-video cases: the shapes edit world's (source image, instruction) prompts
-    data = ["--prompt-data", "builtin:shapes-edit"] if case.source_images else []
+    data = edit_data(case, out.parent) if case.source_images else []
     args = ["--hf-checkpoint", path, "--resolution", str(case.resolution), *TINY, *data, *case.run_args]
     train_diffusion.run(parse_args([*args, "--output-dir", str(out), *extra]))
     return [m for m in read_metrics(os.path.join(out, "metrics.jsonl")) if m.get("role") in ("actor", "critic")]

@@ -21,6 +21,7 @@ EXPECTED = {
     "builtin:tiny-flux-kontext": ("FluxKontextPipeline", "flux-kontext", (4, 8, 8)),
     "builtin:tiny-qwen-image": ("QwenImagePipeline", "qwen-image", (4, 8, 8)),
     "builtin:tiny-qwen-image-edit": ("QwenImageEditPipeline", "qwen-image-edit", (4, 8, 8)),
+    "builtin:tiny-qwen-image-edit-plus": ("QwenImageEditPlusPipeline", "qwen-image-edit-plus", (4, 8, 8)),
     "builtin:tiny-wan": ("WanPipeline", "wan", (4, 2, 4, 4)),  # 5 frames at 32 px
     "builtin:tiny-wan-2-experts": ("WanPipeline", "wan", (4, 2, 4, 4)),
     "builtin:tiny-wan-i2v": ("WanImageToVideoPipeline", "wan-i2v", (4, 2, 4, 4)),

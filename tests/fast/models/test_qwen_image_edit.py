@@ -1,6 +1,8 @@
-"""What the Qwen-Image-Edit family adds to the contract suite: the tiny tokenizer drops the edit template's system part
-as the real one does, the reference size is the pipeline's megapixel on a real folder, what the family refuses, and
-that batches padded to one prompt length predict as they did alone. Pipeline parity is in `test_family_contract.py`."""
+"""What the Qwen-Image-Edit families add to the contract suite: the tiny tokenizer drops the edit template's system
+part as the real one does, the reference size is the pipeline's megapixel on a real folder, what the family refuses,
+and that batches padded to one prompt length predict as they did alone; for Qwen-Image-Edit-Plus, its two image sizes,
+its one to three images per prompt (a record with more fails at start-up naming FILE:LINE), and batches whose rows'
+references differ. Pipeline parity is in `test_family_contract.py`."""
 
 from __future__ import annotations
 
@@ -11,10 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from diffusers import QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from PIL import Image
 
 from miles.models import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
+from miles.rollout.data_source import PromptDataError
+from miles.startup import startup_checks
+from miles.utils.arguments import parse_args
+from tests.conftest import _qwen_edit_reference_area
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +92,97 @@ def test_a_guidance_distilled_transformer_is_refused(family, tmp_path):
     (folder / "transformer" / "config.json").write_text(json.dumps({**config, "guidance_embeds": True}))
     with pytest.raises(ValueError, match="guidance_embeds=True, which QwenImageEditPipeline does not run"):
         type(family)(str(folder)).load_transformer()
+
+
+# Qwen-Image-Edit-Plus (QwenImageEditPlusPipeline, 2509): one to three source images per prompt
+
+
+@pytest.fixture(scope="module")
+def plus(tiny_qwen_image_edit_plus_dir):
+    return get_train_pipeline_config(tiny_qwen_image_edit_plus_dir)
+
+
+def _smooth(width: int, height: int, seed: int) -> np.ndarray:
+    """A seeded (height, width, 3) uint8 colour ramp (a VAE encodes it to more than noise)."""
+    rng = np.random.default_rng(seed)
+    ramp = np.linspace(0.3, 1.0, width)[None, :, None] * np.linspace(1.0, 0.5, height)[:, None, None]
+    return np.clip(rng.uniform(0, 255, (1, 1, 3)) * ramp + rng.uniform(-20, 20, (height, width, 3)), 0, 255).astype(
+        np.uint8
+    )
+
+
+def test_plus_template_and_its_two_image_sizes(plus, tmp_path):
+    pipe = plus.text_pipeline()
+    template = pipe.prompt_template_encode  # the images come as "Picture k: ..." before the prompt
+    assert len(pipe.tokenizer(template[: template.index("{}")]).input_ids) == pipe.prompt_template_encode_start_idx
+    assert pipe.prompt_template_encode_start_idx == 64
+    assert plus.name == "qwen-image-edit-plus" and plus.source_image_range == (1, 3) and plus.negative_per_prompt
+    # the tiny folder's areas: the VL encoder's copy, the VAE's copy and the output all differ in size
+    assert (plus.condition_size(32, 32), plus.reference_size(32, 32)) == ((96, 96), (64, 64))
+    folder = Path(shutil.copytree(plus.path, tmp_path / "real", ignore=shutil.ignore_patterns("*.safetensors")))
+    (folder / "miles_defaults.json").unlink()
+    real = type(plus)(str(folder))  # a real folder: the pipeline's 384² and one megapixel
+    assert (real.condition_size(512, 512), real.reference_size(512, 512)) == ((384, 384), (1024, 1024))
+    assert real.condition_size(640, 480) == calculate_dimensions(384 * 384, 640 / 480)[:2]
+    assert real.reference_size(640, 480) == calculate_dimensions(1024 * 1024, 640 / 480)[:2]
+
+
+def test_plus_takes_one_to_three_images_and_a_record_with_more_fails_at_start_up_naming_it(plus, tmp_path):
+    with pytest.raises(ValueError, match="edits source images: encode_prompts needs images="):
+        plus.encode_prompts(["a circle"])
+    with pytest.raises(ValueError, match=r"takes 1 to 3 source image\(s\) per prompt, got prompts with 4"):
+        plus.encode_request(["a circle"], [[_smooth(32, 32, k) for k in range(4)]], "", negative=False)
+    (tmp_path / "img").mkdir()
+    for k in range(4):
+        Image.fromarray(_smooth(32, 32, k)).save(tmp_path / "img" / f"{k}.png")
+    rows = [
+        {"prompt": "put the circle of picture 1 on picture 2", "images": ["img/0.png", "img/1.png"]},
+        {"prompt": "make the square red", "image": "img/2.png"},
+        {"prompt": "join the four", "images": [f"img/{k}.png" for k in range(4)]},
+    ]
+    data = tmp_path / "edits.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = parse_args(["--hf-checkpoint", plus.path, "--prompt-data", str(data), "--output-dir", str(tmp_path / "out"),
+                       "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--eval-interval", "0"])  # fmt: skip
+    with pytest.raises(PromptDataError, match=r"edits\.jsonl:3: 4 source image\(s\); this model takes 1 to 3 per"):
+        startup_checks(args)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    startup_checks(args)  # one and two images: accepted
+
+
+def test_plus_rows_whose_references_differ_run_apart_and_each_is_the_pipelines(plus):
+    """Prompt 1's second image is wide: its reference grid differs from its first's and from the other rows', so the
+    batch runs in two forwards; each row predicts as it does alone, and prompt 1's is what the pipeline steps with."""
+    prompts = ["put the circle of picture 1 on picture 2", "a blue square", "make the two red"]
+    images = [
+        [_smooth(32, 32, 0), _smooth(32, 32, 1)],
+        [_smooth(32, 32, 2), _smooth(64, 16, 3)],
+        [_smooth(32, 32, 4), _smooth(32, 32, 5)],
+    ]
+    embeds, negative = plus.encode_request(prompts, images, "", negative=True)
+    assert embeds["image_shapes"].tolist() == [[[8, 8], [8, 8]], [[8, 8], [4, 16]], [[8, 8], [8, 8]]]
+    assert negative.batch_size == 3 and not torch.equal(negative["prompt_embeds"][0], negative["prompt_embeds"][2])
+    pipe = QwenImageEditPlusPipeline.from_pretrained(plus.path, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    steps = []
+    pipe.scheduler.step = lambda velocity, t, sample, *a, **k: steps.append((velocity, sample)) or (sample,)
+    with _qwen_edit_reference_area(plus.path):
+        pipe(image=[Image.fromarray(i) for i in images[1]], prompt=prompts[1], negative_prompt="", true_cfg_scale=3.5,
+             height=32, width=32, num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+             output_type="latent")  # fmt: skip
+    unpack = lambda packed: pipe._unpack_latents(packed, 32, 32, pipe.vae_scale_factor)[:, :, 0]  # noqa: E731
+    velocity, sample = (unpack(t) for t in steps[0])  # the first step (one step: σ is NaN under shift_terminal)
+    latents = torch.randn(3, *plus.latent_shape(32), generator=torch.Generator().manual_seed(1))
+    latents[1] = sample[0]
+    sigmas = torch.full((3,), float(pipe.scheduler.sigmas[0]))
+    transformer = plus.load_transformer()
+    with torch.no_grad():
+        batch = plus.predict_velocity(transformer, latents, sigmas, embeds, guidance_scale=3.5, negative=negative)
+        alone = [
+            plus.predict_velocity(
+                transformer, latents[[i]], sigmas[[i]], embeds.rows(i), guidance_scale=3.5, negative=negative.rows(i)
+            )  # fmt: skip
+            for i in range(3)
+        ]
+    torch.testing.assert_close(batch, torch.cat(alone), atol=1e-5, rtol=0)
+    assert (batch[1] - velocity[0]).abs().max().item() <= 1e-5
