@@ -104,7 +104,7 @@ def test_unknown_pipeline_class_lists_known_families(tmp_path):
         ValueError,
         match=r"CogVideoXPipeline.*flux \(FluxPipeline\), flux-kontext \(FluxKontextPipeline\), hunyuan-video15 \(HunyuanVideo15Pipeline\), ltx2 \(LTX2Pipeline\), "
         r"qwen-image \(QwenImagePipeline\), qwen-image-edit \(QwenImageEditPipeline\), sd3 \(StableDiffusion3Pipeline\), "
-        r"wan \(WanPipeline\), wan-i2v \(WanImageToVideoPipeline\)",
+        r"wan \(WanPipeline\), wan-i2v \(WanImageToVideoPipeline\), z-image \(ZImagePipeline\)",
     ):
         get_train_pipeline_config(str(tmp_path))
 
