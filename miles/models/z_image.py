@@ -72,11 +72,9 @@ class ZImagePipelineConfig(DiffusersFamily):
         # the pipeline's defaults: cfg_normalization False (off), cfg_truncation 1.0 (1 − σ never exceeds it)
         self.cfg_normalization = 0.0 if normalization is None else float(normalization)
         self.cfg_truncation = 1.0 if truncation is None else float(truncation)
-        if self.cfg_normalization < 0 or self.cfg_truncation < 0:
-            raise ValueError(
-                f"--z-image-cfg-normalization ({self.cfg_normalization}) and --z-image-cfg-truncation "
-                f"({self.cfg_truncation}) must be >= 0"
-            )
+        for flag, value in (("normalization", self.cfg_normalization), ("truncation", self.cfg_truncation)):
+            if not value >= 0:  # the parser checks the flags; this, options given in code (an engine's)
+                raise ValueError(f"--z-image-cfg-{flag} must be >= 0, got {value}")
 
     # networks
     def transformer_blocks(self, transformer: nn.Module) -> list[nn.Module]:
