@@ -528,7 +528,8 @@ FAMILY_CASES = [
         slow=True,
     ),
     # the pipeline's guidance_scale g is miles' w - 1 (its cond + g * (cond - uncond)); its 512 text tokens. Its CFG
-    # runs in the trainer in z-image-cfg-options' parity run (the same code, with the options)
+    # runs in the trainer in z-image-cfg-options' parity run (the same code, with the options); its loss-type runs
+    # (nft, dmd2, sft_loss: 3-80 s each here, dmd2 starting a critic group) are in the standard tier
     FamilyCase(
         "z-image",
         "z-image",
