@@ -243,6 +243,16 @@ def tiny_wan_i2v_2_experts_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def tiny_z_image_dir(tmp_path_factory):
+    """A tiny Z-Image pipeline folder (Qwen3 text encoder, AutoencoderKL, Z-Image-Turbo's scheduler), built once."""
+    from miles.models.tiny_z_image import save_tiny_z_image_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_z_image") / "pipeline"
+    save_tiny_z_image_pipeline(str(path), seed=0)
+    return str(path)
+
+
 def _same_layout(pipe: Any, latents: Any, resolution: int) -> Any:
     return latents
 
@@ -321,6 +331,9 @@ class FamilyCase:
     resolution: int = 32
     # one run of every loss type at dp 2; off where another test already runs them on the same family code
     loss_runs: bool = True
+    # those runs are in the standard tier (./scripts/test.sh -m standard) rather than the suite: the case's whole
+    # runs would cost more of the suite's minutes than one family's share (about 40 s), and its parity runs stay
+    standard_loss_runs: bool = False
     num_frames: int | None = None  # video families: frames per sample (the pipeline's num_frames)
     # the pipeline output's latents, as to_family_latents takes them (video pipelines: `frames`)
     output_latents: Callable[[Any], Any] = lambda output: output.images
@@ -552,6 +565,43 @@ FAMILY_CASES = [
         set_pipeline_guidance=lambda pipe, w: setattr(pipe, "guider", pipe.guider.new(guidance_scale=w)),
         loads_lora=False,
         slow=True,
+    ),
+    # the pipeline's guidance_scale g is miles' w - 1 (its cond + g * (cond - uncond)); its 512 text tokens. Its CFG
+    # runs in the trainer in z-image-cfg-options' parity run (the same code, with the options); its loss-type runs
+    # (nft, dmd2, sft_loss: 3-80 s each here, dmd2 starting a critic group) are in the standard tier
+    FamilyCase(
+        "z-image",
+        "z-image",
+        "tiny_z_image_dir",
+        "ZImagePipeline",
+        lambda w: {"guidance_scale": w - 1.0},
+        _same_layout,
+        call_kwargs={},
+        e2e_guidances=(1.0,),
+        standard_loss_runs=True,
+    ),
+    # the pipeline's CFG options: renormalization to the conditional norm, and no CFG on the steps whose 1 - σ
+    # exceeds 0.2 (on the 32 px grids: the second of 2 steps, the last two of 4). The parity run trains steps 1 and
+    # 2 of 4 (--diffusion-sde-window-range), one guided and one not, so the trainer's rows mix both
+    FamilyCase(
+        "z-image-cfg-options",
+        "z-image",
+        "tiny_z_image_dir",
+        "ZImagePipeline",
+        lambda w: {"guidance_scale": w - 1.0, "cfg_normalization": 1.0, "cfg_truncation": 0.2},
+        _same_layout,
+        call_kwargs={},
+        loss_runs=False,
+        family_options={"cfg_normalization": 1.0, "cfg_truncation": 0.2},
+        run_args=(
+            "--z-image-cfg-normalization",
+            "1.0",
+            "--z-image-cfg-truncation",
+            "0.2",
+            "--diffusion-sde-window-range",
+            "1,3",
+        ),
+        e2e_guidances=(3.5,),
     ),
     # joint audio-video latents; the pipeline run without STG and modality guidance (which miles does not run)
     FamilyCase(

@@ -56,6 +56,24 @@ FAMILY_OPTIONS: tuple[FamilyOption, ...] = (
         )
         for family in ("wan", "wan-i2v")
     ),
+    FamilyOption(
+        "z-image",
+        "cfg_normalization",
+        "--z-image-cfg-normalization",
+        "ZImagePipeline's cfg_normalization: with CFG (w > 1) each sample's guided prediction is scaled down to at "
+        "most this factor times the norm of its conditional prediction; default 0, off",
+        float,
+        range=AT_LEAST_0,
+    ),
+    FamilyOption(
+        "z-image",
+        "cfg_truncation",
+        "--z-image-cfg-truncation",
+        "ZImagePipeline's cfg_truncation: steps whose 1 - σ exceeds it run the conditional branch alone (no CFG); "
+        "default 1, every step guided",
+        float,
+        range=AT_LEAST_0,
+    ),
 )
 
 # what a flag shared by several families means, before each family's own part of its help

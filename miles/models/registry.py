@@ -33,6 +33,7 @@ BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
     "sd3": BuiltinFamily("miles.models.sd3", "StableDiffusion3Pipeline", "SD3PipelineConfig"),
     "wan": BuiltinFamily("miles.models.wan", "WanPipeline", "WanPipelineConfig", video=True),
     "wan-i2v": BuiltinFamily("miles.models.wan_i2v", "WanImageToVideoPipeline", "WanI2VPipelineConfig", video=True),
+    "z-image": BuiltinFamily("miles.models.z_image", "ZImagePipeline", "ZImagePipelineConfig"),
 }
 
 

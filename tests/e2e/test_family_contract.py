@@ -21,6 +21,10 @@ from miles.utils.tracking import read_metrics
 from tests.conftest import FAMILY_CASES
 
 LOSS_CASES = [case for case in FAMILY_CASES if case.loss_runs]  # the others' loss types run elsewhere
+LOSS_CASE_PARAMS = [
+    pytest.param(case, marks=[pytest.mark.standard] if case.standard_loss_runs else [], id=case.id)
+    for case in LOSS_CASES
+]
 
 pytestmark = pytest.mark.e2e
 BRIGHTNESS = os.path.join(os.path.dirname(__file__), "rewards.py") + ":brightness"
@@ -172,7 +176,7 @@ def test_bf16_first_step_matches_the_engines_at_dp_size_1_and_2(ray_cluster, req
     assert first[2]["train/grad_norm"] == pytest.approx(first[1]["train/grad_norm"], rel=2**-7), first
 
 
-@pytest.mark.parametrize("case", LOSS_CASES, ids=[case.id for case in LOSS_CASES])
+@pytest.mark.parametrize("case", LOSS_CASE_PARAMS)
 @pytest.mark.parametrize("loss_type", sorted(LOSS_RUNS))
 def test_every_loss_type_runs_at_dp_size_2(ray_cluster, request, tmp_path, case, loss_type):
     path = request.getfixturevalue(case.fixture)

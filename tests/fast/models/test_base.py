@@ -105,7 +105,7 @@ def test_unknown_pipeline_class_lists_known_families(tmp_path):
         match=r"CogVideoXPipeline.*flux \(FluxPipeline\), flux-kontext \(FluxKontextPipeline\), hunyuan-video15 \(HunyuanVideo15Pipeline\), ltx2 \(LTX2Pipeline\), "
         r"qwen-image \(QwenImagePipeline\), qwen-image-edit \(QwenImageEditPipeline\), "
         r"qwen-image-edit-plus \(QwenImageEditPlusPipeline\), sd3 \(StableDiffusion3Pipeline\), "
-        r"wan \(WanPipeline\), wan-i2v \(WanImageToVideoPipeline\)",
+        r"wan \(WanPipeline\), wan-i2v \(WanImageToVideoPipeline\), z-image \(ZImagePipeline\)",
     ):
         get_train_pipeline_config(str(tmp_path))
 

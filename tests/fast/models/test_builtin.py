@@ -27,6 +27,7 @@ EXPECTED = {
     "builtin:tiny-wan-i2v": ("WanImageToVideoPipeline", "wan-i2v", (4, 2, 4, 4)),
     "builtin:tiny-hunyuan-video15": ("HunyuanVideo15Pipeline", "hunyuan-video15", (4, 2, 8, 8)),  # 5 frames, 32 px
     "builtin:tiny-ltx2": ("LTX2Pipeline", "ltx2", (512 + 1008,)),  # 121 frames at 32 px: video then audio dims
+    "builtin:tiny-z-image": ("ZImagePipeline", "z-image", (4, 8, 8)),
 }
 
 

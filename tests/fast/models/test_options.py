@@ -25,7 +25,14 @@ def test_each_family_class_takes_the_options_declared_for_it():
     for name, cls in all_family_classes().items():
         assert {option.name for option in cls.options} == declared.get(name, set()), name
     wan = {"num_frames", "guidance_scale_2", "trained_experts"}
-    assert declared == {"wan": wan, "wan-i2v": wan, "hunyuan-video15": {"num_frames"}, "ltx2": {"num_frames"}}
+    z_image = {"cfg_normalization", "cfg_truncation"}
+    assert declared == {
+        "wan": wan,
+        "wan-i2v": wan,
+        "hunyuan-video15": {"num_frames"},
+        "ltx2": {"num_frames"},
+        "z-image": z_image,
+    }
 
 
 def test_a_flag_two_families_share_is_added_once_and_its_help_names_both():
