@@ -328,6 +328,8 @@ class FamilyCase:
     resolution: int = 32
     # one run of every loss type at dp 2; off where another test already runs them on the same family code
     loss_runs: bool = True
+    # its loss-type runs go to the standard tier (./scripts/test.sh -m standard), outside the suite's minutes
+    standard_loss_runs: bool = False
     num_frames: int | None = None  # video families: frames per sample (the pipeline's num_frames)
     # the pipeline output's latents, as to_family_latents takes them (video pipelines: `frames`)
     output_latents: Callable[[Any], Any] = lambda output: output.images
@@ -437,6 +439,7 @@ FAMILY_CASES = [
         lambda w: {"guidance_scale": w},
         _flux2_patchified,
         resolution=64,  # the least the pipeline takes for a reference image, the tiny folder's default
+        loss_runs=False,  # the edit case's run the same family code on conditioned samples
         e2e_guidances=(3.5,),  # CFG; the conditional forward alone is the edit case's parity run (w = 1)
     ),
     # the same folder editing with two reference images per prompt (tokens after the noise's, t = 10 and 20). The
@@ -449,6 +452,7 @@ FAMILY_CASES = [
         lambda w: {"guidance_scale": w},
         _flux2_patchified,
         resolution=64,
+        standard_loss_runs=True,  # four whole runs: the suite's budget keeps them in the standard tier
         e2e_guidances=(1.0,),  # whole runs read builtin:shapes-edit: one reference per prompt
         source_images=2,
         image_kwargs=lambda images: {"image": images[0]},  # one prompt's list of PIL images

@@ -129,7 +129,9 @@ class Flux2KleinPipelineConfig(DiffusersFamily):
             )
         self.is_distilled = bool(index.get("is_distilled", False))
         if self.scheduler_config().get("use_flow_sigmas", False):
-            raise ValueError(f"{self.path}: a scheduler with use_flow_sigmas is not supported by the {self.name} family")
+            raise ValueError(
+                f"{self.path}: a scheduler with use_flow_sigmas is not supported by the {self.name} family"
+            )
 
     def check_run_args(self, args: argparse.Namespace) -> None:
         """Refused at start-up: CFG on a step-distilled folder (the pipeline ignores it), MixGRPO-Flash (its

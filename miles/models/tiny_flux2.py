@@ -144,5 +144,7 @@ def save_tiny_flux2_klein_pipeline(path: str, seed: int = 0, resolution: int = 6
     pipe = build_tiny_flux2_klein_pipeline(seed=seed, resolution=resolution, distilled=distilled)
     save_tiny_folder(pipe, path, resolution=resolution)
     style = "distilled" if distilled else "base"
-    logger.info("wrote tiny FLUX.2 klein (%s) pipeline (seed %d, %dx%d) to %s", style, seed, resolution, resolution, path)
+    logger.info(
+        "wrote tiny FLUX.2 klein (%s) pipeline (seed %d, %dx%d) to %s", style, seed, resolution, resolution, path
+    )
     return path

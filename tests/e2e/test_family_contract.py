@@ -157,7 +157,10 @@ def test_bf16_first_step_matches_the_engines_at_dp_size_1_and_2(ray_cluster, req
     assert first[2]["train/grad_norm"] == pytest.approx(first[1]["train/grad_norm"], rel=2**-7), first
 
 
-@pytest.mark.parametrize("case", LOSS_CASES, ids=[case.id for case in LOSS_CASES])
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=[pytest.mark.standard] if c.standard_loss_runs else [], id=c.id) for c in LOSS_CASES],
+)
 @pytest.mark.parametrize("loss_type", sorted(LOSS_RUNS))
 def test_every_loss_type_runs_at_dp_size_2(ray_cluster, request, tmp_path, case, loss_type):
     path = request.getfixturevalue(case.fixture)
