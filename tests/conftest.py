@@ -440,7 +440,9 @@ FAMILY_CASES = [
         _flux2_patchified,
         resolution=64,  # the least the pipeline takes for a reference image, the tiny folder's default
         loss_runs=False,  # the edit case's run the same family code on conditioned samples
-        e2e_guidances=(3.5,),  # CFG; the conditional forward alone is the edit case's parity run (w = 1)
+        # none: the edit case's parity run (CFG, --save-hf) runs the same code with reference tokens, whose rows
+        # without references test_flux2.py checks (measured here at w 1 and 3.5: ratio 1.0, |Δ log-prob| 0.0)
+        e2e_guidances=(),
     ),
     # the same folder editing with two reference images per prompt (tokens after the noise's, t = 10 and 20). The
     # pipeline takes one image list for its whole batch: the harness calls it per prompt
@@ -452,8 +454,8 @@ FAMILY_CASES = [
         lambda w: {"guidance_scale": w},
         _flux2_patchified,
         resolution=64,
-        standard_loss_runs=True,  # four whole runs: the suite's budget keeps them in the standard tier
-        e2e_guidances=(1.0,),  # whole runs read builtin:shapes-edit: one reference per prompt
+        standard_loss_runs=True,  # three whole runs: the suite's budget keeps them in the standard tier
+        e2e_guidances=(3.5,),  # true CFG with reference tokens; whole runs read builtin:shapes-edit (one per prompt)
         source_images=2,
         image_kwargs=lambda images: {"image": images[0]},  # one prompt's list of PIL images
         per_prompt_calls=True,
