@@ -5,6 +5,7 @@ klein, MixGRPO-Flash, reference images under 64 px)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from PIL import Image
 
 from miles.models import get_train_pipeline_config
+from miles.rollout.data_source import PromptDataError, read_prompt_file
 from miles.startup import startup_checks
 from miles.utils.arguments import parse_args
 
@@ -105,3 +107,17 @@ def test_reference_images_are_checked_as_the_pipeline_checks_them(family):
         family.encode_request(["make it blue"], [[_image(0)] * 11], "", negative=False)
     with pytest.raises(ValueError, match="no static shift"):
         family.sampling_shift(64)
+
+
+def test_prompt_records_without_images_are_text_prompts_for_a_family_that_takes_0(tmp_path):
+    """A JSONL for flux2 may mix text-to-image records with editing ones; for a family that needs an image the same
+    record is refused naming the line."""
+    Image.fromarray(_image(0)).save(tmp_path / "a.png")
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps({"prompt": "a red circle"}) + "\n" + json.dumps({"prompt": "blue", "image": "a.png"}))
+    args = argparse.Namespace(input_key="prompt", metadata_key="metadata", source_image_range=(0, 10))
+    records = read_prompt_file(str(mixed), args, source_images=True)
+    assert "source_images" not in records[0] and records[1]["source_images"] == [str(tmp_path / "a.png")]
+    args.source_image_range = (1, 1)
+    with pytest.raises(PromptDataError, match=r"mixed\.jsonl:1: no source image"):
+        read_prompt_file(str(mixed), args, source_images=True)
