@@ -265,6 +265,10 @@ def _flux2_patchified(pipe: Any, latents: Any, resolution: int) -> Any:
     return (patches - mean) / std
 
 
+# the tiny FLUX.2 folder's text length and hidden states (its miles_defaults.json; the pipeline's are 512, (9, 18, 27))
+FLUX2_CALL_KWARGS = {"max_sequence_length": 32, "text_encoder_out_layers": (1, 2, 3)}
+
+
 def _qwen_image_unpacked(pipe: Any, latents: Any, resolution: int) -> Any:
     return pipe._unpack_latents(latents, resolution, resolution, pipe.vae_scale_factor)[:, :, 0]  # one frame
 
@@ -438,6 +442,7 @@ FAMILY_CASES = [
         "Flux2KleinPipeline",
         lambda w: {"guidance_scale": w},
         _flux2_patchified,
+        call_kwargs=FLUX2_CALL_KWARGS,
         resolution=64,  # the least the pipeline takes for a reference image, the tiny folder's default
         loss_runs=False,  # the edit case's run the same family code on conditioned samples
         # none: the edit case's parity run (CFG, --save-hf) runs the same code with reference tokens, whose rows
@@ -453,6 +458,7 @@ FAMILY_CASES = [
         "Flux2KleinPipeline",
         lambda w: {"guidance_scale": w},
         _flux2_patchified,
+        call_kwargs=FLUX2_CALL_KWARGS,
         resolution=64,
         standard_loss_runs=True,  # three whole runs: the suite's budget keeps them in the standard tier
         e2e_guidances=(3.5,),  # true CFG with reference tokens; whole runs read builtin:shapes-edit (one per prompt)

@@ -46,6 +46,7 @@ FLUX2_REFERENCE_AREA = 1024 * 1024  # the pipeline shrinks a reference image lar
 FLUX2_MAX_REFERENCES = 10  # reference images per prompt (the pipeline sets none; BFL recommends at most 10)
 REFERENCE_TIME_SCALE = 10  # `_prepare_image_ids`: reference k's time coordinate is 10 + 10k (the noise's is 0)
 FLUX2_MIN_REFERENCE_SIDE = 64  # `Flux2ImageProcessor.check_image_input`: smaller reference images are refused
+FLUX2_TEXT_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's default text_encoder_out_layers
 FLUX2_TEXT = ("prompt_embeds",)  # the text conditioning (what a negative replaces)
 
 
@@ -169,6 +170,12 @@ class Flux2KleinPipelineConfig(DiffusersFamily):
         return self.tokenizer_limit("tokenizer", FLUX2_MAX_TEXT_LENGTH)
 
     @property
+    def text_encoder_out_layers(self) -> tuple[int, ...]:
+        """The text encoder's hidden states stacked per token: the pipeline's default (9, 18, 27), or the folder's
+        run default (a tiny folder's shallow encoder)."""
+        return tuple(self.folder_default("text_encoder_out_layers") or FLUX2_TEXT_LAYERS)
+
+    @property
     def in_channels(self) -> int:
         return int(self.cached_json("transformer", "config.json")["in_channels"])
 
@@ -180,14 +187,18 @@ class Flux2KleinPipelineConfig(DiffusersFamily):
         *,
         images: list[list[np.ndarray]] | None = None,
     ) -> Conditioning:
-        """`Flux2KleinPipeline.encode_prompt(max_sequence_length=...)`: `prompt_embeds` (B, L, 3D); the reference
+        """`Flux2KleinPipeline.encode_prompt(max_sequence_length=..., text_encoder_out_layers=...)`: `prompt_embeds`
+        (B, L, 3D); the reference
         images of each prompt (`images`: a list of (H, W, 3) uint8 per prompt, possibly empty; None: none) as
         `image_tokens`, `image_ids` and `image_token_counts` (zero-length without images)."""
         if not prompts:
             raise ValueError("encode_prompts needs at least one prompt")
         pipe = self.text_pipeline()
         prompt_embeds, _ = pipe.encode_prompt(
-            prompt=list(prompts), device=pipe.text_encoder.device, max_sequence_length=self.max_sequence_length
+            prompt=list(prompts),
+            device=pipe.text_encoder.device,
+            max_sequence_length=self.max_sequence_length,
+            text_encoder_out_layers=self.text_encoder_out_layers,
         )
         if images is not None:
             self.check_source_images(len(prompts), images)

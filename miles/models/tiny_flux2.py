@@ -2,8 +2,9 @@
 (`Flux2Transformer2DModel`, `AutoencoderKLFlux2`, `Qwen3ForCausalLM`) at toy sizes, a byte-level BPE Qwen2 tokenizer
 built in code with a Qwen3-style chat template, saved as a `Flux2KleinPipeline` folder.
 
-The text encoder is 28 layers deep (16 wide) so that the pipeline's default `text_encoder_out_layers` (9, 18, 27)
-exist: the family and the pipeline stack the same hidden states as with FLUX.2 [klein] 4B (36 layers). The VAE's
+The text encoder is 3 layers deep (16 wide) and its folder records `text_encoder_out_layers` (1, 2, 3) as a run
+default (`miles_defaults.json`, which diffusers ignores): the family stacks those hidden states, and the pipeline
+does when called with them; a real folder has no such default, and both stack the pipeline's (9, 18, 27). The VAE's
 batch-norm statistics are calibrated on smooth random images, so normalised latents are about unit variance.
 """
 
@@ -24,7 +25,8 @@ logger = logging.getLogger(__name__)
 LATENT_CHANNELS = 4  # the VAE's latent channels (32 in FLUX.2); the transformer sees 2x2 patches: 16
 VAE_BLOCK_OUT_CHANNELS = (16, 32, 32)  # three blocks: vae_scale_factor 4
 TEXT_WIDTH = 16  # the text encoder's hidden size; the transformer's joint_attention_dim is 3x (three layers stacked)
-TEXT_LAYERS = 28  # hidden states 9, 18 and 27 (Flux2KleinPipeline's text_encoder_out_layers) exist
+TEXT_LAYERS = 3
+TEXT_ENCODER_OUT_LAYERS = (1, 2, 3)  # the hidden states stacked (the pipeline's default, (9, 18, 27), needs 27 layers)
 TOKENIZER_MAX_LENGTH = 32  # the family's max_sequence_length (the tokenizer's limit, at most the pipeline's 512)
 # Qwen3's chat template, reduced to what Flux2KleinPipeline renders: user turns, the generation prompt and
 # enable_thinking=False's empty think block
@@ -142,7 +144,7 @@ def save_tiny_flux2_klein_pipeline(path: str, seed: int = 0, resolution: int = 6
     it was built for as its run default (the pipeline's is 1024; 64 px is the least a reference image may have,
     `Flux2ImageProcessor.check_image_input`); returns `path`."""
     pipe = build_tiny_flux2_klein_pipeline(seed=seed, resolution=resolution, distilled=distilled)
-    save_tiny_folder(pipe, path, resolution=resolution)
+    save_tiny_folder(pipe, path, resolution=resolution, text_encoder_out_layers=list(TEXT_ENCODER_OUT_LAYERS))
     style = "distilled" if distilled else "base"
     logger.info(
         "wrote tiny FLUX.2 klein (%s) pipeline (seed %d, %dx%d) to %s", style, seed, resolution, resolution, path
