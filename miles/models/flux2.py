@@ -93,7 +93,7 @@ class Flux2KleinPipelineConfig(DiffusersFamily):
 
     Guidance as the pipeline's: klein-base (`is_distilled` false) runs true CFG for w > 1, the negative text (the
     pipeline's "", or --negative-prompt) with the same reference tokens; a step-distilled klein runs no CFG, so w > 1
-    is refused at start-up (the pipeline would ignore it).
+    is refused at start-up, and the teacher's and NFT's scales too (the pipeline would ignore it).
 
     Difference from `Flux2KleinPipeline.__call__`: the pipeline takes one list of reference images for the whole
     batch; miles gives each prompt its own (`encode_prompts(..., images=)`), which is the pipeline called per prompt.
@@ -146,12 +146,18 @@ class Flux2KleinPipelineConfig(DiffusersFamily):
                 f"and Flux2KleinPipeline takes none smaller than {FLUX2_MIN_REFERENCE_SIDE} px a side; use at least "
                 f"{FLUX2_MIN_REFERENCE_SIDE}"
             )
-        scale = getattr(args, "diffusion_guidance_scale", 1.0)
-        if self.is_distilled and scale is not None and scale > 1.0:
-            raise ValueError(
-                f"--diffusion-guidance-scale {scale} with the step-distilled {self.path} (is_distilled): "
-                "Flux2KleinPipeline runs no CFG for it; use 1.0 or a klein-base folder"
-            )
+        scales = {
+            "--diffusion-guidance-scale": getattr(args, "diffusion_guidance_scale", None),
+            "--diffusion-nft-guidance-scale": getattr(args, "diffusion_nft_guidance_scale", None),
+        }
+        if getattr(args, "loss_type", None) == "dmd2":  # the teacher's CFG
+            scales["--dmd2-real-guidance-scale"] = getattr(args, "dmd2_real_guidance_scale", None)
+        for flag, scale in scales.items():
+            if self.is_distilled and scale is not None and scale > 1.0:
+                raise ValueError(
+                    f"{flag} {scale} with the step-distilled {self.path} (is_distilled): Flux2KleinPipeline runs no "
+                    "CFG for it; use 1.0 or a klein-base folder"
+                )
         if getattr(args, "mixgrpo_flash", False):
             raise ValueError(
                 f"--mixgrpo-flash is not supported by the {self.name} family: its σ shift depends on the step count "
@@ -270,9 +276,14 @@ class Flux2KleinPipelineConfig(DiffusersFamily):
         """The velocity (float32, latents' shape (B, 4C, h, w)) at noise levels `sigmas` (B,), as the pipeline's loop
         computes it: the noise tokens (ids (0, i, j, 0)) followed by the row's reference tokens, timestep σ, text ids
         (0, 0, 0, l); for w > 1 on klein-base, true CFG uncond + w (cond - uncond) with the negative text and the same
-        reference tokens (both branches in one batched forward). `negative` may be a batch of one (broadcast)."""
+        reference tokens (both branches in one batched forward); w > 1 on a step-distilled klein is an error.
+        `negative` may be a batch of one (broadcast)."""
         check_velocity_inputs(latents, sigmas, embeds)
-        cfg = guidance_scale > 1.0 and not self.is_distilled
+        if guidance_scale > 1.0 and self.is_distilled:
+            raise ValueError(
+                f"guidance_scale {guidance_scale} with the step-distilled {self.path}: the pipeline runs no CFG for it"
+            )
+        cfg = guidance_scale > 1.0
         if cfg and negative is None:
             raise ValueError("true CFG (guidance_scale > 1 on klein-base) needs negative embeddings")
         if cfg:

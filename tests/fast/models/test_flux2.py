@@ -92,6 +92,8 @@ def test_a_run_takes_text_and_editing_data_and_refuses_what_flux2_does_not_suppo
     check("--eval-interval", "0", "--diffusion-guidance-scale", "1.0", path=distilled)
     with pytest.raises(ValueError, match="--diffusion-guidance-scale 3.5 with the step-distilled"):
         check("--eval-interval", "0", "--diffusion-guidance-scale", "3.5", path=distilled)
+    with pytest.raises(ValueError, match="--dmd2-real-guidance-scale 4.5 with the step-distilled"):
+        check("--loss-type", "dmd2", "--eval-interval", "0", "--teacher-load", distilled, path=distilled)
     shutil.rmtree(distilled)
     dev = _copy_with_index(tiny_flux2_klein_dir, tmp_path, _class_name="Flux2Pipeline")
     with pytest.raises(ValueError, match="'Flux2Pipeline', which no model family handles"):
