@@ -154,6 +154,16 @@ def tiny_flux_kontext_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_flux2_klein_dir(tmp_path_factory):
+    """A tiny FLUX.2 [klein]-base-style (true CFG) Flux2KleinPipeline folder (Qwen3 text encoder), built once."""
+    from miles.models.tiny_flux2 import save_tiny_flux2_klein_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_flux2_klein") / "pipeline"
+    save_tiny_flux2_klein_pipeline(str(path), seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen_image_dir(tmp_path_factory):
     """A tiny Qwen-Image pipeline folder (Qwen2.5-VL text encoder, Qwen's video VAE), built offline once."""
     from miles.models.tiny_qwen_image import save_tiny_qwen_image_pipeline
@@ -261,6 +271,24 @@ def _flux_unpacked(pipe: Any, latents: Any, resolution: int) -> Any:
     return pipe._unpack_latents(latents, resolution, resolution, pipe.vae_scale_factor)
 
 
+def _flux2_patchified(pipe: Any, latents: Any, resolution: int) -> Any:
+    """Flux2KleinPipeline's latents -> the flux2 family's normalised, patchified (B, 4C, h, w): its loop's packed
+    tokens (B, h*w, 4C) as they are, or __call__'s denormalised, unpatchified output (output_type="latent")."""
+    import torch
+
+    if latents.ndim == 3:  # the denoising loop's state: tokens in row-major order
+        side = resolution // (pipe.vae_scale_factor * 2)
+        return latents.transpose(1, 2).reshape(latents.shape[0], -1, side, side)
+    patches = pipe._patchify_latents(latents)
+    mean = pipe.vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(pipe.vae.bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
+    return (patches - mean) / std
+
+
+# the tiny FLUX.2 folder's text length and hidden states (its miles_defaults.json; the pipeline's are 512, (9, 18, 27))
+FLUX2_CALL_KWARGS = {"max_sequence_length": 32, "text_encoder_out_layers": (1, 2, 3)}
+
+
 def _qwen_image_unpacked(pipe: Any, latents: Any, resolution: int) -> Any:
     return pipe._unpack_latents(latents, resolution, resolution, pipe.vae_scale_factor)[:, :, 0]  # one frame
 
@@ -331,8 +359,7 @@ class FamilyCase:
     resolution: int = 32
     # one run of every loss type at dp 2; off where another test already runs them on the same family code
     loss_runs: bool = True
-    # those runs are in the standard tier (./scripts/test.sh -m standard) rather than the suite: the case's whole
-    # runs would cost more of the suite's minutes than one family's share (about 40 s), and its parity runs stay
+    # its loss-type runs go to the standard tier (./scripts/test.sh -m standard), outside the suite's minutes
     standard_loss_runs: bool = False
     num_frames: int | None = None  # video families: frames per sample (the pipeline's num_frames)
     # the pipeline output's latents, as to_family_latents takes them (video pipelines: `frames`)
@@ -433,6 +460,38 @@ FAMILY_CASES = [
         call_kwargs={"max_sequence_length": 32, "_auto_resize": False, "max_area": 32 * 32},
         e2e_guidances=(1.0,),  # the guidance embedding takes w as an input, as flux-dev's
         source_images=1,
+    ),
+    # FLUX.2 [klein]-base: text to image, its true CFG (the pipeline's negative prompt is "") at w > 1
+    FamilyCase(
+        "flux2-klein",
+        "flux2",
+        "tiny_flux2_klein_dir",
+        "Flux2KleinPipeline",
+        lambda w: {"guidance_scale": w},
+        _flux2_patchified,
+        call_kwargs=FLUX2_CALL_KWARGS,
+        resolution=64,  # the least the pipeline takes for a reference image, the tiny folder's default
+        loss_runs=False,  # the edit case's run the same family code on conditioned samples
+        # none: the edit case's parity run (CFG, --save-hf) runs the same code with reference tokens, whose rows
+        # without references test_flux2.py checks (measured here at w 1 and 3.5: ratio 1.0, |Δ log-prob| 0.0)
+        e2e_guidances=(),
+    ),
+    # the same folder editing with two reference images per prompt (tokens after the noise's, t = 10 and 20). The
+    # pipeline takes one image list for its whole batch: the harness calls it per prompt
+    FamilyCase(
+        "flux2-klein-edit",
+        "flux2",
+        "tiny_flux2_klein_dir",
+        "Flux2KleinPipeline",
+        lambda w: {"guidance_scale": w},
+        _flux2_patchified,
+        call_kwargs=FLUX2_CALL_KWARGS,
+        resolution=64,
+        standard_loss_runs=True,  # three whole runs: the suite's budget keeps them in the standard tier
+        e2e_guidances=(3.5,),  # true CFG with reference tokens; whole runs read builtin:shapes-edit (one per prompt)
+        source_images=2,
+        image_kwargs=lambda images: {"image": images[0]},  # one prompt's list of PIL images
+        per_prompt_calls=True,
     ),
     # the pipeline's default max_sequence_length (512) is the family's
     FamilyCase(

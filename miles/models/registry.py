@@ -18,6 +18,7 @@ class BuiltinFamily(NamedTuple):
 # tests/fast/models/test_base.py checks this table against the classes.
 BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
     "flux": BuiltinFamily("miles.models.flux", "FluxPipeline", "FluxPipelineConfig"),
+    "flux2": BuiltinFamily("miles.models.flux2", "Flux2KleinPipeline", "Flux2KleinPipelineConfig"),
     "flux-kontext": BuiltinFamily("miles.models.flux_kontext", "FluxKontextPipeline", "FluxKontextPipelineConfig"),
     "hunyuan-video15": BuiltinFamily(
         "miles.models.hunyuan_video15", "HunyuanVideo15Pipeline", "HunyuanVideo15PipelineConfig", video=True

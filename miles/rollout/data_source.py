@@ -28,11 +28,18 @@ class PromptDataError(ValueError):
 
 
 def read_jsonl_records(
-    path: str, *, input_key: str, metadata_key: str, image_key: str | None = None, source_images: bool = False
+    path: str,
+    *,
+    input_key: str,
+    metadata_key: str,
+    image_key: str | None = None,
+    source_images: bool = False,
+    optional_sources: bool = False,
 ) -> list[dict[str, Any]]:
     """Records {"prompt", "metadata", ["image"], ["source_images"]}: `image` the sft_loss target (`image_key`),
     `source_images` the paths of an editing / image-to-video prompt's inputs (`image` or `images`, checked to
-    decode); paths resolve relative to the JSONL file."""
+    decode; with `optional_sources`, a family that also generates from text alone, a row may name none); paths
+    resolve relative to the JSONL file."""
     base = os.path.dirname(os.path.abspath(path))
     records = []
     for line_no, row in read_jsonl_objects(path, PromptDataError, where=f"--prompt-data {path}"):
@@ -51,7 +58,7 @@ def read_jsonl_records(
             if not os.path.isfile(image_path):
                 raise PromptDataError(f"{path}:{line_no}: image {image_path} not found")
             record["image"] = image_path
-        if source_images:
+        if source_images and not (optional_sources and all(row.get(k) is None for k in ("image", "images"))):
             try:
                 record["source_images"] = source_image_paths(row, base, f"{path}:{line_no}")
             except ValueError as exc:
@@ -85,7 +92,9 @@ def read_prompt_file(
 ) -> list[dict[str, Any]]:
     """A prompt file by its extension: .txt one prompt per line, anything else JSONL (`read_jsonl_records`), or an
     editing family's folder of pairs (`read_pairs_folder`); `source_images`: the run's family edits or animates
-    images, so every record names its source images."""
+    images, so every record names its source images (unless the family also generates from text alone: its
+    source_image_range starts at 0)."""
+    optional_sources = source_images and source_image_range(args)[0] == 0
     if os.path.isdir(path):
         if not source_images:
             raise PromptDataError(
@@ -97,7 +106,7 @@ def read_prompt_file(
         except ValueError as exc:
             raise PromptDataError(str(exc)) from None
     if path.endswith(".txt") and image_key is None:
-        if source_images:
+        if source_images and not optional_sources:
             raise PromptDataError(
                 f"{flag} {path}: a .txt prompt file has no source images; this model edits or animates images, so "
                 "give a JSONL file whose records name them ('image' or 'images')"
@@ -109,6 +118,7 @@ def read_prompt_file(
         metadata_key=args.metadata_key,
         image_key=image_key,
         source_images=source_images,
+        optional_sources=optional_sources,
     )
 
 
@@ -125,7 +135,8 @@ def source_image_range(args: argparse.Namespace) -> tuple[int, int]:
 
 def check_source_image_counts(records: list[dict[str, Any]], args: argparse.Namespace, flag: str, data: str) -> None:
     """Every record carries as many source images as the family takes (`args.source_image_range`), and builtin
-    worlds match the family: text-only worlds need a text family, builtin:shapes-edit an editing one."""
+    worlds match the family: text-only worlds need a family that takes 0 source images, builtin:shapes-edit an
+    editing one."""
     low, high = source_image_range(args)
     if high == 0:
         if data == BUILTIN_SHAPES_EDIT:
@@ -134,7 +145,7 @@ def check_source_image_counts(records: list[dict[str, Any]], args: argparse.Name
                 "model generates from text only: use an editing family (builtin:tiny-flux-kontext, ...)"
             )
         return
-    if data.startswith("builtin:") and data != BUILTIN_SHAPES_EDIT:
+    if data.startswith("builtin:") and data != BUILTIN_SHAPES_EDIT and low > 0:
         raise PromptDataError(
             f"{flag} {data} holds text prompts, and this model edits or animates source images: use "
             f"{BUILTIN_SHAPES_EDIT} or a JSONL whose records name their source images ('image' or 'images')"

@@ -1,0 +1,125 @@
+"""What the flux2 family adds to the contract suite (`test_family_contract.py`: text to image and two references,
+guidance 1 and 3.5): a batch mixing rows with 0, 1 and 2 references predicts as each row alone, text and editing
+data both run on one folder, and what a run refuses at start-up (FLUX.2 [dev] folders, CFG on a step-distilled
+klein, MixGRPO-Flash, reference images under 64 px)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from miles.models import get_train_pipeline_config
+from miles.rollout.data_source import PromptDataError, read_prompt_file
+from miles.startup import startup_checks
+from miles.utils.arguments import parse_args
+
+
+@pytest.fixture(scope="module")
+def family(tiny_flux2_klein_dir):
+    return get_train_pipeline_config(tiny_flux2_klein_dir)
+
+
+def _image(seed: int, side: int = 64) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
+    return np.asarray(Image.fromarray(coarse).resize((side, side), Image.BILINEAR))
+
+
+def _copy_with_index(source: str, tmp_path: Path, **changes) -> str:
+    folder = Path(shutil.copytree(source, tmp_path / "folder", ignore=shutil.ignore_patterns("*.safetensors")))
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, **changes}))
+    return str(folder)
+
+
+def test_a_batch_of_different_reference_counts_predicts_as_each_row_alone(family):
+    """Rows with 0, 1 and 2 references (zero-padded to one length in the conditioning) run as separate forwards:
+    each row's velocity is the one it has in a batch of its own (with CFG: both branches)."""
+    prompts = ["a red circle", "make the square blue", "put the circle of the first on the second"]
+    images = [[], [_image(1)], [_image(2), _image(3)]]
+    embeds, negative = family.encode_request(prompts, images, "", negative=True)
+    assert embeds["image_token_counts"].tolist() == [0, 64, 128]  # 8x8 tokens per 64 px reference
+    assert embeds["image_ids"][2, 64:, 0].unique().tolist() == [20]  # the second reference's time coordinate
+    transformer = family.load_transformer()
+    latents = torch.randn(3, *family.latent_shape(64), generator=torch.Generator().manual_seed(0))
+    sigmas = torch.tensor([0.9, 0.6, 0.3])
+    with torch.no_grad():
+        batched = family.predict_velocity(transformer, latents, sigmas, embeds, guidance_scale=3.5, negative=negative)
+        alone = [
+            family.predict_velocity(
+                transformer, latents[i : i + 1], sigmas[i : i + 1], embeds.rows(i), guidance_scale=3.5,
+                negative=negative,
+            )
+            for i in range(3)
+        ]  # fmt: skip
+    torch.testing.assert_close(batched, torch.cat(alone), atol=1e-6, rtol=0)
+    # the references change the prediction (a row is not the text-only one)
+    text_only, _ = family.encode_request(prompts[1:2], None, "", negative=False)
+    with torch.no_grad():
+        plain = family.predict_velocity(transformer, latents[1:2], sigmas[1:2], text_only, guidance_scale=3.5,
+                                        negative=negative)  # fmt: skip
+    assert (plain - alone[1]).abs().max() > 1e-3
+
+
+def test_a_run_takes_text_and_editing_data_and_refuses_what_flux2_does_not_support(tiny_flux2_klein_dir, tmp_path):
+    def check(*flags, path=tiny_flux2_klein_dir):
+        startup_checks(parse_args(["--hf-checkpoint", path, *flags]))
+
+    check("--loss-type", "nft", "--prompt-data", "builtin:shapes")  # text to image, its shapes eval
+    check("--loss-type", "nft", "--prompt-data", "builtin:shapes-edit")
+    Image.fromarray(_image(0)).save(tmp_path / "a.png")
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(
+        "\n".join(json.dumps(r) for r in [{"prompt": "a red circle"}, {"prompt": "make it blue", "image": "a.png"}])
+    )
+    check(
+        "--eval-interval", "0", "--prompt-data", str(mixed), "--allow-repeated-prompts"
+    )  # records with and without references
+    (tmp_path / "prompts.txt").write_text("a red circle\na blue square\n")
+    check("--eval-interval", "0", "--prompt-data", str(tmp_path / "prompts.txt"), "--allow-repeated-prompts")
+    with pytest.raises(ValueError, match="--mixgrpo-flash is not supported by the flux2 family"):
+        check("--loss-type", "policy_loss", "--mixgrpo-window-size", "4", "--mixgrpo-flash", "--eval-interval", "0")
+    with pytest.raises(ValueError, match="--resolution 32: the flux2 family loads reference images"):
+        check("--resolution", "32", "--eval-interval", "0")
+    distilled = _copy_with_index(tiny_flux2_klein_dir, tmp_path, is_distilled=True)
+    check("--eval-interval", "0", "--diffusion-guidance-scale", "1.0", path=distilled)
+    with pytest.raises(ValueError, match="--diffusion-guidance-scale 3.5 with the step-distilled"):
+        check("--eval-interval", "0", "--diffusion-guidance-scale", "3.5", path=distilled)
+    with pytest.raises(ValueError, match="--dmd2-real-guidance-scale 4.5 with the step-distilled"):
+        check("--loss-type", "dmd2", "--eval-interval", "0", "--teacher-load", distilled, path=distilled)
+    shutil.rmtree(distilled)
+    dev = _copy_with_index(tiny_flux2_klein_dir, tmp_path, _class_name="Flux2Pipeline")
+    with pytest.raises(ValueError, match="'Flux2Pipeline', which no model family handles"):
+        get_train_pipeline_config(dev)
+    with pytest.raises(ValueError, match="is a Flux2Pipeline folder; the flux2 family covers Flux2KleinPipeline"):
+        get_train_pipeline_config(dev, "flux2")
+
+
+def test_reference_images_are_checked_as_the_pipeline_checks_them(family):
+    with pytest.raises(ValueError, match="Image too small: 32×32"):
+        family.encode_prompts(["make it blue"], images=[[_image(0, side=32)]])
+    with pytest.raises(ValueError, match=r"takes 0 to 10 source image\(s\) per prompt, got prompts with 11"):
+        family.encode_request(["make it blue"], [[_image(0)] * 11], "", negative=False)
+    with pytest.raises(ValueError, match="no static shift"):
+        family.sampling_shift(64)
+
+
+def test_prompt_records_without_images_are_text_prompts_for_a_family_that_takes_0(tmp_path):
+    """A JSONL for flux2 may mix text-to-image records with editing ones; for a family that needs an image the same
+    record is refused naming the line."""
+    Image.fromarray(_image(0)).save(tmp_path / "a.png")
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps({"prompt": "a red circle"}) + "\n" + json.dumps({"prompt": "blue", "image": "a.png"}))
+    args = argparse.Namespace(input_key="prompt", metadata_key="metadata", source_image_range=(0, 10))
+    records = read_prompt_file(str(mixed), args, source_images=True)
+    assert "source_images" not in records[0] and records[1]["source_images"] == [str(tmp_path / "a.png")]
+    args.source_image_range = (1, 1)
+    with pytest.raises(PromptDataError, match=r"mixed\.jsonl:1: no source image"):
+        read_prompt_file(str(mixed), args, source_images=True)
