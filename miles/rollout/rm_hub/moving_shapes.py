@@ -77,7 +77,7 @@ def _score(rgb: np.ndarray, scene: MovingScene) -> MovingShapeScore:
     ink = np.clip((alpha - _INK_FLOOR) / (1 - 2 * _INK_FLOOR), 0.0, 1.0)
     min_area = max(2, math.ceil(_MIN_AREA_FRACTION * height * width))
     wanted_color, wanted_shape = _COLOR_NAMES.index(scene.color), _SHAPE_NAMES.index(scene.shape)
-    colors, shapes, shape_votes, counts, centroids = [], [], [], [], []
+    colors, shapes, counts, centroids, inked = [], [], [], [], []
     for f in range(num):
         roots, areas = np.unique(components[f][components[f] >= 0], return_counts=True)
         objects = roots[areas >= min_area]
@@ -85,13 +85,13 @@ def _score(rgb: np.ndarray, scene: MovingScene) -> MovingShapeScore:
         if len(objects) == 0:
             colors.append(0.0)
             shapes.append(0.0)
-            shape_votes.append(False)
             continue
         on_objects = np.isin(components[f], objects)
         weights = np.where(on_objects, alpha[f], 0.0)
         total = max(float(weights.sum()), 1e-8)
         colors.append(float(weights[labels_color[f] == wanted_color].sum()) / total)
         ys, xs = np.indices((height, width))
+        inked.append(f)
         centroids.append(((weights * (xs + 0.5)).sum() / total / width, (weights * (ys + 0.5)).sum() / total / height))
         # the largest object's soft ink in its bounding box grown by a pixel, other objects' ink removed
         largest = objects[np.argmax(areas[areas >= min_area])]
@@ -101,8 +101,7 @@ def _score(rgb: np.ndarray, scene: MovingScene) -> MovingShapeScore:
         others = (components[f][window] >= 0) & ~component[window]
         probs = shape_likeness(*shape_features(np.where(others, 0.0, ink[f][window])))
         shapes.append(float(probs[wanted_shape]))
-        shape_votes.append(max(range(3), key=probs.__getitem__) == wanted_shape)
-    travel = _travel([c for c, n in zip(centroids, counts) if n], [f for f in range(num) if counts[f]], num)
+    travel = _travel(centroids, inked, num)
     (ux, uy), _ = DIRECTIONS[scene.direction]
     along = travel[0] * ux + travel[1] * uy
     across = abs(travel[0] * uy - travel[1] * ux)

@@ -111,6 +111,10 @@ def test_partial_credit_a_still_clip_and_a_blank_clip():
     assert score.reward == pytest.approx(2 / 3, abs=0.05)
     upward = _hand_clip("square", "red", [(10, 20 - 3 * f, 20, 30 - 3 * f) for f in range(5)])
     assert score_clip(upward, {"color": "red", "shape": "square", "direction": "up"}).all_correct
+    gappy = _hand_clip("circle", "green", RIGHTWARD)
+    gappy[2] = 255  # a frame without the shape: colour and shape lose a fifth, the direction still reads
+    score = score_clip(gappy, {"color": "green", "shape": "circle", "direction": "right"})
+    assert score.direction == 1.0 and score.color == pytest.approx(0.8, abs=0.02) and score.num_objects == 0.8
     blank = np.full((5, 32, 32, 3), 255, np.uint8)
     empty = score_clip(blank, {"color": "red", "shape": "circle", "direction": "left"})
     assert empty.reward == 0.0 and empty.num_objects == 0 and not empty.all_correct
