@@ -329,14 +329,14 @@ def evaluate(args: argparse.Namespace, folder: Path) -> dict[str, float]:
 
 def write_docs_media(clips: np.ndarray, prompts: list[str], out: Path, scale: int = 4, fps: float = 4.0) -> None:
     """The README's media of the first eval clips: each clip upscaled `scale` times with a grey frame around it;
-    `moving_shapes_samples.png` (`contact_sheet`: a row per clip, its frames across) and `moving_shapes_samples.mp4`
+    `moving_shapes_samples.png` (`contact_sheet`: a row per clip, all its frames across) and `moving_shapes_samples.mp4`
     (`write_mp4`: the clips tiled 4 wide, played three times at `fps`, slower than the family's 16 so the 5 frames
     can be followed), captions in `moving_shapes_samples.txt`."""
     from miles.rollout.media_files import contact_sheet, write_mp4
 
     big = clips.repeat(scale, axis=2).repeat(scale, axis=3)
     big = np.pad(big, ((0, 0), (0, 0), (2, 2), (2, 2), (0, 0)), constant_values=160)
-    contact_sheet(big[:8], str(out / "moving_shapes_samples.png"))
+    contact_sheet(big[:8], str(out / "moving_shapes_samples.png"), per_sample=big.shape[1])  # every frame
     columns = 4
     rows = [np.concatenate(list(big[r : r + columns]), axis=2) for r in range(0, len(big), columns)]  # (F, h, W, 3)
     grid = np.concatenate(rows, axis=1)
