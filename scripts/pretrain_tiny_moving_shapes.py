@@ -13,7 +13,17 @@ prints the accuracies; then the folder is copied to `--out`.
 
     python scripts/pretrain_tiny_moving_shapes.py --workdir /tmp/pretrain_moving --out miles/assets/tiny_moving_shapes
 
-The defaults are the recipe of the shipped folder (see the numbers at the end of this docstring).
+The defaults are the recipe of the shipped folder (miles/assets/tiny_moving_shapes, 1.6 MB: a 2-layer UMT5 of width
+32, the VAE at base width 8 with 4 latent channels, a transformer of 4 blocks x 4 heads x 16 with 4x4 latent patches,
+0.32 M parameters; seed 0). Measured on the shared 2-core CPU machine (2026-12-04, load average 5 to 19 from the
+other jobs): VAE 600 steps in 278 s (its reconstructions of 200 eval clips: all-correct 1.0, PSNR 32.4 dB); SFT 1 200
+steps in 387 s (loss 1.90 over the first 50 steps, 0.30 over the last 50); eval 14 s; 11.3 minutes in all. Held-out
+clips all-correct on 300 eval captions, 20 ODE steps, CFG-free: 0.073 (colour 0.983, shape 0.507, direction 0.157,
+reward 0.524): the model draws the colour and often the shape but seldom moves it the asked way. With 600 SFT steps
+it was 0.050 (colour 0.940, shape 0.340, direction 0.170). Two measured pitfalls of the VAE stage: the decoder's
+output clamp passes no gradient and posterior samples at the initial unit variance drown the encoder's means, so it
+trains on the unclamped decoder and the posterior mode; an unweighted loss left the colours wrong after 400 steps
+(`--vae-ink-weight`); at 4x spatial compression (two downsamples) 400 steps reconstructed 8% of clips all-correct.
 """
 
 from __future__ import annotations
