@@ -132,6 +132,13 @@ def test_a_run_on_the_world_evaluates_on_its_eval_split_with_its_reward():
     assert args.eval_prompt_data == "builtin:moving-shapes"
     assert args.eval_interval == algorithm_of(args).shapes_eval_interval is not None
     assert reward_spec_from_args(args) == [("moving_shapes", 1.0)]
+    from miles.ray.evaluator import MOVING_SHAPES_EVAL, load_eval_records
+
+    args.eval_num_prompts = 7
+    kind, records = load_eval_records(args)
+    assert kind == MOVING_SHAPES_EVAL and records == moving_shapes_items(
+        7, seed=args.eval_seed, split="eval", clips=False
+    )
     other = parse_args(
         [*model, "--loss-type", "nft", "--eval-prompt-data", "prompts.jsonl", "--rm-type", "motion_direction"]
     )
