@@ -19,7 +19,7 @@ from miles.backends.fsdp_utils.loss_hub import get_loss_hooks
 from miles.ray.checkpoint_folders import check_roles_agree, lock_save_folders
 from miles.ray.cluster import ray_init_settings, start_ray
 from miles.rollout.input_files import check_input_files
-from miles.utils.eval_arguments import eval_enabled
+from miles.utils.eval_arguments import BUILTIN_MOVING_SHAPES, eval_enabled
 from miles.utils.failures import run_cleanup
 from miles.utils.hook_paths import load_path_flags
 from miles.utils.locks import FolderLocks
@@ -48,10 +48,18 @@ def check_startup(args: argparse.Namespace) -> None:
     if problems:
         raise ValueError("; ".join(problems))
     check_compile(family, args.compile)  # a family that cannot be compiled is refused here, naming its reason
-    if eval_enabled(args) and not args.eval_function_path and len(family.latent_shape(args.resolution)) != 3:
+    video = len(family.latent_shape(args.resolution)) != 3
+    clips = getattr(args, "eval_prompt_data", None) == BUILTIN_MOVING_SHAPES  # the one built-in eval of video
+    if eval_enabled(args) and not args.eval_function_path and video != clips:
+        if video:
+            raise ValueError(
+                f"the built-in shapes eval scores images, and {family.name} makes video: pass --eval-interval 0, "
+                f"--eval-prompt-data {BUILTIN_MOVING_SHAPES} (clips of the moving-shapes world) or your own "
+                "--eval-function-path"
+            )
         raise ValueError(
-            f"the built-in shapes eval scores images, and {family.name} makes video: pass --eval-interval 0 or your "
-            "own --eval-function-path"
+            f"--eval-prompt-data {BUILTIN_MOVING_SHAPES} scores clips, and {family.name} makes images: use a video "
+            "family (builtin:tiny-moving-shapes) or another --eval-prompt-data"
         )
     for role in algorithm_of(args).role_names:
         get_loss_hooks(args, role)

@@ -1,5 +1,5 @@
-"""Named built-in checkpoints: `builtin:tiny-shapes` and `builtin:tiny-shapes-edit` (shipped, pretrained on the shapes
-world and the shapes edit world) and one random tiny folder per family (`builtin:tiny-sd3`, `builtin:tiny-wan`, ...),
+"""Named built-in checkpoints: `builtin:tiny-shapes`, `builtin:tiny-shapes-edit` and `builtin:tiny-moving-shapes`
+(shipped, pretrained on the shapes world, the shapes edit world and the moving-shapes video world) and one random tiny folder per family (`builtin:tiny-sd3`, `builtin:tiny-wan`, ...),
 built on first use into the cache under a file lock. Torch-free until a folder is built."""
 
 from __future__ import annotations
@@ -20,10 +20,13 @@ ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 SHIPPED_SHAPES_DIR = os.path.join(ASSETS_DIR, "tiny_shapes_sd3")
 BUILTIN_SHAPES_EDIT_MODEL = "builtin:tiny-shapes-edit"  # a FLUX.1 Kontext-architecture editor of the shapes edit world
 SHIPPED_SHAPES_EDIT_DIR = os.path.join(ASSETS_DIR, "tiny_shapes_edit")
+BUILTIN_MOVING_SHAPES_MODEL = "builtin:tiny-moving-shapes"  # a Wan-architecture video model of the moving-shapes world
+SHIPPED_MOVING_SHAPES_DIR = os.path.join(ASSETS_DIR, "tiny_moving_shapes")
 # pretrained folders shipped in the package: name -> (folder, the script that rebuilds it)
 SHIPPED_FOLDERS: dict[str, tuple[str, str]] = {
     BUILTIN_SHAPES_MODEL: (SHIPPED_SHAPES_DIR, "scripts/pretrain_tiny_shapes.py"),
     BUILTIN_SHAPES_EDIT_MODEL: (SHIPPED_SHAPES_EDIT_DIR, "scripts/pretrain_tiny_shapes_edit.py"),
+    BUILTIN_MOVING_SHAPES_MODEL: (SHIPPED_MOVING_SHAPES_DIR, "scripts/pretrain_tiny_moving_shapes.py"),
 }
 
 
@@ -109,6 +112,8 @@ def makes_video(hf_checkpoint: str | None, model_family: str = "auto") -> bool:
     family = model_family if model_family in BUILTIN_FAMILIES else None
     if family is None and hf_checkpoint in TINY_FOLDERS:
         family = TINY_FOLDERS[hf_checkpoint].family
+    if family is None and hf_checkpoint in SHIPPED_FOLDERS and model_family == "auto":
+        hf_checkpoint = SHIPPED_FOLDERS[hf_checkpoint][0]  # its model_index.json says
     if family is None and hf_checkpoint and not hf_checkpoint.startswith("builtin:") and model_family == "auto":
         try:
             with open(os.path.join(hf_checkpoint, "model_index.json")) as f:

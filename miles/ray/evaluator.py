@@ -8,11 +8,12 @@ import logging
 import time
 from typing import Any
 
+from miles.data.moving_shapes import BUILTIN_MOVING_SHAPES, moving_shapes_items
 from miles.data.ocr import BUILTIN_OCR, ocr_prompts, unquoted_prompts
 from miles.data.shapes import BUILTIN_SHAPES, ShapeScene, shapes_prompts
 from miles.data.shapes_edit import BUILTIN_SHAPES_EDIT, shapes_edit_items
 from miles.rollout.data_source import read_prompt_file, wants_source_images
-from miles.rollout.evaluation import evaluate_ocr, evaluate_shapes
+from miles.rollout.evaluation import evaluate_moving_shapes, evaluate_ocr, evaluate_shapes
 from miles.rollout.media_files import save_media
 from miles.rollout.rollout_hub import DatasetSpec, rollout_spec_of
 from miles.utils.hook_paths import load_path_flags
@@ -21,16 +22,20 @@ from miles.utils.tracking import EVAL_AXIS
 logger = logging.getLogger(__name__)
 
 
-SHAPES_EVAL, OCR_EVAL = "shapes", "ocr"
+SHAPES_EVAL, OCR_EVAL, MOVING_SHAPES_EVAL = "shapes", "ocr", "moving_shapes"
 
 
 def load_eval_records(args: argparse.Namespace, source_images: bool = False) -> tuple[str, list[dict[str, Any]]]:
-    """(which eval, its records). builtin:shapes -> its eval split (disjoint seeds from training); builtin:ocr -> the
+    """(which eval, its records). builtin:shapes (builtin:shapes-edit, builtin:moving-shapes) -> its eval split
+    (disjoint seeds from training); builtin:ocr -> the
     first --eval-num-prompts of its eval split (words disjoint from training). A file is an OCR eval when no record
     has shapes metadata (every prompt then needs quoted text), else a shapes eval (every record needs it)."""
     data = args.eval_prompt_data
     if data == BUILTIN_SHAPES_EDIT:  # metadata: the target scene, scored as a shapes eval (and the preservation)
         return SHAPES_EVAL, shapes_edit_items(args.eval_num_prompts, seed=args.eval_seed, split="eval")
+    if data == BUILTIN_MOVING_SHAPES:  # clips scored by the moving_shapes reward
+        items = moving_shapes_items(args.eval_num_prompts, seed=args.eval_seed, split="eval", clips=False)
+        return MOVING_SHAPES_EVAL, items
     if data == BUILTIN_SHAPES:
         return SHAPES_EVAL, shapes_prompts(args.eval_num_prompts, seed=args.eval_seed, split="eval")
     if data == BUILTIN_OCR:
@@ -84,6 +89,8 @@ class Evaluator:
         )
         if self.kind == OCR_EVAL:
             metrics, samples = evaluate_ocr(engine, self.records, ocr_num_threads=args.ocr_num_threads, **sampling)
+        elif self.kind == MOVING_SHAPES_EVAL:
+            metrics, samples = evaluate_moving_shapes(engine, self.records, **sampling)
         else:
             metrics, samples = evaluate_shapes(engine, self.records, **sampling)
         save_media(

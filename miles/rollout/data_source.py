@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from miles.data.moving_shapes import BUILTIN_MOVING_SHAPES, moving_shapes_items
 from miles.data.ocr import BUILTIN_OCR, ocr_prompts
 from miles.data.shapes import shapes_items, shapes_prompts
 from miles.data.shapes_edit import BUILTIN_SHAPES_EDIT, shapes_edit_items
@@ -206,6 +207,10 @@ def load_records(args: argparse.Namespace, *, with_images: bool, resolution: int
     if args.prompt_data == BUILTIN_SHAPES_EDIT:
         records = shapes_edit_items(
             args.builtin_dataset_size, seed=args.rollout_seed, split="train", resolution=resolution, targets=with_images
+        )
+    elif args.prompt_data == BUILTIN_MOVING_SHAPES:  # sft_loss's targets are clips (F, H, W, 3)
+        records = moving_shapes_items(
+            args.builtin_dataset_size, seed=args.rollout_seed, split="train", resolution=resolution, clips=with_images
         )
     elif args.prompt_data == BUILTIN_OCR and not with_images:
         records = ocr_prompts(split="train")

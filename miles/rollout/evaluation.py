@@ -1,5 +1,6 @@
 """Held-out evaluation: deterministic samples of a prompt set, scored by the shapes reward (images, or videos frame by
-frame: `evaluate_shapes`) or by the OCR reward (images of prompts with quoted text: `evaluate_ocr`).
+frame: `evaluate_shapes`), the moving-shapes reward (clips: `evaluate_moving_shapes`) or by the OCR reward (images of
+prompts with quoted text: `evaluate_ocr`).
 
 Both work with any engine that has `generate(GenerateRequest) -> GenerateResult` (an in-process `DiffusionEngine` or
 the Ray `RolloutEngineGroup`); `shapes_eval_metrics` and `ocr_eval_metrics` are the aggregations on their own.
@@ -17,6 +18,7 @@ import torch
 from miles.data.source_images import load_source_images
 from miles.rollout.engine import GenerateRequest, GenerateResult
 from miles.rollout.rm_hub.edit import PSNR_CAP_DB, keep_mask, masked_psnr
+from miles.rollout.rm_hub.moving_shapes import MovingShapeScore, moving_shapes_reward
 from miles.rollout.rm_hub.ocr import OcrScore, load_ocr_engine, ocr_scores
 from miles.rollout.rm_hub.shapes import ShapeScore, shapes_reward
 from miles.utils.seeding import stream_seed
@@ -25,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 METRIC_PREFIX = "eval/shapes"
 OCR_METRIC_PREFIX = "eval/ocr"
+MOVING_METRIC_PREFIX = "eval/moving_shapes"
 # An attribute counts as correct as in `ShapeScore.all_correct`: color share > 0.5, mean shape likeness >= 0.5 (with
 # three classes a likeness >= 0.5 is the likeliest; all_correct asks that of every object), exact count, position
 # ramp >= 0.5 (the centroid leads toward the named side by at least half the ramp).
@@ -186,6 +189,42 @@ def evaluate_shapes(
         sampling.get("sde_type", "ode"),
         sampling["guidance_scale"],
         metrics[f"{METRIC_PREFIX}_accuracy"],
+    )
+    return metrics, samples
+
+
+def moving_shapes_eval_metrics(scores: list[MovingShapeScore]) -> dict[str, float]:
+    """`eval/moving_shapes_accuracy` (all-correct rate), per-attribute accuracies (colour share > 0.5, shape likeness
+    >= 0.5, direction ramp >= 0.5: each half of `all_correct`) and the mean reward."""
+    if not scores:
+        raise ValueError("moving_shapes_eval_metrics needs at least one score")
+    p = MOVING_METRIC_PREFIX
+    return {
+        f"{p}_accuracy": float(np.mean([s.all_correct for s in scores])),
+        f"{p}_color_accuracy": float(np.mean([s.color > 0.5 for s in scores])),
+        f"{p}_shape_accuracy": float(np.mean([s.shape >= 0.5 for s in scores])),
+        f"{p}_direction_accuracy": float(np.mean([s.direction >= 0.5 for s in scores])),
+        f"{p}_reward_mean": float(np.mean([s.reward for s in scores])),
+    }
+
+
+def evaluate_moving_shapes(
+    engine: GenerateEngine, records: list[dict[str, Any]], *, num_samples_per_prompt: int = 1, **sampling: Any
+) -> tuple[dict[str, float], EvalSamples]:
+    """`generate_eval_samples` of builtin:moving-shapes prompts (a video family's clips) scored by the
+    moving_shapes reward: the metrics of `moving_shapes_eval_metrics` and the samples."""
+    samples = generate_eval_samples(engine, records, num_samples_per_prompt=num_samples_per_prompt, **sampling)
+    if samples.images.ndim != 5:
+        raise ValueError("the moving-shapes eval scores clips; this model makes images (use a video family)")
+    metadatas = [r["metadata"] for r in records for _ in range(num_samples_per_prompt)]
+    metrics = moving_shapes_eval_metrics(moving_shapes_reward(list(samples.images), metadatas))
+    logger.info(
+        "moving-shapes eval: %d clips, %d %s steps, cfg %.2f: accuracy %.3f",
+        len(metadatas),
+        sampling["num_steps"],
+        sampling.get("sde_type", "ode"),
+        sampling["guidance_scale"],
+        metrics[f"{MOVING_METRIC_PREFIX}_accuracy"],
     )
     return metrics, samples
 

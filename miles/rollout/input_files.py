@@ -8,6 +8,7 @@ import json
 import os
 
 from miles.algorithms import algorithm_of
+from miles.data.moving_shapes import BUILTIN_MOVING_SHAPES
 from miles.data.ocr import BUILTIN_OCR, unquoted_prompts
 from miles.data.shapes_edit import BUILTIN_SHAPES_EDIT
 from miles.rollout.data_source import (
@@ -77,7 +78,7 @@ def check_input_files(args: argparse.Namespace) -> None:
         )
     if args.prompt_data.startswith("builtin:"):  # a built-in world matches the family: text, or source images
         check_source_image_counts([], args, "--prompt-data", args.prompt_data)
-    if args.prompt_data not in (BUILTIN_SHAPES, BUILTIN_SHAPES_EDIT):
+    if args.prompt_data not in (BUILTIN_SHAPES, BUILTIN_SHAPES_EDIT, BUILTIN_MOVING_SHAPES):
         records = load_records(args, with_images=with_images, resolution=None)  # source images decoded: checked
         check_ocr_prompts(args, records)
     eval_data = getattr(args, "eval_prompt_data", BUILTIN_SHAPES)

@@ -171,7 +171,7 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompt-data",
         default="builtin:shapes",
         help="JSONL of prompts (and images for SFT; source images for an editing or image-to-video family), a .txt "
-        "of prompts (one a line), builtin:shapes, builtin:shapes-edit or builtin:ocr.",
+        "of prompts (one a line), builtin:shapes, builtin:shapes-edit, builtin:moving-shapes or builtin:ocr.",
     )
     group.add_argument("--input-key", default="prompt", help="JSONL key of the prompt.")
     group.add_argument(
@@ -184,7 +184,12 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     # not a flag: the family's source images per prompt, (fewest, most), set by the start-up checks from the family
     # (`TrainPipelineConfig.source_image_range`); what the data loaders and the eval read
     parser.set_defaults(source_image_range=(0, 0))
-    group.add_argument("--builtin-dataset-size", type=int, default=2048, help="Items of builtin:shapes.")
+    group.add_argument(
+        "--builtin-dataset-size",
+        type=int,
+        default=2048,
+        help="Items of builtin:shapes (and the other built-in worlds).",
+    )
     group.add_argument("--rollout-batch-size", type=int, default=8, help="Prompts per rollout.")
     group.add_argument("--n-samples-per-prompt", type=int, default=8, help="Samples per prompt (a GRPO group).")
     group.add_argument("--rollout-seed", type=int, default=42, help="Seeds data order and per-sample noise.")

@@ -10,6 +10,7 @@ from miles.models.builtin import makes_video
 
 BUILTIN_SHAPES = "builtin:shapes"
 BUILTIN_SHAPES_EDIT = "builtin:shapes-edit"  # miles.data.shapes_edit's (this module stays free of the data modules)
+BUILTIN_MOVING_SHAPES = "builtin:moving-shapes"  # miles.data.moving_shapes'
 SHAPES_EVALUATED = " / ".join(a.name for a in BUILTIN_ALGORITHMS if a.shapes_eval_interval)
 
 
@@ -27,7 +28,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--eval-prompt-data",
         default="builtin:shapes",
-        help="Held-out prompts: builtin:shapes, builtin:shapes-edit (the default when training on it) or builtin:ocr "
+        help="Held-out prompts: builtin:shapes, builtin:shapes-edit or builtin:moving-shapes (each the default when "
+        "training on it) or builtin:ocr "
         "(their eval splits), a JSONL with shapes metadata (and source images for an editing family), or a "
         "JSONL / .txt of prompts with quoted text (scored by OCR: eval/ocr_accuracy).",
     )
@@ -65,17 +67,21 @@ def eval_rules(args: argparse.Namespace) -> list[str]:
 
 
 def eval_defaults(args: argparse.Namespace, algorithm: Algorithm) -> dict[str, Any]:
-    """--eval-interval unset: the algorithm's own on builtin:shapes (or builtin:shapes-edit) prompts (off for debug
-    rollouts and for video families: the shapes eval scores images); 0 means off. Training on builtin:shapes-edit
-    evaluates on its eval split unless --eval-prompt-data names other prompts."""
+    """--eval-interval unset: the algorithm's own on builtin:shapes (or builtin:shapes-edit) prompts with an image
+    family and on builtin:moving-shapes prompts with a video family (off for debug rollouts and otherwise); 0 means
+    off. Training on builtin:shapes-edit or builtin:moving-shapes evaluates on its eval split unless
+    --eval-prompt-data names other prompts."""
     interval = args.eval_interval
     worlds = (BUILTIN_SHAPES, BUILTIN_SHAPES_EDIT)
     shapes = args.prompt_data in worlds and not makes_video(args.hf_checkpoint, args.model_family)  # images
-    if interval is None and shapes and not args.debug_rollout_only:
+    moving = args.prompt_data == BUILTIN_MOVING_SHAPES and makes_video(args.hf_checkpoint, args.model_family)
+    if interval is None and (shapes or moving) and not args.debug_rollout_only:
         interval = algorithm.shapes_eval_interval
     derived: dict[str, Any] = {"eval_interval": None if interval == 0 else interval}
     if args.prompt_data == BUILTIN_SHAPES_EDIT and args.eval_prompt_data == BUILTIN_SHAPES:
         derived["eval_prompt_data"] = BUILTIN_SHAPES_EDIT  # editing triples are evaluated on the edit world's split
+    if args.prompt_data == BUILTIN_MOVING_SHAPES and args.eval_prompt_data == BUILTIN_SHAPES:
+        derived["eval_prompt_data"] = BUILTIN_MOVING_SHAPES  # clips are evaluated on the video world's split
     return derived
 
 

@@ -13,6 +13,7 @@ import os
 
 from miles.models.builtin import makes_video
 
+BUILTIN_MOVING_SHAPES = "builtin:moving-shapes"  # miles.data.moving_shapes's (no data modules here)
 CUSTOM = "custom"  # the reward loaded from --custom-rm-path
 BUILTIN_REWARDS: tuple[str, ...] = (
     "shapes",
@@ -25,6 +26,7 @@ BUILTIN_REWARDS: tuple[str, ...] = (
     "motion_direction",
     "vlm_judge",
     "edit_preservation",
+    "moving_shapes",
 )
 REMOTE = "remote"  # remote<K>: the reward server of the K-th --rm-url (not a --rm-type name)
 JUDGE = "vlm_judge"  # takes --rm-url as its chat-completions endpoint instead of a reward server
@@ -124,8 +126,8 @@ def _given_spec(args: argparse.Namespace) -> list[tuple[str, float]]:
 
 
 def reward_spec_from_args(args: argparse.Namespace) -> list[tuple[str, float]]:
-    """The spec of `--rm-type` (unset: `custom` with `--custom-rm-path`, else `shapes`, or `temporal_consistency` for
-    a video family; only the servers when --rm-url is given), then `remote<K>` for the K-th reward server's --rm-url
+    """The spec of `--rm-type` (unset: `custom` with `--custom-rm-path`, else `moving_shapes` on builtin:moving-shapes
+    prompts, `shapes`, or `temporal_consistency` for a video family; only the servers when --rm-url is given), then `remote<K>` for the K-th reward server's --rm-url
     with its --rm-url-weight (default 1); a `--custom-rm-path` that the spec leaves out would be ignored silently,
     so it is an error."""
     custom_path = getattr(args, "custom_rm_path", None)
@@ -136,7 +138,10 @@ def reward_spec_from_args(args: argparse.Namespace) -> list[tuple[str, float]]:
     if remote and not getattr(args, "rm_type", None) and not custom_path:
         return remote
     video = makes_video(getattr(args, "hf_checkpoint", None), getattr(args, "model_family", "auto"))
-    text = getattr(args, "rm_type", None) or (CUSTOM if custom_path else "temporal_consistency" if video else "shapes")
+    default = "temporal_consistency" if video else "shapes"
+    if getattr(args, "prompt_data", None) == BUILTIN_MOVING_SHAPES:
+        default = "moving_shapes"  # the world's own reward
+    text = getattr(args, "rm_type", None) or (CUSTOM if custom_path else default)
     spec = parse_reward_spec(text) + remote
     names = [name for name, _ in spec]
     if CUSTOM in names and not custom_path:

@@ -163,7 +163,8 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--rm-type",
         default=None,
-        help="Reward or weighted list name:w,... (default shapes, temporal_consistency for a video family; custom "
+        help="Reward or weighted list name:w,... (default shapes, moving_shapes on builtin:moving-shapes, "
+        "temporal_consistency for a video family; custom "
         "with --custom-rm-path).",
     )
     group.add_argument("--custom-rm-path", default=None, help="Batched [async] def rm(args, samples) -> list[float].")

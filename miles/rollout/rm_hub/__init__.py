@@ -16,7 +16,8 @@ from typing import Any
 from miles.rollout.rm_hub.clip import clip_score, pickscore
 from miles.rollout.rm_hub.edit import edit_preservation
 from miles.rollout.rm_hub.jpeg import jpeg_compressibility, jpeg_incompressibility, sample_pil_image
-from miles.rollout.rm_hub.media import IMAGE, VIDEO, media_mismatch
+from miles.rollout.rm_hub.media import IMAGE, VIDEO, media_mismatch, sample_frames
+from miles.rollout.rm_hub.moving_shapes import moving_shapes_reward
 from miles.rollout.rm_hub.ocr import OCR_EXTRA_KEY, ocr_rm
 from miles.rollout.rm_hub.remote import RemoteRewardError, server_rewards
 from miles.rollout.rm_hub.shapes import shapes_reward
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[argparse.Namespace, list[Sample]], Any]
 SHAPES_EXTRA_KEY = "shapes"
+MOVING_SHAPES_EXTRA_KEY = "moving_shapes"
 
 
 class RewardError(RuntimeError):
@@ -45,6 +47,15 @@ async def shapes_rm(args: argparse.Namespace, samples: list[Sample]) -> list[flo
     return [score.reward for score in scores]
 
 
+async def moving_shapes_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
+    """Mean of the colour/shape/direction scores of each clip (see `rm_hub/moving_shapes.py`); every
+    `MovingShapeScore` field, including `all_correct`, is also stored in `sample.extra["moving_shapes"]` for metrics."""
+    scores = moving_shapes_reward([sample_frames(s) for s in samples], [s.metadata for s in samples])
+    for sample, score in zip(samples, scores):
+        sample.extra[MOVING_SHAPES_EXTRA_KEY] = asdict(score)
+    return [score.reward for score in scores]
+
+
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "shapes": shapes_rm,
     "jpeg_compressibility": jpeg_compressibility,
@@ -56,10 +67,11 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "motion_direction": motion_direction,
     "vlm_judge": vlm_judge,
     "edit_preservation": edit_preservation,
+    "moving_shapes": moving_shapes_rm,
 }
 # The media each built-in scores (custom rewards read what they like): image rewards read sample.image, video
 # rewards sample.frames; compute_rewards refuses a mismatch before calling the reward.
-VIDEO_REWARDS = ["temporal_consistency", "motion_direction"]
+VIDEO_REWARDS = ["temporal_consistency", "motion_direction", "moving_shapes"]
 REWARD_MEDIA: dict[str, str] = {name: VIDEO if name in VIDEO_REWARDS else IMAGE for name in REWARD_FUNCTIONS}
 REWARD_MEDIA.pop("vlm_judge")  # judges an image or a video's key frames
 
@@ -168,7 +180,7 @@ def reward_metrics(
     totals: list[float], per_reward: dict[str, list[float]], samples: list[Sample] | None = None
 ) -> dict[str, float]:
     """`rollout/reward_mean`, `rollout/reward_<name>_mean`, `rollout/shapes_<field>_mean` from the samples'
-    `extra["shapes"]` (all_correct as a rate), and `rollout/ocr_correct_mean` (target text found) from `extra["ocr"]`."""
+    `extra["shapes"]` (all_correct as a rate), `rollout/moving_shapes_<field>_mean` from `extra["moving_shapes"]`, and `rollout/ocr_correct_mean` (target text found) from `extra["ocr"]`."""
     metrics: dict[str, float] = {}
     if totals:
         metrics["rollout/reward_mean"] = sum(totals) / len(totals)
@@ -179,6 +191,10 @@ def reward_metrics(
     for field in ("color", "shape", "count", "position", "num_objects", "all_correct"):
         if infos:
             metrics[f"rollout/shapes_{field}_mean"] = sum(float(info[field]) for info in infos) / len(infos)
+    moving = [s.extra[MOVING_SHAPES_EXTRA_KEY] for s in samples or [] if MOVING_SHAPES_EXTRA_KEY in s.extra]
+    for field in ("color", "shape", "direction", "all_correct"):
+        if moving:
+            metrics[f"rollout/moving_shapes_{field}_mean"] = sum(float(info[field]) for info in moving) / len(moving)
     ocr = [s.extra[OCR_EXTRA_KEY] for s in samples or [] if OCR_EXTRA_KEY in s.extra]
     if ocr:
         metrics["rollout/ocr_correct_mean"] = sum(float(info["correct"]) for info in ocr) / len(ocr)

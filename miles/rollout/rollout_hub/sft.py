@@ -21,7 +21,10 @@ ENCODE_BATCH = 64  # records per encoder call
 
 
 def image_to_tensor(image: Any, resolution: int) -> torch.Tensor:
-    """A PIL image or a path -> (3, H, W) float tensor in [-1, 1] at `resolution`."""
+    """A PIL image or a path -> (3, H, W) float tensor in [-1, 1] at `resolution`; a clip's frames (F, H, W, 3)
+    uint8 (a video world's target, e.g. builtin:moving-shapes) -> (F, 3, H, W), each frame at `resolution`."""
+    if isinstance(image, np.ndarray) and image.ndim == 4:
+        return torch.stack([image_to_tensor(Image.fromarray(frame), resolution) for frame in image])
     if isinstance(image, str):
         try:
             image = Image.open(image)

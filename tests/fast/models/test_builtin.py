@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from miles.models import get_train_pipeline_config
@@ -16,6 +17,7 @@ from miles.models.builtin import BUILTIN_NAMES, makes_video, resolve_checkpoint
 EXPECTED = {
     "builtin:tiny-shapes": ("StableDiffusion3Pipeline", "sd3", (4, 16, 16)),  # pretrained at 64 px
     "builtin:tiny-shapes-edit": ("FluxKontextPipeline", "flux-kontext", (4, 16, 16)),  # pretrained at 32 px
+    "builtin:tiny-moving-shapes": ("WanPipeline", "wan", (4, 5, 16, 16)),  # 5 frames at 32 px, a frame-wise 2x VAE
     "builtin:tiny-sd3": ("StableDiffusion3Pipeline", "sd3", (4, 8, 8)),
     "builtin:tiny-flux": ("FluxPipeline", "flux", (4, 8, 8)),
     "builtin:tiny-flux-kontext": ("FluxKontextPipeline", "flux-kontext", (4, 8, 8)),
@@ -49,6 +51,17 @@ def test_every_builtin_name_resolves_to_a_folder_of_its_family(builtin_folders):
         assert (family.name, family.latent_shape()) == (family_name, shape), name
     assert get_train_pipeline_config(builtin_folders["builtin:tiny-wan-2-experts"]).two_experts
     assert not get_train_pipeline_config(builtin_folders["builtin:tiny-wan"]).two_experts
+
+
+def test_the_shipped_moving_shapes_model_samples_clips_of_its_world():
+    from miles.rollout.engine import DiffusionEngine, GenerateRequest
+
+    engine = DiffusionEngine(resolve_checkpoint("builtin:tiny-moving-shapes"))  # shipped: nothing to build
+    prompts = ["a red circle moving to the left", "a blue square moving up"]
+    request = GenerateRequest(prompts, [0, 1], 2, 1.0, "", "ode", 0.0, [])
+    result = engine.generate(request)
+    assert result.images.shape == (2, 5, 32, 32, 3) and result.images.dtype == np.uint8 and result.fps > 0
+    assert 0 < result.images.std()  # not a blank canvas
 
 
 def test_a_built_folder_is_reused_not_rebuilt(builtin_folders, monkeypatch):

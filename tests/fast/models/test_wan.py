@@ -156,6 +156,7 @@ def test_latent_geometry_and_video_media(tiny_wan_dir, tmp_path):
 
 def test_startup_refuses_what_a_wan_run_cannot_do(tiny_wan_dir, tiny_wan_2_experts_dir):
     """The driver's start-up check, before Ray: the family's options and checks, and the image-only shapes eval."""
+    from miles.models.builtin import resolve_checkpoint
     from miles.startup import check_startup
     from miles.utils.arguments import parse_args
 
@@ -170,3 +171,8 @@ def test_startup_refuses_what_a_wan_run_cannot_do(tiny_wan_dir, tiny_wan_2_exper
     check(tiny_wan_dir, "--loss-type", "nft")  # nft on builtin:shapes evaluates by default, but not video families
     with pytest.raises(ValueError, match="shapes eval scores images, and wan makes video"):
         check(tiny_wan_dir, "--loss-type", "nft", "--eval-interval", "5")
+    moving = ("--eval-prompt-data", "builtin:moving-shapes", "--eval-interval", "5")
+    check(tiny_wan_dir, "--loss-type", "nft", *moving)  # the video world's eval scores clips
+    with pytest.raises(ValueError, match="builtin:moving-shapes scores clips, and sd3 makes images"):
+        shapes_model = resolve_checkpoint("builtin:tiny-shapes")
+        check_startup(parse_args(["--hf-checkpoint", shapes_model, "--loss-type", "nft", *moving]))

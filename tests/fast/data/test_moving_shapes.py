@@ -1,0 +1,145 @@
+"""The moving-shapes video world: clips are a function of (seed, split, index), the splits differ, every clip
+shows its caption's shape moving its way inside the canvas, and the moving_shapes reward scores the world's own
+clips right and hand-made wrong ones low."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw, ImageFilter
+
+from miles.data.moving_shapes import (
+    DIRECTIONS,
+    NUM_FRAMES,
+    RESOLUTION,
+    MovingScene,
+    moving_shapes_item,
+    moving_shapes_items,
+)
+from miles.data.shapes import PALETTE
+from miles.rollout.rm_hub.moving_shapes import moving_shapes_reward, score_clip
+
+ITEMS = moving_shapes_items(120, seed=3)
+OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up"}
+
+
+def test_items_are_a_function_of_seed_split_and_index():
+    again = moving_shapes_item(3, "train", 17)
+    assert again["prompt"] == ITEMS[17]["prompt"] and again["metadata"] == ITEMS[17]["metadata"]
+    assert np.array_equal(again["image"], ITEMS[17]["image"])
+    assert ITEMS[17]["image"].shape == (NUM_FRAMES, RESOLUTION, RESOLUTION, 3) and ITEMS[17]["image"].dtype == np.uint8
+    cheap = moving_shapes_items(20, seed=3, clips=False)
+    assert [i["metadata"] for i in cheap] == [i["metadata"] for i in ITEMS[:20]] and "image" not in cheap[0]
+    other = moving_shapes_items(120, seed=3, split="eval", clips=False)
+    assert [i["metadata"] for i in other] != [i["metadata"] for i in ITEMS]
+    assert not any(o["metadata"]["trajectory"] == i["metadata"]["trajectory"] for o, i in zip(other, ITEMS))
+    with pytest.raises(ValueError, match="split"):
+        moving_shapes_item(3, "test", 0)
+
+
+def test_captions_name_the_metadata_and_the_trajectory_moves_that_way_inside_the_canvas():
+    assert {i["metadata"]["direction"] for i in ITEMS} == set(DIRECTIONS)
+    for item in ITEMS:
+        meta = item["metadata"]
+        assert item["prompt"] == MovingScene(meta["color"], meta["shape"], meta["direction"]).caption()
+        path = np.array(meta["trajectory"])
+        (ux, uy), _ = DIRECTIONS[meta["direction"]]
+        travel = path[-1] - path[0]
+        assert 0.29 <= travel @ (ux, uy) <= 0.46 and abs(travel @ (uy, ux)) < 1e-9, item["prompt"]
+        assert path.min() - meta["size"] / 2 > 0 and path.max() + meta["size"] / 2 < 1
+    assert MovingScene("red", "circle", "left").caption() == "a red circle moving to the left"
+    with pytest.raises(ValueError, match="direction 'sideways'"):
+        MovingScene("red", "circle", "sideways")
+
+
+def test_the_reward_scores_the_worlds_clips_right_and_reversed_or_recoloured_ones_low():
+    clips, metas = [i["image"] for i in ITEMS], [i["metadata"] for i in ITEMS]
+    truth = moving_shapes_reward(clips, metas)
+    assert np.mean([s.all_correct for s in truth]) >= 0.95 and min(s.reward for s in truth) >= 0.9
+    reversed_ = moving_shapes_reward([c[::-1] for c in clips], metas)  # played backwards: the opposite direction
+    assert not any(s.all_correct for s in reversed_) and max(s.direction for s in reversed_) == 0.0
+    opposite = moving_shapes_reward(clips, [{**m, "direction": OPPOSITE[m["direction"]]} for m in metas])
+    assert max(s.direction for s in opposite) == 0.0
+    recoloured = [{**m, "color": "green" if m["color"] != "green" else "red"} for m in metas]
+    assert max(s.color for s in moving_shapes_reward(clips, recoloured)) < 0.1
+    blurred = [
+        np.stack([np.asarray(Image.fromarray(f).filter(ImageFilter.GaussianBlur(0.7))) for f in c]) for c in clips
+    ]
+    assert np.mean([s.all_correct for s in moving_shapes_reward(blurred, metas)]) >= 0.9
+
+
+def _hand_clip(shape: str, color: str, boxes: list[tuple[int, int, int, int]], size: int = 32) -> np.ndarray:
+    """A clip drawn by hand with PIL (no antialiasing), a box per frame, independent of the world's renderer."""
+    frames = []
+    for x0, y0, x1, y1 in boxes:
+        image = Image.new("RGB", (size, size), (255, 255, 255))
+        draw = ImageDraw.Draw(image)
+        if shape == "square":
+            draw.rectangle((x0, y0, x1, y1), fill=PALETTE[color])
+        elif shape == "circle":
+            draw.ellipse((x0, y0, x1, y1), fill=PALETTE[color])
+        else:
+            draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=PALETTE[color])
+        frames.append(np.asarray(image))
+    return np.stack(frames)
+
+
+RIGHTWARD = [(2 + 3 * f, 12, 12 + 3 * f, 22) for f in range(5)]  # 10 px moving 12 px to the right
+
+
+@pytest.mark.parametrize("shape", ["circle", "square", "triangle"])
+def test_hand_drawn_clips_score_by_attribute(shape):
+    clip = _hand_clip(shape, "blue", RIGHTWARD)
+    truth = {"color": "blue", "shape": shape, "direction": "right"}
+    right = score_clip(clip, truth)
+    assert right.all_correct and right.reward > 0.9 and right.travel[0] == pytest.approx(12 / 32, abs=0.02)
+    for change, attribute in (({"color": "yellow"}, "color"), ({"direction": "left"}, "direction")):
+        wrong = score_clip(clip, {**truth, **change})
+        assert not wrong.all_correct and getattr(wrong, attribute) < 0.1, change
+        for other in {"color", "shape", "direction"} - {attribute}:
+            assert getattr(wrong, other) == pytest.approx(getattr(right, other))
+    other_shape = {"circle": "square", "square": "triangle", "triangle": "circle"}[shape]
+    assert not score_clip(clip, {**truth, "shape": other_shape}).all_correct
+    # moving up and down are told apart from sideways drift: a clip moving right is neither
+    assert score_clip(clip, {**truth, "direction": "up"}).direction == 0.0
+
+
+def test_partial_credit_a_still_clip_and_a_blank_clip():
+    still = _hand_clip("square", "red", [(10, 10, 20, 20)] * 5)
+    score = score_clip(still, {"color": "red", "shape": "square", "direction": "down"})
+    assert score.direction == 0.0 and score.color > 0.99 and score.shape > 0.9 and not score.all_correct
+    assert score.reward == pytest.approx(2 / 3, abs=0.05)
+    upward = _hand_clip("square", "red", [(10, 20 - 3 * f, 20, 30 - 3 * f) for f in range(5)])
+    assert score_clip(upward, {"color": "red", "shape": "square", "direction": "up"}).all_correct
+    gappy = _hand_clip("circle", "green", RIGHTWARD)
+    gappy[2] = 255  # a frame without the shape: colour and shape lose a fifth, the direction still reads
+    score = score_clip(gappy, {"color": "green", "shape": "circle", "direction": "right"})
+    assert score.direction == 1.0 and score.color == pytest.approx(0.8, abs=0.02) and score.num_objects == 0.8
+    blank = np.full((5, 32, 32, 3), 255, np.uint8)
+    empty = score_clip(blank, {"color": "red", "shape": "circle", "direction": "left"})
+    assert empty.reward == 0.0 and empty.num_objects == 0 and not empty.all_correct
+    with pytest.raises(ValueError, match="clips"):
+        score_clip(blank[0], {"color": "red", "shape": "circle", "direction": "left"})
+
+
+def test_a_run_on_the_world_evaluates_on_its_eval_split_with_its_reward():
+    from miles.algorithms import algorithm_of
+    from miles.utils.arguments import parse_args
+    from miles.utils.reward_spec import reward_spec_from_args
+
+    model = ["--hf-checkpoint", "builtin:tiny-moving-shapes", "--prompt-data", "builtin:moving-shapes"]
+    args = parse_args([*model, "--loss-type", "nft"])
+    assert args.eval_prompt_data == "builtin:moving-shapes"
+    assert args.eval_interval == algorithm_of(args).shapes_eval_interval is not None
+    assert reward_spec_from_args(args) == [("moving_shapes", 1.0)]
+    from miles.ray.evaluator import MOVING_SHAPES_EVAL, load_eval_records
+
+    args.eval_num_prompts = 7
+    kind, records = load_eval_records(args)
+    assert kind == MOVING_SHAPES_EVAL and records == moving_shapes_items(
+        7, seed=args.eval_seed, split="eval", clips=False
+    )
+    other = parse_args(
+        [*model, "--loss-type", "nft", "--eval-prompt-data", "prompts.jsonl", "--rm-type", "motion_direction"]
+    )
+    assert other.eval_prompt_data == "prompts.jsonl" and reward_spec_from_args(other) == [("motion_direction", 1.0)]
