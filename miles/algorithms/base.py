@@ -181,6 +181,8 @@ class Algorithm:
     - `async_rollout`: --async-rollout is accepted (a batch generated one update behind the trainer is right for the
       loss); its rollout side's `RolloutSpec.stale_batch` says what the loss does with one (checked against it).
     - `guidance_scale`: the default of --diffusion-guidance-scale.
+    - `guidance_flags`: its own flags (dests) holding a CFG scale its training forwards use beyond
+      --diffusion-guidance-scale (a family that runs no CFG refuses them above 1 at start-up).
     - `globalize_reward_std`: the default of --globalize-reward-std (the GRPO advantage divides by the batch's
       reward std instead of each group's; --no-globalize-reward-std turns it off).
     - `shapes_eval_interval`: the default --eval-interval on builtin:shapes prompts (None: no held-out eval).
@@ -204,6 +206,7 @@ class Algorithm:
     accepts_train_only: bool = False
     async_rollout: bool = False
     guidance_scale: float = 4.5
+    guidance_flags: tuple[str, ...] = ()
     globalize_reward_std: bool = False
     shapes_eval_interval: int | None = None
     add_arguments: Callable[[argparse.ArgumentParser], None] = no_arguments

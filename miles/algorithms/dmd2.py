@@ -69,6 +69,7 @@ ALGORITHM = Algorithm(
     scores_rewards=False,
     samples_sde=False,
     guidance_scale=1.0,  # the generator samples CFG-free; the teacher's CFG is --dmd2-real-guidance-scale
+    guidance_flags=("dmd2_real_guidance_scale",),
     shapes_eval_interval=20,
     add_arguments=add_arguments,
     flag_ranges={

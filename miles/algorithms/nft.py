@@ -45,6 +45,7 @@ ALGORITHM = Algorithm(
     roles=(Role("actor", frozen_networks=(OLD_POLICY,)),),
     samples_sde=False,
     guidance_scale=1.0,  # DiffusionNFT samples CFG-free
+    guidance_flags=("diffusion_nft_guidance_scale",),
     shapes_eval_interval=20,
     add_arguments=add_arguments,
     flag_ranges={

@@ -25,6 +25,7 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 from PIL import Image
 from torch import nn
 
+from miles.algorithms import algorithm_of
 from miles.models.base import compute_dtype, read_model_index, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
@@ -146,12 +147,9 @@ class Flux2KleinPipelineConfig(DiffusersFamily):
                 f"and Flux2KleinPipeline takes none smaller than {FLUX2_MIN_REFERENCE_SIDE} px a side; use at least "
                 f"{FLUX2_MIN_REFERENCE_SIDE}"
             )
-        scales = {
-            "--diffusion-guidance-scale": getattr(args, "diffusion_guidance_scale", None),
-            "--diffusion-nft-guidance-scale": getattr(args, "diffusion_nft_guidance_scale", None),
-        }
-        if getattr(args, "loss_type", None) == "dmd2":  # the teacher's CFG
-            scales["--dmd2-real-guidance-scale"] = getattr(args, "dmd2_real_guidance_scale", None)
+        # the sampling scale and the run's algorithm's own CFG scales (its declared `guidance_flags`)
+        dests = ("diffusion_guidance_scale", *algorithm_of(args).guidance_flags)
+        scales = {"--" + dest.replace("_", "-"): getattr(args, dest, None) for dest in dests}
         for flag, scale in scales.items():
             if self.is_distilled and scale is not None and scale > 1.0:
                 raise ValueError(
