@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import Flux2Pipeline, Flux2Transformer2DModel
+from diffusers import Flux2Transformer2DModel
 from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 from PIL import Image
 from torch import nn
@@ -44,6 +44,7 @@ from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
     check_velocity_inputs,
+    diffusers_class,
     dynamic_shift_sigmas,
     posterior_latents,
     square_latent_side,
@@ -466,7 +467,7 @@ class Flux2DevPipelineConfig(Flux2Family):
         processor's chat template (`load_tokenizer`): the pipeline's own encode_prompt then renders, tokenizes and
         encodes as its __call__ does."""
         pipe = self.load_text_pipeline(
-            Flux2Pipeline,
+            diffusers_class(self.text_pipeline_class),  # imported here: a trainer rank never loads it
             without=(*self.non_text_components, "tokenizer"),
             frozen=self.text_modules,
             device=device,
