@@ -164,6 +164,16 @@ def tiny_flux2_klein_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_flux2_dev_dir(tmp_path_factory):
+    """A tiny FLUX.2 [dev]-style (guidance embedding) Flux2Pipeline folder (Mistral3 text encoder), built once."""
+    from miles.models.tiny_flux2 import save_tiny_flux2_dev_pipeline
+
+    path = tmp_path_factory.mktemp("tiny_flux2_dev") / "pipeline"
+    save_tiny_flux2_dev_pipeline(str(path), seed=0)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen_image_dir(tmp_path_factory):
     """A tiny Qwen-Image pipeline folder (Qwen2.5-VL text encoder, Qwen's video VAE), built offline once."""
     from miles.models.tiny_qwen_image import save_tiny_qwen_image_pipeline
@@ -287,6 +297,8 @@ def _flux2_patchified(pipe: Any, latents: Any, resolution: int) -> Any:
 
 # the tiny FLUX.2 folder's text length and hidden states (its miles_defaults.json; the pipeline's are 512, (9, 18, 27))
 FLUX2_CALL_KWARGS = {"max_sequence_length": 32, "text_encoder_out_layers": (1, 2, 3)}
+# the tiny FLUX.2 [dev] folder's (the pipeline's are 512, (10, 20, 30)): its system turn is 30 of the 64 tokens
+FLUX2_DEV_CALL_KWARGS = {"max_sequence_length": 64, "text_encoder_out_layers": (1, 2, 3)}
 
 
 def _qwen_image_unpacked(pipe: Any, latents: Any, resolution: int) -> Any:
@@ -489,6 +501,36 @@ FAMILY_CASES = [
         resolution=64,
         standard_loss_runs=True,  # three whole runs: the suite's budget keeps them in the standard tier
         e2e_guidances=(3.5,),  # true CFG with reference tokens; whole runs read builtin:shapes-edit (one per prompt)
+        source_images=2,
+        image_kwargs=lambda images: {"image": images[0]},  # one prompt's list of PIL images
+        per_prompt_calls=True,
+    ),
+    # FLUX.2 [dev]: the guidance embedding takes w (the pipeline's guidance_scale) at every w, no negative; text to
+    # image here, the fast contract tests at w 1 and above
+    FamilyCase(
+        "flux2-dev",
+        "flux2-dev",
+        "tiny_flux2_dev_dir",
+        "Flux2Pipeline",
+        lambda w: {"guidance_scale": w},
+        _flux2_patchified,
+        call_kwargs=FLUX2_DEV_CALL_KWARGS,
+        resolution=64,
+        loss_runs=False,  # the edit case's run the same family code on conditioned samples
+        e2e_guidances=(),  # the edit case's parity run embeds w with reference tokens, the same code
+    ),
+    # the same folder editing with two reference images per prompt, called per prompt as klein's edit case
+    FamilyCase(
+        "flux2-dev-edit",
+        "flux2-dev",
+        "tiny_flux2_dev_dir",
+        "Flux2Pipeline",
+        lambda w: {"guidance_scale": w},
+        _flux2_patchified,
+        call_kwargs=FLUX2_DEV_CALL_KWARGS,
+        resolution=64,
+        standard_loss_runs=True,  # three whole runs: the suite's budget keeps them in the standard tier
+        e2e_guidances=(4.0,),  # the pipeline's default embedded guidance, with reference tokens; --save-hf loads
         source_images=2,
         image_kwargs=lambda images: {"image": images[0]},  # one prompt's list of PIL images
         per_prompt_calls=True,

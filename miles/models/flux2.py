@@ -1,20 +1,33 @@
-"""The FLUX.2 [klein] family: `Flux2Transformer2DModel`, a Qwen3 text encoder whose hidden states 9, 18 and 27 are
-stacked, `AutoencoderKLFlux2` with its batch-norm latent normalisation, 4D (t, h, w, l) position ids, the empirical
-σ shift of the resolution and the step count, and text-to-image plus multi-reference editing in one pipeline.
-Computed exactly as `diffusers.Flux2KleinPipeline` does, from a local pipeline folder.
+"""The FLUX.2 families: `Flux2Transformer2DModel`, `AutoencoderKLFlux2` with its batch-norm latent normalisation, 4D
+(t, h, w, l) position ids, the empirical σ shift of the resolution and the step count, and text-to-image plus
+multi-reference editing in one pipeline. Two pipeline classes, one registered family each, their shared code in
+`Flux2Family`; each computed exactly as its diffusers pipeline, from a local pipeline folder:
+- `flux2` (FLUX.2 [klein], `Flux2KleinPipeline`): a Qwen3 text encoder whose hidden states 9, 18 and 27 are stacked;
+  true CFG on klein-base, none on a step-distilled klein;
+- `flux2-dev` (FLUX.2 [dev], `Flux2Pipeline`): a Mistral3 text encoder (Mistral-Small-3 chat template with the
+  pipeline's system message) whose hidden states 10, 20 and 30 are stacked, and a guidance embedding (guidance-
+  distilled: --diffusion-guidance-scale is the value embedded, one forward, no negative).
 
 Latent layout: miles holds a sample as the pipeline's initial latent, the VAE latent 2x2-patchified to (4C, H/2, W/2)
 and batch-norm normalised (the noise the pipeline draws has this shape, so seeds give the same noise); a token is one
 (h, w) position's 4C channels, so packing is a flatten and the velocity needs no unpatchify.
 
-Not covered: `Flux2Pipeline` folders (FLUX.2 [dev]: a Mistral3 text encoder read through its processor and a
-guidance embedding), refused at start-up naming the class; the pipelines' prompt upsampling and KV-cached references.
+FLUX.2 [dev]'s `tokenizer/` is a `PixtralProcessor`, which transformers 5 cannot import without torchvision (its
+torchvision image processor is imported at module level). Flux2Pipeline.encode_prompt uses only the processor's text
+path (its chat template rendered and tokenized; no image goes to the text encoder), so the family loads the
+folder's tokenizer (AutoTokenizer, as the processor does) with the processor's chat template and gives it to the
+pipeline: the token ids and attention mask are the processor's (compared on the tiny tokenizer, with truncation).
+
+Not covered: the pipelines' prompt upsampling (`caption_upsample_temperature`: the Mistral3 model generating a new
+prompt, with the vision tower and the processor's image path) and klein's KV-cached references.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+from abc import abstractmethod
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +44,7 @@ from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
     check_velocity_inputs,
+    diffusers_class,
     dynamic_shift_sigmas,
     posterior_latents,
     square_latent_side,
@@ -41,13 +55,14 @@ from miles.models.media import Media
 
 logger = logging.getLogger(__name__)
 
-FLUX2_MAX_TEXT_LENGTH = 512  # Flux2KleinPipeline's default max_sequence_length (the tokenizer pads to it)
+FLUX2_MAX_TEXT_LENGTH = 512  # both pipelines' default max_sequence_length (the tokenizer pads to it)
 FLUX2_DEFAULT_LATENT_SIDE = 128  # the pipeline's default_sample_size: 128 VAE latents per side (1024 px)
 FLUX2_REFERENCE_AREA = 1024 * 1024  # the pipeline shrinks a reference image larger than this to this area
-FLUX2_MAX_REFERENCES = 10  # reference images per prompt (the pipeline sets none; BFL recommends at most 10)
+FLUX2_MAX_REFERENCES = 10  # reference images per prompt (the pipelines set none; BFL recommends at most 10)
 REFERENCE_TIME_SCALE = 10  # `_prepare_image_ids`: reference k's time coordinate is 10 + 10k (the noise's is 0)
 FLUX2_MIN_REFERENCE_SIDE = 64  # `Flux2ImageProcessor.check_image_input`: smaller reference images are refused
 FLUX2_TEXT_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's default text_encoder_out_layers
+FLUX2_DEV_TEXT_LAYERS = (10, 20, 30)  # Flux2Pipeline's default text_encoder_out_layers
 FLUX2_TEXT = ("prompt_embeds",)  # the text conditioning (what a negative replaces)
 
 
@@ -81,28 +96,21 @@ def bn_stats(vae: nn.Module, like: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return mean, std
 
 
-@register_train_pipeline_config
-class Flux2KleinPipelineConfig(DiffusersFamily):
-    """FLUX.2 [klein] pipeline folders (`Flux2KleinPipeline`): text-to-image, and editing with 1 to
-    FLUX2_MAX_REFERENCES reference images per prompt (`source_image_range = (0, 10)`).
+class Flux2Family(DiffusersFamily):
+    """What FLUX.2 [klein] and [dev] folders share: text-to-image, and editing with 1 to FLUX2_MAX_REFERENCES
+    reference images per prompt (`source_image_range = (0, 10)`). A subclass declares its pipeline class, text
+    pipeline, default hidden-state layers and guidance (`true_cfg`, `embedded_guidance`).
 
-    Conditioning: `prompt_embeds` (B, L, 3D), the Qwen3 hidden states the pipeline stacks; `image_tokens` (B, T, 4C)
-    the reference images' normalised latents packed one after the other, `image_ids` (B, T, 4) their position ids
-    and `image_token_counts` (B,) how many of a row's T are real (rows of a batch may carry different numbers of
-    images; the rest is zero padding). In `predict_velocity` the reference tokens follow the noise tokens, as in
-    the pipeline's loop; rows are run in groups of equal reference layout.
+    Conditioning: `prompt_embeds` (B, L, 3D), the text encoder's hidden states the pipeline stacks; `image_tokens`
+    (B, T, 4C) the reference images' normalised latents packed one after the other, `image_ids` (B, T, 4) their
+    position ids and `image_token_counts` (B,) how many of a row's T are real (rows of a batch may carry different
+    numbers of images; the rest is zero padding). In `predict_velocity` the reference tokens follow the noise tokens,
+    as in the pipelines' loops; rows are run in groups of equal reference layout.
 
-    Guidance as the pipeline's: klein-base (`is_distilled` false) runs true CFG for w > 1, the negative text (the
-    pipeline's "", or --negative-prompt) with the same reference tokens; a step-distilled klein runs no CFG, so w > 1
-    is refused at start-up, and the teacher's and NFT's scales too (the pipeline would ignore it).
-
-    Difference from `Flux2KleinPipeline.__call__`: the pipeline takes one list of reference images for the whole
-    batch; miles gives each prompt its own (`encode_prompts(..., images=)`), which is the pipeline called per prompt.
+    Difference from the pipelines' `__call__`: a pipeline takes one list of reference images for the whole batch;
+    miles gives each prompt its own (`encode_prompts(..., images=)`), which is the pipeline called per prompt.
     """
 
-    name = "flux2"
-    pipeline_class_name = "Flux2KleinPipeline"
-    text_pipeline_class = "Flux2KleinPipeline"
     vae_class = "AutoencoderKLFlux2"
     transformer_class = Flux2Transformer2DModel
     # the double-stream blocks' joint attention and the single-stream blocks' fused qkv+MLP input projection
@@ -118,49 +126,48 @@ class Flux2KleinPipelineConfig(DiffusersFamily):
         "to_qkv_mlp_proj",
     )
     source_image_range = (0, FLUX2_MAX_REFERENCES)
+    checkpoint_name: str  # the model's name in messages ("FLUX.2 [klein]")
+    default_text_layers: tuple[int, ...]  # the pipeline's default text_encoder_out_layers
 
     def __init__(self, path: str, **options: Any) -> None:
         super().__init__(path, **options)
-        index = read_model_index(Path(self.path))
-        class_name = index.get("_class_name")
+        self.index = read_model_index(Path(self.path))
+        class_name = self.index.get("_class_name")
         if class_name != self.pipeline_class_name:
             raise ValueError(
                 f"{self.path} is a {class_name} folder; the {self.name} family covers {self.pipeline_class_name} "
-                "(FLUX.2 [klein]) only: FLUX.2 [dev]'s Flux2Pipeline (Mistral3 text encoder, guidance embedding) is "
-                "not supported"
+                f"({self.checkpoint_name}) folders only"
             )
-        self.is_distilled = bool(index.get("is_distilled", False))
         if self.scheduler_config().get("use_flow_sigmas", False):
             raise ValueError(
                 f"{self.path}: a scheduler with use_flow_sigmas is not supported by the {self.name} family"
             )
 
     def check_run_args(self, args: argparse.Namespace) -> None:
-        """Refused at start-up: CFG on a step-distilled folder (the pipeline ignores it), MixGRPO-Flash (its
-        compressed grid needs one static shift of the resolution; FLUX.2's shift depends on the step count too) and
-        a resolution under 64 px (miles loads reference images at the run's resolution, and the pipeline refuses
-        smaller ones)."""
+        """Refused at start-up: MixGRPO-Flash (its compressed grid needs one static shift of the resolution;
+        FLUX.2's shift depends on the step count too) and a resolution under 64 px (miles loads reference images at
+        the run's resolution, and the pipelines refuse smaller ones)."""
         resolution = getattr(args, "resolution", None) or self.default_resolution
         if resolution < FLUX2_MIN_REFERENCE_SIDE:
             raise ValueError(
                 f"--resolution {resolution}: the {self.name} family loads reference images at the run's resolution "
-                f"and Flux2KleinPipeline takes none smaller than {FLUX2_MIN_REFERENCE_SIDE} px a side; use at least "
-                f"{FLUX2_MIN_REFERENCE_SIDE}"
+                f"and {self.pipeline_class_name} takes none smaller than {FLUX2_MIN_REFERENCE_SIDE} px a side; use "
+                f"at least {FLUX2_MIN_REFERENCE_SIDE}"
             )
-        # the sampling scale and the run's algorithm's own CFG scales (its declared `guidance_flags`)
-        dests = ("diffusion_guidance_scale", *algorithm_of(args).guidance_flags)
-        scales = {"--" + dest.replace("_", "-"): getattr(args, dest, None) for dest in dests}
-        for flag, scale in scales.items():
-            if self.is_distilled and scale is not None and scale > 1.0:
-                raise ValueError(
-                    f"{flag} {scale} with the step-distilled {self.path} (is_distilled): Flux2KleinPipeline runs no "
-                    "CFG for it; use 1.0 or a klein-base folder"
-                )
         if getattr(args, "mixgrpo_flash", False):
             raise ValueError(
                 f"--mixgrpo-flash is not supported by the {self.name} family: its σ shift depends on the step count "
                 "(compute_empirical_mu), not on the resolution alone"
             )
+
+    # guidance
+    @abstractmethod
+    def true_cfg(self, guidance_scale: float) -> bool:
+        """Whether `predict_velocity` at `guidance_scale` runs true CFG (two branches, a negative text)."""
+
+    @abstractmethod
+    def embedded_guidance(self, guidance_scale: float, batch: int, device: torch.device) -> torch.Tensor | None:
+        """The transformer's `guidance` input for `batch` rows at `guidance_scale` (None: the pipeline passes none)."""
 
     # networks
     def transformer_blocks(self, transformer: nn.Module) -> list[nn.Module]:
@@ -175,9 +182,9 @@ class Flux2KleinPipelineConfig(DiffusersFamily):
 
     @property
     def text_encoder_out_layers(self) -> tuple[int, ...]:
-        """The text encoder's hidden states stacked per token: the pipeline's default (9, 18, 27), or the folder's
-        run default (a tiny folder's shallow encoder)."""
-        return tuple(self.folder_default("text_encoder_out_layers") or FLUX2_TEXT_LAYERS)
+        """The text encoder's hidden states stacked per token: the pipeline's default (klein (9, 18, 27), dev
+        (10, 20, 30)), or the folder's run default (a tiny folder's shallow encoder)."""
+        return tuple(self.folder_default("text_encoder_out_layers") or self.default_text_layers)
 
     @property
     def in_channels(self) -> int:
@@ -191,7 +198,7 @@ class Flux2KleinPipelineConfig(DiffusersFamily):
         *,
         images: list[list[np.ndarray]] | None = None,
     ) -> Conditioning:
-        """`Flux2KleinPipeline.encode_prompt(max_sequence_length=..., text_encoder_out_layers=...)`: `prompt_embeds`
+        """The pipeline's `encode_prompt(max_sequence_length=..., text_encoder_out_layers=...)`: `prompt_embeds`
         (B, L, 3D); the reference
         images of each prompt (`images`: a list of (H, W, 3) uint8 per prompt, possibly empty; None: none) as
         `image_tokens`, `image_ids` and `image_token_counts` (zero-length without images)."""
@@ -273,15 +280,11 @@ class Flux2KleinPipelineConfig(DiffusersFamily):
     ) -> torch.Tensor:
         """The velocity (float32, latents' shape (B, 4C, h, w)) at noise levels `sigmas` (B,), as the pipeline's loop
         computes it: the noise tokens (ids (0, i, j, 0)) followed by the row's reference tokens, timestep σ, text ids
-        (0, 0, 0, l); for w > 1 on klein-base, true CFG uncond + w (cond - uncond) with the negative text and the same
-        reference tokens (both branches in one batched forward); w > 1 on a step-distilled klein is an error.
-        `negative` may be a batch of one (broadcast)."""
+        (0, 0, 0, l), the guidance embedding's input w (dev); for w > 1 on klein-base, true CFG uncond + w (cond -
+        uncond) with the negative text and the same reference tokens (both branches in one batched forward); w > 1
+        on a step-distilled klein is an error. `negative` may be a batch of one (broadcast); dev ignores it."""
         check_velocity_inputs(latents, sigmas, embeds)
-        if guidance_scale > 1.0 and self.is_distilled:
-            raise ValueError(
-                f"guidance_scale {guidance_scale} with the step-distilled {self.path}: the pipeline runs no CFG for it"
-            )
-        cfg = guidance_scale > 1.0
+        cfg = self.true_cfg(guidance_scale)
         if cfg and negative is None:
             raise ValueError("true CFG (guidance_scale > 1 on klein-base) needs negative embeddings")
         if cfg:
@@ -332,7 +335,7 @@ class Flux2KleinPipelineConfig(DiffusersFamily):
         pred = transformer(
             hidden_states=hidden,
             timestep=timestep,
-            guidance=None,
+            guidance=self.embedded_guidance(guidance_scale, hidden.shape[0], device),
             encoder_hidden_states=text,
             txt_ids=txt_ids.to(device),
             img_ids=img_ids,
@@ -384,3 +387,128 @@ class Flux2KleinPipelineConfig(DiffusersFamily):
         multiple = self.vae_scale_factor * 2
         side = square_latent_side(resolution, multiple, multiple, "VAE factor x 2x2 patchify")
         return self.in_channels, side, side
+
+
+@register_train_pipeline_config
+class Flux2KleinPipelineConfig(Flux2Family):
+    """FLUX.2 [klein] pipeline folders (`Flux2KleinPipeline`, Qwen3 text encoder), `Flux2Family`'s conditioning.
+
+    Guidance as the pipeline's: klein-base (`is_distilled` false) runs true CFG for w > 1, the negative text (the
+    pipeline's "", or --negative-prompt) with the same reference tokens; a step-distilled klein runs no CFG, so w > 1
+    is refused at start-up, and the teacher's and NFT's scales too (the pipeline would ignore it). The transformer
+    has no guidance embedding (`guidance` None).
+    """
+
+    name = "flux2"
+    pipeline_class_name = "Flux2KleinPipeline"
+    text_pipeline_class = "Flux2KleinPipeline"
+    checkpoint_name = "FLUX.2 [klein]"
+    default_text_layers = FLUX2_TEXT_LAYERS
+
+    def __init__(self, path: str, **options: Any) -> None:
+        super().__init__(path, **options)
+        self.is_distilled = bool(self.index.get("is_distilled", False))
+
+    def check_run_args(self, args: argparse.Namespace) -> None:
+        """`Flux2Family.check_run_args`, and CFG on a step-distilled folder (the pipeline ignores it): the sampling
+        scale and the run's algorithm's own CFG scales (its declared `guidance_flags`) above 1."""
+        super().check_run_args(args)
+        dests = ("diffusion_guidance_scale", *algorithm_of(args).guidance_flags)
+        scales = {"--" + dest.replace("_", "-"): getattr(args, dest, None) for dest in dests}
+        for flag, scale in scales.items():
+            if self.is_distilled and scale is not None and scale > 1.0:
+                raise ValueError(
+                    f"{flag} {scale} with the step-distilled {self.path} (is_distilled): Flux2KleinPipeline runs no "
+                    "CFG for it; use 1.0 or a klein-base folder"
+                )
+
+    def true_cfg(self, guidance_scale: float) -> bool:
+        """w > 1 on klein-base; an error on a step-distilled klein (the pipeline runs no CFG for it)."""
+        if guidance_scale > 1.0 and self.is_distilled:
+            raise ValueError(
+                f"guidance_scale {guidance_scale} with the step-distilled {self.path}: the pipeline runs no CFG for it"
+            )
+        return guidance_scale > 1.0
+
+    def embedded_guidance(self, guidance_scale: float, batch: int, device: torch.device) -> torch.Tensor | None:
+        return None
+
+
+@register_train_pipeline_config
+class Flux2DevPipelineConfig(Flux2Family):
+    """FLUX.2 [dev] pipeline folders (`Flux2Pipeline`, Mistral3 text encoder read through its processor's chat
+    template with the pipeline's system message), `Flux2Family`'s conditioning.
+
+    Guidance as the pipeline's: guidance-distilled, the transformer embeds w (the pipeline's `guidance_scale`,
+    default 4.0) at every step, one forward, no negative and no true CFG, for every w (1.0 too: the value 1 is
+    embedded, it does not switch anything off). In miles --diffusion-guidance-scale is that w (its default is the
+    algorithm's, not the pipeline's 4.0), and an algorithm's own scales (the DMD2 teacher's, NFT's) are the embedded
+    w of their forwards, as for FLUX.1-dev (`flux`). Flux2Pipeline has no negative prompt: a --negative-prompt is
+    refused at start-up.
+    """
+
+    name = "flux2-dev"
+    pipeline_class_name = "Flux2Pipeline"
+    text_pipeline_class = "Flux2Pipeline"
+    checkpoint_name = "FLUX.2 [dev]"
+    default_text_layers = FLUX2_DEV_TEXT_LAYERS
+
+    def check_run_args(self, args: argparse.Namespace) -> None:
+        """`Flux2Family.check_run_args`, and a --negative-prompt (Flux2Pipeline has none: its guidance is embedded)."""
+        super().check_run_args(args)
+        if getattr(args, "negative_prompt", ""):
+            raise ValueError(
+                f"--negative-prompt with the {self.name} family: Flux2Pipeline (FLUX.2 [dev], guidance-distilled) has "
+                "no negative prompt and runs no CFG; --diffusion-guidance-scale is its embedded guidance"
+            )
+
+    def load_text_encoders(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+        """Flux2Pipeline with its text encoder only, and as its `tokenizer` the folder's tokenizer with the
+        processor's chat template (`load_tokenizer`): the pipeline's own encode_prompt then renders, tokenizes and
+        encodes as its __call__ does."""
+        pipe = self.load_text_pipeline(
+            diffusers_class(self.text_pipeline_class),  # imported here: a trainer rank never loads it
+            without=(*self.non_text_components, "tokenizer"),
+            frozen=self.text_modules,
+            device=device,
+            dtype=dtype,
+        )
+        pipe.register_modules(tokenizer=self.load_tokenizer())
+        return pipe
+
+    def load_tokenizer(self) -> Any:
+        """`tokenizer/`'s tokenizer as its PixtralProcessor holds it (AutoTokenizer) with the chat template the
+        processor applies (`processor_chat_template`). A folder whose `tokenizer/` is a plain tokenizer (the tiny
+        one) reads the same way."""
+        from transformers import AutoTokenizer
+
+        folder = Path(self.path, "tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        tokenizer.chat_template = processor_chat_template(folder)
+        return tokenizer
+
+    def true_cfg(self, guidance_scale: float) -> bool:
+        return False
+
+    def embedded_guidance(self, guidance_scale: float, batch: int, device: torch.device) -> torch.Tensor | None:
+        """`torch.full([1], guidance_scale, dtype=float32).expand(batch)`, as Flux2Pipeline passes it."""
+        return torch.full((batch,), float(guidance_scale), device=device, dtype=torch.float32)
+
+
+def processor_chat_template(folder: Path) -> str:
+    """The chat template a transformers processor saved in `folder` applies, found as `ProcessorMixin.from_pretrained`
+    finds it: `processor_config.json`'s "chat_template", else the legacy `chat_template.json`'s, else
+    `chat_template.jinja` (the default template; a tokenizer saves its own there too)."""
+    config = folder / "processor_config.json"
+    if config.is_file() and json.loads(config.read_text()).get("chat_template") is not None:
+        template = json.loads(config.read_text())["chat_template"]
+    elif (folder / "chat_template.json").is_file():
+        template = json.loads((folder / "chat_template.json").read_text())["chat_template"]
+    elif (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    else:
+        raise FileNotFoundError(
+            f"{folder} has no chat template (processor_config.json, chat_template.json or chat_template.jinja): "
+            "Flux2Pipeline renders its prompts with the processor's"
+        )
+    return template["default"] if isinstance(template, dict) else template

@@ -19,6 +19,7 @@ class BuiltinFamily(NamedTuple):
 BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
     "flux": BuiltinFamily("miles.models.flux", "FluxPipeline", "FluxPipelineConfig"),
     "flux2": BuiltinFamily("miles.models.flux2", "Flux2KleinPipeline", "Flux2KleinPipelineConfig"),
+    "flux2-dev": BuiltinFamily("miles.models.flux2", "Flux2Pipeline", "Flux2DevPipelineConfig"),
     "flux-kontext": BuiltinFamily("miles.models.flux_kontext", "FluxKontextPipeline", "FluxKontextPipelineConfig"),
     "hunyuan-video15": BuiltinFamily(
         "miles.models.hunyuan_video15", "HunyuanVideo15Pipeline", "HunyuanVideo15PipelineConfig", video=True

@@ -102,7 +102,7 @@ def test_unknown_pipeline_class_lists_known_families(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "CogVideoXPipeline"}))
     with pytest.raises(
         ValueError,
-        match=r"CogVideoXPipeline.*flux \(FluxPipeline\), flux-kontext \(FluxKontextPipeline\), flux2 \(Flux2KleinPipeline\), hunyuan-video15 \(HunyuanVideo15Pipeline\), ltx2 \(LTX2Pipeline\), "
+        match=r"CogVideoXPipeline.*flux \(FluxPipeline\), flux-kontext \(FluxKontextPipeline\), flux2 \(Flux2KleinPipeline\), flux2-dev \(Flux2Pipeline\), hunyuan-video15 \(HunyuanVideo15Pipeline\), ltx2 \(LTX2Pipeline\), "
         r"qwen-image \(QwenImagePipeline\), qwen-image-edit \(QwenImageEditPipeline\), "
         r"qwen-image-edit-plus \(QwenImageEditPlusPipeline\), sd3 \(StableDiffusion3Pipeline\), "
         r"wan \(WanPipeline\), wan-i2v \(WanImageToVideoPipeline\), z-image \(ZImagePipeline\)",

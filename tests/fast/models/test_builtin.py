@@ -22,6 +22,7 @@ EXPECTED = {
     "builtin:tiny-flux": ("FluxPipeline", "flux", (4, 8, 8)),
     "builtin:tiny-flux-kontext": ("FluxKontextPipeline", "flux-kontext", (4, 8, 8)),
     "builtin:tiny-flux2-klein": ("Flux2KleinPipeline", "flux2", (16, 8, 8)),  # 64 px, 2x2-patchified latents
+    "builtin:tiny-flux2-dev": ("Flux2Pipeline", "flux2-dev", (16, 8, 8)),
     "builtin:tiny-qwen-image": ("QwenImagePipeline", "qwen-image", (4, 8, 8)),
     "builtin:tiny-qwen-image-edit": ("QwenImageEditPipeline", "qwen-image-edit", (4, 8, 8)),
     "builtin:tiny-qwen-image-edit-plus": ("QwenImageEditPlusPipeline", "qwen-image-edit-plus", (4, 8, 8)),

@@ -1,7 +1,9 @@
-"""What the flux2 family adds to the contract suite (`test_family_contract.py`: text to image and two references,
-guidance 1 and 3.5): a batch mixing rows with 0, 1 and 2 references predicts as each row alone, text and editing
-data both run on one folder, and what a run refuses at start-up (FLUX.2 [dev] folders, CFG on a step-distilled
-klein, MixGRPO-Flash, reference images under 64 px)."""
+"""What the flux2 families add to the contract suite (`test_family_contract.py`: klein and dev, text to image and two
+references, guidance 1 and 3.5): a batch mixing rows with 0, 1 and 2 references predicts as each row alone, text and
+editing data both run on one folder, and what a run refuses at start-up (CFG on a step-distilled klein, MixGRPO-Flash,
+reference images under 64 px, a folder of the other FLUX.2 pipeline, a negative prompt for dev); FLUX.2 [dev]'s
+guidance is embedded (no negative), and a folder whose tokenizer is a PixtralProcessor (as FLUX.2-dev's, which
+transformers cannot load without torchvision) encodes through its tokenizer and the processor's chat template."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from transformers.utils import is_torchvision_available
 
 from miles.models import get_train_pipeline_config
 from miles.rollout.data_source import PromptDataError, read_prompt_file
@@ -95,11 +98,9 @@ def test_a_run_takes_text_and_editing_data_and_refuses_what_flux2_does_not_suppo
     with pytest.raises(ValueError, match="--dmd2-real-guidance-scale 4.5 with the step-distilled"):
         check("--loss-type", "dmd2", "--eval-interval", "0", "--teacher-load", distilled, path=distilled)
     shutil.rmtree(distilled)
-    dev = _copy_with_index(tiny_flux2_klein_dir, tmp_path, _class_name="Flux2Pipeline")
-    with pytest.raises(ValueError, match="'Flux2Pipeline', which no model family handles"):
-        get_train_pipeline_config(dev)
-    with pytest.raises(ValueError, match="is a Flux2Pipeline folder; the flux2 family covers Flux2KleinPipeline"):
-        get_train_pipeline_config(dev, "flux2")
+    with pytest.raises(ValueError, match=r"is a Flux2KleinPipeline folder; the flux2-dev family covers Flux2Pipeline "
+                       r"\(FLUX.2 \[dev\]\) folders only"):  # fmt: skip
+        get_train_pipeline_config(tiny_flux2_klein_dir, "flux2-dev")
 
 
 def test_reference_images_are_checked_as_the_pipeline_checks_them(family):
@@ -123,3 +124,57 @@ def test_prompt_records_without_images_are_text_prompts_for_a_family_that_takes_
     args.source_image_range = (1, 1)
     with pytest.raises(PromptDataError, match=r"mixed\.jsonl:1: no source image"):
         read_prompt_file(str(mixed), args, source_images=True)
+
+
+def test_flux2_dev_embeds_its_guidance_and_refuses_what_its_pipeline_lacks(tiny_flux2_dev_dir, tiny_flux2_klein_dir):
+    """Flux2Pipeline is guidance-distilled: w is the transformer's guidance input at every w (1 too), one forward
+    without a negative (a negative given is not read); it has no negative prompt, so a run's is refused."""
+    family = get_train_pipeline_config(tiny_flux2_dev_dir)
+    assert family.name == "flux2-dev" and family.text_encoder_out_layers == (1, 2, 3)  # the tiny folder's
+    embeds, negative = family.encode_request(["a red circle"], [[_image(1)]], "", negative=True)
+    transformer = family.load_transformer()
+    latents = torch.randn(1, *family.latent_shape(64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        velocity = {w: family.predict_velocity(transformer, latents, torch.tensor([0.7]), embeds, guidance_scale=w)
+                    for w in (1.0, 4.0)}  # fmt: skip
+        with_negative = family.predict_velocity(
+            transformer, latents, torch.tensor([0.7]), embeds, guidance_scale=4.0, negative=negative
+        )
+    assert (velocity[4.0] - velocity[1.0]).abs().max() > 1e-4  # the embedding reads w
+    assert torch.equal(with_negative, velocity[4.0])
+
+    def check(*flags):
+        startup_checks(parse_args(["--hf-checkpoint", tiny_flux2_dev_dir, "--eval-interval", "0", *flags]))
+
+    check("--diffusion-guidance-scale", "4.0")
+    check("--loss-type", "dmd2", "--teacher-load", tiny_flux2_dev_dir)  # the teacher's scale is its embedded w
+    with pytest.raises(ValueError, match="--negative-prompt with the flux2-dev family: Flux2Pipeline"):
+        check("--negative-prompt", "blurry")
+    with pytest.raises(ValueError, match="--mixgrpo-flash is not supported by the flux2-dev family"):
+        check("--loss-type", "policy_loss", "--mixgrpo-window-size", "4", "--mixgrpo-flash")
+    with pytest.raises(ValueError, match=r"is a Flux2Pipeline folder; the flux2 family covers Flux2KleinPipeline"):
+        get_train_pipeline_config(tiny_flux2_dev_dir, "flux2")
+
+
+def test_a_flux2_dev_folder_with_a_pixtral_processor_encodes_through_its_tokenizer(tiny_flux2_dev_dir, tmp_path):
+    """FLUX.2-dev's `tokenizer/` is a PixtralProcessor (model_index names it; its chat template may sit in
+    processor_config.json, which wins over the tokenizer's own). The family reads the tokenizer with the processor's
+    template and encodes as the tiny folder, whose tokenizer is saved alone; diffusers itself cannot load such a
+    folder without torchvision (the reason the family does not load the processor)."""
+    folder = Path(shutil.copytree(tiny_flux2_dev_dir, tmp_path / "dev"))
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "tokenizer": ["transformers", "PixtralProcessor"]}))
+    template = (folder / "tokenizer" / "chat_template.jinja").read_text()
+    (folder / "tokenizer" / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[-1]['content'][0]['text'] }}")
+    processor = {"processor_class": "PixtralProcessor", "image_token": "[IMG]", "patch_size": 8,
+                 "spatial_merge_size": 2, "chat_template": template}  # fmt: skip
+    (folder / "tokenizer" / "processor_config.json").write_text(json.dumps(processor))
+    prompts = ["two red circles on the left", "a blue square"]
+    expected = get_train_pipeline_config(tiny_flux2_dev_dir).encode_prompts(prompts)
+    embeds = get_train_pipeline_config(str(folder)).encode_prompts(prompts)
+    assert sorted(embeds) == sorted(expected) and all(torch.equal(embeds[k], expected[k]) for k in expected)
+    if not is_torchvision_available():
+        import diffusers
+
+        with pytest.raises(ValueError, match="processing_pixtral.*Placeholder.* cannot be loaded"):
+            diffusers.Flux2Pipeline.from_pretrained(str(folder), local_files_only=True)  # transformers' stand-in
