@@ -20,7 +20,7 @@ from PIL import Image
 from miles.backends.fsdp_utils.lora import apply_lora, lora_config_from_args, lora_state_dict, save_lora_adapter
 from miles.models import get_train_pipeline_config
 from miles.rollout.engine import DiffusionEngine, GenerateRequest
-from tests.conftest import FAMILY_CASES
+from tests.conftest import FAMILY_CASES, case_params
 
 PROMPTS = ["two red circles on the left", "a blue square"]
 SEEDS = [3, 11]
@@ -154,7 +154,7 @@ ONE_CASE_PER_FAMILY = [
 ]
 
 
-@pytest.mark.parametrize("case", ONE_CASE_PER_FAMILY, ids=[case.id for case in ONE_CASE_PER_FAMILY])
+@pytest.mark.parametrize("case", case_params(ONE_CASE_PER_FAMILY), ids=[case.id for case in ONE_CASE_PER_FAMILY])
 def test_default_lora_adapter_loads_through_the_pipelines_load_lora_weights(request, case, tmp_path):
     path = request.getfixturevalue(case.fixture)
     family = get_train_pipeline_config(path, **case.family_options)
