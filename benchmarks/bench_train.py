@@ -8,6 +8,13 @@ compiled / eager trunk.
 
     python benchmarks/bench_train.py                      # the tiny pipeline, built offline
     python benchmarks/bench_train.py --hf-checkpoint DIR --pairs 64 --micro-batch-size 8 --compile off
+    python benchmarks/bench_train.py --profile            # where a step's time goes, eager / blocks / full
+
+`--profile` runs no Ray: one micro-batch's training step (forward, flow-matching loss, backward, clip, the trainer's
+fused AdamW) of the same transformer in this process, eager and with each `--compile` mode (`miles.models.compile`),
+under `torch.profiler`, and prints its milliseconds split by what the kernels do: attention (the SDPA kernels),
+matmuls and convolutions (the same ATen kernels compiled or not: inductor calls them), the optimizer, and the rest
+(element-wise ops, norms, modulations, copies, Python and dispatch overhead: what compiling fuses).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch  # noqa: E402
 
 from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch  # noqa: E402
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext  # noqa: E402
+from miles.backends.fsdp_utils.optim import build_optimizer  # noqa: E402
 from miles.diffusion.schedule import flow_matching_loss  # noqa: E402
 from miles.models.base import get_train_pipeline_config  # noqa: E402
 from miles.utils.arguments import parse_args  # noqa: E402
@@ -75,6 +83,83 @@ def plain_loop(args, family, pairs, windows: int) -> float:
     return time.perf_counter() - started
 
 
+# profiler event -> the part of a step it belongs to (first match of the name; self time), the rest is "other"
+PARTS = (
+    ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn_linear", "aten::_addmm_activation")),
+    ("convolution", ("convolution", "mkldnn_convolution", "aten::_slow_conv2d")),
+)
+OPTIMIZER_EVENT = "Optimizer.step#AdamW.step"
+
+
+def profile_step(args, family, pairs: dict[str, torch.Tensor], modes: list[str], steps: int) -> None:
+    """Print one micro-batch training step's milliseconds per part (PARTS, the optimizer, the rest), per mode."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from miles.models.compile import compile_transformer
+
+    mb = args.micro_batch_size
+    batch = {k: v[:mb] for k, v in pairs.items()}
+    ctx = DiffusionLossContext(
+        args=args,
+        role="actor",
+        rollout_id=0,
+        dp_rank=0,
+        dp_size=1,
+        device=torch.device("cpu"),
+        forward_dtype=torch.float32,
+        family=family,
+        networks={},
+    )
+    prepared = prepare_sft_batch(ctx, batch, microbatch_id=0, optim_step_idx=0)
+    columns = ("attention", "matmul", "convolution", "optimizer", "other")
+    print(f"one training step of {mb} pairs, {torch.get_num_threads()} thread(s), median of {steps} (profiled: ms)")
+    print(f"{'mode':<8}{'step ms':>9}" + "".join(f"{c:>13}" for c in columns) + f"{'compile s':>11}")
+    for mode in modes:
+        model = family.load_transformer()
+        model.train()
+        started = time.perf_counter()
+        compile_transformer(model, family.transformer_blocks(model), mode)
+        optimizer = build_optimizer(model.parameters(), args, args.lr)
+
+        def step(model=model, optimizer=optimizer) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            v = family.predict_velocity(model, prepared.latents, prepared.sigmas, prepared.embeds)
+            loss = flow_matching_loss(v, prepared.extras["x0"], prepared.extras["noise"], prepared.sigmas).sum()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+            optimizer.step()
+
+        step()  # the compile, for the compiled modes
+        compile_s = time.perf_counter() - started
+        for _ in range(3):
+            step()
+        seconds = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - t)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        ms = dict.fromkeys(columns, 0.0)
+        total = 0.0
+        for event in prof.key_averages():
+            self_ms = event.self_cpu_time_total / 1e3 / steps
+            total += self_ms
+            if event.key == OPTIMIZER_EVENT:
+                ms["optimizer"] += event.cpu_time_total / 1e3 / steps  # its kernels, counted here only
+                continue
+            part = next((name for name, keys in PARTS if any(k in event.key for k in keys)), "other")
+            ms[part] += self_ms
+        ms["other"] -= ms["optimizer"] - sum(  # the optimizer's own kernels were counted in "other" too
+            e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages() if e.key == OPTIMIZER_EVENT
+        )
+        median_ms = statistics.median(seconds) * 1e3
+        cells = "".join(f"{ms[c]:>7.2f} ({ms[c] / total:>3.0%})" for c in columns)
+        print(f"{mode:<8}{median_ms:>9.2f}{cells}{compile_s if mode != 'off' else 0.0:>11.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf-checkpoint", default=None)
@@ -91,6 +176,11 @@ def main() -> None:
         default=1,
         help="torch threads on both sides (1 keeps Ray's own processes from stealing a core mid-measurement)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="no Ray: where one micro-batch's training step spends its time, eager and compiled (see above)",
+    )
     opts = parser.parse_args()
     tmp = tempfile.mkdtemp(prefix="miles-bench-")
     path = opts.hf_checkpoint
@@ -103,6 +193,9 @@ def main() -> None:
     torch.set_num_threads(max(1, round(args.cpus_per_rank)))
     family = get_train_pipeline_config(path)
     pairs = make_pairs(family, total)
+    if opts.profile:
+        profile_step(args, family, pairs, ["off", "blocks", "full"], steps=max(opts.windows, 10))
+        return
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _temp_dir=os.path.join(tmp, "ray"), log_to_driver=False)
     from miles.ray.train_group import RayTrainGroup
 

@@ -10,6 +10,7 @@ import os
 import torch
 import torch._dynamo
 import torch._dynamo.utils
+import torch._inductor.config
 import torch.fx.experimental._config
 from torch import nn
 
@@ -63,6 +64,11 @@ def compile_transformer(transformer: nn.Module, blocks: list[nn.Module], mode: s
     # without duck shaping a batch of 2 gets its own symbol instead of sharing one with another size-2 dimension
     # (Wan's, LTX-2's), which made the next batch size recompile every block's graph
     torch.fx.experimental._config.use_duck_shape = False
+    # inductor's CPU kernels otherwise specialise on the process's torch thread count at their compile: a kernel
+    # compiled under 1 thread is serial for good (no OpenMP region at all). miles changes a process's count between
+    # phases (`--cpu-phase-threads auto`: an engine generates with the node's cores, its base count is its Ray
+    # share), so the kernels read the count at each call instead, as the ATen kernels around them do
+    torch._inductor.config.cpp.dynamic_threads = True
     name, backend = type(transformer).__name__, os.environ.get(BACKEND_ENV, "inductor")
     if mode == "blocks":
         for block in blocks:
