@@ -4,7 +4,8 @@ scripts/pretrain_tiny_moving_shapes.py) on `builtin:moving-shapes` captions with
 reward (colour, shape, direction of motion), CFG-free, and the held-out all-correct accuracy is measured on
 EVAL_PROMPTS eval-split clips (20 ODE steps, fixed eval noise) before training and after the last rollout.
 `python tests/e2e/test_moving_shapes_learning.py SEED... [off]` re-measures the recipe and prints a JSON line per run
-(`off`: seed 1 with training switched off, `--lr 1e-12`: the control; `--lr X` sets the training runs' rate).
+(`off`: seed 1 with training switched off, `--lr 1e-12`: the control; `--flag value` pairs such as `--lr X` or
+`--dp-size 1` apply to every run).
 
 Measured 2026-12-04 (this 2-core machine, two runs at a time, load 4 to 6), 30 rollouts of 8 captions x 8 clips
 (1 920 clips), dp 2, from the shipped model's 0.073 all-correct (colour 0.983, shape 0.507, direction 0.157, reward
@@ -84,13 +85,16 @@ def main(argv: list[str]) -> None:
     import tempfile
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    lr = ()
-    if "--lr" in argv:  # another learning rate for every training run: `--lr 1e-3 1 2`
-        at = argv.index("--lr")
-        lr, argv = ("--lr", argv[at + 1]), argv[:at] + argv[at + 2 :]
+    flags: list[str] = []  # `--flag value` pairs for every run (`--dp-size 1 --lr 3e-4 1 2 off`: off keeps 1e-12)
+    tokens = []
+    while argv:
+        if argv[0].startswith("--"):
+            flags, argv = [*flags, *argv[:2]], argv[2:]
+        else:
+            tokens, argv = [*tokens, argv[0]], argv[1:]
     root = Path(tempfile.mkdtemp(prefix="miles-moving-shapes-learning-"))
-    for token in argv or ["1"]:
-        seed, extra = (1, OFF) if token == "off" else (int(token), lr)
+    for token in tokens or ["1"]:
+        seed, extra = (1, (*flags, *OFF)) if token == "off" else (int(token), tuple(flags))
         result = moving_run(seed, root / f"{token}", *extra)
         print(json.dumps({"seed": seed, "training": token != "off", "extra": extra, **result}), flush=True)
 
