@@ -24,6 +24,23 @@ it was 0.050 (colour 0.940, shape 0.340, direction 0.170). Two measured pitfalls
 output clamp passes no gradient and posterior samples at the initial unit variance drown the encoder's means, so it
 trains on the unclamped decoder and the posterior mode; an unweighted loss left the colours wrong after 400 steps
 (`--vae-ink-weight`); at 4x spatial compression (two downsamples) 400 steps reconstructed 8% of clips all-correct.
+
+Why the direction fails (measured 2026-12-04, load average 11 to 20, each SFT variant from the shipped VAE, seed 0,
+1 200 steps, the same 300-clip eval). Not the data: the SFT targets of 64 train clips (`encode_records`, then the
+family's `decode_latents`) score all-correct 1.0, direction 1.0, and the VAE's reconstructions of eval clips 1.0. Not
+the words: each of "moving", "to", "the", "left", "right", "up", "down" is one token, and the text encoder's outputs
+for "a red circle moving up" and its "down" / "to the left" / "to the right" captions differ by 0.42 / 0.70 / 0.69 of
+its norm (colour: 0.49, shape: 0.62). The shipped model does move its shapes, but not the asked way: the ink
+centroid travels 0.29 of the canvas per clip on average (the world's clips: 0.30-0.45), while its mean travel along
+the asked direction is -0.015 / -0.022 / -0.010 / +0.002 (left / right / up / down); with CFG 3 direction stays 0.157
+(all-correct 0.063). Three recipes did not change that (all-correct; colour / shape / direction): `--heads 2
+--head-dim 32` (Wan's rotary split gives each spatial axis 10 of 32 dims instead of 4 of 16; same width) 0.067;
+0.950 / 0.410 / 0.183, SFT loss 0.33 over the last 50 steps, 36 minutes with another job; `--heads 1 --head-dim 64`
+0.060; 0.970 / 0.327 / 0.150, loss 0.36; `--sft-logit-mean 1.1` (noise levels as the shift-3 sampler visits them, more
+of the high noise where a clip's layout is decided) 0.070; 0.973 / 0.377 / 0.173, loss 0.26 at its own noise levels,
+32 minutes. So this transformer learns colour, shape and that shapes move, but not which way the caption says; 4x4
+latent patches (a shape moves 1.2-1.8 latent pixels, under half a token, from frame to frame) and a longer SFT are the
+untested suspects (2x2 patches cost ~3x the compute: over an hour here).
 """
 
 from __future__ import annotations
@@ -75,6 +92,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sft-batch-size", type=int, default=64, help="Global batch (2 ranks).")
     parser.add_argument("--sft-lr", type=float, default=2e-3)
     parser.add_argument("--sft-dataset-size", type=int, default=4096)
+    parser.add_argument(
+        "--sft-logit-mean",
+        type=float,
+        default=0.0,
+        help="sft_loss's --sft-logit-mean: its noise levels' logit-normal mean (0: around sigma 0.5; ln 3 = 1.1: the "
+        "sampler's shift 3).",
+    )
     # stage 3: eval
     parser.add_argument("--eval-prompts", type=int, default=300)
     parser.add_argument("--eval-steps", type=int, default=20)
@@ -293,6 +317,7 @@ def run_sft(args: argparse.Namespace, init_dir: Path, out_dir: Path) -> None:
             "--micro-batch-size", str(args.sft_batch_size // 2),
             "--num-rollout", str(math.ceil(args.sft_steps / steps_per_rollout)),
             "--lr", str(args.sft_lr),
+            "--sft-logit-mean", str(args.sft_logit_mean),
             "--lr-decay-style", "cosine",
             "--lr-warmup-steps", "50",
             "--min-lr", str(args.sft_lr * 0.05),
