@@ -20,7 +20,7 @@ p = 0.422, so 6.2 points) in every seed; no row meets it. The instruction reward
 the all-correct accuracy moves by at most 1.9 stds (the bonus's +5.8 on seed 2, against +0.4 on seed 1), and what the
 instruction gains the preservation loses, and the other way round, as the weighted rewards show (seed 3's nft run also
 tripped the `monitor/x0_norm_mean` drift warning at rollout 29). The bonus rows were measured on 2026-12-04
-afternoon under a load average of 12 to 24 from other jobs (35 to 165 s per rollout instead of a few; seed 1's
+afternoon under a load average of 12 to 24 from other jobs (19 to 165 s per rollout instead of a few; seed 1's
 run had `--num-rollout 80` and was stopped after its rollout-40 eval, the lr is constant so its first 40 rollouts
 are a 40-rollout run's). The text-to-image demo's own 40-rollout gains (+3.6 to +8.4 points, README) would not all
 meet this bar either.
