@@ -30,7 +30,7 @@ the target's shape, the shipped editor): recolour 0.688 (189 eval edits), reshap
 A move drops a shape in 42% of its edits (count right in 45%); squares come out short of a square's fill, so the shape score reads
 them as another shape: all-correct 0.000 for moves to squares (59 edits), 0.107 for reshapes into squares (56), and 0.545
 even for recolouring squares the source already shows (66, against 0.883 for triangles). The shapes VAE is not the
-limit (its reconstruction of the 500 eval targets scores 1.000), the transformer is. Where an attribute is wrong in
+limit (its reconstruction of the 500 eval targets scores 1.000, also printed by `breakdown`), the transformer is. Where an attribute is wrong in
 nearly every sample of a prompt (moved or new squares), a group of 8 holds no all-correct sample to pull toward,
 and paying the event more (the bonus) cannot help there: only group-relative partial credit moves them. What is
 missing, in our reading: an editor that copies squares and keeps counts on moves (more
@@ -125,6 +125,27 @@ def edit_kind_breakdown(checkpoint: str = "builtin:tiny-shapes-edit") -> dict[st
     }
 
 
+def vae_ceiling(checkpoint: str = "builtin:tiny-shapes-edit") -> float:
+    """The all-correct accuracy of the eval targets passed through the editor's VAE (encode, decode): what the
+    transformer could reach at best."""
+    import numpy as np
+    import torch
+    from diffusers import AutoencoderKL
+
+    from miles.data.shapes_edit import shapes_edit_items
+    from miles.models.builtin import resolve_checkpoint
+    from miles.rollout.rm_hub.shapes import shapes_reward
+
+    vae = AutoencoderKL.from_pretrained(resolve_checkpoint(checkpoint), subfolder="vae").eval()
+    items = shapes_edit_items(EVAL_PROMPTS, seed=0, split="eval", targets=True)
+    targets = torch.tensor(np.stack([np.asarray(item["image"]) for item in items]), dtype=torch.float32)
+    with torch.no_grad():
+        decoded = vae.decode(vae.encode(targets.permute(0, 3, 1, 2) / 127.5 - 1).latent_dist.mode()).sample
+    images = ((decoded.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
+    scores = shapes_reward(list(images), [item["metadata"] for item in items])
+    return float(np.mean([score.all_correct for score in scores]))
+
+
 def main(argv: list[str]) -> None:
     import json
     import os
@@ -134,6 +155,7 @@ def main(argv: list[str]) -> None:
     if argv == ["breakdown"]:
         for key, row in edit_kind_breakdown().items():
             print(json.dumps({"group": key, **row}), flush=True)
+        print(json.dumps({"vae_reconstructed_targets_all_correct": vae_ceiling()}), flush=True)
         return
     root = Path(tempfile.mkdtemp(prefix="miles-edit-learning-"))
     for token in argv or ["1"]:
