@@ -47,6 +47,16 @@ async def shapes_rm(args: argparse.Namespace, samples: list[Sample]) -> list[flo
     return [score.reward for score in scores]
 
 
+async def shapes_strict_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
+    """1 when every attribute is right (the shapes reward's `all_correct`: GenEval's strict "correct", what
+    `eval/shapes_accuracy` counts), else 0: no partial credit. Stores the `ShapeScore` in `sample.extra["shapes"]`
+    as `shapes_rm` does (the same values when both run)."""
+    scores = shapes_reward([sample_pil_image(s) for s in samples], [s.metadata for s in samples])
+    for sample, score in zip(samples, scores):
+        sample.extra[SHAPES_EXTRA_KEY] = asdict(score)
+    return [float(score.all_correct) for score in scores]
+
+
 async def moving_shapes_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
     """Mean of the colour/shape/direction scores of each clip (see `rm_hub/moving_shapes.py`); every
     `MovingShapeScore` field, including `all_correct`, is also stored in `sample.extra["moving_shapes"]` for metrics."""
@@ -68,6 +78,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "vlm_judge": vlm_judge,
     "edit_preservation": edit_preservation,
     "moving_shapes": moving_shapes_rm,
+    "shapes_strict": shapes_strict_rm,
 }
 # The media each built-in scores (custom rewards read what they like): image rewards read sample.image, video
 # rewards sample.frames; compute_rewards refuses a mismatch before calling the reward.

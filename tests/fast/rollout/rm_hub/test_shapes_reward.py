@@ -163,3 +163,23 @@ def test_scoring_is_fast(validation_items):
     start = time.process_time()
     shapes_reward(images, metadatas)
     assert (time.process_time() - start) / len(items) < 3e-3
+
+
+def test_strict_reward_is_the_all_correct_event(validation_items):
+    """`--rm-type shapes_strict` pays 1 exactly when the shapes reward's `all_correct` holds, with no partial credit."""
+    import asyncio
+
+    from miles.rollout.rm_hub import shapes_strict_rm
+    from miles.utils.types import Sample
+
+    items = validation_items[:8]
+    metadatas = [items[0]["metadata"]] * len(items)  # right for the first image, wrong in some way for the others
+    samples = [
+        Sample(index=k, prompt="", metadata=m, image=np.asarray(i["image"], dtype=np.uint8))
+        for k, (i, m) in enumerate(zip(items, metadatas))
+    ]
+    strict = asyncio.run(shapes_strict_rm(None, samples))
+    scores = shapes_reward([i["image"] for i in items], metadatas)
+    assert strict == [float(s.all_correct) for s in scores]
+    assert strict[0] == 1.0 and 0.0 in strict
+    assert all(s.extra["shapes"]["all_correct"] == bool(r) for s, r in zip(samples, strict))
