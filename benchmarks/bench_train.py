@@ -50,12 +50,9 @@ def make_pairs(family, n: int) -> dict[str, torch.Tensor]:
     return shard_pairs(pairs, 1)[0]  # one rank's pairs with their pair_index, as the trainer receives them
 
 
-def plain_loop(args, family, pairs, windows: int) -> float:
-    """Seconds for `windows` optimizer steps of the same maths, no Ray, no FSDP, no hooks."""
-    model = family.load_transformer()
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    ctx = DiffusionLossContext(
+def cpu_loss_context(args, family) -> DiffusionLossContext:
+    """The loss context of one fp32 CPU rank, as the trunk's rank 0 at dp 1 builds it."""
+    return DiffusionLossContext(
         args=args,
         role="actor",
         rollout_id=0,
@@ -66,6 +63,14 @@ def plain_loop(args, family, pairs, windows: int) -> float:
         family=family,
         networks={},
     )
+
+
+def plain_loop(args, family, pairs, windows: int) -> float:
+    """Seconds for `windows` optimizer steps of the same maths, no Ray, no FSDP, no hooks."""
+    model = family.load_transformer()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    ctx = cpu_loss_context(args, family)
     n, mb = pairs["x0"].shape[0], args.micro_batch_size
     started = time.perf_counter()
     mb_id = 0
@@ -100,17 +105,7 @@ def profile_step(args, family, pairs: dict[str, torch.Tensor], modes: list[str],
 
     mb = args.micro_batch_size
     batch = {k: v[:mb] for k, v in pairs.items()}
-    ctx = DiffusionLossContext(
-        args=args,
-        role="actor",
-        rollout_id=0,
-        dp_rank=0,
-        dp_size=1,
-        device=torch.device("cpu"),
-        forward_dtype=torch.float32,
-        family=family,
-        networks={},
-    )
+    ctx = cpu_loss_context(args, family)
     prepared = prepare_sft_batch(ctx, batch, microbatch_id=0, optim_step_idx=0)
     columns = ("attention", "matmul", "convolution", "optimizer", "other")
     print(f"one training step of {mb} pairs, {torch.get_num_threads()} thread(s), median of {steps} (profiled: ms)")
@@ -147,14 +142,12 @@ def profile_step(args, family, pairs: dict[str, torch.Tensor], modes: list[str],
         for event in prof.key_averages():
             self_ms = event.self_cpu_time_total / 1e3 / steps
             total += self_ms
-            if event.key == OPTIMIZER_EVENT:
-                ms["optimizer"] += event.cpu_time_total / 1e3 / steps  # its kernels, counted here only
+            if event.key == OPTIMIZER_EVENT:  # its kernels ran inside it and were counted in "other" below
+                ms["optimizer"] = event.cpu_time_total / 1e3 / steps
+                ms["other"] -= ms["optimizer"] - self_ms
                 continue
             part = next((name for name, keys in PARTS if any(k in event.key for k in keys)), "other")
             ms[part] += self_ms
-        ms["other"] -= ms["optimizer"] - sum(  # the optimizer's own kernels were counted in "other" too
-            e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages() if e.key == OPTIMIZER_EVENT
-        )
         median_ms = statistics.median(seconds) * 1e3
         cells = "".join(f"{ms[c]:>7.2f} ({ms[c] / total:>3.0%})" for c in columns)
         print(f"{mode:<8}{median_ms:>9.2f}{cells}{compile_s if mode != 'off' else 0.0:>11.1f}")
