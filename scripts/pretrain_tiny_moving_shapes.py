@@ -13,34 +13,33 @@ prints the accuracies; then the folder is copied to `--out`.
 
     python scripts/pretrain_tiny_moving_shapes.py --workdir /tmp/pretrain_moving --out miles/assets/tiny_moving_shapes
 
-The defaults are the recipe of the shipped folder (miles/assets/tiny_moving_shapes, 1.6 MB: a 2-layer UMT5 of width
-32, the VAE at base width 8 with 4 latent channels, a transformer of 4 blocks x 4 heads x 16 with 4x4 latent patches,
-0.32 M parameters; seed 0). Measured on the shared 2-core CPU machine (2026-12-04, load average 5 to 19 from the
-other jobs): VAE 600 steps in 278 s (its reconstructions of 200 eval clips: all-correct 1.0, PSNR 32.4 dB); SFT 1 200
-steps in 387 s (loss 1.90 over the first 50 steps, 0.30 over the last 50); eval 14 s; 11.3 minutes in all. Held-out
-clips all-correct on 300 eval captions, 20 ODE steps, CFG-free: 0.073 (colour 0.983, shape 0.507, direction 0.157,
-reward 0.524): the model draws the colour and often the shape but seldom moves it the asked way. With 600 SFT steps
-it was 0.050 (colour 0.940, shape 0.340, direction 0.170). Two measured pitfalls of the VAE stage: the decoder's
-output clamp passes no gradient and posterior samples at the initial unit variance drown the encoder's means, so it
-trains on the unclamped decoder and the posterior mode; an unweighted loss left the colours wrong after 400 steps
-(`--vae-ink-weight`); at 4x spatial compression (two downsamples) 400 steps reconstructed 8% of clips all-correct.
+The defaults are the recipe of the shipped folder (miles/assets/tiny_moving_shapes, 5.1 MB: a 2-layer UMT5 of width
+32, the VAE at base width 8 with 4 latent channels, a transformer of 4 blocks x 4 heads x 32 whose tokens are 5x2x2
+latent patches, the whole clip's 5 frames of a 2x2 patch in one token (`--temporal-patch 5`, 64 tokens per clip),
+1.23 M parameters; seed 0). Measured on the shared 2-core CPU machine (2026-12-04): VAE 600 steps in 278 s (load
+average 5 to 19; its reconstructions of 200 eval clips: all-correct 1.0, PSNR 32.4 dB); SFT 1 200 steps in 927 s with
+another job running (loss 1.19 over the first 100 steps, 0.149 over the last 50); eval 19 s. Held-out clips on 300
+eval captions, 20 ODE steps, CFG-free: all-correct 0.860 (colour 0.997, shape 0.880, direction 0.970, reward 0.893).
+Two measured pitfalls of the VAE stage: the decoder's output clamp passes no gradient and posterior samples at the
+initial unit variance drown the encoder's means, so it trains on the unclamped decoder and the posterior mode; an
+unweighted loss left the colours wrong after 400 steps (`--vae-ink-weight`); at 4x spatial compression (two
+downsamples) 400 steps reconstructed 8% of clips all-correct.
 
-Why the direction fails (measured 2026-12-04, load average 11 to 20, each SFT variant from the shipped VAE, seed 0,
-1 200 steps, the same 300-clip eval). Not the data: the SFT targets of 64 train clips (`encode_records`, then the
-family's `decode_latents`) score all-correct 1.0, direction 1.0, and the VAE's reconstructions of eval clips 1.0. Not
-the words: each of "moving", "to", "the", "left", "right", "up", "down" is one token, and the text encoder's outputs
-for "a red circle moving up" and its "down" / "to the left" / "to the right" captions differ by 0.42 / 0.70 / 0.69 of
-its norm (colour: 0.49, shape: 0.62). The shipped model does move its shapes, but not the asked way: the ink
-centroid travels 0.29 of the canvas per clip on average (the world's clips: 0.30-0.45), while its mean travel along
-the asked direction is -0.015 / -0.022 / -0.010 / +0.002 (left / right / up / down); with CFG 3 direction stays 0.157
-(all-correct 0.063). Three recipes did not change that (all-correct; colour / shape / direction): `--heads 2
---head-dim 32` (Wan's rotary split gives each spatial axis 10 of 32 dims instead of 4 of 16; same width) 0.067;
-0.950 / 0.410 / 0.183, SFT loss 0.33 over the last 50 steps, 36 minutes with another job; `--heads 1 --head-dim 64`
-0.060; 0.970 / 0.327 / 0.150, loss 0.36; `--sft-logit-mean 1.1` (noise levels as the shift-3 sampler visits them, more
-of the high noise where a clip's layout is decided) 0.070; 0.973 / 0.377 / 0.173, loss 0.26 at its own noise levels,
-32 minutes. So this transformer learns colour, shape and that shapes move, but not which way the caption says; 4x4
-latent patches (a shape moves 1.2-1.8 latent pixels, under half a token, from frame to frame) and a longer SFT are the
-untested suspects (2x2 patches cost ~3x the compute: over an hour here).
+Why a token holds the whole clip (measured 2026-12-04, each from the shipped VAE, seed 0, 1 200 SFT steps, the same
+300-clip eval). The earlier recipe, one latent frame per token (`--temporal-patch 1 --patch 4 --head-dim 16`, the Wan
+checkpoints' layout), learned colour (0.983) and sometimes shape (0.507) but not direction (0.157, below the 0.25 of a
+random one; all-correct 0.073), and nothing changed that: 2 heads x 32 (direction 0.183), 1 head x 64 (0.150),
+`--sft-logit-mean 1.1` (0.173), 2 400 more SFT steps (0.193, shape up to 0.793), 2x2 patches (`--patch 2`: 0.237, shape
+0.857). The cause, measured on the sampler: from the same noise, swapping the caption's direction word changed the
+clip by 0.7-1.1 of 255 per pixel (mean absolute difference) where swapping the colour changed it by 17 and another
+noise by 18, though the text encoder's outputs for the direction words differ by 1.1-1.5 of their norm: the
+transformer ignored the direction. Our reading: Wan's only positional signal is rotary, relative to each pair of tokens, so at high
+noise (where a clip's layout is decided and the frames show nothing yet) no token can tell whether it sits in the
+first frame or the last, and "to the left" is the time reversal of "to the right". A token of 5 latent frames sees
+their order in its own channels: `--temporal-patch 5` at the old width reached direction 0.373 and a direction swap
+changed the clip by 10.7 per pixel (shape 0.317: 80 output values per token at width 64), and at width 128 (head dim
+32) the shipped 0.860. Real Wan checkpoints do not need this: their causal VAE encodes the first frame apart and real
+motion has a time arrow the frames show.
 """
 
 from __future__ import annotations
@@ -84,9 +83,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vae-clips", type=int, default=1024, help="Train clips whose frames the VAE learns.")
     # stage 2: transformer SFT
     parser.add_argument("--layers", type=int, default=4, help="WanTransformerBlocks.")
-    parser.add_argument("--patch", type=int, default=4, help="Latent pixels per token side: 4x4 tokens per frame.")
+    parser.add_argument(
+        "--patch", type=int, default=2, help="Latent pixels per token side: 8x8 tokens on the 16x16 latent frames."
+    )
+    parser.add_argument(
+        "--temporal-patch",
+        type=int,
+        default=5,
+        help="Latent frames per token (1 or 5): 5 puts a patch's whole clip in one token, which knows its frames' order.",
+    )
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--text-length", type=int, default=16, help="UMT5 tokens per caption (captions are <= 8).")
     parser.add_argument("--sft-steps", type=int, default=1200, help="Optimizer steps.")
     parser.add_argument("--sft-batch-size", type=int, default=64, help="Global batch (2 ranks).")
@@ -106,7 +113,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--media-out", default=str(ROOT / "docs" / "images"), help="Where the README's mp4 and contact sheet go."
     )
     parser.add_argument("--stages", default="vae,sft,eval", help="Run a subset (reusing --workdir outputs).")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    from miles.data.moving_shapes import NUM_FRAMES  # the frame-wise VAE keeps every frame: as many latent frames
+
+    if args.temporal_patch < 1 or NUM_FRAMES % args.temporal_patch:
+        parser.error(f"--temporal-patch {args.temporal_patch} must divide the clip's {NUM_FRAMES} latent frames")
+    return args
 
 
 def log(message: str) -> None:
@@ -270,7 +282,7 @@ def write_init_pipeline(args: argparse.Namespace, vae, path: Path) -> None:
     text_encoder = _t5_encoder(tokenizer, text_dim, d_kv=8, config_class=UMT5Config, model_class=UMT5EncoderModel)
     channels = vae.config.z_dim
     transformer = WanTransformer3DModel(
-        patch_size=(1, args.patch, args.patch),
+        patch_size=(args.temporal_patch, args.patch, args.patch),
         num_attention_heads=args.heads,
         attention_head_dim=args.head_dim,
         in_channels=channels,
