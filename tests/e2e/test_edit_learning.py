@@ -2,7 +2,8 @@
 `builtin:tiny-shapes-edit` (a FLUX.1 Kontext-architecture model pretrained with `sft_loss` by
 scripts/pretrain_tiny_shapes_edit.py) on `builtin:shapes-edit` triples, CFG-free, 40 rollouts of 8 x 8 samples,
 scored on 500 held-out triples (20 ODE steps, fixed eval noise: the eval before training is the control, the model with
-training off). `python tests/e2e/test_edit_learning.py SEED...` re-measures the recipe (`off`: seed 1 at lr 1e-12).
+training off). `python tests/e2e/test_edit_learning.py SEED...` re-measures the recipe (`off`: seed 1 at lr 1e-12;
+`--flag value` pairs apply to every run).
 
 Measured 2026-12-04 (this 2-core machine, two runs at a time), from 0.422 all-correct, 0.836 reward, 0.889 kept:
 
@@ -36,8 +37,22 @@ limit (its reconstruction of the 500 eval targets scores 1.000, also printed by 
 nearly every sample of a prompt (moved or new squares), a group of 8 holds no all-correct sample to pull toward,
 and paying the event more (the bonus) cannot help there: only group-relative partial credit moves them. What is
 missing, in our reading: an editor that copies squares and keeps counts on moves (more
-`sft_loss` steps in scripts/pretrain_tiny_shapes_edit.py; not tried here), or far more rollouts than 40 (a 120-rollout nft run was
-started and stopped before its rollout-40 eval: at this load it would have taken over two hours).
+`sft_loss` steps in scripts/pretrain_tiny_shapes_edit.py; not tried here), or far more rollouts than 40 (below).
+
+Longer, on a 1 000-prompt eval (2026-12-04 evening, 37-47 minutes per 120-rollout run beside one other job; 4.3 s per
+rollout when alone): `--rm-type shapes:1,shapes_strict:1`, lr 1e-4, 120 rollouts, evals every 40, from 0.403
+all-correct, 0.834 reward, 0.881 kept on the 1 000 eval edits (`python tests/e2e/test_edit_learning.py --rm-type
+shapes:1,shapes_strict:1 --num-rollout 120 --eval-num-prompts 1000 1 2 3` re-measures the before and after values):
+
+| seed | all-correct at rollout 40 / 80 / 120 | eval reward at 120 | preservation at 120 |
+|---|---|---|---|
+| 1 | 0.398 / 0.448 / 0.434 (+3.1 at 120) | 0.871 | 0.839 (−4.2) |
+| 2 | 0.465 / 0.470 / 0.479 (+7.6) | 0.881 | 0.859 (−2.2) |
+| 3 | 0.444 / 0.479 / 0.511 (+10.8) | 0.886 | 0.835 (−4.6) |
+
+The bar at 1 000 prompts is 4.4 points (2 stds of the difference of two evals at p = 0.403): seeds 2 and 3 are beyond
+it, seed 1 is not (1.4 stds; it was +4.5 at rollout 80), the mean over the three seeds is +7.2. So three times the
+rollouts turn the bonus's +3.4 mean into +7.2, but not yet a gain beyond the noise in every seed.
 
 The standard below pins what every lr-1e-4 nft run showed (the instruction reward up by 0.015 or more without the
 accuracy falling by more than the eval's noise); an accuracy gain beyond the noise is not shown here.
@@ -159,11 +174,18 @@ def main(argv: list[str]) -> None:
             print(json.dumps({"group": key, **row}), flush=True)
         print(json.dumps({"vae_reconstructed_targets_all_correct": vae_ceiling()}), flush=True)
         return
+    flags: list[str] = []  # `--flag value` pairs for every run (`--num-rollout 120 1 2 off`: off keeps 1e-12)
+    tokens = []
+    while argv:
+        if argv[0].startswith("--"):
+            flags, argv = [*flags, *argv[:2]], argv[2:]
+        else:
+            tokens, argv = [*tokens, argv[0]], argv[1:]
     root = Path(tempfile.mkdtemp(prefix="miles-edit-learning-"))
-    for token in argv or ["1"]:
-        seed, extra = (1, OFF) if token == "off" else (int(token), ())
+    for token in tokens or ["1"]:
+        seed, extra = (1, (*flags, *OFF)) if token == "off" else (int(token), tuple(flags))
         result = edit_run(seed, root / f"{token}", *extra)
-        print(json.dumps({"seed": seed, "training": token != "off", **result}), flush=True)
+        print(json.dumps({"seed": seed, "training": token != "off", "extra": extra, **result}), flush=True)
 
 
 if __name__ == "__main__":
