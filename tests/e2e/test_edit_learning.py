@@ -178,13 +178,9 @@ def main(argv: list[str]) -> None:
             print(json.dumps({"group": key, **row}), flush=True)
         print(json.dumps({"vae_reconstructed_targets_all_correct": vae_ceiling()}), flush=True)
         return
-    flags: list[str] = []  # `--flag value` pairs for every run (`--num-rollout 120 1 2 off`: off keeps 1e-12)
-    tokens = []
-    while argv:
-        if argv[0].startswith("--"):
-            flags, argv = [*flags, *argv[:2]], argv[2:]
-        else:
-            tokens, argv = [*tokens, argv[0]], argv[1:]
+    from tests.e2e.script_args import split_flags
+
+    flags, tokens = split_flags(argv)  # e.g. `--num-rollout 120 1 2 off`: the flags go to every run, off keeps 1e-12
     root = Path(tempfile.mkdtemp(prefix="miles-edit-learning-"))
     for token in tokens or ["1"]:
         seed, extra = (1, (*flags, *OFF)) if token == "off" else (int(token), tuple(flags))

@@ -20,7 +20,7 @@ from miles.rollout.rm_hub.media import IMAGE, VIDEO, media_mismatch, sample_fram
 from miles.rollout.rm_hub.moving_shapes import moving_shapes_reward
 from miles.rollout.rm_hub.ocr import OCR_EXTRA_KEY, ocr_rm
 from miles.rollout.rm_hub.remote import RemoteRewardError, server_rewards
-from miles.rollout.rm_hub.shapes import shapes_reward
+from miles.rollout.rm_hub.shapes import ShapeScore, shapes_reward
 from miles.rollout.rm_hub.video import motion_direction, temporal_consistency
 from miles.rollout.rm_hub.vlm_judge import unparsable_metrics, vlm_judge
 from miles.utils.misc import load_function
@@ -38,23 +38,25 @@ class RewardError(RuntimeError):
     """A reward raised or returned an unusable result; the message names the reward and the sample."""
 
 
-async def shapes_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
-    """Mean of the color/shape/count/position scores (see `rm_hub/shapes.py`); every `ShapeScore` field, including
-    `all_correct`, is also stored in `sample.extra["shapes"]` for metrics."""
+def _scored_shapes(samples: list[Sample]) -> list[ShapeScore]:
+    """The samples' `ShapeScore`s, each also stored in `sample.extra["shapes"]` (every field) for metrics."""
     scores = shapes_reward([sample_pil_image(s) for s in samples], [s.metadata for s in samples])
     for sample, score in zip(samples, scores):
         sample.extra[SHAPES_EXTRA_KEY] = asdict(score)
-    return [score.reward for score in scores]
+    return scores
+
+
+async def shapes_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
+    """Mean of the color/shape/count/position scores (see `rm_hub/shapes.py`); every `ShapeScore` field, including
+    `all_correct`, is also stored in `sample.extra["shapes"]` for metrics."""
+    return [score.reward for score in _scored_shapes(samples)]
 
 
 async def shapes_strict_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
     """1 when every attribute is right (the shapes reward's `all_correct`: GenEval's strict "correct", what
     `eval/shapes_accuracy` counts), else 0: no partial credit. Stores the `ShapeScore` in `sample.extra["shapes"]`
     as `shapes_rm` does (the same values when both run)."""
-    scores = shapes_reward([sample_pil_image(s) for s in samples], [s.metadata for s in samples])
-    for sample, score in zip(samples, scores):
-        sample.extra[SHAPES_EXTRA_KEY] = asdict(score)
-    return [float(score.all_correct) for score in scores]
+    return [float(score.all_correct) for score in _scored_shapes(samples)]
 
 
 async def moving_shapes_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
