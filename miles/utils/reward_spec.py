@@ -28,6 +28,7 @@ BUILTIN_REWARDS: tuple[str, ...] = (
     "edit_preservation",
     "moving_shapes",
     "shapes_strict",
+    "moving_shapes_strict",
 )
 REMOTE = "remote"  # remote<K>: the reward server of the K-th --rm-url (not a --rm-type name)
 JUDGE = "vlm_judge"  # takes --rm-url as its chat-completions endpoint instead of a reward server

@@ -17,7 +17,7 @@ from miles.rollout.rm_hub.clip import clip_score, pickscore
 from miles.rollout.rm_hub.edit import edit_preservation
 from miles.rollout.rm_hub.jpeg import jpeg_compressibility, jpeg_incompressibility, sample_pil_image
 from miles.rollout.rm_hub.media import IMAGE, VIDEO, media_mismatch, sample_frames
-from miles.rollout.rm_hub.moving_shapes import moving_shapes_reward
+from miles.rollout.rm_hub.moving_shapes import MovingShapeScore, moving_shapes_reward
 from miles.rollout.rm_hub.ocr import OCR_EXTRA_KEY, ocr_rm
 from miles.rollout.rm_hub.remote import RemoteRewardError, server_rewards
 from miles.rollout.rm_hub.shapes import ShapeScore, shapes_reward
@@ -59,13 +59,24 @@ async def shapes_strict_rm(args: argparse.Namespace, samples: list[Sample]) -> l
     return [float(score.all_correct) for score in _scored_shapes(samples)]
 
 
-async def moving_shapes_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
-    """Mean of the colour/shape/direction scores of each clip (see `rm_hub/moving_shapes.py`); every
-    `MovingShapeScore` field, including `all_correct`, is also stored in `sample.extra["moving_shapes"]` for metrics."""
+def _scored_clips(samples: list[Sample]) -> list[MovingShapeScore]:
+    """The samples' `MovingShapeScore`s, each also stored in `sample.extra["moving_shapes"]` (every field)."""
     scores = moving_shapes_reward([sample_frames(s) for s in samples], [s.metadata for s in samples])
     for sample, score in zip(samples, scores):
         sample.extra[MOVING_SHAPES_EXTRA_KEY] = asdict(score)
-    return [score.reward for score in scores]
+    return scores
+
+
+async def moving_shapes_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
+    """Mean of the colour/shape/direction scores of each clip (see `rm_hub/moving_shapes.py`); every
+    `MovingShapeScore` field, including `all_correct`, is also stored in `sample.extra["moving_shapes"]` for metrics."""
+    return [score.reward for score in _scored_clips(samples)]
+
+
+async def moving_shapes_strict_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
+    """1 when the clip's colour, shape and direction are all right (the moving_shapes reward's `all_correct`, what
+    `eval/moving_shapes_accuracy` counts), else 0. Stores the score as `moving_shapes_rm` does."""
+    return [float(score.all_correct) for score in _scored_clips(samples)]
 
 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
@@ -81,10 +92,11 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "edit_preservation": edit_preservation,
     "moving_shapes": moving_shapes_rm,
     "shapes_strict": shapes_strict_rm,
+    "moving_shapes_strict": moving_shapes_strict_rm,
 }
 # The media each built-in scores (custom rewards read what they like): image rewards read sample.image, video
 # rewards sample.frames; compute_rewards refuses a mismatch before calling the reward.
-VIDEO_REWARDS = ["temporal_consistency", "motion_direction", "moving_shapes"]
+VIDEO_REWARDS = ["temporal_consistency", "motion_direction", "moving_shapes", "moving_shapes_strict"]
 REWARD_MEDIA: dict[str, str] = {name: VIDEO if name in VIDEO_REWARDS else IMAGE for name in REWARD_FUNCTIONS}
 REWARD_MEDIA.pop("vlm_judge")  # judges an image or a video's key frames
 

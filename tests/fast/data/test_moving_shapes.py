@@ -104,6 +104,27 @@ def test_hand_drawn_clips_score_by_attribute(shape):
     assert score_clip(clip, {**truth, "direction": "up"}).direction == 0.0
 
 
+def test_the_strict_reward_pays_the_all_correct_event_beside_the_partial_credit_one():
+    """`--rm-type moving_shapes:1,moving_shapes_strict:1`: the strict reward is 1 exactly for an all-correct clip, 0
+    for a clip played backwards (two attributes right of three), and both store the same score for metrics."""
+    import argparse
+    import asyncio
+
+    from miles.rollout.rm_hub import compute_rewards
+    from miles.utils.types import Sample
+
+    clips, metas = [ITEMS[0]["image"], ITEMS[1]["image"][::-1]], [ITEMS[0]["metadata"], ITEMS[1]["metadata"]]
+    samples = [Sample(index=k, prompt="", metadata=m, frames=c, fps=8.0) for k, (c, m) in enumerate(zip(clips, metas))]
+    spec = [("moving_shapes", 1.0), ("moving_shapes_strict", 1.0)]
+    totals, per_reward = asyncio.run(compute_rewards(argparse.Namespace(custom_rm_path=None), samples, spec))
+    scores = moving_shapes_reward(clips, metas)
+    assert [s.all_correct for s in scores] == [True, False] and scores[1].reward > 0.6  # partial credit only
+    assert per_reward["moving_shapes_strict"] == [1.0, 0.0]
+    assert per_reward["moving_shapes"] == pytest.approx([s.reward for s in scores])
+    assert totals == pytest.approx([scores[0].reward + 1.0, scores[1].reward])
+    assert [s.extra["moving_shapes"]["all_correct"] for s in samples] == [True, False]
+
+
 def test_partial_credit_a_still_clip_and_a_blank_clip():
     still = _hand_clip("square", "red", [(10, 10, 20, 20)] * 5)
     score = score_clip(still, {"color": "red", "shape": "square", "direction": "down"})
