@@ -86,8 +86,9 @@ OFF = ("--lr", "1e-12")  # training switched off (--lr 0 is refused at parse tim
 # the standard sits below every lr-1e-4 run of the table above
 MIN_EDIT_REWARD_GAIN = 0.015
 MAX_EDIT_ACCURACY_LOSS = 0.03  # about one std of a difference of two 500-prompt evals
+# the eval size comes after edit_args' EVAL_PROMPTS, so it holds
 BONUS_RECIPE = ("--loss-type", "nft", "--rm-type", "shapes:1,shapes_strict:1", "--num-rollout", "200")
-BONUS_EVAL_PROMPTS = 1000
+BONUS_RECIPE += ("--eval-num-prompts", "1000")
 MIN_ACCURACY_GAIN = 0.044  # two stds (2.2 points each) of the difference of two 1 000-prompt evals near 0.40
 
 
@@ -119,7 +120,7 @@ def test_nft_raises_the_edit_reward_of_the_shipped_editor(ray_cluster, tmp_path)
 @pytest.mark.standard  # 37-54 min a seed measured beside another run (~15 min of rollouts alone)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_the_bonus_recipe_raises_the_held_out_edit_accuracy_beyond_the_noise(ray_cluster, tmp_path, seed):
-    result = edit_run(seed, tmp_path, "--eval-num-prompts", str(BONUS_EVAL_PROMPTS), recipe=BONUS_RECIPE)
+    result = edit_run(seed, tmp_path, recipe=BONUS_RECIPE)
     assert result[ACC][-1] >= result[ACC][0] + MIN_ACCURACY_GAIN, result
 
 

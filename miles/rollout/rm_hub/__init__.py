@@ -38,12 +38,16 @@ class RewardError(RuntimeError):
     """A reward raised or returned an unusable result; the message names the reward and the sample."""
 
 
-def _scored_shapes(samples: list[Sample]) -> list[ShapeScore]:
-    """The samples' `ShapeScore`s, each also stored in `sample.extra["shapes"]` (every field) for metrics."""
-    scores = shapes_reward([sample_pil_image(s) for s in samples], [s.metadata for s in samples])
+def _stored(samples: list[Sample], scores: list, key: str) -> list:
+    """`scores`, each also stored in its sample's `extra[key]` (every field) for metrics."""
     for sample, score in zip(samples, scores):
-        sample.extra[SHAPES_EXTRA_KEY] = asdict(score)
+        sample.extra[key] = asdict(score)
     return scores
+
+
+def _scored_shapes(samples: list[Sample]) -> list[ShapeScore]:
+    images, metadatas = [sample_pil_image(s) for s in samples], [s.metadata for s in samples]
+    return _stored(samples, shapes_reward(images, metadatas), SHAPES_EXTRA_KEY)
 
 
 async def shapes_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
@@ -60,11 +64,8 @@ async def shapes_strict_rm(args: argparse.Namespace, samples: list[Sample]) -> l
 
 
 def _scored_clips(samples: list[Sample]) -> list[MovingShapeScore]:
-    """The samples' `MovingShapeScore`s, each also stored in `sample.extra["moving_shapes"]` (every field)."""
-    scores = moving_shapes_reward([sample_frames(s) for s in samples], [s.metadata for s in samples])
-    for sample, score in zip(samples, scores):
-        sample.extra[MOVING_SHAPES_EXTRA_KEY] = asdict(score)
-    return scores
+    clips, metadatas = [sample_frames(s) for s in samples], [s.metadata for s in samples]
+    return _stored(samples, moving_shapes_reward(clips, metadatas), MOVING_SHAPES_EXTRA_KEY)
 
 
 async def moving_shapes_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
