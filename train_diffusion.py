@@ -242,6 +242,10 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
     started = time.perf_counter() if started is None else started
     args = parse_args(argv)
     setup_logging(args)
+    if args.plan:  # no training, no Ray: the run simulated on fake tensors (miles/plan/)
+        from miles.plan.command import plan_command  # local: the trainer's imports, only a plan needs them here
+
+        return plan_command(args)
     summary = run(args, started=started)
     return EXIT_PREEMPTED if "stopped" in summary else 0
 

@@ -71,12 +71,14 @@ def startup_checks(args: argparse.Namespace) -> float:
     """Built-in checkpoint names resolved, then every check that needs no actor: `check_startup`, the prompt files
     (FILE:LINE errors), the roles' resume points. Returns when they ended (`time.perf_counter`)."""
     from miles.models.builtin import resolve_checkpoint  # the family modules (as in check_startup)
+    from miles.plan.startup import check_plan  # the trainer's and the engine's modules, imported here meanwhile
 
     for dest in ("hf_checkpoint", "teacher_load", "critic_checkpoint"):  # builtin:NAME -> the packaged folder
         setattr(args, dest, resolve_checkpoint(getattr(args, dest, None)))
     check_startup(args)
     check_input_files(args)
     check_roles_agree(args, algorithm_of(args).role_names)
+    check_plan(args)  # on CUDA: the run simulated on fake tensors; refused when a GPU would run out of memory
     # what RunGroups.launch imports next (peft, the engine and trainer modules), imported here meanwhile
     import miles.ray.evaluator  # noqa: F401
     import miles.ray.rollout_manager  # noqa: F401

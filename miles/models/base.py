@@ -22,12 +22,14 @@ from torch import nn
 
 from miles.diffusion.schedule import sampling_sigmas as static_shift_sampling_sigmas
 from miles.models.conditioning import Conditioning
+from miles.models.configs_only import module_from_config, pipeline_components_from_configs
 from miles.models.media import Media
 from miles.models.options import FamilyOption, family_options, option_flag  # noqa: F401  (family_options: re-exported)
 from miles.models.registry import BUILTIN_FAMILIES, builtin_family_of_pipeline
 from miles.models.sequence_parallel import SequenceParallelGroup, sequence_parallel_problems
 from miles.utils import import_gc
 from miles.utils.misc import load_function
+from miles.utils.simulation import simulating
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +61,15 @@ def load_pretrained(
 
     The empty module is built as from_pretrained builds it: under `dtype` as the default dtype (buffers computed at
     construction get it), weights initialisation skipped, and the class's `_keep_in_fp32_modules` parameters in fp32.
+
+    Under the planner's simulation (`miles.utils.simulation`) no weight file is read: the module is built from its
+    config with fake weights (`module_from_config`).
     """
-    if not empty:
-        return cls.from_pretrained(str(root), subfolder=subfolder, **{DTYPE_KW: dtype}, local_files_only=True).eval()
     folder = Path(root) / subfolder if subfolder else Path(root)
+    if not empty:
+        if simulating():
+            return module_from_config(cls, folder, dtype)
+        return cls.from_pretrained(str(root), subfolder=subfolder, **{DTYPE_KW: dtype}, local_files_only=True).eval()
     config = cls.load_config(str(folder), local_files_only=True)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -141,9 +148,14 @@ class TrainPipelineConfig(ABC):
         `components` given rather than loaded (a module the family already holds), its `frozen`
         modules in eval mode without gradients, cached as the family's text encoders (`text_pipeline`): the
         pipeline's own `encode_prompt` then encodes exactly as its `__call__` does. Negatives cached from the
-        previous encoders are dropped."""
+        previous encoders are dropped. Under the planner's simulation its networks and tokenizers are built from the
+        folder's configs (`pipeline_components_from_configs`), no weight read."""
+        components = dict(components or {})
+        if simulating():
+            wanted = set(read_model_index(Path(self.path))) - set(without) - set(components)
+            components = {**pipeline_components_from_configs(self.path, wanted, dtype), **components}
         pipe = pipeline_class.from_pretrained(
-            self.path, **dict.fromkeys(without), **(components or {}), **{DTYPE_KW: dtype}, local_files_only=True
+            self.path, **dict.fromkeys(without), **components, **{DTYPE_KW: dtype}, local_files_only=True
         ).to(device)
         pipe.set_progress_bar_config(disable=True)
         for name in frozen:

@@ -18,7 +18,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from torch import nn
 
-from miles.models.base import DTYPE_KW, SAFETENSORS_DTYPES, TrainPipelineConfig, load_pretrained, strip_name_or_path
+from miles.models.base import SAFETENSORS_DTYPES, TrainPipelineConfig, load_pretrained, strip_name_or_path
 from miles.models.conditioning import Conditioning
 from miles.models.media import Media
 
@@ -140,9 +140,7 @@ class DiffusersFamily(TrainPipelineConfig):
     # media
     def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
         """The VAE (`vae_class` from `vae/`) in eval mode, cached."""
-        vae = diffusers_class(self.vae_class).from_pretrained(
-            self.path, subfolder="vae", **{DTYPE_KW: dtype}, local_files_only=True
-        )
+        vae = load_pretrained(diffusers_class(self.vae_class), self.path, "vae", dtype)
         vae = vae.to(device).eval().requires_grad_(False)
         self._loaded["vae"] = vae
         return vae

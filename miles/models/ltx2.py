@@ -32,7 +32,7 @@ from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from torch import nn
 
 from miles.algorithms import algorithm_of
-from miles.models.base import DTYPE_KW, compute_dtype, register_train_pipeline_config
+from miles.models.base import compute_dtype, load_pretrained, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
@@ -187,11 +187,10 @@ class LTX2PipelineConfig(DiffusersFamily):
     # media
     def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
         """The video VAE, with the audio VAE and the vocoder (eval mode, cached); returns the video VAE."""
-        kwargs = {DTYPE_KW: dtype, "local_files_only": True}
-        vae = self.vae_class.from_pretrained(self.path, subfolder="vae", **kwargs)
-        audio_vae = AutoencoderKLLTX2Audio.from_pretrained(self.path, subfolder="audio_vae", **kwargs)
+        vae = load_pretrained(self.vae_class, self.path, "vae", dtype)
+        audio_vae = load_pretrained(AutoencoderKLLTX2Audio, self.path, "audio_vae", dtype)
         vocoder_class = LTX2VocoderWithBWE if self._vocoder_class_name() == "LTX2VocoderWithBWE" else LTX2Vocoder
-        vocoder = vocoder_class.from_pretrained(self.path, subfolder="vocoder", **kwargs)
+        vocoder = load_pretrained(vocoder_class, self.path, "vocoder", dtype)
         for name, module in (("vae", vae), ("audio_vae", audio_vae), ("vocoder", vocoder)):
             self._loaded[name] = module.to(device).eval().requires_grad_(False)
         return self._loaded["vae"]

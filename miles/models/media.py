@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from miles.utils.simulation import simulating
+
 
 @dataclass(frozen=True, eq=False)
 class Media:
@@ -52,6 +54,8 @@ class Media:
 
     def pixels_uint8(self) -> np.ndarray:
         """Pixels channels-last as uint8, rounded as diffusers' image processor does: (B, H, W, 3) images or
-        (B, F, H, W, 3) frames."""
+        (B, F, H, W, 3) frames. Under the planner's simulation (fake pixels) zeros of that shape."""
         channels_last = self.pixels.movedim(-3, -1)
+        if simulating():
+            return np.zeros(tuple(channels_last.shape), dtype=np.uint8)
         return (channels_last.float().cpu().numpy() * 255).round().astype(np.uint8)

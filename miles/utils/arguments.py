@@ -17,6 +17,7 @@ from miles.utils.config_file import config_defaults, dest_of, read_config
 from miles.utils.eval_arguments import add_eval_arguments
 from miles.utils.fsdp_arguments import add_fsdp_arguments
 from miles.utils.misc import HookLoadError, load_module
+from miles.utils.plan_arguments import add_plan_arguments
 from miles.utils.rl_arguments import RL_ARGUMENT_GROUPS
 
 __all__ = ["ArgumentError", "build_parser", "derive_args", "parse_args", "validate_args"]
@@ -273,6 +274,7 @@ SHARED_GROUPS = (
     add_eval_arguments,
     add_checkpoint_arguments,
     add_logging_arguments,
+    add_plan_arguments,
 )
 
 

@@ -10,9 +10,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "miles"
 
 FORBIDDEN = {
-    "utils": ("miles.rollout", "miles.ray", "miles.backends", "miles.models"),
+    "utils": ("miles.rollout", "miles.ray", "miles.backends", "miles.models", "miles.plan"),
     "diffusion": ("miles.rollout", "miles.ray", "miles.backends"),
-    "models": ("miles.rollout", "miles.ray", "miles.backends"),
+    "models": ("miles.rollout", "miles.ray", "miles.backends", "miles.plan"),
+    "plan": ("miles.ray",),  # the planner runs the trainer and the engine in one process, without Ray
 }
 # the torch-free declarations of the families (their option flags, names, built-in folders) that the parser reads
 ALLOWED = {"utils": ("miles.models.options", "miles.models.registry", "miles.models.builtin")}

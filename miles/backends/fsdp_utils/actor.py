@@ -105,7 +105,7 @@ class FSDPTrainRayActor(TrainLoop):
             torch.set_num_threads(gpu_rank_threads())
         if args.deterministic_mode:
             use_deterministic_algorithms()
-        init_process_group(self.rank, self.world_size, master_addr, master_port, self.device)
+        self._join_process_group(master_addr, master_port)
         self.sp = new_sequence_parallel_group(args.sp_size)
         # the ranks of a sequence-parallel group draw alike: they compute one data-parallel rank's pairs together
         self._seed_everything(args.seed + self.dp_rank)
@@ -151,6 +151,10 @@ class FSDPTrainRayActor(TrainLoop):
         self.networks = MappingProxyType(self._build_networks())
         self.swap = HostSwap(self.device)  # sleep / wake (--colocate-sleep)
         return self._load()
+
+    def _join_process_group(self, master_addr: str, master_port: int) -> None:
+        """The default process group of this role's ranks (the planner's simulated rank joins a fake one instead)."""
+        init_process_group(self.rank, self.world_size, master_addr, master_port, self.device)
 
     def _build_networks(self) -> dict[str, torch.nn.Module]:
         """The trained network and the frozen ones the hooks may name: `ref` (LoRA base or EMA weights, from

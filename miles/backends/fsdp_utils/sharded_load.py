@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from miles.models.base import CHECKPOINT_FOLDER_ATTR, SAFETENSORS_DTYPES, TrainPipelineConfig
+from miles.utils.simulation import simulating
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +42,14 @@ def load_sharded(
     the checkpoint on `device`; `prepare` runs on the unsharded module first (LoRA injection). Collective.
 
     A family whose `load_transformer` takes no `empty`, or a folder without safetensors weights, is loaded whole on
-    every rank first, as before, with a warning: that costs a full copy per rank."""
+    every rank first, as before, with a warning: that costs a full copy per rank. Under the planner's simulation
+    (`miles.utils.simulation`) the shards are fake: nothing is read."""
     model = family.load_transformer(path, dtype=dtype, empty=True) if takes_empty(family) else None
     if model is None:
         logger.warning(
             "model family %s: load_transformer takes no `empty`; every rank loads the whole network", family.name
         )
-    elif not all(_safetensors_files(folder) for folder in checkpoint_folders(model).values()):
+    elif not simulating() and not all(_safetensors_files(folder) for folder in checkpoint_folders(model).values()):
         logger.warning("%s: no safetensors weights to read shards from; every rank loads the whole network", path)
         model = None
     sharded_read = model is not None
@@ -59,7 +61,8 @@ def load_sharded(
     if sharded_read:
         empty = [name for name, value in model.state_dict().items() if _local(value).is_meta]
         materialize(model, device)
-        fill_from_checkpoint(model, empty)
+        if not simulating():
+            fill_from_checkpoint(model, empty)
     return model
 
 

@@ -61,10 +61,16 @@ class TrainLoop:
             return self._train(rollout_id, data, peer)
 
     def _train(self, rollout_id: int, data: Box, peer: Box | None) -> Box:
-        ctx = self._make_context(rollout_id)
         shard: TrainPairs = ray.get(data.inner)
-        if peer is not None:
-            shard = merge_peer_output(shard, ray.get(peer.inner))
+        output = self.train_shard(rollout_id, shard, None if peer is None else ray.get(peer.inner))
+        return Box(ray.put(output))
+
+    def train_shard(self, rollout_id: int, shard: TrainPairs, peer_output: Any = None) -> Any:
+        """`train` without Ray: this rank's shard of train pairs (and the previous group's output) in, the
+        train-output hook's value out."""
+        ctx = self._make_context(rollout_id)
+        if peer_output is not None:
+            shard = merge_peer_output(shard, peer_output)
         pairs = self.hooks.train_input(ctx, shard)
         schedule = build_microbatch_schedule(
             num_pairs(pairs), self.settings["num_steps_per_rollout"], self.settings["micro_batch_size"]
@@ -72,8 +78,7 @@ class TrainLoop:
         self._check_same_schedule_on_all_ranks(schedule)
         train_output_inputs = self._train_core(ctx, pairs, schedule)
         self._update_shadows(ctx)
-        output = self.hooks.train_output(ctx, pairs, train_output_inputs)
-        return Box(ray.put(output))
+        return self.hooks.train_output(ctx, pairs, train_output_inputs)
 
     def _make_context(self, rollout_id: int) -> DiffusionLossContext:
         return DiffusionLossContext(

@@ -1,0 +1,92 @@
+"""The planner's fake world: one process plays rank r of a world of N under torch's fake process group (collectives
+do nothing) and a `FakeTensorMode` (tensors have shapes, dtypes and devices, no bytes), so the library's own start-up,
+training window and engine step run at real size on a CPU in seconds."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+# What a fake tensor's `.item()` answers: fake tensors hold no values, and the code under simulation reads scalars
+# only to check them (a loss is finite, ranks agree on a count), so the answer is the one that lets it go on.
+_SCALAR_ANSWERS = {"bool": True, "int": 1, "float": 0.0}
+
+
+class PlanTensorMode(FakeTensorMode):
+    """`FakeTensorMode` that answers `.item()` (`aten._local_scalar_dense`) of a value-less tensor with a neutral
+    scalar (`_SCALAR_ANSWERS`) instead of raising, `torch.equal` with True and `nonzero` with every element (the
+    planner's tokens are all attended), and takes real tensors made before it as inputs."""
+
+    def __init__(self) -> None:
+        super().__init__(allow_non_fake_inputs=True)
+
+    def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            tensor = args[0]
+            constant = getattr(tensor, "constant", None)
+            if constant is not None:
+                return constant.item()
+            kind = "bool" if tensor.dtype == torch.bool else "float" if tensor.is_floating_point() else "int"
+            return _SCALAR_ANSWERS[kind]
+        if func is torch.ops.aten.equal.default:  # a truncation check of token ids: they are equal
+            return True
+        if func is torch.ops.aten.nonzero.default:  # a mask of attended tokens: every element is set
+            tensor = args[0]
+            return super().dispatch(
+                torch.ops.aten.new_empty.default, types, (tensor, [tensor.numel(), tensor.dim()]), {"dtype": torch.long}
+            )
+        return super().dispatch(func, types, args, kwargs)
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """The default process group as rank `rank` of `world_size` on torch's fake backend (every collective returns at
+    once, its output untouched); torn down on exit."""
+    if dist.is_initialized():
+        raise RuntimeError("the planner needs its own process group: a default one exists already")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def movable_fake_modules() -> Iterator[None]:
+    """`module.to(...)` (and every `_apply`) on modules holding fake parameters, for the simulation's duration.
+
+    torch swaps a fake parameter's object in place on conversion, which fails for parameters made under a fake mode
+    (the mode keeps a weak reference to each): here a converted parameter is replaced by a new `Parameter` instead
+    (nothing else holds the engine's parameters at that point). Modules without fake parameters (FSDP2's DTensor
+    shards) keep torch's own conversion."""
+    original = nn.Module._apply
+
+    def _apply(module: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
+        if not any(isinstance(p, FakeTensor) for p in module._parameters.values()):
+            return original(module, fn, recurse)
+        if recurse:
+            for child in module.children():
+                child._apply(fn)
+        with torch.no_grad():
+            for key, param in module._parameters.items():
+                if param is not None:
+                    applied = fn(param)
+                    if applied is not param:
+                        module._parameters[key] = nn.Parameter(applied, param.requires_grad)
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = fn(buffer)
+        return module
+
+    nn.Module._apply = _apply
+    try:
+        yield
+    finally:
+        nn.Module._apply = original

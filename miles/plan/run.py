@@ -1,0 +1,159 @@
+"""`--plan`: simulate the run's engines and each trained role's ranks (`simulate.py`), check that the simulated ranks
+issue the same collectives, and assemble the per-GPU picture (`report.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from torch.utils.flop_counter import FlopCounterMode
+
+from miles.algorithms import algorithm_of, role_settings
+from miles.plan.gpus import GpuSpec
+from miles.plan.simulate import (
+    ProcessPlan,
+    simulate_engine,
+    simulate_trainer_rank,
+    simulation_args,
+    train_pairs_for_rank,
+)
+from miles.plan.tracker import Collective
+from miles.rollout.engine import GenerateResult
+from miles.rollout.steps import select_rows
+from miles.utils.fsdp_arguments import trainer_world_size
+from miles.utils.types import num_pairs
+
+logger = logging.getLogger(__name__)
+
+
+class CollectiveMismatch(RuntimeError):
+    """Two simulated ranks of one role issue different collectives: on GPUs the run would hang."""
+
+
+@dataclass
+class Simulation:
+    """What the simulated processes measured: the engine and, per role, each simulated rank; FLOPs per call."""
+
+    engine: ProcessPlan | None
+    engine_rows: int  # samples in the simulated generate call
+    engine_flops: float  # of that call (all its denoising steps, text encoding and decoding)
+    window_samples: int = 0  # samples in one window of one data-parallel rank
+    roles: dict[str, list[ProcessPlan]] = field(default_factory=dict)
+    train_flops: dict[str, float] = field(default_factory=dict)  # one whole window on rank 0
+    seconds: float = 0.0
+
+
+def planned_device(args: argparse.Namespace) -> str:
+    """The device the plan is for: CUDA GPUs unless the flags say `--device cpu` (a plan needs no GPU)."""
+    return "cpu" if args.device == "cpu" else "cuda"
+
+
+def plans_sleep(args: argparse.Namespace) -> bool:
+    """Whether the run would have engines and trainer ranks take turns on their GPUs (`--colocate-sleep`)."""
+    if args.colocate_sleep == "on":
+        return True
+    return args.colocate_sleep == "auto" and bool(args.colocate) and planned_device(args) == "cuda"
+
+
+def engine_rows(args: argparse.Namespace) -> int:
+    """Samples one engine generates in one call: its share of the rollout (or of a --generate-chunk-size chunk),
+    at most --rollout-micro-batch-size when that is set."""
+    total = args.rollout_batch_size * args.n_samples_per_prompt
+    chunk = min(total, args.generate_chunk_size or total)
+    share = math.ceil(chunk / max(1, args.rollout_num_engines))
+    micro = getattr(args, "rollout_micro_batch_size", None)
+    return min(share, micro) if isinstance(micro, int) and micro > 0 else share
+
+
+def simulated_ranks(args: argparse.Namespace, limit: int = 4) -> list[int]:
+    """Rank 0, the last rank, and the first rank of each other shard group and sequence-parallel group, at most
+    `limit` in all (rank 0 first: its memory is the one reported; the others are checked for the same collectives)."""
+    world = trainer_world_size(args)
+    ranks = [0, world - 1]
+    shard = args.fsdp_shard_size or world
+    ranks += list(range(shard, world, shard)) + list(range(args.sp_size, world, args.sp_size))
+    unique = list(dict.fromkeys(r for r in ranks if 0 <= r < world))
+    return unique[:limit]
+
+
+def simulate(args: argparse.Namespace, *, ranks: list[int] | None = None) -> Simulation:
+    """The engine's generate call, then each role's ranks (rank 0 first) on the first two micro-batches of one
+    window of pairs converted from it (memory is at its steady state by the second: the gradients of the first are
+    held), its FLOPs scaled to the whole window."""
+    started = time.perf_counter()
+    sim = simulation_args(args)
+    algorithm = algorithm_of(args)
+    window_samples = max(1, sim.global_batch_size // args.dp_size)
+    rows = engine_rows(args) if algorithm.uses_engines else window_samples
+    engine, result, samples, engine_flops = simulate_engine(sim, rows)
+    out = Simulation(engine if algorithm.uses_engines else None, rows, engine_flops, window_samples=window_samples)
+    window = train_pairs_for_rank(sim, *reversed(_rows_for_window(result, samples, window_samples)))
+    sleeps, peer, world = plans_sleep(args), None, trainer_world_size(args)
+    for role in algorithm.role_names:  # in training order: each role's rank-0 output is the next one's peer
+        micro = role_settings(sim, role)["micro_batch_size"]
+        simulated = min(num_pairs(window), 2 * micro)
+        pairs = {key: value[:simulated] for key, value in window.items()}
+        out.roles[role], outputs = [], {}
+        for rank in ranks if ranks is not None else simulated_ranks(args):
+            with FlopCounterMode(display=False) as flops:
+                plan, outputs[rank] = simulate_trainer_rank(sim, role, rank, world, pairs, peer, sleeps=sleeps)
+            out.train_flops.setdefault(role, float(flops.get_total_flops()) * num_pairs(window) / simulated)
+            out.roles[role].append(plan)
+        peer = outputs[min(outputs)]
+    out.seconds = time.perf_counter() - started
+    return out
+
+
+def _rows_for_window(result: GenerateResult, samples: list, count: int) -> tuple[GenerateResult, list]:
+    """The engine's result stretched or cut to the `count` samples of one rank's window (the trainer's input shapes
+    depend on the sample count only)."""
+    if result.batch_size >= count:
+        return select_rows(result, range(count)), samples[:count]
+    copies = math.ceil(count / result.batch_size)
+    stretched = GenerateResult.concat([result] * copies)
+    return select_rows(stretched, range(count)), [samples[i % len(samples)] for i in range(count)]
+
+
+def check_collectives(simulation: Simulation) -> None:
+    """Every simulated rank of a role issues rank 0's collectives, in order (op, group size, dtype, elements);
+    the first divergence raises `CollectiveMismatch`, naming both ranks and the collective."""
+    for role, plans in simulation.roles.items():
+        reference = plans[0]
+        for other in plans[1:]:
+            mismatch = first_divergence(reference.collectives, other.collectives)
+            if mismatch is not None:
+                index, mine, theirs = mismatch
+                raise CollectiveMismatch(
+                    f"{role} rank {reference.rank} and rank {other.rank} diverge at collective #{index}: "
+                    f"{describe_collective(mine)} vs {describe_collective(theirs)}; on GPUs this run would hang"
+                )
+
+
+def first_divergence(
+    mine: list[Collective], theirs: list[Collective]
+) -> tuple[int, Collective | None, Collective | None] | None:
+    """The first index where two ranks' collectives differ (a missing one counts), or None."""
+    for index in range(max(len(mine), len(theirs))):
+        a = mine[index] if index < len(mine) else None
+        b = theirs[index] if index < len(theirs) else None
+        key_a = None if a is None else (a.op, a.group_size, a.dtype, a.numel)
+        key_b = None if b is None else (b.op, b.group_size, b.dtype, b.numel)
+        if key_a != key_b:
+            return index, a, b
+    return None
+
+
+def describe_collective(collective: Collective | None) -> str:
+    return "none (the rank issues no more)" if collective is None else collective.describe()
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What the plan is measured against: the GPU, the sustained TFLOPs per GPU and the interconnect for the sync."""
+
+    gpu: GpuSpec
+    tflops: float
+    interconnect_gbps: float

@@ -1,0 +1,244 @@
+"""One simulated process of the run: a rollout engine's start-up and one generate call, a trainer rank's start-up,
+one optimizer window, the weight export and a sleep / wake, each the library's own code (`DiffusionEngine`,
+`FSDPTrainRayActor`) on fake tensors, its memory tracked per phase (`PlanTracker`)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils.flop_counter import FlopCounterMode
+
+from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
+from miles.backends.fsdp_utils.ema import local_tensor
+from miles.backends.fsdp_utils.fsdp import build_mesh, parse_dtype
+from miles.backends.fsdp_utils.lora import lora_config_from_args
+from miles.models.base import family_options, get_train_pipeline_config
+from miles.plan.fake import PlanTensorMode, fake_process_group, movable_fake_modules
+from miles.plan.tracker import Collective, PlanTracker
+from miles.rollout.engine import DiffusionEngine, GenerateResult
+from miles.rollout.rollout_hub import rollout_spec_of
+from miles.utils.types import Sample, TrainPairs, shard_pairs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ProcessPlan:
+    """What one simulated process held: its peak bytes per phase, what its resident state is made of, the
+    collectives it issued, and the wall time of its simulation."""
+
+    name: str
+    rank: int
+    peaks: dict[str, int]
+    after: dict[str, int] = field(default_factory=dict)  # live bytes at each phase's end (what stays resident)
+    params_bytes: int = 0
+    grads_bytes: int = 0
+    optimizer_bytes: int = 0
+    other_state_bytes: int = 0  # shadows / EMA / frozen networks (a teacher)
+    host_bytes: int = 0  # what it keeps on the host (its sleep buffer)
+    export_bytes: int = 0  # the weights it sends the engines per sync (rank 0)
+    collectives: list[Collective] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.peaks.values(), default=0)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.peaks, key=self.peaks.get) if self.peaks else "-"
+
+    @property
+    def activations_bytes(self) -> int:
+        resident = self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.other_state_bytes
+        return max(0, self.peak_bytes - resident)
+
+
+def simulation_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The run's flags as the simulated processes see them: on the fake CPU device (the planned device's dtypes
+    were derived already), one optimizer window per role."""
+    sim = copy.copy(args)
+    sim.device = "cpu"
+    sim.prefetch_microbatches = "off"  # a side stream of the real GPU run; the same calls in the same order
+    sim.num_steps_per_rollout = 1
+    for role_steps in [k for k in vars(sim) if k.endswith("_num_steps_per_rollout")]:
+        setattr(sim, role_steps, 1)
+    return sim
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        local = local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        seen[id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+# ---- the engine --------------------------------------------------------------------------------------------
+def engine_samples(args: argparse.Namespace, count: int) -> list[Sample]:
+    """`count` samples of one prompt group after another (their prompts' text is irrelevant: every prompt is
+    encoded at its longest), source images where the family takes them."""
+    family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
+    resolution = args.resolution or family.default_resolution
+    low = family.source_image_range[0]
+    sources = [torch.zeros(resolution, resolution, 3, dtype=torch.uint8).numpy()] * low if low else None
+    return [
+        Sample(index=i, prompt="a prompt", group_index=i // args.n_samples_per_prompt, seed=i, source_images=sources)
+        for i in range(count)
+    ]
+
+
+@dataclass
+class ForwardOnce:
+    """Stands in for a family's `predict_velocity` in the simulated engine: the first call runs (its memory and
+    FLOPs are every step's: a step's forward is the same at every σ), later ones return an uninitialised velocity
+    of the latents' shape, and are counted, so the FLOPs of a generate call are those of the real one."""
+
+    forward: Any
+    flops: FlopCounterMode
+    calls: int = 0
+    step_flops: float = 0.0
+
+    def __call__(self, network: Any, latents: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 1:
+            return torch.empty_like(latents)
+        before = self.flops.get_total_flops()
+        out = self.forward(network, latents, *args, **kwargs)
+        self.step_flops = float(self.flops.get_total_flops() - before)
+        return out
+
+
+def simulate_engine(args: argparse.Namespace, rows: int) -> tuple[ProcessPlan, GenerateResult, list[Sample], float]:
+    """A rollout engine process: its start-up (transformer, text encoders, VAE in the forward dtype), then one
+    generate call of `rows` samples as the algorithm requests them (one transformer forward run, the others
+    counted: `ForwardOnce`); returns its plan, the result (the trainer's simulation converts it), the samples and
+    the call's FLOPs."""
+    started = time.perf_counter()
+    tracker = PlanTracker()
+    lora = lora_config_from_args(args, _family_name(args)) if args.use_lora else None
+    samples = engine_samples(args, rows)
+    with PlanTensorMode(), movable_fake_modules(), tracker:
+        with tracker.in_phase("start-up"):
+            engine = DiffusionEngine(
+                args.hf_checkpoint,
+                model_family=args.model_family,
+                device="cpu",
+                forward_dtype=parse_dtype(args.diffusion_forward_dtype),
+                lora_config=lora,
+                family_options=family_options(args),
+            )
+        weights = list(engine.transformer.parameters()) + list(engine.transformer.buffers())
+        resident = _storage_bytes(weights + [t for m in engine.family.loaded_modules() for t in m.parameters()])
+        resolution = args.resolution or engine.family.default_resolution
+        request = rollout_spec_of(args).build_request(args, samples, rollout_id=0, resolution=resolution)
+        with tracker.in_phase("generate"), FlopCounterMode(display=False) as flops:
+            once = ForwardOnce(engine.family.predict_velocity, flops)
+            engine.family.predict_velocity = once
+            result = engine.generate(request)
+        total_flops = flops.get_total_flops() + (once.calls - 1) * once.step_flops
+    plan = ProcessPlan("engine", 0, dict(tracker.peaks), dict(tracker.after), params_bytes=resident)
+    plan.collectives = tracker.collectives
+    plan.seconds = time.perf_counter() - started
+    return plan, result, samples, float(total_flops)
+
+
+def _family_name(args: argparse.Namespace) -> str:
+    return get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args)).name
+
+
+# ---- a trainer rank ----------------------------------------------------------------------------------------
+class PlannedTrainer(FSDPTrainRayActor):
+    """The trainer actor as one simulated rank: it joins the planner's fake process group instead of a real one."""
+
+    def _join_process_group(self, master_addr: str, master_port: int) -> None:
+        return None
+
+
+def train_pairs_for_rank(args: argparse.Namespace, samples: list[Sample], result: GenerateResult) -> TrainPairs:
+    """One optimizer window's pairs of one data-parallel rank (`samples` are its share of the window), converted by
+    the algorithm's own rollout side from the engine's (fake) result with zero advantages, dealt as the rollout
+    manager deals them (`shard_pairs`: each row gets its `pair_index`)."""
+    spec = rollout_spec_of(args)
+    pairs = spec.convert(args, samples, result, torch.zeros(len(samples)), rollout_id=0)
+    return shard_pairs(pairs, 1)[0]
+
+
+def simulate_trainer_rank(
+    args: argparse.Namespace,
+    role: str,
+    rank: int,
+    world_size: int,
+    pairs: TrainPairs,
+    peer_output: Any = None,
+    *,
+    export: bool = True,
+    sleeps: bool = False,
+) -> tuple[ProcessPlan, Any]:
+    """Rank `rank` of the role's `world_size` ranks: start-up (sharded load, LoRA, checkpointing, optimizer), one
+    optimizer window on `pairs`, the weight export (rank 0 keeps the engines' copy), sleep and wake."""
+    started = time.perf_counter()
+    tracker = PlanTracker()
+    with fake_process_group(rank, world_size):
+        actor = PlannedTrainer(world_size, rank, role)
+        # the mesh is built outside the fake mode (its rank tables are real tensors)
+        actor.mesh = build_mesh(world_size, args.fsdp_shard_size, "cpu") or init_device_mesh("cpu", (world_size,))
+        with PlanTensorMode(), tracker:
+            with tracker.in_phase("start-up"):
+                actor.init(args, "planner", 0)
+            with tracker.in_phase("train"):
+                output = actor.train_shard(0, pairs, peer_output)
+            plan = _resident(actor, role, rank, tracker)
+            if export and role == "actor":
+                with tracker.in_phase("weight sync"):
+                    state, _ = actor.export_weights()
+                    plan.export_bytes = _storage_bytes(list(state.values())) if state else 0
+                    del state
+            if sleeps:
+                with tracker.in_phase("sleep"):
+                    report = actor.sleep()
+                    plan.host_bytes = int(report["copied_bytes"])
+                with tracker.in_phase("wake"):
+                    actor.wake()
+        actor.prefetcher.shutdown()
+    plan.peaks, plan.after = dict(tracker.peaks), dict(tracker.after)
+    plan.collectives = tracker.collectives
+    plan.seconds = time.perf_counter() - started
+    return plan, output
+
+
+def _resident(actor: FSDPTrainRayActor, role: str, rank: int, tracker: PlanTracker) -> ProcessPlan:
+    """The rank's state after its window: parameters, gradients (freed by the next window's zero_grad, so counted
+    at their peak: one sharded copy), AdamW's moments, and the rest (shadows, EMA, frozen networks)."""
+    params = list(actor.model.parameters())
+    optimizer = [v for s in actor.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    trainable = [p for p in params if p.requires_grad]
+    grads_bytes = sum(local_tensor(p).numel() * p.dtype.itemsize for p in trainable)
+    others = [t for s in [actor.ema, *actor.shadows.values()] if s is not None for t in s.tensors()]
+    others += [t for m in actor.loaded.values() for t in m.parameters()]
+    return ProcessPlan(
+        role,
+        rank,
+        {},
+        params_bytes=_storage_bytes(params),
+        grads_bytes=grads_bytes,
+        optimizer_bytes=_storage_bytes(optimizer),
+        other_state_bytes=_storage_bytes(others) if others else 0,
+    )
+
+
+def describe(plan: ProcessPlan) -> str:
+    gib = 2**30
+    fields = dataclasses.asdict(plan)
+    fields.pop("collectives")
+    return f"{plan.name} rank {plan.rank}: peak {plan.peak_bytes / gib:.2f} GiB in {plan.peak_phase}; {fields}"

@@ -1,0 +1,112 @@
+"""When a plan does not fit: the cheapest flag changes that do, each simulated again (`simulate`), never guessed.
+Changes are tried in order of what they cost a run (activation checkpointing, smaller micro-batches, LoRA, CPU
+offload, more GPUs), one at a time, then added up until the plan fits."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from miles.plan.run import PlanSettings, simulate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Change:
+    flags: str  # as the user types them
+    values: dict[str, Any]  # args dest -> value
+
+
+def candidate_changes(args: argparse.Namespace, report: dict[str, Any]) -> list[Change]:
+    """The changes worth trying for the GPU that overflows, cheapest first."""
+    worst = report["worst_gpu"]
+    trainer_bound = any("rank" in label for label in worst["roles"]) and worst["phase"] != "generate"
+    changes = []
+    if trainer_bound:
+        if not args.gradient_checkpointing:
+            changes.append(Change("--gradient-checkpointing", {"gradient_checkpointing": True}))
+        micro = args.micro_batch_size
+        while micro > 1:
+            micro //= 2
+            changes.append(Change(f"--micro-batch-size {micro}", {"micro_batch_size": micro}))
+        if not args.use_lora:
+            changes.append(Change("--use-lora", {"use_lora": True}))
+        if not args.fsdp_cpu_offload and not args.colocate:
+            changes.append(Change("--fsdp-cpu-offload", {"fsdp_cpu_offload": True}))
+    if worst["phase"] == "generate":
+        rows = report["roles"].get("engine", {}).get("rows_per_call", 1)
+        while rows > 1:
+            rows //= 2
+            changes.append(Change(f"--rollout-micro-batch-size {rows}", {"rollout_micro_batch_size": rows}))
+    changes.append(Change(f"--dp-size {args.dp_size * 2}", {"dp_size": args.dp_size * 2}))
+    return changes
+
+
+def with_changes(args: argparse.Namespace, changes: list[Change]) -> argparse.Namespace:
+    changed = copy.copy(args)
+    for change in changes:
+        vars(changed).update(change.values)
+        for key, value in change.values.items():  # a role's own copy of an override follows the shared flag
+            for role_key in [k for k in vars(changed) if k.endswith(f"_{key}") and k != key]:
+                setattr(changed, role_key, value)
+    return changed
+
+
+def suggest(
+    args: argparse.Namespace,
+    report: dict[str, Any],
+    settings: PlanSettings,
+    build_report: Callable[[argparse.Namespace, Any, PlanSettings], dict[str, Any]],
+    *,
+    limit: int = 3,
+) -> list[dict[str, Any]]:
+    """Up to `limit` flag sets that fit, each with its re-planned worst GPU and the seconds its plan took: single
+    changes first (in cost order), then the cheapest changes added up one by one."""
+    found: list[dict[str, Any]] = []
+    tried_alone: list[tuple[Change, dict[str, Any]]] = []
+    for change in candidate_changes(args, report):
+        replanned = _replan(args, [change], settings, build_report)
+        tried_alone.append((change, replanned))
+        if replanned["fits"]:
+            found.append(_suggestion([change], replanned))
+            if len(found) >= limit:
+                return found
+    if found:
+        return found
+    chosen: list[Change] = []
+    for change, _ in sorted(tried_alone, key=lambda t: t[1]["worst_gpu"]["peak_bytes"]):
+        chosen.append(change)
+        replanned = _replan(args, chosen, settings, build_report)
+        if replanned["fits"]:
+            return [_suggestion(chosen, replanned)]
+    return []
+
+
+def _replan(
+    args: argparse.Namespace, changes: list[Change], settings: PlanSettings, build_report: Callable
+) -> dict[str, Any]:
+    changed = with_changes(args, changes)
+    simulation = simulate(changed, ranks=[0])
+    report = build_report(changed, simulation, settings)
+    logger.info(
+        "re-planned with %s: worst GPU %.1f GiB (%s), %.1fs",
+        " ".join(c.flags for c in changes),
+        report["worst_gpu"]["peak_bytes"] / 2**30,
+        "fits" if report["fits"] else "does not fit",
+        simulation.seconds,
+    )
+    return report
+
+
+def _suggestion(changes: list[Change], report: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "flags": " ".join(c.flags for c in changes),
+        "worst_gpu_peak_bytes": report["worst_gpu"]["peak_bytes"],
+        "worst_gpu_phase": report["worst_gpu"]["phase"],
+        "plan_seconds": report["plan_seconds"],
+    }

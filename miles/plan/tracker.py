@@ -1,0 +1,118 @@
+"""What one simulated rank does, seen from torch's dispatcher: the bytes of its live storages (current, and the peak
+of each named phase) and the collectives it issues (op, group size, dtype, element count), in order."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as every rank of its group must issue it alike."""
+
+    op: str
+    group_size: int
+    dtype: str
+    numel: int
+    phase: str
+
+    def describe(self) -> str:
+        return f"{self.op} over {self.group_size} ranks, {self.numel} x {self.dtype} ({self.phase})"
+
+
+class PlanTracker(TorchDispatchMode):
+    """Counts the bytes of every storage an op creates until the storage dies (`live_bytes`), the largest count of
+    each phase (`peaks`), and records the collectives. Enter it inside the fake mode, so it sees ops first.
+
+    A storage resized outside the dispatcher (sleep / wake) is counted at its new size after `recount()`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
+        self._refs: dict[int, weakref.ref] = {}
+        self.live_bytes = 0
+        self.phase = "start-up"
+        self.peaks: dict[str, int] = {}
+        self.after: dict[str, int] = {}  # live bytes when each phase ended
+        self.collectives: list[Collective] = []
+
+    # ---- memory ------------------------------------------------------------------------------
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._sizes and self._refs[key]() is storage:
+            return
+        self._sizes[key] = storage.nbytes()
+        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
+        self.live_bytes += self._sizes[key]
+        self._note_peak()
+
+    def _free(self, key: int) -> None:
+        self.live_bytes -= self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def _note_peak(self) -> None:
+        if self.live_bytes > self.peaks.get(self.phase, 0):
+            self.peaks[self.phase] = self.live_bytes
+
+    def adopt(self, tensors: list[torch.Tensor]) -> None:
+        """Count tensors made outside the tracker (before it was entered)."""
+        for tensor in tensors:
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            if isinstance(local, torch.Tensor) and local.device.type != "meta":
+                self._track(local)
+
+    def recount(self) -> None:
+        """Re-read every live storage's size (after storages were resized to free or restore them)."""
+        for key, ref in list(self._refs.items()):
+            storage = ref()
+            if storage is None:
+                continue
+            self.live_bytes += storage.nbytes() - self._sizes[key]
+            self._sizes[key] = storage.nbytes()
+        self._note_peak()
+
+    @contextlib.contextmanager
+    def in_phase(self, name: str) -> Iterator[None]:
+        """Attribute the peak of what runs inside to phase `name` (starting from what is live now)."""
+        previous, self.phase = self.phase, name
+        self.peaks[name] = max(self.peaks.get(name, 0), self.live_bytes)
+        try:
+            yield
+        finally:
+            self.recount()
+            self.after[name] = self.live_bytes
+            self.phase = previous
+
+    # ---- dispatch ----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        namespace = func.namespace if hasattr(func, "namespace") else ""
+        if namespace in _COLLECTIVE_NAMESPACES:
+            self._record_collective(func, args)
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                self._track(value)
+        return out
+
+    def _record_collective(self, func: Any, args: Any) -> None:
+        values = tree_flatten(args)[0]
+        tensors = [t for t in values if isinstance(t, torch.Tensor)]
+        groups = [v.size() for v in values if isinstance(v, dist.ProcessGroup)]
+        if not groups:  # a functional collective: (input, group_size, group_name)
+            groups = [v for v in values if isinstance(v, int) and not isinstance(v, bool)][:1]
+        dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "-"
+        name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
+        numel = sum(t.numel() for t in tensors)
+        self.collectives.append(Collective(name, int(groups[0]) if groups else 0, dtype, numel, self.phase))
