@@ -303,7 +303,13 @@ def add_remote_reward_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Weight of the K-th --rm-url's reward in the total (one per --rm-url; default 1 each).",
     )
-    group.add_argument("--rm-timeout", type=float, default=120.0, help="Seconds one HTTP request may take.")
+    group.add_argument(
+        "--rm-timeout",
+        type=float,
+        default=120.0,
+        help="Seconds one HTTP request may take in all, from connecting to the answer's last byte (a server that "
+        "drips its answer is cut off there); then it is retried (--rm-retries).",
+    )
     group.add_argument(
         "--rm-retries",
         type=int,
@@ -343,7 +349,15 @@ def add_remote_reward_arguments(parser: argparse.ArgumentParser) -> None:
         "--vlm-judge-unparsable",
         choices=["error", "default"],
         default="error",
-        help="vlm_judge: an answer without a score in [0, max] fails the run, or scores --vlm-judge-default-score.",
+        help="vlm_judge: an answer without a score in [0, max] fails the run, or scores --vlm-judge-default-score "
+        "(counted in rollout/vlm_judge_unparsable_frac, the first such answer of a rollout logged).",
+    )
+    group.add_argument(
+        "--vlm-judge-max-unparsable-frac",
+        type=float,
+        default=0.25,
+        help="vlm_judge with --vlm-judge-unparsable default: the run fails when more than this fraction of a "
+        "rollout's answers have no score (a judge that never scores would train on the default alone; 1: never).",
     )
     group.add_argument(
         "--vlm-judge-default-score", type=float, default=0.0, help="vlm_judge: the reward of an unparsable answer."
