@@ -8,7 +8,7 @@ import argparse
 from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
 from miles.utils.config_file import flag
 from miles.utils.hook_paths import add_rollout_step_arguments, rollout_step_rules
-from miles.utils.reward_spec import remote_rules, reward_spec_from_args
+from miles.utils.reward_spec import remote_rules, reward_model_problems, reward_spec_from_args, runs_rewards
 
 DEFAULT_NUM_SDE_STEPS = 3
 MIXGRPO_DEFAULTS = {"mixgrpo_mode": "progressive", "mixgrpo_shift_interval": None, "mixgrpo_stride": 1}
@@ -384,9 +384,9 @@ def rl_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
     if args.save_debug_rollout_data and args.load_debug_rollout_data:
         errors.append("--save-debug-rollout-data and --load-debug-rollout-data exclude each other")
     errors += remote_rules(args)
-    if algorithm.scores_rewards and not args.train_only:
+    if runs_rewards(args, algorithm.scores_rewards):  # a reward that cannot run is refused before any model loads
         try:
-            reward_spec_from_args(args)
+            errors += reward_model_problems(args, reward_spec_from_args(args))
         except ValueError as exc:
             errors.append(str(exc))
     if args.per_reward_group_norm and (args.custom_reward_post_process_path or not algorithm.scores_rewards):
