@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from miles.algorithms import FrozenNetwork, algorithm_of, role_settings
+from miles.algorithms import FrozenNetwork, algorithm_of, role_flag, role_settings
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_latest, save_checkpoint
 from miles.backends.fsdp_utils.ema import ShadowWeights, ema_config_from_args, local_tensor, reshard
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, full_state_dict, keep_in_fp32_names, parse_dtype
@@ -317,6 +317,7 @@ class FSDPTrainRayActor(TrainLoop):
             extra=extra,
             meta={"global_step": self.global_step, **checkpoint_meta(self.args)},
             sharded=self._sharded_state(),
+            save_flag=role_flag(self.role, "save"),  # what a full device's error names
         )
 
     def export_weights(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, TensorChecksum] | None]:
