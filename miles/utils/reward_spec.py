@@ -145,6 +145,8 @@ def reward_model_problems(args: argparse.Namespace, spec: list[tuple[str, float]
             errors.append(f"--rm-type {name} needs {flag} DIR, a local folder with its model and processor")
         elif not os.path.isdir(path):
             errors.append(f"{flag} {path}: no such folder (--rm-type {name} loads its model from it)")
+        elif not os.path.isfile(os.path.join(path, "config.json")):
+            errors.append(f"{flag} {path}: no config.json in it (--rm-type {name} loads a transformers CLIP folder)")
     return errors
 
 

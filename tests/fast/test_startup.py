@@ -60,6 +60,14 @@ def test_a_reward_without_its_model_folder_is_refused_when_parsing(flags, messag
     assert message in capsys.readouterr().err
 
 
+def test_a_model_folder_without_a_model_is_refused_when_parsing(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--rm-type", "clip_score", "--clip-model-path", str(tmp_path)])
+    assert f"--clip-model-path {tmp_path}: no config.json in it" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    parse_args(["--rm-type", "clip_score", "--clip-model-path", str(tmp_path)])
+
+
 def test_a_missing_optional_package_is_refused_when_parsing(monkeypatch, capsys):
     monkeypatch.setitem(reward_spec.REWARD_PACKAGES, "ocr", ("no_such_ocr_module", "pip install miles[ocr]"))
     with pytest.raises(SystemExit):

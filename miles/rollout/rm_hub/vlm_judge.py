@@ -131,11 +131,12 @@ async def vlm_judge(args: argparse.Namespace, samples: list[Sample]) -> list[flo
 
 
 def unparsable_metrics(samples: list[Sample]) -> dict[str, float]:
-    """`rollout/vlm_judge_unparsable_frac`: the share of judged samples whose answer had no score."""
+    """`rollout/vlm_judge_unparsable` and `_frac`: how many judged samples' answers had no score, and their share."""
     infos = [s.extra[VLM_JUDGE_EXTRA_KEY] for s in samples if VLM_JUDGE_EXTRA_KEY in s.extra]
     if not infos:
         return {}
-    return {"rollout/vlm_judge_unparsable_frac": sum(info["unparsable"] for info in infos) / len(infos)}
+    count = sum(info["unparsable"] for info in infos)
+    return {"rollout/vlm_judge_unparsable": count, "rollout/vlm_judge_unparsable_frac": count / len(infos)}
 
 
 def unparsable_problem(args: argparse.Namespace, samples: list[Sample]) -> str | None:

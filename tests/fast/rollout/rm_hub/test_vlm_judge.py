@@ -78,7 +78,11 @@ def test_unparsable_answers_fail_or_score_the_default_and_are_counted(judge_url)
     args = judge_args(judge_url, "--vlm-judge-unparsable", "default", "--vlm-judge-default-score", "-1")
     totals, per_reward = judge(args, samples)
     assert totals == pytest.approx([0.8, -1.0, 0.8])
-    assert reward_metrics(totals, per_reward, samples)["rollout/vlm_judge_unparsable_frac"] == pytest.approx(1 / 3)
+    metrics = reward_metrics(totals, per_reward, samples)
+    assert (metrics["rollout/vlm_judge_unparsable"], metrics["rollout/vlm_judge_unparsable_frac"]) == (
+        1,
+        pytest.approx(1 / 3),
+    )
     assert samples[1].extra["vlm_judge"] == {"unparsable": 1.0, "answer": "I cannot rate this image."}
 
 
