@@ -171,20 +171,20 @@ class SaveTarget:
         if error is not None:
             remaining = max(self.needed - folder_bytes(self.path), 1)
             failure = (out_of_space(error, free_bytes(self.save_dir), remaining), f"{type(error).__name__}: {error}")
+        many = dist.is_initialized() and dist.get_world_size() > 1
         outcomes: list[Any] = [(failure, payload)]
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if many:
             outcomes = [None] * dist.get_world_size()
             dist.all_gather_object(outcomes, (failure, payload))
         failed = [(rank, f) for rank, (f, _) in enumerate(outcomes) if f is not None]
         if not failed:
             return [p for _, p in outcomes]
-        rank = dist.get_rank() if dist.is_initialized() else 0
         written = folder_bytes(self.path)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if many:
             dist.barrier()  # every rank measured before rank 0 removes
-        if rank == 0:
+        if not many or dist.get_rank() == 0:
             self._remove_partial()
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if many:
             dist.barrier()
         if any(space for _, (space, _) in failed):
             raise CheckpointSpaceError(space_message(self, written)) from error

@@ -113,9 +113,11 @@ def test_a_device_that_fills_during_a_save_is_named_and_the_previous_checkpoint_
 
 def test_another_write_failure_is_not_called_a_full_device(tmp_path, trainer, monkeypatch):
     save_dir = str(tmp_path / "ckpt")
-    monkeypatch.setattr(
-        filesystem.FileSystem, "create_stream", lambda *a: (_ for _ in ()).throw(PermissionError("read-only"))
-    )
+
+    def read_only(self, path, mode):
+        raise PermissionError(f"{path} is read-only")
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", read_only)
     with pytest.raises(BaseException, match="read-only") as caught:
         save_checkpoint(save_dir, 1, "actor", **trainer)
     assert not isinstance(caught.value, CheckpointSpaceError)
