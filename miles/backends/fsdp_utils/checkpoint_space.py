@@ -151,6 +151,19 @@ def out_of_space(error: BaseException, free: int | None, remaining: int) -> bool
     return free is not None and free < remaining
 
 
+def export_space_error(error: BaseException, flag: str, folder: str, needed: int) -> CheckpointSpaceError | None:
+    """The error to raise for a failed export of about `needed` bytes into `folder` (`--save-hf`) when its device is
+    full; None otherwise. The folder is left as it is (it may hold the user's files); checkpoints are elsewhere."""
+    written = folder_bytes(folder)
+    if not out_of_space(error, free_bytes(folder), max(needed - written, 1)):
+        return None
+    return CheckpointSpaceError(
+        f"no space left on the device of {flag} {folder} while writing the trained weights (about {needed} bytes "
+        f"needed: {human(needed)}; the folder now holds {human(written)}); the checkpoints of --save are untouched "
+        f"and the latest holds the same weights. Free space there or give {flag} another folder"
+    )
+
+
 @dataclass(frozen=True)
 class SaveTarget:
     """One role's save of one iteration, for `settle`: where it goes, under which flag, and about how many bytes."""

@@ -139,6 +139,21 @@ def test_too_little_room_is_warned_about_before_and_after_a_save(tmp_path, train
     assert f"iteration 2 took {checkpoint_space.human(size)}" in after and "the next save will likely not fit" in after
 
 
+def test_a_full_device_under_save_hf_is_named_and_other_failures_pass_through(tmp_path, monkeypatch):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"x" * 1000)
+    full = checkpoint_space.export_space_error(
+        OSError(errno.ENOSPC, "No space left on device"), "--save-hf", str(folder), 5000
+    )
+    assert str(full).startswith(f"no space left on the device of --save-hf {folder} while writing the trained weights")
+    assert "the folder now holds 1.0 KB" in str(full) and "the checkpoints of --save are untouched" in str(full)
+    assert checkpoint_space.export_space_error(ValueError("bad config"), "--save-hf", str(folder), 5000) is None
+    monkeypatch.setattr(checkpoint_space.shutil, "disk_usage", lambda path: Usage(10**9, 10**9, 10))
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert isinstance(checkpoint_space.export_space_error(torch_error, "--save-hf", str(folder), 5000), OSError)
+
+
 SCRIPT = textwrap.dedent(
     """
     import sys
