@@ -103,7 +103,7 @@ RULES = """## Rules checked before start-up
   `pip install miles[ocr]`), a CLIP reward without its `--clip-model-path` / `--pickscore-model-path` folder holding
   a `config.json`; and at start-up, before any model loads, a video reward on an image family or an image reward on a
   video family, `edit_preservation` on a family without source images, `ocr` on prompts without quoted text
-  (docs/user-guide/failures.md).
+  (docs/user-guide/failures.md). An eval of `--eval-prompt-data builtin:ocr` needs the OCR package too.
 - `awm` turns `--diffusion-recompute-old-log-prob` on (its `derive`): the rollout records no log-prob, so the old
   log-prob of windows 1.. is the trainer's recompute pass with the pre-update weights (window 0 its own value).
 """

@@ -69,7 +69,13 @@ def test_a_model_folder_without_a_model_is_refused_when_parsing(tmp_path, capsys
 
 
 def test_a_missing_optional_package_is_refused_when_parsing(monkeypatch, capsys):
+    """The ocr reward, and the OCR eval of builtin:ocr, without the package they read images with."""
     monkeypatch.setitem(reward_spec.REWARD_PACKAGES, "ocr", ("no_such_ocr_module", "pip install miles[ocr]"))
     with pytest.raises(SystemExit):
         parse_args(["--rm-type", "ocr", "--prompt-data", "builtin:ocr"])
     assert "reward 'ocr' needs the no_such_ocr_module package: pip install miles[ocr]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--eval-prompt-data", "builtin:ocr", "--eval-interval", "5"])
+    message = "--eval-prompt-data builtin:ocr is scored by OCR, which needs the no_such_ocr_module package"
+    assert message in capsys.readouterr().err
+    parse_args(["--eval-prompt-data", "builtin:ocr", "--eval-interval", "0"])  # no eval: nothing to score
