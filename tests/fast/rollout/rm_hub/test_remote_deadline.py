@@ -58,8 +58,7 @@ def samples(num: int) -> list[Sample]:
     return [Sample(index=i, prompt=f"p{i}", image=np.zeros((8, 8, 3), dtype=np.uint8)) for i in range(num)]
 
 
-@pytest.mark.parametrize("mode", ["drip", "silent"])
-@pytest.mark.parametrize("reward", ["server", "vlm_judge"])
+@pytest.mark.parametrize(("reward", "mode"), [("server", "drip"), ("vlm_judge", "drip"), ("server", "silent")])
 def test_a_slow_remote_reward_meets_the_deadline_then_fails_naming_url_samples_and_deadline(reward, mode):
     with slow_server(mode) as (base, server):
         common = ["--rm-timeout", "0.2", "--rm-retries", "1", "--rm-retry-backoff", "0.05"]
