@@ -24,7 +24,7 @@ from typing import Any
 
 from miles.reward_batcher import RequestBatcher
 from miles.utils.ranges import AT_LEAST_0, AT_LEAST_1, Range, range_violation
-from miles.utils.reward_spec import remote_rules, reward_spec_from_args
+from miles.utils.reward_spec import remote_rules, reward_model_problems, reward_spec_from_args
 
 logger = logging.getLogger("miles.reward_server")
 MISSING_EXTRA = (
@@ -177,6 +177,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         spec = reward_spec_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    problems = reward_model_problems(args, spec)  # a CLIP reward without its model folder: refused before serving
+    if problems:
+        parser.error("; ".join(problems))
     token = None
     if args.server_token_env:
         token = os.environ.get(args.server_token_env)

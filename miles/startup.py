@@ -23,6 +23,7 @@ from miles.utils.eval_arguments import BUILTIN_MOVING_SHAPES, eval_enabled
 from miles.utils.failures import run_cleanup
 from miles.utils.hook_paths import load_path_flags
 from miles.utils.locks import FolderLocks
+from miles.utils.reward_spec import reward_media_problems, reward_spec_from_args, runs_rewards
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,12 @@ def check_startup(args: argparse.Namespace) -> None:
         raise ValueError("; ".join(problems))
     check_compile(family, args.compile)  # a family that cannot be compiled is refused here, naming its reason
     video = len(family.latent_shape(args.resolution)) != 3
+    if runs_rewards(args, algorithm_of(args).scores_rewards):  # a reward that cannot score what the family makes
+        problems = reward_media_problems(
+            reward_spec_from_args(args), family=family.name, video=video, source_images=family.takes_source_images
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
     clips = getattr(args, "eval_prompt_data", None) == BUILTIN_MOVING_SHAPES  # the one built-in eval of video
     if eval_enabled(args) and not args.eval_function_path and video != clips:
         if video:

@@ -98,6 +98,12 @@ RULES = """## Rules checked before start-up
   refused. With `vlm_judge`, exactly one `--rm-url` (the judge's base URL) and `--rm-model` are required,
   `--rm-url-weight` is refused, and `--vlm-judge-prompt-file` must exist. `--rm-token-env` must name a set,
   non-empty environment variable.
+- A run that scores rewards (its algorithm trains on them, or `--rm-type`, `--custom-rm-path` or `--rm-url` asks to
+  log them; never under `--train-only`) refuses a reward it cannot run: one whose optional package is missing (`ocr`:
+  `pip install miles[ocr]`), a CLIP reward without its `--clip-model-path` / `--pickscore-model-path` folder holding
+  a `config.json`; and at start-up, before any model loads, a video reward on an image family or an image reward on a
+  video family, `edit_preservation` on a family without source images, `ocr` on prompts without quoted text
+  (docs/user-guide/failures.md). An eval of `--eval-prompt-data builtin:ocr` needs the OCR package too.
 - `awm` turns `--diffusion-recompute-old-log-prob` on (its `derive`): the rollout records no log-prob, so the old
   log-prob of windows 1.. is the trainer's recompute pass with the pre-update weights (window 0 its own value).
 """

@@ -22,6 +22,7 @@ import_gc.pause_in_ray_worker()
 import ray
 
 from miles.rollout.rm_hub import RewardError, compute_rewards
+from miles.rollout.rm_hub.vlm_judge import unparsable_problem
 from miles.utils.failures import gather, where
 from miles.utils.misc import split_contiguous
 from miles.utils.types import Sample
@@ -110,7 +111,15 @@ class RewardWorkerPool:
 
     def score(self, samples: list[Sample], rollout_id: int | None = None) -> RewardResult:
         """(weighted totals, raw values per reward) for `samples` in order; a worker's RewardError is re-raised, a
-        dead worker is named with `rollout_id`."""
+        dead worker is named with `rollout_id`; a VLM judge that gave too few scores fails here (`unparsable_problem`:
+        its workers each saw only their chunk)."""
+        result = self._score(samples, rollout_id)
+        problem = unparsable_problem(self.args, samples)
+        if problem is not None:
+            raise RewardError(f"reward 'vlm_judge': {problem} [{where('score', rollout_id)}]")
+        return result
+
+    def _score(self, samples: list[Sample], rollout_id: int | None) -> RewardResult:
         if not self.workers:
             try:
                 return _run_sync(compute_rewards(self.args, samples, self.spec))

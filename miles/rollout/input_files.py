@@ -19,7 +19,7 @@ from miles.rollout.data_source import (
     wants_source_images,
 )
 from miles.utils.eval_arguments import eval_enabled
-from miles.utils.reward_spec import reward_spec_from_args
+from miles.utils.reward_spec import reward_spec_from_args, runs_rewards
 
 
 class InputFileError(ValueError):
@@ -78,9 +78,10 @@ def check_input_files(args: argparse.Namespace) -> None:
         )
     if args.prompt_data.startswith("builtin:"):  # a built-in world matches the family: text, or source images
         check_source_image_counts([], args, "--prompt-data", args.prompt_data)
+    records = None  # a built-in world's, generated
     if args.prompt_data not in (BUILTIN_SHAPES, BUILTIN_SHAPES_EDIT, BUILTIN_MOVING_SHAPES):
         records = load_records(args, with_images=with_images, resolution=None)  # source images decoded: checked
-        check_ocr_prompts(args, records)
+    check_ocr_prompts(args, records)
     eval_data = getattr(args, "eval_prompt_data", BUILTIN_SHAPES)
     if eval_enabled(args) and not getattr(args, "eval_function_path", None):
         eval_records = []
@@ -90,12 +91,19 @@ def check_input_files(args: argparse.Namespace) -> None:
         check_source_image_counts(eval_records, args, "--eval-prompt-data", eval_data)
 
 
-def check_ocr_prompts(args: argparse.Namespace, records: list[dict]) -> None:
-    """With the ocr reward every training prompt needs its target text in double quotes (flow_grpo's format)."""
-    if not algorithm_of(args).scores_rewards or args.train_only:
+def check_ocr_prompts(args: argparse.Namespace, records: list[dict] | None) -> None:
+    """With the ocr reward every training prompt needs its target text in double quotes (flow_grpo's format); the
+    shapes worlds (`records` None) have none."""
+    if not runs_rewards(args, algorithm_of(args).scores_rewards) or getattr(args, "data_source_path", None):
         return
     if "ocr" not in dict(reward_spec_from_args(args)):
         return
+    if records is None:
+        raise InputFileError(
+            f"--rm-type ocr reads the target text between double quotes in each prompt, and the prompts of "
+            f"--prompt-data {args.prompt_data} have none: use --prompt-data {BUILTIN_OCR} or a file of prompts such "
+            'as a sign that says "OPEN"'
+        )
     unquoted = unquoted_prompts(records)
     if unquoted:
         raise InputFileError(

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from typing import Any
 
 from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
 from miles.models.builtin import makes_video
+from miles.utils.reward_spec import REWARD_PACKAGES
 
 BUILTIN_SHAPES = "builtin:shapes"
 BUILTIN_SHAPES_EDIT = "builtin:shapes-edit"  # miles.data.shapes_edit's (this module stays free of the data modules)
 BUILTIN_MOVING_SHAPES = "builtin:moving-shapes"  # miles.data.moving_shapes'
+BUILTIN_OCR = "builtin:ocr"  # miles.data.ocr's
 SHAPES_EVALUATED = " / ".join(a.name for a in BUILTIN_ALGORITHMS if a.shapes_eval_interval)
 
 
@@ -63,6 +66,13 @@ def eval_rules(args: argparse.Namespace) -> list[str]:
         errors.append("--eval-only samples with the rollout engine; it cannot be combined with --train-only")
     if args.eval_only and args.no_eval_before_train:
         errors.append("--eval-only is the eval before training; it cannot be combined with --no-eval-before-train")
+    module, install = REWARD_PACKAGES["ocr"]
+    evaluates = args.eval_only or bool(args.eval_interval)
+    if evaluates and args.eval_prompt_data == BUILTIN_OCR and not args.eval_function_path:
+        if importlib.util.find_spec(module) is None:  # refused here, not at the first eval
+            errors.append(
+                f"--eval-prompt-data {BUILTIN_OCR} is scored by OCR, which needs the {module} package: {install}"
+            )
     return errors
 
 

@@ -62,7 +62,7 @@ FLAG_RANGES: dict[str, Range] = {
     "dynamic_sampling_max_rounds": AT_LEAST_0, "ocr_num_threads": AT_LEAST_0,
     "rm_url_weight": FINITE, "rm_timeout": POSITIVE, "rm_retries": AT_LEAST_0, "rm_retry_backoff": AT_LEAST_0, "rm_batch_size": AT_LEAST_1,
     "rm_max_concurrency": AT_LEAST_1, "vlm_judge_max_score": POSITIVE, "vlm_judge_default_score": FINITE,
-    "vlm_judge_frames": AT_LEAST_1, "vlm_judge_max_tokens": AT_LEAST_1,
+    "vlm_judge_frames": AT_LEAST_1, "vlm_judge_max_tokens": AT_LEAST_1, "vlm_judge_max_unparsable_frac": UNIT,
     "monitor_image_drift": AT_LEAST_0, "monitor_norm_drift": AT_LEAST_0, "monitor_diversity_collapse": UNIT,
     # LoRA and EMA
     "lora_rank": AT_LEAST_1, "lora_alpha": POSITIVE, "ema_decay": UNIT, "ema_update_interval": AT_LEAST_1,

@@ -35,6 +35,12 @@ JUDGE = "vlm_judge"  # takes --rm-url as its chat-completions endpoint instead o
 
 # Rewards whose model comes from an optional extra: (the module they import, how to install it).
 REWARD_PACKAGES: dict[str, tuple[str, str]] = {"ocr": ("rapidocr_onnxruntime", "pip install miles[ocr]")}
+# Rewards whose model loads from a local folder a flag names (nothing is downloaded).
+REWARD_MODEL_FLAGS: dict[str, str] = {"clip_score": "clip_model_path", "pickscore": "pickscore_model_path"}
+# The built-ins that score video (sample.frames); vlm_judge scores either; the others score images (sample.image).
+VIDEO_REWARDS: tuple[str, ...] = ("temporal_consistency", "motion_direction", "moving_shapes", "moving_shapes_strict")
+EITHER_MEDIA: tuple[str, ...] = (JUDGE,)
+SOURCE_IMAGE_REWARDS: tuple[str, ...] = ("edit_preservation",)  # compare each result with its source image
 
 
 def valid_reward_names() -> str:
@@ -117,6 +123,54 @@ def remote_rules(args: argparse.Namespace) -> list[str]:
     prompt_file = getattr(args, "vlm_judge_prompt_file", None)
     if judged and prompt_file and not os.path.isfile(prompt_file):
         errors.append(f"--vlm-judge-prompt-file {prompt_file}: file not found")
+    return errors
+
+
+def runs_rewards(args: argparse.Namespace, scores_rewards: bool) -> bool:
+    """Whether the run scores rewards: its algorithm does (`scores_rewards`, its declaration), or it was given one
+    to log; never with --train-only (no rollouts)."""
+    asked = getattr(args, "rm_type", None) or getattr(args, "custom_rm_path", None) or getattr(args, "rm_url", None)
+    return not getattr(args, "train_only", False) and bool(scores_rewards or asked)
+
+
+def reward_model_problems(args: argparse.Namespace, spec: list[tuple[str, float]]) -> list[str]:
+    """Each reward of `spec` whose model folder flag is unset or names no folder (found before any model loads)."""
+    errors = []
+    for name, _ in spec:
+        dest = REWARD_MODEL_FLAGS.get(name)
+        if dest is None:
+            continue
+        flag, path = "--" + dest.replace("_", "-"), getattr(args, dest, None)
+        if not path:
+            errors.append(f"--rm-type {name} needs {flag} DIR, a local folder with its model and processor")
+        elif not os.path.isdir(path):
+            errors.append(f"{flag} {path}: no such folder (--rm-type {name} loads its model from it)")
+        elif not os.path.isfile(os.path.join(path, "config.json")):
+            errors.append(f"{flag} {path}: no config.json in it (--rm-type {name} loads a transformers CLIP folder)")
+    return errors
+
+
+def reward_media_problems(spec: list[tuple[str, float]], *, family: str, video: bool, source_images: bool) -> list[str]:
+    """Each built-in reward of `spec` that cannot score what `family` makes: a video reward on images, an image
+    reward on video, a source-image reward without source images."""
+    errors = []
+    image_rewards = [n for n in BUILTIN_REWARDS if n not in VIDEO_REWARDS and n not in EITHER_MEDIA]
+    for name, _ in spec:
+        if name in VIDEO_REWARDS and not video:
+            errors.append(
+                f"--rm-type {name} scores video (sample.frames), and {family} makes images: use an image reward "
+                f"({', '.join(image_rewards)}), or a video family (e.g. --hf-checkpoint builtin:tiny-moving-shapes)"
+            )
+        elif name in image_rewards and video:
+            errors.append(
+                f"--rm-type {name} scores images (sample.image), and {family} makes video: use a video reward "
+                f"({', '.join(VIDEO_REWARDS)}), vlm_judge, or a --custom-rm-path reward that reads sample.frames"
+            )
+        if name in SOURCE_IMAGE_REWARDS and not source_images:
+            errors.append(
+                f"--rm-type {name} compares each result with its source image, and {family} takes none: it needs an "
+                "editing family (e.g. --hf-checkpoint builtin:tiny-shapes-edit) and prompts with source images"
+            )
     return errors
 
 

@@ -8,7 +8,7 @@ import argparse
 from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
 from miles.utils.config_file import flag
 from miles.utils.hook_paths import add_rollout_step_arguments, rollout_step_rules
-from miles.utils.reward_spec import remote_rules, reward_spec_from_args
+from miles.utils.reward_spec import remote_rules, reward_model_problems, reward_spec_from_args, runs_rewards
 
 DEFAULT_NUM_SDE_STEPS = 3
 MIXGRPO_DEFAULTS = {"mixgrpo_mode": "progressive", "mixgrpo_shift_interval": None, "mixgrpo_stride": 1}
@@ -303,7 +303,13 @@ def add_remote_reward_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Weight of the K-th --rm-url's reward in the total (one per --rm-url; default 1 each).",
     )
-    group.add_argument("--rm-timeout", type=float, default=120.0, help="Seconds one HTTP request may take.")
+    group.add_argument(
+        "--rm-timeout",
+        type=float,
+        default=120.0,
+        help="Seconds one HTTP request may take in all, from connecting to the answer's last byte (a server that "
+        "drips its answer is cut off there); then it is retried (--rm-retries).",
+    )
     group.add_argument(
         "--rm-retries",
         type=int,
@@ -343,7 +349,15 @@ def add_remote_reward_arguments(parser: argparse.ArgumentParser) -> None:
         "--vlm-judge-unparsable",
         choices=["error", "default"],
         default="error",
-        help="vlm_judge: an answer without a score in [0, max] fails the run, or scores --vlm-judge-default-score.",
+        help="vlm_judge: an answer without a score in [0, max] fails the run, or scores --vlm-judge-default-score "
+        "(counted in rollout/vlm_judge_unparsable_frac, the first such answer of a rollout logged).",
+    )
+    group.add_argument(
+        "--vlm-judge-max-unparsable-frac",
+        type=float,
+        default=0.25,
+        help="vlm_judge with --vlm-judge-unparsable default: the run fails when more than this fraction of a "
+        "rollout's answers have no score (a judge that never scores would train on the default alone; 1: never).",
     )
     group.add_argument(
         "--vlm-judge-default-score", type=float, default=0.0, help="vlm_judge: the reward of an unparsable answer."
@@ -370,9 +384,9 @@ def rl_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
     if args.save_debug_rollout_data and args.load_debug_rollout_data:
         errors.append("--save-debug-rollout-data and --load-debug-rollout-data exclude each other")
     errors += remote_rules(args)
-    if algorithm.scores_rewards and not args.train_only:
+    if runs_rewards(args, algorithm.scores_rewards):  # a reward that cannot run is refused before any model loads
         try:
-            reward_spec_from_args(args)
+            errors += reward_model_problems(args, reward_spec_from_args(args))
         except ValueError as exc:
             errors.append(str(exc))
     if args.per_reward_group_norm and (args.custom_reward_post_process_path or not algorithm.scores_rewards):

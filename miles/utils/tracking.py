@@ -25,18 +25,56 @@ IMAGE_FILE = re.compile(r"^(rollout|eval)_(\d+)\.png$")
 
 
 class MetricsWriter:
-    """One JSON object per line, flushed as written; NaN and ±inf as the strings "nan", "inf", "-inf"."""
+    """One JSON object per line; NaN and ±inf as the strings "nan", "inf", "-inf". Each record reaches the file in
+    one `os.write` of the whole line (no buffer that a kill could leave half-flushed), and a resumed run first drops
+    a last line the run before left cut mid-record (`drop_partial_line`)."""
 
     def __init__(self, output_dir: str, filename: str = "metrics.jsonl") -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, filename)
-        self._file = open(self.path, "a", buffering=1)
+        drop_partial_line(self.path)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def log(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({k: _encode(v) for k, v in record.items()}, sort_keys=True) + "\n")
+        line = (json.dumps({k: _encode(v) for k, v in record.items()}, sort_keys=True) + "\n").encode()
+        view = memoryview(line)
+        while view:  # a regular file takes the whole line at once; a short write (a signal) is continued
+            view = view[os.write(self._fd, view) :]
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def drop_partial_line(path: str) -> None:
+    """A metrics file whose last line has no newline was cut while being written (its run was killed): that line is
+    dropped with a warning naming the file and the line, the records before it kept; a last line that is whole JSON
+    only lacking its newline gets it."""
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data or data.endswith(b"\n"):
+        return
+    start = data.rfind(b"\n") + 1
+    tail = data[start:]
+    try:
+        json.loads(tail)
+    except ValueError:
+        line = data.count(b"\n") + 1
+        logger.warning(
+            "%s:%d: the last line was cut mid-record (%d bytes; the run that wrote it was stopped while writing): "
+            "dropped it, keeping the %d records before it",
+            path,
+            line,
+            len(tail),
+            line - 1,
+        )
+        os.truncate(path, start)
+        return
+    with open(path, "ab") as f:
+        f.write(b"\n")
 
 
 def _encode(value: Any) -> Any:
@@ -46,10 +84,23 @@ def _encode(value: Any) -> Any:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl, with "nan" / "inf" / "-inf" read back as floats."""
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return [{k: NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in r.items()} for r in records]
+    """The records of a metrics.jsonl, with "nan" / "inf" / "-inf" read back as floats. A line that is not a JSON
+    object (a record cut by a killed run, read before a resumed run dropped it) is skipped with a warning naming the
+    file and the line."""
+    records = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                record = None
+            if not isinstance(record, dict):
+                logger.warning("%s:%d: not a whole JSON record (cut while written?); skipped", path, number)
+                continue
+            records.append({k: NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()})
+    return records
 
 
 RESTART_KEY = "restart/count"  # a restart's record (miles/ray/restarts.py): rollouts from its rollout_id on redone

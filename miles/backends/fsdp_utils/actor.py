@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from miles.algorithms import FrozenNetwork, algorithm_of, role_settings
+from miles.algorithms import FrozenNetwork, algorithm_of, role_flag, role_settings
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_latest, save_checkpoint
+from miles.backends.fsdp_utils.checkpoint_space import export_space_error, tensor_bytes
 from miles.backends.fsdp_utils.ema import ShadowWeights, ema_config_from_args, local_tensor, reshard
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, full_state_dict, keep_in_fp32_names, parse_dtype
 from miles.backends.fsdp_utils.lora import (
@@ -321,6 +322,7 @@ class FSDPTrainRayActor(TrainLoop):
             extra=extra,
             meta={"global_step": self.global_step, **checkpoint_meta(self.args)},
             sharded=self._sharded_state(),
+            save_flag=role_flag(self.role, "save"),  # what a full device's error names
         )
 
     def export_weights(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, TensorChecksum] | None]:
@@ -376,11 +378,17 @@ class FSDPTrainRayActor(TrainLoop):
         state = full_state_dict(self.model, keep=is_lora_key if self.lora_config is not None else None)
         if self.rank != 0:
             return None
-        os.makedirs(out_dir, exist_ok=True)
-        if self.lora_config is not None:
-            save_lora_adapter(lora_state_dict(state), self.lora_config, out_dir, self.family.pipeline_class_name)
-        else:
-            self.family.save_transformer(state, out_dir)
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            if self.lora_config is not None:
+                save_lora_adapter(lora_state_dict(state), self.lora_config, out_dir, self.family.pipeline_class_name)
+            else:
+                self.family.save_transformer(state, out_dir)
+        except Exception as err:  # a full device is named as such, not as a deep writer error
+            full = export_space_error(err, "--save-hf", out_dir, tensor_bytes([state]))
+            if full is None:
+                raise
+            raise full from err
         return out_dir
 
     def shutdown(self) -> None:

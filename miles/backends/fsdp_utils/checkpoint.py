@@ -48,6 +48,14 @@ from miles.backends.fsdp_utils.checkpoint_files import (
     write_tree,
 )
 from miles.backends.fsdp_utils.checkpoint_files import verify_checksums as verify_checksums_of
+from miles.backends.fsdp_utils.checkpoint_space import (
+    SaveTarget,
+    attempt,
+    folder_bytes,
+    tensor_bytes,
+    warn_if_next_wont_fit,
+    warn_if_short,
+)
 from miles.backends.fsdp_utils.ema import local_tensor
 from miles.utils.distributed import collective_device
 from miles.utils.weight_checksum import checksum_terms
@@ -123,12 +131,16 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     meta: dict[str, Any] | None = None,
     sharded: dict[str, dict[str, torch.Tensor]] | None = None,
+    save_flag: str = "--save",
 ) -> str:
     """Save one role's training state (collective: every rank of the group calls it). Returns the role dir.
 
     `extra` (data-source state, ...) must be the same on every rank, JSON data or full tensors: rank 0 writes it.
-    `sharded` (EMA / old-policy shadow weights, ...) holds per-rank DTensor state saved with the model by DCP. `meta.json` is written last, so a role dir without it is an unfinished save. The latest pointer
-    is not touched: the driver calls `write_latest` once every group has saved.
+    `sharded` (EMA / old-policy shadow weights, ...) holds per-rank DTensor state saved with the model by DCP.
+    `meta.json` is written last, so a role dir without it is an unfinished save. The latest pointer is not touched:
+    the driver calls `write_latest` once every group has saved. A save that fails on any rank is removed on every
+    rank together (`SaveTarget.settle`); a full device raises `CheckpointSpaceError` naming `save_flag`, the
+    iteration and the bytes. A device with less free space than the save needs is warned about before it starts.
     """
     clashes = sorted(set(meta or {}) & set(_RESERVED_META))
     if clashes:
@@ -142,60 +154,83 @@ def save_checkpoint(
     encoded_schedule = encode_tree(lr_scheduler.state_dict(), "lr_scheduler") if lr_scheduler is not None else None
     path = checkpoint_dir(save_dir, rollout_id, role)
     rank, world_size = _rank(), _world_size()
+    frozen = frozen_weights_digest(model)
+    model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED_ONLY)
+    state = {"model": model_state, "optimizer": optim_state, **(sharded or {})}
+    target = _save_target(save_dir, rollout_id, role, state, save_flag)
+    if rank == 0:
+        warn_if_short(save_flag, save_dir, target.needed, rollout_id)
+    target.settle(attempt(_prepare_role_dir, path, rank))
+    target.settle(attempt(_write_state, path, rank, state, encoded_schedule, encoded_extra))
+    _write_manifest(path, rank, world_size, target)
+    record = {
+        "rollout_id": rollout_id,
+        "role": role,
+        "world_size": world_size,
+        "miles_version": __version__,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": model_identity(model),
+        "frozen_weights": frozen,
+        **(meta or {}),
+    }
+    meta_text = json.dumps(record, indent=2) + "\n"  # written last: the role dir is complete once it lands
+    target.settle(attempt(_atomic_write_text, os.path.join(path, META_FILE), meta_text) if rank == 0 else None)
+    if rank == 0:
+        warn_if_next_wont_fit(save_flag, save_dir, folder_bytes(path), rollout_id)
+    logger.info("saved %s checkpoint of rollout %d to %s", role, rollout_id, path)
+    return path
+
+
+def _prepare_role_dir(path: str, rank: int) -> None:
+    """Re-saving an iteration: it is incomplete until the new meta.json lands, and no stale file may survive."""
     os.makedirs(path, exist_ok=True)
     if rank == 0:
-        # Re-saving an iteration: it is incomplete until the new meta.json lands, and no stale file may survive.
         for name in [META_FILE, *os.listdir(path)]:
             target = os.path.join(path, name)
             if os.path.isdir(target):
                 shutil.rmtree(target)
             elif os.path.exists(target):
                 os.remove(target)
-    _barrier()
 
-    frozen = frozen_weights_digest(model)
-    model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED_ONLY)
-    dcp.save(
-        {"model": model_state, "optimizer": optim_state, **(sharded or {})},
-        checkpoint_id=os.path.join(path, DCP_DIR),
-    )
+
+def _write_state(path: str, rank: int, state: dict[str, Any], schedule: Any, extra: Any) -> None:
+    """The sharded state (DCP, collective), this rank's RNG streams, and on rank 0 the LR schedule and `extra`."""
+    dcp.save(state, checkpoint_id=os.path.join(path, DCP_DIR))
     write_tree(encode_tree(rng_state(), "rng"), os.path.join(path, _rng_stem(rank)))
     if rank == 0:
-        if encoded_schedule is not None:
-            write_tree(encoded_schedule, os.path.join(path, LR_SCHEDULER_STEM))
-        if encoded_extra is not None:
-            write_tree(encoded_extra, os.path.join(path, EXTRA_STEM))
-    _barrier()
-    _write_manifest(path, rank, world_size)
-    if rank == 0:
-        record = {
-            "rollout_id": rollout_id,
-            "role": role,
-            "world_size": world_size,
-            "miles_version": __version__,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "model": model_identity(model),
-            "frozen_weights": frozen,
-            **(meta or {}),
-        }
-        _atomic_write_text(os.path.join(path, META_FILE), json.dumps(record, indent=2) + "\n")
-    _barrier()
-    logger.info("saved %s checkpoint of rollout %d to %s", role, rollout_id, path)
-    return path
+        if schedule is not None:
+            write_tree(schedule, os.path.join(path, LR_SCHEDULER_STEM))
+        if extra is not None:
+            write_tree(extra, os.path.join(path, EXTRA_STEM))
 
 
-def _write_manifest(path: str, rank: int, world_size: int) -> None:
+def _save_target(save_dir: str, rollout_id: int, role: str, state: dict[str, Any], save_flag: str) -> SaveTarget:
+    """The save's `SaveTarget`: about what it takes (the latest checkpoint of this role in `save_dir`, else every
+    rank's tensors: their shards are alike in size) and the latest iteration it must leave intact."""
+    try:
+        latest = read_latest(save_dir) if os.path.isdir(save_dir) else None
+    except ValueError:
+        latest = None
+    previous = folder_bytes(checkpoint_dir(save_dir, latest, role)) if latest is not None else 0
+    needed = previous or tensor_bytes([state]) * _world_size()
+    return SaveTarget(save_flag, save_dir, rollout_id, checkpoint_dir(save_dir, rollout_id, role), needed, latest)
+
+
+def _write_manifest(path: str, rank: int, world_size: int, target: SaveTarget) -> None:
     """Size and CRC32 of every file; the ranks hash their share of the files and rank 0 writes the list."""
-    names = list_files(path, skip=(MANIFEST_FILE, META_FILE))
-    mine = describe_files(path, names[rank::world_size])
-    shares = [mine]
-    if world_size > 1:
-        shares = [None] * world_size
-        dist.all_gather_object(shares, mine)
+    mine, error = None, None
+    try:
+        names = list_files(path, skip=(MANIFEST_FILE, META_FILE))
+        mine = describe_files(path, names[rank::world_size])
+    except OSError as err:
+        error = err
+    shares = target.settle(error, mine)  # every rank's share, once every rank has hashed its own
+    error = None
     if rank == 0:
         files = {name: entry for share in shares for name, entry in share.items()}
         text = json.dumps({"algorithm": "crc32", "files": dict(sorted(files.items()))}, indent=1) + "\n"
-        _atomic_write_text(os.path.join(path, MANIFEST_FILE), text)
+        error = attempt(_atomic_write_text, os.path.join(path, MANIFEST_FILE), text)
+    target.settle(error)
 
 
 def read_latest(load_dir: str) -> int | None:

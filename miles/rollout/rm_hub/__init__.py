@@ -24,7 +24,14 @@ from miles.rollout.rm_hub.shapes import ShapeScore, shapes_reward
 from miles.rollout.rm_hub.video import motion_direction, temporal_consistency
 from miles.rollout.rm_hub.vlm_judge import unparsable_metrics, vlm_judge
 from miles.utils.misc import load_function
-from miles.utils.reward_spec import CUSTOM, parse_reward_spec, remote_url, reward_spec_from_args, valid_reward_names  # noqa: F401  (re-exported)
+from miles.utils.reward_spec import (  # noqa: F401  (re-exported)
+    CUSTOM,
+    VIDEO_REWARDS,
+    parse_reward_spec,
+    remote_url,
+    reward_spec_from_args,
+    valid_reward_names,
+)
 from miles.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -96,8 +103,8 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "moving_shapes_strict": moving_shapes_strict_rm,
 }
 # The media each built-in scores (custom rewards read what they like): image rewards read sample.image, video
-# rewards sample.frames; compute_rewards refuses a mismatch before calling the reward.
-VIDEO_REWARDS = ["temporal_consistency", "motion_direction", "moving_shapes", "moving_shapes_strict"]
+# rewards sample.frames; the start-up refuses a mismatch with the family (`reward_media_problems`), and
+# compute_rewards with the samples (a custom rollout's) before calling the reward.
 REWARD_MEDIA: dict[str, str] = {name: VIDEO if name in VIDEO_REWARDS else IMAGE for name in REWARD_FUNCTIONS}
 REWARD_MEDIA.pop("vlm_judge")  # judges an image or a video's key frames
 
@@ -188,7 +195,9 @@ async def compute_rewards(
     if not samples:
         return [], {name: [] for name, _ in spec}
     for name, _ in spec:
-        problem = media_mismatch(name, REWARD_MEDIA[name], samples, VIDEO_REWARDS) if name in REWARD_MEDIA else None
+        problem = (
+            media_mismatch(name, REWARD_MEDIA[name], samples, list(VIDEO_REWARDS)) if name in REWARD_MEDIA else None
+        )
         if problem:
             raise RewardError(problem)
     outcomes = await asyncio.gather(

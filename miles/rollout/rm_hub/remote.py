@@ -1,5 +1,6 @@
 """Rewards scored by another process over HTTP: the wire format of `python -m miles.reward_server` (docs/user-guide/
-reward-server.md) and its client (`--rm-url`), with timeouts, bounded retries with backoff and a bearer token.
+reward-server.md) and its client (`--rm-url`), with a total deadline per request (`--rm-timeout`), bounded retries with
+backoff and a bearer token.
 
 Wire format (version 1), JSON both ways, media as base64 PNG (lossless, so a served reward sees the same pixels):
 
@@ -148,10 +149,12 @@ async def post_json(
     parse: Callable[[Any], Any],
     what: str,
 ) -> Any:
-    """POST `body` to `url` and return `parse(reply JSON)`. A refused connection, a timeout, a 408/429/5xx answer,
-    a body that is not JSON, or one `parse` rejects (ValueError) is retried --rm-retries times with backoff; a
-    4xx answer (a refused token, a bad request, a reward that raised there) is not. The last failure raises
-    RemoteRewardError naming `url`, `what` and the attempts."""
+    """POST `body` to `url` and return `parse(reply JSON)`. Each attempt has --rm-timeout seconds in all, from the
+    connection to the answer's last byte (a server that drips its answer, or keeps the connection open, is cut off
+    there: a per-read timeout alone would wait forever). A refused connection, a timeout, a 408/429/5xx answer, a
+    body that is not JSON, or one `parse` rejects (ValueError) is retried --rm-retries times with backoff; a 4xx
+    answer (a refused token, a bad request, a reward that raised there) is not. The last failure raises
+    RemoteRewardError naming `url`, `what`, the deadline and the attempts."""
     import httpx
 
     attempts = int(args.rm_retries) + 1
@@ -163,7 +166,7 @@ async def post_json(
             logger.warning("%s: %s; attempt %d of %d in %.1fs", url, problem, attempt + 1, attempts, delay)
             await asyncio.sleep(delay)
         try:
-            response = await client.post(url, json=body, headers=headers)
+            response = await asyncio.wait_for(client.post(url, json=body, headers=headers), float(args.rm_timeout))
             if response.status_code != 200:
                 detail = _error_text(response)
                 problem = f"HTTP {response.status_code}: {detail}"
@@ -184,8 +187,8 @@ async def post_json(
                 continue
         except FatalReply as exc:
             raise RemoteRewardError(f"{url} refused {what}: {exc}") from None
-        except httpx.TimeoutException:
-            problem = f"no answer within --rm-timeout {args.rm_timeout}s"
+        except (httpx.TimeoutException, asyncio.TimeoutError):
+            problem = f"no complete answer within the deadline of --rm-timeout {args.rm_timeout:g}s per request"
         except httpx.TransportError as exc:
             problem = f"{type(exc).__name__}: {exc or 'connection failed'}"
     raise RemoteRewardError(
@@ -204,6 +207,7 @@ def _error_text(response: Any) -> str:
 
 
 def http_client(args: argparse.Namespace) -> Any:
+    """The client of the remote rewards; its per-read timeout backs up `post_json`'s total deadline."""
     import httpx
 
     return httpx.AsyncClient(timeout=float(args.rm_timeout))

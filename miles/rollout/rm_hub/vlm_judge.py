@@ -6,7 +6,8 @@ replaced by the sample's prompt, then the image (a video: `--vlm-judge-frames` e
 `image_url` parts; `--rm-model`, temperature 0, at most `--vlm-judge-max-tokens` tokens. The answer's score
 (`parse_judge_score`) divided by `--vlm-judge-max-score` is the reward, in [0, 1]. An answer without a score is an
 error (`--vlm-judge-unparsable error`) or scores `--vlm-judge-default-score` (`default`); either way
-`rollout/vlm_judge_unparsable_frac` counts them.
+`rollout/vlm_judge_unparsable_frac` counts them, and under `default` a scored batch (a rollout) with any is logged with
+its first answer, and one with more than `--vlm-judge-max-unparsable-frac` of them fails (`unparsable_problem`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import logging
 import os
 import re
 from typing import Any
@@ -22,6 +24,8 @@ import numpy as np
 
 from miles.rollout.rm_hub.remote import RemoteRewardError, http_client, png_b64, post_json
 from miles.utils.types import Sample
+
+logger = logging.getLogger(__name__)
 
 VLM_JUDGE_EXTRA_KEY = "vlm_judge"  # sample.extra: {"unparsable": 0.0 or 1.0, "answer": the judge's text}
 DEFAULT_PROMPT_FILE = os.path.join(
@@ -127,8 +131,38 @@ async def vlm_judge(args: argparse.Namespace, samples: list[Sample]) -> list[flo
 
 
 def unparsable_metrics(samples: list[Sample]) -> dict[str, float]:
-    """`rollout/vlm_judge_unparsable_frac`: the share of judged samples whose answer had no score."""
+    """`rollout/vlm_judge_unparsable` and `_frac`: how many judged samples' answers had no score, and their share."""
     infos = [s.extra[VLM_JUDGE_EXTRA_KEY] for s in samples if VLM_JUDGE_EXTRA_KEY in s.extra]
     if not infos:
         return {}
-    return {"rollout/vlm_judge_unparsable_frac": sum(info["unparsable"] for info in infos) / len(infos)}
+    count = sum(info["unparsable"] for info in infos)
+    return {"rollout/vlm_judge_unparsable": count, "rollout/vlm_judge_unparsable_frac": count / len(infos)}
+
+
+def unparsable_problem(args: argparse.Namespace, samples: list[Sample]) -> str | None:
+    """Why a scored batch (a rollout) cannot be trained on: more than --vlm-judge-max-unparsable-frac of the judge's
+    answers had no score (each scored the default), naming the judge and showing the first; None otherwise. A batch
+    with any unparsable answer is logged with that first answer either way."""
+    judged = [s for s in samples if VLM_JUDGE_EXTRA_KEY in s.extra]
+    bad = [s for s in judged if s.extra[VLM_JUDGE_EXTRA_KEY]["unparsable"]]
+    if not bad:
+        return None
+    limit = float(getattr(args, "vlm_judge_max_unparsable_frac", 1.0))
+    url, model = (getattr(args, "rm_url", None) or ["?"])[0], getattr(args, "rm_model", None)
+    judge = f"the VLM judge {model} at {url}" if model else f"the VLM judge at {url}"
+    first = bad[0].extra[VLM_JUDGE_EXTRA_KEY]["answer"]
+    counted = f"{len(bad)} of {len(judged)} answers of {judge} had no score in [0, {args.vlm_judge_max_score:g}]"
+    if len(bad) / len(judged) <= limit:
+        logger.warning(
+            "%s (scored --vlm-judge-default-score %g); the first, for sample index=%d: %r",
+            counted,
+            args.vlm_judge_default_score,
+            bad[0].index,
+            first[:500],
+        )
+        return None
+    return (
+        f"{counted}, more than --vlm-judge-max-unparsable-frac {limit:g}: the rollout would train on "
+        f"--vlm-judge-default-score. Make the judge answer 'Score: N' (--vlm-judge-prompt-file, --vlm-judge-max-tokens "
+        f"{args.vlm_judge_max_tokens}) or check --rm-model; the answer for sample index={bad[0].index}: {first[:200]!r}"
+    )

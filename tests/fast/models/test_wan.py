@@ -169,6 +169,8 @@ def test_startup_refuses_what_a_wan_run_cannot_do(tiny_wan_dir, tiny_wan_2_exper
     with pytest.raises(ValueError, match="--wan-trained-experts high-noise: .* has one expert"):
         check(tiny_wan_dir, "--eval-interval", "0", "--wan-trained-experts", "high-noise")
     check(tiny_wan_dir, "--loss-type", "nft")  # nft on builtin:shapes evaluates by default, but not video families
+    with pytest.raises(ValueError, match=r"--rm-type shapes scores images \(sample.image\), and wan makes video"):
+        check(tiny_wan_dir, "--loss-type", "nft", "--rm-type", "shapes")  # a video family's default is a video reward
     with pytest.raises(ValueError, match="shapes eval scores images, and wan makes video"):
         check(tiny_wan_dir, "--loss-type", "nft", "--eval-interval", "5")
     moving = ("--eval-prompt-data", "builtin:moving-shapes", "--eval-interval", "5")

@@ -72,6 +72,42 @@ def test_non_finite_floats_are_written_as_strings_and_read_back_as_floats(tmp_pa
     assert (back["d"], back["e"]) == (1.5, "nan-free text")
 
 
+def test_a_resumed_run_drops_a_last_line_cut_mid_record_and_keeps_the_rest(tmp_path, caplog):
+    """The run before was killed while writing rollout 2's record: a resumed run (its tracking opened on the same
+    --output-dir) drops that partial line with a warning naming the file and line, keeps rollouts 0 and 1, and its
+    own records follow on whole lines."""
+    path = tmp_path / "metrics.jsonl"
+    whole = [json.dumps({"rollout_id": k, "rollout/reward_mean": k / 4}, sort_keys=True) for k in range(2)]
+    path.write_text("\n".join(whole) + '\n{"rollout/reward_mean": 0.5, "rollo')
+    assert [r["rollout_id"] for r in read_metrics(path)] == [0, 1]  # a reader skips the cut line too
+    with caplog.at_level("WARNING", logger="miles.utils.tracking"):
+        tracking = open_tracking(argparse.Namespace(use_tensorboard=False, use_wandb=False, output_dir=str(tmp_path)))
+    assert f"{path}:3: the last line was cut mid-record" in caplog.text
+    tracking.log({"rollout_id": 2, "rollout/reward_mean": 0.75})
+    tracking.close()
+    assert path.read_text().splitlines() == [*whole, '{"rollout/reward_mean": 0.75, "rollout_id": 2}']
+    # a last record whole but for its newline is kept
+    path.write_text(whole[0])
+    MetricsWriter(str(tmp_path)).close()
+    assert path.read_text() == whole[0] + "\n"
+
+
+def test_each_record_is_one_write_of_a_whole_line(tmp_path, monkeypatch):
+    """A record larger than any I/O buffer still reaches the file in one write: a kill leaves whole lines."""
+    import miles.utils.tracking as tracking
+
+    writes = []
+    real_write = os.write
+    monkeypatch.setattr(tracking.os, "write", lambda fd, data: writes.append(bytes(data)) or real_write(fd, data))
+    writer = MetricsWriter(str(tmp_path))
+    record = {f"metric/{k:05d}": float(k) for k in range(2000)}  # ~40 KB
+    writer.log(record)
+    writer.log({"rollout_id": 1})
+    writer.close()
+    assert [w.endswith(b"\n") and w.count(b"\n") == 1 for w in writes] == [True, True] and len(writes[0]) > 32768
+    assert read_metrics(tmp_path / "metrics.jsonl") == [record, {"rollout_id": 1}]
+
+
 def test_each_number_goes_on_its_axis():
     points = [point for record in RECORDS for point in scalar_points(record)]
     assert {(tag, x): value for tag, _, x, value in points} == EXPECTED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import sys
@@ -18,7 +19,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
+from miles.backends.fsdp_utils import checkpoint
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, save_checkpoint, write_latest
+from miles.backends.fsdp_utils.checkpoint_space import CheckpointSpaceError
 from miles.backends.fsdp_utils.fsdp import (
     apply_fsdp2,
     bucketed_full_state_dict,
@@ -192,6 +195,26 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+def one_rank_fills(rank: int, save_dir: str, model: nn.Module, optimizer: Any, scheduler: Any) -> str:
+    """Rank 1's device fills while it writes its RNG file of rollout 4 (rank 0's writes went through): what each
+    rank raised. Every rank must raise the same error rather than wait in a collective for rank 1."""
+    real = checkpoint.write_tree
+
+    def full(encoded: Any, stem: str) -> None:
+        if rank == 1 and os.path.basename(stem).startswith("rng"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(encoded, stem)
+
+    checkpoint.write_tree = full
+    try:
+        save_checkpoint(save_dir, 4, "actor", model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    except CheckpointSpaceError as exc:
+        return str(exc)
+    finally:
+        checkpoint.write_tree = real
+    return "saved"
+
+
 def save_and_resume(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     """Train, save at rollout 3, then resume (in place after mutating, and into fresh objects) and step again."""
     save_dir = os.path.join(out_dir, "ckpt")
@@ -236,6 +259,7 @@ def save_and_resume(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     load_checkpoint(save_dir, "actor", model=model, optimizer=optimizer, lr_scheduler=scheduler, load_optimizer=False)
     weights_only = snapshot(model, optimizer, scheduler)
     return {
+        "full_disk": one_rank_fills(rank, save_dir, model, optimizer, scheduler),
         "saved": saved,
         "uninterrupted": uninterrupted,
         "loaded": {"rollout_id": loaded.rollout_id, "extra": loaded.extra, "meta": loaded.meta},

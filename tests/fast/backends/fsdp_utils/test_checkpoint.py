@@ -108,6 +108,16 @@ def test_load_without_optimizer_only_restores_weights(two_rank_run):
         assert_bitwise_equal(report["weights_only"]["scheduler"], before["scheduler"])
 
 
+def test_a_device_full_on_one_rank_fails_every_rank_and_keeps_the_latest(two_rank_run):
+    save_dir, ranks = two_rank_run
+    for report in ranks:  # rank 1 ran out of space; rank 0 raises the same error instead of waiting for it
+        assert report["full_disk"].startswith(
+            f"no space left on the device of --save {save_dir} while saving iteration 4 ("
+        ), report["full_disk"]
+        assert "the latest checkpoint is still iteration 3, intact" in report["full_disk"]
+    assert read_latest(save_dir) == 3 and not os.path.exists(os.path.join(save_dir, "iter_0000004"))
+
+
 def test_layout_on_disk(two_rank_run):
     save_dir, _ = two_rank_run
     role_dir = checkpoint_dir(save_dir, 3, "actor")
@@ -205,6 +215,8 @@ def test_failed_save_keeps_the_previous_pointer(tmp_path, trainer, monkeypatch):
         save_checkpoint(save_dir, 2, "actor", **trainer)
     monkeypatch.undo()
     assert read_latest(save_dir) == 1
+    assert not os.path.exists(os.path.join(save_dir, "iter_0000002"))  # the failed save removed its partial folder
+    os.makedirs(os.path.join(save_dir, "iter_0000002", "actor", "dcp"))  # a save killed half-way leaves one
     with pytest.raises(RuntimeError, match=r"unfinished saves for roles \['actor'\] \(no meta\.json\)"):
         write_latest(save_dir, 2)
     with pytest.raises(FileNotFoundError, match="iter_0000002/actor has no meta.json: the save did not finish"):

@@ -7,6 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from miles.ray.reward_workers import RewardWorkerPool
 from miles.rollout.rm_hub import RewardError, compute_rewards, reward_metrics
 from miles.rollout.rm_hub.vlm_judge import key_frames, parse_judge_score
 from miles.utils.arguments import build_parser
@@ -77,8 +78,30 @@ def test_unparsable_answers_fail_or_score_the_default_and_are_counted(judge_url)
     args = judge_args(judge_url, "--vlm-judge-unparsable", "default", "--vlm-judge-default-score", "-1")
     totals, per_reward = judge(args, samples)
     assert totals == pytest.approx([0.8, -1.0, 0.8])
-    assert reward_metrics(totals, per_reward, samples)["rollout/vlm_judge_unparsable_frac"] == pytest.approx(1 / 3)
+    metrics = reward_metrics(totals, per_reward, samples)
+    assert (metrics["rollout/vlm_judge_unparsable"], metrics["rollout/vlm_judge_unparsable_frac"]) == (
+        1,
+        pytest.approx(1 / 3),
+    )
     assert samples[1].extra["vlm_judge"] == {"unparsable": 1.0, "answer": "I cannot rate this image."}
+
+
+def test_a_judge_that_rarely_scores_fails_the_rollout_naming_the_judge_and_an_answer(judge_url, caplog):
+    """Under --vlm-judge-unparsable default: a few unparsable answers are logged with the first one; more than
+    --vlm-judge-max-unparsable-frac of a rollout's fail the rollout instead of training on the default."""
+    args = judge_args(judge_url, "--vlm-judge-unparsable", "default", "--vlm-judge-max-unparsable-frac", "0.5")
+    pool = RewardWorkerPool(args, [("vlm_judge", 1.0)], num_workers=0)
+    with caplog.at_level("WARNING", logger="miles.rollout.rm_hub.vlm_judge"):
+        totals, _ = pool.score([image_sample(0, "good"), image_sample(1, "none"), image_sample(2, "good")], 3)
+    assert totals == pytest.approx([0.8, 0.0, 0.8])  # 1 of 3: within the limit, scored the default
+    assert "1 of 3 answers of the VLM judge qwen-vl at" in caplog.text
+    assert "the first, for sample index=1: 'I cannot rate this image.'" in caplog.text
+    with pytest.raises(RewardError) as caught:
+        pool.score([image_sample(0, "none"), image_sample(1, "good"), image_sample(2, "none")], 4)
+    message = str(caught.value)
+    assert f"2 of 3 answers of the VLM judge qwen-vl at {judge_url} had no score in [0, 10]" in message
+    assert "more than --vlm-judge-max-unparsable-frac 0.5" in message
+    assert "sample index=0: 'I cannot rate this image.' [score of rollout 4]" in message
 
 
 def test_a_malformed_reply_is_retried_then_fails_naming_the_url(judge_url):
