@@ -212,6 +212,7 @@ def train_with_restarts(
             return start_and_train(restarts, writer, summary, started, stop, startup)
         except RESTARTABLE as exc:
             if stop.requested or not restarts.can_restart(exc):
+                restarts.give_up(exc, summary, stop.requested)  # the lost actor, why, the checkpoint to resume
                 raise
             writer.log(restarts.recover(exc, summary))
             started = time.perf_counter()  # the restarted attempt's perf/startup_s counts from here

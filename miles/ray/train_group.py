@@ -199,8 +199,9 @@ class RayTrainGroup:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout, fetch_local=False)
         if len(ready) != len(refs):
             raise TimeoutError(f"{self.role}: export_weights did not finish within {self.timeout}s")
-        # rank 0's errors surface where engines resolve its refs
-        self._get([pair[0] for pair in pairs[1:]], "weight sync", self.last_rollout_id)
+        # every rank's outcome in rank order (gather names a rank by its index): rank 0's checksums (small) stand for
+        # its payload, which the driver never fetches
+        self._get([pairs[0][1], *(pair[0] for pair in pairs[1:])], "weight sync", self.last_rollout_id)
         weights, checksums = pairs[0]
         return weights, checksums
 

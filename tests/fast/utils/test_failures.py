@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -50,6 +51,12 @@ class Rank:
     def fail(self) -> None:
         raise KeyError("inside the actor")
 
+    def collective(self, die: bool) -> None:
+        if die:  # killed in the collective: Ray reports the death a little after the peer's own error
+            time.sleep(0.3)
+            os._exit(1)
+        raise ConnectionError("Connection closed by peer")
+
 
 def test_a_dead_rank_is_named_with_role_phase_and_rollout(ray_cluster):
     import ray
@@ -65,3 +72,15 @@ def test_a_dead_rank_is_named_with_role_phase_and_rollout(ray_cluster):
     assert "raised by reward worker 0 during score of rollout 2" in raised.value.__notes__
     for actor in actors:
         ray.kill(actor)
+
+
+def test_a_rank_killed_in_a_collective_is_named_not_the_peer_that_failed_first(ray_cluster):
+    import ray
+
+    actors = [ray.remote(num_cpus=0.01)(Rank).remote() for _ in range(2)]
+    with pytest.raises(ActorDied, match=r"^actor rank 1 died during weight sync of rollout 4: ") as info:
+        gather([a.collective.remote(rank == 1) for rank, a in enumerate(actors)], role="actor rank",
+               phase="weight sync", rollout_id=4, timeout=60)  # fmt: skip
+    assert info.value.rank == 1
+    assert info.value.__notes__ == ["actor rank 0 failed after it: ConnectionError: Connection closed by peer"]
+    ray.kill(actors[0])
