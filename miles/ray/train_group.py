@@ -25,6 +25,7 @@ from miles.utils.box import Box
 from miles.utils.distributed import uses_gpu
 from miles.utils.failures import gather
 from miles.utils.fsdp_arguments import trainer_world_size
+from miles.utils.stop_signals import defer_first_sigterm
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class TrainRankActor(FSDPTrainRayActor, ReusableActor):
 
     def __init__(self, world_size: int, rank: int, role: str) -> None:
         import_gc.resume()
+        defer_first_sigterm()  # a scheduler's signal to the whole job: live on while the driver saves
         self._remember_process_baseline()
         super().__init__(world_size, rank, role)
 
