@@ -85,9 +85,8 @@ class StopSignals:
             exit_now(f"{name} a third time (after {self.signal_name}): exiting at once with code {EXIT_FORCED}")
 
     def _expire(self) -> None:
-        exit_now(
-            f"the stop on {self.signal_name} did not end within --stop-grace-s {self.grace_s:g}: exiting with code {EXIT_FORCED}"
-        )
+        grace = f"--stop-grace-s {self.grace_s:g}"
+        exit_now(f"the stop on {self.signal_name} did not end within {grace}: exiting with code {EXIT_FORCED}")
 
 
 def exit_now(reason: str) -> None:
@@ -119,9 +118,10 @@ class DeferredSigterm:
 
 
 def defer_first_sigterm() -> None:
-    """In a Ray actor's process (its main thread, e.g. its `__init__`; elsewhere nothing): a first SIGTERM is logged and ignored, so an
-    actor signalled with the driver's whole job (a scheduler's preemption) lives on while the driver saves, then the
-    driver ends it; a second SIGTERM exits as Ray's handler does. Once per process (a pooled actor is built again)."""
+    """In a Ray actor's process (its main thread, e.g. its `__init__`; elsewhere nothing): a first SIGTERM is logged
+    and ignored, so an actor signalled with the driver's whole job (a scheduler's preemption) lives on while the driver
+    saves, then the driver ends it; a second SIGTERM exits as Ray's handler does. Once per process (a pooled actor is
+    built again)."""
     if threading.current_thread() is not threading.main_thread() or not in_ray_worker():
         return
     previous = signal.getsignal(signal.SIGTERM)
