@@ -89,9 +89,9 @@ def test_a_stop_within_its_grace_period_ends_normally():
         """
         import os, signal, time
         from miles.utils.stop_signals import StopSignals
-        with StopSignals(grace_s=0.3):
+        with StopSignals(grace_s=0.1):
             os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.6)  # past the grace period, after the block: the watchdog is gone
+        time.sleep(0.3)  # past the grace period, after the block: the watchdog is gone
         raise SystemExit(75)
         """
     )
