@@ -28,7 +28,7 @@ with import_gc.paused():  # the driver's imports (torch, Ray) without the collec
     from miles.utils.arguments import parse_args
     from miles.utils.console import ProgressLine, TqdmHandler, progress_bar, summary_line
     from miles.utils.failures import run_cleanup
-    from miles.utils.stop_signals import EXIT_PREEMPTED, StopSignals, stop_line
+    from miles.utils.stop_signals import EXIT_PREEMPTED, StopSignals, ignore_late_signals, stop_line
     from miles.utils.tracking import Tracking, current_records, open_tracking, read_metrics
 
 logger = logging.getLogger("miles.driver")
@@ -169,7 +169,7 @@ def run(
     """
     started = time.perf_counter() if started is None else started
     summary: dict = {"losses": []}
-    with StopSignals() as stop:  # a first signal stops at the next safe point, a second exits at once
+    with StopSignals(args.stop_grace_s) as stop:  # a first signal stops at the next safe point, a third exits at once
         with import_gc.paused():  # the start-up's imports (diffusers, the families) without the collector
             startup = start_up(args)  # the checks on a thread while Ray starts: their errors come before any actor
         writer = restarts = None
@@ -212,6 +212,7 @@ def train_with_restarts(
             return start_and_train(restarts, writer, summary, started, stop, startup)
         except RESTARTABLE as exc:
             if stop.requested or not restarts.can_restart(exc):
+                restarts.give_up(exc, summary, stop.requested)  # the lost actor, why, the checkpoint to resume
                 raise
             writer.log(restarts.recover(exc, summary))
             started = time.perf_counter()  # the restarted attempt's perf/startup_s counts from here
@@ -247,7 +248,10 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
 
         return plan_command(args)
     summary = run(args, started=started)
-    return EXIT_PREEMPTED if "stopped" in summary else 0
+    if "stopped" in summary:
+        ignore_late_signals()  # saved and cleaned up: a scheduler's late signal must not replace exit code 75
+        return EXIT_PREEMPTED
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,13 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-
 from miles.algorithms import algorithm_of
 from miles.backends.fsdp_utils.checkpoint import read_extra
 from miles.backends.fsdp_utils.loss_hub import get_loss_hooks
 from miles.ray.checkpoint_folders import check_roles_agree, lock_save_folders
-from miles.ray.cluster import ray_init_settings, start_ray
+from miles.ray.cluster import ray_init_settings, start_ray, stop_ray
 from miles.rollout.input_files import check_input_files
 from miles.utils.eval_arguments import BUILTIN_MOVING_SHAPES, eval_enabled
 from miles.utils.failures import run_cleanup
@@ -117,7 +115,7 @@ class StartUp:
         )
 
     def shutdown_steps(self) -> list[tuple[str, Callable[[], Any]]]:
-        steps = [("ray.shutdown", ray.shutdown)] if self.own_ray else []
+        steps = [("ray.shutdown", stop_ray)] if self.own_ray else []
         return [*steps, ("releasing the save-folder locks", self.locks.release)]
 
 

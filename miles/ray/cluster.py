@@ -6,8 +6,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import ray
+import ray._private.services as ray_services
+import ray._private.utils as ray_utils
 
 from miles.algorithms import algorithm_of
 from miles.ray.reward_workers import REWARD_WORKER_CPUS
@@ -98,11 +102,43 @@ def ray_init_settings(args: argparse.Namespace) -> dict | None:
     return {"address": "local", "num_cpus": local_ray_cpus(args), **ray_init_kwargs(local=True)}
 
 
+class OwnSessionPopen(ray_services.ConsolePopen):
+    """Ray's process launcher, each process in a session (and process group) of its own (`setsid`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, start_new_session=True, **kwargs)
+
+
+@contextmanager
+def ray_processes_in_own_sessions() -> Iterator[None]:
+    """While a local cluster starts: its processes (GCS, raylet, agents; the raylet's workers, the actors, follow
+    the raylet) start outside the driver's process group, so a scheduler's SIGTERM or a Ctrl-C to the whole group
+    reaches the driver alone and the actors live on while it saves; the driver still ends them (`ray.shutdown`), and
+    Ray's kernel fate-sharing (PR_SET_PDEATHSIG) ends them if the driver is killed."""
+    launcher = ray_services.ConsolePopen
+    ray_services.ConsolePopen = OwnSessionPopen
+    try:
+        yield
+    finally:
+        ray_services.ConsolePopen = launcher
+
+
 def start_ray(settings: dict | None) -> bool:
     """Start or join the cluster of `ray_init_settings`; True when this driver started it. Call it from the main
     thread: Ray's processes end with the thread that started them."""
     if settings is None:
         return False
-    with keeping_signal_handlers():  # the driver's stop signals (miles.utils.stop_signals), not Ray's exit / abort
+    # without kernel fate-sharing (macOS) Ray's reaper ends its processes through the driver's process group
+    own = settings.get("address") == "local" and ray_utils.detect_fate_sharing_support()
+    sessions = ray_processes_in_own_sessions() if own else nullcontext()
+    with keeping_signal_handlers(), sessions:  # the driver's stop signals (miles.utils.stop_signals), not Ray's
         ray.init(include_dashboard=False, log_to_driver=True, **settings)
     return True
+
+
+def stop_ray() -> None:
+    """`ray.shutdown`, keeping the driver's signal handlers: Ray's core worker puts the C-level SIGTERM / SIGINT
+    actions back to the default on shutdown (the Python handler stays registered but is no longer called), and a
+    scheduler's second SIGTERM would then kill a driver that is still saving or closing."""
+    with keeping_signal_handlers():
+        ray.shutdown()

@@ -28,6 +28,7 @@ from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResul
 from miles.utils.failures import EngineError, where
 from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import split_contiguous
+from miles.utils.stop_signals import defer_first_sigterm
 from miles.utils.weight_checksum import TensorChecksum, WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class EngineActor(DiffusionEngine, ReusableActor):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         import_gc.resume()  # this module's imports are done (the pause at its top)
+        defer_first_sigterm()  # a scheduler's signal to the whole job: live on while the driver saves
         self._remember_process_baseline()
         if torch.device(kwargs.get("device", "cpu")).type == "cpu":
             keep_freed_memory()

@@ -87,11 +87,13 @@ def create_colocation(
 
 
 def _where(_actor_instance: Any) -> dict[str, Any]:
-    """Run inside an actor (`__ray_call__`): its Ray node id, that node's IP and the GPU ids Ray gave it."""
+    """Run inside an actor (`__ray_call__`): its Ray node id, that node's IP, the GPU ids Ray gave it and its process
+    id (which process on the node is which rank)."""
     return {
         "node_id": ray.get_runtime_context().get_node_id(),
         "ip": ray.util.get_node_ip_address(),
         "gpus": [str(gpu) for gpu in ray.get_gpu_ids()],
+        "pid": os.getpid(),
     }
 
 

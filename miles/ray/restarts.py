@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from miles.algorithms import role_dest, training_order
+from miles.algorithms import role_dest, role_flag, training_order
 from miles.backends.fsdp_utils.checkpoint import read_latest
 from miles.ray.checkpoint_folders import save_folders
 from miles.ray.cluster import actor_cpus, actor_shares
@@ -97,6 +97,19 @@ def resume_args(args: argparse.Namespace) -> tuple[argparse.Namespace, int | Non
     return resumed, min(latest)
 
 
+def resume_hint(args: argparse.Namespace) -> str:
+    """Where a rerun resumes: the latest checkpoint in the save folders (the `--load` flags to pass), or why there
+    is none."""
+    folders = save_folders(args, training_order(args))
+    if not folders:
+        return "nothing to resume from (no --save)"
+    latest = [read_latest(folder) for folder in folders.values()]
+    if any(rollout is None for rollout in latest):
+        return f"no checkpoint in {', '.join(dict.fromkeys(folders.values()))} yet: rerun the command to start over"
+    flags = " ".join(f"{role_flag(role, 'load')} {folder}" for role, folder in folders.items())
+    return f"the latest checkpoint is rollout {min(latest)}: rerun the command with {flags} to resume from it"
+
+
 class Restarts:
     """The run's attempts: the restart budget, the current attempt's flags (`args`: `--load` at the save folders
     once it restarted) and groups (`groups`, a `RunGroups` the driver launches). The driver calls `start_attempt`
@@ -113,13 +126,34 @@ class Restarts:
     def start_attempt(self, first_rollout: int) -> None:
         self.first_rollout = first_rollout
 
+    def in_flight(self, summary: dict) -> int:
+        """The rollout the current attempt was in: one past the last it completed."""
+        completed = [r["rollout_id"] for r in summary.get("rollouts", []) if r["rollout_id"] >= self.first_rollout]
+        return max(completed, default=self.first_rollout - 1) + 1
+
+    def give_up(self, exc: BaseException, summary: dict, stopping: bool = False) -> str:
+        """The run ends with `exc` (not restarted): one line, logged and added to `exc` as a note, naming the lost
+        actor, why it is not restarted (the budget spent, a stop signal) and the checkpoint to resume from."""
+        failure = describe(exc, self.groups.placement if self.groups is not None else {})
+        budget = self.given.max_restarts
+        if stopping:
+            why = "not restarted after a stop signal"
+        elif budget == 0:
+            why = "not restarted (--max-restarts 0)"
+        else:
+            why = f"restart budget ({budget}) spent (--max-restarts {budget}, {self.count} restart(s) done)"
+        where = f"{failure.who} on {failure.node} lost in rollout {self.in_flight(summary)}"
+        line = f"{where}: {why}; {resume_hint(self.given)}"
+        logger.error(line)
+        exc.add_note(line)
+        return line
+
     def recover(self, exc: BaseException, summary: dict) -> dict[str, Any]:
         """Tear the failed attempt's groups down, wait for the resources, point the next attempt at the latest
         checkpoint and drop the redone rollouts from `summary`; returns the restart's metrics record. Raises the
         original error when the wait times out."""
         failure = describe(exc, self.groups.placement if self.groups is not None else {})
-        completed = [r["rollout_id"] for r in summary.get("rollouts", []) if r["rollout_id"] >= self.first_rollout]
-        in_flight = max(completed, default=self.first_rollout - 1) + 1
+        in_flight = self.in_flight(summary)
         self.count += 1
         logger.error(
             "restart %d of --max-restarts %d: %s on %s failed in rollout %d: %s",

@@ -25,6 +25,7 @@ from miles.rollout.rm_hub import RewardError, compute_rewards
 from miles.rollout.rm_hub.vlm_judge import unparsable_problem
 from miles.utils.failures import gather, where
 from miles.utils.misc import split_contiguous
+from miles.utils.stop_signals import defer_first_sigterm
 from miles.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class RewardWorker:
 
     def __init__(self, args: argparse.Namespace, spec: list[tuple[str, float]]) -> None:
         import_gc.resume()  # this module's imports are done (the pause at its top)
+        defer_first_sigterm()  # a scheduler's signal to the whole job: live on while the driver saves
         self.args, self.spec = args, spec
 
     async def ready(self) -> bool:

@@ -25,6 +25,7 @@ from miles.utils.box import Box
 from miles.utils.distributed import uses_gpu
 from miles.utils.failures import gather
 from miles.utils.fsdp_arguments import trainer_world_size
+from miles.utils.stop_signals import defer_first_sigterm
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class TrainRankActor(FSDPTrainRayActor, ReusableActor):
 
     def __init__(self, world_size: int, rank: int, role: str) -> None:
         import_gc.resume()
+        defer_first_sigterm()  # a scheduler's signal to the whole job: live on while the driver saves
         self._remember_process_baseline()
         super().__init__(world_size, rank, role)
 
@@ -199,8 +201,9 @@ class RayTrainGroup:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout, fetch_local=False)
         if len(ready) != len(refs):
             raise TimeoutError(f"{self.role}: export_weights did not finish within {self.timeout}s")
-        # rank 0's errors surface where engines resolve its refs
-        self._get([pair[0] for pair in pairs[1:]], "weight sync", self.last_rollout_id)
+        # every rank's outcome in rank order (gather names a rank by its index): rank 0's checksums (small) stand for
+        # its payload, which the driver never fetches
+        self._get([pairs[0][1], *(pair[0] for pair in pairs[1:])], "weight sync", self.last_rollout_id)
         weights, checksums = pairs[0]
         return weights, checksums
 

@@ -246,6 +246,14 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         help="With --max-restarts: seconds a restart waits for the cluster to hold the run's CPUs / GPUs again "
         "before the run fails with the actor's error.",
     )
+    group.add_argument(
+        "--stop-grace-s",
+        type=float,
+        default=300.0,
+        help="After a first SIGTERM / SIGINT (preemption, Ctrl-C): seconds the driver has to finish the phase under "
+        "way, save and stop (exit code 75) before it exits at once (143) with the last complete checkpoint the latest; "
+        "set it below the scheduler's grace period (docs/user-guide/failures.md).",
+    )
 
 
 def add_logging_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,6 +14,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 logger = logging.getLogger(__name__)
 
+PEER_DEATH_WINDOW_S = 10.0  # after a rank's error, how long `gather` waits for its peers to reveal a dead rank
+
 
 def where(phase: str, rollout_id: int | None) -> str:
     return phase if rollout_id is None else f"{phase} of rollout {rollout_id}"
@@ -63,9 +65,31 @@ def gather(
             except RayActorError as exc:
                 raise ActorDied(role, rank, phase, rollout_id, exc) from exc
             except RayTaskError as exc:
+                dead = dead_peer(pending, rank_of)
+                if dead is not None:  # the peer's death is the cause; this rank's error (a collective) followed it
+                    died = ActorDied(role, dead[0], phase, rollout_id, dead[1])
+                    died.add_note(f"{role} {rank} failed after it: {str(exc).strip().splitlines()[-1]}")
+                    raise died from dead[1]
                 exc.add_note(f"raised by {role} {rank} during {where(phase, rollout_id)}")
                 raise
     return results
+
+
+def dead_peer(pending: list, rank_of: dict, window_s: float = PEER_DEATH_WINDOW_S) -> tuple[int, RayActorError] | None:
+    """The first of the `pending` refs that fails within `window_s` because its actor died: (rank, error), else None.
+    A rank killed in a collective makes its peers raise (gloo: "Connection closed by peer") about when Ray reports the
+    death itself, so the peer's error may come first: the dead rank, not the peer, is the one to name."""
+    deadline = time.monotonic() + window_s
+    while pending and (left := deadline - time.monotonic()) > 0:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError as exc:
+                return rank_of[ref], exc
+            except Exception:  # noqa: BLE001 - another peer's own error: keep looking for a death
+                continue
+    return None
 
 
 def run_cleanup(steps: Sequence[tuple[str, Callable[[], Any]]]) -> None:

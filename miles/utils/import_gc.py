@@ -22,7 +22,7 @@ _timer: threading.Timer | None = None
 _lock = threading.Lock()
 
 
-def _in_ray_worker() -> bool:
+def in_ray_worker() -> bool:
     ray_worker = sys.modules.get("ray._private.worker")  # a Ray worker imported Ray before any of its tasks' code
     if ray_worker is None:
         return False
@@ -33,7 +33,7 @@ def _in_ray_worker() -> bool:
 def pause_in_ray_worker() -> bool:
     """Turn the collector off in a Ray worker process until `resume()` or `PAUSE_LIMIT_S`; True when it did."""
     global _timer
-    if not _in_ray_worker() or not gc.isenabled():
+    if not in_ray_worker() or not gc.isenabled():
         return False
     with _lock:
         gc.disable()

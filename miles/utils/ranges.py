@@ -69,7 +69,7 @@ FLAG_RANGES: dict[str, Range] = {
     # evaluation and checkpoints
     "eval_interval": AT_LEAST_0, "eval_num_prompts": AT_LEAST_1, "n_samples_per_eval_prompt": AT_LEAST_1,
     "diffusion_eval_num_steps": AT_LEAST_1, "eval_seed": AT_LEAST_0, "save_interval": AT_LEAST_1,
-    "max_restarts": AT_LEAST_0, "restart_timeout": POSITIVE,
+    "max_restarts": AT_LEAST_0, "restart_timeout": POSITIVE, "stop_grace_s": POSITIVE,
 }  # fmt: skip
 
 

@@ -1,13 +1,22 @@
 """--max-restarts through the driver: in rollout 1 of the golden nft run (tests/e2e/test_golden.py) a rollout engine
 dies during the generation, then (restarted) a reward worker during the scoring, then (restarted again) a trainer rank
 during the training. The run restarts after each from rollout 0's checkpoint, finishes by itself, and its metric
-series equals the uninterrupted run's recorded fixture (bit for bit on the machine that recorded it)."""
+series equals the uninterrupted run's recorded fixture (bit for bit on the machine that recorded it). And, as a user
+would, through the CLI with `--max-restarts 1`: a trainer rank's process killed (SIGKILL) twice, the second time once
+the budget is spent, ends the run with the line naming the rank, the spent budget and the checkpoint to resume from
+(this file's background job `budget`)."""
 
 from __future__ import annotations
 
 import inspect
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -111,3 +120,66 @@ def test_the_restarted_series_equals_the_uninterrupted_one(restarted):
     exact = fixture["machine"] == machine()
     for record, recorded in zip(got, expected):
         assert not differences(record, recorded, exact), (exact, differences(record, recorded, exact))
+
+
+BUDGET_JOB = ("tests/e2e/test_restarts.py", "budget")
+
+
+def actor_pids(out: Path) -> list[int]:
+    """The actor ranks' process ids in the run's placement.json ([] before it is written, or while it is)."""
+    try:
+        return [entry["pid"] for entry in json.loads((out / "placement.json").read_text())["actor"]]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def wait_until(condition, driver: subprocess.Popen, what: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if driver.poll() is not None or time.monotonic() > deadline:
+            driver.kill()
+            raise RuntimeError(f"no {what} (driver code {driver.poll()}):\n{driver.communicate()[1][-4000:]}")
+        time.sleep(0.05)
+
+
+def run_budget(root: Path) -> dict:
+    """A driver with --max-restarts 1 whose actor rank 1 is killed once rollout 0 is saved and recorded, then again
+    as soon as the restarted attempt has placed its ranks (so in rollout 1 both times, rollout 0 the latest save)."""
+    out, ckpt = root / "run", root / "ckpt"
+    flags = [*COMMON, *RUNS["nft"], "--num-rollout", "4", "--save-interval", "1", "--max-restarts", "1"]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, not a test session's
+    command = [sys.executable, "train_diffusion.py", *flags, "--output-dir", str(out), "--save", str(ckpt)]
+    root_dir = Path(__file__).resolve().parents[2]
+    driver = subprocess.Popen(command, cwd=root_dir, env=env, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    recorded = lambda key: metrics.exists() and key in metrics.read_text()  # noqa: E731
+    wait_until(lambda: recorded("perf/generate_total_s") and actor_pids(out), driver, "rollout 0's record")
+    first = actor_pids(out)[1]
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: recorded(RESTART_KEY) and actor_pids(out)[1] != first, driver, "restarted ranks")
+    os.kill(actor_pids(out)[1], signal.SIGKILL)
+    stderr = driver.communicate(timeout=300)[1]
+    return {"returncode": driver.returncode, "stderr": stderr, "ckpt": str(ckpt)}
+
+
+@pytest.mark.background(*BUDGET_JOB)
+def test_a_second_lost_rank_names_the_rank_the_spent_budget_and_the_checkpoint():
+    from tests.background import job_folder
+
+    run = json.loads((job_folder(*BUDGET_JOB) / "budget.json").read_text())
+    assert run["returncode"] == 1, run["stderr"][-4000:]
+    assert "restart 1 of --max-restarts 1: actor rank 1 on " in run["stderr"]
+    # the note under the actor's error in the traceback (the log has the same line after its prefix)
+    notes = [line for line in run["stderr"].splitlines() if line.startswith("actor rank 1 on ")]
+    assert len(notes) == 1, run["stderr"][-4000:]
+    assert notes[0].endswith(
+        " lost in rollout 1: restart budget (1) spent (--max-restarts 1, 1 restart(s) done); the latest checkpoint is "
+        f"rollout 0: rerun the command with --load {run['ckpt']} to resume from it"
+    ), notes[0]
+    assert "miles.utils.failures.ActorDied: actor rank 1 died during " in run["stderr"]
+    assert read_latest(run["ckpt"]) == 0
+
+
+if __name__ == "__main__":  # the background job (tests/background.py): `budget`, a driver process of its own
+    folder = Path(sys.argv[2])
+    (folder / "budget.json").write_text(json.dumps(run_budget(folder)))

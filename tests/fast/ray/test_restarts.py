@@ -8,7 +8,7 @@ import pytest
 import train_diffusion
 from miles.backends.fsdp_utils.checkpoint import LATEST_FILE
 from miles.ray import restarts as restarts_module
-from miles.ray.restarts import Restarts, describe, needed_resources, resume_args, wait_for_resources
+from miles.ray.restarts import Restarts, describe, needed_resources, resume_args, resume_hint, wait_for_resources
 from miles.utils.arguments import parse_args
 from miles.utils.failures import ActorDied, EngineError
 from miles.utils.tracking import RESTART_KEY, current_records
@@ -78,6 +78,10 @@ def test_a_restart_resumes_every_role_from_its_save_folder(tmp_path):
     resumed, saved = resume_args(args)
     assert saved == 4 and (resumed.load, resumed.critic_load) == (str(tmp_path / "a"), str(tmp_path / "b"))
     assert args.load is None and args.critic_load is None  # the run's own flags stay as given
+    assert resume_hint(args) == (
+        f"the latest checkpoint is rollout 4: rerun the command with --critic-load {tmp_path / 'b'} --load "
+        f"{tmp_path / 'a'} to resume from it"
+    )
 
 
 def test_the_wait_returns_once_the_cluster_holds_the_resources_again(monkeypatch):
@@ -157,6 +161,30 @@ def test_the_driver_restarts_at_most_max_restarts_times(tmp_path, monkeypatch):
     writer = type("Writer", (), {"log": lambda self, record: logged.append(record)})()
     restarts = Restarts(args_for("--save", str(tmp_path), "--max-restarts", "2"))
     stop = type("Stop", (), {"requested": False})()
-    with pytest.raises(ActorDied, match="actor rank 3 died"):
+    with pytest.raises(ActorDied, match="actor rank 3 died") as info:
         train_diffusion.train_with_restarts(restarts, writer, {}, 0.0, stop, None)
     assert attempts == [0, 1, 2] and [r[RESTART_KEY] for r in logged] == [1, 2]
+    assert info.value.__notes__ == [
+        "actor rank 3 on unknown node lost in rollout 0: restart budget (2) spent (--max-restarts 2, 2 restart(s) "
+        f"done); no checkpoint in {tmp_path} yet: rerun the command to start over"
+    ]
+
+
+def test_the_last_loss_names_the_lost_rank_the_spent_budget_and_the_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(restarts_module.ray, "cluster_resources", lambda: {"CPU": 64.0})
+    restarts = Restarts(args_for("--save", str(tmp_path), "--max-restarts", "1"))
+    restarts.count, restarts.groups = 1, type("Groups", (), {"placement": PLACEMENT})()
+    restarts.start_attempt(3)  # the restarted attempt resumed at rollout 3 and completed it
+    write_latest(str(tmp_path), 3)
+    error = died("actor rank", 1)
+    line = restarts.give_up(error, {"rollouts": [{"rollout_id": 2}, {"rollout_id": 3}]})
+    assert line == (
+        "actor rank 1 on 10.0.0.2 lost in rollout 4: restart budget (1) spent (--max-restarts 1, 1 restart(s) done); "
+        f"the latest checkpoint is rollout 3: rerun the command with --load {tmp_path} to resume from it"
+    )
+    assert error.__notes__ == [line]
+    without = Restarts(args_for("--max-restarts", "0"))
+    assert without.give_up(died("reward worker", 0), {}) == (
+        "reward worker 0 on unknown node lost in rollout 0: not restarted (--max-restarts 0); nothing to resume from "
+        "(no --save)"
+    )

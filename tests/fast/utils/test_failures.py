@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -42,24 +43,29 @@ def test_cleanup_failure_is_raised_when_nothing_else_went_wrong():
 
 
 class Rank:
-    def work(self, die: bool) -> int:
-        if die:
-            os._exit(1)
+    def work(self) -> int:
         return 7
 
     def fail(self) -> None:
         raise KeyError("inside the actor")
 
+    def collective(self, die: bool) -> None:
+        if die:  # killed in the collective: Ray reports the death a little after the peer's own error
+            time.sleep(0.3)
+            os._exit(1)
+        raise ConnectionError("Connection closed by peer")
 
-def test_a_dead_rank_is_named_with_role_phase_and_rollout(ray_cluster):
+
+def test_a_dead_rank_is_named_with_role_phase_and_rollout_not_the_peer_that_failed_first(ray_cluster):
     import ray
 
     actors = [ray.remote(num_cpus=0.01)(Rank).remote() for _ in range(2)]
-    assert gather([a.work.remote(False) for a in actors], role="actor rank", phase="train", timeout=60) == [7, 7]
+    assert gather([a.work.remote() for a in actors], role="actor rank", phase="train", timeout=60) == [7, 7]
     with pytest.raises(ActorDied, match=r"^actor rank 1 died during train of rollout 3: ") as info:
-        gather([a.work.remote(rank == 1) for rank, a in enumerate(actors)], role="actor rank", phase="train",
+        gather([a.collective.remote(rank == 1) for rank, a in enumerate(actors)], role="actor rank", phase="train",
                rollout_id=3, timeout=60)  # fmt: skip
     assert (info.value.role, info.value.rank, info.value.phase, info.value.rollout_id) == ("actor rank", 1, "train", 3)
+    assert info.value.__notes__ == ["actor rank 0 failed after it: ConnectionError: Connection closed by peer"]
     with pytest.raises(ray.exceptions.RayTaskError) as raised:
         gather([actors[0].fail.remote()], role="reward worker", phase="score", rollout_id=2, timeout=60)
     assert "raised by reward worker 0 during score of rollout 2" in raised.value.__notes__

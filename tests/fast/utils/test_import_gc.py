@@ -59,7 +59,7 @@ def test_outside_a_ray_worker_nothing_is_paused(collector_restored):
 
 
 def test_a_pause_nobody_resumes_ends_by_itself(collector_restored, monkeypatch):
-    monkeypatch.setattr(import_gc, "_in_ray_worker", lambda: True)
+    monkeypatch.setattr(import_gc, "in_ray_worker", lambda: True)
     monkeypatch.setattr(import_gc, "PAUSE_LIMIT_S", 0.05)
     assert import_gc.pause_in_ray_worker()
     assert not gc.isenabled()
@@ -85,7 +85,7 @@ def test_every_miles_actor_resumes_the_collector_first_thing(collector_restored,
 
     seen = []  # whether the collector was on when the trunk's own __init__ began
     monkeypatch.setattr(FSDPTrainRayActor, "__init__", lambda self, *args: seen.append(gc.isenabled()))
-    monkeypatch.setattr(import_gc, "_in_ray_worker", lambda: True)
+    monkeypatch.setattr(import_gc, "in_ray_worker", lambda: True)
     for make in (lambda: TrainRankActor(1, 0, "actor"), lambda: RewardWorker(None, [])):
         assert import_gc.pause_in_ray_worker() and not gc.isenabled()
         make()

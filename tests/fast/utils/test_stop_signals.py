@@ -1,5 +1,6 @@
-"""The driver's stop signals, with real signals to this process: the first is recorded, the second exits at once with
-EXIT_FORCED; Ray's start may not replace them; the stop line names what a stopped run left."""
+"""The driver's stop signals, with real signals to this process: the first is recorded, a second lets the stop go on, a
+third (or the end of --stop-grace-s) exits at once with EXIT_FORCED; Ray's start may not replace them; an actor lives
+through a first SIGTERM; the stop line names what a stopped run left."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -15,6 +17,7 @@ from miles.utils.stop_signals import (
     EXIT_FORCED,
     EXIT_PREEMPTED,
     StopSignals,
+    defer_first_sigterm,
     keeping_signal_handlers,
     stop_line,
 )
@@ -37,22 +40,91 @@ def test_the_first_signal_is_recorded_and_the_previous_handlers_come_back(sig):
         signal.signal(sig, previous)
 
 
-def test_a_second_signal_exits_at_once_with_exit_forced():
-    script = textwrap.dedent(
+def run_script(body: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    script = textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_a_second_signal_lets_the_stop_go_on_and_a_third_exits_at_once_with_exit_forced():
+    done = run_script(
         """
         import os, signal, time
         from miles.utils.stop_signals import StopSignals
-        with StopSignals():
+        with StopSignals() as stop:
             os.kill(os.getpid(), signal.SIGTERM)
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(30)  # not reached: the second signal ends the process
+            os.kill(os.getpid(), signal.SIGINT)  # a scheduler's second signal, or one to the whole process group
+            print("still saving", stop.signal_name, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # not reached: the third signal ends the process
         raise SystemExit(0)
         """
     )
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == EXIT_FORCED, done.stderr
-    assert f"SIGINT again (after SIGTERM): exiting at once with code {EXIT_FORCED}" in done.stderr
+    assert done.stdout == "still saving SIGTERM\n"
+    assert "SIGINT again (after SIGTERM): the stop goes on, the save under way finishes" in done.stderr
+    assert f"SIGTERM a third time (after SIGTERM): exiting at once with code {EXIT_FORCED}" in done.stderr
+
+
+def test_a_stop_that_outlasts_its_grace_period_exits_with_exit_forced():
+    done = run_script(
+        """
+        import os, signal, time
+        from miles.utils.stop_signals import StopSignals
+        with StopSignals(grace_s=0.2):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # a save that never ends
+        raise SystemExit(0)
+        """
+    )
+    assert done.returncode == EXIT_FORCED, done.stderr
+    assert (
+        f"the stop on SIGTERM did not end within --stop-grace-s 0.2: exiting with code {EXIT_FORCED}; the latest "
+        "checkpoint pointer still names the last complete save"
+    ) in done.stderr
+
+
+def test_a_stop_within_its_grace_period_ends_normally():
+    done = run_script(
+        """
+        import os, signal, time
+        from miles.utils.stop_signals import StopSignals
+        with StopSignals(grace_s=0.1):
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.3)  # past the grace period, after the block: the watchdog is gone
+        raise SystemExit(75)
+        """
+    )
+    assert done.returncode == EXIT_PREEMPTED, done.stderr
+
+
+class Deferring:
+    def __init__(self) -> None:
+        defer_first_sigterm()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_an_actor_outlives_a_first_sigterm_and_ends_on_the_second(ray_cluster):
+    import ray
+
+    actor = ray.remote(num_cpus=0.01)(Deferring).remote()
+    pid = ray.get(actor.pid.remote(), timeout=60)
+    os.kill(pid, signal.SIGTERM)  # the whole job signalled: the driver still needs this actor for its save
+    time.sleep(0.5)
+    assert ray.get(actor.pid.remote(), timeout=60) == pid
+    os.kill(pid, signal.SIGTERM)
+    with pytest.raises(ray.exceptions.RayActorError):
+        for _ in range(100):
+            ray.get(actor.pid.remote(), timeout=60)
+            time.sleep(0.1)
+
+
+def test_defer_first_sigterm_does_nothing_outside_a_ray_worker():
+    before = signal.getsignal(signal.SIGTERM)
+    defer_first_sigterm()
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_handlers_replaced_inside_the_block_are_put_back():
