@@ -22,6 +22,7 @@ from miles.rollout.data_source import PromptDataSource, load_records, records_di
 from miles.rollout.engine import GenerateResult
 from miles.rollout.media_files import first_sources, save_media
 from miles.rollout.monitors import DriftWatch, monitor_metrics, watches
+from miles.rollout.prompt_cache import prompt_cache_config
 from miles.rollout.rm_hub import reward_metrics, reward_spec_from_args
 from miles.rollout.rm_hub.clip import CLIP_EMBEDDING_KEY
 from miles.rollout.rm_hub.media import attach_media
@@ -33,6 +34,8 @@ from miles.utils.types import Sample, TrainPairs
 
 logger = logging.getLogger(__name__)
 REWARD_TERMS = steps.REWARD_TERMS  # Sample.extra key: the sample's value of each weighted reward
+# hooks that may generate prompts of their own: with one, the engines keep their text encoders after the cache fill
+OWN_PROMPT_HOOKS = ("data_source_path", "rollout_function_path", "custom_generate_function_path")
 
 
 class RolloutManager:
@@ -48,7 +51,7 @@ class RolloutManager:
         self.args, self._wait, self._colocation, self._pool = args, wait, colocation, pool
         self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
         self.resolution = args.resolution or self.family.default_resolution
-        self.engines = self.rewards = None
+        self.engines = self.rewards = self.prompt_cache = None
         self.dataset_pairs: TrainPairs | None = None
         self.weights_version = 0
         self.last_metrics: dict[str, float] = {}
@@ -92,16 +95,19 @@ class RolloutManager:
             logger.info("replaying rollouts from %s: no engine started", args.load_debug_rollout_data)
             return
         gpu = uses_gpu(args)
+        forward_dtype = parse_dtype(args.diffusion_forward_dtype)  # the trainer's: log-probs must match (§7)
+        self.prompt_cache = prompt_cache_config(args, self.family, forward_dtype)
         self.engines = RolloutEngineGroup(
             args.hf_checkpoint,
             num_engines=args.rollout_num_engines,
             model_family=args.model_family,
             num_cpus_per_engine=engine_cpus(args),
             num_gpus_per_engine=args.rollout_gpus_per_engine if gpu else 0.0,
-            forward_dtype=parse_dtype(args.diffusion_forward_dtype),  # the trainer's: log-probs must match (§7)
+            forward_dtype=forward_dtype,
             lora_config=self._lora_config(),
             family_options=family_options(args),
             compile_mode=args.compile,
+            prompt_cache=self.prompt_cache,
             wait=self._wait,
             colocation=self._colocation,
             pool=self._pool,
@@ -118,6 +124,28 @@ class RolloutManager:
             self.engines.wait_ready()
         if self.rewards is not None:
             self.rewards.wait_ready()
+
+    def fill_prompt_cache(self, eval_prompts: list[str] | None) -> None:
+        """With a prompt cache: the engines encode the run's prompts (the records' and `eval_prompts`; None: eval
+        prompts unknown) and the negative prompt once, then free their text encoders when no hook can bring prompts
+        of its own. Prompts with source images (editing, image-to-video) are cached at first use, with their images."""
+        if self.engines is None or self.prompt_cache is None:
+            return
+        if any(record.get("source_images") for record in self.records):
+            logger.info("prompt cache: prompts with source images are cached as they come; text encoders stay loaded")
+            return
+        started = time.perf_counter()
+        prompts = [record["prompt"] for record in self.records] + list(eval_prompts or [])
+        complete = eval_prompts is not None and not any(flag in self.hooks for flag in OWN_PROMPT_HOOKS)
+        stats = self.engines.fill_prompt_cache(prompts, [self.args.negative_prompt], release=complete)
+        logger.info(
+            "prompt cache %s: %d prompt encodings found, %d encoded in %.1fs%s",
+            self.prompt_cache.directory,
+            stats["found"],
+            stats["encoded"],
+            time.perf_counter() - started,
+            "" if complete else " (text encoders kept: a hook or --eval-function-path may bring other prompts)",
+        )
 
     def _lora_config(self) -> dict | None:
         if not self.args.use_lora:
