@@ -34,8 +34,13 @@ from miles.utils.types import Sample, TrainPairs
 
 logger = logging.getLogger(__name__)
 REWARD_TERMS = steps.REWARD_TERMS  # Sample.extra key: the sample's value of each weighted reward
-# hooks that may generate prompts of their own: with one, the engines keep their text encoders after the cache fill
-OWN_PROMPT_HOOKS = ("data_source_path", "rollout_function_path", "custom_generate_function_path")
+# hooks that may draw prompts of their own (refill rounds too): the engines then keep their text encoders
+DRAWING_HOOKS = (
+    "data_source_path",
+    "dynamic_sampling_filter_path",
+    "rollout_function_path",
+    "custom_generate_function_path",
+)
 
 
 class RolloutManager:
@@ -125,27 +130,21 @@ class RolloutManager:
         if self.rewards is not None:
             self.rewards.wait_ready()
 
-    def fill_prompt_cache(self, eval_prompts: list[str] | None) -> None:
-        """With a prompt cache: the engines encode the run's prompts (the records' and `eval_prompts`; None: eval
-        prompts unknown) and the negative prompt once, then free their text encoders when no hook can bring prompts
-        of its own. Prompts with source images (editing, image-to-video) are cached at first use, with their images."""
+    def fill_prompt_cache(self, eval_prompts: list[str] | None, start_rollout_id: int = 0) -> None:
+        """With a prompt cache: the engines encode the prompts of rollouts `start_rollout_id`.. and `eval_prompts` (None:
+        unknown) once, then free their text encoders unless a hook may bring others (`DRAWING_HOOKS`)."""
         if self.engines is None or self.prompt_cache is None:
             return
         if any(record.get("source_images") for record in self.records):
             logger.info("prompt cache: prompts with source images are cached as they come; text encoders stay loaded")
             return
-        started = time.perf_counter()
-        prompts = [record["prompt"] for record in self.records] + list(eval_prompts or [])
-        complete = eval_prompts is not None and not any(flag in self.hooks for flag in OWN_PROMPT_HOOKS)
+        started, rollouts = time.perf_counter(), range(start_rollout_id, self.args.num_rollout)
+        drawn = sorted({index for rollout_id in rollouts for index in self.source.indices(rollout_id)})
+        prompts = [self.records[index]["prompt"] for index in drawn] + list(eval_prompts or [])
+        complete = eval_prompts is not None and not any(flag in self.hooks for flag in DRAWING_HOOKS)
         stats = self.engines.fill_prompt_cache(prompts, [self.args.negative_prompt], release=complete)
-        logger.info(
-            "prompt cache %s: %d prompt encodings found, %d encoded in %.1fs%s",
-            self.prompt_cache.directory,
-            stats["found"],
-            stats["encoded"],
-            time.perf_counter() - started,
-            "" if complete else " (text encoders kept: a hook or --eval-function-path may bring other prompts)",
-        )
+        stats["seconds"] = round(time.perf_counter() - started, 1)
+        logger.info("prompt cache %s: %s%s", self.prompt_cache.directory, stats, "" if complete else ", encoders kept")
 
     def _lora_config(self) -> dict | None:
         if not self.args.use_lora:
