@@ -4,7 +4,6 @@ text encoder, a stale or damaged entry is encoded again, and the key follows wha
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import shutil
 from pathlib import Path
@@ -123,8 +122,7 @@ def damage_values_and_checksum_of_another_key(path: Path, other: Path) -> None:
     [damage_truncate, damage_flip_a_value, damage_another_prompts_entry, damage_values_and_checksum_of_another_key],
 )
 def test_a_stale_or_damaged_entry_is_encoded_again_never_used(flux_family, tmp_path, caplog, damage):
-    load = functools.partial(flux_family.load_text_encoders, device=CPU)
-    encoder = PromptEncoder(flux_family, config(flux_family, tmp_path), load, CPU)
+    encoder = PromptEncoder(flux_family, config(flux_family, tmp_path), flux_family.text_pipeline, CPU)
     truth = flux_family.encode_prompts(["a red circle"])
     encoder.encode_request(["a red circle", "two blue squares"], None, "", negative=False)
     path = entry_path(encoder, "prompt", "a red circle")
