@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,10 @@ def prompt_cache_config(
             family.name,
         )
     os.makedirs(directory, exist_ok=True)
-    return PromptCacheConfig(directory, encoder_fingerprint(family, dtype, directory))
+    started = time.perf_counter()
+    fingerprint = encoder_fingerprint(family, dtype, directory)
+    logger.info("prompt cache in %s (encoders' digest in %.1fs)", directory, time.perf_counter() - started)
+    return PromptCacheConfig(directory, fingerprint)
 
 
 def encoder_fingerprint(family: TrainPipelineConfig, dtype: torch.dtype, directory: str | None = None) -> str:
