@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from miles.models.base import TrainPipelineConfig
 from miles.models.conditioning import Conditioning
+from miles.models.diffusers_family import own_storage
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class PromptCache:
 
     def store(self, row: str, cond: Conditioning, text: str) -> None:
         """Write `cond` (one row, any device) as the entry of `row`, replacing any entry there at once."""
-        tensors = {name: value.detach().to("cpu").contiguous() for name, value in cond.items()}
+        tensors = {name: own_storage(value.detach().to("cpu").contiguous()) for name, value in cond.items()}
         meta = {
             "format": CACHE_FORMAT,
             "key": self.key,

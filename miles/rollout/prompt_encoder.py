@@ -19,6 +19,9 @@ from miles.rollout.prompt_cache import PromptCache, PromptCacheConfig, device_si
 logger = logging.getLogger(__name__)
 
 PROMPT, NEGATIVE = "prompt", "negative"
+# prompts a fill encodes per call where the family's rows do not depend on their batch (`prompt_cache_exact`);
+# elsewhere one at a time, since a row is then what its prompt encodes alone
+FILL_BATCH = 16
 
 
 class PromptEncoder:
@@ -41,8 +44,10 @@ class PromptEncoder:
         if config is None:
             self._ensure_loaded()
 
-    def _ensure_loaded(self) -> None:
+    def _ensure_loaded(self, why: str = "") -> None:
         if not self.loaded:
+            if why:
+                logger.info("prompt cache: %s: loading the text encoders", why)
             self._load()
             self.loaded = True
 
@@ -81,12 +86,22 @@ class PromptEncoder:
         return embeds, self._rows(cache, NEGATIVE, [negative_prompt], [None])
 
     def fill(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> dict[str, int]:
-        """Make sure every text-only prompt and negative prompt has an entry (encoding those missing); returns how many
-        were found and how many encoded."""
+        """Make sure every text-only prompt and negative prompt has an entry (encoding those missing, `FILL_BATCH` at a
+        time where the family allows); returns how many were found and how many encoded."""
         cache, before = self._cache(), dict(self.stats)
-        for kind, texts in ((PROMPT, prompts), (NEGATIVE, negative_prompts)):
-            for text in dict.fromkeys(texts):
-                self._row(cache, kind, text, None, keep=False)
+        rows = {text: row_digest(cache.key, PROMPT, text) for text in prompts}
+        missing = [text for text, row in rows.items() if cache.load(row) is None]
+        self.stats["read"] += len(rows) - len(missing)
+        step = FILL_BATCH if self.family.prompt_cache_exact else 1
+        for start in range(0, len(missing), step):
+            chunk = missing[start : start + step]
+            self._ensure_loaded(f"{len(missing)} of {len(rows)} prompts not in {cache.root}")
+            batch = self.family.encode_prompts(chunk, device=self.device)
+            for i, text in enumerate(chunk):
+                cache.store(rows[text], batch.rows(i), text)
+            self.stats["encoded"] += len(chunk)
+        for text in dict.fromkeys(negative_prompts):
+            self._row(cache, NEGATIVE, text, None, keep=False)
         return {"found": self.stats["read"] - before["read"], "encoded": self.stats["encoded"] - before["encoded"]}
 
     def release_text_encoders(self) -> bool:
@@ -130,9 +145,7 @@ class PromptEncoder:
         if cached is not None:
             self.stats["read"] += 1
             return cached.to(self.device) if keep else None
-        if not self.loaded:
-            logger.info("prompt cache: encoding %r, not in %s: loading the text encoders", text[:60], cache.root)
-        self._ensure_loaded()
+        self._ensure_loaded(f"{text[:60]!r} is not in {cache.root}")
         cond = self._encode_alone(kind, text, images)
         cache.store(row, cond, text)
         self.stats["encoded"] += 1
