@@ -133,11 +133,8 @@ class RolloutManager:
     def fill_prompt_cache(self, eval_prompts: list[str] | None, start_rollout_id: int = 0) -> None:
         """With a prompt cache: the engines encode the prompts of rollouts `start_rollout_id`.. and `eval_prompts` (None:
         unknown) once, then free their text encoders unless a hook may bring others (`DRAWING_HOOKS`)."""
-        if self.engines is None or self.prompt_cache is None:
-            return
-        if any(record.get("source_images") for record in self.records):
-            logger.info("prompt cache: prompts with source images are cached as they come; text encoders stay loaded")
-            return
+        if self.engines is None or self.prompt_cache is None or any(r.get("source_images") for r in self.records):
+            return  # prompts with source images are cached as they come, and the text encoders stay
         started, rollouts = time.perf_counter(), range(start_rollout_id, self.args.num_rollout)
         drawn = sorted({index for rollout_id in rollouts for index in self.source.indices(rollout_id)})
         prompts = [self.records[index]["prompt"] for index in drawn] + list(eval_prompts or [])
