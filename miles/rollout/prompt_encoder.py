@@ -110,6 +110,7 @@ class PromptEncoder:
             return False
         self.family.release_text_encoders()
         self.loaded = False
+        logger.info("prompt cache: text encoders freed (the run's prompts are in %s)", self.config.directory)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
