@@ -110,6 +110,9 @@ class TrainPipelineConfig(ABC):
     # its negative conditioning encodes each prompt's source images (`encode_negative_of_images` returns a row per
     # prompt) rather than one text row shared by the batch
     negative_per_prompt: ClassVar[bool] = False
+    # a prompt's conditioning rows encoded alone equal its rows in any batch, bit for bit (fixed-length padding, no
+    # kernel whose sums depend on the batch size): cached encodings (`--prompt-cache auto`) then change no sample
+    prompt_cache_exact: ClassVar[bool] = False
 
     def __init__(self, path: str, **options: Any) -> None:
         self.path = str(check_pipeline_components(check_pipeline_folder(path), self.name))
@@ -300,6 +303,12 @@ class TrainPipelineConfig(ABC):
                 if isinstance(part, nn.Module) and all(part is not m for m in modules):
                     modules.append(part)
         return modules
+
+    def release_text_encoders(self) -> None:
+        """Drop the text encoders and the negatives encoded with them (an engine whose prompts are all cached); a
+        later `encode_prompts` loads them again."""
+        self._loaded.pop("text", None)
+        self.drop_cached_negatives()
 
     def drop_cached_negatives(self) -> None:
         """Forget encode_negative's cache (after reloading the text encoders)."""

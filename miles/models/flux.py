@@ -33,6 +33,7 @@ class FluxPipelineConfig(FluxFolderFamily):
     """
 
     name = "flux"
+    prompt_cache_exact = True  # T5 and CLIP at fixed lengths: a prompt's rows do not depend on its batch
     pipeline_class_name = "FluxPipeline"
     text_pipeline_class = "FluxPipeline"
 

@@ -126,6 +126,7 @@ class Flux2Family(DiffusersFamily):
         "to_qkv_mlp_proj",
     )
     source_image_range = (0, FLUX2_MAX_REFERENCES)
+    prompt_cache_exact = True  # the text encoder at a fixed length, one VAE call per reference image
     checkpoint_name: str  # the model's name in messages ("FLUX.2 [klein]")
     default_text_layers: tuple[int, ...]  # the pipeline's default text_encoder_out_layers
 

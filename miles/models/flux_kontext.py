@@ -48,6 +48,7 @@ class FluxKontextPipelineConfig(FluxFolderFamily):
     """
 
     name = "flux-kontext"
+    prompt_cache_exact = True  # FLUX's text rows, and the VAE's mode of each source image
     pipeline_class_name = "FluxKontextPipeline"
     text_pipeline_class = "FluxKontextPipeline"
     source_image_range = (1, 1)  # the pipeline takes one image per prompt

@@ -59,6 +59,7 @@ class HunyuanVideo15PipelineConfig(DiffusersFamily):
     --num-frames, default the folder's suggestion or 121, 4k + 1) square frames, F = (num_frames - 1) // 4 + 1."""
 
     name = "hunyuan-video15"
+    prompt_cache_exact = True  # both text encoders at fixed lengths
     pipeline_class_name = "HunyuanVideo15Pipeline"
     transformer_class = HunyuanVideo15Transformer3DModel
     text_pipeline_class = "HunyuanVideo15Pipeline"

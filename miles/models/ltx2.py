@@ -98,6 +98,7 @@ class LTX2PipelineConfig(DiffusersFamily):
     """
 
     name = "ltx2"
+    prompt_cache_exact = True  # Gemma at a fixed length
     pipeline_class_name = "LTX2Pipeline"
     options = options_of("ltx2")
     # the attention projections of every attention of a block: video and audio self- and text cross-attention and

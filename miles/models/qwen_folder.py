@@ -47,6 +47,8 @@ class QwenFolderFamily(DiffusersFamily):
     vae_class = "AutoencoderKLQwenImage"
     # diffusers' Qwen-Image LoRA training default (train_dreambooth_lora_qwen_image.py): the image-stream attention
     default_lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
+    # not: Qwen2.5-VL pads a batch's prompts to its longest, and a prompt's hidden states change with that length
+    prompt_cache_exact = False
 
     # networks
     def load_transformer(

@@ -32,6 +32,8 @@ class SD3PipelineConfig(DiffusersFamily):
     """SD3 / SD3.5 pipeline folders (`StableDiffusion3Pipeline`)."""
 
     name = "sd3"
+    # not: CLIP's pooled projection is a (batch, width) matmul whose CPU kernel sums differently by batch size
+    prompt_cache_exact = False
     pipeline_class_name = "StableDiffusion3Pipeline"
     # joint attention of SD3's JointTransformerBlock: image-stream and context-stream projections
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")

@@ -28,6 +28,7 @@ class WanPipelineConfig(WanFolderFamily):
     `WanFolderFamily`'s."""
 
     name = "wan"
+    prompt_cache_exact = True  # UMT5 at a fixed length
     pipeline_class_name = "WanPipeline"
     options = options_of("wan")
     supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.wan_sequence_parallel)

@@ -57,6 +57,7 @@ class ZImagePipelineConfig(DiffusersFamily):
     """
 
     name = "z-image"
+    prompt_cache_exact = True  # Qwen3 at a fixed length, each prompt's own tokens kept
     pipeline_class_name = "ZImagePipeline"
     text_pipeline_class = "ZImagePipeline"
     transformer_class = ZImageTransformer2DModel

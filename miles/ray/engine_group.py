@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from miles.ray.actor_pool import ActorPool, ReusableActor
 from miles.ray.placement_group import Colocation
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
+from miles.rollout.prompt_cache import PromptCacheConfig
 from miles.utils.failures import EngineError, where
 from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import split_contiguous
@@ -78,6 +79,7 @@ class RolloutEngineGroup:
         lora_config: dict[str, Any] | None = None,
         family_options: dict[str, Any] | None = None,
         compile_mode: str = "off",
+        prompt_cache: PromptCacheConfig | None = None,
         timeout_s: float = 600.0,
         wait: bool = True,
         colocation: Colocation | None = None,
@@ -102,6 +104,7 @@ class RolloutEngineGroup:
             "lora_config": lora_config,
             "family_options": family_options,
             "compile_mode": compile_mode,
+            "prompt_cache": prompt_cache,
         }
         remote_cls = ray.remote(EngineActor)
         self.engines, self._starting = [], {}
@@ -188,6 +191,25 @@ class RolloutEngineGroup:
         ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
         refs = {i: e.update_weights.remote(ref, version, checksums) for i, e in enumerate(self.engines)}
         self._gather(refs, where(f"weight sync (version {version})", rollout_id))
+
+    def fill_prompt_cache(self, prompts: list[str], negative_prompts: list[str], release: bool) -> dict[str, int]:
+        """Encode the prompt set into the prompt cache (`--prompt-cache`) once: the engines that share a cache key
+        (device and thread count alike) each take a contiguous slice of the distinct prompts. Then, with `release`
+        (the set is the run's whole), every engine frees its text encoders. Returns the totals found and encoded."""
+        keys = self._gather({i: e.prompt_cache_key.remote() for i, e in enumerate(self.engines)}, "prompt cache key")
+        distinct, refs = list(dict.fromkeys(prompts)), {}
+        for key in dict.fromkeys(keys.values()):
+            sharing = [i for i in sorted(keys) if keys[i] == key]
+            for k, (start, end) in enumerate(split_contiguous(len(distinct), len(sharing))):
+                negatives = list(negative_prompts) if k == 0 else []
+                refs[sharing[k]] = self.engines[sharing[k]].fill_prompt_cache.remote(distinct[start:end], negatives)
+        results = self._gather(refs, "prompt cache fill")
+        if release:
+            freed = self._gather({i: e.release_text_encoders.remote() for i, e in enumerate(self.engines)}, "release")
+            logger.info(
+                "prompt set cached: %d of %d engine(s) freed their text encoders", sum(freed.values()), len(freed)
+            )
+        return {name: sum(r[name] for r in results.values()) for name in ("found", "encoded")}
 
     def get_versions(self) -> list[int]:
         results = self._gather({i: e.get_version.remote() for i, e in enumerate(self.engines)}, "get_version")

@@ -72,6 +72,10 @@ class Evaluator:
         sources = wants_source_images(args)
         self.kind, self.records = load_eval_records(args, sources) if self.custom is None else (None, [])
 
+    def prompts(self) -> list[str] | None:
+        """The eval prompts, or None when --eval-function-path samples prompts of its own."""
+        return None if self.custom is not None else [record["prompt"] for record in self.records]
+
     def evaluate(self, engine: Any, rollout_id: int) -> dict[str, float]:
         args, started = self.args, time.perf_counter()
         if self.custom is not None:

@@ -128,6 +128,7 @@ class RunGroups:
         check_roles_agree(args, list(starts), starts)
         self.set_phase_threads()
         start_rollout_id = min(starts.values(), default=0)
+        manager.fill_prompt_cache([] if self.evaluator is None else self.evaluator.prompts(), start_rollout_id)
         if args.load and start_rollout_id > 0:
             check_data_source_resume(args.load, start_rollout_id, manager.source)
             if resumes_from_save_folders(args, list(groups)):

@@ -22,6 +22,7 @@ from miles.rollout.data_source import PromptDataSource, load_records, records_di
 from miles.rollout.engine import GenerateResult
 from miles.rollout.media_files import first_sources, save_media
 from miles.rollout.monitors import DriftWatch, monitor_metrics, watches
+from miles.rollout.prompt_cache import prompt_cache_config
 from miles.rollout.rm_hub import reward_metrics, reward_spec_from_args
 from miles.rollout.rm_hub.clip import CLIP_EMBEDDING_KEY
 from miles.rollout.rm_hub.media import attach_media
@@ -33,6 +34,13 @@ from miles.utils.types import Sample, TrainPairs
 
 logger = logging.getLogger(__name__)
 REWARD_TERMS = steps.REWARD_TERMS  # Sample.extra key: the sample's value of each weighted reward
+# hooks that may draw prompts of their own (refill rounds too): the engines then keep their text encoders
+DRAWING_HOOKS = (
+    "data_source_path",
+    "dynamic_sampling_filter_path",
+    "rollout_function_path",
+    "custom_generate_function_path",
+)
 
 
 class RolloutManager:
@@ -48,7 +56,7 @@ class RolloutManager:
         self.args, self._wait, self._colocation, self._pool = args, wait, colocation, pool
         self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
         self.resolution = args.resolution or self.family.default_resolution
-        self.engines = self.rewards = None
+        self.engines = self.rewards = self.prompt_cache = None
         self.dataset_pairs: TrainPairs | None = None
         self.weights_version = 0
         self.last_metrics: dict[str, float] = {}
@@ -92,16 +100,19 @@ class RolloutManager:
             logger.info("replaying rollouts from %s: no engine started", args.load_debug_rollout_data)
             return
         gpu = uses_gpu(args)
+        forward_dtype = parse_dtype(args.diffusion_forward_dtype)  # the trainer's: log-probs must match (§7)
+        self.prompt_cache = prompt_cache_config(args, self.family, forward_dtype)
         self.engines = RolloutEngineGroup(
             args.hf_checkpoint,
             num_engines=args.rollout_num_engines,
             model_family=args.model_family,
             num_cpus_per_engine=engine_cpus(args),
             num_gpus_per_engine=args.rollout_gpus_per_engine if gpu else 0.0,
-            forward_dtype=parse_dtype(args.diffusion_forward_dtype),  # the trainer's: log-probs must match (§7)
+            forward_dtype=forward_dtype,
             lora_config=self._lora_config(),
             family_options=family_options(args),
             compile_mode=args.compile,
+            prompt_cache=self.prompt_cache,
             wait=self._wait,
             colocation=self._colocation,
             pool=self._pool,
@@ -118,6 +129,19 @@ class RolloutManager:
             self.engines.wait_ready()
         if self.rewards is not None:
             self.rewards.wait_ready()
+
+    def fill_prompt_cache(self, eval_prompts: list[str] | None, start_rollout_id: int = 0) -> None:
+        """With a prompt cache: the engines encode the prompts of rollouts `start_rollout_id`.. and `eval_prompts` (None:
+        unknown) once, then free their text encoders unless a hook may bring others (`DRAWING_HOOKS`)."""
+        if self.engines is None or self.prompt_cache is None or any(r.get("source_images") for r in self.records):
+            return  # prompts with source images are cached as they come, and the text encoders stay
+        started, rollouts = time.perf_counter(), range(start_rollout_id, self.args.num_rollout)
+        drawn = sorted({index for rollout_id in rollouts for index in self.source.indices(rollout_id)})
+        prompts = [self.records[index]["prompt"] for index in drawn] + list(eval_prompts or [])
+        complete = eval_prompts is not None and not any(flag in self.hooks for flag in DRAWING_HOOKS)
+        stats = self.engines.fill_prompt_cache(prompts, [self.args.negative_prompt], release=complete)
+        stats["seconds"] = round(time.perf_counter() - started, 1)
+        logger.info("prompt cache %s: %s%s", self.prompt_cache.directory, stats, "" if complete else ", encoders kept")
 
     def _lora_config(self) -> dict | None:
         if not self.args.use_lora:

@@ -22,6 +22,8 @@ from miles.models.base import get_train_pipeline_config
 from miles.models.compile import check_compile, compile_counters, compile_transformer
 from miles.models.conditioning import Conditioning
 from miles.models.lora_targets import check_lora_targets
+from miles.rollout.prompt_cache import PromptCacheConfig
+from miles.rollout.prompt_encoder import PromptEncoder
 from miles.utils.offload import HostSwap
 from miles.utils.threads import node_info, torch_threads
 from miles.utils.weight_checksum import TensorChecksum, WeightSyncError, verify_loaded
@@ -182,7 +184,8 @@ class DiffusionEngine:
     With `lora_config` (kwargs of `peft.LoraConfig`) an adapter is injected at init and `update_weights` takes
     only its weights; otherwise it takes the full transformer state dict (copied into the parameters in place, so
     compiled blocks keep their code). `compile_mode`: `--compile` (`miles.models.compile`). Wrapped by `ray.remote`
-    where used.
+    where used. `prompt_cache` (`--prompt-cache`): read each prompt's conditioning from there, encoding only what is
+    missing (`miles.rollout.prompt_encoder`).
     """
 
     def __init__(
@@ -195,12 +198,15 @@ class DiffusionEngine:
         lora_config: dict[str, Any] | None = None,
         family_options: dict[str, Any] | None = None,
         compile_mode: str = "off",
+        prompt_cache: PromptCacheConfig | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.family = get_train_pipeline_config(hf_checkpoint, model_family, **(family_options or {}))
         check_compile(self.family, compile_mode)
         self.transformer = self.family.load_transformer(dtype=forward_dtype).to(self.device).eval()
-        self.family.load_text_encoders(device=self.device, dtype=forward_dtype)
+        # with a prompt cache the text encoders load only when a prompt is missing from it
+        load_text = functools.partial(self.family.load_text_encoders, device=self.device, dtype=forward_dtype)
+        self.prompt_encoder = PromptEncoder(self.family, prompt_cache, load_text, self.device)
         self.family.load_vae(device=self.device, dtype=forward_dtype)
         self.lora_config = dict(lora_config) if lora_config is not None else None
         self._lora_names: dict[str, str] = {}
@@ -289,6 +295,25 @@ class DiffusionEngine:
         self.weights_pending = False
         logger.info("engine loaded weights version %d (%d tensors)", version, len(weights))
 
+    # the prompt cache (--prompt-cache)
+    def fill_prompt_cache(self, prompts: list[str], negative_prompts: list[str]) -> dict[str, int]:
+        """Encode into the prompt cache those of `prompts` (text only) and `negative_prompts` it lacks, with the
+        generate phase's thread count (part of a CPU entry's key); {"found": n, "encoded": m}."""
+        with torch_threads(self.generate_threads):
+            return self.prompt_encoder.fill(prompts, negative_prompts)
+
+    def prompt_cache_key(self) -> str | None:
+        """The key of this engine's prompt cache entries in its generate phase (None without a cache): engines with
+        the same key share entries."""
+        with torch_threads(self.generate_threads):
+            return self.prompt_encoder.cache_key()
+
+    def release_text_encoders(self) -> bool:
+        """Free the text encoders once the run's prompts are cached (a missing prompt loads them again); whether
+        any were held. Wakes a sleeping engine first, so no host copy of them outlives them."""
+        self.wake()
+        return self.prompt_encoder.release_text_encoders()
+
     def _load_lora(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy the adapter's weights in; the transformer's parameters by name. Every exported adapter tensor must
         have a weight in this engine's adapter and every weight of it must be sent (else it would keep its init)."""
@@ -341,12 +366,11 @@ class DiffusionEngine:
             flash_shift = family.sampling_shift(request.resolution) if request.shift is None else request.shift
             sigmas = flash_sigmas(sigmas, flash_from - 1, request.flash_ratio, flash_shift)
         sigmas_dev = sigmas.to(self.device)
-        embeds, negative = family.encode_request(
+        embeds, negative = self.prompt_encoder.encode_request(
             list(request.prompts),
             request.source_images,
             request.negative_prompt,
             negative=request.guidance_scale > 1.0 or request.return_negative,  # scale 1: the conditional branch
-            device=self.device,
         )
         noise = draw_sample_noise(
             request.seeds,

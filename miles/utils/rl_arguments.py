@@ -30,6 +30,16 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rollout-cpus-per-engine", type=float, default=0.5, help="CPU share of an engine on CPU.")
     group.add_argument("--rollout-gpus-per-engine", type=float, default=1.0, help="GPUs per engine on CUDA.")
     group.add_argument(
+        "--prompt-cache",
+        default="auto",
+        metavar="{auto,off,DIR}",
+        help="Where the engines keep each prompt's text-encoder outputs (safetensors keyed by a digest of the encoders, "
+        "tokenizer, dtype, device and prompt): the prompt set is encoded once, shared by the engines, which then free "
+        "their text encoders; a later run with the same folder loads none. auto: OUTPUT_DIR/prompt_cache for the "
+        "families where cached encodings are bit-identical to batch ones (not sd3, qwen-image*, wan-i2v); "
+        "DIR: that folder, any family; off: encode every batch (docs/user-guide/performance.md).",
+    )
+    group.add_argument(
         "--async-rollout",
         action="store_true",
         help="Generate rollout k+1 while rollout k trains, with the weights before update k: staleness at most one "

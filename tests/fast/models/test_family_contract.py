@@ -19,6 +19,7 @@ from PIL import Image
 
 from miles.backends.fsdp_utils.lora import apply_lora, lora_config_from_args, lora_state_dict, save_lora_adapter
 from miles.models import get_train_pipeline_config
+from miles.models.conditioning import Conditioning
 from miles.rollout.engine import DiffusionEngine, GenerateRequest
 from tests.conftest import FAMILY_CASES, case_params
 
@@ -143,6 +144,32 @@ def test_engine_ode_sampling_reproduces_the_pipeline(family_case, guidance):
     assert result.final_latents.shape == expected.shape
     assert (result.final_latents - expected.float()).abs().max().item() <= TOLERANCE
     assert result.images.shape == (len(PROMPTS), *case.media_shape)
+
+
+# encodings depend on the family's encoders, not on the configuration: one case per family
+ONE_ENCODER_CASE_PER_FAMILY = [
+    case for i, case in enumerate(FAMILY_CASES) if case.family not in {c.family for c in FAMILY_CASES[:i]}
+]
+
+
+@pytest.mark.parametrize(
+    "case", case_params(ONE_ENCODER_CASE_PER_FAMILY), ids=[case.id for case in ONE_ENCODER_CASE_PER_FAMILY]
+)
+def test_a_prompt_encodes_alone_as_in_a_batch_where_the_family_says_its_cache_is_exact(request, case):
+    """`prompt_cache_exact`, which lets `--prompt-cache auto` cache a family: each prompt's rows (with its source
+    images) encoded alone, as the cache encodes them, equal its rows in the batch an uncached engine encodes."""
+    path = request.getfixturevalue(case.fixture)
+    family = get_train_pipeline_config(path, **case.family_options)
+    if not family.prompt_cache_exact:
+        pytest.skip(f"the {family.name} family does not declare prompt_cache_exact (its cache is off by default)")
+    images = source_images(case)
+    batch, _ = family.encode_request(PROMPTS, images, "", negative=False)
+    alone = Conditioning.cat(
+        [family.encode_request([p], None if images is None else [images[i]], "", negative=False)[0]
+         for i, p in enumerate(PROMPTS)]
+    )  # fmt: skip
+    assert list(alone) == list(batch)
+    assert all(torch.equal(alone[name], batch[name]) for name in batch), family.name
 
 
 # the adapter depends on the family (its targets, its pipeline class), not on the configuration: one case per family
