@@ -4,6 +4,7 @@ of each named phase) and the collectives it issues (op, group size, dtype, eleme
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -75,7 +76,12 @@ class PlanTracker(TorchDispatchMode):
 
     def recount(self) -> None:
         """Re-read every live storage's size (after storages were resized to free or restore them)."""
-        for key, ref in list(self._refs.items()):
+        gc.disable()  # a collection here would run weakref callbacks that resize the dict being copied
+        try:
+            refs = list(self._refs.items())
+        finally:
+            gc.enable()
+        for key, ref in refs:
             storage = ref()
             if storage is None:
                 continue

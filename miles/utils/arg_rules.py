@@ -16,7 +16,6 @@ from miles.models.options import family_option_ranges
 from miles.utils.config_file import ArgumentError, flag
 from miles.utils.eval_arguments import eval_defaults, eval_rules
 from miles.utils.fsdp_arguments import local_device_defaults, precision_rules, sharding_rules
-from miles.utils.plan_arguments import plan_rules
 from miles.utils.ranges import FLAG_RANGES, Range, range_violation
 from miles.utils.rl_arguments import rl_rules
 
@@ -78,7 +77,6 @@ def given_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
     if args.save_interval is not None and not any(getattr(args, role_dest(r, "save"), None) for r in roles):
         errors.append("--save-interval needs " + " or ".join(f"{role_flag(r, 'save')} DIR" for r in roles))
     errors += restart_rules(args)
-    errors += plan_rules(args)
     return errors + rl_rules(args, algorithm) + eval_rules(args) + sharding_rules(args) + colocate_rules(args)
 
 

@@ -43,12 +43,3 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="On CUDA, skip the start-up plan that refuses a run whose GPU would run out of memory.",
     )
-
-
-def plan_rules(args: argparse.Namespace) -> list[str]:
-    errors = []
-    if args.plan_tflops <= 0:
-        errors.append(f"--plan-tflops {args.plan_tflops:g} must be > 0")
-    if args.plan_interconnect_gbps <= 0:
-        errors.append(f"--plan-interconnect-gbps {args.plan_interconnect_gbps:g} must be > 0")
-    return errors
