@@ -242,6 +242,8 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
     started = time.perf_counter() if started is None else started
     args = parse_args(argv)
     setup_logging(args)
+    for note in args.default_notes:  # the defaults chosen for what the command line left out
+        logger.info("%s", note)
     summary = run(args, started=started)
     return EXIT_PREEMPTED if "stopped" in summary else 0
 
