@@ -16,7 +16,7 @@ import ray
 from miles.algorithms import algorithm_of
 from miles.backends.fsdp_utils.checkpoint import read_extra
 from miles.backends.fsdp_utils.loss_hub import get_loss_hooks
-from miles.ray.checkpoint_folders import check_roles_agree, lock_save_folders
+from miles.ray.checkpoint_folders import check_resume_settings, check_roles_agree, lock_save_folders
 from miles.ray.cluster import ray_init_settings, start_ray
 from miles.rollout.input_files import check_input_files
 from miles.utils.eval_arguments import BUILTIN_MOVING_SHAPES, eval_enabled
@@ -77,6 +77,7 @@ def startup_checks(args: argparse.Namespace) -> float:
     check_startup(args)
     check_input_files(args)
     check_roles_agree(args, algorithm_of(args).role_names)
+    check_resume_settings(args, algorithm_of(args).role_names)  # LoRA or full weights, as the checkpoints were
     # what RunGroups.launch imports next (peft, the engine and trainer modules), imported here meanwhile
     import miles.ray.evaluator  # noqa: F401
     import miles.ray.rollout_manager  # noqa: F401
