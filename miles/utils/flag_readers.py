@@ -1,7 +1,8 @@
-"""Which runs read each flag, declared beside the flag (`read_by(group.add_argument(...), readers)`), and the check
-that refuses a flag the user set (on the command line or in --config) that the run would not read. An undeclared
-flag is read by every run; an algorithm's own flags (its `add_arguments`) are read by it and by the algorithms whose
-declaration lists them in `reads`. Self-contained: the parser marks and asks, nothing else here knows the parser."""
+"""Which runs read each flag, declared beside the flag (`ReadBy(group, readers).add_argument(...)`: by algorithm, by
+another flag, by reward), and the check that refuses a flag the user set (on the command line or in --config) that
+the run would not read. An undeclared flag is read by every run; an algorithm's own flags (its `add_arguments`) are
+read by it and by the algorithms whose declaration lists them in `reads`. Self-contained: the parser declares and
+asks; nothing here builds the parser."""
 
 from __future__ import annotations
 
@@ -21,17 +22,27 @@ _UNSET = object()
 
 @dataclass(frozen=True)
 class ByAlgorithm:
-    """Read under the algorithms `test` accepts; `says` names them as a group ("with a policy ratio")."""
+    """Read under the algorithms `test` accepts, and those whose declaration lists the flag in `reads`; `says` names
+    them as a group ("with a policy ratio"). An algorithm's own flag (`owned`) is read too by one that `reads` "*",
+    unless it is `exclusive` (the owner's `exclusive_flags`)."""
 
     test: Callable[[Algorithm], bool]
     says: str = ""
+    owned: bool = False
+    exclusive: bool = False
 
-    def refusal(self, flag: str, algorithm: Algorithm, args: argparse.Namespace) -> str | None:
+    def reads(self, algorithm: Algorithm, dest: str) -> bool:
         if self.test(algorithm):
+            return True
+        every = self.owned and EVERY_ALGORITHM_FLAG in algorithm.reads
+        return not self.exclusive and (dest in algorithm.reads or every)
+
+    def refusal(self, action: argparse.Action, algorithm: Algorithm, args: argparse.Namespace) -> str | None:
+        if self.reads(algorithm, action.dest):
             return None
-        readers = ", ".join(a.name for a in ALGORITHMS.values() if self.test(a)) or "none registered"
+        readers = ", ".join(a.name for a in ALGORITHMS.values() if self.reads(a, action.dest)) or "none registered"
         who = f"the algorithms {self.says} ({readers})" if self.says else f"--loss-type {readers}"
-        return f"{flag} is read only by {who}; --loss-type {algorithm.name} ignores it: drop it"
+        return f"{flag_of(action)} is read only by {who}; --loss-type {algorithm.name} ignores it: drop it"
 
 
 @dataclass(frozen=True)
@@ -41,9 +52,10 @@ class ByFlag:
     dest: str
     says: str = ""  # the condition in words when it is not "--<dest> given" (e.g. "--max-restarts N above 0")
 
-    def refusal(self, flag: str, algorithm: Algorithm, args: argparse.Namespace) -> str | None:
+    def refusal(self, action: argparse.Action, algorithm: Algorithm, args: argparse.Namespace) -> str | None:
         if getattr(args, self.dest, None):
             return None
+        flag = flag_of(action)
         needed = self.says or "--" + self.dest.replace("_", "-")
         return f"{flag} is read only with {needed}, which this run does not set: add it or drop {flag}"
 
@@ -54,7 +66,8 @@ class ByReward:
 
     names: tuple[str, ...]
 
-    def refusal(self, flag: str, algorithm: Algorithm, args: argparse.Namespace) -> str | None:
+    def refusal(self, action: argparse.Action, algorithm: Algorithm, args: argparse.Namespace) -> str | None:
+        flag = flag_of(action)
         try:
             rewards = [name for name, _ in reward_spec_from_args(args)]
         except ValueError:
@@ -71,6 +84,7 @@ class ByReward:
 Readers = ByAlgorithm | ByFlag | ByReward
 WITH_POLICY_RATIO = ByAlgorithm(lambda a: a.log_prob_ratio, "with a policy ratio")
 WITH_FIRST_WINDOW_GUARD = ByAlgorithm(lambda a: a.first_window_metrics is not None, "with the first-window guard")
+WITH_SDE_SAMPLES = ByAlgorithm(lambda a: a.samples_sde, "that sample SDE trajectories")
 
 
 def read_by(action: argparse.Action, readers: Readers) -> argparse.Action:
@@ -96,18 +110,13 @@ def readers_of(action: argparse.Action) -> Readers | None:
     return getattr(action, READERS, None)
 
 
-def reads_flag(algorithm: Algorithm, owner: Algorithm, dest: str) -> bool:
-    """Whether `algorithm` reads `dest`, a flag of algorithm `owner` (its `exclusive_flags`: no other does)."""
-    if algorithm.name == owner.name:
-        return True
-    return dest not in owner.exclusive_flags and (dest in algorithm.reads or EVERY_ALGORITHM_FLAG in algorithm.reads)
-
-
 def mark_owned(actions: Iterable[argparse.Action], owner: Algorithm) -> None:
-    """An algorithm's own flags: read by it and the algorithms that list them in `reads` (unless declared)."""
+    """An algorithm's own flags: read by it, and by the algorithms that list them in `reads` unless they are its
+    `exclusive_flags` (a flag with its own declaration keeps it)."""
     for action in actions:
         if readers_of(action) is None:
-            read_by(action, ByAlgorithm(lambda a, dest=action.dest: reads_flag(a, owner, dest)))
+            exclusive = action.dest in owner.exclusive_flags
+            read_by(action, ByAlgorithm(lambda a, name=owner.name: a.name == name, owned=True, exclusive=exclusive))
 
 
 def given_dests(
@@ -134,7 +143,7 @@ def unread_flags(parser: argparse.ArgumentParser, given: set[str], args: argpars
     for action in parser._actions:
         readers = readers_of(action)
         if action.dest in given and readers is not None and action.option_strings:
-            problem = readers.refusal(flag_of(action), algorithm, args)
+            problem = readers.refusal(action, algorithm, args)
             if problem is not None and problem not in problems:
                 problems.append(problem)
     return problems

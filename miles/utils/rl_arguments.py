@@ -7,7 +7,7 @@ import argparse
 
 from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
 from miles.utils.config_file import flag
-from miles.utils.flag_readers import ByFlag, ByReward, ReadBy
+from miles.utils.flag_readers import WITH_SDE_SAMPLES, ByFlag, ByReward, ReadBy
 from miles.utils.hook_paths import add_rollout_step_arguments, rollout_step_rules
 from miles.utils.reward_spec import remote_rules, reward_spec_from_args
 
@@ -36,25 +36,26 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         help="Generate rollout k+1 while rollout k trains, with the weights before update k: staleness at most one "
         f"update, recorded as rollout/staleness. {async_rollout_loss_types()} (docs/user-guide/performance.md).",
     )
-    group.add_argument(
+    sde = ReadBy(group, WITH_SDE_SAMPLES)
+    sde.add_argument(
         "--diffusion-sde-type",
         choices=("sde", "cps", "dance", "ode"),
         default="sde",
         help="Step kernel (dance: DanceGRPO's, Flow-GRPO's mean with a constant std_t = the noise level).",
     )
-    group.add_argument("--diffusion-noise-level", type=float, default=0.7, help="SDE noise level a.")
+    sde.add_argument("--diffusion-noise-level", type=float, default=0.7, help="SDE noise level a.")
     group.add_argument(
         "--diffusion-shared-initial-noise",
         action="store_true",
         help="A prompt's samples start from one latent; they differ by their SDE noise only (policy_loss).",
     )
-    group.add_argument(
+    sde.add_argument(
         "--diffusion-num-sde-steps",
         type=int,
         default=DEFAULT_NUM_SDE_STEPS,
         help="Trained steps: one contiguous window of K (0: all but the last); ignored with a strategy path.",
     )
-    group.add_argument(
+    sde.add_argument(
         "--diffusion-sde-window-range", default=None, help="a,b: the window starts in [a, b-K] (default 0,N-1)."
     )
     group.add_argument(

@@ -1,5 +1,5 @@
-"""Every algorithm runs on its defaults alone (`--loss-type X`, the shipped model and prompts): parse, every rule
-and the computed defaults pass, and what the algorithm chose is said in words; where nothing can be chosen for the
+"""Every algorithm runs on its defaults alone (`--loss-type X`, the shipped model and prompts): parse, every rule,
+the computed defaults and the start-up checks pass, and what the algorithm chose is said in words; where nothing can be chosen for the
 user (custom_loss's hooks) one line names what to add."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from miles.algorithms import ALGORITHMS, BUILTIN_ALGORITHMS
+from miles.startup import startup_checks
 from miles.utils.arguments import parse_args
 from tests.fast.utils.test_arguments import parse_error
 
@@ -20,8 +21,10 @@ NEEDS_THE_USER = {"custom_loss"}  # its hooks are the user's code: no default ca
 
 @pytest.mark.parametrize("loss", [a.name for a in BUILTIN_ALGORITHMS if a.name not in NEEDS_THE_USER])
 def test_every_built_in_loss_type_runs_on_its_defaults(loss):
+    """Parse, rules, computed defaults, then every start-up check (the family, the hooks, the prompt files)."""
     args = parse_args(["--loss-type", loss])
     assert args.loss_type == loss and args.hf_checkpoint == "builtin:tiny-shapes"
+    startup_checks(args)
 
 
 @pytest.fixture

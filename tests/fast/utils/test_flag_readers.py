@@ -44,6 +44,10 @@ def test_the_walk_lists_every_flag_that_declares_its_readers():
         "--wandb-run-name",
         "--restart-timeout",
         "--dynamic-sampling-max-rounds",
+        "--diffusion-sde-type",
+        "--diffusion-noise-level",
+        "--diffusion-num-sde-steps",
+        "--diffusion-sde-window-range",
         *(f"--vlm-judge-{k}" for k in ("prompt-file", "max-score", "unparsable", "default-score", "frames")),
         "--vlm-judge-max-tokens",
     }
@@ -108,6 +112,13 @@ def test_a_config_key_counts_as_set_even_at_its_default_value(tmp_path, capsys):
     err = parse_error(BASE + ["--config", str(config)], capsys)
     assert "--lora-rank is read only with --use-lora" in err
     assert parse_args(BASE + ["--config", str(config), "--use-lora"]).lora_rank == 8
+
+
+def test_the_sde_flags_are_read_where_rollouts_sample_sde_steps(capsys):
+    err = parse_error(BASE + ["--loss-type", "nft", "--diffusion-sde-type", "cps"], capsys)
+    assert "--diffusion-sde-type is read only by the algorithms that sample SDE trajectories (" in err
+    assert "awm" in err and "policy_loss" in err and "--loss-type nft ignores it" in err
+    assert parse_args(BASE + ["--loss-type", "awm", "--awm-sampler", "sde", "--diffusion-sde-type", "cps"])
 
 
 def test_an_algorithm_reads_the_flags_its_declaration_lists():
