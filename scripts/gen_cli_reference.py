@@ -60,7 +60,8 @@ RULES = """## Rules checked before start-up
   policy_loss ignores it: drop it`. `--allow-rollout-mismatch` is read by the algorithms with the first-window guard,
   `--diffusion-recompute-old-log-prob` by those with a log-prob ratio (not `sft_loss`, `nft`, `dmd2`, `dpo`),
   `--diffusion-sde-type`, `--diffusion-noise-level`, `--diffusion-num-sde-steps` and `--diffusion-sde-window-range`
-  by those that sample SDE trajectories (and `awm`, whose `--awm-sampler sde` uses them);
+  by those that sample SDE trajectories (and `awm`, whose `--awm-sampler sde` uses them), `--ref-mode` by those
+  with a KL term (`policy_loss`, `grpo_guard`, `flow_dppo`, `nft`, `awm`, `custom_loss`: their `reads`);
   `--lora-*` only with `--use-lora`, `--ema-decay` / `--ema-warmup` / `--ema-update-interval` only with
   `--use-ema`, `--wandb-*` only with `--use-wandb`, `--restart-timeout` only with `--max-restarts` above 0,
   `--dynamic-sampling-max-rounds` only with `--dynamic-sampling-filter-path`, `--vlm-judge-*` only with the

@@ -105,8 +105,11 @@ ALGORITHM = Algorithm(
     log_prob_ratio=True,
     first_window_metrics=FirstWindowMetrics(ratio="train/awm_ratio_mean", log_prob_abs_diff=None),
     samples_sde=False,
-    # --awm-sampler sde samples with the SDE kernel on the steps the step strategy picks
-    reads=("diffusion_sde_type", "diffusion_noise_level", "diffusion_num_sde_steps", "diffusion_sde_window_range"),
+    # and --awm-sampler sde samples with the SDE kernel on the steps the step strategy picks
+    reads=(
+        "ref_mode",  # --awm-kl-beta's reference
+        *("diffusion_sde_type", "diffusion_noise_level", "diffusion_num_sde_steps", "diffusion_sde_window_range"),
+    ),
     guidance_scale=1.0,  # the authors' SD3.5-M recipe samples and trains CFG-free
     globalize_reward_std=True,  # the authors' advantage: per-prompt mean, batch std
     shapes_eval_interval=20,

@@ -38,6 +38,6 @@ ALGORITHM = Algorithm(
     accepts_train_only=True,
     add_arguments=add_arguments,
     exclusive_flags=HOOK_FLAGS,  # under another loss type the loss hub picks the hooks: these would be ignored
-    reads=("*",),  # the user's hooks may read any algorithm's flags
+    reads=("*", "ref_mode"),  # the user's hooks may read any algorithm's flags, and the reference
     validate=validate,
 )

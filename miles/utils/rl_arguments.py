@@ -7,7 +7,7 @@ import argparse
 
 from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
 from miles.utils.config_file import flag
-from miles.utils.flag_readers import WITH_SDE_SAMPLES, ByFlag, ByReward, ReadBy
+from miles.utils.flag_readers import WITH_SDE_SAMPLES, ByAlgorithm, ByFlag, ByReward, ReadBy
 from miles.utils.hook_paths import add_rollout_step_arguments, rollout_step_rules
 from miles.utils.reward_spec import remote_rules, reward_spec_from_args
 
@@ -220,7 +220,10 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_reference_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("KL reference (read by every algorithm with a KL term)")
-    group.add_argument("--ref-mode", choices=("none", "lora_base", "ema"), default="none", help="The KL reference.")
+    with_kl = ByAlgorithm(lambda a: False, "with a KL term")  # they list it in their declaration's `reads`
+    ReadBy(group, with_kl).add_argument(
+        "--ref-mode", choices=("none", "lora_base", "ema"), default="none", help="The KL reference."
+    )
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:

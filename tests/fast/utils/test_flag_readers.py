@@ -48,6 +48,7 @@ def test_the_walk_lists_every_flag_that_declares_its_readers():
         "--diffusion-noise-level",
         "--diffusion-num-sde-steps",
         "--diffusion-sde-window-range",
+        "--ref-mode",
         *(f"--vlm-judge-{k}" for k in ("prompt-file", "max-score", "unparsable", "default-score", "frames")),
         "--vlm-judge-max-tokens",
     }
