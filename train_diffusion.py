@@ -243,6 +243,8 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
     started = time.perf_counter() if started is None else started
     args = parse_args(argv)
     setup_logging(args)
+    for note in args.default_notes:  # the defaults chosen for what the command line left out
+        logger.info("%s", note)
     if args.plan:  # no training, no Ray: the run simulated on fake tensors (miles/plan/)
         from miles.plan.command import plan_command  # local: the trainer's imports, only a plan needs them here
 

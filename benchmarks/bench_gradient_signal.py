@@ -175,20 +175,17 @@ def rollout(engine: DiffusionEngine, args: argparse.Namespace, loss: str, repeat
 
 def train_context(engine: DiffusionEngine, args: argparse.Namespace, loss: str, repeat: int) -> DiffusionLossContext:
     """What the trainer's hooks see for this loss, with the benchmark's settings as trainer flags."""
+    own = {  # each loss's own flags: a flag the run would not read is refused
+        "nft": ["--diffusion-nft-guidance-scale", str(args.guidance_scale), "--diffusion-nft-beta", str(args.nft_beta)],
+        "policy_loss": ["--diffusion-sde-type", args.sde_type, "--diffusion-noise-level", str(args.noise_level)],
+    }[loss]
     train_args = parse_train_args(
         [
             "--loss-type",
             loss,
             "--diffusion-guidance-scale",
             str(args.guidance_scale),
-            "--diffusion-nft-guidance-scale",
-            str(args.guidance_scale),
-            "--diffusion-sde-type",
-            args.sde_type,
-            "--diffusion-noise-level",
-            str(args.noise_level),
-            "--diffusion-nft-beta",
-            str(args.nft_beta),
+            *own,
             "--diffusion-adv-clip-max",
             str(args.adv_clip_max),
             "--seed",

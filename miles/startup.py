@@ -14,7 +14,7 @@ from typing import Any
 from miles.algorithms import algorithm_of
 from miles.backends.fsdp_utils.checkpoint import read_extra
 from miles.backends.fsdp_utils.loss_hub import get_loss_hooks
-from miles.ray.checkpoint_folders import check_roles_agree, lock_save_folders
+from miles.ray.checkpoint_folders import check_resume_settings, check_roles_agree, lock_save_folders
 from miles.ray.cluster import ray_init_settings, start_ray, stop_ray
 from miles.rollout.input_files import check_input_files
 from miles.utils.eval_arguments import BUILTIN_MOVING_SHAPES, eval_enabled
@@ -83,6 +83,7 @@ def startup_checks(args: argparse.Namespace) -> float:
     check_startup(args)
     check_input_files(args)
     check_roles_agree(args, algorithm_of(args).role_names)
+    check_resume_settings(args, algorithm_of(args).role_names)  # LoRA or full weights, as the checkpoints were
     check_plan(args)  # on CUDA: the run simulated on fake tensors; refused when a GPU would run out of memory
     # what RunGroups.launch imports next (peft, the engine and trainer modules), imported here meanwhile
     import miles.ray.evaluator  # noqa: F401

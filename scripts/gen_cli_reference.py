@@ -51,9 +51,25 @@ RULES = """## Rules checked before start-up
   of the actor's flag.
 - An unknown `--loss-type` fails naming the registered ones; an `--algorithm-path` that fails to import fails naming
   the path.
-- `--diffusion-recompute-old-log-prob` is rejected under an algorithm without a log-prob ratio (`sft_loss`, `nft`,
-  `dmd2`).
-- `--loss-type dmd2` requires `--teacher-load`; `--teacher-load` is accepted under every loss type. Under `dmd2`,
+- A flag you set (on the command line or as a `--config` key, even at its default value) that the run would not
+  read is refused, naming the flag and what reads it (`miles/utils/flag_readers.py`; a flag's declaration says who
+  reads it, and an undeclared one is read by every run). An algorithm's own flags are read by it alone, and by an
+  algorithm whose declaration lists them in `reads` (`grpo_guard` and `flow_dppo` read `--diffusion-kl-beta`;
+  `custom_loss`'s hooks any but another algorithm's `exclusive_flags`): `--diffusion-nft-beta 2 --loss-type
+  policy_loss` fails with `--diffusion-nft-beta is read only by --loss-type nft, custom_loss; --loss-type
+  policy_loss ignores it: drop it`. `--allow-rollout-mismatch` is read by the algorithms with the first-window guard,
+  `--diffusion-recompute-old-log-prob` by those with a log-prob ratio (not `sft_loss`, `nft`, `dmd2`, `dpo`),
+  `--diffusion-sde-type`, `--diffusion-noise-level`, `--diffusion-num-sde-steps` and `--diffusion-sde-window-range`
+  by those that sample SDE trajectories (and `awm`, whose `--awm-sampler sde` uses them), `--ref-mode` by those
+  with a KL term (`policy_loss`, `grpo_guard`, `flow_dppo`, `nft`, `awm`, `custom_loss`: their `reads`);
+  `--lora-*` only with `--use-lora`, `--ema-decay` / `--ema-warmup` / `--ema-update-interval` only with
+  `--use-ema`, `--wandb-*` only with `--use-wandb`, `--restart-timeout` only with `--max-restarts` above 0,
+  `--dynamic-sampling-max-rounds` only with `--dynamic-sampling-filter-path`, `--vlm-judge-*` only with the
+  `vlm_judge` reward.
+- Every loss type runs on its defaults alone (`--loss-type X`, the shipped model and prompts); the defaults it
+  chose are logged at start. `sft_loss` (no engines) implies `--train-only`. `dmd2` without `--teacher-load`
+  distills the model itself (`--teacher-load` defaults to `--hf-checkpoint`, as in the authors' setup); the flag is
+  accepted under every loss type. `custom_loss` needs your two hooks and says so in one line. Under `dmd2`,
   `--diffusion-guidance-scale` above 1 is rejected (the generator is CFG-free; the teacher's CFG is
   `--dmd2-real-guidance-scale`).
 - `--custom-prepare-train-batch-path`, `--custom-loss-function-path`, `--custom-train-input-postprocess-path`,
@@ -72,8 +88,8 @@ RULES = """## Rules checked before start-up
   satisfies the invariant).
 - `--diffusion-shared-initial-noise` is rejected under an algorithm that samples no SDE trajectories (`nft`: its ODE
   samples of a prompt would all be one image; `dmd2`).
-- An algorithm without engines (`sft_loss`) needs `--train-only`; `--train-only` is rejected under one that needs
-  them (`policy_loss`, `nft`, `dmd2`). `sft_loss` trains each pair once: `--n-samples-per-prompt` is set to 1.
+- An algorithm without engines (`sft_loss`) runs `--train-only` (implied); `--train-only` is rejected under one
+  that needs them (`policy_loss`, `nft`, `dmd2`). `sft_loss` trains each pair once: `--n-samples-per-prompt` is set to 1.
 - `--diffusion-guidance-scale` unset takes the algorithm's default, and so does `--globalize-reward-std` (on under
   `awm`; `--no-globalize-reward-std` turns it off); `--eval-interval` unset takes the algorithm's on
   builtin:shapes prompts with an image family (off for video families: the shapes eval scores images).
@@ -84,9 +100,9 @@ RULES = """## Rules checked before start-up
   `--diffusion-step-strategy-path` one that samples SDE trajectories (`policy_loss`, `custom_loss`). Every path flag
   given is loaded and its signature checked before any actor starts (docs/user-guide/customization.md lists them).
 - Each algorithm's own rules (its `validate`) see the run's values with the computed defaults filled in: `dmd2`
-  requires `--teacher-load` and refuses `--diffusion-guidance-scale` above 1; `policy_loss` needs stochastic steps;
-  a KL weight above 0 needs a `--ref-mode` (`awm`'s `--awm-kl-beta` defaults to 1e-3: pass `--ref-mode lora_base`
-  with `--use-lora`, or `--awm-kl-beta 0`); `dpo` pairs `--train-only` with `--dpo-preference-data` (offline; each
+  refuses `--diffusion-guidance-scale` above 1; `policy_loss` needs stochastic steps;
+  a KL weight above 0 needs a `--ref-mode` (`awm`'s `--awm-kl-beta` unset is the authors' 1e-3 with a
+  reference, 0 without one: the KL to its EMA anchor stays); `dpo` pairs `--train-only` with `--dpo-preference-data` (offline; each
   record is one pair, `--n-samples-per-prompt` is set to 1, no eval), reads and checks that file line by line (keys,
   images that exist and open, `preferred` 0 or 1; errors name FILE:LINE), and online needs `--n-samples-per-prompt`
   ≥ 2 (`--dpo-keep-zero-spread` only online); `awm` needs its `--awm-train-timesteps` strata to fit in the grid

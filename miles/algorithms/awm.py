@@ -13,6 +13,7 @@ from miles.utils.ranges import AT_LEAST_0, AT_LEAST_1, POSITIVE, UNIT, UNIT_OPEN
 EMA_ANCHOR = FrozenNetwork("ema_anchor", "shadow")
 SAMPLERS = ("ode", "sde")
 WEIGHTINGS = ("ghuber", "l", "sigma", "sigma2")  # miles.diffusion.awm.AWM_WEIGHTINGS (no torch imported here)
+AUTHORS_KL_BETA = 1e-3  # their KL to the LoRA base (--use-lora --ref-mode lora_base)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--awm-ghuber-power", type=float, default=0.25, help="Power p of the ghuber weighting.")
     group.add_argument("--awm-clip-range", type=float, default=1.0, help="PPO clip c of the ratio.")
     group.add_argument(
-        "--awm-kl-beta", type=float, default=1e-3, help="β of mean((v − v_ref)²), v_ref the --ref-mode reference."
+        "--awm-kl-beta",
+        type=float,
+        default=None,
+        help=f"β of mean((v − v_ref)²), v_ref the --ref-mode reference (default: the authors' {AUTHORS_KL_BETA:g} "
+        "with a reference, 0 without one).",
     )
     group.add_argument(
         "--awm-ema-kl-beta", type=float, default=1.0, help="β_ema of mean((v − v_ema)²), v_ema the EMA anchor."
@@ -72,8 +77,26 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 def derive(args: argparse.Namespace) -> dict[str, Any]:
     """The old log-prob of windows 1.. is always the trainer's recompute pass (the rollout records none; window 0
-    takes its own detached value), as in the authors' on-policy loop."""
-    return {"diffusion_recompute_old_log_prob": True}
+    takes its own detached value), as in the authors' on-policy loop. --awm-kl-beta unset: the authors' β when the
+    run has a reference, else 0 (the KL to the EMA anchor still holds the policy near its recent past)."""
+    derived: dict[str, Any] = {"diffusion_recompute_old_log_prob": True}
+    if args.awm_kl_beta is None:
+        derived["awm_kl_beta"] = AUTHORS_KL_BETA if args.ref_mode != "none" else 0.0
+    return derived
+
+
+def default_notes(args: argparse.Namespace) -> list[str]:
+    if args.awm_kl_beta is not None:
+        return []
+    if args.ref_mode != "none":
+        return [
+            f"--loss-type awm: --awm-kl-beta {AUTHORS_KL_BETA:g} (the authors'), to the --ref-mode {args.ref_mode} reference"
+        ]
+    return [
+        "--loss-type awm: no --ref-mode reference, so --awm-kl-beta is 0 (no KL to v_ref; the KL to the EMA anchor, "
+        f"--awm-ema-kl-beta {args.awm_ema_kl_beta:g}, stays); the authors' is --awm-kl-beta {AUTHORS_KL_BETA:g} to "
+        "the LoRA base: --use-lora --ref-mode lora_base"
+    ]
 
 
 ALGORITHM = Algorithm(
@@ -82,6 +105,11 @@ ALGORITHM = Algorithm(
     log_prob_ratio=True,
     first_window_metrics=FirstWindowMetrics(ratio="train/awm_ratio_mean", log_prob_abs_diff=None),
     samples_sde=False,
+    # and --awm-sampler sde samples with the SDE kernel on the steps the step strategy picks
+    reads=(
+        "ref_mode",  # --awm-kl-beta's reference
+        *("diffusion_sde_type", "diffusion_noise_level", "diffusion_num_sde_steps", "diffusion_sde_window_range"),
+    ),
     guidance_scale=1.0,  # the authors' SD3.5-M recipe samples and trains CFG-free
     globalize_reward_std=True,  # the authors' advantage: per-prompt mean, batch std
     shapes_eval_interval=20,
@@ -98,6 +126,7 @@ ALGORITHM = Algorithm(
     },
     validate=validate,
     derive=derive,
+    default_notes=default_notes,
     progress_keys=(
         ("reward", "rollout/reward_mean", ".3f"),
         ("loss", "train/loss", ".4f"),

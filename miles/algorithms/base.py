@@ -123,6 +123,10 @@ def no_derivation(args: argparse.Namespace) -> dict[str, Any]:
     return {}
 
 
+def no_notes(args: argparse.Namespace) -> list[str]:
+    return []
+
+
 DEFAULT_PROGRESS_KEYS: tuple[ProgressKey, ...] = (
     ("reward", "rollout/reward_mean", ".3f"),
     ("loss", "train/loss", ".4f"),
@@ -188,10 +192,13 @@ class Algorithm:
     - `shapes_eval_interval`: the default --eval-interval on builtin:shapes prompts (None: no held-out eval).
     - `add_arguments(parser)`: its own flags (the parser adds every registered algorithm's); `flag_ranges`: their
       numeric ranges (dest -> Range); `exclusive_flags`: its dests refused under any other --loss-type (they would
-      be ignored there).
+      be ignored there). Its own flags are read by it alone (miles/utils/flag_readers.py refuses them, set, under
+      another --loss-type); `reads`: other algorithms' flags (dests) it reads too, "*" for all of them (custom_loss,
+      whose hooks may read any).
     - `validate(args) -> list[str]`: its rules, errors naming the flags, never mutating args; it sees the run's
       values with every computed default filled in. `derive(args) -> {dest: value}`: its computed defaults,
-      applied once after every rule passed.
+      applied once after every rule passed. `default_notes(args) -> list[str]`: the defaults it chose for this run
+      (from the flags as given: what derive fills, in words), logged by the driver at start.
     - `progress_keys` (the console bar), `plot_panels` (metrics.png), `identifying_metrics` (keys only its runs log:
       how `python -m miles.plot DIR` recognises a run of it).
     """
@@ -212,8 +219,10 @@ class Algorithm:
     add_arguments: Callable[[argparse.ArgumentParser], None] = no_arguments
     flag_ranges: Mapping[str, Range] = field(default_factory=dict)
     exclusive_flags: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
     validate: Callable[[argparse.Namespace], list[str]] = no_rules
     derive: Callable[[argparse.Namespace], dict[str, Any]] = no_derivation
+    default_notes: Callable[[argparse.Namespace], list[str]] = no_notes
     progress_keys: tuple[ProgressKey, ...] = DEFAULT_PROGRESS_KEYS
     plot_panels: tuple[PlotPanel, ...] = DEFAULT_PLOT_PANELS
     identifying_metrics: tuple[str, ...] = ()

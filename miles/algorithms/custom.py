@@ -23,8 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> list[str]:
+    missing = [f"--{dest.replace('_', '-')}" for dest in REQUIRED if not getattr(args, dest)]
+    if not missing:
+        return []
     return [
-        f"--loss-type custom_loss requires --{dest.replace('_', '-')}" for dest in REQUIRED if not getattr(args, dest)
+        f"--loss-type custom_loss runs your hooks: add {' and '.join(missing)} (pkg.mod.fn or file.py:fn; "
+        "docs/user-guide/customization.md)"
     ]
 
 
@@ -34,5 +38,6 @@ ALGORITHM = Algorithm(
     accepts_train_only=True,
     add_arguments=add_arguments,
     exclusive_flags=HOOK_FLAGS,  # under another loss type the loss hub picks the hooks: these would be ignored
+    reads=("*", "ref_mode"),  # the user's hooks may read any algorithm's flags, and the reference
     validate=validate,
 )

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, TEACHER, Algorithm, Computed, Role
 from miles.utils.ranges import AT_LEAST_1, POSITIVE, UNIT, Range
@@ -35,8 +36,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate(args: argparse.Namespace) -> list[str]:
     errors = []
-    if not args.teacher_load:
-        errors.append("--loss-type dmd2 requires --teacher-load (the frozen teacher the critic scores against)")
     if args.dmd2_t_min >= args.dmd2_t_max:  # each within [0, 1] is its range
         errors.append(
             f"--dmd2-t-min / --dmd2-t-max must satisfy 0 ≤ min < max ≤ 1, got {args.dmd2_t_min}, {args.dmd2_t_max}"
@@ -47,6 +46,21 @@ def validate(args: argparse.Namespace) -> list[str]:
             "generator samples CFG-free; the teacher's CFG is --dmd2-real-guidance-scale"
         )
     return errors
+
+
+def derive(args: argparse.Namespace) -> dict[str, Any]:
+    """--teacher-load unset: the model itself (--hf-checkpoint). DMD2 distills a many-step model into a few-step
+    generator that starts from it, the critic starting from it too: the authors' setup."""
+    return {} if args.teacher_load else {"teacher_load": args.hf_checkpoint}
+
+
+def default_notes(args: argparse.Namespace) -> list[str]:
+    if args.teacher_load:
+        return []
+    return [
+        f"--loss-type dmd2: --teacher-load is --hf-checkpoint {args.hf_checkpoint}: it distills the model into a "
+        f"{args.dmd2_generator_steps}-step generator of itself (pass --teacher-load DIR for another teacher)"
+    ]
 
 
 def critic_steps(args: argparse.Namespace) -> int:
@@ -81,6 +95,8 @@ ALGORITHM = Algorithm(
         "dmd2_timestep_shift": POSITIVE,
     },
     validate=validate,
+    derive=derive,
+    default_notes=default_notes,
     progress_keys=(
         ("dmd", "train/dmd_loss", ".4f"),
         ("critic", "train/critic_loss", ".4f"),

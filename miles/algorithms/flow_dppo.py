@@ -39,6 +39,7 @@ ALGORITHM = Algorithm(
     shapes_eval_interval=20,
     add_arguments=add_arguments,
     flag_ranges={"flow_dppo_kl_threshold": POSITIVE},
+    reads=("diffusion_kl_beta", "ref_mode"),  # policy_loss's KL weight and its reference (reference_rule)
     validate=validate,
     progress_keys=(
         ("reward", "rollout/reward_mean", ".3f"),

@@ -33,6 +33,7 @@ ALGORITHM = Algorithm(
     shapes_eval_interval=20,
     add_arguments=add_arguments,
     flag_ranges={"diffusion_clip_range": POSITIVE, "diffusion_kl_beta": AT_LEAST_0},
+    reads=("ref_mode",),  # its KL term's reference
     validate=validate,
     progress_keys=(
         ("reward", "rollout/reward_mean", ".3f"),

@@ -51,6 +51,7 @@ ALGORITHM = Algorithm(
     add_arguments=add_arguments,
     flag_ranges={"grpo_guard_clip_range": POSITIVE},
     exclusive_flags=("grpo_guard_no_step_reweight",),
+    reads=("diffusion_kl_beta", "ref_mode"),  # policy_loss's KL weight and its reference (reference_rule)
     validate=validate,
     progress_keys=(
         ("reward", "rollout/reward_mean", ".3f"),

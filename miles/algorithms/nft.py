@@ -57,6 +57,7 @@ ALGORITHM = Algorithm(
         "diffusion_nft_old_decay_max": UNIT,
         "diffusion_nft_old_decay_flat_steps": AT_LEAST_0,
     },
+    reads=("ref_mode",),  # --diffusion-nft-kl-beta's reference
     validate=validate,
     progress_keys=(
         ("reward", "rollout/reward_mean", ".3f"),

@@ -106,9 +106,9 @@ def build_tiny_folder(name: str) -> str:
     return target
 
 
-def makes_video(hf_checkpoint: str | None, model_family: str = "auto") -> bool:
-    """Whether a run's model makes video, answered without importing a family: by the built-in name, the
-    --model-family, or the folder's model_index.json pipeline class. False when unknown (a user's family, a folder
+def builtin_family_name(hf_checkpoint: str | None, model_family: str = "auto") -> str | None:
+    """The built-in family a run's model belongs to, answered without importing a family: by the built-in name, the
+    --model-family, or the folder's model_index.json pipeline class. None when unknown (a user's family, a folder
     that is not there yet: the start-up checks name those)."""
     family = model_family if model_family in BUILTIN_FAMILIES else None
     if family is None and hf_checkpoint in TINY_FOLDERS:
@@ -120,5 +120,11 @@ def makes_video(hf_checkpoint: str | None, model_family: str = "auto") -> bool:
             with open(os.path.join(hf_checkpoint, "model_index.json")) as f:
                 family = builtin_family_of_pipeline(json.load(f).get("_class_name"))
         except (OSError, ValueError, AttributeError):
-            return False
+            return None
+    return family
+
+
+def makes_video(hf_checkpoint: str | None, model_family: str = "auto") -> bool:
+    """Whether a run's model makes video (False when its family is unknown: `builtin_family_name`)."""
+    family = builtin_family_name(hf_checkpoint, model_family)
     return family is not None and BUILTIN_FAMILIES[family].video

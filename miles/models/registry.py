@@ -11,6 +11,7 @@ class BuiltinFamily(NamedTuple):
     pipeline_class_name: str  # the model_index.json "_class_name" it handles
     class_name: str  # its TrainPipelineConfig subclass in `module` (exported lazily by `miles.models`)
     video: bool = False  # its latents have frames: the image-only defaults (the shapes eval) are off for it
+    source_images: bool = False  # it conditions on source images (editing, image-to-video): prompt records name them
 
 
 # A module is imported when a run asks for its family, by name or through a folder's pipeline class, so a process
@@ -18,25 +19,37 @@ class BuiltinFamily(NamedTuple):
 # tests/fast/models/test_base.py checks this table against the classes.
 BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
     "flux": BuiltinFamily("miles.models.flux", "FluxPipeline", "FluxPipelineConfig"),
-    "flux2": BuiltinFamily("miles.models.flux2", "Flux2KleinPipeline", "Flux2KleinPipelineConfig"),
-    "flux2-dev": BuiltinFamily("miles.models.flux2", "Flux2Pipeline", "Flux2DevPipelineConfig"),
-    "flux-kontext": BuiltinFamily("miles.models.flux_kontext", "FluxKontextPipeline", "FluxKontextPipelineConfig"),
+    "flux2": BuiltinFamily("miles.models.flux2", "Flux2KleinPipeline", "Flux2KleinPipelineConfig", source_images=True),
+    "flux2-dev": BuiltinFamily("miles.models.flux2", "Flux2Pipeline", "Flux2DevPipelineConfig", source_images=True),
+    "flux-kontext": BuiltinFamily(
+        "miles.models.flux_kontext", "FluxKontextPipeline", "FluxKontextPipelineConfig", source_images=True
+    ),
     "hunyuan-video15": BuiltinFamily(
         "miles.models.hunyuan_video15", "HunyuanVideo15Pipeline", "HunyuanVideo15PipelineConfig", video=True
     ),
     "ltx2": BuiltinFamily("miles.models.ltx2", "LTX2Pipeline", "LTX2PipelineConfig", video=True),
     "qwen-image": BuiltinFamily("miles.models.qwen_image", "QwenImagePipeline", "QwenImagePipelineConfig"),
     "qwen-image-edit": BuiltinFamily(
-        "miles.models.qwen_image_edit", "QwenImageEditPipeline", "QwenImageEditPipelineConfig"
+        "miles.models.qwen_image_edit", "QwenImageEditPipeline", "QwenImageEditPipelineConfig", source_images=True
     ),
     "qwen-image-edit-plus": BuiltinFamily(
-        "miles.models.qwen_image_edit", "QwenImageEditPlusPipeline", "QwenImageEditPlusPipelineConfig"
+        "miles.models.qwen_image_edit",
+        "QwenImageEditPlusPipeline",
+        "QwenImageEditPlusPipelineConfig",
+        source_images=True,
     ),
     "sd3": BuiltinFamily("miles.models.sd3", "StableDiffusion3Pipeline", "SD3PipelineConfig"),
     "wan": BuiltinFamily("miles.models.wan", "WanPipeline", "WanPipelineConfig", video=True),
-    "wan-i2v": BuiltinFamily("miles.models.wan_i2v", "WanImageToVideoPipeline", "WanI2VPipelineConfig", video=True),
+    "wan-i2v": BuiltinFamily(
+        "miles.models.wan_i2v", "WanImageToVideoPipeline", "WanI2VPipelineConfig", video=True, source_images=True
+    ),
     "z-image": BuiltinFamily("miles.models.z_image", "ZImagePipeline", "ZImagePipelineConfig"),
 }
+
+
+def source_image_families() -> list[str]:
+    """The built-in families that condition on source images, by name."""
+    return [name for name, entry in BUILTIN_FAMILIES.items() if entry.source_images]
 
 
 def builtin_family_of_pipeline(class_name: str | None) -> str | None:

@@ -4,15 +4,32 @@ the rollout a run resumes at (a role other than the actor may use its own folder
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from miles.algorithms import role_dest, role_flag, training_order
-from miles.backends.fsdp_utils.checkpoint import read_latest, write_latest
+from miles.backends.fsdp_utils.checkpoint import (
+    DCP_DIR,
+    META_FILE,
+    CheckpointError,
+    checkpoint_dir,
+    read_dcp_metadata,
+    read_latest,
+    write_latest,
+)
 from miles.utils.locks import FolderLocks
 
 
 class ResumeMismatchError(RuntimeError):
     """The roles' load folders point at different rollouts; the message names roles, folders and rollouts."""
+
+
+UNKNOWN = "unknown"  # what a checkpoint was trained with, when it cannot be told
+
+
+class ResumeSettingsError(RuntimeError):
+    """A checkpoint trained otherwise than this run would (a LoRA adapter vs full weights, another adapter rank);
+    the message names the flag that differs and the folder."""
 
 
 def save_folders(args: argparse.Namespace, roles: list[str]) -> dict[str, str]:
@@ -65,3 +82,49 @@ def check_roles_agree(args: argparse.Namespace, roles: list[str], starts: dict[s
         f"the roles do not agree where to resume: {'; '.join(parts)}. Point {flags} at checkpoints of the same run "
         "(each save folder has its own latest_checkpointed_iteration.txt)"
     )
+
+
+def saved_lora_rank(role_dir: str) -> int | None | str:
+    """The adapter rank a role's checkpoint was trained with: None for full weights, UNKNOWN when it cannot be
+    told (an unfinished or damaged save: the load names it). meta.json records it (`lora_rank`); a checkpoint from
+    before that is told by its stored keys (an adapter's `lora_A` weights, rank their first dimension)."""
+    try:
+        with open(os.path.join(role_dir, META_FILE)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return UNKNOWN
+    if isinstance(meta, dict) and "lora_rank" in meta:
+        return meta["lora_rank"]
+    try:
+        stored = read_dcp_metadata(os.path.join(role_dir, DCP_DIR, ".metadata")).state_dict_metadata
+    except (OSError, CheckpointError):
+        return UNKNOWN
+    adapters = [entry for key, entry in stored.items() if ".lora_A." in key and key.endswith(".weight")]
+    return int(adapters[0].size[0]) if adapters else None
+
+
+def check_resume_settings(args: argparse.Namespace, roles: list[str]) -> None:
+    """Before any actor starts: each role resumes a checkpoint trained the way this run trains, LoRA adapter or
+    full weights (--use-lora) and the adapter's rank (--lora-rank); otherwise one line names the flag to change."""
+    for role, rollout_id in saved_rollouts(args, roles).items():
+        if rollout_id is None:
+            continue
+        flag, folder = role_flag(role, "load"), load_folders(args, roles)[role]
+        rank = saved_lora_rank(checkpoint_dir(folder, rollout_id, role))
+        where = f"{flag} {folder} (rollout {rollout_id}, {role})"
+        if rank == UNKNOWN or rank == (args.lora_rank if args.use_lora else None):
+            continue
+        if rank is None:
+            raise ResumeSettingsError(
+                f"{where} holds full weights, and --use-lora would train a LoRA adapter on them: resume it without "
+                "--use-lora"
+            )
+        if not args.use_lora:
+            raise ResumeSettingsError(
+                f"{where} holds a rank-{rank} LoRA adapter, not full weights: resume it with --use-lora --lora-rank "
+                f"{rank}"
+            )
+        raise ResumeSettingsError(
+            f"{where} holds a rank-{rank} LoRA adapter, and this run has --lora-rank {args.lora_rank}: resume it "
+            f"with --lora-rank {rank}"
+        )

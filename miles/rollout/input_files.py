@@ -5,21 +5,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 
 from miles.algorithms import algorithm_of
 from miles.data.moving_shapes import BUILTIN_MOVING_SHAPES
 from miles.data.ocr import BUILTIN_OCR, unquoted_prompts
 from miles.data.shapes_edit import BUILTIN_SHAPES_EDIT
+from miles.data.source_images import SOURCE_IMAGE_KEYS
+from miles.models.builtin import builtin_family_name
+from miles.models.registry import source_image_families
 from miles.rollout.data_source import (
     BUILTIN_SHAPES,
+    PromptDataError,
     check_source_image_counts,
     load_records,
     read_prompt_file,
+    sft_image_key,
     wants_source_images,
 )
 from miles.utils.eval_arguments import eval_enabled
+from miles.utils.jsonl import read_jsonl_objects
 from miles.utils.reward_spec import reward_spec_from_args, runs_rewards
+
+logger = logging.getLogger(__name__)
 
 
 class InputFileError(ValueError):
@@ -80,12 +89,15 @@ def check_input_files(args: argparse.Namespace) -> None:
         check_source_image_counts([], args, "--prompt-data", args.prompt_data)
     records = None  # a built-in world's, generated
     if args.prompt_data not in (BUILTIN_SHAPES, BUILTIN_SHAPES_EDIT, BUILTIN_MOVING_SHAPES):
+        image_key = sft_image_key(args, wants_source_images(args)) if with_images else None
+        check_record_fields(args, args.prompt_data, "--prompt-data", image_key)
         records = load_records(args, with_images=with_images, resolution=None)  # source images decoded: checked
     check_ocr_prompts(args, records)
     eval_data = getattr(args, "eval_prompt_data", BUILTIN_SHAPES)
     if eval_enabled(args) and not getattr(args, "eval_function_path", None):
         eval_records = []
         if not eval_data.startswith("builtin:"):
+            check_record_fields(args, eval_data, "--eval-prompt-data", None)
             sources = wants_source_images(args)
             eval_records = read_prompt_file(eval_data, args, flag="--eval-prompt-data", source_images=sources)
         check_source_image_counts(eval_records, args, "--eval-prompt-data", eval_data)
@@ -110,4 +122,36 @@ def check_ocr_prompts(args: argparse.Namespace, records: list[dict] | None) -> N
             f"--prompt-data {args.prompt_data} record {unquoted[0]} ({len(unquoted)} of {len(records)} unquoted): "
             f"{records[unquoted[0] - 1]['prompt']!r} has no target text in double quotes, which --rm-type ocr "
             'reads (e.g. a sign that says "OPEN")'
+        )
+
+
+def check_record_fields(args: argparse.Namespace, path: str, flag: str, image_key: str | None) -> None:
+    """A JSONL prompt file's fields that no part of the run reads: a source image for a family that generates from
+    text only is an error naming the field, the family and the families that take one; any other field a warning
+    naming it (a misspelt --input-key, a field the records never carry). .txt files and folders have no fields."""
+    if os.path.isdir(path) or path.endswith(".txt") or not os.path.isfile(path):
+        return  # a missing file is named by the reader
+    read = {args.input_key, args.metadata_key, image_key} | (
+        set(SOURCE_IMAGE_KEYS) if wants_source_images(args) else set()
+    )
+    unread: dict[str, int] = {}
+    for line, row in read_jsonl_objects(path, PromptDataError, where=f"{flag} {path}"):
+        for key in row.keys() - read:
+            if key in SOURCE_IMAGE_KEYS:
+                family = builtin_family_name(args.hf_checkpoint, args.model_family) or args.model_family
+                raise InputFileError(
+                    f"{path}:{line}: field {key!r} names a source image, and the {family} family generates from text "
+                    f"only ({flag}): use a family that takes source images ({', '.join(source_image_families())}) or "
+                    "drop the field"
+                )
+            unread.setdefault(key, line)
+    if unread:
+        fields = ", ".join(f"{key!r} (line {line})" for key, line in sorted(unread.items(), key=lambda kv: kv[1]))
+        logger.warning(
+            "%s %s: no part of this run reads the field(s) %s; it reads %s (--input-key, --metadata-key%s)",
+            flag,
+            path,
+            fields,
+            ", ".join(repr(k) for k in sorted(k for k in read if k)),
+            ", --image-key" if image_key else "",
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import copy
 from collections.abc import Iterable
+from typing import Any
 
 from miles.algorithms import ALGORITHMS, ROLE_OVERRIDES, Algorithm, algorithm_of, get_algorithm, role_dest, role_flag
 from miles.algorithms.roles import extra_roles, folder_rules, override_rules, role_defaults
@@ -43,6 +44,7 @@ def validate_args(args: argparse.Namespace) -> None:
         algorithm = get_algorithm(args.loss_type)
     except ValueError as exc:
         raise ArgumentError(str(exc)) from None
+    args = argparse.Namespace(**{**vars(args), **implied_flags(args, algorithm)})  # a view: args stays as given
     for stage in (range_rules, given_rules, derived_rules):
         errors = stage(args, algorithm)
         if errors:
@@ -67,8 +69,6 @@ def given_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
     errors += exclusive_rules(args, algorithm) + override_rules(args, ALGORITHMS.values())
     if not args.hf_checkpoint:
         errors.append("--hf-checkpoint DIR is required (a local diffusers pipeline folder)")
-    if not algorithm.uses_engines and not args.train_only:
-        errors.append(f"--loss-type {algorithm.name} trains on dataset pairs: pass --train-only")
     if args.train_only and not algorithm.accepts_train_only:
         errors.append(f"--train-only skips the rollout engine, which --loss-type {algorithm.name} needs")
     if not args.prompt_data:
@@ -142,12 +142,30 @@ def batch_rules(args: argparse.Namespace, view: argparse.Namespace) -> list[str]
     return errors
 
 
+def implied_flags(args: argparse.Namespace, algorithm: Algorithm) -> dict[str, Any]:
+    """What the algorithm implies of the shared flags: one that trains on dataset pairs only runs --train-only."""
+    return {} if algorithm.uses_engines or args.train_only else {"train_only": True}
+
+
+def default_notes(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
+    """The defaults chosen for this run from the flags as given, in words (the driver logs them at start)."""
+    notes = (
+        [f"--loss-type {algorithm.name} trains on dataset pairs: --train-only"]
+        if implied_flags(args, algorithm)
+        else []
+    )
+    return notes + algorithm.default_notes(args)
+
+
 def derive_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill every computed default, in this order (each step reads the ones before): the family from
+    """Fill every computed default, in this order (each step reads the ones before): the notes that say them
+    (`args.default_notes`), the flags the algorithm implies (`implied_flags`), the family from
     --train-pipeline-config-path, the algorithm's own (`derive`), the sampling guidance and the advantage's reward
     std (the algorithm's), the global batch size (from the batch invariant), the eval interval, the roles'
     overrides, and the `auto` device and dtype of a cluster this run starts. Returns `args`, updated."""
     algorithm = algorithm_of(args)
+    args.default_notes = tuple(default_notes(args, algorithm))
+    vars(args).update(implied_flags(args, algorithm))
     if args.train_pipeline_config_path:
         args.model_family = args.train_pipeline_config_path  # every process resolves the family from it
     vars(args).update(algorithm.derive(args))

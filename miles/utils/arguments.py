@@ -15,6 +15,15 @@ from miles.models.registry import BUILTIN_FAMILIES
 from miles.utils.arg_rules import ArgumentError, derive_args, flag_ranges, validate_args
 from miles.utils.config_file import config_defaults, dest_of, read_config
 from miles.utils.eval_arguments import add_eval_arguments
+from miles.utils.flag_readers import (
+    WITH_FIRST_WINDOW_GUARD,
+    WITH_POLICY_RATIO,
+    ByFlag,
+    ReadBy,
+    given_dests,
+    mark_owned,
+    unread_flags,
+)
 from miles.utils.fsdp_arguments import add_fsdp_arguments
 from miles.utils.misc import HookLoadError, load_module
 from miles.utils.plan_arguments import add_plan_arguments
@@ -145,7 +154,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="Stop after this many consecutive optimizer steps skipped for a non-finite loss or gradient norm.",
     )
-    group.add_argument(
+    ReadBy(group, WITH_FIRST_WINDOW_GUARD).add_argument(
         "--allow-rollout-mismatch",
         action="store_true",
         help="Only warn when, before the first update, the policy ratio is not 1 or train/log_prob_abs_diff is over "
@@ -158,7 +167,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-steps-per-rollout", type=int, default=1, help="Optimizer steps per rollout.")
     group.add_argument("--num-rollout", type=int, default=40, help="Rollouts (outer iterations) to run.")
     group.add_argument("--train-only", action="store_true", help="No rollout engine: train on dataset pairs (SFT).")
-    group.add_argument(
+    ReadBy(group, WITH_POLICY_RATIO).add_argument(
         "--diffusion-recompute-old-log-prob",
         action="store_true",
         help="Recompute windows 1.. old log-probs with the trainer's forward before any update (algorithms with a "
@@ -239,7 +248,7 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         "wait for the resources, start them again and resume from the latest checkpoint in --save, at most N times "
         "(docs/user-guide/failures.md). Needs --save; pair it with --save-interval.",
     )
-    group.add_argument(
+    ReadBy(group, ByFlag("max_restarts", "--max-restarts N above 0")).add_argument(
         "--restart-timeout",
         type=float,
         default=600.0,
@@ -267,9 +276,10 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
         help="Also log to OUTPUT_DIR/tensorboard (pip install 'miles[tensorboard]').",
     )
     group.add_argument("--use-wandb", action="store_true", help="Also log to wandb (pip install 'miles[wandb]').")
-    group.add_argument("--wandb-project", default="miles", help="wandb project.")
-    group.add_argument("--wandb-group", default=None, help="wandb group (e.g. one per sweep).")
-    group.add_argument("--wandb-run-name", default=None, help="wandb run name (default: wandb's).")
+    wandb = ReadBy(group, ByFlag("use_wandb"))
+    wandb.add_argument("--wandb-project", default="miles", help="wandb project.")
+    wandb.add_argument("--wandb-group", default=None, help="wandb group (e.g. one per sweep).")
+    wandb.add_argument("--wandb-run-name", default=None, help="wandb run name (default: wandb's).")
 
 
 SHARED_GROUPS = (
@@ -290,10 +300,12 @@ def add_algorithm_arguments(parser: argparse.ArgumentParser, algorithms: Iterabl
     """Each algorithm's own flags, then the `--<role>-*` overrides of their roles other than the actor."""
     algorithms = list(algorithms)
     for algorithm in algorithms:
+        known = len(parser._actions)
         try:
             algorithm.add_arguments(parser)
         except argparse.ArgumentError as exc:
             raise ValueError(f"the flags of algorithm {algorithm.name!r}: {exc}") from exc
+        mark_owned(parser._actions[known:], algorithm)  # read by it, and by the algorithms that say they read them
     add_role_arguments(parser, algorithms)
 
 
@@ -303,6 +315,7 @@ def build_parser(algorithms: Iterable[Algorithm] | None = None) -> argparse.Argu
         prog=PROG, description="miles: post-train diffusion / flow-matching models (SFT, Flow-GRPO, NFT, DMD2, custom)."
     )
     parser.add_argument("--config", default=None, help="YAML of flag defaults (command line wins).")
+    parser.set_defaults(default_notes=())  # not a flag: the defaults derive_args chose, in words (logged at start)
     for add_group in SHARED_GROUPS:
         add_group(parser)
     add_algorithm_arguments(parser, ALGORITHMS.values() if algorithms is None else algorithms)
@@ -331,7 +344,8 @@ def read_first_pass(argv: Sequence[str] | None) -> tuple[str | None, dict[str, A
 
 def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True) -> argparse.Namespace:
     """The run's flags: the first pass, the parser with every registered algorithm, the config as defaults, then
-    (with `validate`) every rule and the computed defaults."""
+    (with `validate`) every rule, the flags the user set that the run would not read (flag_readers.py), and the
+    computed defaults."""
     config_path, config = read_first_pass(argv)
     try:
         parser = build_parser()
@@ -348,5 +362,8 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True) -> a
             validate_args(args)
         except ArgumentError as exc:
             parser.error(str(exc))
+        unread = unread_flags(parser, given_dests(parser, argv, config), args)  # set by the user, read by nothing
+        if unread:
+            parser.error("; ".join(unread))
         derive_args(args)
     return args

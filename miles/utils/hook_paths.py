@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.algorithms import Algorithm
+from miles.utils.flag_readers import ByFlag, ReadBy
 from miles.utils.misc import HookLoadError, load_function
 
 # what a path flag needs of the run's algorithm (an `Algorithm` capability) besides a generating rollout (every one
@@ -78,7 +79,7 @@ def add_rollout_step_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Keep a prompt group? fn(args, group) -> bool; dropped groups are refilled with new prompts.",
     )
-    group.add_argument(
+    ReadBy(group, ByFlag("dynamic_sampling_filter_path")).add_argument(
         "--dynamic-sampling-max-rounds",
         type=int,
         default=4,

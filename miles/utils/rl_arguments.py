@@ -7,6 +7,7 @@ import argparse
 
 from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
 from miles.utils.config_file import flag
+from miles.utils.flag_readers import WITH_SDE_SAMPLES, ByAlgorithm, ByFlag, ByReward, ReadBy
 from miles.utils.hook_paths import add_rollout_step_arguments, rollout_step_rules
 from miles.utils.reward_spec import remote_rules, reward_model_problems, reward_spec_from_args, runs_rewards
 
@@ -45,25 +46,26 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         help="Generate rollout k+1 while rollout k trains, with the weights before update k: staleness at most one "
         f"update, recorded as rollout/staleness. {async_rollout_loss_types()} (docs/user-guide/performance.md).",
     )
-    group.add_argument(
+    sde = ReadBy(group, WITH_SDE_SAMPLES)
+    sde.add_argument(
         "--diffusion-sde-type",
         choices=("sde", "cps", "dance", "ode"),
         default="sde",
         help="Step kernel (dance: DanceGRPO's, Flow-GRPO's mean with a constant std_t = the noise level).",
     )
-    group.add_argument("--diffusion-noise-level", type=float, default=0.7, help="SDE noise level a.")
+    sde.add_argument("--diffusion-noise-level", type=float, default=0.7, help="SDE noise level a.")
     group.add_argument(
         "--diffusion-shared-initial-noise",
         action="store_true",
         help="A prompt's samples start from one latent; they differ by their SDE noise only (policy_loss).",
     )
-    group.add_argument(
+    sde.add_argument(
         "--diffusion-num-sde-steps",
         type=int,
         default=DEFAULT_NUM_SDE_STEPS,
         help="Trained steps: one contiguous window of K (0: all but the last); ignored with a strategy path.",
     )
-    group.add_argument(
+    sde.add_argument(
         "--diffusion-sde-window-range", default=None, help="a,b: the window starts in [a, b-K] (default 0,N-1)."
     )
     group.add_argument(
@@ -228,16 +230,20 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_reference_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("KL reference (read by every algorithm with a KL term)")
-    group.add_argument("--ref-mode", choices=("none", "lora_base", "ema"), default="none", help="The KL reference.")
+    with_kl = ByAlgorithm(lambda a: False, "with a KL term")  # they list it in their declaration's `reads`
+    ReadBy(group, with_kl).add_argument(
+        "--ref-mode", choices=("none", "lora_base", "ema"), default="none", help="The KL reference."
+    )
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("LoRA")
     group.add_argument("--use-lora", action="store_true", help="Train LoRA adapters instead of full weights.")
-    group.add_argument("--lora-rank", type=int, default=8)
-    group.add_argument("--lora-alpha", type=float, default=None, help="Default: the rank.")
-    group.add_argument("--lora-target-modules", default=None, help="Comma list; default per model family.")
-    group.add_argument(
+    lora = ReadBy(group, ByFlag("use_lora"))
+    lora.add_argument("--lora-rank", type=int, default=8)
+    lora.add_argument("--lora-alpha", type=float, default=None, help="Default: the rank.")
+    lora.add_argument("--lora-target-modules", default=None, help="Comma list; default per model family.")
+    lora.add_argument(
         "--lora-init-weights",
         choices=("true", "false", "gaussian"),
         default="true",
@@ -248,11 +254,12 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
 def add_ema_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("EMA")
     group.add_argument("--use-ema", action="store_true", help="Keep an EMA of the trained weights.")
-    group.add_argument("--ema-decay", type=float, default=0.995)
-    group.add_argument(
+    ema = ReadBy(group, ByFlag("use_ema"))
+    ema.add_argument("--ema-decay", type=float, default=0.995)
+    ema.add_argument(
         "--ema-warmup", choices=("none", "power"), default="power", help="power: decay min(d, (1+s)/(10+s))."
     )
-    group.add_argument("--ema-update-interval", type=int, default=1, help="Update every N optimizer steps.")
+    ema.add_argument("--ema-update-interval", type=int, default=1, help="Update every N optimizer steps.")
     group.add_argument(
         "--ema-rollout-policy", choices=("live", "ema"), default="live", help="Which weights the engines sample."
     )
@@ -343,19 +350,20 @@ def add_remote_reward_arguments(parser: argparse.ArgumentParser) -> None:
         "--rm-max-concurrency", type=int, default=8, help="Requests in flight per remote reward at a time."
     )
     group.add_argument("--rm-model", default=None, help="vlm_judge: the model name the judge's server serves.")
-    group.add_argument(
+    judge = ReadBy(group, ByReward(("vlm_judge",)))
+    judge.add_argument(
         "--vlm-judge-prompt-file",
         default=None,
         help="vlm_judge: prompt template, {prompt} replaced by the sample's prompt (default: "
         "miles/assets/vlm_judge_prompt.txt, asking for 'Score: N' out of 10).",
     )
-    group.add_argument(
+    judge.add_argument(
         "--vlm-judge-max-score",
         type=float,
         default=10.0,
         help="vlm_judge: the top of the judge's scale; reward = score / it.",
     )
-    group.add_argument(
+    judge.add_argument(
         "--vlm-judge-unparsable",
         choices=["error", "default"],
         default="error",
@@ -369,11 +377,11 @@ def add_remote_reward_arguments(parser: argparse.ArgumentParser) -> None:
         help="vlm_judge with --vlm-judge-unparsable default: the run fails when more than this fraction of a "
         "rollout's answers have no score (a judge that never scores would train on the default alone; 1: never).",
     )
-    group.add_argument(
+    judge.add_argument(
         "--vlm-judge-default-score", type=float, default=0.0, help="vlm_judge: the reward of an unparsable answer."
     )
-    group.add_argument("--vlm-judge-frames", type=int, default=4, help="vlm_judge: key frames sent per video sample.")
-    group.add_argument("--vlm-judge-max-tokens", type=int, default=64, help="vlm_judge: max_tokens of each answer.")
+    judge.add_argument("--vlm-judge-frames", type=int, default=4, help="vlm_judge: key frames sent per video sample.")
+    judge.add_argument("--vlm-judge-max-tokens", type=int, default=64, help="vlm_judge: max_tokens of each answer.")
 
 
 def rl_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:

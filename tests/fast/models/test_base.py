@@ -41,6 +41,7 @@ def test_the_built_in_table_matches_the_family_classes():
         cls = families[name]
         assert (cls.name, cls.pipeline_class_name, cls.__module__) == (name, entry.pipeline_class_name, entry.module)
         assert cls.__name__ == entry.class_name and issubclass(cls, DiffusersFamily)
+        assert entry.source_images == (cls.source_image_range[1] > 0), name  # what the data checks name
         assert getattr(import_module("miles.models"), cls.__name__) is cls  # the package's lazy export
 
 

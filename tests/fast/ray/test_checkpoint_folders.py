@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from miles.backends.fsdp_utils.checkpoint import LATEST_FILE, read_latest
 from miles.ray.checkpoint_folders import (
     ResumeMismatchError,
+    ResumeSettingsError,
+    check_resume_settings,
     check_roles_agree,
     lock_save_folders,
     save_folders,
     write_latest_pointers,
 )
+from miles.startup import startup_checks
 from miles.utils.arguments import parse_args
 from miles.utils.locks import FolderLockedError
 
@@ -79,3 +85,46 @@ def test_a_run_locks_both_save_folders(tmp_path):
     with pytest.raises(FolderLockedError, match=f"--critic-save {b} is in use by another run \\(pid {os.getpid()}"):
         lock_save_folders(dmd2("--save", str(tmp_path / "c"), "--critic-save", b))
     locks.release()
+
+
+def lora_checkpoint(folder, rank, *, in_meta=True):
+    """A complete actor checkpoint of rollout 2 trained with a rank-`rank` adapter (None: full weights), recorded in
+    meta.json or, as checkpoints before the record, only in the stored keys."""
+    role_dir = os.path.join(saved(folder, "actor", 2), "iter_0000002", "actor")
+    with open(os.path.join(role_dir, "meta.json"), "w") as f:
+        json.dump({"rollout_id": 2, "role": "actor", **({"lora_rank": rank} if in_meta else {})}, f)
+    if not in_meta:
+        key = "model.blocks.0.to_q." + ("lora_A.default.weight" if rank else "weight")
+        dcp.save({key: torch.zeros(rank or 8, 8)}, checkpoint_id=os.path.join(role_dir, "dcp"))
+    return str(folder)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, on purpose
+@pytest.mark.parametrize("in_meta", [True, False], ids=["meta.json", "stored keys"])
+def test_a_lora_checkpoint_resumed_without_use_lora_names_the_flag(tmp_path, in_meta):
+    folder = lora_checkpoint(tmp_path / "run", 4, in_meta=in_meta)
+    args = parse_args(["--load", folder])
+    with pytest.raises(ResumeSettingsError) as err:
+        check_resume_settings(args, ["actor"])
+    assert str(err.value) == (
+        f"--load {folder} (rollout 2, actor) holds a rank-4 LoRA adapter, not full weights: resume it with "
+        "--use-lora --lora-rank 4"
+    )
+    with pytest.raises(ResumeSettingsError, match=r"this run has --lora-rank 8: resume it with --lora-rank 4$"):
+        check_resume_settings(parse_args(["--load", folder, "--use-lora"]), ["actor"])
+    check_resume_settings(parse_args(["--load", folder, "--use-lora", "--lora-rank", "4"]), ["actor"])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process, on purpose
+@pytest.mark.parametrize("in_meta", [True, False], ids=["meta.json", "stored keys"])
+def test_a_full_checkpoint_resumed_with_use_lora_names_the_flag(tmp_path, in_meta):
+    folder = lora_checkpoint(tmp_path / "run", None, in_meta=in_meta)
+    with pytest.raises(ResumeSettingsError, match=r"holds full weights, .*: resume it without --use-lora$"):
+        check_resume_settings(parse_args(["--load", folder, "--use-lora"]), ["actor"])
+    check_resume_settings(parse_args(["--load", folder]), ["actor"])
+
+
+def test_the_start_up_checks_refuse_it_before_any_actor(tmp_path):
+    folder = lora_checkpoint(tmp_path / "run", 4)
+    with pytest.raises(ResumeSettingsError, match="--use-lora --lora-rank 4"):
+        startup_checks(parse_args(["--load", folder, "--save", folder]))

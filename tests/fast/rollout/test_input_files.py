@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
 import pytest
+from PIL import Image
 
 import train_diffusion
 from miles.rollout.data_source import PromptDataError
-from miles.rollout.input_files import InputFileError, check_model_index
+from miles.rollout.input_files import InputFileError, check_input_files, check_model_index
 from miles.utils.arguments import parse_args
 
 
@@ -82,3 +86,48 @@ def test_the_driver_checks_prompt_files_before_any_actor_starts(tmp_path, monkey
         train_diffusion.run(args)
     assert isinstance(failed.value.__context__, ConnectionError)  # Ray's error stays attached
     assert events == ["ray.init", "ray.shutdown"]  # nothing to shut down after a failed ray.init
+
+
+def prompt_file(tmp_path, *rows):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+SOURCE_FAMILIES = "flux2, flux2-dev, flux-kontext, qwen-image-edit, qwen-image-edit-plus, wan-i2v"
+
+
+def test_a_source_image_for_a_family_that_takes_none_is_refused_naming_field_and_families(tmp_path, tiny_pipeline_dir):
+    """The issue's case: editing records given to a text-to-image model were silently read as text prompts."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "cat.png")
+    data = prompt_file(tmp_path, {"prompt": "a"}, {"prompt": "make it red", "image": "cat.png"})
+    args = parse_args(["--hf-checkpoint", tiny_pipeline_dir, "--prompt-data", data, "--allow-repeated-prompts"])
+    with pytest.raises(InputFileError) as err:
+        check_input_files(args)
+    assert str(err.value) == (
+        f"{data}:2: field 'image' names a source image, and the sd3 family generates from text only (--prompt-data): "
+        f"use a family that takes source images ({SOURCE_FAMILIES}) or drop the field"
+    )
+    held_out = prompt_file(tmp_path, {"prompt": "a", "images": ["cat.png"]})
+    args = parse_args(["--hf-checkpoint", tiny_pipeline_dir, "--eval-prompt-data", held_out, "--eval-interval", "5"])
+    with pytest.raises(InputFileError, match=r"prompts\.jsonl:1: field 'images' names .*\(--eval-prompt-data\)"):
+        check_input_files(args)
+
+
+def test_sft_reads_image_as_its_target_on_a_text_family(tmp_path, tiny_pipeline_dir):
+    Image.new("RGB", (8, 8)).save(tmp_path / "cat.png")
+    data = prompt_file(tmp_path, {"prompt": "a cat", "image": "cat.png"}, {"prompt": "a dog", "image": "cat.png"})
+    args = ["--hf-checkpoint", tiny_pipeline_dir, "--prompt-data", data, "--loss-type", "sft_loss"]
+    check_input_files(parse_args([*args, "--rollout-batch-size", "2"]))
+
+
+def test_a_field_nothing_reads_is_a_warning_naming_it(tmp_path, tiny_pipeline_dir, caplog):
+    data = prompt_file(tmp_path, {"prompt": "a", "seed": 3}, {"text": "b", "prompt": "c"})
+    args = parse_args(["--hf-checkpoint", tiny_pipeline_dir, "--prompt-data", data, "--allow-repeated-prompts"])
+    with caplog.at_level(logging.WARNING, logger="miles.rollout.input_files"):
+        check_input_files(args)
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "miles.rollout.input_files"]
+    assert warning == (
+        f"--prompt-data {data}: no part of this run reads the field(s) 'seed' (line 1), 'text' (line 2); it reads "
+        "'metadata', 'prompt' (--input-key, --metadata-key)"
+    )

@@ -27,8 +27,10 @@ def test_recompute_flag_rejected_without_log_prob_ratio(loss, capsys):
     assert "--diffusion-recompute-old-log-prob" in parse_error(argv, capsys)
 
 
-def test_dmd2_requires_teacher(capsys):
-    assert "--loss-type dmd2 requires --teacher-load" in parse_error(BASE + ["--loss-type", "dmd2"], capsys)
+def test_dmd2_distills_the_model_itself_without_teacher_load():
+    args = parse_args(BASE + ["--loss-type", "dmd2"])
+    assert args.teacher_load == args.critic_checkpoint == "/tmp/x"  # the critic starts from the teacher
+    assert any("--teacher-load is --hf-checkpoint /tmp/x" in note for note in args.default_notes)
 
 
 @pytest.mark.parametrize("loss", ["sft_loss", "policy_loss", "nft", "dmd2"])
@@ -145,10 +147,10 @@ def test_every_broken_rule_of_a_stage_is_reported_at_once(capsys):
     assert "--eval-only is the eval before training; it cannot be combined with --no-eval-before-train" in err
 
 
-def test_sft_trains_each_pair_once_and_needs_train_only(capsys):
+def test_sft_trains_each_pair_once_and_implies_train_only():
     assert parse_args(SFT + ["--n-samples-per-prompt", "4", "--rollout-batch-size", "8"]).n_samples_per_prompt == 1
-    err = parse_error(BASE + ["--loss-type", "sft_loss"], capsys)
-    assert "--loss-type sft_loss trains on dataset pairs: pass --train-only" in err
+    args = parse_args(BASE + ["--loss-type", "sft_loss"])
+    assert args.train_only and args.default_notes == ("--loss-type sft_loss trains on dataset pairs: --train-only",)
 
 
 def test_per_reward_group_norm_refused_where_it_would_be_ignored(capsys):

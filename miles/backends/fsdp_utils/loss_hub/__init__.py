@@ -195,5 +195,6 @@ def get_loss_hooks(args: argparse.Namespace, role: str) -> LossHooks:
 
 
 def checkpoint_meta(args: argparse.Namespace) -> dict[str, Any]:
-    """What a role's checkpoint records of the algorithm that wrote it."""
-    return {"loss_type": args.loss_type}
+    """What a role's checkpoint records of the algorithm that wrote it, and what it trained: a LoRA adapter's rank
+    (None: full weights), which a resume checks before any actor starts (`check_resume_settings`)."""
+    return {"loss_type": args.loss_type, "lora_rank": args.lora_rank if args.use_lora else None}
