@@ -19,6 +19,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 _SCALAR_ANSWERS = {"bool": True, "int": 1, "float": 0.0}
 
 
+def plan_tensor_mode(fake: bool = True) -> contextlib.AbstractContextManager:
+    """The planner's fake tensor mode, or (`fake=False`) nothing: the same steps on real tensors."""
+    return PlanTensorMode() if fake else contextlib.nullcontext()
+
+
 class PlanTensorMode(FakeTensorMode):
     """`FakeTensorMode` that answers `.item()` (`aten._local_scalar_dense`) of a value-less tensor with a neutral
     scalar (`_SCALAR_ANSWERS`) instead of raising, `torch.equal` with True and `nonzero` with every element (the
@@ -46,12 +51,16 @@ class PlanTensorMode(FakeTensorMode):
 
 
 @contextlib.contextmanager
-def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+def fake_process_group(rank: int, world_size: int, *, fake: bool = True) -> Iterator[None]:
     """The default process group as rank `rank` of `world_size` on torch's fake backend (every collective returns at
-    once, its output untouched); torn down on exit."""
+    once, its output untouched); torn down on exit. `fake=False`: a real gloo group of this one process (world size
+    1), for measuring what the simulation predicts."""
     if dist.is_initialized():
         raise RuntimeError("the planner needs its own process group: a default one exists already")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    if fake:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:

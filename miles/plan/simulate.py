@@ -22,7 +22,7 @@ from miles.backends.fsdp_utils.ema import local_tensor
 from miles.backends.fsdp_utils.fsdp import build_mesh, parse_dtype
 from miles.backends.fsdp_utils.lora import lora_config_from_args
 from miles.models.base import family_options, get_train_pipeline_config
-from miles.plan.fake import PlanTensorMode, fake_process_group, movable_fake_modules
+from miles.plan.fake import fake_process_group, movable_fake_modules, plan_tensor_mode
 from miles.plan.tracker import Collective, PlanTracker
 from miles.rollout.engine import DiffusionEngine, GenerateResult
 from miles.rollout.rollout_hub import rollout_spec_of
@@ -106,20 +106,23 @@ class ForwardOnce:
 
     forward: Any
     flops: FlopCounterMode
+    run_every: bool = False  # on real tensors every step runs (the sampler needs real velocities)
     calls: int = 0
     step_flops: float = 0.0
 
     def __call__(self, network: Any, latents: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.calls += 1
         if self.calls > 1:
-            return torch.empty_like(latents)
+            return self.forward(network, latents, *args, **kwargs) if self.run_every else torch.empty_like(latents)
         before = self.flops.get_total_flops()
         out = self.forward(network, latents, *args, **kwargs)
         self.step_flops = float(self.flops.get_total_flops() - before)
         return out
 
 
-def simulate_engine(args: argparse.Namespace, rows: int) -> tuple[ProcessPlan, GenerateResult, list[Sample], float]:
+def simulate_engine(
+    args: argparse.Namespace, rows: int, *, fake: bool = True
+) -> tuple[ProcessPlan, GenerateResult, list[Sample], float]:
     """A rollout engine process: its start-up (transformer, text encoders, VAE in the forward dtype), then one
     generate call of `rows` samples as the algorithm requests them (one transformer forward run, the others
     counted: `ForwardOnce`); returns its plan, the result (the trainer's simulation converts it), the samples and
@@ -128,7 +131,7 @@ def simulate_engine(args: argparse.Namespace, rows: int) -> tuple[ProcessPlan, G
     tracker = PlanTracker()
     lora = lora_config_from_args(args, _family_name(args)) if args.use_lora else None
     samples = engine_samples(args, rows)
-    with PlanTensorMode(), movable_fake_modules(), tracker:
+    with plan_tensor_mode(fake), movable_fake_modules(), tracker:
         with tracker.in_phase("start-up"):
             engine = DiffusionEngine(
                 args.hf_checkpoint,
@@ -143,10 +146,10 @@ def simulate_engine(args: argparse.Namespace, rows: int) -> tuple[ProcessPlan, G
         resolution = args.resolution or engine.family.default_resolution
         request = rollout_spec_of(args).build_request(args, samples, rollout_id=0, resolution=resolution)
         with tracker.in_phase("generate"), FlopCounterMode(display=False) as flops:
-            once = ForwardOnce(engine.family.predict_velocity, flops)
+            once = ForwardOnce(engine.family.predict_velocity, flops, run_every=not fake)
             engine.family.predict_velocity = once
             result = engine.generate(request)
-        total_flops = flops.get_total_flops() + (once.calls - 1) * once.step_flops
+        total_flops = flops.get_total_flops() + (0 if once.run_every else (once.calls - 1) * once.step_flops)
     plan = ProcessPlan("engine", 0, dict(tracker.peaks), dict(tracker.after), params_bytes=resident)
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
@@ -184,16 +187,18 @@ def simulate_trainer_rank(
     *,
     export: bool = True,
     sleeps: bool = False,
+    fake: bool = True,
 ) -> tuple[ProcessPlan, Any]:
     """Rank `rank` of the role's `world_size` ranks: start-up (sharded load, LoRA, checkpointing, optimizer), one
-    optimizer window on `pairs`, the weight export (rank 0 keeps the engines' copy), sleep and wake."""
+    optimizer window on `pairs`, the weight export (rank 0 keeps the engines' copy: host memory, not counted in the
+    phase's device peak), sleep and wake. `fake=False` runs the same steps on real tensors (world size 1)."""
     started = time.perf_counter()
     tracker = PlanTracker()
-    with fake_process_group(rank, world_size):
+    with fake_process_group(rank, world_size, fake=fake):
         actor = PlannedTrainer(world_size, rank, role)
         # the mesh is built outside the fake mode (its rank tables are real tensors)
         actor.mesh = build_mesh(world_size, args.fsdp_shard_size, "cpu") or init_device_mesh("cpu", (world_size,))
-        with PlanTensorMode(), tracker:
+        with plan_tensor_mode(fake), tracker:
             with tracker.in_phase("start-up"):
                 actor.init(args, "planner", 0)
             with tracker.in_phase("train"):
@@ -212,6 +217,8 @@ def simulate_trainer_rank(
                     actor.wake()
         actor.prefetcher.shutdown()
     plan.peaks, plan.after = dict(tracker.peaks), dict(tracker.after)
+    if "weight sync" in plan.peaks:  # the gathered weights leave for the host as each bucket arrives
+        plan.peaks["weight sync"] = max(plan.peaks["weight sync"] - plan.export_bytes, plan.after.get("train", 0))
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
     return plan, output

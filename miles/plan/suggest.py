@@ -14,6 +14,7 @@ from typing import Any
 from miles.plan.run import PlanSettings, simulate
 
 logger = logging.getLogger(__name__)
+MAX_REPLANS = 8  # simulations a search may run (a real-size one takes tens of seconds)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ def suggest(
     changes first (in cost order), then the cheapest changes added up one by one."""
     found: list[dict[str, Any]] = []
     tried_alone: list[tuple[Change, dict[str, Any]]] = []
-    for change in candidate_changes(args, report):
+    budget = MAX_REPLANS
+    for change in candidate_changes(args, report)[: budget // 2]:
         replanned = _replan(args, [change], settings, build_report)
         tried_alone.append((change, replanned))
         if replanned["fits"]:
@@ -79,7 +81,7 @@ def suggest(
     if found:
         return found
     chosen: list[Change] = []
-    for change, _ in sorted(tried_alone, key=lambda t: t[1]["worst_gpu"]["peak_bytes"]):
+    for change, _ in sorted(tried_alone, key=lambda t: t[1]["worst_gpu"]["peak_bytes"])[: budget - len(tried_alone)]:
         chosen.append(change)
         replanned = _replan(args, chosen, settings, build_report)
         if replanned["fits"]:
