@@ -29,6 +29,8 @@ from miles.utils.failures import EngineError, where
 from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import split_contiguous
 from miles.utils.weight_checksum import TensorChecksum, WeightSyncError
+from miles.weight_sync.protocol import SyncPlan
+from miles.weight_sync.transports import TransportSpec
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +187,21 @@ class RolloutEngineGroup:
         and the rollout)."""
         ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
         refs = {i: e.update_weights.remote(ref, version, checksums) for i, e in enumerate(self.engines)}
+        self._gather(refs, where(f"weight sync (version {version})", rollout_id))
+
+    def open_weight_sync(self, spec: TransportSpec, plan: SyncPlan, opener: Any = None) -> None:
+        """Every engine joins the weight sync group as rank 1 + its index (with the trainer's rank 0, which the
+        caller starts joining first: the call waits for all of them)."""
+        refs = {i: e.open_weight_sync.remote(spec, plan, i + 1, opener) for i, e in enumerate(self.engines)}
+        self._gather(refs, "joining the weight sync group")
+
+    def submit_receive(self, version: int) -> dict[int, ray.ObjectRef]:
+        """Every engine starts taking the sync the trainer's rank 0 is sending (`miles.weight_sync`) into its
+        parameters, verifying each bucket's checksums; `collect_receive` waits for each."""
+        return {i: e.receive_weights.remote(version) for i, e in enumerate(self.engines)}
+
+    def collect_receive(self, refs: dict[int, ray.ObjectRef], version: int, rollout_id: int | None = None) -> None:
+        """Wait for engines' `submit_receive`; a `WeightSyncError` names the tensor, the engine and the rollout."""
         self._gather(refs, where(f"weight sync (version {version})", rollout_id))
 
     def get_versions(self) -> list[int]:

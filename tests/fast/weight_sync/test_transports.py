@@ -1,0 +1,130 @@
+"""The weight sync's bucket protocol and CPU transports in one process: rank 0 and two engines as threads of a gloo
+sync group, each engine copying the buckets into its own tensors in place and verifying their checksums."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from miles.utils.distributed import find_free_port
+from miles.utils.weight_checksum import WeightSyncError, checksum_terms
+from miles.weight_sync.protocol import ALIGN, plan_buckets
+from miles.weight_sync.receiver import check_plan, receive_into
+from miles.weight_sync.transports import Transport, TransportSpec, choose_transport, shared_buffer
+
+TIMEOUT = 60.0
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "a.weight": torch.randn(33, 7, generator=generator),
+        "a.bias": torch.randn(7, generator=generator).to(torch.bfloat16),
+        "scale": torch.tensor(1.5),  # 0-d
+        "steps": torch.arange(5, dtype=torch.int64),
+        "b.weight": torch.randn(64, 64, generator=generator),  # 16 KiB: a bucket of its own below
+        "c.weight": torch.randn(3, 5, generator=generator).to(torch.float16),
+    }
+
+
+def test_plan_lays_tensors_aligned_in_order_and_gives_an_oversized_one_its_own_bucket():
+    weights = _weights()
+    plan = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in weights.items()], bucket_bytes=4096)
+    layout = [[(t.name, t.offset) for t in b.tensors] for b in plan.buckets]
+    # 33*7*4 = 924 bytes, then 14 -> 960 (aligned), 4 -> 1024, 40 -> 1088; 16 KiB alone; 30 bytes
+    assert layout == [
+        [("a.weight", 0), ("a.bias", 960), ("scale", 1024), ("steps", 1088)],
+        [("b.weight", 0)],
+        [("c.weight", 0)],
+    ]
+    assert [b.nbytes for b in plan.buckets] == [1128, 16384, 30]
+    assert plan.buffer_bytes == 16384 and plan.total_bytes == 1128 + 16384 + 30
+    assert all(t.offset % ALIGN == 0 for b in plan.buckets for t in b.tensors)
+    assert plan.names == list(weights)
+
+
+def _sync(kind: str, weights: dict, targets: list[dict], corrupt: str | None = None, syncs: int = 2) -> list:
+    """Rank 0 sends `weights` `syncs` times over `kind`; engine i receives into `targets[i]`. Returns each engine's
+    errors. `corrupt`: a tensor whose bytes get one bit flipped after its checksum was taken (in transit)."""
+    plan = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in weights.items()], bucket_bytes=2048)
+    shared, opener = shared_buffer(kind, plan.buffer_bytes, torch.device("cpu"))
+    spec = TransportSpec(kind, "127.0.0.1", find_free_port(), 1 + len(targets), plan.buffer_bytes, TIMEOUT, opener)
+    errors: list[list] = [[] for _ in targets]
+
+    def engine(index: int) -> None:
+        transport = Transport(spec, index + 1, torch.device("cpu"))
+        for version in range(syncs):
+            try:
+                receive_into(transport, plan, targets[index], version)
+            except WeightSyncError as exc:
+                errors[index].append(exc)
+
+    threads = [threading.Thread(target=engine, args=(i,)) for i in range(len(targets))]
+    for thread in threads:
+        thread.start()
+    sender = Transport(spec, 0, torch.device("cpu"), shared)
+    for _ in range(syncs):
+        for bucket in plan.buckets:
+            data = sender.slot(bucket)
+            for slot in bucket.tensors:
+                slot.view(data).copy_(weights[slot.name])
+                if slot.name == corrupt:
+                    slot.view(data).view(-1).view(torch.uint8)[3] ^= 4
+            terms = torch.stack([checksum_terms([weights[t.name]]) for t in bucket.tensors])
+            sender.send(bucket, terms)
+        sender.finish()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    assert not any(thread.is_alive() for thread in threads)
+    if kind == "shm":
+        assert not os.path.exists(opener)  # unlinked once every member mapped it
+    return errors
+
+
+@pytest.mark.parametrize("kind", ["shm", "gloo"])
+def test_engines_receive_every_bucket_into_their_tensors_in_place(kind):
+    weights = _weights()
+    targets = [{n: torch.zeros_like(t) for n, t in weights.items()} for _ in range(2)]
+    pointers = [{n: t.data_ptr() for n, t in target.items()} for target in targets]
+    errors = _sync(kind, weights, targets)
+    assert errors == [[], []]
+    for target, pointer in zip(targets, pointers):
+        assert {n: t.data_ptr() for n, t in target.items()} == pointer  # copied in place
+        for name, tensor in weights.items():
+            assert target[name].dtype == tensor.dtype and torch.equal(target[name], tensor), name
+
+
+def test_a_bit_flipped_in_transit_is_named_after_every_bucket_is_taken():
+    weights = _weights()
+    targets = [{n: torch.zeros_like(t) for n, t in weights.items()}]
+    errors = _sync("shm", weights, targets, corrupt="b.weight", syncs=2)
+    assert len(errors[0]) == 2  # both syncs ran to the end (the trainer was not left waiting) and both failed
+    assert "1 of 1 tensors differ" in str(errors[0][0]) and "first 'b.weight'" in str(errors[0][0])
+    assert torch.equal(targets[0]["c.weight"], weights["c.weight"])  # the buckets after it were still taken
+
+
+def test_a_plan_that_does_not_bind_the_engine_is_refused_before_any_sync():
+    weights = _weights()
+    plan = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in weights.items()], bucket_bytes=2048)
+    check_plan(plan, dict(weights), complete=True)
+    with pytest.raises(WeightSyncError, match="no tensor for.*'steps'"):
+        check_plan(plan, {n: t for n, t in weights.items() if n != "steps"}, complete=True)
+    with pytest.raises(WeightSyncError, match="a.weight: the trainer sends shape \\(33, 7\\), the engine holds"):
+        check_plan(plan, {**weights, "a.weight": torch.zeros(7, 33)}, complete=True)
+    with pytest.raises(WeightSyncError, match="leaves 1 engine tensors unchanged"):
+        check_plan(plan, {**weights, "extra": torch.zeros(1)}, complete=True)
+    check_plan(plan, {**weights, "extra": torch.zeros(1)}, complete=False)  # LoRA: the base weights stay
+
+
+def test_transport_follows_placement():
+    rank0 = {"node_id": "n0", "gpus": ["0"]}
+    on = [{"node_id": "n0", "gpus": ["0"]}, {"node_id": "n0", "gpus": ["0"]}]
+    apart = [{"node_id": "n0", "gpus": ["1"]}, {"node_id": "n1", "gpus": ["0"]}]
+    assert choose_transport(rank0, on, "cpu") == "shm"
+    assert choose_transport(rank0, apart, "cpu") == "gloo"
+    assert choose_transport(rank0, on, "cuda") == "cuda_ipc"
+    assert choose_transport(rank0, apart, "cuda") == "nccl"
+    assert choose_transport(rank0, [on[0], apart[0]], "cuda") == "gloo"  # NCCL cannot hold GPU 0 twice
