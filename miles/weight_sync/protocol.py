@@ -1,7 +1,7 @@
 """The bucket protocol of the weight sync: the exported tensors, in the trainer's gather order, laid end to end in
 flat byte buckets of at most `bucket_bytes`; one metadata record per bucket (each tensor's name, shape, dtype and byte
-offset) fixed once per run, and per sync one (tensors, 2) int64 tensor of checksum terms per bucket (the exact word
-sums of `miles.utils.weight_checksum`), which the engine verifies over what it copied into its parameters."""
+offset) fixed once per run, and per sync one (tensors, 2) int64 tensor of checksum terms per bucket (each tensor's
+`miles.utils.weight_checksum.block_terms`), which the engine verifies over what it copied into its parameters."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from miles.utils.weight_checksum import TensorChecksum
 
 ALIGN = 64  # every tensor starts on a 64-byte boundary of its bucket: any dtype's view of it is aligned
 DEFAULT_BUCKET_BYTES = {"cpu": 64 << 20, "cuda": 512 << 20}  # --weight-sync-bucket-mb's default, by device
@@ -46,13 +44,6 @@ class BucketMeta:
     index: int
     nbytes: int
     tensors: tuple[TensorSlot, ...]
-
-    def checksums(self, terms: torch.Tensor) -> dict[str, TensorChecksum]:
-        """The bucket's checksum record: each tensor's `TensorChecksum` from its row of `terms` ((tensors, 2))."""
-        rows = terms.tolist()
-        if len(rows) != len(self.tensors):
-            raise ValueError(f"bucket {self.index}: {len(rows)} checksum rows for {len(self.tensors)} tensors")
-        return {t.name: TensorChecksum(t.dtype, t.shape, int(w), int(p)) for t, (w, p) in zip(self.tensors, rows)}
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from miles.utils.distributed import find_free_port
-from miles.utils.weight_checksum import checksum_terms
+from miles.utils.weight_checksum import block_terms
 from miles.weight_sync.protocol import plan_buckets
 from miles.weight_sync.receiver import receive_into
 from miles.weight_sync.transports import Transport, TransportSpec, shared_buffer
@@ -65,7 +65,7 @@ def _run(kind: str, sender_device: str, engine_device: str) -> None:
             data = sender.slot(bucket)
             for slot in bucket.tensors:
                 slot.view(data).copy_(weights[slot.name])
-            sender.send(bucket, torch.stack([checksum_terms([weights[t.name]]) for t in bucket.tensors]))
+            sender.send(bucket, torch.stack([block_terms(weights[t.name]) for t in bucket.tensors]))
         sender.finish()
     status, value = results.get(timeout=TIMEOUT)
     child.join(TIMEOUT)

@@ -1,6 +1,7 @@
 """The trainer's end of the weight sync: the bucket plan of the engines' weights (from global metadata, the same on
 every rank) and the push, where rank 0 writes each gathered tensor's pieces straight into the transport's bucket slot
-(no full CPU copy of the model) and hands the bucket over while the next one is gathered."""
+(no full CPU copy of the model), checksums it there (`weight_checksum.block_terms`) and hands the bucket over while
+the next one is gathered."""
 
 from __future__ import annotations
 
@@ -12,10 +13,17 @@ import torch
 from torch import nn
 
 from miles.backends.fsdp_utils.fsdp import gather_entries, gathered_tensors
+from miles.utils.distributed import collective_device
+from miles.utils.weight_checksum import block_terms
 from miles.weight_sync.protocol import SyncPlan, plan_buckets
 from miles.weight_sync.transports import Transport, TransportSpec, shared_buffer
 
 logger = logging.getLogger(__name__)
+
+# Bytes each rank sends per all-gather of a push, by collective device: larger than the gathers' default on CPU
+# (`fsdp.GATHER_BUCKET_BYTES`), since a push streams every bucket out at once and fewer gloo calls win at size
+# (docs/user-guide/performance.md, "The weight sync").
+PUSH_GATHER_BYTES = {"cpu": 32 << 20, "cuda": 128 << 20}
 
 
 def sync_plan(
@@ -56,7 +64,8 @@ class WeightPusher:
         """Gather the weights (collective, every rank) and, on rank 0, send every bucket; seconds rank 0 spent
         until the engines took the last bucket (0 elsewhere)."""
         started = time.perf_counter()
-        tensors = gathered_tensors(model, keep=keep, as_dtype=as_dtype, checksums=self.rank == 0)
+        gather_bytes = PUSH_GATHER_BYTES.get(collective_device().type, PUSH_GATHER_BYTES["cuda"])
+        tensors = gathered_tensors(model, bucket_bytes=gather_bytes, keep=keep, as_dtype=as_dtype)
         if self.rank != 0:
             for _ in tensors:  # the other ranks only take part in the gathers
                 pass
@@ -65,7 +74,7 @@ class WeightPusher:
             raise RuntimeError("push before the weight sync was opened (`open` on rank 0)")
         slots = ((bucket, slot) for bucket in self.plan.buckets for slot in bucket.tensors)
         terms: list[torch.Tensor] = []
-        for name, shape, pieces, term in tensors:
+        for name, shape, pieces, _ in tensors:
             bucket, slot = next(slots, (None, None))
             if slot is None or slot.name != name or tuple(shape) != slot.shape:
                 raise RuntimeError(
@@ -79,7 +88,7 @@ class WeightPusher:
                 flat = piece.contiguous().view(-1).view(torch.uint8)
                 region[offset : offset + flat.numel()].copy_(flat)
                 offset += flat.numel()
-            terms.append(term)
+            terms.append(block_terms(region))  # over the bytes as they leave: contiguous, whatever the gather's split
             if slot is bucket.tensors[-1]:
                 self.transport.send(bucket, torch.stack(terms))
                 terms = []

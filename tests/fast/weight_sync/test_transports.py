@@ -4,18 +4,15 @@ sync group, each engine copying the buckets into its own tensors in place and ve
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import torch
 
-from miles.utils.distributed import find_free_port
-from miles.utils.weight_checksum import WeightSyncError, checksum_terms
+from miles.utils.weight_checksum import BLOCK_WORDS, WeightSyncError, block_terms, block_terms_reference
 from miles.weight_sync.protocol import ALIGN, plan_buckets
 from miles.weight_sync.receiver import check_plan, receive_into
-from miles.weight_sync.transports import Transport, TransportSpec, choose_transport, shared_buffer
-
-TIMEOUT = 60.0
+from miles.weight_sync.transports import Transport, TransportSpec, choose_transport
+from tests.fast.weight_sync.sync_helpers import plan_of, run_sync
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -46,41 +43,45 @@ def test_plan_lays_tensors_aligned_in_order_and_gives_an_oversized_one_its_own_b
     assert plan.names == list(weights)
 
 
+@pytest.mark.parametrize("name", list(_weights()))
+def test_block_checksum_equals_the_plain_integer_sums_and_sees_a_bit_and_a_moved_block(name):
+    tensor = _weights()[name]
+    raw = tensor.contiguous().view(-1).view(torch.uint8)
+    assert tuple(block_terms(tensor).tolist()) == block_terms_reference(raw.numpy().tobytes())
+    flipped = raw.clone()
+    flipped[-1] ^= 1
+    assert not torch.equal(block_terms(flipped), block_terms(raw))
+
+
+def test_block_checksum_sees_blocks_swapped_and_a_view_at_any_offset():
+    words = torch.arange(3 * BLOCK_WORDS, dtype=torch.int64)
+    swapped = torch.cat([words[BLOCK_WORDS : 2 * BLOCK_WORDS], words[:BLOCK_WORDS], words[2 * BLOCK_WORDS :]])
+    plain, weighted = block_terms(words).tolist()
+    assert block_terms(swapped).tolist()[0] == plain and block_terms(swapped).tolist()[1] != weighted
+    odd = torch.arange(41, dtype=torch.int16)[1:]  # 2 bytes into its storage: not a view of 64-bit words
+    assert tuple(block_terms(odd).tolist()) == block_terms_reference(odd.clone().view(torch.uint8).numpy().tobytes())
+
+
 def _sync(kind: str, weights: dict, targets: list[dict], corrupt: str | None = None, syncs: int = 2) -> list:
     """Rank 0 sends `weights` `syncs` times over `kind`; engine i receives into `targets[i]`. Returns each engine's
-    errors. `corrupt`: a tensor whose bytes get one bit flipped after its checksum was taken (in transit)."""
-    plan = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in weights.items()], bucket_bytes=2048)
-    shared, opener = shared_buffer(kind, plan.buffer_bytes, torch.device("cpu"))
-    spec = TransportSpec(kind, "127.0.0.1", find_free_port(), 1 + len(targets), plan.buffer_bytes, TIMEOUT, opener)
+    errors."""
+    plan = plan_of(weights)
     errors: list[list] = [[] for _ in targets]
 
-    def engine(index: int) -> None:
-        transport = Transport(spec, index + 1, torch.device("cpu"))
-        for version in range(syncs):
-            try:
-                receive_into(transport, plan, targets[index], version)
-            except WeightSyncError as exc:
-                errors[index].append(exc)
+    def engine(index: int):
+        def take(spec: TransportSpec, rank: int) -> None:
+            transport = Transport(spec, rank, torch.device("cpu"))
+            for version in range(syncs):
+                try:
+                    receive_into(transport, plan, targets[index], version)
+                except WeightSyncError as exc:
+                    errors[index].append(exc)
 
-    threads = [threading.Thread(target=engine, args=(i,)) for i in range(len(targets))]
-    for thread in threads:
-        thread.start()
-    sender = Transport(spec, 0, torch.device("cpu"), shared)
-    for _ in range(syncs):
-        for bucket in plan.buckets:
-            data = sender.slot(bucket)
-            for slot in bucket.tensors:
-                slot.view(data).copy_(weights[slot.name])
-                if slot.name == corrupt:
-                    slot.view(data).view(-1).view(torch.uint8)[3] ^= 4
-            terms = torch.stack([checksum_terms([weights[t.name]]) for t in bucket.tensors])
-            sender.send(bucket, terms)
-        sender.finish()
-    for thread in threads:
-        thread.join(TIMEOUT)
-    assert not any(thread.is_alive() for thread in threads)
+        return take
+
+    spec = run_sync(kind, weights, [engine(i) for i in range(len(targets))], syncs=syncs, corrupt=corrupt, plan=plan)
     if kind == "shm":
-        assert not os.path.exists(opener)  # unlinked once every member mapped it
+        assert not os.path.exists(spec.shm_path)  # unlinked once every member mapped it
     return errors
 
 
@@ -102,13 +103,13 @@ def test_a_bit_flipped_in_transit_is_named_after_every_bucket_is_taken():
     targets = [{n: torch.zeros_like(t) for n, t in weights.items()}]
     errors = _sync("shm", weights, targets, corrupt="b.weight", syncs=2)
     assert len(errors[0]) == 2  # both syncs ran to the end (the trainer was not left waiting) and both failed
-    assert "1 of 1 tensors differ" in str(errors[0][0]) and "first 'b.weight'" in str(errors[0][0])
+    assert "1 of 1 tensors of bucket 1 differ" in str(errors[0][0]) and "first 'b.weight'" in str(errors[0][0])
     assert torch.equal(targets[0]["c.weight"], weights["c.weight"])  # the buckets after it were still taken
 
 
 def test_a_plan_that_does_not_bind_the_engine_is_refused_before_any_sync():
     weights = _weights()
-    plan = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in weights.items()], bucket_bytes=2048)
+    plan = plan_of(weights)
     check_plan(plan, dict(weights), complete=True)
     with pytest.raises(WeightSyncError, match="no tensor for.*'steps'"):
         check_plan(plan, {n: t for n, t in weights.items() if n != "steps"}, complete=True)
