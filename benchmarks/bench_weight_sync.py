@@ -130,9 +130,9 @@ class BenchRank:
         state = bucketed_full_state_dict(self.model, checksums=checksums)
         return (state, checksums) if self.rank == 0 else (None, None)
 
-    def prepare(self, kind: str, bucket_bytes: int):
+    def prepare(self, kind: str, bucket_bytes: int, direct: bool):
         self.pusher = WeightPusher(sync_plan(self.model, bucket_bytes), self.rank, torch.device("cpu"))
-        return self.pusher.plan, self.pusher.prepare(kind) if self.rank == 0 else None
+        return self.pusher.plan, self.pusher.prepare(kind, direct)
 
     def open(self, spec: TransportSpec) -> None:
         self.pusher.open(spec)
@@ -179,7 +179,9 @@ def whole_sync(opts: argparse.Namespace) -> dict:
         ]
         ray.get([r.ready.remote() for r in ranks] + [e.health.remote() for e in engines], timeout=SYNC_TIMEOUT)
         kind = choose_transport(actor_nodes(ranks[:1])[0], actor_nodes(engines), "cpu")
-        prepared = ray.get([r.prepare.remote(kind, opts.bucket_mb << 20) for r in ranks], timeout=SYNC_TIMEOUT)
+        prepared = ray.get(
+            [r.prepare.remote(kind, opts.bucket_mb << 20, kind == "shm") for r in ranks], timeout=SYNC_TIMEOUT
+        )
         plan, opener = prepared[0]
         spec = TransportSpec(
             kind, "127.0.0.1", find_free_port(), 1 + len(engines), plan.buffer_bytes, SYNC_TIMEOUT, opener

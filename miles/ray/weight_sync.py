@@ -28,6 +28,18 @@ def bucket_bytes(args: argparse.Namespace) -> int:
     return DEFAULT_BUCKET_BYTES["cuda" if uses_gpu(args) else "cpu"]
 
 
+def check_placement(kind: str, rank0: dict, engines: list[dict]) -> None:
+    """Refuse a shared transport (`--weight-sync-transport shm` / `cuda_ipc`) that some engine cannot map."""
+    key = {"shm": ("node_id",), "cuda_ipc": ("node_id", "gpus")}.get(kind)
+    apart = [i for i, e in enumerate(engines) if key and any(e[k] != rank0[k] for k in key)]
+    if apart:
+        where = "node" if kind == "shm" else "GPU"
+        raise ValueError(
+            f"--weight-sync-transport {kind} needs every engine on the {where} of the actor's rank 0, but engines "
+            f"{apart} run elsewhere (placement.json): use --weight-sync-transport auto"
+        )
+
+
 class WeightSyncLink:
     """The sync group of one actor group's rank 0 and one engine group, made at the first `push`."""
 
@@ -39,11 +51,14 @@ class WeightSyncLink:
     def connect(self, actor_group: Any) -> None:
         """Pick the transport, make the plan and buffers on the trainer, and have rank 0 and the engines join."""
         args, engines = self.args, self.engines
+        ranks, where = actor_nodes(actor_group.actors), actor_nodes(engines.engines)
         kind = args.weight_sync_transport
         if kind == "auto":
-            rank0, where = actor_nodes(actor_group.actors[:1])[0], actor_nodes(engines.engines)
-            kind = choose_transport(rank0, where, "cuda" if uses_gpu(args) else "cpu")
-        prepared = actor_group.call("prepare_weight_sync", kind, bucket_bytes(args))
+            kind = choose_transport(ranks[0], where, "cuda" if uses_gpu(args) else "cpu")
+        check_placement(kind, ranks[0], where)
+        # on one host every rank writes its own shards into the shared buckets: no all-gather
+        direct = kind == "shm" and all(r["node_id"] == ranks[0]["node_id"] for r in ranks)
+        prepared = actor_group.call("prepare_weight_sync", kind, bucket_bytes(args), direct)
         plan, opener = prepared[0]
         address, port = ray.get(actor_group.actors[0].get_master_address.remote(), timeout=engines.timeout_s)
         spec = TransportSpec(
@@ -60,8 +75,9 @@ class WeightSyncLink:
         ray.get(joined, timeout=engines.timeout_s)
         self.actor_group, self.kind = actor_group, kind
         logger.info(
-            "weight sync over %s: %d buckets, %.1f MB, %d engine(s)",
+            "weight sync over %s%s: %d buckets, %.1f MB, %d engine(s)",
             kind,
+            " (every trainer rank writes its shards)" if direct else "",
             len(plan.buckets),
             plan.total_bytes / 1e6,
             engines.num_engines,

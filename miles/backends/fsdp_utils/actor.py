@@ -360,12 +360,14 @@ class FSDPTrainRayActor(TrainLoop):
         return (is_lora_key if self.lora_config is not None else None), self._engine_dtype()
 
     # ---- the weight sync (miles.weight_sync; the driver's side is miles.ray.weight_sync) -----------------------
-    def prepare_weight_sync(self, kind: str, bucket_bytes: int) -> tuple[SyncPlan, str | tuple | None]:
-        """The bucket plan (every rank) and, on rank 0, the persistent buffer of a shared transport with what the
-        engines open it by."""
+    def prepare_weight_sync(
+        self, kind: str, bucket_bytes: int, direct: bool = False
+    ) -> tuple[SyncPlan, str | tuple | None]:
+        """The bucket plan (every rank; collective) and, on rank 0, the persistent buffer of a shared transport with
+        what the engines open it by. `direct`: every rank writes its shards into the `shm` buckets (no gather)."""
         keep, as_dtype = self._engine_export()
         self.pusher = WeightPusher(sync_plan(self.model, bucket_bytes, keep, as_dtype), self.rank, self.device)
-        return self.pusher.plan, self.pusher.prepare(kind) if self.rank == 0 else None
+        return self.pusher.plan, self.pusher.prepare(kind, direct)
 
     def open_weight_sync(self, spec: TransportSpec) -> None:
         """Rank 0 joins the sync group with the engines (they join at the same time)."""
