@@ -184,7 +184,7 @@ class RolloutEngineGroup:
     ) -> None:
         """Put the weights in the object store once (or take a ref already there); every engine loads them and,
         given the trainer's `checksums`, verifies what it loaded (a `WeightSyncError` names the tensor, the engine
-        and the rollout)."""
+        and the rollout). For tools and tests that hold a dict: a run syncs without it (`miles.ray.weight_sync`)."""
         ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
         refs = {i: e.update_weights.remote(ref, version, checksums) for i, e in enumerate(self.engines)}
         self._gather(refs, where(f"weight sync (version {version})", rollout_id))

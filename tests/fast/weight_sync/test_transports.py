@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from miles.ray.weight_sync import check_placement
 from miles.utils.weight_checksum import BLOCK_WORDS, WeightSyncError, block_terms, block_terms_reference
 from miles.weight_sync.protocol import ALIGN, plan_buckets
 from miles.weight_sync.receiver import check_plan, receive_into
@@ -129,3 +130,15 @@ def test_transport_follows_placement():
     assert choose_transport(rank0, on, "cuda") == "cuda_ipc"
     assert choose_transport(rank0, apart, "cuda") == "nccl"
     assert choose_transport(rank0, [on[0], apart[0]], "cuda") == "gloo"  # NCCL cannot hold GPU 0 twice
+
+
+def test_a_forced_shared_transport_that_some_engine_cannot_map_is_refused_naming_the_flag():
+    rank0 = {"node_id": "n0", "gpus": ["0"]}
+    check_placement("shm", rank0, [{"node_id": "n0", "gpus": []}])
+    check_placement("gloo", rank0, [{"node_id": "n1", "gpus": []}])
+    with pytest.raises(
+        ValueError, match=r"--weight-sync-transport shm needs every engine on the node .* engines \[1\]"
+    ):
+        check_placement("shm", rank0, [{"node_id": "n0", "gpus": []}, {"node_id": "n1", "gpus": []}])
+    with pytest.raises(ValueError, match=r"cuda_ipc needs every engine on the GPU"):
+        check_placement("cuda_ipc", rank0, [{"node_id": "n0", "gpus": ["1"]}])
