@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,9 +65,15 @@ def choose_transport(trainer: dict, engines: list[dict], device: str) -> str:
     return "gloo"
 
 
-def shm_path() -> str:
-    """A fresh file name in /dev/shm (the system's temporary folder where there is none)."""
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+def shm_path(size: int) -> str:
+    """A fresh file name in /dev/shm, or in the temporary folder where /dev/shm has not `size` bytes free (a
+    container's default 64 MB: a write past a full tmpfs kills the process with SIGBUS)."""
+    folder = "/dev/shm"
+    if not os.path.isdir(folder) or shutil.disk_usage(folder).free < size:
+        folder = tempfile.gettempdir()
+        logger.warning(
+            "weight sync: /dev/shm lacks %d MB free; the shared buckets are a file in %s", size >> 20, folder
+        )
     return os.path.join(folder, f"miles-weight-sync-{uuid.uuid4().hex}")
 
 
@@ -74,7 +82,7 @@ def shared_buffer(kind: str, buffer_bytes: int, device: torch.device) -> tuple[t
     `shm` file's path, or the `cuda_ipc` handle: a handle, not the bytes); (None, None) for a broadcast transport."""
     size = buffer_bytes * SLOTS
     if kind == "shm":
-        path = shm_path()
+        path = shm_path(size)
         return torch.from_file(path, shared=True, size=size, dtype=torch.uint8), path
     if kind == "cuda_ipc":
         buffer = torch.empty(size, dtype=torch.uint8, device=device)
@@ -131,7 +139,7 @@ class Transport:
         self.group = _group(spec, rank, "nccl" if self.kind == "nccl" else "gloo")
         self.group.allreduce([torch.zeros(1, device=self.signal_device)]).wait()  # every member holds its buffer
         if rank == 0 and self.kind == "shm":
-            os.unlink(spec.shm_path)  # the mappings stay; nothing is left in /dev/shm if a process dies
+            os.unlink(spec.shm_path)  # the mappings stay; from here on nothing is left behind if a process dies
         self.pending: dict[int, list[dist.Work]] = {}  # slot -> the works that must end before it is written again
 
     def _slot_view(self, bucket: BucketMeta) -> torch.Tensor:

@@ -12,7 +12,7 @@ from miles.ray.weight_sync import check_placement
 from miles.utils.weight_checksum import BLOCK_WORDS, WeightSyncError, block_terms, block_terms_reference
 from miles.weight_sync.protocol import ALIGN, plan_buckets
 from miles.weight_sync.receiver import check_plan, receive_into
-from miles.weight_sync.transports import Transport, TransportSpec, choose_transport
+from miles.weight_sync.transports import Transport, TransportSpec, choose_transport, shm_path
 from tests.fast.weight_sync.sync_helpers import plan_of, run_sync
 
 
@@ -142,3 +142,9 @@ def test_a_forced_shared_transport_that_some_engine_cannot_map_is_refused_naming
         check_placement("shm", rank0, [{"node_id": "n0", "gpus": []}, {"node_id": "n1", "gpus": []}])
     with pytest.raises(ValueError, match=r"cuda_ipc needs every engine on the GPU"):
         check_placement("cuda_ipc", rank0, [{"node_id": "n0", "gpus": ["1"]}])
+
+
+def test_buckets_larger_than_the_free_dev_shm_go_to_a_file_in_the_temporary_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert shm_path(1 << 20).startswith("/dev/shm/") or not os.path.isdir("/dev/shm")
+    assert shm_path(1 << 62).startswith(str(tmp_path))  # no tmpfs has 4 EiB free
