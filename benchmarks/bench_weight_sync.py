@@ -6,7 +6,15 @@ engine side the load (`load_state_dict` into an unsharded transformer) against t
 
     python benchmarks/bench_weight_sync.py                          # the tiny pipeline, 2 gloo ranks on CPU
     python benchmarks/bench_weight_sync.py --hf-checkpoint DIR --world-size 4 --repeats 5
-    python benchmarks/bench_weight_sync.py --sd3-size 12,12,64 --repeats 3   # a 165M-parameter SD3 transformer
+    python benchmarks/bench_weight_sync.py --sd3-size 12,12,64 --repeats 3   # a 250M-parameter SD3 transformer
+    python benchmarks/bench_weight_sync.py --whole-sync --sd3-size 12,16,64 --repeats 3   # 445M, dp 2, 2 engines
+
+`--whole-sync` times the whole sync instead (gather to engine parameters, full fine-tuning, fp32), every side a Ray
+actor as in a run, interleaved: the object-store path used before (rank 0's bucketed gather returned as a pickled
+dict, each engine's `update_weights`) against the sync group (`miles.weight_sync`: on one host every rank writes its
+shard rows into the shared buckets, each engine copies them into its parameters in place and verifies their
+checksums), and one memcpy of the same bytes in trainer rank 0's process; GB/s of the model's bytes and the ratios.
+`--skip-object-store` leaves the old leg out where its memory (the model ~5 times over on rank 0) does not fit.
 
 `--sd3-size LAYERS,HEADS,HEAD_DIM` builds an SD3-architecture pipeline of that transformer size (random weights,
 `miles.models.tiny`) in a temporary folder first, for the gather at sizes nearer real ones without a download.
@@ -26,16 +34,22 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import ray  # noqa: E402
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2, bucketed_full_state_dict  # noqa: E402
+from miles.backends.fsdp_utils.weight_push import WeightPusher, sync_plan  # noqa: E402
 from miles.models.base import get_train_pipeline_config  # noqa: E402
 from miles.models.builtin import resolve_checkpoint  # noqa: E402
+from miles.ray.engine_group import EngineActor  # noqa: E402
+from miles.ray.placement_group import actor_nodes  # noqa: E402
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group  # noqa: E402
 from miles.utils.heap import keep_freed_memory  # noqa: E402
 from miles.utils.weight_checksum import verify_loaded  # noqa: E402
+from miles.weight_sync.protocol import DEFAULT_BUCKET_BYTES  # noqa: E402
+from miles.weight_sync.transports import TransportSpec, choose_transport  # noqa: E402
 
 
 def rank_body(rank: int, opts: argparse.Namespace, port: int, out: str) -> None:
@@ -92,6 +106,142 @@ def engine_side(family, opts: argparse.Namespace, state: dict, checksums: dict) 
     return {name: times[1:] for name, times in seconds.items()}
 
 
+SYNC_TIMEOUT = 1800.0
+
+
+class BenchRank:
+    """One FSDP2 trainer rank holding its shards, exporting as the trainer actor does (full fine-tuning, fp32)."""
+
+    def __init__(self, rank: int, world_size: int, checkpoint: str, master: tuple[str, int]) -> None:
+        torch.set_num_threads(1)
+        keep_freed_memory()  # as a trainer rank on CPU does (miles.utils.heap)
+        self.rank = rank
+        init_process_group(rank, world_size, *master, "cpu", timeout=timedelta(seconds=SYNC_TIMEOUT))
+        family = get_train_pipeline_config(checkpoint)
+        self.model = family.load_transformer(checkpoint, dtype=torch.float32)
+        blocks = family.transformer_blocks(self.model)
+        apply_fsdp2(self.model, blocks, param_dtype=torch.float32, reduce_dtype=torch.float32)
+        self.pusher: WeightPusher | None = None
+
+    def ready(self) -> bool:
+        return True
+
+    def export_old(self) -> tuple[dict | None, dict | None]:
+        checksums: dict = {}
+        state = bucketed_full_state_dict(self.model, checksums=checksums)
+        return (state, checksums) if self.rank == 0 else (None, None)
+
+    def prepare(self, kind: str, bucket_bytes: int, direct: bool):
+        self.pusher = WeightPusher(sync_plan(self.model, bucket_bytes), self.rank, torch.device("cpu"))
+        return self.pusher.plan, self.pusher.prepare(kind, direct)
+
+    def open(self, spec: TransportSpec) -> None:
+        self.pusher.open(spec)
+
+    def push(self) -> float:
+        return self.pusher.push(self.model)
+
+    def memcpy(self, nbytes: int, repeats: int) -> list[float]:
+        """One copy of `nbytes` between two buffers of this process, `repeats` times after a warm-up."""
+        source = torch.ones(nbytes, dtype=torch.uint8)
+        target = torch.empty_like(source)
+        target.copy_(source)
+        seconds = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            target.copy_(source)
+            seconds.append(time.perf_counter() - started)
+        return seconds
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def whole_sync(opts: argparse.Namespace) -> dict:
+    """Start the ranks and engines, run the legs interleaved; medians and the bytes of one sync."""
+    root = str(Path(__file__).resolve().parents[1])  # the workers import this checkout's miles
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": path, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    ray.init(
+        num_cpus=2 * opts.world_size + opts.engines,
+        include_dashboard=False,
+        runtime_env={"env_vars": env},
+        log_to_driver=False,
+    )
+    try:
+        master = ("127.0.0.1", find_free_port())
+        remote_rank = ray.remote(num_cpus=1)(BenchRank)
+        ranks = [remote_rank.remote(r, opts.world_size, opts.hf_checkpoint, master) for r in range(opts.world_size)]
+        engines = [
+            ray.remote(num_cpus=0.5)(EngineActor).remote(opts.hf_checkpoint, device="cpu") for _ in range(opts.engines)
+        ]
+        ray.get([r.ready.remote() for r in ranks] + [e.health.remote() for e in engines], timeout=SYNC_TIMEOUT)
+        kind = choose_transport(actor_nodes(ranks[:1])[0], actor_nodes(engines), "cpu")
+        prepared = ray.get(
+            [r.prepare.remote(kind, opts.bucket_mb << 20, kind == "shm") for r in ranks], timeout=SYNC_TIMEOUT
+        )
+        plan, opener = prepared[0]
+        spec = TransportSpec(
+            kind, "127.0.0.1", find_free_port(), 1 + len(engines), plan.buffer_bytes, SYNC_TIMEOUT, opener
+        )
+        joined = [ranks[0].open.remote(spec)] + [
+            e.open_weight_sync.remote(spec, plan, i + 1) for i, e in enumerate(engines)
+        ]
+        ray.get(joined, timeout=SYNC_TIMEOUT)
+        version = iter(range(1, 1000))
+
+        def old() -> None:
+            refs = [r.export_old.options(num_returns=2).remote() for r in ranks]
+            v = next(version)
+            ray.get(
+                [e.update_weights.remote(refs[0][0], v, refs[0][1]) for e in engines] + [p[0] for p in refs[1:]],
+                timeout=SYNC_TIMEOUT,
+            )
+
+        def new() -> None:
+            v = next(version)
+            ray.get(
+                [r.push.remote() for r in ranks] + [e.receive_weights.remote(v) for e in engines], timeout=SYNC_TIMEOUT
+            )
+
+        legs = {"object store (before)": old, f"sync group ({kind})": new}
+        if opts.skip_object_store:  # its rank 0 holds the model ~5 times over: it may not fit beside other jobs
+            del legs["object store (before)"]
+        seconds: dict[str, list[float]] = {name: [] for name in legs}
+        for fn in legs.values():  # warm-up
+            fn()
+        for _ in range(opts.repeats):
+            for name, fn in legs.items():
+                seconds[name].append(_timed(fn))
+        seconds["memcpy"] = ray.get(ranks[0].memcpy.remote(plan.total_bytes, opts.repeats), timeout=SYNC_TIMEOUT)
+        return {"seconds": seconds, "bytes": plan.total_bytes, "buckets": len(plan.buckets), "kind": kind}
+    finally:
+        ray.shutdown()
+
+
+def report_whole_sync(opts: argparse.Namespace, result: dict) -> None:
+    nbytes, parameters = result["bytes"], result["bytes"] // 4
+    print(
+        f"whole sync: {parameters / 1e6:.0f}M parameters ({nbytes / 1e9:.2f} GB fp32), dp {opts.world_size}, "
+        f"{opts.engines} engines, {result['buckets']} buckets of <= {opts.bucket_mb} MiB, {opts.repeats} interleaved repeats"
+    )
+    medians = {name: statistics.median(times) for name, times in result["seconds"].items()}
+    for name, median in medians.items():
+        print(
+            f"{name:<28}{median:>9.3f} s median{min(result['seconds'][name]):>9.3f} s best{nbytes / median / 1e9:>8.2f} GB/s"
+        )
+    new = medians[f"sync group ({result['kind']})"]
+    old = (
+        f"object store / sync group = {medians['object store (before)'] / new:.1f}x; "
+        if not opts.skip_object_store
+        else ""
+    )
+    print(f"{old}sync group / memcpy = {new / medians['memcpy']:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf-checkpoint", default="builtin:tiny-shapes")
@@ -102,6 +252,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--sd3-size", default=None, help="LAYERS,HEADS,HEAD_DIM: an SD3 transformer of that size instead of the folder"
+    )
+    parser.add_argument(
+        "--whole-sync", action="store_true", help="time the whole sync (gather to engine parameters) instead, in Ray"
+    )
+    parser.add_argument("--engines", type=int, default=2, help="--whole-sync: rollout engines")
+    parser.add_argument(
+        "--skip-object-store", action="store_true", help="--whole-sync: leave out the object-store leg (its memory)"
     )
     opts = parser.parse_args()
     opts.hf_checkpoint = resolve_checkpoint(opts.hf_checkpoint)
@@ -119,9 +276,16 @@ def main() -> None:
                 transformer_heads=heads,
                 transformer_head_dim=head_dim,
             )
+        if opts.whole_sync:
+            opts.bucket_mb = DEFAULT_BUCKET_BYTES["cpu"] >> 20 if opts.bucket_mb is None else opts.bucket_mb
+            report_whole_sync(opts, whole_sync(opts))
+            return
         out = os.path.join(tmp, "rank0.pt")
         mp.spawn(rank_body, args=(opts, find_free_port(), out), nprocs=opts.world_size, join=True)
-        report = torch.load(out)
+        report_gather(opts, torch.load(out))
+
+
+def report_gather(opts: argparse.Namespace, report: dict) -> None:
     print(
         f"{report['tensors']} tensors, {report['parameters'] / 1e6:.1f}M parameters, {opts.world_size} gloo ranks, "
         f"{opts.repeats} interleaved repeats"

@@ -74,7 +74,9 @@ def simulated_ranks(args: argparse.Namespace, limit: int = 4) -> list[int]:
     world = trainer_world_size(args)
     ranks = [0, world - 1]
     shard = args.fsdp_shard_size or world
-    ranks += list(range(shard, world, shard)) + list(range(args.sp_size, world, args.sp_size))
+    ranks += list(range(shard, world, shard))
+    if args.sp_size > 1:
+        ranks += list(range(args.sp_size, world, args.sp_size))
     unique = list(dict.fromkeys(r for r in ranks if 0 <= r < world))
     return unique[:limit]
 

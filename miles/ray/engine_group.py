@@ -31,6 +31,8 @@ from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import split_contiguous
 from miles.utils.stop_signals import defer_first_sigterm
 from miles.utils.weight_checksum import TensorChecksum, WeightSyncError
+from miles.weight_sync.protocol import SyncPlan
+from miles.weight_sync.transports import TransportSpec
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +189,7 @@ class RolloutEngineGroup:
     ) -> None:
         """Put the weights in the object store once (or take a ref already there); every engine loads them and,
         given the trainer's `checksums`, verifies what it loaded (a `WeightSyncError` names the tensor, the engine
-        and the rollout)."""
+        and the rollout). For tools and tests that hold a dict: a run syncs without it (`miles.ray.weight_sync`)."""
         ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
         refs = {i: e.update_weights.remote(ref, version, checksums) for i, e in enumerate(self.engines)}
         self._gather(refs, where(f"weight sync (version {version})", rollout_id))
@@ -210,6 +212,21 @@ class RolloutEngineGroup:
                 "prompt set cached: %d of %d engine(s) freed their text encoders", sum(freed.values()), len(freed)
             )
         return {name: sum(r[name] for r in results.values()) for name in ("found", "encoded")}
+
+    def open_weight_sync(self, spec: TransportSpec, plan: SyncPlan, opener: Any = None) -> None:
+        """Every engine joins the weight sync group as rank 1 + its index (with the trainer's rank 0, which the
+        caller starts joining first: the call waits for all of them)."""
+        refs = {i: e.open_weight_sync.remote(spec, plan, i + 1, opener) for i, e in enumerate(self.engines)}
+        self._gather(refs, "joining the weight sync group")
+
+    def submit_receive(self, version: int) -> dict[int, ray.ObjectRef]:
+        """Every engine starts taking the sync the trainer's rank 0 is sending (`miles.weight_sync`) into its
+        parameters, verifying each bucket's checksums; `collect_receive` waits for each."""
+        return {i: e.receive_weights.remote(version) for i, e in enumerate(self.engines)}
+
+    def collect_receive(self, refs: dict[int, ray.ObjectRef], version: int, rollout_id: int | None = None) -> None:
+        """Wait for engines' `submit_receive`; a `WeightSyncError` names the tensor, the engine and the rollout."""
+        self._gather(refs, where(f"weight sync (version {version})", rollout_id))
 
     def get_versions(self) -> list[int]:
         results = self._gather({i: e.get_version.remote() for i, e in enumerate(self.engines)}, "get_version")

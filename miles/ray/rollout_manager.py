@@ -17,6 +17,7 @@ from miles.models.base import family_options, get_train_pipeline_config
 from miles.ray.actor_pool import ActorPool
 from miles.ray.engine_group import RolloutEngineGroup
 from miles.ray.reward_workers import RewardWorkerPool
+from miles.ray.weight_sync import WeightSyncLink
 from miles.rollout import steps
 from miles.rollout.data_source import PromptDataSource, load_records, records_digest
 from miles.rollout.engine import GenerateResult
@@ -59,6 +60,7 @@ class RolloutManager:
         self.engines = self.rewards = self.prompt_cache = None
         self.dataset_pairs: TrainPairs | None = None
         self.weights_version = 0
+        self.weight_sync: WeightSyncLink | None = None  # made at the first sync with engines
         self.last_metrics: dict[str, float] = {}
         self.drift = DriftWatch(
             watches(args.monitor_image_drift, args.monitor_norm_drift, args.monitor_diversity_collapse)
@@ -371,22 +373,21 @@ class RolloutManager:
     def update_weights(
         self, actor_group: Any, before_load: Any = None, *, rollout_id: int | None = None, version: int | None = None
     ) -> float:
-        """Push the actor's weights (or LoRA / EMA weights, as the actor decides) to every engine; seconds taken.
-        `before_load()` runs once the weights are exported (in the object store), before the engines load them
-        (`--colocate-sleep`: the trainer ranks sleep and the engines wake there). `rollout_id`: the rollout an
-        engine's failure names (None for the sync before the first rollout). `version`: the weights version to
-        give (default: one more than the last; a resumed run's first sync continues the uninterrupted count)."""
+        """Push the actor's weights (or LoRA / EMA weights, as the actor decides) to every engine over the weight
+        sync group (`miles.ray.weight_sync`: no pickles, no object store); seconds from the gather until every engine
+        holds and has verified them. `before_load()` runs once the engines hold them (`--colocate-sleep`: the trainer
+        ranks sleep and the engines, awake since they received, stay so). `rollout_id`: the rollout an engine's
+        failure names (None for the sync before the first rollout). `version`: the weights version to give (default:
+        one more than the last; a resumed run's first sync continues the uninterrupted count)."""
         self.weights_version = self.weights_version + 1 if version is None else version
-        if self.engines is None:
-            if before_load is not None:
-                before_load()
-            return 0.0
-        started = time.perf_counter()
-        weights, checksums = actor_group.export_weights_ref()
+        seconds = 0.0
+        if self.engines is not None:
+            if self.weight_sync is None:
+                self.weight_sync = WeightSyncLink(self.args, self.engines)
+            seconds = self.weight_sync.push(actor_group, self.weights_version, rollout_id)
         if before_load is not None:
             before_load()
-        self.engines.update_weights(weights, self.weights_version, rollout_id, checksums=checksums)
-        return time.perf_counter() - started
+        return seconds
 
     def metrics(self, rollout_id: int) -> dict[str, Any]:
         return {"rollout/epoch": self.source.epoch_of(rollout_id), **self.last_metrics}

@@ -207,6 +207,14 @@ class RayTrainGroup:
         weights, checksums = pairs[0]
         return weights, checksums
 
+    def submit_push(self) -> list[ray.ObjectRef]:
+        """Every rank starts the weight sync's gather, rank 0 sending to the engines (`miles.ray.weight_sync`)."""
+        return [a.push_weights.remote() for a in self.actors]
+
+    def collect(self, refs: list, phase: str, rollout_id: int | None = None) -> list:
+        """Ranks' answers to a submitted call; a failure names this role, the rank, the phase and the rollout."""
+        return self._get(refs, phase, rollout_id)
+
     def save_hf(self, out_dir: str) -> str:
         return self._get([a.save_hf.remote(out_dir) for a in self.actors], "save_hf", self.last_rollout_id)[0]
 

@@ -27,6 +27,9 @@ from miles.rollout.prompt_encoder import PromptEncoder
 from miles.utils.offload import HostSwap
 from miles.utils.threads import node_info, torch_threads
 from miles.utils.weight_checksum import TensorChecksum, WeightSyncError, verify_loaded
+from miles.weight_sync.protocol import SyncPlan
+from miles.weight_sync.receiver import check_plan, drain, receive_into
+from miles.weight_sync.transports import Transport, TransportSpec
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +223,7 @@ class DiffusionEngine:
         self.generate_threads: int | None = None  # torch threads while generating (None: the base count)
         self.swap = HostSwap(self.device)  # sleep / wake (--colocate-sleep)
         self.weights_pending = False  # the trained weights were released by a sleep and not loaded since
+        self.sync: tuple[Transport, SyncPlan] | None = None  # the weight sync's engine end (open_weight_sync)
         logger.info("engine ready: %s on %s (%s)", self.family, self.device, "LoRA" if lora_config else "full")
 
     def _inject_lora(self, lora_config: dict[str, Any]) -> None:
@@ -313,6 +317,47 @@ class DiffusionEngine:
         any were held. Wakes a sleeping engine first, so no host copy of them outlives them."""
         self.wake()
         return self.prompt_encoder.release_text_encoders()
+
+    # the weight sync without pickles (miles.weight_sync): buckets copied into the parameters as they arrive
+    def open_weight_sync(self, spec: TransportSpec, plan: SyncPlan, rank: int, opener: Any = None) -> None:
+        """Join the sync group as `rank` (collective with the trainer's rank 0 and the other engines) once the plan
+        is checked against this engine's tensors. `opener`: the `cuda_ipc` buffer's handle."""
+        check_plan(plan, self._sync_targets(plan), complete=self.lora_config is None)
+        device = self.device if spec.kind in ("cuda_ipc", "nccl") else torch.device("cpu")
+        self.sync = (Transport(spec, rank, device, opener), plan)
+
+    @torch.no_grad()
+    def receive_weights(self, version: int) -> None:
+        """Take one sync from the trainer, bucket by bucket, into the parameters in place, verifying each bucket's
+        checksums (`WeightSyncError` naming the tensor; the version stays the old one); wakes a sleeping engine."""
+        if self.sync is None:
+            raise RuntimeError("receive_weights before open_weight_sync: the engine has not joined the sync group")
+        self.wake()
+        transport, plan = self.sync
+        if version <= self.version:
+            logger.warning("ignoring weights version %d: engine already holds version %d", version, self.version)
+            drain(transport, plan)
+            return
+        receive_into(transport, plan, self._sync_targets(plan), version)
+        self.version = int(version)
+        self.weights_pending = False
+        logger.info(
+            "engine loaded weights version %d (%d buckets, %d bytes)", version, len(plan.buckets), plan.total_bytes
+        )
+
+    def _sync_targets(self, plan: SyncPlan) -> dict[str, torch.Tensor]:
+        """The tensors a sync writes into, by the names the trainer sends: the transformer's state dict, or its LoRA
+        weights (every one of which a plan must carry)."""
+        if self.lora_config is None:
+            return self.transformer.state_dict(keep_vars=True)
+        params = dict(self.transformer.named_parameters())
+        targets = {
+            k: params[self._lora_names[self._lora_key(k)]] for k in plan.names if self._lora_key(k) in self._lora_names
+        }
+        missing = sorted(set(self._lora_names.values()) - {self._lora_names[self._lora_key(k)] for k in targets})
+        if missing:
+            raise WeightSyncError(f"the weight sync is missing {len(missing)} LoRA weights, e.g. {missing[:3]}")
+        return targets
 
     def _load_lora(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy the adapter's weights in; the transformer's parameters by name. Every exported adapter tensor must

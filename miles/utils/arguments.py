@@ -28,6 +28,7 @@ from miles.utils.fsdp_arguments import add_fsdp_arguments
 from miles.utils.misc import HookLoadError, load_module
 from miles.utils.plan_arguments import add_plan_arguments
 from miles.utils.rl_arguments import RL_ARGUMENT_GROUPS
+from miles.weight_sync.arguments import add_weight_sync_arguments
 
 __all__ = ["ArgumentError", "build_parser", "derive_args", "parse_args", "validate_args"]
 PROG = "train_diffusion.py"
@@ -288,6 +289,7 @@ SHARED_GROUPS = (
     add_train_arguments,
     add_fsdp_arguments,
     add_rollout_arguments,
+    add_weight_sync_arguments,
     *RL_ARGUMENT_GROUPS,
     add_eval_arguments,
     add_checkpoint_arguments,

@@ -49,7 +49,7 @@ FLAG_RANGES: dict[str, Range] = {
     "adam_eps": POSITIVE, "clip_grad": AT_LEAST_0, "max_skipped_steps": AT_LEAST_1,
     # batches and steps
     "micro_batch_size": AT_LEAST_1, "global_batch_size": AT_LEAST_1, "num_steps_per_rollout": AT_LEAST_1,
-    "num_rollout": AT_LEAST_1,
+    "num_rollout": AT_LEAST_1, "weight_sync_bucket_mb": AT_LEAST_1,
     "rollout_batch_size": AT_LEAST_1, "n_samples_per_prompt": AT_LEAST_1, "builtin_dataset_size": AT_LEAST_1,
     # sampling
     "rollout_seed": AT_LEAST_0, "diffusion_num_steps": AT_LEAST_1, "diffusion_guidance_scale": AT_LEAST_0,

@@ -5,11 +5,13 @@ says which frozen networks a role holds, its loss-hub entry what the trunk does 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
 import random
 import socket
+from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
@@ -37,6 +39,7 @@ from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
 from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher, prefetch_enabled
 from miles.backends.fsdp_utils.sharded_load import load_sharded
 from miles.backends.fsdp_utils.train_loop import TrainLoop
+from miles.backends.fsdp_utils.weight_push import WeightPusher, sync_plan
 from miles.models.base import family_options, get_train_pipeline_config
 from miles.models.sequence_parallel import SequenceParallelGroup, new_sequence_parallel_group
 from miles.utils.distributed import (
@@ -50,6 +53,8 @@ from miles.utils.misc import load_module
 from miles.utils.offload import HostSwap
 from miles.utils.threads import gpu_rank_threads, node_info
 from miles.utils.weight_checksum import TensorChecksum
+from miles.weight_sync.protocol import SyncPlan
+from miles.weight_sync.transports import TransportSpec
 
 logger = logging.getLogger(__name__)
 SHADOW_CHECKPOINT_KEYS = {"old": "nft_old"}  # the name checkpoints written before the loss-hub declarations use
@@ -76,6 +81,7 @@ class FSDPTrainRayActor(TrainLoop):
         self._gradient_sync = True  # FSDP2's default: reduce-scatter and reshard after every backward
         self.train_threads: int | None = None  # torch threads while training (None: the base count)
         self.loaded: dict[str, torch.nn.Module] = {}  # the frozen networks loaded from a checkpoint (a teacher)
+        self.pusher: WeightPusher | None = None  # the weight sync's trainer end, from prepare_weight_sync
 
     # ---- set-up -------------------------------------------------------------------------------
     def get_master_address(self) -> tuple[str, int]:
@@ -335,23 +341,56 @@ class FSDPTrainRayActor(TrainLoop):
         """
         self.wake()
         checksums: dict[str, TensorChecksum] = {}
-        # only the adapter with LoRA; the rest in the engines' dtype, cast before it leaves the device
-        gather = {
-            "keep": is_lora_key if self.lora_config is not None else None,
-            "as_dtype": self._engine_dtype(),
-            "checksums": checksums,
-        }
-        if self.hooks.engine_weights is not None:
-            state = self.shadows[self.hooks.engine_weights].full_state_dict(self.model, **gather)
-        elif self.ema is not None and self.args.ema_rollout_policy == "ema":
-            state = self.ema.full_state_dict(self.model, **gather)
-        else:
-            state = full_state_dict(self.model, **gather)
+        keep, as_dtype = self._engine_export()
+        with self._engine_weights_in():  # the gather returns fresh tensors: nothing aliases the swapped-in shadow
+            state = full_state_dict(self.model, keep=keep, as_dtype=as_dtype, checksums=checksums)
         if self.rank != 0:
             return None, None
         if self.lora_config is not None:
             state = lora_state_dict(state)
         return state, {name: checksums[name] for name in state}
+
+    def _engine_weights_in(self) -> contextlib.AbstractContextManager:
+        """The model holding the weights the engines sample with: the declared shadow the loss-hub entry names
+        (`engine_weights`, e.g. NFT's old policy), else EMA weights with `--ema-rollout-policy ema`, else the live
+        ones."""
+        if self.hooks.engine_weights is not None:
+            return self.shadows[self.hooks.engine_weights].swapped_in(self.model)
+        if self.ema is not None and self.args.ema_rollout_policy == "ema":
+            return self.ema.swapped_in(self.model)
+        return contextlib.nullcontext(self.model)
+
+    def _engine_export(self) -> tuple[Callable[[str], bool] | None, Callable[[str], torch.dtype | None] | None]:
+        """(keep, as_dtype) of an export: only the LoRA entries with LoRA; the rest in the engines' dtype, cast
+        before it leaves the device."""
+        return (is_lora_key if self.lora_config is not None else None), self._engine_dtype()
+
+    # ---- the weight sync (miles.weight_sync; the driver's side is miles.ray.weight_sync) -----------------------
+    def prepare_weight_sync(
+        self, kind: str, bucket_bytes: int, direct: bool = False
+    ) -> tuple[SyncPlan, str | tuple | None]:
+        """The bucket plan (every rank; collective) and, on rank 0, the persistent buffer of a shared transport with
+        what the engines open it by. `direct`: every rank writes its shards into the `shm` buckets (no gather)."""
+        keep, as_dtype = self._engine_export()
+        self.pusher = WeightPusher(sync_plan(self.model, bucket_bytes, keep, as_dtype), self.rank, self.device)
+        return self.pusher.plan, self.pusher.prepare(kind, direct)
+
+    def open_weight_sync(self, spec: TransportSpec) -> None:
+        """Rank 0 joins the sync group with the engines (they join at the same time)."""
+        self._pusher().open(spec)
+
+    def _pusher(self) -> WeightPusher:
+        if self.pusher is None:
+            raise RuntimeError(f"{self.role}: the weight sync is used before prepare_weight_sync made its plan")
+        return self.pusher
+
+    def push_weights(self) -> float:
+        """Gather the engines' weights (collective) and, on rank 0, send them bucket by bucket, each with its
+        checksums; seconds on rank 0 until the engines took the last bucket."""
+        self.wake()
+        keep, as_dtype = self._engine_export()
+        with self._engine_weights_in():
+            return self._pusher().push(self.model, keep, as_dtype)
 
     def _engine_dtype(self):
         """`as_dtype` of the weight export: the forward dtype the engines hold their transformer in, except what
@@ -394,4 +433,7 @@ class FSDPTrainRayActor(TrainLoop):
     def shutdown(self) -> None:
         if self.prefetcher is not None:  # None until init built it
             self.prefetcher.shutdown()
+        if self.pusher is not None:
+            self.pusher.close()
+            self.pusher = None
         destroy_process_group()

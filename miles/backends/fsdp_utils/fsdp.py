@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -454,37 +454,61 @@ def bucketed_full_state_dict(
     """`full_state_dict(model)` on rank 0 (CPU tensors, the state dict's order; `{}` elsewhere), bit-identical, with
     one all-gather per bucket of consecutive parameters instead of one per tensor (collective).
 
+    The tensors of `gathered_tensors` (same arguments), each joined on the CPU. `checksums`: filled on rank 0 with
+    each returned tensor's checksum, computed on the collective device over the gathered pieces.
+    """
+    out: dict[str, torch.Tensor] = {}
+    terms: dict[str, torch.Tensor] = {}
+    want = checksums is not None
+    for name, shape, pieces, term in gathered_tensors(
+        model, bucket_bytes=bucket_bytes, keep=keep, as_dtype=as_dtype, checksums=want
+    ):
+        pieces = [piece.cpu() for piece in pieces]
+        out[name] = (pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)).view(shape)
+        if term is not None:
+            terms[name] = term
+    if want and out:
+        checksums.update(build_checksums([(n, t.dtype, tuple(t.shape), terms[n]) for n, t in out.items()]))
+    return out
+
+
+def gathered_tensors(
+    model: nn.Module,
+    *,
+    bucket_bytes: int | None = None,
+    keep: Callable[[str], bool] | None = None,
+    as_dtype: Callable[[str], torch.dtype | None] | None = None,
+    checksums: bool = False,
+) -> Iterator[tuple[str, torch.Size, list[torch.Tensor], torch.Tensor | None]]:
+    """Gather the full tensors bucket by bucket (collective: every rank runs it to the end) and yield, on rank 0 only,
+    each as (name, shape, pieces, checksum terms) in the state dict's order: its flat pieces on the collective device
+    (joined in order they are the tensor; they may alias the parameters), until the next step of the iteration.
+
     The buckets are `gather_plan`'s, from global metadata, so every rank issues the same all-gathers. Each rank lays
     its dim-0 shards of a bucket end to end in one flat tensor, each padded to the largest shard of its tensor; rank 0
-    cuts the gathered flats back into full tensors. Tensors of another layout, and buffers, go one by one.
-    `bucket_bytes`: per rank, default `GATHER_BUCKET_BYTES` of the collective device. `keep(name)`: only those
-    entries (the same filter on every rank); the others cost no collective. `as_dtype(name)`: the dtype a floating
-    entry is sent and returned in (cast on the device, before the gather; None: as stored). `checksums`: filled on
-    rank 0 with each returned tensor's checksum, computed on the collective device over the gathered pieces.
+    cuts the gathered flats into pieces. Tensors of another layout, and buffers, go one by one. `bucket_bytes`: per
+    rank, default `GATHER_BUCKET_BYTES` of the collective device. `keep(name)`: only those entries (the same filter
+    on every rank); the others cost no collective. `as_dtype(name)`: the dtype a floating entry is sent in (cast on
+    the device, before the gather; None: as stored). `checksums`: yield each tensor's checksum terms
+    (`weight_checksum.checksum_terms` over the pieces, on the device), else None.
     """
     if bucket_bytes is None:
         bucket_bytes = GATHER_BUCKET_BYTES.get(collective_device().type, GATHER_BUCKET_BYTES["cuda"])
     rank0 = dist.get_rank() == 0
     state = model.state_dict()
-    out: dict[str, torch.Tensor] = {}
     entries = gather_entries(state, keep, as_dtype)
     dtypes = {entry.name: entry.dtype for entry in entries}
-    terms: dict[str, torch.Tensor] | None = {} if checksums is not None and rank0 else None
     for bucket in gather_plan(entries, bucket_bytes):
         if bucket.layout is None:
             name = bucket.names[0]
-            full = _full_tensor(state[name].to(dtypes[name]))
+            full = _full_tensor(state[name].to(dtypes[name])).detach()
             if rank0:
-                if terms is not None:
-                    terms[name] = checksum_terms([full])
-                out[name] = full.detach().cpu()
+                flat = full.reshape(-1)
+                yield name, full.shape, [flat], checksum_terms([flat]) if checksums else None
             continue
         pairs = [(name, state[name]) for name in bucket.names]
-        out.update(_gather_bucket(pairs, bucket.layout.shard_dim, rank0, dtypes[bucket.names[0]], terms))
-    ordered = {name: out[name] for name in state if name in out}
-    if terms is not None:
-        checksums.update(build_checksums([(n, t.dtype, tuple(t.shape), terms[n]) for n, t in ordered.items()]))
-    return ordered
+        for name, shape, pieces in _gather_bucket(pairs, bucket.layout.shard_dim, rank0, dtypes[bucket.names[0]]):
+            yield name, shape, pieces, checksum_terms(pieces) if checksums else None
 
 
 def _full_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -492,14 +516,10 @@ def _full_tensor(value: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_bucket(
-    bucket: list[tuple[str, DTensor]],
-    shard_dim: int,
-    rank0: bool,
-    dtype: torch.dtype,
-    terms: dict[str, torch.Tensor] | None = None,
-) -> dict[str, torch.Tensor]:
-    """One all-gather of the bucket's dim-0 shards over the group of mesh dim `shard_dim`; the full tensors on rank 0
-    (CPU). `terms`: filled with each tensor's checksum terms, over the gathered pieces still on the device."""
+    bucket: list[tuple[str, DTensor]], shard_dim: int, rank0: bool, dtype: torch.dtype
+) -> list[tuple[str, torch.Size, list[torch.Tensor]]]:
+    """One all-gather of the bucket's dim-0 shards over the group of mesh dim `shard_dim`; on rank 0 each tensor's
+    (name, shape, flat pieces on the collective device in rank order), else []."""
     group = bucket[0][1].device_mesh.get_group(shard_dim)
     world, me = dist.get_world_size(group), dist.get_group_rank(group, dist.get_rank())
     device = collective_device()
@@ -526,19 +546,11 @@ def _gather_bucket(
     received = [torch.empty_like(send) for _ in range(world)]
     dist.all_gather(received, send, group=group)
     if not rank0:
-        return {}
-    if terms is not None:
-        offset = 0
-        for name, _, rows, row, chunk in layout:
-            terms[name] = checksum_terms(
-                received[r][offset : offset + max(0, min(chunk, rows - r * chunk)) * row] for r in range(world)
-            )
-            offset += chunk * row
-    received = [r.cpu() for r in received]
-    out, offset = {}, 0
+        return []
+    out, offset = [], 0
     for name, shape, rows, row, chunk in layout:
         pieces = [received[r][offset : offset + max(0, min(chunk, rows - r * chunk)) * row] for r in range(world)]
-        out[name] = torch.cat(pieces).view(shape)
+        out.append((name, shape, pieces))
         offset += chunk * row
     return out
 

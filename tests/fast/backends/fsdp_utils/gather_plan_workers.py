@@ -3,6 +3,7 @@ in buckets that close around them, under plain FSDP2 (world size 3) and hybrid s
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from miles.backends.fsdp_utils.fsdp import (
     gather_entries,
     gather_plan,
 )
+from miles.backends.fsdp_utils.weight_push import WeightPusher, sync_plan
+from miles.weight_sync.transports import SLOTS
 
 DIM = 8
 SHARD = 3
@@ -87,7 +90,44 @@ def gather_report(rank: int, world_size: int, shard_size: int | None) -> dict[st
     with counted_collectives() as sent:  # the engines' dtype, LoRA as trained (the weight export's `as_dtype`)
         report["bf16"] = bucketed_full_state_dict(model, bucket_bytes=LORA_BUCKET, as_dtype=bf16_except_lora)
     report["bf16_sent"] = sent
+    report["direct"] = direct_push(model, rank)
     return report
+
+
+class RecordingTransport:
+    """Rank 0's end of the sync group in a test without engines: the bucket slots of the shared file, and what each
+    `send` handed over (each tensor's bytes and checksum terms)."""
+
+    def __init__(self, shared: torch.Tensor, buffer_bytes: int) -> None:
+        self.shared, self.buffer_bytes, self.sent = shared, buffer_bytes, {}
+
+    def slot(self, bucket) -> torch.Tensor:
+        start = (bucket.index % SLOTS) * self.buffer_bytes
+        return self.shared[start : start + self.buffer_bytes]
+
+    def send(self, bucket, terms: torch.Tensor) -> None:
+        data = self.slot(bucket)
+        for tensor, term in zip(bucket.tensors, terms):
+            self.sent[tensor.name] = (tensor.view(data).clone(), term.clone())
+
+    def finish(self) -> None:
+        pass
+
+
+def direct_push(model: nn.Module, rank: int) -> list[dict] | None:
+    """Two `WeightPusher.push_direct` syncs in the engines' dtype into 256-byte buckets of a shared file: every rank
+    writes its own rows (replica 0 only); rank 0's record of what each sync sent (None elsewhere)."""
+    pusher = WeightPusher(sync_plan(model, 256, None, bf16_except_lora), rank, torch.device("cpu"))
+    path = pusher.prepare("shm", direct=True)
+    if rank == 0:
+        os.unlink(path)
+        pusher.transport = RecordingTransport(pusher.shared, pusher.plan.buffer_bytes)
+    syncs = []
+    for _ in range(2):
+        pusher.push(model, None, bf16_except_lora)
+        if rank == 0:
+            syncs.append(dict(pusher.transport.sent))
+    return syncs if rank == 0 else None
 
 
 def bf16_except_lora(name: str) -> torch.dtype | None:

@@ -43,6 +43,7 @@ from miles.models.qwen_image import QwenImagePipelineConfig
 from miles.models.sd3 import SD3PipelineConfig
 from miles.models.wan import WanPipelineConfig
 from miles.models.wan_experts import WanExperts
+from miles.utils.weight_checksum import block_terms
 from tests.background import job_folder
 from tests.fast.backends.fsdp_utils import rank_jobs
 from tests.fast.backends.fsdp_utils.gather_plan_workers import SHARD, is_lora
@@ -440,3 +441,20 @@ def test_gather_in_the_engines_dtype_casts_before_it_sends(gloo_reports, run):
     bf16_bytes = [b for b in reports[0]["bf16_sent"] if b > 0]
     assert sum(bf16_bytes) < sum(fp32_bytes)
     assert all(report["bf16_sent"] == reports[0]["bf16_sent"] for report in reports)  # the same collectives
+
+
+@ON_GLOO
+@pytest.mark.parametrize("run", ["ws6-shard3"])
+def test_ranks_writing_their_own_rows_into_the_shared_buckets_give_the_full_tensors(gloo_reports, run):
+    """The weight sync on one host (`WeightPusher.push_direct`): every rank of replica 0 writes its uneven dim-0 rows
+    of each tensor, cast to the engines' dtype, where they lie in the bucket, rank 0 the buffer; what each of two
+    syncs hands over (through two reused slots) is `full_tensor()` cast, bit for bit, with its `block_terms`."""
+    reports = gloo_reports[run]
+    expected = {n: t if is_lora(n) else t.to(torch.bfloat16) for n, t in reports[0]["per_tensor"].items()}
+    assert all(report["direct"] is None for report in reports[1:])
+    for sent in reports[0]["direct"]:
+        assert list(sent) == list(expected)
+        for name, value in expected.items():
+            got, terms = sent[name]
+            assert got.dtype == value.dtype and torch.equal(got, value), name
+            assert torch.equal(terms, block_terms(value)), name

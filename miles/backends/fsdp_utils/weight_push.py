@@ -1,0 +1,198 @@
+"""The trainer's end of the weight sync: the bucket plan of the engines' weights (from global metadata, the same on
+every rank) and the push, where rank 0 writes each gathered tensor's pieces straight into the transport's bucket slot
+(no full CPU copy of the model), checksums it there (`weight_checksum.block_terms`) and hands the bucket over while
+the next one is gathered."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from miles.backends.fsdp_utils.fsdp import GatherEntry, gather_entries, gathered_tensors
+from miles.utils.distributed import collective_device
+from miles.utils.weight_checksum import block_terms
+from miles.weight_sync.protocol import SyncPlan, plan_buckets
+from miles.weight_sync.transports import SLOTS, Transport, TransportSpec, shared_buffer
+
+logger = logging.getLogger(__name__)
+
+# Bytes each rank sends per all-gather of a push, by collective device: larger than the gathers' default on CPU
+# (`fsdp.GATHER_BUCKET_BYTES`), since a push streams every bucket out at once and fewer gloo calls win at size
+# (docs/user-guide/performance.md, "The weight sync").
+PUSH_GATHER_BYTES = {"cpu": 32 << 20, "cuda": 128 << 20}
+
+
+def sync_plan(
+    model: nn.Module,
+    bucket_bytes: int,
+    keep: Callable[[str], bool] | None = None,
+    as_dtype: Callable[[str], torch.dtype | None] | None = None,
+) -> SyncPlan:
+    """The buckets of what `push` sends: the entries `keep` accepts, in the dtypes they are sent in."""
+    entries = gather_entries(model.state_dict(), keep, as_dtype)
+    return plan_buckets([(e.name, e.shape, e.dtype) for e in entries], bucket_bytes)
+
+
+class WeightPusher:
+    """One trainer rank's part of every weight sync of a run: the plan on every rank; the transport on rank 0. With
+    `direct` (shm, every trainer rank on rank 0's node) every rank maps the bucket file and writes its own shards into
+    it: no all-gather at all."""
+
+    def __init__(self, plan: SyncPlan, rank: int, device: torch.device) -> None:
+        self.plan, self.rank, self.device = plan, rank, device
+        self.transport: Transport | None = None
+        self.shared: torch.Tensor | None = None
+        self.direct = False
+
+    def buffer_device(self, kind: str) -> torch.device:
+        """Where rank 0's slots live: the GPU for `cuda_ipc` / `nccl`, host memory for `shm` / `gloo`."""
+        return self.device if kind in ("cuda_ipc", "nccl") else torch.device("cpu")
+
+    def prepare(self, kind: str, direct: bool = False) -> str | tuple | None:
+        """Rank 0: create the persistent buffer of a shared transport; what the engines open it with. `direct`
+        (collective, `shm` only): every rank maps the file before this returns on any of them."""
+        opener = None
+        if self.rank == 0:
+            self.shared, opener = shared_buffer(kind, self.plan.buffer_bytes, self.buffer_device(kind))
+        self.direct = direct and kind == "shm"
+        if self.direct:
+            path = [opener]
+            dist.broadcast_object_list(path, src=0)  # the file's name
+            if self.rank != 0:
+                size = self.plan.buffer_bytes * SLOTS
+                self.shared = torch.from_file(path[0], shared=True, size=size, dtype=torch.uint8)
+            dist.barrier()  # mapped everywhere: rank 0 may unlink it once the engines have too
+        return opener
+
+    def open(self, spec: TransportSpec) -> None:
+        """Rank 0: join the sync group (with the engines, which join at the same time)."""
+        self.transport = Transport(spec, 0, self.buffer_device(spec.kind), self.shared)
+        if not self.direct:
+            self.shared = None  # the transport holds it now
+
+    @torch.no_grad()
+    def push_direct(self, model: nn.Module, keep=None, as_dtype=None) -> float:
+        """Every rank writes its own dim-0 shard rows of each tensor into the bucket where the full tensor's rows lie
+        (rank 0 the tensors of other layouts), then rank 0 checksums and sends the bucket (collective)."""
+        started = time.perf_counter()
+        state = model.state_dict()
+        entries = {entry.name: entry for entry in gather_entries(state, keep, as_dtype)}
+        owners = checksum_owners(self.plan, dist.get_world_size())
+        for bucket in self.plan.buckets:
+            if self.rank == 0:
+                data = self.transport.slot(bucket)  # the engines are done with its last bucket
+            else:
+                start = (bucket.index % SLOTS) * self.plan.buffer_bytes
+                data = self.shared[start : start + self.plan.buffer_bytes]
+            dist.barrier()  # ... which the other ranks learn here
+            for slot in bucket.tensors:
+                region = data[slot.offset : slot.offset + slot.nbytes]
+                _write_own_rows(state[slot.name], entries[slot.name], region, self.rank == 0)
+            dist.barrier()  # every rank's rows are in
+            # the checksums split over the ranks by tensor, summed to rank 0 (int64 sums wrap alike everywhere)
+            terms = torch.zeros(len(bucket.tensors), 2, dtype=torch.int64)
+            for i, t in enumerate(bucket.tensors):
+                if owners[bucket.index][i] == self.rank:
+                    terms[i] = block_terms(data[t.offset : t.offset + t.nbytes])
+            dist.reduce(terms, dst=0)
+            if self.rank == 0:
+                self.transport.send(bucket, terms)
+        if self.rank == 0:
+            self.transport.finish()
+        return time.perf_counter() - started if self.rank == 0 else 0.0
+
+    @torch.no_grad()
+    def push(self, model: nn.Module, keep=None, as_dtype=None) -> float:
+        """Gather the weights (collective, every rank) and, on rank 0, send every bucket; seconds rank 0 spent
+        until the engines took the last bucket (0 elsewhere). `push_direct` where the ranks map the buckets."""
+        if self.direct:
+            return self.push_direct(model, keep, as_dtype)
+        started = time.perf_counter()
+        gather_bytes = PUSH_GATHER_BYTES.get(collective_device().type, PUSH_GATHER_BYTES["cuda"])
+        tensors = gathered_tensors(model, bucket_bytes=gather_bytes, keep=keep, as_dtype=as_dtype)
+        if self.rank != 0:
+            for _ in tensors:  # the other ranks only take part in the gathers
+                pass
+            return 0.0
+        if self.transport is None:
+            raise RuntimeError("push before the weight sync was opened (`open` on rank 0)")
+        slots = ((bucket, slot) for bucket in self.plan.buckets for slot in bucket.tensors)
+        terms: list[torch.Tensor] = []
+        for name, shape, pieces, _ in tensors:
+            bucket, slot = next(slots, (None, None))
+            if slot is None or slot.name != name or tuple(shape) != slot.shape:
+                raise RuntimeError(
+                    f"weight sync: gathered {name} {tuple(shape)} where the plan has "
+                    f"{None if slot is None else (slot.name, slot.shape)}: the model changed since the plan was made"
+                )
+            if slot is bucket.tensors[0]:
+                data = self.transport.slot(bucket)
+            region, offset = data[slot.offset : slot.offset + slot.nbytes], 0
+            for piece in pieces:
+                flat = piece.contiguous().view(-1).view(torch.uint8)
+                region[offset : offset + flat.numel()].copy_(flat)
+                offset += flat.numel()
+            terms.append(block_terms(region))  # over the bytes as they leave: contiguous, whatever the gather's split
+            if slot is bucket.tensors[-1]:
+                self.transport.send(bucket, torch.stack(terms))
+                terms = []
+        if next(slots, None) is not None:
+            raise RuntimeError("weight sync: the gather yielded fewer tensors than the plan holds")
+        self.transport.finish()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+
+def checksum_owners(plan: SyncPlan, world_size: int) -> list[list[int]]:
+    """Per bucket, the rank that checksums each tensor: the one with the fewest bytes so far (the same on every
+    rank: the plan is)."""
+    owners = []
+    for bucket in plan.buckets:
+        load = [0] * world_size
+        mine = []
+        for tensor in sorted(range(len(bucket.tensors)), key=lambda i: -bucket.tensors[i].nbytes):
+            rank = min(range(world_size), key=load.__getitem__)
+            load[rank] += bucket.tensors[tensor].nbytes
+            mine.append((tensor, rank))
+        owners.append([rank for _, rank in sorted(mine)])
+    return owners
+
+
+def _write_own_rows(value: torch.Tensor, entry: GatherEntry, region: torch.Tensor, rank0: bool) -> None:
+    """This rank's part of one tensor, cast to the dtype it is sent in, into `region` (the full tensor's bytes): its
+    dim-0 shard rows where they lie in the full tensor (replica 0 of a hybrid mesh only; FSDP2 splits rows as
+    `torch.chunk`), or on rank 0 the whole of a tensor of another layout (gathered first where that is collective)."""
+    if entry.layout is None:
+        value = value.to(entry.dtype)
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if rank0:
+            region.copy_(full.detach().contiguous().view(-1).view(torch.uint8))
+        return
+    mesh, dim = value.device_mesh, entry.layout.shard_dim
+    coordinate = mesh.get_coordinate()
+    if any(c != 0 for i, c in enumerate(coordinate) if i != dim):
+        return  # another replica of this shard group writes the same rows
+    rows, row = entry.shape[0], math.prod(entry.shape[1:])
+    chunk = -(-rows // mesh.size(dim))
+    first = coordinate[dim] * chunk
+    mine = max(0, min(chunk, rows - first))
+    local = value.to_local()
+    if local.shape[0] != mine:
+        raise RuntimeError(
+            f"{entry.name}: this rank holds {local.shape[0]} rows of {rows}, not {mine} of an even split"
+        )
+    if mine:
+        size = entry.dtype.itemsize
+        flat = local.detach().to(entry.dtype).contiguous().view(-1).view(torch.uint8)
+        region[first * row * size : (first + mine) * row * size].copy_(flat)

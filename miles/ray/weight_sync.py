@@ -1,0 +1,103 @@
+"""The driver's side of the weight sync (`miles.weight_sync`): at the first sync it picks the transport by placement
+(or --weight-sync-transport), has trainer rank 0 make the bucket plan and the buffers, and starts the sync group of
+rank 0 and the engines; every sync then runs the trainer's push and the engines' receive at once. No weight passes
+through the driver or Ray's object store: only the plan and the group's address do."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from typing import Any
+
+import ray
+
+from miles.ray.engine_group import RolloutEngineGroup
+from miles.ray.placement_group import actor_nodes
+from miles.utils.distributed import uses_gpu
+from miles.weight_sync.protocol import DEFAULT_BUCKET_BYTES
+from miles.weight_sync.transports import TransportSpec, choose_transport
+
+logger = logging.getLogger(__name__)
+
+
+def bucket_bytes(args: argparse.Namespace) -> int:
+    """--weight-sync-bucket-mb in bytes; its default by device."""
+    if args.weight_sync_bucket_mb is not None:
+        return args.weight_sync_bucket_mb << 20
+    return DEFAULT_BUCKET_BYTES["cuda" if uses_gpu(args) else "cpu"]
+
+
+def check_placement(kind: str, rank0: dict, engines: list[dict]) -> None:
+    """Refuse a shared transport (`--weight-sync-transport shm` / `cuda_ipc`) that some engine cannot map."""
+    key = {"shm": ("node_id",), "cuda_ipc": ("node_id", "gpus")}.get(kind)
+    apart = [i for i, e in enumerate(engines) if key and any(e[k] != rank0[k] for k in key)]
+    if apart:
+        where = "node" if kind == "shm" else "GPU"
+        raise ValueError(
+            f"--weight-sync-transport {kind} needs every engine on the {where} of the actor's rank 0, but engines "
+            f"{apart} run elsewhere (placement.json): use --weight-sync-transport auto"
+        )
+
+
+class WeightSyncLink:
+    """The sync group of one actor group's rank 0 and one engine group, made at the first `push`."""
+
+    def __init__(self, args: argparse.Namespace, engines: RolloutEngineGroup) -> None:
+        self.args, self.engines = args, engines
+        self.actor_group: Any = None
+        self.kind: str | None = None
+
+    def connect(self, actor_group: Any) -> None:
+        """Pick the transport, make the plan and buffers on the trainer, and have rank 0 and the engines join."""
+        args, engines = self.args, self.engines
+        ranks, where = actor_nodes(actor_group.actors), actor_nodes(engines.engines)
+        kind = args.weight_sync_transport
+        if kind == "auto":
+            kind = choose_transport(ranks[0], where, "cuda" if uses_gpu(args) else "cpu")
+        check_placement(kind, ranks[0], where)
+        # on one host every rank writes its own shards into the shared buckets: no all-gather
+        direct = kind == "shm" and all(r["node_id"] == ranks[0]["node_id"] for r in ranks)
+        prepared = actor_group.call("prepare_weight_sync", kind, bucket_bytes(args), direct)
+        plan, opener = prepared[0]
+        address, port = ray.get(actor_group.actors[0].get_master_address.remote(), timeout=engines.timeout_s)
+        spec = TransportSpec(
+            kind,
+            address,
+            port,
+            1 + engines.num_engines,
+            plan.buffer_bytes,
+            engines.timeout_s,
+            shm_path=opener if kind == "shm" else None,
+        )
+        joined = actor_group.actors[0].open_weight_sync.remote(spec)
+        engines.open_weight_sync(spec, plan, opener if kind == "cuda_ipc" else None)
+        ray.get(joined, timeout=engines.timeout_s)
+        self.actor_group, self.kind = actor_group, kind
+        logger.info(
+            "weight sync over %s%s: %d buckets, %.1f MB, %d engine(s)",
+            kind,
+            " (every trainer rank writes its shards)" if direct else "",
+            len(plan.buckets),
+            plan.total_bytes / 1e6,
+            engines.num_engines,
+        )
+
+    def push(self, actor_group: Any, version: int, rollout_id: int | None = None) -> float:
+        """One sync: the trainer ranks gather and rank 0 sends while the engines receive; seconds until every engine
+        holds (and has verified) the weights. The first member to fail is the one named (the others would wait on it
+        until the group's timeout)."""
+        if self.actor_group is not actor_group:
+            self.connect(actor_group)
+        started = time.perf_counter()
+        waiting = {ref: None for ref in actor_group.submit_push()}
+        waiting.update({ref: i for i, ref in self.engines.submit_receive(version).items()})
+        while waiting:
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=self.engines.timeout_s)
+            ref = ready[0] if ready else next(iter(waiting))  # none in time: the next get names who timed out
+            index = waiting.pop(ref)
+            if index is None:
+                actor_group.collect([ref], f"weight sync (version {version})", rollout_id)
+            else:
+                self.engines.collect_receive({index: ref}, version, rollout_id)
+        return time.perf_counter() - started
