@@ -64,7 +64,7 @@ def make_plan(args: argparse.Namespace, *, suggestions: bool = True) -> dict[str
     report["device"] = planned_device(args)
     if suggestions and not report["fits"]:
         started = time.perf_counter()
-        report["suggestions"] = suggest(args, report, settings, build_report)
+        report["suggestions"] = suggest(args, report, settings, build_report, simulation)
         report["suggestions_seconds"] = round(time.perf_counter() - started, 1)
     return report
 

@@ -43,6 +43,7 @@ class Simulation:
     window_samples: int = 0  # samples in one window of one data-parallel rank
     roles: dict[str, list[ProcessPlan]] = field(default_factory=dict)
     train_flops: dict[str, float] = field(default_factory=dict)  # one whole window on rank 0
+    window: dict = field(default_factory=dict)  # one data-parallel rank's window of train pairs (fake)
     seconds: float = 0.0
 
 
@@ -81,20 +82,44 @@ def simulated_ranks(args: argparse.Namespace, limit: int = 4) -> list[int]:
     return unique[:limit]
 
 
-def simulate(args: argparse.Namespace, *, ranks: list[int] | None = None) -> Simulation:
+def simulate(
+    args: argparse.Namespace,
+    *,
+    ranks: list[int] | None = None,
+    reuse: Simulation | None = None,
+    parts: tuple[str, ...] = ("engine", "trainer"),
+) -> Simulation:
     """The engine's generate call, then each role's ranks (rank 0 first) on the first two micro-batches of one
     window of pairs converted from it (memory is at its steady state by the second: the gradients of the first are
-    held), its FLOPs scaled to the whole window."""
+    held), its FLOPs scaled to the whole window. With `reuse`, the parts not named in `parts` are taken from that
+    simulation (a re-plan of a change that touches only the trainer, or only the engines)."""
     started = time.perf_counter()
     sim = simulation_args(args)
     algorithm = algorithm_of(args)
     window_samples = max(1, sim.global_batch_size // args.dp_size)
     rows = engine_rows(args) if algorithm.uses_engines else window_samples
-    engine, result, samples, engine_flops = simulate_engine(sim, rows)
+    if reuse is None or "engine" in parts:
+        engine, result, samples, engine_flops = simulate_engine(sim, rows)
+        window = train_pairs_for_rank(sim, *reversed(_rows_for_window(result, samples, window_samples)))
+    else:
+        engine, engine_flops, window, rows = reuse.engine, reuse.engine_flops, reuse.window, reuse.engine_rows
     out = Simulation(engine if algorithm.uses_engines else None, rows, engine_flops, window_samples=window_samples)
-    window = train_pairs_for_rank(sim, *reversed(_rows_for_window(result, samples, window_samples)))
+    out.window = window
+    if reuse is not None and "trainer" not in parts:
+        out.roles, out.train_flops = reuse.roles, reuse.train_flops
+    else:
+        simulate_roles(args, sim, window, out, ranks)
+    out.seconds = time.perf_counter() - started
+    return out
+
+
+def simulate_roles(
+    args: argparse.Namespace, sim: argparse.Namespace, window: dict, out: Simulation, ranks: list[int] | None
+) -> None:
+    """Each role's simulated ranks into `out` (in training order: each role's rank-0 output is the next one's
+    peer, as dmd2's critic feeds its actor)."""
     sleeps, peer, world = plans_sleep(args), None, trainer_world_size(args)
-    for role in algorithm.role_names:  # in training order: each role's rank-0 output is the next one's peer
+    for role in algorithm_of(args).role_names:
         micro = role_settings(sim, role)["micro_batch_size"]
         simulated = min(num_pairs(window), 2 * micro)
         pairs = {key: value[:simulated] for key, value in window.items()}
@@ -105,8 +130,6 @@ def simulate(args: argparse.Namespace, *, ranks: list[int] | None = None) -> Sim
             out.train_flops.setdefault(role, float(flops.get_total_flops()) * num_pairs(window) / simulated)
             out.roles[role].append(plan)
         peer = outputs[min(outputs)]
-    out.seconds = time.perf_counter() - started
-    return out
 
 
 def _rows_for_window(result: GenerateResult, samples: list, count: int) -> tuple[GenerateResult, list]:
