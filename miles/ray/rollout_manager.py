@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from miles.rollout.rm_hub.media import attach_media
 from miles.rollout.rollout_hub import DatasetSpec, rollout_spec_of
 from miles.utils.box import Box
 from miles.utils.distributed import engine_cpus, uses_gpu
+from miles.utils.engine_arguments import engine_timeouts
 from miles.utils.hook_paths import load_path_flags
 from miles.utils.types import Sample, TrainPairs
 
@@ -102,6 +104,8 @@ class RolloutManager:
             lora_config=self._lora_config(),
             family_options=family_options(args),
             compile_mode=args.compile,
+            micro_batch_size=args.rollout_micro_batch_size,
+            timeouts=engine_timeouts(args),
             wait=self._wait,
             colocation=self._colocation,
             pool=self._pool,
@@ -118,6 +122,12 @@ class RolloutManager:
             self.engines.wait_ready()
         if self.rewards is not None:
             self.rewards.wait_ready()
+
+    def show_engine_progress(self, display: Callable[[str], None]) -> None:
+        """`display(text)` with the engines' progress while a generation is awaited ("generate 37/80 steps"; "" when
+        it is in)."""
+        if self.engines is not None:
+            self.engines.on_progress = display
 
     def _lora_config(self) -> dict | None:
         if not self.args.use_lora:
