@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 
 from miles.rollout.micro_batches import EngineProgress
 from miles.utils.engine_arguments import RolloutTimeout
@@ -75,7 +75,14 @@ class EngineWait:
         `EngineError`) or one past its deadline raises at once, naming it (and its allowance and last report); another
         failure (raised by a live engine) is raised once every engine before it has answered, so the lowest failing
         engine is the one named, whichever finished first."""
-        pending, out, failures = dict(refs), {}, {}
+        try:
+            return self._run(dict(refs), answer)
+        finally:
+            if self.reports and self.on_progress is not None:
+                self.on_progress("")  # the wait is over: the display goes back to what it showed before
+
+    def _run(self, pending: dict[int, ray.ObjectRef], answer: Callable[[int, ray.ObjectRef], Any]) -> dict[int, Any]:
+        out, failures = {}, {}
         next_poll, next_log = self.started + self.poll_s, self.started + self.log_every_s
         while pending:
             now = time.monotonic()
@@ -100,19 +107,20 @@ class EngineWait:
             for index in pending:
                 if time.monotonic() > self.deadline[index]:
                     raise EngineError(self._late(index, len(self.engines)), index)
-        if failures:
-            raise failures[min(failures)]
-        if self.reports and self.on_progress is not None:
-            self.on_progress("")  # the wait is over: the display goes back to what it showed before
         return out
 
     def _poll(self, pending: dict[int, Any], now: float) -> None:
         """Read each pending engine's progress; a new report restarts its deadline where its allowance says so."""
+        if self.on_progress is None and all(self.allowances[i].after_report is None for i in pending):
+            return  # nothing would read the reports (start-up: an engine answers nothing before its __init__ ends)
         asked = {index: self.engines[index].progress.remote() for index in pending}
+        answered, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=self.poll_s)
         for index, ref in asked.items():
+            if ref not in answered:  # a stuck engine says nothing
+                continue
             try:
-                report = ray.get(ref, timeout=self.poll_s)
-            except (RayActorError, GetTimeoutError):  # a dead engine's own call fails next; a stuck one says nothing
+                report = ray.get(ref)
+            except RayActorError:  # a dead engine's own call fails next
                 continue
             previous = self.reports.get(index)
             if previous is None or report.ticks != previous.ticks:
