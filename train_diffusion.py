@@ -26,7 +26,7 @@ with import_gc.paused():  # the driver's imports (torch, Ray) without the collec
     from miles.ray.restarts import RESTARTABLE, Restarts
     from miles.startup import start_up
     from miles.utils.arguments import parse_args
-    from miles.utils.console import ProgressLine, TqdmHandler, progress_bar, summary_line
+    from miles.utils.console import ProgressLine, TqdmHandler, engine_progress_display, progress_bar, summary_line
     from miles.utils.failures import run_cleanup
     from miles.utils.stop_signals import EXIT_PREEMPTED, StopSignals, ignore_late_signals, stop_line
     from miles.utils.tracking import Tracking, current_records, open_tracking, read_metrics
@@ -132,6 +132,7 @@ def train_rollouts(
     """The outer loop (ARCHITECTURE §4) with a progress bar; `started` as in `run`. Returns the last rollout
     completed, which is `args.num_rollout - 1` unless a stop signal (`stop.requested`) ended the loop early."""
     bar, progress = progress_bar(range(start_rollout_id, args.num_rollout), args), ProgressLine(args.loss_type)
+    run_groups.rollout_manager.show_engine_progress(engine_progress_display(bar, args.loss_type))
     generations = Generations(args, run_groups.rollout_manager)
     completed = start_rollout_id - 1
     try:

@@ -13,6 +13,15 @@ after `malloc_trim`), measured above the rank's own baseline (its imports and pr
 Each is printed in GiB and as a multiple of the rank's share of the fp32 weights (the full model / dp); a rank that
 held the full model at some point shows a load peak of at least dp shares. The design's target for LoRA: at most
 1.5x the share, at every dp. Not a timed test.
+
+    python benchmarks/bench_load_memory.py --engine              # a rollout engine's load instead (no trainer)
+
+`--engine`: a rollout engine process (`DiffusionEngine` on CPU with its heap kept, as `EngineActor` starts) loading
+the pipeline, its transformer in fp32 and cast to bf16: the engine's direct load (`load_transformer_direct`: meta
+device, then each tensor read into its dtype and device) against what it did before (`from_pretrained(dtype)`, then
+`.to(device)`). Printed: the load peak and the resident set after loading, above the process's baseline, in GiB and as
+a multiple of the transformer's weights, and the resident set once every weight was read (a memory-mapped fp32
+checkpoint's pages count only from then). The target: a load peak within 1.2x the weights.
 """
 
 from __future__ import annotations
@@ -117,6 +126,51 @@ def rank_main(rank: int, world_size: int, port: int, opts: dict, out: str) -> No
     destroy_process_group()
 
 
+def engine_main(_rank: int, opts: dict, out: str) -> None:
+    """One engine process: the pipeline's load peak and resident sets above the process's baseline."""
+    import miles.rollout.engine as engine_module
+    from miles.models.base import get_train_pipeline_config
+    from miles.utils.heap import keep_freed_memory
+
+    torch.set_num_threads(opts["threads"])
+    keep_freed_memory()  # as EngineActor does on CPU before it loads
+    get_train_pipeline_config(opts["folder"])  # the family's imports, before the baseline
+    if opts["loader"] == "from_pretrained":  # the engine's load before load_transformer_direct
+        engine_module.load_transformer_direct = lambda family, *, dtype, device: family.load_transformer(
+            dtype=dtype
+        ).to(device)
+    dtype = getattr(torch, opts["dtype"])
+    baseline = trimmed_rss()
+    reset_peak()
+    engine = engine_module.DiffusionEngine(opts["folder"], forward_dtype=dtype)
+    load_peak = rss("VmHWM") - baseline
+    loaded = trimmed_rss() - baseline
+    with torch.no_grad():
+        for tensor in engine.transformer.state_dict().values():
+            tensor.float().sum()  # reads every page (a mapped file's too)
+    touched = trimmed_rss() - baseline
+    weights = sum(t.numel() * t.element_size() for t in engine.transformer.state_dict().values())
+    with open(os.path.join(out, "engine.json"), "w") as f:
+        json.dump({"load_peak": load_peak, "loaded": loaded, "touched": touched, "weights": weights}, f)
+
+
+def engine_table(opts: argparse.Namespace) -> None:
+    print("| engine load | dtype | weights GiB | load peak GiB (x weights) | resident after load | after reading all |")
+    print("|---|---|---|---|---|---|")
+    for loader in ("direct", "from_pretrained"):
+        for dtype in ("float32", "bfloat16"):
+            with tempfile.TemporaryDirectory() as out:
+                run_opts = {**vars(opts), "loader": loader, "dtype": dtype}
+                mp.spawn(engine_main, args=(run_opts, out), nprocs=1)
+                r = json.load(open(os.path.join(out, "engine.json")))
+            w = r["weights"]
+            print(
+                f"| {loader} | {dtype} | {w / GIB:.2f} | {r['load_peak'] / GIB:.2f} ({r['load_peak'] / w:.2f}x) | "
+                f"{r['loaded'] / GIB:.2f} ({r['loaded'] / w:.2f}x) | {r['touched'] / GIB:.2f} ({r['touched'] / w:.2f}x) |",
+                flush=True,
+            )
+
+
 def measure(world_size: int, mode: str, lora: bool, opts: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as out:
         rank_opts = {**vars(opts), "mode": mode, "lora": lora}
@@ -136,12 +190,16 @@ def main() -> None:
         "--replica-max-ranks", type=int, default=2, help="Largest dp for the replica mode (dp full copies at once)."
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="Torch threads over all ranks.")
+    parser.add_argument("--engine", action="store_true", help="A rollout engine's load instead of the trainer's.")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         opts.folder = folder
         params = save_transformer_folder(folder, opts.layers, opts.heads, opts.head_dim)
         weights = params * 4
         print(f"SD3 transformer: {params / 1e6:.0f}M parameters, {weights / GIB:.2f} GiB in fp32")
+        if opts.engine:
+            engine_table(opts)
+            return
         print("| mode | weights | dp | share GiB | load peak GiB (x share) | loaded GiB | train peak GiB (x share) |")
         print("|---|---|---|---|---|---|---|")
         for mode in opts.modes.split(","):

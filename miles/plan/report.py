@@ -140,6 +140,7 @@ def build_report(args: argparse.Namespace, simulation: Simulation, settings: Pla
     if simulation.engine is not None:
         roles["engine"] = role_entry(simulation.engine, False)
         roles["engine"]["rows_per_call"] = simulation.engine_rows
+        roles["engine"]["micro_batch"] = simulation.engine_micro_batch
     worst = max(gpu_entries, key=lambda g: g["peak_bytes"])
     return {
         "world_size": len(gpus),

@@ -15,6 +15,7 @@ from miles.algorithms import algorithm_of, role_settings
 from miles.plan.gpus import GpuSpec
 from miles.plan.simulate import (
     ProcessPlan,
+    latent_shape,
     simulate_engine,
     simulate_trainer_rank,
     simulation_args,
@@ -22,6 +23,7 @@ from miles.plan.simulate import (
 )
 from miles.plan.tracker import Collective
 from miles.rollout.engine import GenerateResult
+from miles.rollout.micro_batches import resolve_rollout_micro_batch_size
 from miles.rollout.steps import select_rows
 from miles.utils.fsdp_arguments import trainer_world_size
 from miles.utils.types import num_pairs
@@ -44,6 +46,7 @@ class Simulation:
     roles: dict[str, list[ProcessPlan]] = field(default_factory=dict)
     train_flops: dict[str, float] = field(default_factory=dict)  # one whole window on rank 0
     window: dict = field(default_factory=dict)  # one data-parallel rank's window of train pairs (fake)
+    engine_micro_batch: int = 0  # samples per forward in the engine
     seconds: float = 0.0
 
 
@@ -60,13 +63,20 @@ def plans_sleep(args: argparse.Namespace) -> bool:
 
 
 def engine_rows(args: argparse.Namespace) -> int:
-    """Samples one engine generates in one call: its share of the rollout (or of a --generate-chunk-size chunk),
-    at most --rollout-micro-batch-size when that is set."""
+    """Samples one engine generates in one call: its share of the rollout (or of a --generate-chunk-size chunk);
+    it runs them --rollout-micro-batch-size at a time (`engine_micro_batch`)."""
     total = args.rollout_batch_size * args.n_samples_per_prompt
     chunk = min(total, args.generate_chunk_size or total)
-    share = math.ceil(chunk / max(1, args.rollout_num_engines))
-    micro = getattr(args, "rollout_micro_batch_size", None)
-    return min(share, micro) if isinstance(micro, int) and micro > 0 else share
+    return math.ceil(chunk / max(1, args.rollout_num_engines))
+
+
+def engine_micro_batch(args: argparse.Namespace, latent_shape: tuple[int, ...], rows: int) -> int:
+    """The samples per forward an engine of the planned device runs (`--rollout-micro-batch-size`, auto as on it)."""
+    guided = args.diffusion_guidance_scale > 1.0
+    size = resolve_rollout_micro_batch_size(
+        args.rollout_micro_batch_size, latent_shape=latent_shape, guided=guided, device_type=planned_device(args)
+    )
+    return rows if size is None else min(rows, size)
 
 
 def simulated_ranks(args: argparse.Namespace, limit: int = 4) -> list[int]:
@@ -99,11 +109,13 @@ def simulate(
     window_samples = max(1, sim.global_batch_size // args.dp_size)
     rows = engine_rows(args) if algorithm.uses_engines else window_samples
     if reuse is None or "engine" in parts:
-        engine, result, samples, engine_flops = simulate_engine(sim, rows)
+        micro = engine_micro_batch(args, latent_shape(sim), rows)
+        engine, result, samples, engine_flops = simulate_engine(sim, rows, micro_batch_size=micro)
         window = train_pairs_for_rank(sim, *reversed(_rows_for_window(result, samples, window_samples)))
     else:
         engine, engine_flops, window, rows = reuse.engine, reuse.engine_flops, reuse.window, reuse.engine_rows
     out = Simulation(engine if algorithm.uses_engines else None, rows, engine_flops, window_samples=window_samples)
+    out.engine_micro_batch = micro if reuse is None or "engine" in parts else reuse.engine_micro_batch
     out.window = window
     if reuse is not None and "trainer" not in parts:
         out.roles, out.train_flops = reuse.roles, reuse.train_flops

@@ -121,7 +121,7 @@ class ForwardOnce:
 
 
 def simulate_engine(
-    args: argparse.Namespace, rows: int, *, fake: bool = True
+    args: argparse.Namespace, rows: int, *, fake: bool = True, micro_batch_size: int | str = "auto"
 ) -> tuple[ProcessPlan, GenerateResult, list[Sample], float]:
     """A rollout engine process: its start-up (transformer, text encoders, VAE in the forward dtype), then one
     generate call of `rows` samples as the algorithm requests them (one transformer forward run, the others
@@ -140,6 +140,7 @@ def simulate_engine(
                 forward_dtype=parse_dtype(args.diffusion_forward_dtype),
                 lora_config=lora,
                 family_options=family_options(args),
+                micro_batch_size=micro_batch_size,
             )
         weights = list(engine.transformer.parameters()) + list(engine.transformer.buffers())
         resident = _storage_bytes(weights + [t for m in engine.family.loaded_modules() for t in m.parameters()])
@@ -154,6 +155,12 @@ def simulate_engine(
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
     return plan, result, samples, float(total_flops)
+
+
+def latent_shape(args: argparse.Namespace) -> tuple[int, ...]:
+    """One sample's latent shape at the run's resolution (the family's default without --resolution)."""
+    family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
+    return tuple(family.latent_shape(args.resolution or family.default_resolution))
 
 
 def _family_name(args: argparse.Namespace) -> str:

@@ -40,7 +40,7 @@ def candidate_changes(args: argparse.Namespace, report: dict[str, Any]) -> list[
         if not args.fsdp_cpu_offload and not args.colocate:
             changes.append(Change("--fsdp-cpu-offload", {"fsdp_cpu_offload": True}))
     if engine_bound:
-        for rows in _smaller(report["roles"].get("engine", {}).get("rows_per_call", 1)):
+        for rows in _smaller(report["roles"].get("engine", {}).get("micro_batch", 1)):
             flags = f"--rollout-micro-batch-size {rows}"
             changes.append(Change(flags, {"rollout_micro_batch_size": rows}, ("engine",)))
     changes.append(Change(f"--dp-size {args.dp_size * 2}", {"dp_size": args.dp_size * 2}, ("engine", "trainer")))

@@ -1,13 +1,15 @@
 """RolloutEngineGroup: N Ray actors of `DiffusionEngine` (`EngineActor`) behind one `generate` / `update_weights`.
 
 A batch is split into contiguous chunks (seeds and initial seeds travel with their prompts) and joined back in order.
+Every wait has a deadline (`EngineTimeouts`); while it waits the group reads each engine's progress reports
+(`miles.ray.engine_wait`), which restart the deadline of a call that is still working.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import time
+from collections.abc import Callable
 from typing import Any
 
 from miles.utils import import_gc
@@ -23,9 +25,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles.ray.actor_pool import ActorPool, ReusableActor
+from miles.ray.engine_wait import Allowance, EngineWait
 from miles.ray.placement_group import Colocation
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
+from miles.rollout.micro_batches import AUTO, EngineProgress
 from miles.rollout.prompt_cache import PromptCacheConfig
+from miles.utils.engine_arguments import EngineTimeouts
 from miles.utils.failures import EngineError, where
 from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import split_contiguous
@@ -64,10 +69,21 @@ class EngineActor(DiffusionEngine, ReusableActor):
             keep_freed_memory()
         super().__init__(*args, **kwargs)
 
+    @ray.method(concurrency_group="progress")
+    def progress(self) -> EngineProgress:
+        """Answered on its own thread while `generate` runs (every other call waits its turn, in order)."""
+        return super().progress()
+
+
+# the Ray options every engine actor class takes: `progress` runs beside the call in progress
+ENGINE_ACTOR_OPTIONS = {"concurrency_groups": {"progress": 1}}
+
 
 class RolloutEngineGroup:
     """`num_engines` engine actors; each asks for `num_gpus_per_engine` GPUs (then runs on cuda) or, without
-    GPUs, `num_cpus_per_engine` (fractional) CPUs. Every wait is bounded by `timeout_s`."""
+    GPUs, `num_cpus_per_engine` (fractional) CPUs. Every wait is bounded by `timeouts`: start-up by its own
+    deadline, generate by `--rollout-timeout` (restarted by each progress report, or one total), weight syncs,
+    sleeps and wakes by the sync deadline (restarted by the reports of a generation the engine finishes first)."""
 
     def __init__(
         self,
@@ -82,20 +98,24 @@ class RolloutEngineGroup:
         family_options: dict[str, Any] | None = None,
         compile_mode: str = "off",
         prompt_cache: PromptCacheConfig | None = None,
-        timeout_s: float = 600.0,
+        micro_batch_size: int | str = AUTO,
+        timeouts: EngineTimeouts = EngineTimeouts(),
         wait: bool = True,
         colocation: Colocation | None = None,
         pool: ActorPool | None = None,
+        engine_class: type = EngineActor,
     ) -> None:
         """Start the engine actors; with `wait=False` they load in the background until `wait_ready` (so the
         driver can start trainer ranks meanwhile). With `colocation` (--colocate) engine i runs in bundle
         i % dp-size of the shared placement group, next to the trainer ranks of that bundle. With `pool` (not with
         `colocation`), idle engines of an earlier run with the same resource shares load this pipeline instead of
-        new processes, and go back to it at `shutdown`."""
+        new processes, and go back to it at `shutdown`. `engine_class`: the actor class (an `EngineActor`)."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-        self.timeout_s = timeout_s
+        self.timeouts = timeouts
         self.failed = False
+        self.on_progress: Callable[[str], None] | None = None  # the driver's display of generate progress
+        self.poll_s, self.log_every_s = 1.0, 30.0  # how often a wait reads the engines' progress, and logs it
         device = "cuda" if num_gpus_per_engine > 0 else "cpu"
         self.pool = pool if colocation is None else None
         self.pool_key = ("engine", num_cpus_per_engine, num_gpus_per_engine)
@@ -107,8 +127,9 @@ class RolloutEngineGroup:
             "family_options": family_options,
             "compile_mode": compile_mode,
             "prompt_cache": prompt_cache,
+            "micro_batch_size": micro_batch_size,
         }
-        remote_cls = ray.remote(EngineActor)
+        remote_cls = ray.remote(**ENGINE_ACTOR_OPTIONS)(engine_class)
         self.engines, self._starting = [], {}
         for index in range(num_engines):
             engine = self.pool.take(self.pool_key) if self.pool is not None else None
@@ -129,7 +150,7 @@ class RolloutEngineGroup:
         """Wait (within the timeout) until every engine has loaded its pipeline; a no-op once they have."""
         if self._starting is None:
             return
-        self._gather(self._starting, "starting")
+        self._gather(self._starting, "starting", Allowance.fixed(self.timeouts.startup_s, "--rollout-startup-timeout"))
         self._starting = None
         logger.info("%d rollout engine(s) ready on %s", self.num_engines, self.device)
 
@@ -164,19 +185,22 @@ class RolloutEngineGroup:
         """The whole batch, generated in contiguous chunks, one per engine, joined in order."""
         return self.collect(self.submit(request, rollout_id))
 
-    def submit(self, request: GenerateRequest, rollout_id: int | None = None) -> tuple[dict[int, Any], str]:
+    def submit(
+        self, request: GenerateRequest, rollout_id: int | None = None
+    ) -> tuple[dict[int, Any], str, dict[int, Allowance]]:
         """Start `generate` without waiting: the engines work while the caller does something else (scores the
         previous chunk); `collect` waits for the result."""
-        refs = {}
+        refs, allowances = {}, {}
         for index, (start, end) in enumerate(split_contiguous(len(request.prompts), self.num_engines)):
             if end > start:
                 refs[index] = self.engines[index].generate.remote(request.rows(start, end))
-        return refs, where("generate", rollout_id)
+                allowances[index] = Allowance.generate(self.timeouts.rollout, end - start)
+        return refs, where("generate", rollout_id), allowances
 
-    def collect(self, pending: tuple[dict[int, Any], str]) -> GenerateResult:
+    def collect(self, pending: tuple[dict[int, Any], str, dict[int, Allowance]]) -> GenerateResult:
         """The result of a `submit`, the engines' parts joined in order."""
-        refs, what = pending
-        results = self._gather(refs, what)
+        refs, what, allowances = pending
+        results = self._gather(refs, what, allowances, on_progress=self.on_progress)
         return GenerateResult.concat([results[i] for i in sorted(results)])
 
     def update_weights(
@@ -237,7 +261,7 @@ class RolloutEngineGroup:
         alive = []
         for engine in self.engines:
             try:
-                alive.append(bool(ray.get(engine.health.remote(), timeout=self.timeout_s)))
+                alive.append(bool(ray.get(engine.health.remote(), timeout=self.timeouts.sync_s)))
             except (RayActorError, GetTimeoutError):
                 self.failed = True
                 alive.append(False)
@@ -248,7 +272,7 @@ class RolloutEngineGroup:
         the run held."""
         if self.pool is not None and not self.failed:
             try:
-                ray.get([e.release.remote() for e in self.engines], timeout=min(self.timeout_s, 60.0))
+                ray.get([e.release.remote() for e in self.engines], timeout=min(self.timeouts.sync_s, 60.0))
             except Exception as exc:  # noqa: BLE001 - an engine that cannot release is ended below with the others
                 logger.warning("rollout engines could not release for reuse (%s); ending them", exc)
             else:
@@ -259,25 +283,32 @@ class RolloutEngineGroup:
         for engine in self.engines:
             ray.kill(engine)
 
-    def _gather(self, refs: dict[int, ray.ObjectRef], what: str) -> dict[int, Any]:
-        """ray.get each engine's answer within one shared deadline; failures name the engine index."""
-        deadline = time.monotonic() + self.timeout_s
-        out = {}
-        for index, ref in refs.items():
-            try:
-                out[index] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
-            except RayActorError as exc:
-                self.failed = True
-                raise EngineError(
-                    f"rollout engine {index} of {self.num_engines} died during {what}: {exc}", index
-                ) from exc
-            except WeightSyncError as exc:  # the engine is alive; the run must not sample from what it holds
-                cause = exc.cause if isinstance(exc, RayTaskError) else exc
-                raise WeightSyncError(f"rollout engine {index} of {self.num_engines}, {what}: {cause}") from exc
-            except GetTimeoutError as exc:
-                self.failed = True
-                raise EngineError(
-                    f"rollout engine {index} of {self.num_engines} did not answer {what} within {self.timeout_s:.0f}s",
-                    index,
-                ) from exc
-        return out
+    def _gather(
+        self,
+        refs: dict[int, ray.ObjectRef],
+        what: str,
+        allowance: Allowance | dict[int, Allowance] | None = None,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> dict[int, Any]:
+        """Each engine's answer within its `allowance` (default: the sync deadline, restarted by progress reports);
+        failures name the engine index."""
+        if allowance is None:
+            allowance = Allowance.resetting(self.timeouts.sync_s, "--rollout-sync-timeout")
+        allowances = allowance if isinstance(allowance, dict) else dict.fromkeys(refs, allowance)
+        wait = EngineWait(
+            self.engines, what, allowances, poll_s=self.poll_s, log_every_s=self.log_every_s, on_progress=on_progress
+        )
+        try:
+            return wait.run(refs, functools.partial(self._answer, what=what))
+        except EngineError:
+            self.failed = True
+            raise
+
+    def _answer(self, index: int, ref: ray.ObjectRef, what: str) -> Any:
+        try:
+            return ray.get(ref)
+        except RayActorError as exc:
+            raise EngineError(f"rollout engine {index} of {self.num_engines} died during {what}: {exc}", index) from exc
+        except WeightSyncError as exc:  # the engine is alive; the run must not sample from what it holds
+            cause = exc.cause if isinstance(exc, RayTaskError) else exc
+            raise WeightSyncError(f"rollout engine {index} of {self.num_engines}, {what}: {cause}") from exc

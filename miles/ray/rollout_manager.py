@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ from miles.rollout.rm_hub.media import attach_media
 from miles.rollout.rollout_hub import DatasetSpec, rollout_spec_of
 from miles.utils.box import Box
 from miles.utils.distributed import engine_cpus, uses_gpu
+from miles.utils.engine_arguments import engine_timeouts
 from miles.utils.hook_paths import load_path_flags
 from miles.utils.types import Sample, TrainPairs
 
@@ -115,6 +117,8 @@ class RolloutManager:
             family_options=family_options(args),
             compile_mode=args.compile,
             prompt_cache=self.prompt_cache,
+            micro_batch_size=args.rollout_micro_batch_size,
+            timeouts=engine_timeouts(args),
             wait=self._wait,
             colocation=self._colocation,
             pool=self._pool,
@@ -144,6 +148,12 @@ class RolloutManager:
         stats = self.engines.fill_prompt_cache(prompts, [self.args.negative_prompt], release=complete)
         stats["seconds"] = round(time.perf_counter() - started, 1)
         logger.info("prompt cache %s: %s%s", self.prompt_cache.directory, stats, "" if complete else ", encoders kept")
+
+    def show_engine_progress(self, display: Callable[[str], None]) -> None:
+        """`display(text)` with the engines' progress while a generation is awaited ("generate 37/80 steps"; "" when
+        it is in)."""
+        if self.engines is not None:
+            self.engines.on_progress = display
 
     def _lora_config(self) -> dict | None:
         if not self.args.use_lora:

@@ -60,19 +60,19 @@ class WeightSyncLink:
         direct = kind == "shm" and all(r["node_id"] == ranks[0]["node_id"] for r in ranks)
         prepared = actor_group.call("prepare_weight_sync", kind, bucket_bytes(args), direct)
         plan, opener = prepared[0]
-        address, port = ray.get(actor_group.actors[0].get_master_address.remote(), timeout=engines.timeout_s)
+        address, port = ray.get(actor_group.actors[0].get_master_address.remote(), timeout=engines.timeouts.sync_s)
         spec = TransportSpec(
             kind,
             address,
             port,
             1 + engines.num_engines,
             plan.buffer_bytes,
-            engines.timeout_s,
+            engines.timeouts.sync_s,
             shm_path=opener if kind == "shm" else None,
         )
         joined = actor_group.actors[0].open_weight_sync.remote(spec)
         engines.open_weight_sync(spec, plan, opener if kind == "cuda_ipc" else None)
-        ray.get(joined, timeout=engines.timeout_s)
+        ray.get(joined, timeout=engines.timeouts.sync_s)
         self.actor_group, self.kind = actor_group, kind
         logger.info(
             "weight sync over %s%s: %d buckets, %.1f MB, %d engine(s)",
@@ -93,7 +93,7 @@ class WeightSyncLink:
         waiting = {ref: None for ref in actor_group.submit_push()}
         waiting.update({ref: i for i, ref in self.engines.submit_receive(version).items()})
         while waiting:
-            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=self.engines.timeout_s)
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=self.engines.timeouts.sync_s)
             ref = ready[0] if ready else next(iter(waiting))  # none in time: the next get names who timed out
             index = waiting.pop(ref)
             if index is None:

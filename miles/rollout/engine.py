@@ -19,9 +19,16 @@ from miles.diffusion.dpm_solver import dpm_solver_pp_step, flash_sigmas
 from miles.diffusion.schedule import sampling_sigmas
 from miles.diffusion.sde import SDE_KERNELS, get_sde_kernel, renoise_sigmas
 from miles.models.base import get_train_pipeline_config
+from miles.models.checkpoint_files import load_transformer_direct
 from miles.models.compile import check_compile, compile_counters, compile_transformer
 from miles.models.conditioning import Conditioning
 from miles.models.lora_targets import check_lora_targets
+from miles.rollout.micro_batches import (
+    AUTO,
+    EngineProgress,
+    micro_batch_bounds,
+    resolve_rollout_micro_batch_size,
+)
 from miles.rollout.prompt_cache import PromptCacheConfig
 from miles.rollout.prompt_encoder import PromptEncoder
 from miles.utils.offload import HostSwap
@@ -202,11 +209,13 @@ class DiffusionEngine:
         family_options: dict[str, Any] | None = None,
         compile_mode: str = "off",
         prompt_cache: PromptCacheConfig | None = None,
+        micro_batch_size: int | str = AUTO,
     ) -> None:
         self.device = torch.device(device)
         self.family = get_train_pipeline_config(hf_checkpoint, model_family, **(family_options or {}))
         check_compile(self.family, compile_mode)
-        self.transformer = self.family.load_transformer(dtype=forward_dtype).to(self.device).eval()
+        # straight into the forward dtype on the device, tensor by tensor: no host copy of the weights (§11)
+        self.transformer = load_transformer_direct(self.family, dtype=forward_dtype, device=self.device).eval()
         # with a prompt cache the text encoders load only when a prompt is missing from it
         load_text = functools.partial(self.family.load_text_encoders, device=self.device, dtype=forward_dtype)
         self.prompt_encoder = PromptEncoder(self.family, prompt_cache, load_text, self.device)
@@ -224,6 +233,8 @@ class DiffusionEngine:
         self.swap = HostSwap(self.device)  # sleep / wake (--colocate-sleep)
         self.weights_pending = False  # the trained weights were released by a sleep and not loaded since
         self.sync: tuple[Transport, SyncPlan] | None = None  # the weight sync's engine end (open_weight_sync)
+        self.micro_batch_size = micro_batch_size  # --rollout-micro-batch-size
+        self._progress = EngineProgress()
         logger.info("engine ready: %s on %s (%s)", self.family, self.device, "LoRA" if lora_config else "full")
 
     def _inject_lora(self, lora_config: dict[str, Any]) -> None:
@@ -241,6 +252,15 @@ class DiffusionEngine:
 
     def health(self) -> bool:
         return True
+
+    def progress(self) -> EngineProgress:
+        """Where the current call is (`EngineProgress`); read by the driver while `generate` runs."""
+        return self._progress
+
+    def _report(self, **changes: Any) -> None:
+        """A progress report: one tick more, with `changes` (one attribute assignment: a reader on another thread
+        sees the old report or the new one)."""
+        self._progress = dataclasses.replace(self._progress, ticks=self._progress.ticks + 1, **changes)
 
     def node_info(self) -> tuple[str, int]:
         """(Ray node id, cores) of this engine's process (where it runs inside a Ray actor)."""
@@ -395,10 +415,47 @@ class DiffusionEngine:
 
     @torch.no_grad()
     def _generate(self, request: GenerateRequest) -> GenerateResult:
-        """Denoise the batch from σ = 1 on the family's sampling grid (`renoise`: the generator grid); see
-        `GenerateResult` for what comes back."""
+        """Denoise the batch from σ = 1 on the family's sampling grid (`renoise`: the generator grid), in
+        micro-batches of `--rollout-micro-batch-size` samples, reporting progress per step; see `GenerateResult` for
+        what comes back. Each sample's noise is its own (`draw_sample_noise`), so micro-batches change no sample."""
         family, batch = self.family, len(request.prompts)
         shape = family.latent_shape(request.resolution)
+        sigmas, flash_from = self._sigma_grid(request)
+        guided = request.guidance_scale > 1.0  # scale 1: the conditional branch only
+        size = resolve_rollout_micro_batch_size(
+            self.micro_batch_size, latent_shape=shape, guided=guided, device_type=self.device.type
+        )
+        bounds = micro_batch_bounds(batch, size)
+        self._report(phase="encode", steps_done=0, steps_total=(len(sigmas) - 1) * len(bounds), micro_batch=0,
+                     micro_batches=len(bounds), samples=bounds[0][1])  # fmt: skip
+        embeds, negative = self.prompt_encoder.encode_request(
+            list(request.prompts),
+            request.source_images,
+            request.negative_prompt,
+            negative=guided or request.return_negative,
+        )
+        noise = draw_sample_noise(
+            request.seeds,
+            request.num_steps,
+            shape,
+            request.initial_seeds,
+            draw=functools.partial(family.draw_noise, resolution=request.resolution),
+        )
+        parts = []
+        for k, (start, end) in enumerate(bounds):
+            self._report(phase="denoise", micro_batch=k + 1, samples=end - start)
+            rows = slice(start, end)
+            own_negative = negative is not None and negative.batch_size == batch > 1  # a negative row per prompt
+            part_negative = negative.rows(rows) if own_negative else negative
+            part = self._denoise(request, sigmas, flash_from, embeds.rows(rows), part_negative, noise[rows])
+            parts.append(part)
+        self._report(phase="idle")
+        return parts[0] if len(parts) == 1 else GenerateResult.concat(parts)
+
+    def _sigma_grid(self, request: GenerateRequest) -> tuple[torch.Tensor, int | None]:
+        """The request's σ grid (under MixGRPO-Flash compressed after the window) and the first step after the window
+        (None without Flash)."""
+        family = self.family
         shift = family.scheduler_shift if request.shift is None else request.shift
         if request.sde_type == "renoise":
             sigmas = renoise_sigmas(request.num_steps, shift)
@@ -410,20 +467,20 @@ class DiffusionEngine:
         if flash_from is not None:  # the post grid follows the sampling grid's own shift (FLUX: e^μ, by resolution)
             flash_shift = family.sampling_shift(request.resolution) if request.shift is None else request.shift
             sigmas = flash_sigmas(sigmas, flash_from - 1, request.flash_ratio, flash_shift)
-        sigmas_dev = sigmas.to(self.device)
-        embeds, negative = self.prompt_encoder.encode_request(
-            list(request.prompts),
-            request.source_images,
-            request.negative_prompt,
-            negative=request.guidance_scale > 1.0 or request.return_negative,  # scale 1: the conditional branch
-        )
-        noise = draw_sample_noise(
-            request.seeds,
-            request.num_steps,
-            shape,
-            request.initial_seeds,
-            draw=functools.partial(family.draw_noise, resolution=request.resolution),
-        ).to(self.device)
+        return sigmas, flash_from
+
+    def _denoise(
+        self,
+        request: GenerateRequest,
+        sigmas: torch.Tensor,
+        flash_from: int | None,
+        embeds: Conditioning,
+        negative: Conditioning | None,
+        noise: torch.Tensor,
+    ) -> GenerateResult:
+        """One micro-batch: its rows' conditioning and noise (B, num_steps + 1, *latent) through every step, decoded."""
+        family, batch = self.family, noise.shape[0]
+        sigmas_dev, noise = sigmas.to(self.device), noise.to(self.device)
         x = noise[:, 0].contiguous()
         kernel, ode = get_sde_kernel(request.sde_type), get_sde_kernel("ode")
         trained = set(request.trained_steps)
@@ -441,6 +498,7 @@ class DiffusionEngine:
                     x = dpm_solver_pp_step(
                         x, denoised_now, s_now, s_next, prev_denoised=denoised_prev, sigma_prev=s_prev
                     )
+                    self._report(steps_done=self._progress.steps_done + 1)
                     continue
             step = kernel if i in trained or request.sde_type == "renoise" else ode  # the generator always renoises
             result = step(
@@ -461,6 +519,25 @@ class DiffusionEngine:
                 if request.record_means:
                     means.append(result.mean)
             x = result.next_latents
+            self._report(steps_done=self._progress.steps_done + 1)
+        return self._result(
+            request, sigmas, x, embeds, negative, (recorded_in, recorded_out, log_probs, denoised, means)
+        )
+
+    def _result(
+        self,
+        request: GenerateRequest,
+        sigmas: torch.Tensor,
+        x: torch.Tensor,
+        embeds: Conditioning,
+        negative: Conditioning | None,
+        recorded: tuple[list[torch.Tensor], ...],
+    ) -> GenerateResult:
+        """A micro-batch's `GenerateResult` from its final latents and recorded steps, decoded when asked."""
+        family, batch, shape = self.family, x.shape[0], tuple(x.shape[1:])
+        recorded_in, recorded_out, log_probs, denoised, means = recorded
+        if request.decode:
+            self._report(phase="decode")
         media = family.decode_latents(x) if request.decode else None
         return GenerateResult(
             images=None if media is None else media.pixels_uint8(),

@@ -74,6 +74,16 @@ def progress_bar(rollout_ids: Iterable[int], args: argparse.Namespace):
     return tqdm(rollout_ids, desc=args.loss_type, unit="rollout", disable=args.no_progress, dynamic_ncols=True)
 
 
+def engine_progress_display(bar: Any, label: str):
+    """`display(text)` for `RolloutManager.show_engine_progress`: the bar's label followed by the engines' progress
+    while a generation is awaited ("policy_loss [generate 37/80 steps]"), the label alone once it is in."""
+
+    def display(text: str) -> None:
+        bar.set_description_str(f"{label} [{text}]" if text else label)
+
+    return display
+
+
 ACCURACY_KEYS = ("eval/shapes_accuracy", "eval/ocr_accuracy")  # the held-out accuracy of a shapes or an OCR eval
 
 

@@ -54,6 +54,7 @@ FLAG_RANGES: dict[str, Range] = {
     # sampling
     "rollout_seed": AT_LEAST_0, "diffusion_num_steps": AT_LEAST_1, "diffusion_guidance_scale": AT_LEAST_0,
     "rollout_num_engines": AT_LEAST_1, "rollout_cpus_per_engine": POSITIVE, "rollout_gpus_per_engine": POSITIVE,
+    "rollout_startup_timeout": POSITIVE, "rollout_sync_timeout": POSITIVE,
     "diffusion_noise_level": AT_LEAST_0, "diffusion_num_sde_steps": AT_LEAST_0, "image_grid_interval": AT_LEAST_0,
     "media_max_samples": AT_LEAST_1, "mixgrpo_window_size": AT_LEAST_1, "mixgrpo_shift_interval": AT_LEAST_1,
     "mixgrpo_stride": AT_LEAST_0, "mixgrpo_flash_ratio": UNIT_OPEN_LOW,

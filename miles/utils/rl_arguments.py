@@ -7,6 +7,7 @@ import argparse
 
 from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
 from miles.utils.config_file import flag
+from miles.utils.engine_arguments import add_engine_arguments
 from miles.utils.flag_readers import WITH_SDE_SAMPLES, ByAlgorithm, ByFlag, ByReward, ReadBy
 from miles.utils.hook_paths import add_rollout_step_arguments, rollout_step_rules
 from miles.utils.reward_spec import remote_rules, reward_model_problems, reward_spec_from_args, runs_rewards
@@ -30,6 +31,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rollout-num-engines", type=int, default=1, help="Rollout engine actors.")
     group.add_argument("--rollout-cpus-per-engine", type=float, default=0.5, help="CPU share of an engine on CPU.")
     group.add_argument("--rollout-gpus-per-engine", type=float, default=1.0, help="GPUs per engine on CUDA.")
+    add_engine_arguments(group)
     group.add_argument(
         "--prompt-cache",
         default="auto",

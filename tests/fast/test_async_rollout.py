@@ -112,6 +112,9 @@ class World:
         self.source = type("Source", (), {"epoch_of": staticmethod(lambda rollout_id: 0)})()
         self.last_metrics: dict = {}
 
+    def show_engine_progress(self, display):
+        self.display = display  # the driver's bar label; these engines report nothing
+
     def generate(self, rollout_id):
         self.generating.setdefault(rollout_id, threading.Event())
         with self.engine_lock:

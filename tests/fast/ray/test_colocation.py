@@ -84,6 +84,9 @@ class World(Peer):
         self.weights_version = 0
         self.source = type("Source", (), {"epoch_of": staticmethod(lambda rollout_id: 0)})()
 
+    def show_engine_progress(self, display):
+        self.display = display  # the driver's bar label; these engines report nothing
+
     def generate(self, rollout_id):
         self.events.append(("generate", rollout_id))
         return [f"batch {rollout_id}"]

@@ -13,12 +13,14 @@ from miles.diffusion.sde import get_sde_kernel
 from miles.models.base import get_train_pipeline_config
 from miles.ray.engine_group import RolloutEngineGroup
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult, RolloutEngine
+from miles.utils.engine_arguments import EngineTimeouts, RolloutTimeout
 from miles.utils.failures import EngineError
 from miles.utils.misc import split_contiguous as split_evenly
 from miles.utils.weight_checksum import WeightSyncError, tensor_checksums
 
 logger = logging.getLogger(__name__)
 TIMEOUT = 120
+TIMEOUTS = EngineTimeouts(startup_s=TIMEOUT, sync_s=TIMEOUT, rollout=RolloutTimeout(total_s=TIMEOUT))
 PROMPTS = ["a red circle", "two blue squares on the left", "a green triangle", "three yellow circles"]
 SEEDS = [11, 22, 33, 44]
 LORA = dict(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_lora_weights=True)
@@ -294,7 +296,7 @@ def test_split_evenly():
 
 
 def test_engine_group_matches_one_engine_syncs_weights_and_names_a_dead_engine(ray_cluster, tiny_pipeline_dir, engine):
-    group = RolloutEngineGroup(tiny_pipeline_dir, num_engines=2, num_cpus_per_engine=0.5, timeout_s=TIMEOUT)
+    group = RolloutEngineGroup(tiny_pipeline_dir, num_engines=2, num_cpus_per_engine=0.5, timeouts=TIMEOUTS)
     try:
         # initial seeds (--diffusion-shared-initial-noise) travel with their prompts to each engine
         for size, initial_seeds in ((4, None), (3, None), (4, [SEEDS[0]] * 2 + [SEEDS[2]] * 2)):

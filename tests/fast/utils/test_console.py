@@ -12,6 +12,7 @@ from miles.utils.console import (
     ProgressLine,
     TqdmHandler,
     _DropMessages,
+    engine_progress_display,
     quiet_third_party,
     ray_init_kwargs,
     summary_line,
@@ -59,6 +60,17 @@ def test_progress_shows_what_moves_and_keeps_the_last_eval():
     assert second == {"acc": "0.500", "reward": "0.900", "approx_kl": "2.00e-03", "grad": "0.500"}
     assert "loss" not in line.update([{**train, "train/approx_kl": 0.0}])  # once moved, a key stays shown
     assert line.update([])["approx_kl"] == "0.00e+00"
+
+
+def test_the_bar_label_carries_the_engines_progress_while_a_generation_is_awaited():
+    from tqdm import tqdm
+
+    with tqdm(range(3), desc="nft", file=io.StringIO()) as bar:
+        display = engine_progress_display(bar, "nft")
+        display("generate 37/80 steps")
+        assert bar.desc == "nft [generate 37/80 steps]"
+        display("")
+        assert bar.desc == "nft"
 
 
 def test_summary_line_says_time_eval_gain_and_where_things_are():
