@@ -53,14 +53,16 @@ class PlanTensorMode(FakeTensorMode):
 @contextlib.contextmanager
 def fake_process_group(rank: int, world_size: int, *, fake: bool = True) -> Iterator[None]:
     """The default process group as rank `rank` of `world_size` on torch's fake backend (every collective returns at
-    once, its output untouched); torn down on exit. `fake=False`: a real gloo group of this one process (world size
-    1), for measuring what the simulation predicts."""
+    once, its output untouched); torn down on exit. `fake=False`: a real gloo group (world size 1 alone; more
+    through MASTER_ADDR / MASTER_PORT), for measuring what the simulation predicts."""
     if dist.is_initialized():
         raise RuntimeError("the planner needs its own process group: a default one exists already")
     if fake:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    else:
+    elif world_size == 1:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size)
     try:
         yield
     finally:

@@ -4,6 +4,7 @@ issue the same collectives, and assemble the per-GPU picture (`report.py`)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import time
@@ -136,10 +137,12 @@ def simulate_roles(
         simulated = min(num_pairs(window), 2 * micro)
         pairs = {key: value[:simulated] for key, value in window.items()}
         out.roles[role], outputs = [], {}
-        for rank in ranks if ranks is not None else simulated_ranks(args):
-            with FlopCounterMode(display=False) as flops:
+        for index, rank in enumerate(ranks if ranks is not None else simulated_ranks(args)):
+            flops = FlopCounterMode(display=False) if index == 0 else contextlib.nullcontext()  # rank 0's FLOPs
+            with flops:
                 plan, outputs[rank] = simulate_trainer_rank(sim, role, rank, world, pairs, peer, sleeps=sleeps)
-            out.train_flops.setdefault(role, float(flops.get_total_flops()) * num_pairs(window) / simulated)
+            if index == 0:
+                out.train_flops[role] = float(flops.get_total_flops()) * num_pairs(window) / simulated
             out.roles[role].append(plan)
         peer = outputs[min(outputs)]
 

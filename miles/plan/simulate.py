@@ -208,6 +208,8 @@ def simulate_trainer_rank(
         with plan_tensor_mode(fake), tracker:
             with tracker.in_phase("start-up"):
                 actor.init(args, "planner", 0)
+            for group in actor.optimizer.param_groups:  # the per-tensor step: AdamW's memory, without the fused
+                group.update(fused=False, foreach=False)  # kernel's slow sharding propagation over 1000s of DTensors
             with tracker.in_phase("train"):
                 output = actor.train_shard(0, pairs, peer_output)
             plan = _resident(actor, role, rank, tracker)

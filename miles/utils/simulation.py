@@ -3,9 +3,12 @@ so steps that read or write real bytes (a checkpoint's weights) are skipped by t
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import is_fake as _is_fake
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 
 def simulating() -> bool:
@@ -17,3 +20,9 @@ def is_fake(tensor: torch.Tensor) -> bool:
     """A planner's tensor: a fake one, or a DTensor whose local shard is fake."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return bool(_is_fake(local))
+
+
+def real_tensors() -> contextlib.AbstractContextManager:
+    """Tensors made inside are real even under the planner's fake mode: for values cached across calls (a σ table
+    memoised by a module), which must never be fake when a real run reads them later in the same process."""
+    return unset_fake_temporarily()

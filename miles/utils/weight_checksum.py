@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.utils.simulation import simulating
+
 MODULUS = 32749  # the largest prime below 2**15: a word (< 2**16) times its weight (<= 32749) stays below 2**31
 CHUNK_WORDS = 1 << 22  # words per pass: bounds the int32 temporaries (two of 16 MiB) on a large tensor's device
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}  # per device, the weights of CHUNK_WORDS words from any offset
@@ -50,7 +52,9 @@ def _weights(device: torch.device) -> torch.Tensor:
 def checksum_terms(pieces: Iterable[torch.Tensor]) -> torch.Tensor:
     """(2,) int64 on the pieces' device: the word sum and the position-weighted word sum of consecutive pieces of one
     flat tensor (a gather's pieces, in order). No host synchronisation: callers stack the terms of many tensors and
-    move them once."""
+    move them once. Under the planner's simulation (fake tensors, no bytes to sum) zeros."""
+    if simulating():
+        return torch.zeros(2, dtype=torch.int64)
     total, position = None, 0
     for piece in pieces:
         flat = piece.detach().contiguous().reshape(-1)

@@ -20,6 +20,7 @@ from miles.backends.fsdp_utils.loss_hub.types import (
 )
 from miles.diffusion.dpo import dpo_logits, dpo_loss, flow_error
 from miles.diffusion.schedule import add_noise, sample_timestep_density, sigmas_from_u, training_sigmas
+from miles.utils.simulation import real_tensors
 from miles.utils.types import TrainPairs
 
 REF_NETWORK = REFERENCE.name
@@ -27,7 +28,8 @@ REF_NETWORK = REFERENCE.name
 
 @lru_cache(maxsize=8)
 def _sigma_table(shift: float) -> torch.Tensor:
-    return training_sigmas(shift=shift)
+    with real_tensors():  # cached: never a planner's fake tensor
+        return training_sigmas(shift=shift)
 
 
 def refresh_due(global_step: int, *, interval: int, steps_per_rollout: int) -> bool:

@@ -20,12 +20,14 @@ from miles.diffusion.schedule import (
     training_sigmas,
 )
 from miles.utils.seeding import stream_generator
+from miles.utils.simulation import real_tensors
 from miles.utils.types import PAIR_INDEX, TrainPairs
 
 
 @lru_cache(maxsize=8)
 def _sigma_table(shift: float) -> torch.Tensor:
-    return training_sigmas(shift=shift)
+    with real_tensors():  # cached: never a planner's fake tensor
+        return training_sigmas(shift=shift)
 
 
 def pair_generators(
