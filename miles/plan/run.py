@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import math
+import multiprocessing
+import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -130,21 +135,69 @@ def simulate_roles(
     args: argparse.Namespace, sim: argparse.Namespace, window: dict, out: Simulation, ranks: list[int] | None
 ) -> None:
     """Each role's simulated ranks into `out` (in training order: each role's rank-0 output is the next one's
-    peer, as dmd2's critic feeds its actor)."""
+    peer, as dmd2's critic feeds its actor). Rank 0 runs here; the others, which are simulated only to compare
+    their collectives and memory, run meanwhile in forked processes on the other cores (`_forked_ranks`)."""
     sleeps, peer, world = plans_sleep(args), None, trainer_world_size(args)
     for role in algorithm_of(args).role_names:
         micro = role_settings(sim, role)["micro_batch_size"]
         simulated = min(num_pairs(window), 2 * micro)
         pairs = {key: value[:simulated] for key, value in window.items()}
-        out.roles[role], outputs = [], {}
-        for index, rank in enumerate(ranks if ranks is not None else simulated_ranks(args)):
-            flops = FlopCounterMode(display=False) if index == 0 else contextlib.nullcontext()  # rank 0's FLOPs
-            with flops:
-                plan, outputs[rank] = simulate_trainer_rank(sim, role, rank, world, pairs, peer, sleeps=sleeps)
-            if index == 0:
-                out.train_flops[role] = float(flops.get_total_flops()) * num_pairs(window) / simulated
-            out.roles[role].append(plan)
-        peer = outputs[min(outputs)]
+        first, *others = ranks if ranks is not None else simulated_ranks(args)
+        run = functools.partial(
+            simulate_trainer_rank, sim, role, world_size=world, pairs=pairs, peer_output=peer, sleeps=sleeps
+        )
+        with _forked_ranks(others, functools.partial(_plan_only, run)) as collect:
+            with FlopCounterMode(display=False) as flops:
+                plan, peer = run(rank=first)
+            out.train_flops[role] = float(flops.get_total_flops()) * num_pairs(window) / simulated
+            out.roles[role] = [plan, *collect()]
+
+
+@contextlib.contextmanager
+def _forked_ranks(ranks: list[int], simulate_rank: Callable[[int], ProcessPlan]) -> Iterator[Callable]:
+    """Simulate `ranks` in forked children (as many at once as the machine has spare cores) while the caller
+    simulates rank 0; yields `collect`, which returns their plans in order. Without spare cores, in this process."""
+    workers = max(0, min(len(ranks), (os.cpu_count() or 1) - 1))
+    context = multiprocessing.get_context("fork")
+    pending: list[tuple[int, Any]] = []
+
+    def start(rank: int) -> None:
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=_child, args=(simulate_rank, rank, send), daemon=True)
+        process.start()
+        pending.append((rank, (process, receive)))
+
+    for rank in ranks[:workers]:
+        start(rank)
+
+    def collect() -> list[ProcessPlan]:
+        plans = []
+        for rank in ranks:
+            if not any(r == rank for r, _ in pending):
+                plans.append(simulate_rank(rank))
+                continue
+            process, receive = next(handle for r, handle in pending if r == rank)
+            result = receive.recv()
+            process.join()
+            if isinstance(result, BaseException):
+                raise result
+            plans.append(result)
+        return plans
+
+    yield collect
+
+
+def _plan_only(run: Callable[..., tuple[ProcessPlan, Any]], rank: int) -> ProcessPlan:
+    return run(rank=rank)[0]
+
+
+def _child(simulate_rank: Callable[[int], ProcessPlan], rank: int, send: Any) -> None:
+    try:
+        send.send(simulate_rank(rank))
+    except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises it
+        send.send(RuntimeError(f"simulating rank {rank}: {type(exc).__name__}: {exc}"))
+    finally:
+        send.close()
 
 
 def _rows_for_window(result: GenerateResult, samples: list, count: int) -> tuple[GenerateResult, list]:

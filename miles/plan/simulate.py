@@ -205,7 +205,7 @@ def simulate_trainer_rank(
         actor = PlannedTrainer(world_size, rank, role)
         # the mesh is built outside the fake mode (its rank tables are real tensors)
         actor.mesh = build_mesh(world_size, args.fsdp_shard_size, "cpu") or init_device_mesh("cpu", (world_size,))
-        with plan_tensor_mode(fake), tracker:
+        with plan_tensor_mode(fake), movable_fake_modules(), tracker:
             with tracker.in_phase("start-up"):
                 actor.init(args, "planner", 0)
             for group in actor.optimizer.param_groups:  # the per-tensor step: AdamW's memory, without the fused
