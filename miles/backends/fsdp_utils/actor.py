@@ -14,7 +14,6 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
-import ray
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -79,6 +78,8 @@ class FSDPTrainRayActor(TrainLoop):
     # ---- set-up -------------------------------------------------------------------------------
     def get_master_address(self) -> tuple[str, int]:
         """Rank 0's node IP as Ray knows it (reachable from the other nodes, on CPU and GPU alike) and a free port."""
+        import ray  # here only: the trainer is importable and callable without Ray (scripts/gpu_check.sh --no-setup)
+
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]

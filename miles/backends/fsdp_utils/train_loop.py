@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from types import MappingProxyType
 from typing import Any
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -21,7 +20,7 @@ from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, Guida
 from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_schedule, pairs_in_window
 from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher
 from miles.models.compile import compile_counters
-from miles.utils.box import Box
+from miles.utils.box import Box, put_box
 from miles.utils.distributed import collective_device
 from miles.utils.threads import torch_threads
 from miles.utils.types import TrainPairs, num_pairs
@@ -57,14 +56,19 @@ class TrainLoop:
     def train(self, rollout_id: int, data: Box, peer: Box | None = None) -> Box:
         """Train on this rank's shard; returns `Box(ray.put(train_output))` for the paired rank of the next group.
         Runs with the train phase's thread count (`set_train_threads`)."""
-        with torch_threads(self.train_threads):
-            return self._train(rollout_id, data, peer)
+        shard: TrainPairs = data.get()
+        return put_box(self.train_pairs(rollout_id, shard, None if peer is None else peer.get()))
 
-    def _train(self, rollout_id: int, data: Box, peer: Box | None) -> Box:
+    def train_pairs(self, rollout_id: int, shard: TrainPairs, peer_output: Any = None) -> Any:
+        """`train` on a shard in hand, without Ray (`scripts/gpu_check.sh --no-setup` calls it): returns the
+        algorithm's train output for the next group."""
+        with torch_threads(self.train_threads):
+            return self._train(rollout_id, shard, peer_output)
+
+    def _train(self, rollout_id: int, shard: TrainPairs, peer_output: Any) -> Any:
         ctx = self._make_context(rollout_id)
-        shard: TrainPairs = ray.get(data.inner)
-        if peer is not None:
-            shard = merge_peer_output(shard, ray.get(peer.inner))
+        if peer_output is not None:
+            shard = merge_peer_output(shard, peer_output)
         pairs = self.hooks.train_input(ctx, shard)
         schedule = build_microbatch_schedule(
             num_pairs(pairs), self.settings["num_steps_per_rollout"], self.settings["micro_batch_size"]
@@ -72,8 +76,7 @@ class TrainLoop:
         self._check_same_schedule_on_all_ranks(schedule)
         train_output_inputs = self._train_core(ctx, pairs, schedule)
         self._update_shadows(ctx)
-        output = self.hooks.train_output(ctx, pairs, train_output_inputs)
-        return Box(ray.put(output))
+        return self.hooks.train_output(ctx, pairs, train_output_inputs)
 
     def _make_context(self, rollout_id: int) -> DiffusionLossContext:
         return DiffusionLossContext(
