@@ -111,8 +111,9 @@ class RunGroups:
 
     def start(self) -> int:
         """Initialise and resume the trainer groups while the engines and reward workers load, set the per-phase
-        thread counts, give the engines the actor's weights, record where everything runs and, with
-        --colocate-sleep, put the trainer ranks to sleep. Returns the first rollout id."""
+        thread counts, record where everything runs and give the engines the actor's weights (with --colocate-sleep
+        the trainer ranks sleep between the export and the engines' load, as in `to_generate`). Returns the first
+        rollout id."""
         args, groups = self.args, self.groups
         for group in groups.values():
             group.start_init()
@@ -132,11 +133,13 @@ class RunGroups:
             check_data_source_resume(args.load, start_rollout_id, manager.source)
             if resumes_from_save_folders(args, list(groups)):
                 self.saved = start_rollout_id - 1
-        if groups:  # the version an uninterrupted run holds here: one sync at its start and one per rollout
-            manager.update_weights(groups["actor"], version=start_rollout_id + 1)
         self.placement = self.record_placement()
         self.phases = PhaseMemory(args, groups, manager.engines, self.placement)
-        self.phases.start()
+        if groups:  # the version an uninterrupted run holds here: one sync at its start and one per rollout;
+            # with --colocate-sleep the ranks sleep once the weights are exported, before the engines load them
+            manager.update_weights(groups["actor"], self.phases.start, version=start_rollout_id + 1)
+        else:
+            self.phases.start()
         return start_rollout_id
 
     def record_placement(self) -> dict:

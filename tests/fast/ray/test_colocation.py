@@ -95,7 +95,7 @@ class World(Peer):
         self.events.append(("train", rollout_id))
         return data
 
-    def update_weights(self, group, before_load=None, *, rollout_id=None):
+    def update_weights(self, group, before_load=None, *, rollout_id=None, version=None):
         self.events.append(("export",))
         if before_load is not None:
             before_load()
@@ -177,7 +177,7 @@ def test_colocated_engines_on_gpus_load_once_the_ranks_hold_their_shards(monkeyp
         def wait_ready(self):
             events.append("engines ready")
 
-        def update_weights(self, group, version):
+        def update_weights(self, group, before_load, version):
             events.append("sync")
 
     monkeypatch.setattr(miles.ray.train_group, "RayTrainGroup", Group)
@@ -193,3 +193,28 @@ def test_colocated_engines_on_gpus_load_once_the_ranks_hold_their_shards(monkeyp
         assert events == ["actor loads its shards", "actor ready", "engines load", "engines ready", "sync"]
     else:
         assert events == ["engines load", "actor loads its shards", "engines ready", "actor ready", "sync"]
+
+
+def test_colocated_start_up_syncs_with_the_trainer_ranks_asleep(monkeypatch):
+    """The first sync as every later one (`to_generate`): export, the ranks sleep, then the engines load."""
+    import miles.ray.groups as groups_module
+
+    events: list = []
+    world, engines = World(events), Peer("engines", events)
+
+    class Group(Peer):
+        def start_init(self):
+            events.append(("actor", "init"))
+
+        def finish_init(self):
+            return 0
+
+    world.engines, world.source = engines, None
+    monkeypatch.setattr(groups_module.RunGroups, "record_placement", lambda self: {})
+    monkeypatch.setattr(groups_module, "check_roles_agree", lambda *a: None)
+    args = args_for("--colocate-sleep", "on", "--eval-interval", "0")
+    run_groups = RunGroups(args, {"actor": Group("actor", events)}, world)
+    run_groups.set_phase_threads = lambda: None
+    world.wait_ready = lambda: None
+    assert run_groups.start() == 0
+    assert events == [("actor", "init"), ("export",), ("actor", "sleep"), ("load",)]
