@@ -17,7 +17,12 @@ from miles.algorithms import FirstWindowMetrics
 from miles.backends.fsdp_utils.first_window_guard import check_first_window
 from miles.backends.fsdp_utils.fsdp import clip_grad_norm_
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, Guidance, PreparedBatch, WindowMetrics
-from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_schedule, pairs_in_window
+from miles.backends.fsdp_utils.microbatch import (
+    MicroBatch,
+    accumulate_gradients,
+    build_microbatch_schedule,
+    pairs_in_window,
+)
 from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher
 from miles.models.compile import compile_counters
 from miles.utils.box import Box, put_box
@@ -200,16 +205,12 @@ class TrainLoop:
         return True
 
     def _set_gradient_sync(self, last_in_window: bool) -> None:
-        """At world size 1 one rank holds every shard: accumulate full gradients and keep the blocks gathered
-        until the window's last backward, instead of a reduce-scatter and a reshard after every micro-batch.
-
-        With more ranks every backward reduce-scatters, so gradients stay sharded (the memory FSDP2 is for); with
-        CPU offload too (unsharded gradients would stay on the GPU).
-        """
-        if self.world_size > 1 or self.args.fsdp_cpu_offload or self._gradient_sync == last_in_window:
+        """What FSDP2 communicates after this micro-batch's backward (`microbatch.accumulate_gradients`)."""
+        if self._gradient_sync == last_in_window:
             return
-        self.model.set_requires_gradient_sync(last_in_window)
-        self.model.set_reshard_after_backward(last_in_window)
+        accumulate_gradients(
+            self.model, last_in_window, world_size=self.world_size, cpu_offload=self.args.fsdp_cpu_offload
+        )
         self._gradient_sync = last_in_window
 
     @torch.no_grad()

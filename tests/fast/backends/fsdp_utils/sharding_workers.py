@@ -8,10 +8,12 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, save_checkpoint
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, clip_grad_norm_
+from miles.backends.fsdp_utils.microbatch import accumulate_gradients
 from miles.models.base import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from tests.fast.backends.fsdp_utils.fsdp_workers import BATCH as BATCH_ROWS
@@ -87,6 +89,37 @@ def hybrid_and_plain(rank: int, world_size: int, out_dir: str) -> dict[str, Any]
     report["resumed_params"] = full_params(model)
     train_step(model, optimizer, scheduler, rank, world_size)
     report["resumed_third_step"] = full_params(model)
+    report["accumulation"] = accumulation_all_reduces(rank, world_size)
+    return report
+
+
+def counted(function: Any, calls: list) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def accumulation_all_reduces(rank: int, world_size: int) -> dict[str, Any]:
+    """One window of two micro-batches on the 2 x 2 hybrid mesh: FSDP2's default (an all-reduce across replicas after
+    every backward) against `accumulate_gradients` (after the last only): the full gradients and the all-reduces."""
+    x, y = fixed_batch()
+    x_local, y_local = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+    report: dict[str, Any] = {}
+    for name in ("every_backward", "accumulated"):
+        model, _, _ = build_sharded_trainer(build_mesh(world_size, 2, "cpu"))
+        calls, all_reduce = [], dist.all_reduce
+        dist.all_reduce = counted(all_reduce, calls)  # FSDP2 calls `dist.all_reduce` across the replicas
+        try:
+            for mb in range(2):
+                if name == "accumulated":
+                    accumulate_gradients(model, mb == 1, world_size=world_size, cpu_offload=False)
+                ((model(x_local[mb : mb + 1]) - y_local[mb : mb + 1]) ** 2).sum().backward()
+        finally:
+            dist.all_reduce = all_reduce
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        report[name] = {"all_reduces": len(calls), "grads": grads}
     return report
 
 

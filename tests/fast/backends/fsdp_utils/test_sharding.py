@@ -51,6 +51,17 @@ def test_hybrid_sharding_2x2_matches_plain_fsdp2_at_dp_size_4(hybrid_reports):
 
 
 @ON_HYBRID
+def test_hybrid_micro_batches_all_reduce_across_replicas_once_per_optimizer_step(hybrid_reports):
+    for report in hybrid_reports:
+        default, accumulated = report["accumulation"]["every_backward"], report["accumulation"]["accumulated"]
+        groups = 4  # three blocks and the root: one all-reduce each per backward by default
+        assert (default["all_reduces"], accumulated["all_reduces"]) == (2 * groups, groups)
+        assert sum(bool(g.abs().sum() > 0) for g in default["grads"].values()) == len(default["grads"])
+        for name, grad in default["grads"].items():
+            torch.testing.assert_close(accumulated["grads"][name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@ON_HYBRID
 def test_checkpoint_saved_at_2x2_resumes_under_plain_fsdp2(hybrid_reports):
     for report in hybrid_reports:
         for name, value in report["hybrid"]["params"].items():
