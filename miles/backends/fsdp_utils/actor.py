@@ -370,7 +370,10 @@ class FSDPTrainRayActor(TrainLoop):
     def save_hf(self, out_dir: str) -> str | None:
         """A diffusers pipeline folder with the trained transformer, or a PEFT LoRA adapter folder with LoRA."""
         self.check_finite_weights(f"write --save-hf {out_dir}")
-        state = full_state_dict(self.model, keep=is_lora_key if self.lora_config is not None else None)
+        if self.lora_config is not None:
+            state = full_state_dict(self.model, keep=is_lora_key)  # the adapter, as trained
+        else:  # cast on the device to the dtypes the folder stores: rank 0 never holds the fp32 masters of bf16 weights
+            state = full_state_dict(self.model, as_dtype=self.family.saved_transformer_dtypes().get)
         if self.rank != 0:
             return None
         os.makedirs(out_dir, exist_ok=True)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miles.backends.fsdp_utils.checkpoint import load_checkpoint, save_checkpoint
+from miles.backends.fsdp_utils.checkpoint import frozen_weights_digest, load_checkpoint, save_checkpoint
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, clip_grad_norm_
 from miles.backends.fsdp_utils.microbatch import accumulate_gradients
 from miles.models.base import get_train_pipeline_config
@@ -75,7 +75,8 @@ def hybrid_and_plain(rank: int, world_size: int, out_dir: str) -> dict[str, Any]
     then the hybrid state saved and loaded into a plain-FSDP2 model (DCP reshards), which takes one more step."""
     report: dict[str, Any] = {}
     save_dir = os.path.join(out_dir, "ckpt")
-    for name, mesh in (("plain", None), ("hybrid", build_mesh(world_size, 2, "cpu"))):
+    hybrid = build_mesh(world_size, 2, "cpu")
+    for name, mesh in (("plain", None), ("hybrid", hybrid)):
         model, optimizer, scheduler = build_sharded_trainer(mesh)
         report[name] = {"norms": [train_step(model, optimizer, scheduler, rank, world_size) for _ in range(2)]}
         report[name]["params"] = full_params(model)
@@ -90,7 +91,19 @@ def hybrid_and_plain(rank: int, world_size: int, out_dir: str) -> dict[str, Any]
     train_step(model, optimizer, scheduler, rank, world_size)
     report["resumed_third_step"] = full_params(model)
     report["accumulation"] = accumulation_all_reduces(rank, world_size)
+    report["frozen_digest"] = {
+        name: frozen_weights_digest(frozen_model(mesh)) for name, mesh in (("plain", None), ("hybrid", hybrid))
+    }
     return report
+
+
+def frozen_model(mesh: Any) -> nn.Module:
+    """The block model with its first block and head frozen (a LoRA base's part), sharded on `mesh`."""
+    model = build_model(0)
+    for module in (model.blocks[0], model.head):
+        module.requires_grad_(False)
+    apply_fsdp2(model, list(model.blocks), param_dtype=torch.float32, reduce_dtype=torch.float32, mesh=mesh)
+    return model
 
 
 def counted(function: Any, calls: list) -> Any:
