@@ -15,7 +15,13 @@ from miles.algorithms import algorithm_of
 from miles.ray.actor_pool import ActorPool, current_pool
 from miles.ray.checkpoint_folders import check_roles_agree, load_folders, save_folders, write_latest_pointers
 from miles.ray.colocation import PhaseMemory
-from miles.ray.placement_group import Colocation, actor_nodes, create_colocation, write_placement
+from miles.ray.placement_group import (
+    Colocation,
+    actor_nodes,
+    check_shard_groups,
+    create_colocation,
+    write_placement,
+)
 from miles.startup import check_data_source_resume
 from miles.utils.distributed import engine_cpus, uses_gpu
 from miles.utils.eval_arguments import eval_enabled
@@ -134,6 +140,7 @@ class RunGroups:
             if resumes_from_save_folders(args, list(groups)):
                 self.saved = start_rollout_id - 1
         self.placement = self.record_placement()
+        check_shard_groups(args.fsdp_shard_size, self.placement, args.fsdp_strict_shard_groups)
         self.phases = PhaseMemory(args, groups, manager.engines, self.placement)
         if groups:  # the version an uninterrupted run holds here: one sync at its start and one per rollout;
             # with --colocate-sleep the ranks sleep once the weights are exported, before the engines load them
