@@ -43,7 +43,7 @@ from miles.utils.distributed import (
     init_process_group,
     use_deterministic_algorithms,
 )
-from miles.utils.heap import keep_freed_memory
+from miles.utils.heap import TRAINER_MMAP_THRESHOLD, keep_freed_memory
 from miles.utils.misc import load_module
 from miles.utils.offload import HostSwap
 from miles.utils.threads import gpu_rank_threads, node_info
@@ -101,7 +101,9 @@ class FSDPTrainRayActor(TrainLoop):
         self.device = resolve_device(args.device)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, round(args.cpus_per_rank)))
-            keep_freed_memory()  # each micro-batch reuses the heap the last one freed (miles.utils.heap)
+            # each micro-batch reuses the heap the last one freed, except blocks of a MiB or more (FSDP2's gathered
+            # parameters among them), which go back to the kernel when freed (miles.utils.heap)
+            keep_freed_memory(mmap_threshold=TRAINER_MMAP_THRESHOLD)
         else:
             torch.set_num_threads(gpu_rank_threads())
         if args.deterministic_mode:
