@@ -23,10 +23,10 @@ M_TRIM_THRESHOLD = -1  # mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit: bigger blocks still come from (and go back to) mmap
 TRIM_THRESHOLD = 1 << 30  # up to 1 GiB free at the top of the heap stays with the process
-# A trainer rank's: FSDP2 gathers each block's parameters (MBs each) and frees them at every reshard; kept in the heap
-# they leave it fragmented around the activations, and a LoRA nft step of a 461M-parameter model at dp 2 peaked at
-# 4.8x the rank's share of the weights instead of 2.4x (docs/user-guide/memory.md)
-TRAINER_MMAP_THRESHOLD = 1 << 20
+# A trainer rank's: FSDP2 gathers each block's parameters (4-24 MB each at 1024 wide) and frees them at every reshard;
+# kept in the heap they left it fragmented around the activations, and a LoRA nft step of a 461M-parameter model at
+# dp 2 peaked at 4.5-5.2x the rank's share of the weights instead of 2.4x (docs/user-guide/memory.md)
+TRAINER_MMAP_THRESHOLD = 4 << 20
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD")
 
 

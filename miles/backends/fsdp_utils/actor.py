@@ -101,7 +101,7 @@ class FSDPTrainRayActor(TrainLoop):
         self.device = resolve_device(args.device)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, round(args.cpus_per_rank)))
-            # each micro-batch reuses the heap the last one freed, except blocks of a MiB or more (FSDP2's gathered
+            # each micro-batch reuses the heap the last one freed, except blocks of 4 MiB or more (FSDP2's gathered
             # parameters among them), which go back to the kernel when freed (miles.utils.heap)
             keep_freed_memory(mmap_threshold=TRAINER_MMAP_THRESHOLD)
         else:

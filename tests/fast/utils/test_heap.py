@@ -13,7 +13,8 @@ ROUNDS = f"""
 import ctypes, ctypes.util, resource, sys
 sys.path.insert(0, {ROOT!r})
 from miles.utils.heap import keep_freed_memory
-modes = {{"keep": {{}}, "keep-below-1mib": {{"mmap_threshold": 1 << 20}}}}
+from miles.utils.heap import TRAINER_MMAP_THRESHOLD
+modes = {{"keep": {{}}, "trainer": {{"mmap_threshold": TRAINER_MMAP_THRESHOLD}}}}
 kept = keep_freed_memory(**modes[sys.argv[1]]) if sys.argv[1] in modes else None
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -55,7 +56,7 @@ def test_freed_blocks_stay_with_the_process_and_user_settings_win():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_blocks_above_a_lower_mmap_threshold_go_back_to_the_kernel_as_a_trainer_rank_sets_it():
-    kept, faults = rounds("keep-below-1mib")  # the 20 MB blocks (a gathered FSDP2 parameter's size) are not kept
+def test_a_trainer_rank_hands_blocks_of_a_gathered_parameters_size_back_to_the_kernel():
+    kept, faults = rounds("trainer")  # the 20 MB blocks (a gathered FSDP2 parameter's size) are not kept
     _, kept_faults = rounds("keep")
     assert kept == "True" and faults > 5 * 10_000 > kept_faults, (faults, kept_faults)
