@@ -49,11 +49,14 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2  # noqa: E402
+from miles.backends.fsdp_utils.lora import apply_lora  # noqa: E402
 from miles.models.sequence_parallel import SequenceParallelGroup, new_sequence_parallel_group  # noqa: E402
 from miles.models.wan_sequence_parallel import shard_wan_sequence  # noqa: E402
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group  # noqa: E402
 
 GIB = 2**30
+# --lora-rank: the attention projections every preset's blocks share (diffusers' Attention naming), as miles' LoRA
+LORA = {"target_modules": ["to_q", "to_k", "to_v", "to_out.0"], "init_lora_weights": True}
 
 # dense bf16 tensor-core peaks (TFLOP/s) by a substring of torch.cuda.get_device_name(); no sparsity
 PEAK_BF16_TFLOPS = {
@@ -255,14 +258,17 @@ def _loss(output: Any) -> torch.Tensor:
     return output[0].float().pow(2).mean()
 
 
-def count_step_flops(preset: Preset, resolution: int) -> tuple[int, int]:
-    """(parameters, FLOPs of one forward + backward of one sample) on the meta device."""
+def count_step_flops(preset: Preset, resolution: int, frozen: bool = False) -> tuple[int, int]:
+    """(parameters, FLOPs of one forward + backward of one sample) on the meta device. `frozen`: the weights take no
+    gradient, only the activations do (LoRA's step, less its rank-r adapters' few FLOPs)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
-        model = preset.build().to(torch.bfloat16)
+        model = preset.build().to(torch.bfloat16).requires_grad_(not frozen)
         params = sum(p.numel() for p in model.parameters())
         inputs = preset.make_inputs(preset.config, 1, preset.size(resolution), preset.text_tokens, torch.bfloat16)
+        if frozen:
+            inputs["hidden_states"].requires_grad_(True)
         with FlopCounterMode(display=False) as counter:
             _loss(model(**inputs, return_dict=False)).backward()
     return params, counter.get_total_flops()
@@ -292,8 +298,10 @@ def measure_step(
     master = parse_dtype(opts.master_dtype)
     model = optimizer = None
     try:
-        with torch.device("meta"):
-            model = preset.build().to(master)  # the sharded parameters the optimizer updates
+        with torch.device("meta"):  # the sharded parameters the optimizer updates (with LoRA a frozen bf16 base)
+            model = preset.build().to(compute if opts.lora_rank else master)
+        if opts.lora_rank:
+            apply_lora(model, {**LORA, "r": opts.lora_rank, "lora_alpha": float(opts.lora_rank)})
         model.train()
         if sp is not None:
             shard_wan_sequence(model, sp)
@@ -312,7 +320,8 @@ def measure_step(
         with torch.no_grad():
             for param in model.parameters():
                 param.normal_(0.0, 0.02)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=cuda)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=1e-5, foreach=cuda)
         inputs = preset.make_inputs(
             preset.config, opts.batch, preset.size(opts.resolution), preset.text_tokens, compute
         )
@@ -332,7 +341,8 @@ def measure_step(
             if i >= opts.warmup:
                 times.append(time.perf_counter() - started)
         peak = torch.cuda.max_memory_allocated(device) if cuda else None
-        return {"oom": False, "step_s": statistics.median(times), "peak_bytes": peak}
+        trained_params = sum(p.numel() for p in trained)
+        return {"oom": False, "step_s": statistics.median(times), "peak_bytes": peak, "trained_params": trained_params}
     except torch.OutOfMemoryError:
         return {"oom": True}
     finally:
@@ -419,6 +429,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--batch", type=int, default=1, help="Images per step.")
     parser.add_argument("--master-dtype", default="fp32", choices=["fp32", "bf16"], help="Optimizer weights' dtype.")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="Checkpoint every transformer block.")
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="Train a rank-R LoRA on a frozen bf16 base (0: full fine-tuning)."
+    )
     parser.add_argument("--warmup", type=int, default=2, help="Untimed steps first.")
     parser.add_argument("--steps", type=int, default=5, help="Timed steps (the median is reported).")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (only sensible with --preset tiny).")
@@ -444,7 +457,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     try:
         for name in names:
             preset = PRESETS[name]
-            params, flops = count_step_flops(preset, opts.resolution)
+            params, flops = count_step_flops(preset, opts.resolution, frozen=opts.lora_rank > 0)
             row: dict[str, Any] = {"params": params, "step_tflop_per_sample": flops / 1e12}
             if device is not None:
                 row.update(
@@ -459,7 +472,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
 
     where = "none" if device is None else torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
-        f"images {opts.resolution} px, batch {opts.batch}, bf16 forward, {opts.master_dtype} master weights, "
+        f"images {opts.resolution} px, batch {opts.batch}, bf16 forward, "
+        f"{f'LoRA rank {opts.lora_rank} on a bf16 base' if opts.lora_rank else f'{opts.master_dtype} master weights'}, "
         f"checkpointing {'on' if opts.gradient_checkpointing else 'off'}, device {where}, "
         f"bf16 peak {f'{peak:.0f} TFLOP/s' if peak else 'unknown (--peak-tflops)'}"
     )

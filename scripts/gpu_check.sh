@@ -1,89 +1,135 @@
 #!/usr/bin/env bash
-# The first checks on a GPU machine, in about 10 minutes, ending with one summary table to paste into
-# docs/user-guide/memory.md with the date and GPU:
-#   1. the environment (GPU, driver, torch, CUDA);
-#   2. tests/fast-gpu pinned to one GPU (trunk on CUDA, colocation sleep/wake, prefetch, bf16 parity at dp 2 with
-#      two ranks on one GPU and with CPU offload);
-#   3. a colocated bf16 Flow-GRPO run on the shipped tiny model: ratio, clip fraction, log-prob difference, swap and
-#      weight-sync seconds from its metrics.jsonl;
-#   4. benchmarks/bench_gpu.py on SD3.5-Medium and FLUX.1-dev (random weights from their configs) with activation
-#      checkpointing and bf16 master weights: step time, peak memory, MFU.
-# Each step has its own time limit and a failed step does not stop the others; the table says what passed.
-#   ./scripts/gpu_check.sh            # from the repository root; installs into .venv on first use
-#   GPU_CHECK_OUT=/tmp/out ./scripts/gpu_check.sh
+# The first checks on a GPU machine, ending with one summary table (paste it into docs/user-guide/performance.md with
+# the date and GPU). Every step runs under its own time limit, a failed step does not stop the others, and the table
+# says what passed.
+#
+#   bash scripts/gpu_check.sh --no-setup [--wheels DIR]   # a bare GPU machine: the current python, no network, no Ray
+#   bash scripts/gpu_check.sh                             # installs into .venv first (scripts/setup.sh), adds Ray steps
+#   GPU_CHECK_OUT=/tmp/out bash scripts/gpu_check.sh --no-setup
+#
+# --no-setup uses the python on PATH as it is (torch with CUDA already installed), installs nothing and needs neither
+# the network nor Ray. Its steps (limits add up to 8 min 40 s; one H100):
+#   environment 20 s        GPU, driver, torch, CUDA, which packages are missing
+#   trainer_step 70 s       FSDP2 trainer rank, world size 1 over NCCL, two optimizer windows (scripts/gpu_check_core.py)
+#   engine_generate 50 s    a rollout engine samples 4 prompts with CFG
+#   pinned_sizes 45 s       --colocate-sleep's host buffer after sleeping 1.1 GiB: exact size, page-locked, not cached
+#   precision_parity 60 s   engine (bf16) vs the trainer's FSDP2 recompute of the recorded log-probs, bf16 bound 1e-2
+#   bench_sd35_medium 120 s benchmarks/bench_gpu.py, SD3.5-Medium 1024 px, full fine-tuning, bf16 master weights
+#   bench_flux_dev 155 s    benchmarks/bench_gpu.py, FLUX.1-dev 1024 px, LoRA rank 16 (full fine-tuning of 12B with
+#                           AdamW needs ~96 GB even with bf16 master weights: more than one H100)
+# Without CUDA every step is skipped with the reason and the script exits 0.
+#
+# Packages the Ray-free core needs besides torch (and torch's own dependencies). Where the machine lacks them and has
+# no network, fetch the wheels elsewhere into one folder (set PYVER to the GPU machine's python, e.g. 311 for 3.11;
+# see the size below) and pass it with --wheels DIR: each wheel whose distribution is not installed is
+# unpacked into $GPU_CHECK_OUT/site and put on PYTHONPATH for the steps (nothing is installed):
+#   PYVER=311; pip download --no-deps --only-binary=:all: --python-version $PYVER --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d wheels \
+#     diffusers==0.42.1 transformers==5.25.0 tokenizers==0.23.3 huggingface_hub==2.4.0 safetensors==0.8.0 \
+#     accelerate==1.16.0 peft==0.21.2 kernels==0.19.1 tomlkit==0.15.3 regex==2026.12.2 pyyaml==6.0.4 \
+#     pillow==13.0.0 numpy==2.4.6 tqdm==4.70.1 packaging==26.4 psutil==7.2.2 requests==2.34.2 urllib3==2.8.0 \
+#     idna==3.21 certifi==2026.10.19.post1 charset-normalizer==3.5.3 httpx2==2.17.0 httpcore2==2.17.0 h11==0.16.0 \
+#     anyio==4.16.0 truststore==0.10.5 hf-xet==1.8.0 click==8.5.1 importlib_metadata==10.2.0 zipp==4.1.2
+# (58 MB; numpy, pillow and pyyaml are often installed beside torch: leave out what is, to save 24 MB.) Tested here
+# with python -S and only torch and its dependencies on the path: every step's code imports and runs on CPU.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-# shellcheck disable=SC1091
-source "$root/scripts/setup.sh"
+no_setup=0
+wheels=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-setup) no_setup=1 ;;
+    --wheels) wheels="$2"; shift ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument $1 (--no-setup, --wheels DIR, --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ "$no_setup" = 0 ]; then
+  # shellcheck disable=SC1091
+  source "$root/scripts/setup.sh"
+  set +e  # setup.sh's `set -e` must not end the checks at the first failed step
+fi
+export RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 out="${GPU_CHECK_OUT:-$root/outputs/gpu_check}"
 mkdir -p "$out"
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
-declare -A status
+if [ -n "$wheels" ]; then
+  python "$root/scripts/gpu_check_wheels.py" "$wheels" "$out/site"
+  export PYTHONPATH="$out/site:$root${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+fi
+cuda_reason="$(python -c 'import torch; print("" if torch.cuda.is_available() else f"no CUDA device visible to this python (torch {torch.__version__}, CUDA build {torch.version.cuda})")' 2>&1 | tail -n 1)" \
+  || cuda_reason="$(command -v python || echo no python) cannot import torch: $cuda_reason"
+core="python scripts/gpu_check_core.py"
+bench="python benchmarks/bench_gpu.py --gradient-checkpointing --warmup 1 --steps 3"
+names=(environment trainer_step engine_generate pinned_sizes precision_parity bench_sd35_medium bench_flux_dev)
+declare -A limit=([environment]=20 [trainer_step]=70 [engine_generate]=50 [pinned_sizes]=45 [precision_parity]=60
+  [bench_sd35_medium]=120 [bench_flux_dev]=155)
+declare -A command=(
+  [environment]="python scripts/gpu_check_wheels.py --report"
+  [trainer_step]="$core trainer_step --workdir $out"
+  [engine_generate]="$core engine_generate --workdir $out"
+  [pinned_sizes]="$core pinned_sizes"
+  [precision_parity]="$core precision_parity --workdir $out"
+  [bench_sd35_medium]="$bench --preset sd3.5-medium --master-dtype bf16"
+  [bench_flux_dev]="$bench --preset flux-dev --lora-rank 16"
+)
+if [ "$no_setup" = 0 ]; then  # with the venv (Ray installed): the GPU test tier and a whole colocated run too
+  names+=(fast_gpu colocated_grpo)
+  limit+=([fast_gpu]=240 [colocated_grpo]=180)
+  command+=([fast_gpu]="python -m pytest -q tests/fast-gpu -p no:cacheprovider"
+    [colocated_grpo]="python train_diffusion.py --loss-type policy_loss --device cuda --dp-size 1 --colocate \
+--diffusion-forward-dtype bf16 --diffusion-recompute-old-log-prob --num-rollout 3 --eval-interval 0 \
+--image-grid-interval 0 --no-progress --output-dir $out/colocated_grpo")
+fi
+declare -A status result
+total=0
+failed=0
+echo "[gpu_check] plan (python $(command -v python), output in $out):" >&2
+for name in "${names[@]}"; do
+  total=$((total + limit[$name]))
+  echo "[gpu_check]   $name (at most ${limit[$name]}s): ${command[$name]}" >&2
+done
+echo "[gpu_check]   limits add up to ${total}s" >&2
 
-step() {  # step NAME SECONDS COMMAND...: run it with a limit, its output in $out/NAME.log
-  local name=$1 limit=$2
-  shift 2
-  echo "[gpu_check] $name (at most ${limit}s)" >&2
-  local started=$SECONDS
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
-  local rc=$?
-  status[$name]="rc $rc, $((SECONDS - started)) s"
+for name in "${names[@]}"; do
+  if [ -n "$cuda_reason" ]; then
+    status[$name]="skipped"
+    result[$name]="$cuda_reason"
+    echo "[gpu_check] $name skipped: $cuda_reason" >&2
+    continue
+  fi
+  echo "[gpu_check] $name (at most ${limit[$name]}s)" >&2
+  started=$SECONDS
+  # shellcheck disable=SC2086
+  timeout "${limit[$name]}" ${command[$name]} >"$out/$name.log" 2>&1
+  rc=$?
+  [ $rc = 0 ] || failed=1
+  status[$name]="$([ $rc = 0 ] && echo passed || { [ $rc = 124 ] && echo "timed out" || echo "failed (rc $rc)"; }), $((SECONDS - started)) s"
+  # the step's RESULT line, else its last line (a bench row, an error, pytest's count)
+  result[$name]="$({ grep '^RESULT: ' "$out/$name.log" || tail -n 1 "$out/$name.log"; } | tail -n 1 | cut -c1-200)"
   tail -n 3 "$out/$name.log" >&2
-}
-
-step environment 60 python - <<'PY'
-import subprocess, torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
-for i in range(torch.cuda.device_count()):
-    p = torch.cuda.get_device_properties(i)
-    print(f"gpu {i}: {p.name}, {p.total_memory / 2**30:.0f} GiB, capability {p.major}.{p.minor}")
-print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv"],
-                     capture_output=True, text=True).stdout)
-PY
-
-step fast_gpu 240 python -m pytest -q tests/fast-gpu -p no:cacheprovider
-
-run_dir="$out/colocated_grpo"
-rm -rf "$run_dir"
-step colocated_grpo 180 python train_diffusion.py --loss-type policy_loss --device cuda --dp-size 1 --colocate \
-  --diffusion-forward-dtype bf16 --diffusion-recompute-old-log-prob --num-rollout 3 --eval-interval 0 \
-  --image-grid-interval 0 --no-progress --output-dir "$run_dir"
-
-step bench_gpu 240 python benchmarks/bench_gpu.py --preset sd3.5-medium --preset flux-dev \
-  --gradient-checkpointing --master-dtype bf16 --warmup 1 --steps 3
+done
 
 {
-  echo "## gpu_check $(date -u +%Y-%m-%d) on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+  gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
+  echo "## gpu_check $(date -u +%Y-%m-%d) on ${gpu:-no GPU}"
   echo
-  echo "| step | result |"
-  echo "|---|---|"
-  for name in environment fast_gpu colocated_grpo bench_gpu; do
-    echo "| $name | ${status[$name]:-not run} |"
+  echo "| step | limit s | status | result |"
+  echo "|---|---|---|---|"
+  for name in "${names[@]}"; do
+    echo "| $name | ${limit[$name]} | ${status[$name]} | ${result[$name]:-see $out/$name.log} |"
   done
-  echo
-  echo "fast-gpu: $(grep -E 'passed|failed|error' "$out/fast_gpu.log" | tail -n 1)"
-  echo
-  python - "$run_dir/metrics.jsonl" <<'PY'
-import json, sys
-keys = ["train/ratio_mean", "train/clipfrac", "train/log_prob_abs_diff", "perf/colocate_swap_s", "perf/weight_sync_s",
-        "perf/rollout_s", "perf/train_s"]
-try:
-    records = [json.loads(line) for line in open(sys.argv[1])]
-except OSError as exc:
-    print(f"colocated run: no metrics ({exc})")
-    sys.exit(0)
-print("| colocated bf16 Flow-GRPO | " + " | ".join(keys) + " |")
-print("|---" * (len(keys) + 1) + "|")
-for rollout in sorted({r.get("rollout_id") for r in records if "rollout_id" in r}):
-    merged = {}
-    for r in records:
-        if r.get("rollout_id") == rollout:
-            merged.update(r)
-    print(f"| rollout {rollout} | " + " | ".join(f"{merged[k]:.4g}" if k in merged else "-" for k in keys) + " |")
-PY
-  echo
-  echo '```'
-  sed -n '/^preset/,$p' "$out/bench_gpu.log" | grep -v '^running:' || echo "bench_gpu: no table (see $out/bench_gpu.log)"
-  echo '```'
+  for name in bench_sd35_medium bench_flux_dev; do
+    if [ -f "$out/$name.log" ]; then
+      echo
+      echo '```'
+      sed -n '/^images/,$p' "$out/$name.log"
+      echo '```'
+    fi
+  done
 } | tee "$out/summary.md"
+exit "$failed"  # 0 when every step passed or was skipped (no CUDA)

@@ -195,6 +195,11 @@ class TrainPipelineConfig(ABC):
     @abstractmethod
     def save_transformer(self, transformer_state_dict: dict[str, torch.Tensor], out_dir: str) -> str: ...
 
+    def saved_transformer_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype `save_transformer` stores each state-dict entry in (--save-hf gathers it in that dtype, not in
+        the fp32 masters); an entry not named is stored as given."""
+        return {}
+
     # text
     @abstractmethod
     def load_text_encoders(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Any: ...

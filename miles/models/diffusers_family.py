@@ -80,6 +80,10 @@ class DiffusersFamily(TrainPipelineConfig):
         `dtype`, by default each tensor's dtype in the source checkpoint. Returns `out_dir`."""
         return self.save_pipeline({"transformer": transformer_state_dict}, out_dir, dtype)
 
+    def saved_transformer_dtypes(self) -> dict[str, torch.dtype]:
+        """Each transformer entry's dtype in the source checkpoint, which `save_transformer` stores it in."""
+        return self.checkpoint_dtypes(Path(self.path) / "transformer")
+
     def save_pipeline(
         self, states: dict[str, dict[str, torch.Tensor]], out_dir: str, dtype: torch.dtype | None = None
     ) -> str:

@@ -165,6 +165,17 @@ class WanFolderFamily(DiffusersFamily):
                   for s in subfolders}  # fmt: skip
         return self.save_pipeline(states, out_dir, dtype)
 
+    def saved_transformer_dtypes(self) -> dict[str, torch.dtype]:
+        """Each entry's source dtype; with two experts named as `save_transformer` takes them (`transformer.*`,
+        `transformer_2.*`)."""
+        if not self.two_experts:
+            return self.checkpoint_dtypes(Path(self.path) / HIGH_NOISE)
+        return {
+            f"{sub}.{name}": dtype
+            for sub in (HIGH_NOISE, LOW_NOISE)
+            for name, dtype in self.checkpoint_dtypes(Path(self.path) / sub).items()
+        }
+
     def check_run_args(self, args: argparse.Namespace) -> None:
         """LoRA trains one adapter on one transformer: two experts are refused at start-up."""
         if getattr(args, "use_lora", False) and self.two_experts:

@@ -211,7 +211,7 @@ def simulate_trainer_rank(
             for group in actor.optimizer.param_groups:  # the per-tensor step: AdamW's memory, without the fused
                 group.update(fused=False, foreach=False)  # kernel's slow sharding propagation over 1000s of DTensors
             with tracker.in_phase("train"):
-                output = actor.train_shard(0, pairs, peer_output)
+                output = actor.train_pairs(0, pairs, peer_output)
             plan = _resident(actor, role, rank, tracker)
             if export and role == "actor":
                 with tracker.in_phase("weight sync"):

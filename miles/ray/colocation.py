@@ -8,6 +8,9 @@ Per rollout, with the phases of the driver's `run_rollout` (`train_diffusion.py`
     -> `to_generate`: trainer ranks sleep; engines wake and load the exported weights
     engines evaluate and generate the next rollout
 
+At start-up (`RunGroups.start`, `start`) the first sync takes the same turn: the ranks export, sleep, and only then
+do the engines load, so their whole models never sit beside the ranks' awake state.
+
 So at no point do both hold the GPU, and the weights the engines get go through host memory as they always do. Every
 trainer call that needs the weights wakes its rank (and every engine call its engine), so a phase order this class
 does not know (a tool, a test) costs memory, never results.
@@ -89,7 +92,8 @@ class PhaseMemory:
             )
 
     def start(self) -> None:
-        """After start-up: the engines hold the device for the first generation, the trainer ranks sleep."""
+        """At start-up, between the first sync's export and the engines' load: the trainer ranks sleep, and the
+        engines hold the device for the first generation."""
         if self.enabled:
             self._timed("trainer ranks asleep", [(f"{role} sleep", g.sleep) for role, g in self.groups.items()])
 

@@ -15,7 +15,13 @@ from miles.algorithms import algorithm_of
 from miles.ray.actor_pool import ActorPool, current_pool
 from miles.ray.checkpoint_folders import check_roles_agree, load_folders, save_folders, write_latest_pointers
 from miles.ray.colocation import PhaseMemory
-from miles.ray.placement_group import Colocation, actor_nodes, create_colocation, write_placement
+from miles.ray.placement_group import (
+    Colocation,
+    actor_nodes,
+    check_shard_groups,
+    create_colocation,
+    write_placement,
+)
 from miles.startup import check_data_source_resume
 from miles.utils.distributed import engine_cpus, uses_gpu
 from miles.utils.eval_arguments import eval_enabled
@@ -111,8 +117,9 @@ class RunGroups:
 
     def start(self) -> int:
         """Initialise and resume the trainer groups while the engines and reward workers load, set the per-phase
-        thread counts, give the engines the actor's weights, record where everything runs and, with
-        --colocate-sleep, put the trainer ranks to sleep. Returns the first rollout id."""
+        thread counts, record where everything runs and give the engines the actor's weights (with --colocate-sleep
+        the trainer ranks sleep between the export and the engines' load, as in `to_generate`). Returns the first
+        rollout id."""
         args, groups = self.args, self.groups
         for group in groups.values():
             group.start_init()
@@ -133,11 +140,14 @@ class RunGroups:
             check_data_source_resume(args.load, start_rollout_id, manager.source)
             if resumes_from_save_folders(args, list(groups)):
                 self.saved = start_rollout_id - 1
-        if groups:  # the version an uninterrupted run holds here: one sync at its start and one per rollout
-            manager.update_weights(groups["actor"], version=start_rollout_id + 1)
         self.placement = self.record_placement()
+        check_shard_groups(args.fsdp_shard_size, self.placement, args.fsdp_strict_shard_groups)
         self.phases = PhaseMemory(args, groups, manager.engines, self.placement)
-        self.phases.start()
+        if groups:  # the version an uninterrupted run holds here: one sync at its start and one per rollout;
+            # with --colocate-sleep the ranks sleep once the weights are exported, before the engines load them
+            manager.update_weights(groups["actor"], self.phases.start, version=start_rollout_id + 1)
+        else:
+            self.phases.start()
         return start_rollout_id
 
     def record_placement(self) -> dict:

@@ -113,3 +113,36 @@ def write_placement(output_dir: str, placement: dict[str, list[dict[str, Any]]])
         where = ", ".join(f"{i}: {e['ip']} (node {nodes.index(e['node_id'])})" for i, e in enumerate(entries))
         logger.info("%s on %d node(s): %s", role, len({e["node_id"] for e in entries}), where)
     return path
+
+
+def shard_groups_across_nodes(entries: list[dict[str, Any]], shard_size: int) -> list[tuple[int, list[str]]]:
+    """The hybrid-sharding shard groups (ranks [i·N, (i+1)·N) of one trainer group, `entries` in rank order as
+    `actor_nodes` lists them) whose ranks sit on more than one node: (i, their nodes in rank order)."""
+    split = []
+    for index, start in enumerate(range(0, len(entries), shard_size)):
+        nodes = list(dict.fromkeys(entry["node_id"] for entry in entries[start : start + shard_size]))
+        if len(nodes) > 1:
+            split.append((index, nodes))
+    return split
+
+
+def check_shard_groups(shard_size: int | None, placement: dict[str, list[dict[str, Any]]], strict: bool) -> None:
+    """Warn (raise with `strict`, --fsdp-strict-shard-groups) when a --fsdp-shard-size group of a trainer role spans
+    nodes: its every parameter all-gather and gradient reduce-scatter would cross the network."""
+    if shard_size is None:
+        return
+    split = [
+        f"{role} ranks {i * shard_size}-{(i + 1) * shard_size - 1} on nodes {', '.join(nodes)}"
+        for role, entries in placement.items()
+        if role not in ("engines", "reward_workers")
+        for i, nodes in shard_groups_across_nodes(entries, shard_size)
+    ]
+    if not split:
+        return
+    message = (
+        f"--fsdp-shard-size {shard_size}: shard groups span nodes ({'; '.join(split)}), so every FSDP2 all-gather and "
+        "reduce-scatter of those groups crosses the network; pick N = the trainer ranks of one node"
+    )
+    if strict:
+        raise ValueError(f"{message} (refused: --fsdp-strict-shard-groups)")
+    logger.warning("%s (--fsdp-strict-shard-groups refuses to start)", message)

@@ -68,6 +68,12 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
         "(a 2-D mesh; N must divide --dp-size x --sp-size; default: shard over every rank).",
     )
     group.add_argument(
+        "--fsdp-strict-shard-groups",
+        action="store_true",
+        help="Refuse to start when a --fsdp-shard-size group's ranks sit on more than one node (default: warn; "
+        "such a group all-gathers every block over the network).",
+    )
+    group.add_argument(
         "--sp-size",
         type=int,
         default=1,

@@ -23,13 +23,17 @@ M_TRIM_THRESHOLD = -1  # mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit: bigger blocks still come from (and go back to) mmap
 TRIM_THRESHOLD = 1 << 30  # up to 1 GiB free at the top of the heap stays with the process
+# A trainer rank's: FSDP2 gathers each block's parameters (4-24 MB each at 1024 wide) and frees them at every reshard;
+# kept in the heap they left it fragmented around the activations, and a LoRA nft step of a 461M-parameter model at
+# dp 2 peaked at 4.5-5.2x the rank's share of the weights instead of 2.4x (docs/user-guide/memory.md)
+TRAINER_MMAP_THRESHOLD = 4 << 20
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD")
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory(mmap_threshold: int = MMAP_THRESHOLD) -> bool:
     """Raise glibc's mmap and trim thresholds for this process; True when set. False (nothing changed) off Linux,
     without glibc's `mallopt`, or when the environment already tunes the allocator (`MALLOC_*`, or another
-    allocator preloaded)."""
+    allocator preloaded). Blocks of `mmap_threshold` bytes or more still come from (and go back to) the kernel."""
     given = [name for name in USER_SETTINGS if os.environ.get(name)]
     if not sys.platform.startswith("linux") or given:
         if given:
@@ -41,4 +45,4 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # musl and other C libraries have no mallopt
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    return mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1

@@ -9,6 +9,7 @@ phase on the node's cores divided among the actors of that phase on that node, a
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -34,9 +35,11 @@ def node_info() -> tuple[str, int]:
 def gpu_rank_threads() -> int:
     """CPU threads for a trainer rank on a GPU node: the node's cores split among its GPUs (one rank or engine per
     GPU). Ray starts an actor that asks for no CPUs with OMP_NUM_THREADS=1, which would leave the host-side work of a
-    GPU rank (a CPU-offloaded optimizer step, weight export, checkpoint writes) on one core."""
-    import ray
-
+    GPU rank (a CPU-offloaded optimizer step, weight export, checkpoint writes) on one core. Outside Ray (the trainer
+    called directly, as `scripts/gpu_check.sh --no-setup` does) the GPUs are the ones this process sees."""
+    ray = sys.modules.get("ray")  # the trainer runs without Ray too: only a process Ray started asks Ray
+    if ray is None or not ray.is_initialized():
+        return max(1, node_cores() // max(1, torch.cuda.device_count()))
     node = ray.get_runtime_context().get_node_id()
     gpus = next((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == node), 0)
     return max(1, node_cores() // max(1, int(gpus)))

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from miles.utils.offload import HostSwap
+from miles.utils.offload import HostSwap, host_offsets
 
 pytestmark = pytest.mark.gpu
 MIB = 1 << 20
@@ -26,6 +26,26 @@ def test_host_swap_frees_the_device_memory_into_one_pinned_host_buffer_and_resto
     assert before - torch.cuda.memory_reserved(device) >= 64 * MIB  # empty_cache returned the block
     swap.wake()
     assert torch.equal(big.cpu(), expected) and torch.equal(view.cpu(), expected[:1024])
+
+
+def test_sleeping_1_1_gib_pins_exactly_those_bytes_outside_the_caching_host_allocator_and_frees_a_replaced_buffer():
+    device = torch.device("cuda", torch.cuda.current_device())
+    sizes = [2**30 // 40 * 4 + 4000 * k for k in range(11)]  # 1.1 GiB in all (not a power of two), odd sizes
+    tensors = [torch.full((n // 4,), float(k), device=device) for k, n in enumerate(sizes)]
+    torch.cuda.synchronize()
+    cached_before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    swap = HostSwap(device)
+    swap.sleep(tensors[:5])  # a first, smaller sleep (as before the optimizer state exists)
+    first = swap.host.data_ptr()
+    swap.wake()
+    report = swap.sleep(tensors)
+    exact = host_offsets(sizes)[1]
+    assert report.copied_bytes == sum(sizes) and swap.host.numel() == exact  # not rounded up to 2 GiB
+    assert swap.host.is_pinned() and swap.host.data_ptr() != first  # the smaller buffer was replaced
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == cached_before  # nothing cached
+    swap.wake()
+    assert all(torch.equal(t, torch.full_like(t, float(k))) for k, t in enumerate(tensors))
+    swap.release()
 
 
 def test_an_engine_on_cuda_sleeps_to_almost_nothing_and_samples_the_same_after_a_sync(tiny_pipeline_dir):

@@ -40,3 +40,27 @@ def test_the_14b_sequence_parallel_preset_splits_a_720p_clip_over_8_ranks(bench)
     assert tokens == 75_600 and tokens % preset.sp_size == 0
     assert preset.config["num_attention_heads"] % preset.sp_size == 0
     assert "wan2.1-14b-sp8" not in bench.REAL_PRESETS  # the default run has one GPU
+
+
+def test_lora_step_trains_the_adapters_on_a_frozen_base_and_counts_no_weight_gradients(bench, capsys):
+    preset = bench.PRESETS["tiny"]
+    full, frozen = bench.count_step_flops(preset, 64)[1], bench.count_step_flops(preset, 64, frozen=True)[1]
+    assert 0.5 * full < frozen < full  # the activations' gradients remain; the weights' (about a third) go
+    row = bench.main(
+        [
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--resolution",
+            "64",
+            "--warmup",
+            "0",
+            "--steps",
+            "1",
+            "--lora-rank",
+            "2",
+        ]
+    )["tiny"]
+    assert row["oom"] is False and row["step_s"] > 0 and 0 < row["trained_params"] < row["params"] / 10
+    assert "LoRA rank 2 on a bf16 base" in capsys.readouterr().out

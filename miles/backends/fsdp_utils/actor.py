@@ -16,7 +16,6 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
-import ray
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -48,7 +47,7 @@ from miles.utils.distributed import (
     init_process_group,
     use_deterministic_algorithms,
 )
-from miles.utils.heap import keep_freed_memory
+from miles.utils.heap import TRAINER_MMAP_THRESHOLD, keep_freed_memory
 from miles.utils.misc import load_module
 from miles.utils.offload import HostSwap
 from miles.utils.threads import gpu_rank_threads, node_info
@@ -86,6 +85,8 @@ class FSDPTrainRayActor(TrainLoop):
     # ---- set-up -------------------------------------------------------------------------------
     def get_master_address(self) -> tuple[str, int]:
         """Rank 0's node IP as Ray knows it (reachable from the other nodes, on CPU and GPU alike) and a free port."""
+        import ray  # here only: the trainer is importable and callable without Ray (scripts/gpu_check.sh --no-setup)
+
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
@@ -107,7 +108,9 @@ class FSDPTrainRayActor(TrainLoop):
         self.device = resolve_device(args.device)
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, round(args.cpus_per_rank)))
-            keep_freed_memory()  # each micro-batch reuses the heap the last one freed (miles.utils.heap)
+            # each micro-batch reuses the heap the last one freed, except blocks of 4 MiB or more (FSDP2's gathered
+            # parameters among them), which go back to the kernel when freed (miles.utils.heap)
+            keep_freed_memory(mmap_threshold=TRAINER_MMAP_THRESHOLD)
         else:
             torch.set_num_threads(gpu_rank_threads())
         if args.deterministic_mode:
@@ -414,7 +417,10 @@ class FSDPTrainRayActor(TrainLoop):
     def save_hf(self, out_dir: str) -> str | None:
         """A diffusers pipeline folder with the trained transformer, or a PEFT LoRA adapter folder with LoRA."""
         self.check_finite_weights(f"write --save-hf {out_dir}")
-        state = full_state_dict(self.model, keep=is_lora_key if self.lora_config is not None else None)
+        if self.lora_config is not None:
+            state = full_state_dict(self.model, keep=is_lora_key)  # the adapter, as trained
+        else:  # cast on the device to the dtypes the folder stores: rank 0 never holds the fp32 masters of bf16 weights
+            state = full_state_dict(self.model, as_dtype=self.family.saved_transformer_dtypes().get)
         if self.rank != 0:
             return None
         try:

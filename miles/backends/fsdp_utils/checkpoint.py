@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -439,16 +440,32 @@ def _check_meta(path: str, role: str, rollout_id: int, model: nn.Module) -> dict
 
 
 def frozen_weights_digest(model: nn.Module) -> dict[str, int]:
-    """Count, elements and the exact 16-bit word sum (`weight_checksum`) of the frozen parameters over every rank's
-    shard (collective): integer sums, so the same whatever the sharding or the device."""
+    """Count, elements and the exact 16-bit word sum (`weight_checksum`) of the frozen parameters over one copy of
+    the model (collective): a sharded parameter's word sums are added over the ranks that hold its distinct shards
+    (the shard group of a 2-D mesh, not its replicas), one a rank holds whole counts once. Integer sums, so the same
+    whatever the sharding, the shard size or the device."""
     frozen = [p for p in model.parameters() if not p.requires_grad]
     device = collective_device()
-    words = torch.zeros((), dtype=torch.int64, device=device)
-    if frozen:  # one transfer: the terms stay on the device until the sum
-        words = torch.stack([checksum_terms([local_tensor(p)])[0].to(device) for p in frozen]).sum()
-    if _world_size() > 1:
-        dist.all_reduce(words)
+    sums: dict[Any, torch.Tensor] = {}  # process group (None: held whole) -> word sum; first-seen order on every rank
+    for param in frozen:  # the terms stay on the device until the sums: one transfer
+        group = _shard_group(param)
+        term = checksum_terms([local_tensor(param)])[0].to(device)
+        sums[group] = sums[group] + term if group in sums else term
+    words = sums.pop(None, torch.zeros((), dtype=torch.int64, device=device))
+    for group, value in sums.items():
+        dist.all_reduce(value, group=group)
+        words = words + value
     return {"tensors": len(frozen), "elements": sum(p.numel() for p in frozen), "words": int(words.item())}
+
+
+def _shard_group(param: torch.Tensor) -> Any:
+    """The process group over which `param`'s distinct shards lie; None when this rank holds it whole."""
+    if not isinstance(param, DTensor) or _world_size() == 1:
+        return None
+    dims = [i for i, placement in enumerate(param.placements) if placement.is_shard()]
+    if len(dims) > 1:
+        raise ValueError(f"a frozen parameter sharded on mesh dims {dims}: FSDP2 shards on one")
+    return param.device_mesh.get_group(dims[0]) if dims else None
 
 
 def _check_frozen_weights(path: str, role: str, meta: dict[str, Any], here: dict[str, int]) -> None:

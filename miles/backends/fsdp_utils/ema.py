@@ -86,6 +86,22 @@ def reshard(model: nn.Module) -> None:
             module.reshard()
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def swap_bits_(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange the contents of two tensors of one dtype and shape in place, bit for bit, with no third buffer
+    (a ^= b; b ^= a; a ^= b on integer views of the same bytes)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise ValueError(
+            f"swap_bits_ needs one dtype and shape, got {a.dtype}{tuple(a.shape)} and {b.dtype}{tuple(b.shape)}"
+        )
+    x, y = a.view(_SAME_SIZE_INT[a.element_size()]), b.view(_SAME_SIZE_INT[b.element_size()])
+    x.bitwise_xor_(y)
+    y.bitwise_xor_(x)
+    x.bitwise_xor_(y)
+
+
 class ShadowWeights:
     """float32 copies of a model's trainable parameters exactly as this rank stores them (FSDP2 shards, no gather).
 
@@ -132,20 +148,30 @@ class ShadowWeights:
     @contextlib.contextmanager
     def swapped_in(self, model: nn.Module) -> Iterator[nn.Module]:
         """Inside the block `model`'s trainable parameters hold θ_s (cast to their dtype); afterwards the live values
-        are back bitwise. Safe between a policy forward and its backward: FSDP2 re-gathers the live values."""
+        are back bitwise. Safe between a policy forward and its backward: FSDP2 re-gathers the live values.
+
+        A float32 parameter and its shadow exchange their bits in place (`swap_bits_`): no copy of the shards, and
+        inside the block the shadow holds the live values. A parameter of another dtype keeps a copy of its live
+        shard for the block (half θ_s's bytes for bf16)."""
         reshard(model)
         self._check_model(model)
+        swapped = [n for n, p in self._params.items() if local_tensor(p).dtype == self._shadow[n].dtype]
         with torch.no_grad():
-            live = {n: local_tensor(p).clone() for n, p in self._params.items()}
+            live = {n: local_tensor(p).clone() for n, p in self._params.items() if n not in swapped}
             for name, param in self._params.items():
-                local_tensor(param).copy_(self._shadow[name])
+                if name in live:
+                    local_tensor(param).copy_(self._shadow[name])
+                else:
+                    swap_bits_(local_tensor(param), self._shadow[name])
         try:
             yield model
         finally:
             reshard(model)  # drop gathered copies of θ_s before the live values come back
             with torch.no_grad():
-                for name, param in self._params.items():
-                    local_tensor(param).copy_(live[name])
+                for name in swapped:
+                    swap_bits_(local_tensor(self._params[name]), self._shadow[name])
+                for name, value in live.items():
+                    local_tensor(self._params[name]).copy_(value)
 
     def network(self, model: nn.Module) -> ShadowNetwork:
         """`model` with θ_s swapped in for each call: the frozen `ref` / `old` entry of the trunk's networks."""

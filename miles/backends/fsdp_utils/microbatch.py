@@ -1,8 +1,12 @@
-"""build_microbatch_schedule: windows of micro-batches, numbered straight across windows (ARCHITECTURE §5)."""
+"""build_microbatch_schedule: windows of micro-batches, numbered straight across windows (ARCHITECTURE §5); and what
+FSDP2 communicates between the micro-batches of one window (`accumulate_gradients`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -44,3 +48,26 @@ def build_microbatch_schedule(num_pairs: int, num_windows: int, micro_batch_size
 
 def pairs_in_window(window: list[MicroBatch]) -> int:
     return sum(mb.size for mb in window)
+
+
+def is_hybrid(model: FSDPModule) -> bool:
+    """Whether FSDP2 shards `model` on a 2-D (replicate, shard) mesh (`--fsdp-shard-size`)."""
+    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    return param is not None and param.device_mesh.ndim > 1
+
+
+def accumulate_gradients(model: FSDPModule, last_in_window: bool, *, world_size: int, cpu_offload: bool) -> None:
+    """Set what FSDP2 communicates after the next backward of a window (`last_in_window`: the one before the step).
+
+    - World size 1 without CPU offload: one rank holds every shard, so full gradients accumulate and the blocks stay
+      gathered until the last backward (no reduce-scatter, no reshard in between).
+    - A 2-D mesh: every backward reduce-scatters within the shard group (gradients stay sharded), but the all-reduce
+      across replicas (across nodes) runs only after the last; FSDP2 sums the earlier reduce-scatter outputs into it,
+      so the step sees the same gradients with one all-reduce per optimizer step instead of one per micro-batch.
+    - Plain FSDP2 over several ranks (or CPU offload at world size 1): every backward reduce-scatters, as by default.
+    """
+    if world_size == 1 and not cpu_offload:
+        model.set_requires_gradient_sync(last_in_window)
+        model.set_reshard_after_backward(last_in_window)
+    elif world_size > 1 and is_hybrid(model):
+        model.set_requires_all_reduce(last_in_window)

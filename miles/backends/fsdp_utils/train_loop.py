@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from types import MappingProxyType
 from typing import Any
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -18,10 +17,15 @@ from miles.algorithms import FirstWindowMetrics
 from miles.backends.fsdp_utils.first_window_guard import check_first_window
 from miles.backends.fsdp_utils.fsdp import clip_grad_norm_
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, Guidance, PreparedBatch, WindowMetrics
-from miles.backends.fsdp_utils.microbatch import MicroBatch, build_microbatch_schedule, pairs_in_window
+from miles.backends.fsdp_utils.microbatch import (
+    MicroBatch,
+    accumulate_gradients,
+    build_microbatch_schedule,
+    pairs_in_window,
+)
 from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher
 from miles.models.compile import compile_counters
-from miles.utils.box import Box
+from miles.utils.box import Box, put_box
 from miles.utils.distributed import collective_device
 from miles.utils.threads import torch_threads
 from miles.utils.types import TrainPairs, num_pairs
@@ -57,17 +61,16 @@ class TrainLoop:
     def train(self, rollout_id: int, data: Box, peer: Box | None = None) -> Box:
         """Train on this rank's shard; returns `Box(ray.put(train_output))` for the paired rank of the next group.
         Runs with the train phase's thread count (`set_train_threads`)."""
+        shard: TrainPairs = data.get()
+        return put_box(self.train_pairs(rollout_id, shard, None if peer is None else peer.get()))
+
+    def train_pairs(self, rollout_id: int, shard: TrainPairs, peer_output: Any = None) -> Any:
+        """`train` on a shard in hand, without Ray (`scripts/gpu_check.sh --no-setup` calls it): returns the
+        algorithm's train output for the next group."""
         with torch_threads(self.train_threads):
-            return self._train(rollout_id, data, peer)
+            return self._train(rollout_id, shard, peer_output)
 
-    def _train(self, rollout_id: int, data: Box, peer: Box | None) -> Box:
-        shard: TrainPairs = ray.get(data.inner)
-        output = self.train_shard(rollout_id, shard, None if peer is None else ray.get(peer.inner))
-        return Box(ray.put(output))
-
-    def train_shard(self, rollout_id: int, shard: TrainPairs, peer_output: Any = None) -> Any:
-        """`train` without Ray: this rank's shard of train pairs (and the previous group's output) in, the
-        train-output hook's value out."""
+    def _train(self, rollout_id: int, shard: TrainPairs, peer_output: Any) -> Any:
         ctx = self._make_context(rollout_id)
         if peer_output is not None:
             shard = merge_peer_output(shard, peer_output)
@@ -202,16 +205,12 @@ class TrainLoop:
         return True
 
     def _set_gradient_sync(self, last_in_window: bool) -> None:
-        """At world size 1 one rank holds every shard: accumulate full gradients and keep the blocks gathered
-        until the window's last backward, instead of a reduce-scatter and a reshard after every micro-batch.
-
-        With more ranks every backward reduce-scatters, so gradients stay sharded (the memory FSDP2 is for); with
-        CPU offload too (unsharded gradients would stay on the GPU).
-        """
-        if self.world_size > 1 or self.args.fsdp_cpu_offload or self._gradient_sync == last_in_window:
+        """What FSDP2 communicates after this micro-batch's backward (`microbatch.accumulate_gradients`)."""
+        if self._gradient_sync == last_in_window:
             return
-        self.model.set_requires_gradient_sync(last_in_window)
-        self.model.set_reshard_after_backward(last_in_window)
+        accumulate_gradients(
+            self.model, last_in_window, world_size=self.world_size, cpu_offload=self.args.fsdp_cpu_offload
+        )
         self._gradient_sync = last_in_window
 
     @torch.no_grad()

@@ -47,6 +47,15 @@ def test_load_transformer_from_pipeline_or_transformer_folder(config, tiny_pipel
         config.load_transformer(str(tmp_path))
 
 
+def test_save_hf_gathers_each_entry_in_the_dtype_of_the_source_checkpoint(config, tiny_pipeline_dir):
+    from safetensors import safe_open
+
+    dtypes = config.saved_transformer_dtypes()
+    assert set(dtypes) == set(config.load_transformer().state_dict())
+    with safe_open(f"{tiny_pipeline_dir}/transformer/diffusion_pytorch_model.safetensors", framework="pt") as f:
+        assert {k: f.get_tensor(k).dtype for k in f.keys()} == dtypes
+
+
 @torch.no_grad()
 def _encode_by_hand(pipe: StableDiffusion3Pipeline, prompts: list[str], t5_length: int) -> Conditioning:
     clip_seq, clip_pooled = [], []

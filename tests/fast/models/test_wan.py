@@ -110,6 +110,16 @@ def test_save_transformer_writes_both_experts(tiny_wan_2_experts_dir, tmp_path):
         family.save_transformer({"proj_out.bias": torch.zeros(1)}, str(tmp_path / "bad"))
 
 
+def test_saved_dtypes_name_every_entry_of_both_experts_as_save_transformer_takes_them(tiny_wan_2_experts_dir):
+    family = get_train_pipeline_config(tiny_wan_2_experts_dir)
+    state = family.load_transformer().state_dict()
+    dtypes = family.saved_transformer_dtypes()
+    assert set(dtypes) == set(state) and any(k.startswith("transformer_2.") for k in dtypes)
+    for sub in ("transformer", "transformer_2"):  # read independently, from the safetensors headers
+        for name, dtype in family.checkpoint_dtypes(Path(family.path) / sub).items():
+            assert dtypes[f"{sub}.{name}"] == dtype
+
+
 def test_real_folders_sample_on_the_unipc_flow_grid(tiny_wan_dir, tmp_path):
     """Real Wan folders ship UniPCMultistepScheduler(use_flow_sigmas, flow_shift): miles samples its σ grid."""
     folder = tmp_path / "unipc"

@@ -98,7 +98,7 @@ class World(Peer):
         self.events.append(("train", rollout_id))
         return data
 
-    def update_weights(self, group, before_load=None, *, rollout_id=None):
+    def update_weights(self, group, before_load=None, *, rollout_id=None, version=None):
         self.events.append(("export",))
         if before_load is not None:
             before_load()
@@ -180,7 +180,7 @@ def test_colocated_engines_on_gpus_load_once_the_ranks_hold_their_shards(monkeyp
         def wait_ready(self):
             events.append("engines ready")
 
-        def update_weights(self, group, version):
+        def update_weights(self, group, before_load, version):
             events.append("sync")
 
     monkeypatch.setattr(miles.ray.train_group, "RayTrainGroup", Group)
@@ -196,3 +196,46 @@ def test_colocated_engines_on_gpus_load_once_the_ranks_hold_their_shards(monkeyp
         assert events == ["actor loads its shards", "actor ready", "engines load", "engines ready", "sync"]
     else:
         assert events == ["engines load", "actor loads its shards", "engines ready", "actor ready", "sync"]
+
+
+def test_colocated_start_up_syncs_with_the_trainer_ranks_asleep(monkeypatch):
+    """The first sync as every later one (`to_generate`): export, the ranks sleep, then the engines load."""
+    import miles.ray.groups as groups_module
+
+    events: list = []
+    world, engines = World(events), Peer("engines", events)
+
+    class Group(Peer):
+        def start_init(self):
+            events.append(("actor", "init"))
+
+        def finish_init(self):
+            return 0
+
+    world.engines, world.source = engines, None
+    monkeypatch.setattr(groups_module.RunGroups, "record_placement", lambda self: {})
+    monkeypatch.setattr(groups_module, "check_roles_agree", lambda *a: None)
+    args = args_for("--colocate-sleep", "on", "--eval-interval", "0")
+    run_groups = RunGroups(args, {"actor": Group("actor", events)}, world)
+    run_groups.set_phase_threads = lambda: None
+    world.wait_ready = lambda: None
+    assert run_groups.start() == 0
+    assert events == [("actor", "init"), ("export",), ("actor", "sleep"), ("load",)]
+
+
+def test_a_shard_group_across_nodes_warns_and_is_refused_with_the_strict_flag(caplog):
+    from miles.ray.placement_group import check_shard_groups, shard_groups_across_nodes
+
+    ranks = where("0", "1", node="a") + where("0", node="b") + where("1", node="b")  # 4 ranks on 2 nodes
+    assert shard_groups_across_nodes(ranks, 2) == []  # 2 x 2: each group on one node
+    assert shard_groups_across_nodes(ranks, 4) == [(0, ["a", "b"])]
+    mixed = where("0", "1", node="a") + where("0", node="b") + where("2", node="a")
+    assert shard_groups_across_nodes(mixed, 2) == [(1, ["b", "a"])]
+    placement = {"actor": ranks, "engines": where("0", node="a") + where("0", node="b")}
+    check_shard_groups(None, placement, strict=True)  # no hybrid sharding: nothing to check
+    check_shard_groups(2, placement, strict=True)
+    with caplog.at_level(logging.WARNING, logger="miles.ray.placement_group"):
+        check_shard_groups(4, placement, strict=False)
+    assert "actor ranks 0-3 on nodes a, b" in caplog.text and "--fsdp-strict-shard-groups" in caplog.text
+    with pytest.raises(ValueError, match="refused: --fsdp-strict-shard-groups"):
+        check_shard_groups(4, placement, strict=True)

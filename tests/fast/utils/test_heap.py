@@ -13,7 +13,9 @@ ROUNDS = f"""
 import ctypes, ctypes.util, resource, sys
 sys.path.insert(0, {ROOT!r})
 from miles.utils.heap import keep_freed_memory
-kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+from miles.utils.heap import TRAINER_MMAP_THRESHOLD
+modes = {{"keep": {{}}, "trainer": {{"mmap_threshold": TRAINER_MMAP_THRESHOLD}}}}
+kept = keep_freed_memory(**modes[sys.argv[1]]) if sys.argv[1] in modes else None
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
@@ -51,3 +53,10 @@ def test_freed_blocks_stay_with_the_process_and_user_settings_win():
     assert faults < default_faults / 10, (faults, default_faults)
     kept, _ = rounds("keep", MALLOC_TRIM_THRESHOLD_="5")  # the user's own allocator setting stands
     assert kept == "False"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_trainer_rank_hands_blocks_of_a_gathered_parameters_size_back_to_the_kernel():
+    kept, faults = rounds("trainer")  # the 20 MB blocks (a gathered FSDP2 parameter's size) are not kept
+    _, kept_faults = rounds("keep")
+    assert kept == "True" and faults > 5 * 10_000 > kept_faults, (faults, kept_faults)

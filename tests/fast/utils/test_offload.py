@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from miles.utils.offload import HOST_ALIGN, HostSwap
+from miles.utils.offload import HOST_ALIGN, HostSwap, host_offsets
 
 
 def test_sleep_frees_every_distinct_storage_once_and_wake_restores_the_bits():
@@ -42,7 +42,7 @@ def test_one_host_buffer_per_actor_is_reused_across_cycles_and_values_follow_the
     swap = HostSwap(torch.device("cpu"))
     swap.sleep([x, y])
     buffer = swap.host
-    assert buffer.numel() == 2 * HOST_ALIGN  # both storages in one buffer, each slice aligned
+    assert buffer.numel() == HOST_ALIGN + 3 * 8  # both storages in one buffer, each slice aligned, none padded
     swap.wake()
     x.add_(1)  # trained between cycles
     swap.sleep([x, y])
@@ -54,6 +54,67 @@ def test_one_host_buffer_per_actor_is_reused_across_cycles_and_values_follow_the
     assert swap.host.numel() == 2 * HOST_ALIGN + 4 * HOST_ALIGN
     swap.wake()
     assert torch.equal(x, torch.arange(8.0) + 1) and not big.any()
+
+
+def test_host_offsets_align_each_slice_and_size_the_buffer_to_the_last_byte():
+    assert host_offsets([]) == ([], 0)
+    assert host_offsets([1]) == ([0], 1)
+    assert host_offsets([HOST_ALIGN, 1, HOST_ALIGN + 1, 3]) == (
+        [0, HOST_ALIGN, 2 * HOST_ALIGN, 4 * HOST_ALIGN],
+        4 * HOST_ALIGN + 3,
+    )
+    gib_tenth = 2**30 // 10  # 1.1 GiB in eleven pieces: exactly the bytes plus the alignment gaps, no power of two
+    offsets, total = host_offsets([gib_tenth] * 11)
+    assert total == 10 * (-(-gib_tenth // HOST_ALIGN) * HOST_ALIGN) + gib_tenth < 2**31
+
+
+class RecordingPinner:
+    """A mocked cudaHostRegister: which (pointer, size) are locked now, and every call in order."""
+
+    def __init__(self):
+        self.locked: dict[int, int] = {}
+        self.calls: list[tuple[str, int]] = []
+
+    def pin(self, data_ptr, nbytes):
+        assert data_ptr not in self.locked
+        self.locked[data_ptr] = nbytes
+        self.calls.append(("pin", nbytes))
+
+    def unpin(self, data_ptr):
+        self.calls.append(("unpin", self.locked.pop(data_ptr)))
+
+
+def test_the_host_buffer_is_locked_at_its_exact_size_and_a_replaced_one_is_unlocked_first():
+    pinner = RecordingPinner()
+    swap = HostSwap(torch.device("cpu"), pinner=pinner)
+    small, big = torch.ones(3), torch.ones(1000)
+    swap.sleep([small])
+    assert swap.host.numel() == 12 and pinner.locked == {swap.host.data_ptr(): 12}
+    swap.wake()
+    swap.sleep([small, big])  # needs more: the 12-byte buffer is unlocked (and freed) before the larger one
+    assert pinner.calls == [("pin", 12), ("unpin", 12), ("pin", HOST_ALIGN + 4000)]
+    assert swap.host.numel() == HOST_ALIGN + 4000
+    swap.wake()
+    swap.sleep([big])  # fits: reused, no new lock
+    swap.wake()
+    assert len(pinner.calls) == 3 and torch.equal(big, torch.ones(1000)) and torch.equal(small, torch.ones(3))
+    swap.release()
+    assert pinner.locked == {} and swap.host is None
+
+
+def test_release_while_asleep_is_refused_and_discard_only_sleeps_allocate_nothing():
+    pinner = RecordingPinner()
+    swap = HostSwap(torch.device("cpu"), pinner=pinner)
+    x = torch.ones(4)
+    swap.sleep([], discard=[x])
+    assert swap.host is None and pinner.calls == []
+    swap.wake()
+    swap.sleep([x])
+    with pytest.raises(RuntimeError, match="wake first"):
+        swap.release()
+    swap.wake()
+    swap.release()
+    assert pinner.locked == {}
 
 
 def test_storages_that_cannot_be_resized_stay_in_place():

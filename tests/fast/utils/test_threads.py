@@ -55,8 +55,14 @@ def test_a_gpu_rank_gets_the_node_cores_split_among_its_gpus(monkeypatch):
     nodes = [{"NodeID": "node-a", "Resources": {"CPU": 4}}, {"NodeID": "node-b", "Resources": {"CPU": 96, "GPU": 8}}]
     monkeypatch.setattr(ray, "get_runtime_context", lambda: Context())
     monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(threads, "node_cores", lambda: 96)
     assert threads.gpu_rank_threads() == 12
     monkeypatch.setattr(threads, "node_cores", lambda: 4)
     nodes[1]["Resources"]["GPU"] = 8
     assert threads.gpu_rank_threads() == 1  # never below one
+    # called without Ray (scripts/gpu_check.sh --no-setup): the GPUs this process sees
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(threads.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(threads, "node_cores", lambda: 16)
+    assert threads.gpu_rank_threads() == 8

@@ -8,10 +8,12 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from miles.backends.fsdp_utils.checkpoint import load_checkpoint, save_checkpoint
+from miles.backends.fsdp_utils.checkpoint import frozen_weights_digest, load_checkpoint, save_checkpoint
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, clip_grad_norm_
+from miles.backends.fsdp_utils.microbatch import accumulate_gradients
 from miles.models.base import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from tests.fast.backends.fsdp_utils.fsdp_workers import BATCH as BATCH_ROWS
@@ -73,7 +75,8 @@ def hybrid_and_plain(rank: int, world_size: int, out_dir: str) -> dict[str, Any]
     then the hybrid state saved and loaded into a plain-FSDP2 model (DCP reshards), which takes one more step."""
     report: dict[str, Any] = {}
     save_dir = os.path.join(out_dir, "ckpt")
-    for name, mesh in (("plain", None), ("hybrid", build_mesh(world_size, 2, "cpu"))):
+    hybrid = build_mesh(world_size, 2, "cpu")
+    for name, mesh in (("plain", None), ("hybrid", hybrid)):
         model, optimizer, scheduler = build_sharded_trainer(mesh)
         report[name] = {"norms": [train_step(model, optimizer, scheduler, rank, world_size) for _ in range(2)]}
         report[name]["params"] = full_params(model)
@@ -87,6 +90,49 @@ def hybrid_and_plain(rank: int, world_size: int, out_dir: str) -> dict[str, Any]
     report["resumed_params"] = full_params(model)
     train_step(model, optimizer, scheduler, rank, world_size)
     report["resumed_third_step"] = full_params(model)
+    report["accumulation"] = accumulation_all_reduces(rank, world_size)
+    report["frozen_digest"] = {
+        name: frozen_weights_digest(frozen_model(mesh)) for name, mesh in (("plain", None), ("hybrid", hybrid))
+    }
+    return report
+
+
+def frozen_model(mesh: Any) -> nn.Module:
+    """The block model with its first block and head frozen (a LoRA base's part), sharded on `mesh`."""
+    model = build_model(0)
+    for module in (model.blocks[0], model.head):
+        module.requires_grad_(False)
+    apply_fsdp2(model, list(model.blocks), param_dtype=torch.float32, reduce_dtype=torch.float32, mesh=mesh)
+    return model
+
+
+def counted(function: Any, calls: list) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def accumulation_all_reduces(rank: int, world_size: int) -> dict[str, Any]:
+    """One window of two micro-batches on the 2 x 2 hybrid mesh: FSDP2's default (an all-reduce across replicas after
+    every backward) against `accumulate_gradients` (after the last only): the full gradients and the all-reduces."""
+    x, y = fixed_batch()
+    x_local, y_local = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+    report: dict[str, Any] = {}
+    for name in ("every_backward", "accumulated"):
+        model, _, _ = build_sharded_trainer(build_mesh(world_size, 2, "cpu"))
+        calls, all_reduce = [], dist.all_reduce
+        dist.all_reduce = counted(all_reduce, calls)  # FSDP2 calls `dist.all_reduce` across the replicas
+        try:
+            for mb in range(2):
+                if name == "accumulated":
+                    accumulate_gradients(model, mb == 1, world_size=world_size, cpu_offload=False)
+                ((model(x_local[mb : mb + 1]) - y_local[mb : mb + 1]) ** 2).sum().backward()
+        finally:
+            dist.all_reduce = all_reduce
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        report[name] = {"all_reduces": len(calls), "grads": grads}
     return report
 
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from miles.backends.fsdp_utils.ema import EmaConfig, ShadowWeights, ema_config_from_args, ema_decay
+from miles.backends.fsdp_utils.ema import EmaConfig, ShadowWeights, ema_config_from_args, ema_decay, swap_bits_
 from miles.backends.fsdp_utils.fsdp import full_state_dict
 from miles.diffusion.nft import old_policy_decay
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group
@@ -103,6 +104,42 @@ def test_swapped_in_uses_shadow_and_restores_bfloat16_bitwise():
             assert torch.equal(p, shadow.state_dict()[name].to(torch.bfloat16)), name
     for name, p in model.named_parameters():
         assert torch.equal(p, live[name]), name
+
+
+class RecordedOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_swapped_in_exchanges_float32_shards_with_the_shadow_without_a_copy():
+    model = build_model(0)
+    shadow = ShadowWeights(model)
+    _perturb(model, 4)
+    live = {n: p.detach().clone() for n, p in model.named_parameters()}
+    theta_s = {n: t.clone() for n, t in shadow.state_dict().items()}
+    recorded = RecordedOps()
+    with recorded, shadow.swapped_in(model):
+        for name, p in model.named_parameters():
+            assert torch.equal(p, theta_s[name]) and torch.equal(shadow.state_dict()[name], live[name]), name
+    allocating = [op for op in recorded.ops if op.startswith(("clone", "empty", "_to_copy", "copy"))]
+    assert not allocating and recorded.ops.count("bitwise_xor_.Tensor") == 2 * 3 * len(live)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, live[name]) and torch.equal(shadow.state_dict()[name], theta_s[name]), name
+
+
+def test_swap_bits_is_exact_for_nan_and_negative_zero_and_refuses_other_dtypes():
+    a = torch.tensor([float("nan"), -0.0, 1e-45, 3.0])
+    b = torch.tensor([1.0, float("inf"), -2.5, 0.0])
+    bits_a, bits_b = a.view(torch.int32).clone(), b.view(torch.int32).clone()
+    swap_bits_(a, b)
+    assert torch.equal(a.view(torch.int32), bits_b) and torch.equal(b.view(torch.int32), bits_a)
+    with pytest.raises(ValueError, match="one dtype and shape"):
+        swap_bits_(a, b.double())
 
 
 def test_swapped_in_rejects_another_model_and_network_needs_no_grad():

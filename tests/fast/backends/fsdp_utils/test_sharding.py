@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from miles.utils.weight_checksum import checksum_terms
 from tests.background import job_folder
 from tests.fast.backends.fsdp_utils import rank_jobs
-from tests.fast.backends.fsdp_utils.fsdp_workers import run_ranks
+from tests.fast.backends.fsdp_utils.fsdp_workers import build_model, run_ranks
 from tests.fast.backends.fsdp_utils.sharding_workers import checkpointed_gradients
 
 
@@ -48,6 +49,28 @@ def test_hybrid_sharding_2x2_matches_plain_fsdp2_at_dp_size_4(hybrid_reports):
             torch.testing.assert_close(report["hybrid"]["params"][name], value, rtol=1e-6, atol=1e-7, msg=name)
         first = hybrid_reports[0]["hybrid"]["params"]
         assert all(torch.equal(report["hybrid"]["params"][n], v) for n, v in first.items())  # replicas agree
+
+
+@ON_HYBRID
+def test_hybrid_micro_batches_all_reduce_across_replicas_once_per_optimizer_step(hybrid_reports):
+    for report in hybrid_reports:
+        default, accumulated = report["accumulation"]["every_backward"], report["accumulation"]["accumulated"]
+        groups = 4  # three blocks and the root: one all-reduce each per backward by default
+        assert (default["all_reduces"], accumulated["all_reduces"]) == (2 * groups, groups)
+        assert sum(bool(g.abs().sum() > 0) for g in default["grads"].values()) == len(default["grads"])
+        for name, grad in default["grads"].items():
+            torch.testing.assert_close(accumulated["grads"][name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@ON_HYBRID
+def test_the_frozen_weight_digest_counts_one_copy_whatever_the_shard_size(hybrid_reports):
+    """2 replicas x 2 shards and plain FSDP2 over 4 give the digest of the unsharded model (not twice its sums)."""
+    model = build_model(0)
+    frozen = [p.detach() for m in (model.blocks[0], model.head) for p in m.parameters()]
+    words = int(sum(checksum_terms([p])[0] for p in frozen))
+    expected = {"tensors": len(frozen), "elements": sum(p.numel() for p in frozen), "words": words}
+    for report in hybrid_reports:
+        assert report["frozen_digest"] == {"plain": expected, "hybrid": expected}
 
 
 @ON_HYBRID
