@@ -103,7 +103,9 @@ def measure(name: str, folder: str, flags: list[str], what: str, tmp: str) -> di
         _, result, samples, _ = simulate_engine(sim, max(1, sim.global_batch_size // args.dp_size), fake=False)
         pairs = train_pairs_for_rank(sim, samples, result)
         micro = args.micro_batch_size
-        pairs = {k: v[: 2 * micro].clone() for k, v in pairs.items()}  # the planner's two micro-batches
+        pairs = {
+            k: v[: 2 * micro].clone() for k, v in pairs.items()
+        }  # two micro-batches: the steady state a plan estimates
         pairs_file = os.path.join(out, "pairs.pt")
         torch.save(pairs, pairs_file)
         world = args.dp_size

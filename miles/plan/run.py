@@ -105,9 +105,9 @@ def simulate(
     reuse: Simulation | None = None,
     parts: tuple[str, ...] = ("engine", "trainer"),
 ) -> Simulation:
-    """The engine's generate call, then each role's ranks (rank 0 first) on the first two micro-batches of one
-    window of pairs converted from it (memory is at its steady state by the second: the gradients of the first are
-    held), its FLOPs scaled to the whole window. With `reuse`, the parts not named in `parts` are taken from that
+    """The engine's generate call, then each role's ranks (rank 0 first) on the first micro-batch of one window of
+    pairs converted from it, its FLOPs scaled to the whole window; when the window has more, the peak of the train
+    phase adds the gradients the first leaves (a second micro-batch computes beside them: its steady state). With `reuse`, the parts not named in `parts` are taken from that
     simulation (a re-plan of a change that touches only the trainer, or only the engines)."""
     started = time.perf_counter()
     sim = simulation_args(args)
@@ -140,7 +140,7 @@ def simulate_roles(
     sleeps, peer, world = plans_sleep(args), None, trainer_world_size(args)
     for role in algorithm_of(args).role_names:
         micro = role_settings(sim, role)["micro_batch_size"]
-        simulated = min(num_pairs(window), 2 * micro)
+        simulated = min(num_pairs(window), micro)
         pairs = {key: value[:simulated] for key, value in window.items()}
         first, *others = ranks if ranks is not None else simulated_ranks(args)
         run = functools.partial(
@@ -151,6 +151,9 @@ def simulate_roles(
                 plan, peer = run(rank=first)
             out.train_flops[role] = float(flops.get_total_flops()) * num_pairs(window) / simulated
             out.roles[role] = [plan, *collect()]
+        if num_pairs(window) > simulated:  # a later micro-batch computes beside the gradients the first left
+            for each in out.roles[role]:
+                each.peaks["train"] += each.grads_bytes
 
 
 @contextlib.contextmanager
