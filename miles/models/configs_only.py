@@ -74,6 +74,7 @@ def tokenizer_from_config(folder: Path, class_name: str) -> PlanTokenizer:
     base = getattr(transformers, class_name, None) or transformers.PreTrainedTokenizerBase
     cls = type(f"Plan{class_name}", (PlanTokenizer, base), {})
     tokenizer = object.__new__(cls)
+    tokenizer.__dict__.update(_special_tokens_map={}, _added_tokens_encoder={}, init_kwargs={})  # the base's state
     tokenizer.__dict__["model_max_length"] = (
         int(limit) if isinstance(limit, int | float) and limit < 10**6 else DEFAULT_TOKENS
     )

@@ -42,12 +42,25 @@ class PlanTensorMode(FakeTensorMode):
             return _SCALAR_ANSWERS[kind]
         if func is torch.ops.aten.equal.default:  # a truncation check of token ids: they are equal
             return True
+        if func is torch.ops.aten.split_with_sizes.default:  # rows of attended tokens split by their counts
+            args = _equal_split(args)
         if func is torch.ops.aten.nonzero.default:  # a mask of attended tokens: every element is set
             tensor = args[0]
             return super().dispatch(
                 torch.ops.aten.new_empty.default, types, (tensor, [tensor.numel(), tensor.dim()]), {"dtype": torch.long}
             )
         return super().dispatch(func, types, args, kwargs)
+
+
+def _equal_split(args: tuple) -> tuple:
+    """`split_with_sizes` whose sizes came from value-less counts (each answered 1, `_SCALAR_ANSWERS`) and so do not
+    add up: equal parts instead, as every row's count is equal when every token is attended."""
+    tensor, sizes, *rest = args
+    dim = rest[0] if rest else 0
+    total = tensor.shape[dim]
+    if sum(sizes) != total and sizes and len(set(sizes)) == 1 and total % len(sizes) == 0:
+        sizes = [total // len(sizes)] * len(sizes)
+    return (tensor, sizes, *rest)
 
 
 @contextlib.contextmanager

@@ -24,27 +24,34 @@ class Change:
     parts: tuple[str, ...] = ("trainer",)  # what a re-plan simulates again (the rest is the base plan's)
 
 
-def candidate_changes(args: argparse.Namespace, report: dict[str, Any]) -> list[Change]:
-    """The changes worth trying for the GPUs that overflow (trainer ranks, engines, or both), cheapest first."""
-    over = [g for g in report["gpus"] if g["peak_bytes"] > report["usable_bytes"]]
-    trainer_bound = any(g["phase"] != "generate" for g in over)
-    engine_bound = any(g["phase"] == "generate" for g in over)
-    changes = []
-    if trainer_bound:
-        if not args.gradient_checkpointing:
-            changes.append(Change("--gradient-checkpointing", {"gradient_checkpointing": True}))
-        for micro in _smaller(args.micro_batch_size):
-            changes.append(Change(f"--micro-batch-size {micro}", {"micro_batch_size": micro}))
-        if not args.use_lora:
-            changes.append(Change("--use-lora", {"use_lora": True}, ("engine", "trainer")))
-        if not args.fsdp_cpu_offload and not args.colocate:
-            changes.append(Change("--fsdp-cpu-offload", {"fsdp_cpu_offload": True}))
-    if engine_bound:
-        for rows in _smaller(report["roles"].get("engine", {}).get("micro_batch", 1)):
-            flags = f"--rollout-micro-batch-size {rows}"
-            changes.append(Change(flags, {"rollout_micro_batch_size": rows}, ("engine",)))
-    changes.append(Change(f"--dp-size {args.dp_size * 2}", {"dp_size": args.dp_size * 2}, ("engine", "trainer")))
-    return changes
+def trainer_ladder(args: argparse.Namespace) -> list[Change]:
+    """The trainer's changes, cheapest first; each step is tried on top of the ones before (a smaller micro-batch
+    replaces a larger one)."""
+    steps = []
+    if not args.gradient_checkpointing:
+        steps.append(Change("--gradient-checkpointing", {"gradient_checkpointing": True}))
+    steps += [Change(f"--micro-batch-size {m}", {"micro_batch_size": m}) for m in _smaller(args.micro_batch_size)]
+    if not args.use_lora:
+        steps.append(Change("--use-lora", {"use_lora": True}, ("engine", "trainer")))
+    if not args.fsdp_cpu_offload and not args.colocate:
+        steps.append(Change("--fsdp-cpu-offload", {"fsdp_cpu_offload": True}))
+    return steps
+
+
+def engine_ladder(report: dict[str, Any]) -> list[Change]:
+    rows = report["roles"].get("engine", {}).get("micro_batch", 1)
+    return [
+        Change(f"--rollout-micro-batch-size {r}", {"rollout_micro_batch_size": r}, ("engine",)) for r in _smaller(rows)
+    ]
+
+
+def _over(report: dict[str, Any], engines: bool) -> bool:
+    """Whether a trainer GPU (`engines` False) or an engine-only GPU (True) overflows."""
+    for gpu in report["gpus"]:
+        engine_only = all(label.startswith("engine") for label in gpu["roles"])
+        if engine_only == engines and gpu["peak_bytes"] > report["usable_bytes"]:
+            return True
+    return False
 
 
 def _smaller(value: int) -> list[int]:
@@ -68,30 +75,45 @@ def suggest(
     settings: PlanSettings,
     build_report: Callable[[argparse.Namespace, Any, PlanSettings], dict[str, Any]],
     base: Simulation,
-    *,
-    limit: int = 3,
 ) -> list[dict[str, Any]]:
-    """Up to `limit` flag sets that fit, each with its re-planned worst GPU and the seconds its plan took: single
-    changes first (in cost order), then the cheapest changes added up one by one."""
-    found: list[dict[str, Any]] = []
-    tried_alone: list[tuple[Change, dict[str, Any]]] = []
-    budget = MAX_REPLANS
-    for change in candidate_changes(args, report)[: budget // 2]:
-        replanned = _replan(args, [change], settings, build_report, base)
-        tried_alone.append((change, replanned))
-        if replanned["fits"]:
-            found.append(_suggestion([change], replanned))
-            if len(found) >= limit:
-                return found
-    if found:
-        return found
+    """The cheapest flag set that fits, re-planned (at most MAX_REPLANS simulations): the trainer's changes added one
+    by one until its GPUs fit, then the engines' on top of them likewise (each plan holds every change so far, so a
+    colocated GPU sees both). [] when no tried set fits."""
+    budget = [MAX_REPLANS]
     chosen: list[Change] = []
-    for change, _ in sorted(tried_alone, key=lambda t: t[1]["worst_gpu"]["peak_bytes"])[: budget - len(tried_alone)]:
-        chosen.append(change)
-        replanned = _replan(args, chosen, settings, build_report, base)
-        if replanned["fits"]:
-            return [_suggestion(chosen, replanned)]
-    return []
+    last = report
+    for engines, ladder in ((False, trainer_ladder(args)), (True, engine_ladder(report))):
+        if not _over(report, engines):
+            continue
+        fixed = _climb(args, chosen, ladder, engines, settings, build_report, base, budget)  # plans every change
+        if fixed is None:
+            return []
+        chosen, last = fixed
+    return [_suggestion(chosen, last)] if chosen and last["fits"] else []
+
+
+def _climb(
+    args: argparse.Namespace,
+    chosen: list[Change],
+    ladder: list[Change],
+    engines: bool,
+    settings: PlanSettings,
+    build_report: Callable,
+    base: Simulation,
+    budget: list[int],
+) -> tuple[list[Change], dict[str, Any]] | None:
+    """`chosen` plus the first prefix of `ladder` under which the side's GPUs fit, with its plan (None: none within
+    the budget)."""
+    steps = list(chosen)
+    for change in ladder:
+        if budget[0] <= 0:
+            return None
+        steps = [c for c in steps if not set(c.values) & set(change.values)] + [change]
+        budget[0] -= 1
+        replanned = _replan(args, steps, settings, build_report, base)
+        if not _over(replanned, engines):
+            return steps, replanned
+    return None
 
 
 def _replan(

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
@@ -36,7 +36,8 @@ class PlanTracker(TorchDispatchMode):
     """Counts the bytes of every storage an op creates until the storage dies (`live_bytes`), the largest count of
     each phase (`peaks`), and records the collectives. Enter it inside the fake mode, so it sees ops first.
 
-    A storage resized outside the dispatcher (sleep / wake) is counted at its new size after `recount()`."""
+    Storages resized in place outside the dispatcher (FSDP2 frees and reallocates its gathered parameters this way;
+    sleep / wake too) are followed while the tracker is entered: `UntypedStorage.resize_` reports to it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,9 +71,7 @@ class PlanTracker(TorchDispatchMode):
     def adopt(self, tensors: list[torch.Tensor]) -> None:
         """Count tensors made outside the tracker (before it was entered)."""
         for tensor in tensors:
-            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            if isinstance(local, torch.Tensor) and local.device.type != "meta":
-                self._track(local)
+            self._track_inner(tensor)
 
     def recount(self) -> None:
         """Re-read every live storage's size (after storages were resized to free or restore them)."""
@@ -101,6 +100,31 @@ class PlanTracker(TorchDispatchMode):
             self.after[name] = self.live_bytes
             self.phase = previous
 
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key in self._sizes and self._refs[key]() is storage:
+            self.live_bytes += storage.nbytes() - self._sizes[key]
+            self._sizes[key] = storage.nbytes()
+            self._note_peak()
+        elif storage.device.type != "meta":
+            self._track(torch.empty(0, device=storage.device).set_(storage))
+
+    def __enter__(self) -> PlanTracker:
+        original = self._original_resize = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+            out = original(storage, size)
+            tracker._resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
+
     # ---- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -108,9 +132,21 @@ class PlanTracker(TorchDispatchMode):
         if namespace in _COLLECTIVE_NAMESPACES:
             self._record_collective(func, args)
         for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor) and value.device.type != "meta":
-                self._track(value)
+            if isinstance(value, torch.Tensor):
+                self._track_inner(value)
         return out
+
+    def _track_inner(self, value: torch.Tensor) -> None:
+        """A plain tensor's storage; a wrapper subclass's (a DTensor: its local shard) inner tensors instead, whose
+        ops ran below this mode: the wrapper's own storage stands for the global size, which no rank holds."""
+        if is_traceable_wrapper_subclass(value):
+            names, _ = value.__tensor_flatten__()
+            for name in names:
+                inner = getattr(value, name)
+                if isinstance(inner, torch.Tensor):
+                    self._track_inner(inner)
+        elif value.device.type != "meta":
+            self._track(value)
 
     def _record_collective(self, func: Any, args: Any) -> None:
         values = tree_flatten(args)[0]
