@@ -22,7 +22,7 @@ from torch import nn
 
 from miles.diffusion.schedule import sampling_sigmas as static_shift_sampling_sigmas
 from miles.models.conditioning import Conditioning
-from miles.models.configs_only import module_from_config, pipeline_components_from_configs
+from miles.models.configs_only import keep_fp32_parameters, module_from_config, pipeline_components_from_configs
 from miles.models.media import Media
 from miles.models.options import FamilyOption, family_options, option_flag  # noqa: F401  (family_options: re-exported)
 from miles.models.registry import BUILTIN_FAMILIES, builtin_family_of_pipeline
@@ -78,11 +78,7 @@ def load_pretrained(
             model = cls.from_config(config)
     finally:
         torch.set_default_dtype(previous)
-    keep = getattr(cls, "_keep_in_fp32_modules", None) or []
-    for name, param in model.named_parameters():
-        wanted = torch.float32 if any(m in name.split(".") for m in keep) else dtype
-        if param.is_floating_point() and param.dtype != wanted:
-            param.data = param.data.to(wanted)
+    keep_fp32_parameters(model, cls, dtype)
     setattr(model, CHECKPOINT_FOLDER_ATTR, folder)
     return model.eval()
 

@@ -97,12 +97,18 @@ def module_from_config(cls: type[nn.Module], folder: Path, dtype: torch.dtype) -
                 module = cls.from_config(cls.load_config(str(folder), local_files_only=True))
     finally:
         torch.set_default_dtype(previous)
+    keep_fp32_parameters(module, cls, dtype)
+    return module.eval().requires_grad_(False)
+
+
+def keep_fp32_parameters(module: nn.Module, cls: type[nn.Module], dtype: torch.dtype) -> None:
+    """Floating parameters in `dtype`, those in the class's `_keep_in_fp32_modules` in fp32, as from_pretrained
+    loads them."""
     keep = getattr(cls, "_keep_in_fp32_modules", None) or []
     for name, param in module.named_parameters():
         wanted = torch.float32 if any(m in name.split(".") for m in keep) else dtype
         if param.is_floating_point() and param.dtype != wanted:
             param.data = param.data.to(wanted)
-    return module.eval().requires_grad_(False)
 
 
 def pipeline_components_from_configs(root: str | Path, names: set[str], dtype: torch.dtype) -> dict[str, Any]:

@@ -15,8 +15,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.utils.flop_counter import FlopCounterMode
-
 from miles.algorithms import algorithm_of, role_settings
 from miles.plan.gpus import GpuSpec
 from miles.plan.simulate import (
@@ -53,6 +51,7 @@ class Simulation:
     train_flops: dict[str, float] = field(default_factory=dict)  # one whole window on rank 0
     window: dict = field(default_factory=dict)  # one data-parallel rank's window of train pairs (fake)
     engine_micro_batch: int = 0  # samples per forward in the engine
+    forward_flops_per_sample: float = 0.0  # one transformer forward of one sample, as the engine measured it
     seconds: float = 0.0
 
 
@@ -121,7 +120,9 @@ def simulate(
     else:
         engine, engine_flops, window, rows = reuse.engine, reuse.engine_flops, reuse.window, reuse.engine_rows
     out = Simulation(engine if algorithm.uses_engines else None, rows, engine_flops, window_samples=window_samples)
-    out.engine_micro_batch = micro if reuse is None or "engine" in parts else reuse.engine_micro_batch
+    fresh = reuse is None or "engine" in parts
+    out.engine_micro_batch = micro if fresh else reuse.engine_micro_batch
+    out.forward_flops_per_sample = engine.forward_flops_per_sample if fresh else reuse.forward_flops_per_sample
     out.window = window
     if reuse is not None and "trainer" not in parts:
         out.roles, out.train_flops = reuse.roles, reuse.train_flops
@@ -147,10 +148,9 @@ def simulate_roles(
             simulate_trainer_rank, sim, role, world_size=world, pairs=pairs, peer_output=peer, sleeps=sleeps
         )
         with _forked_ranks(others, functools.partial(_plan_only, run)) as collect:
-            with FlopCounterMode(display=False) as flops:
-                plan, peer = run(rank=first)
-            out.train_flops[role] = float(flops.get_total_flops()) * num_pairs(window) / simulated
+            plan, peer = run(rank=first)
             out.roles[role] = [plan, *collect()]
+        out.train_flops[role] = window_flops(args, out.forward_flops_per_sample, plan, num_pairs(window))
         if num_pairs(window) > simulated:  # a later micro-batch computes beside the gradients the first left
             for each in out.roles[role]:
                 each.peaks["train"] += each.grads_bytes
@@ -188,6 +188,14 @@ def _forked_ranks(ranks: list[int], simulate_rank: Callable[[int], ProcessPlan])
         return plans
 
     yield collect
+
+
+def window_flops(args: argparse.Namespace, forward_per_pair: float, plan: ProcessPlan, pairs: int) -> float:
+    """One window's FLOPs on a rank from its forwards per micro-batch (`plan.passes`): each with gradients costs
+    itself, its backward twice as much and, under activation checkpointing, its recompute once more; each without
+    gradients (a frozen network's) itself. A pair's forward costs what the engine's forward of a sample measured."""
+    with_grad = plan.passes.get("grad", 0) * (4 if args.gradient_checkpointing else 3)
+    return forward_per_pair * pairs * (with_grad + plan.passes.get("no_grad", 0))
 
 
 def _plan_only(run: Callable[..., tuple[ProcessPlan, Any]], rank: int) -> ProcessPlan:

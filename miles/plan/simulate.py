@@ -48,6 +48,8 @@ class ProcessPlan:
     export_bytes: int = 0  # the weights it sends the engines per sync (rank 0)
     collectives: list[Collective] = field(default_factory=list)
     seconds: float = 0.0
+    forward_flops_per_sample: float = 0.0  # an engine's: one transformer forward of one sample (its CFG rows too)
+    passes: dict[str, int] = field(default_factory=dict)  # a trainer's forwards per micro-batch: "grad", "no_grad"
 
     @property
     def peak_bytes(self) -> int:
@@ -109,6 +111,7 @@ class ForwardOnce:
     run_every: bool = False  # on real tensors every step runs (the sampler needs real velocities)
     calls: int = 0
     step_flops: float = 0.0
+    rows: int = 1  # samples in the forward that ran
 
     def __call__(self, network: Any, latents: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.calls += 1
@@ -117,6 +120,7 @@ class ForwardOnce:
         before = self.flops.get_total_flops()
         out = self.forward(network, latents, *args, **kwargs)
         self.step_flops = float(self.flops.get_total_flops() - before)
+        self.rows = int(latents.shape[0])
         return out
 
 
@@ -152,6 +156,7 @@ def simulate_engine(
             result = engine.generate(request)
         total_flops = flops.get_total_flops() + (0 if once.run_every else (once.calls - 1) * once.step_flops)
     plan = ProcessPlan("engine", 0, dict(tracker.peaks), dict(tracker.after), params_bytes=resident)
+    plan.forward_flops_per_sample = once.step_flops / max(1, once.rows)
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
     return plan, result, samples, float(total_flops)
@@ -210,9 +215,12 @@ def simulate_trainer_rank(
                 actor.init(args, "planner", 0)
             for group in actor.optimizer.param_groups:  # the per-tensor step: AdamW's memory, without the fused
                 group.update(fused=False, foreach=False)  # kernel's slow sharding propagation over 1000s of DTensors
+            passes = {"grad": 0, "no_grad": 0}
+            actor._predict = _counted(actor._predict, passes)
             with tracker.in_phase("train"):
                 output = actor.train_pairs(0, pairs, peer_output)
             plan = _resident(actor, role, rank, tracker)
+            plan.passes = passes
             if export and role == "actor":
                 with tracker.in_phase("weight sync"):
                     state, _ = actor.export_weights()
@@ -231,6 +239,17 @@ def simulate_trainer_rank(
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
     return plan, output
+
+
+def _counted(predict: Any, passes: dict[str, int]) -> Any:
+    """The trainer's `_predict`, counting its calls with and without gradients (the window's FLOPs follow from them:
+    a FLOP counter cannot wrap the window, it keeps activation checkpointing's activations alive)."""
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        passes["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+        return predict(*args, **kwargs)
+
+    return counted
 
 
 def _resident(actor: FSDPTrainRayActor, role: str, rank: int, tracker: PlanTracker) -> ProcessPlan:
