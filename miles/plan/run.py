@@ -10,6 +10,7 @@ import logging
 import math
 import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -159,8 +160,11 @@ def simulate_roles(
 @contextlib.contextmanager
 def _forked_ranks(ranks: list[int], simulate_rank: Callable[[int], ProcessPlan]) -> Iterator[Callable]:
     """Simulate `ranks` in forked children (as many at once as the machine has spare cores) while the caller
-    simulates rank 0; yields `collect`, which returns their plans in order. Without spare cores, in this process."""
-    workers = max(0, min(len(ranks), (os.cpu_count() or 1) - 1))
+    simulates rank 0; yields `collect`, which returns their plans in order. Without spare cores, or with other
+    threads alive (a fork copies a lock another thread may hold: the child would wait on it forever), in this
+    process."""
+    spare = (os.cpu_count() or 1) - 1 if threading.active_count() == 1 else 0
+    workers = max(0, min(len(ranks), spare))
     context = multiprocessing.get_context("fork")
     pending: list[tuple[int, Any]] = []
 
