@@ -87,6 +87,9 @@ class World(Peer):
     def show_engine_progress(self, display):
         self.display = display  # the driver's bar label; these engines report nothing
 
+    def fill_prompt_cache(self, eval_prompts, start_rollout_id=0):
+        return None  # no prompt cache in these runs
+
     def generate(self, rollout_id):
         self.events.append(("generate", rollout_id))
         return [f"batch {rollout_id}"]
@@ -179,6 +182,9 @@ def test_colocated_engines_on_gpus_load_once_the_ranks_hold_their_shards(monkeyp
 
         def wait_ready(self):
             events.append("engines ready")
+
+        def fill_prompt_cache(self, eval_prompts, start_rollout_id=0):
+            return None  # no prompt cache here
 
         def update_weights(self, group, before_load, version):
             events.append("sync")

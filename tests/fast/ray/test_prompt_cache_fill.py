@@ -11,6 +11,7 @@ from miles.ray.engine_group import RolloutEngineGroup
 from miles.ray.rollout_manager import RolloutManager
 from miles.rollout.data_source import PromptDataSource
 from miles.rollout.prompt_cache import PromptCacheConfig
+from miles.utils.engine_arguments import EngineTimeouts
 
 TIMEOUT = 60
 
@@ -44,7 +45,9 @@ class FakeEngine:
 
 def group_of(engines) -> RolloutEngineGroup:
     group = RolloutEngineGroup.__new__(RolloutEngineGroup)
-    group.engines, group.timeout_s, group.failed = engines, TIMEOUT, False
+    group.engines, group.failed = engines, False
+    group.timeouts = EngineTimeouts(startup_s=TIMEOUT, sync_s=TIMEOUT)
+    group.on_progress, group.poll_s, group.log_every_s = None, 1.0, 30.0
     return group
 
 
