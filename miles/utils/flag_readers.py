@@ -125,8 +125,12 @@ def given_dests(
     """The dests the user set: on the command line (parsed again over a namespace where nothing is set yet, so
     argparse's defaults do not count) or as --config keys."""
     dests = {action.dest for action in parser._actions}
-    seen, _ = parser.parse_known_args(argv, namespace=argparse.Namespace(**dict.fromkeys(dests, _UNSET)))
-    return {dest for dest in dests if getattr(seen, dest) is not _UNSET} | {dest_of(k) for k in config or {}}
+    # appending actions extend what the namespace holds: they start from None, any value means given
+    appending = {a.dest for a in parser._actions if isinstance(a, argparse._AppendAction | argparse._ExtendAction)}
+    start = {dest: None if dest in appending else _UNSET for dest in dests}
+    seen, _ = parser.parse_known_args(argv, namespace=argparse.Namespace(**start))
+    given = {dest for dest in dests if getattr(seen, dest) is not start[dest]}
+    return given | {dest_of(k) for k in config or {}}
 
 
 def flag_of(action: argparse.Action) -> str:
