@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -270,10 +269,3 @@ def _resident(actor: FSDPTrainRayActor, role: str, rank: int, tracker: PlanTrack
         optimizer_bytes=_storage_bytes(optimizer),
         other_state_bytes=_storage_bytes(others) if others else 0,
     )
-
-
-def describe(plan: ProcessPlan) -> str:
-    gib = 2**30
-    fields = dataclasses.asdict(plan)
-    fields.pop("collectives")
-    return f"{plan.name} rank {plan.rank}: peak {plan.peak_bytes / gib:.2f} GiB in {plan.peak_phase}; {fields}"
