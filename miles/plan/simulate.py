@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from miles.models.base import family_options, get_train_pipeline_config
 from miles.plan.fake import fake_process_group, movable_fake_modules, plan_tensor_mode
 from miles.plan.tracker import Collective, PlanTracker
 from miles.rollout.engine import DiffusionEngine, GenerateResult
+from miles.rollout.prompt_cache import frees_text_encoders
 from miles.rollout.rollout_hub import rollout_spec_of
 from miles.utils.types import Sample, TrainPairs, shard_pairs
 
@@ -145,10 +147,13 @@ def simulate_engine(
                 family_options=family_options(args),
                 micro_batch_size=micro_batch_size,
             )
-        weights = list(engine.transformer.parameters()) + list(engine.transformer.buffers())
-        resident = _storage_bytes(weights + [t for m in engine.family.loaded_modules() for t in m.parameters()])
         resolution = args.resolution or engine.family.default_resolution
         request = rollout_spec_of(args).build_request(args, samples, rollout_id=0, resolution=resolution)
+        if frees_text_encoders(args, engine.family):
+            with tracker.in_phase("start-up"):
+                _fill_prompt_cache(engine, request)
+        weights = list(engine.transformer.parameters()) + list(engine.transformer.buffers())
+        resident = _storage_bytes(weights + [t for m in engine.family.loaded_modules() for t in m.parameters()])
         with tracker.in_phase("generate"), FlopCounterMode(display=False) as flops:
             once = ForwardOnce(engine.family.predict_velocity, flops, run_every=not fake)
             engine.family.predict_velocity = once
@@ -159,6 +164,18 @@ def simulate_engine(
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
     return plan, result, samples, float(total_flops)
+
+
+def _fill_prompt_cache(engine: DiffusionEngine, request: Any) -> None:
+    """The start-up's prompt-cache fill as the engine meets it: the request's prompts encoded with the text encoders,
+    which are then freed; generate reads the encodings (held as the cache's entries would be read) without them."""
+    guided = request.guidance_scale > 1.0
+    encoded = engine.prompt_encoder.encode_request(
+        list(request.prompts), None, request.negative_prompt, negative=guided or request.return_negative
+    )
+    engine.family.release_text_encoders()
+    gc.collect()
+    engine.prompt_encoder.encode_request = lambda *args, **kwargs: encoded
 
 
 def latent_shape(args: argparse.Namespace) -> tuple[int, ...]:

@@ -92,7 +92,8 @@ def test_the_plan_predicts_the_same_steps_run_on_real_tensors():
 def test_startup_refuses_a_cuda_run_that_would_not_fit(monkeypatch):
     """--plan-gpu as a stated size (0.01 GiB): the refusal names the GPU, the role, the phase and what fits."""
     monkeypatch.setattr("miles.plan.suggest.MAX_REPLANS", 1)
-    args = parse_args([*SMALL, "--plan-gpu", "0.01"])
+    sizes = ["--micro-batch-size", "4", "--gradient-checkpointing", "off", "--rollout-micro-batch-size", "2"]
+    args = parse_args([*SMALL, *sizes, "--plan-gpu", "0.01"])  # given sizes: no `auto` search (test_auto.py)
     args.device = "cuda"  # what a CUDA machine resolves --device auto to; the plan itself runs on the CPU
     with pytest.raises(PlanDoesNotFit, match=r"GPU \d+ \((actor rank 0|engine 0)[^)]*\) needs .* in (train|generate)"):
         check_plan(args)
