@@ -104,3 +104,16 @@ def test_startup_refuses_a_cuda_run_that_would_not_fit(monkeypatch):
 def test_an_unknown_hub_id_names_the_shipped_ones():
     with pytest.raises(ValueError, match="black-forest-labs/FLUX.1-dev"):
         make_plan(parse_args(["--plan", "--hf-checkpoint", "nobody/nothing"]))
+
+
+def test_the_engine_frees_its_text_encoders_after_the_prompt_cache_fill_as_a_run_does(tiny_flux_dev_dir):
+    """FLUX's encodings are cache-exact: with the prompt cache on (auto) the engine encodes at start-up, frees its
+    text encoders and generates without them; with it off they stay resident for the whole run."""
+    plans = {}
+    for cache in ("auto", "off"):
+        args = simulation_args(plan_args("--hf-checkpoint", str(tiny_flux_dev_dir), "--prompt-cache", cache))
+        plans[cache], *_ = simulate_engine(args, 2)
+    freed = plans["off"].params_bytes - plans["auto"].params_bytes  # the text encoders
+    assert freed > 0
+    assert plans["auto"].peaks["generate"] <= plans["off"].peaks["generate"] - freed
+    assert plans["auto"].peaks["start-up"] >= plans["off"].params_bytes  # loaded for the fill
