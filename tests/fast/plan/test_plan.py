@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from miles.models.base import family_options, get_train_pipeline_config
 from miles.plan import simulate as simulate_module
-from miles.plan.command import make_plan, resolve_plan_checkpoint
+from miles.plan.command import make_plan, plan_settings, resolve_plan_checkpoint
+from miles.plan.report import build_report
 from miles.plan.run import CollectiveMismatch, check_collectives, simulate
 from miles.plan.simulate import PlannedTrainer, simulate_engine, simulate_trainer_rank, simulation_args
 from miles.plan.startup import PlanDoesNotFit, check_plan
@@ -50,12 +51,18 @@ def test_counts_match_a_hand_count_of_shards_and_adamw_states(dp2):
 
 
 def test_ranks_issue_the_same_collectives_and_rank_0_gathers_for_the_engines(dp2):
-    _, simulation = dp2
+    args, simulation = dp2
     first, last = simulation.roles["actor"]
     assert (first.rank, last.rank) == (0, 1)
     check_collectives(simulation)
     assert [c.op for c in first.collectives if c.phase == "train"]
     assert first.export_bytes > 0 and last.export_bytes == 0
+    # a CUDA plan: rank 0 holds two bucket buffers of the weight sync for the whole run (the tiny model fits one
+    # bucket: a buffer of its own size, tensors aligned), an engine apart one
+    assert first.sync_buffer_bytes == pytest.approx(2 * first.export_bytes, rel=0.01) and last.sync_buffer_bytes == 0
+    assert first.peaks["train"] >= first.sync_buffer_bytes + first.params_bytes
+    report = build_report(args, simulation, plan_settings(args))
+    assert report["roles"]["engine"]["sync_buffer_bytes"] == first.sync_buffer_bytes // 2
 
 
 def test_planted_rank_dependent_collective_is_caught(monkeypatch):
