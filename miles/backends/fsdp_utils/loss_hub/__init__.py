@@ -81,7 +81,7 @@ LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
 
 # What each hook must accept (by name, or through **kwargs): the trunk passes all of these.
 REQUIRED_KEYWORDS = {
-    "prepare": ("microbatch_id", "optim_step_idx"),
+    "prepare": ("microbatch_id", "optim_step_idx", "pad_to_len"),
     "formula": ("new_pred", "frozen_preds", "metrics", "optim_step_idx", "train_output_inputs"),
     "after_train": ("global_step",),
 }
