@@ -103,11 +103,12 @@ def owner(module: str) -> str | None:
 
 
 def named_modules(file: Path) -> list[str]:
-    """`imported_modules`, plus `pkg.name` for each `from pkg import name` (a name may be a module)."""
+    """`imported_modules`, plus `pkg.name` for each `from pkg import name` where that name is a module file."""
     names = imported_modules(file)
     for node in ast.walk(ast.parse(file.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names += [f"{node.module}.{alias.name}" for alias in node.names]
+            package = floor_dir(node.module)
+            names += [f"{node.module}.{a.name}" for a in node.names if (package / f"{a.name}.py").is_file()]
     return names
 
 
@@ -147,8 +148,8 @@ def test_the_cross_algorithm_check_sees_from_package_imports(tmp_path, monkeypat
     (hub / "nft.py").write_text("from miles.rollout.rollout_hub import pairs\n")
     (hub / "awm.py").write_text("def f():\n    from miles.rollout.rollout_hub import nft, pairs\n")
     (hub / "dpo.py").write_text("from miles.algorithms.dpo import read\nfrom miles.diffusion.guard import x\n")
+    (hub / "sft.py").write_text("from miles.rollout.rollout_hub import ROLLOUT_SPECS\n")  # a name, not a module
     monkeypatch.setitem(globals(), "PACKAGE", tmp_path / "miles")
-    monkeypatch.setitem(globals(), "algorithm_names", lambda: {"nft", "awm", "dpo", "grpo_guard"})
     assert cross_algorithm_imports() == [
         "miles/rollout/rollout_hub/awm.py -> miles.rollout.rollout_hub.nft",
         "miles/rollout/rollout_hub/dpo.py -> miles.diffusion.guard",
