@@ -1,4 +1,4 @@
-"""The SFT dataset entry: images to [-1, 1] tensors by hand, and every record encoded once, row i from record i
+"""The shared dataset entry (sft_loss, and custom_loss / dpo under --train-only): images to [-1, 1] tensors by hand, and every record encoded once, row i from record i
 alone, whatever the chunking (the real tiny family's VAE and text encoders)."""
 
 import numpy as np
@@ -8,7 +8,8 @@ from PIL import Image
 
 from miles.data.shapes import shapes_items
 from miles.models.base import get_train_pipeline_config
-from miles.rollout.rollout_hub.sft import SPEC, encode_records, image_to_tensor
+from miles.rollout.rollout_hub.dataset import DATASET_SPEC as SPEC
+from miles.rollout.rollout_hub.dataset import encode_records, image_to_tensor
 
 
 def test_image_to_tensor_maps_pixels_to_the_unit_interval_channel_first(tmp_path):

@@ -1,4 +1,4 @@
-"""The Flow-GRPO rollout side: the SDE request from the sampling flags and the step strategy, and its pairs (one
+"""The shared SDE rollout side (Flow-GRPO, GRPO-Guard, Flow-DPPO, custom_loss): the SDE request from the sampling flags and the step strategy, and its pairs (one
 transition per (sample, trained step), sample-major) checked against a plain loop over samples and steps.
 
 Latents have video rank (C, F, H, W) and the conditioning carries a mask: nothing here is SD3's shape."""
@@ -11,7 +11,8 @@ import torch
 from miles.diffusion.schedule import sampling_sigmas
 from miles.models.conditioning import Conditioning
 from miles.rollout.engine import GenerateResult
-from miles.rollout.rollout_hub.flow_grpo import sde_pairs, sde_request, trained_steps_per_sample
+from miles.rollout.requests import sde_request
+from miles.rollout.rollout_hub.pairs import sde_pairs, trained_steps_per_sample
 from miles.utils.types import Sample
 
 B, L, D, NUM_STEPS = 3, 4, 5, 6

@@ -1,8 +1,14 @@
-"""Flow-GRPO's clipped policy objective over per-sample log-probs of one trained transition."""
+"""Policy-ratio maths several algorithms share: the PPO clipped objective over per-sample log-probs (Flow-GRPO's, and
+AWM's on its flow-matching log-prob) and the precision rule of the SDE arithmetic (GRPO-Guard, Flow-DPPO)."""
 
 from __future__ import annotations
 
 import torch
+
+
+def fp32_or_wider(x: torch.Tensor) -> torch.Tensor:
+    """fp32 for half inputs (the SDE arithmetic's dtype); float64 stays float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def clipped_policy_loss(

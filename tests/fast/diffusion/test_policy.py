@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.diffusion.grpo import clipped_policy_loss
+from miles.diffusion.policy import clipped_policy_loss
 
 
 def test_ratio_is_one_and_loss_is_minus_mean_advantage_before_first_update():
