@@ -17,7 +17,7 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 from torch import nn
 
-from miles.models.base import compute_dtype, register_train_pipeline_config
+from miles.models.base import RunAlgorithm, compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import check_velocity_inputs, encode_shift_scaled
 from miles.models.flux_folder import FluxFolderFamily
@@ -53,7 +53,7 @@ class FluxKontextPipelineConfig(FluxFolderFamily):
     text_pipeline_class = "FluxKontextPipeline"
     source_image_range = (1, 1)  # the pipeline takes one image per prompt
 
-    def check_run_args(self, args: argparse.Namespace) -> None:
+    def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """Refused at start-up: a negative prompt the guidance-distilled transformer would not use."""
         if self.guidance_embeds and getattr(args, "negative_prompt", ""):
             raise ValueError(

@@ -22,7 +22,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
 from torch import nn
 
-from miles.models.base import compute_dtype, register_train_pipeline_config
+from miles.models.base import RunAlgorithm, compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
@@ -101,7 +101,7 @@ class HunyuanVideo15PipelineConfig(DiffusersFamily):
                 f"temporal factor {temporal}, e.g. {low} or {low + temporal}"
             )
 
-    def check_run_args(self, args: argparse.Namespace) -> None:
+    def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """Refused at start-up: a guidance scale below 1 (the guider would run CFG with it, miles does not) and a
         LoRA adapter written by --save-hf (the pipeline class has no `save_lora_weights` / `load_lora_weights`)."""
         scale = getattr(args, "diffusion_guidance_scale", None)

@@ -31,8 +31,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from torch import nn
 
-from miles.algorithms import algorithm_of
-from miles.models.base import compute_dtype, load_pretrained, register_train_pipeline_config
+from miles.models.base import RunAlgorithm, compute_dtype, load_pretrained, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
@@ -123,10 +122,10 @@ class LTX2PipelineConfig(DiffusersFamily):
                 f"factor {temporal} (e.g. {LTX2_DEFAULT_NUM_FRAMES})"
             )
 
-    def check_run_args(self, args: argparse.Namespace) -> None:
+    def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """Training on (prompt, image) dataset records is refused at start-up (a run without engines, --train-only):
         the LTX-2 latent is a joint video + audio latent that no image encodes."""
-        if getattr(args, "train_only", False) or not algorithm_of(args).uses_engines:
+        if getattr(args, "train_only", False) or not algorithm.uses_engines:
             raise ValueError(
                 f"--loss-type {args.loss_type} trains on (prompt, image) dataset records (--train-only), which is not "
                 f"supported for the {self.name} family ({self.path}): its latent is a joint video + audio latent and "
