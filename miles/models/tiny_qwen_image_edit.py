@@ -20,8 +20,8 @@ from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from miles.models.qwen_image_edit import Qwen2VLImageTextProcessor
-from miles.models.tiny import SHAPES_WORDS, eval_mode, save_tiny_folder
-from miles.models.tiny_qwen_image import TEMPLATE_WORDS, build_qwen2_tokenizer, tiny_qwen_image_components
+from miles.models.tiny import SHAPES_WORDS, build_qwen2_tokenizer, eval_mode, save_tiny_folder
+from miles.models.tiny_qwen_image import TEMPLATE_WORDS, tiny_qwen_image_components
 
 logger = logging.getLogger(__name__)
 
