@@ -158,7 +158,7 @@ def write_init_pipeline(args: argparse.Namespace, vae, path: Path) -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from miles.models.base import strip_name_or_path
-    from miles.models.tiny import build_tiny_sd3_pipeline
+    from miles.models.sd3.tiny import build_tiny_sd3_pipeline
 
     pipe = build_tiny_sd3_pipeline(
         seed=args.seed,

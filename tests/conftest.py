@@ -106,7 +106,7 @@ def load_script() -> Callable[[str], Any]:
 @pytest.fixture(scope="session")
 def tiny_pipeline_dir(tmp_path_factory):
     """A tiny SD3-architecture pipeline folder, built offline once per session."""
-    from miles.models.tiny import save_tiny_sd3_pipeline
+    from miles.models.sd3.tiny import save_tiny_sd3_pipeline
 
     path = tmp_path_factory.mktemp("tiny_sd3") / "pipeline"
     save_tiny_sd3_pipeline(str(path), seed=0)
@@ -116,7 +116,7 @@ def tiny_pipeline_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_sd35_dir(tmp_path_factory):
     """A tiny SD3.5-Medium-style pipeline folder (RMS qk-norm, a dual-attention MMDiT-X block), built once."""
-    from miles.models.tiny import save_tiny_sd3_pipeline
+    from miles.models.sd3.tiny import save_tiny_sd3_pipeline
 
     path = tmp_path_factory.mktemp("tiny_sd35") / "pipeline"
     save_tiny_sd3_pipeline(str(path), seed=2, qk_norm="rms_norm", dual_attention_layers=(0,))

@@ -38,7 +38,7 @@ class TinyFolder(NamedTuple):
 
 # random weights (seed 0) at toy sizes: plumbing, the family contract tests, a newcomer's first run of a family
 TINY_FOLDERS: dict[str, TinyFolder] = {
-    "builtin:tiny-sd3": TinyFolder("sd3", "miles.models.tiny:save_tiny_sd3_pipeline"),
+    "builtin:tiny-sd3": TinyFolder("sd3", "miles.models.sd3.tiny:save_tiny_sd3_pipeline"),
     "builtin:tiny-flux": TinyFolder("flux", "miles.models.tiny_flux:save_tiny_flux_pipeline"),
     "builtin:tiny-flux-kontext": TinyFolder(
         "flux-kontext", "miles.models.tiny_flux:save_tiny_flux_pipeline", {"kontext": True}

@@ -1,9 +1,13 @@
 """The built-in model families by name, as a run knows them before importing one (torch-free): each family's module
-and class, the pipeline class it handles and whether it makes video. A new built-in family is one line here."""
+and class, the pipeline class it handles and whether it makes video. A new built-in family is one line here, its
+module in its lineage's package (`miles/models/<lineage>/`: families, lineage base, sequence-parallel file, tiny
+builder)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from importlib import import_module
+from typing import Any, NamedTuple
 
 
 class BuiltinFamily(NamedTuple):
@@ -38,7 +42,7 @@ BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
         "QwenImageEditPlusPipelineConfig",
         source_images=True,
     ),
-    "sd3": BuiltinFamily("miles.models.sd3", "StableDiffusion3Pipeline", "SD3PipelineConfig"),
+    "sd3": BuiltinFamily("miles.models.sd3.sd3", "StableDiffusion3Pipeline", "SD3PipelineConfig"),
     "wan": BuiltinFamily("miles.models.wan", "WanPipeline", "WanPipelineConfig", video=True),
     "wan-i2v": BuiltinFamily(
         "miles.models.wan_i2v", "WanImageToVideoPipeline", "WanI2VPipelineConfig", video=True, source_images=True
@@ -55,3 +59,18 @@ def source_image_families() -> list[str]:
 def builtin_family_of_pipeline(class_name: str | None) -> str | None:
     """The built-in family that handles the pipeline class `class_name`, or None."""
     return next((name for name, entry in BUILTIN_FAMILIES.items() if entry.pipeline_class_name == class_name), None)
+
+
+def lineage_exports(package: str) -> Callable[[str], Any]:
+    """A lineage package's module `__getattr__`: its families' classes, each imported on first access, so that
+    `from miles.models.sd3.sd3 import SD3PipelineConfig` imports the SD3 family only (and `miles.models.sd3.sd3.tiny`
+    imports no family)."""
+    classes = {entry.class_name: entry.module for entry in BUILTIN_FAMILIES.values()}
+    own = {name: module for name, module in classes.items() if module.startswith(package + ".")}
+
+    def __getattr__(name: str) -> Any:
+        if name in own:
+            return getattr(import_module(own[name]), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
