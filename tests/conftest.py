@@ -126,7 +126,7 @@ def tiny_sd35_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_flux_dev_dir(tmp_path_factory):
     """A tiny FLUX.1-dev-style (guidance-embedding) pipeline folder, built offline once per session."""
-    from miles.models.tiny_flux import save_tiny_flux_pipeline
+    from miles.models.flux.tiny import save_tiny_flux_pipeline
 
     path = tmp_path_factory.mktemp("tiny_flux_dev") / "pipeline"
     save_tiny_flux_pipeline(str(path), seed=0, guidance_embeds=True)
@@ -136,7 +136,7 @@ def tiny_flux_dev_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_flux_schnell_dir(tmp_path_factory):
     """A tiny FLUX.1-schnell-style (no guidance embedding: true CFG) pipeline folder, built once per session."""
-    from miles.models.tiny_flux import save_tiny_flux_pipeline
+    from miles.models.flux.tiny import save_tiny_flux_pipeline
 
     path = tmp_path_factory.mktemp("tiny_flux_schnell") / "pipeline"
     save_tiny_flux_pipeline(str(path), seed=1, guidance_embeds=False)
@@ -146,7 +146,7 @@ def tiny_flux_schnell_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_flux_kontext_dir(tmp_path_factory):
     """A tiny FLUX.1-Kontext-dev-style (guidance-embedding) FluxKontextPipeline folder, built once per session."""
-    from miles.models.tiny_flux import save_tiny_flux_pipeline
+    from miles.models.flux.tiny import save_tiny_flux_pipeline
 
     path = tmp_path_factory.mktemp("tiny_flux_kontext") / "pipeline"
     save_tiny_flux_pipeline(str(path), seed=2, kontext=True)

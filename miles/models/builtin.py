@@ -39,9 +39,9 @@ class TinyFolder(NamedTuple):
 # random weights (seed 0) at toy sizes: plumbing, the family contract tests, a newcomer's first run of a family
 TINY_FOLDERS: dict[str, TinyFolder] = {
     "builtin:tiny-sd3": TinyFolder("sd3", "miles.models.sd3.tiny:save_tiny_sd3_pipeline"),
-    "builtin:tiny-flux": TinyFolder("flux", "miles.models.tiny_flux:save_tiny_flux_pipeline"),
+    "builtin:tiny-flux": TinyFolder("flux", "miles.models.flux.tiny:save_tiny_flux_pipeline"),
     "builtin:tiny-flux-kontext": TinyFolder(
-        "flux-kontext", "miles.models.tiny_flux:save_tiny_flux_pipeline", {"kontext": True}
+        "flux-kontext", "miles.models.flux.tiny:save_tiny_flux_pipeline", {"kontext": True}
     ),
     "builtin:tiny-flux2-klein": TinyFolder("flux2", "miles.models.tiny_flux2:save_tiny_flux2_klein_pipeline"),
     "builtin:tiny-flux2-dev": TinyFolder("flux2-dev", "miles.models.tiny_flux2:save_tiny_flux2_dev_pipeline"),

@@ -22,11 +22,11 @@ class BuiltinFamily(NamedTuple):
 # that runs one family does not import the others' diffusers pipelines and transformers models.
 # tests/fast/models/test_base.py checks this table against the classes.
 BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
-    "flux": BuiltinFamily("miles.models.flux", "FluxPipeline", "FluxPipelineConfig"),
+    "flux": BuiltinFamily("miles.models.flux.flux", "FluxPipeline", "FluxPipelineConfig"),
     "flux2": BuiltinFamily("miles.models.flux2", "Flux2KleinPipeline", "Flux2KleinPipelineConfig", source_images=True),
     "flux2-dev": BuiltinFamily("miles.models.flux2", "Flux2Pipeline", "Flux2DevPipelineConfig", source_images=True),
     "flux-kontext": BuiltinFamily(
-        "miles.models.flux_kontext", "FluxKontextPipeline", "FluxKontextPipelineConfig", source_images=True
+        "miles.models.flux.flux_kontext", "FluxKontextPipeline", "FluxKontextPipelineConfig", source_images=True
     ),
     "hunyuan-video15": BuiltinFamily(
         "miles.models.hunyuan_video15", "HunyuanVideo15Pipeline", "HunyuanVideo15PipelineConfig", video=True

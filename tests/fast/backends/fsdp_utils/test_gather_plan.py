@@ -37,7 +37,7 @@ from miles.backends.fsdp_utils.fsdp import (
     gather_entries,
     gather_plan,
 )
-from miles.models.flux import FluxPipelineConfig
+from miles.models.flux.flux import FluxPipelineConfig
 from miles.models.ltx2 import LTX2PipelineConfig
 from miles.models.qwen_image import QwenImagePipelineConfig
 from miles.models.sd3.sd3 import SD3PipelineConfig
