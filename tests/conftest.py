@@ -156,7 +156,7 @@ def tiny_flux_kontext_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_flux2_klein_dir(tmp_path_factory):
     """A tiny FLUX.2 [klein]-base-style (true CFG) Flux2KleinPipeline folder (Qwen3 text encoder), built once."""
-    from miles.models.tiny_flux2 import save_tiny_flux2_klein_pipeline
+    from miles.models.flux2.tiny import save_tiny_flux2_klein_pipeline
 
     path = tmp_path_factory.mktemp("tiny_flux2_klein") / "pipeline"
     save_tiny_flux2_klein_pipeline(str(path), seed=0)
@@ -166,7 +166,7 @@ def tiny_flux2_klein_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_flux2_dev_dir(tmp_path_factory):
     """A tiny FLUX.2 [dev]-style (guidance embedding) Flux2Pipeline folder (Mistral3 text encoder), built once."""
-    from miles.models.tiny_flux2 import save_tiny_flux2_dev_pipeline
+    from miles.models.flux2.tiny import save_tiny_flux2_dev_pipeline
 
     path = tmp_path_factory.mktemp("tiny_flux2_dev") / "pipeline"
     save_tiny_flux2_dev_pipeline(str(path), seed=0)

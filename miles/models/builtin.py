@@ -43,8 +43,8 @@ TINY_FOLDERS: dict[str, TinyFolder] = {
     "builtin:tiny-flux-kontext": TinyFolder(
         "flux-kontext", "miles.models.flux.tiny:save_tiny_flux_pipeline", {"kontext": True}
     ),
-    "builtin:tiny-flux2-klein": TinyFolder("flux2", "miles.models.tiny_flux2:save_tiny_flux2_klein_pipeline"),
-    "builtin:tiny-flux2-dev": TinyFolder("flux2-dev", "miles.models.tiny_flux2:save_tiny_flux2_dev_pipeline"),
+    "builtin:tiny-flux2-klein": TinyFolder("flux2", "miles.models.flux2.tiny:save_tiny_flux2_klein_pipeline"),
+    "builtin:tiny-flux2-dev": TinyFolder("flux2-dev", "miles.models.flux2.tiny:save_tiny_flux2_dev_pipeline"),
     "builtin:tiny-qwen-image": TinyFolder("qwen-image", "miles.models.tiny_qwen_image:save_tiny_qwen_image_pipeline"),
     "builtin:tiny-qwen-image-edit": TinyFolder(
         "qwen-image-edit", "miles.models.tiny_qwen_image_edit:save_tiny_qwen_image_edit_pipeline"

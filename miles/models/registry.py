@@ -23,8 +23,12 @@ class BuiltinFamily(NamedTuple):
 # tests/fast/models/test_base.py checks this table against the classes.
 BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
     "flux": BuiltinFamily("miles.models.flux.flux", "FluxPipeline", "FluxPipelineConfig"),
-    "flux2": BuiltinFamily("miles.models.flux2", "Flux2KleinPipeline", "Flux2KleinPipelineConfig", source_images=True),
-    "flux2-dev": BuiltinFamily("miles.models.flux2", "Flux2Pipeline", "Flux2DevPipelineConfig", source_images=True),
+    "flux2": BuiltinFamily(
+        "miles.models.flux2.flux2", "Flux2KleinPipeline", "Flux2KleinPipelineConfig", source_images=True
+    ),
+    "flux2-dev": BuiltinFamily(
+        "miles.models.flux2.flux2", "Flux2Pipeline", "Flux2DevPipelineConfig", source_images=True
+    ),
     "flux-kontext": BuiltinFamily(
         "miles.models.flux.flux_kontext", "FluxKontextPipeline", "FluxKontextPipelineConfig", source_images=True
     ),

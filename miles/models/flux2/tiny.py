@@ -10,7 +10,7 @@ BPE tokenizer with Mistral's control tokens and a Mistral-Small-3-style chat tem
 text and image blocks). The real folder's `tokenizer/` is a `PixtralProcessor`, which transformers cannot build
 without torchvision; the tiny folder saves the processor's tokenizer and chat template alone (model_index names the
 tokenizer class), which is all `Flux2Pipeline.encode_prompt` uses for text (the flux2-dev family reads a real
-folder's the same way: `miles.models.flux2`). Its tokenizer knows the words of the pipeline's system message whole,
+folder's the same way: `miles.models.flux2.flux2`). Its tokenizer knows the words of the pipeline's system message whole,
 so the system turn is 30 tokens as with a real tokenizer's few dozen, not hundreds of bytes.
 
 The text encoder is 3 layers deep (16 wide) and its folder records `text_encoder_out_layers` (1, 2, 3) as a run
