@@ -176,7 +176,7 @@ def tiny_flux2_dev_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen_image_dir(tmp_path_factory):
     """A tiny Qwen-Image pipeline folder (Qwen2.5-VL text encoder, Qwen's video VAE), built offline once."""
-    from miles.models.tiny_qwen_image import save_tiny_qwen_image_pipeline
+    from miles.models.qwen.tiny import save_tiny_qwen_image_pipeline
 
     path = tmp_path_factory.mktemp("tiny_qwen_image") / "pipeline"
     save_tiny_qwen_image_pipeline(str(path), seed=0)
@@ -186,7 +186,7 @@ def tiny_qwen_image_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen_image_edit_dir(tmp_path_factory):
     """A tiny Qwen-Image-Edit pipeline folder (the VL encoder reads the source image), built offline once."""
-    from miles.models.tiny_qwen_image_edit import save_tiny_qwen_image_edit_pipeline
+    from miles.models.qwen.tiny_edit import save_tiny_qwen_image_edit_pipeline
 
     path = tmp_path_factory.mktemp("tiny_qwen_image_edit") / "pipeline"
     save_tiny_qwen_image_edit_pipeline(str(path), seed=0)
@@ -196,7 +196,7 @@ def tiny_qwen_image_edit_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen_image_edit_plus_dir(tmp_path_factory):
     """A tiny Qwen-Image-Edit-Plus pipeline folder (several source images per prompt), built offline once."""
-    from miles.models.tiny_qwen_image_edit import save_tiny_qwen_image_edit_pipeline
+    from miles.models.qwen.tiny_edit import save_tiny_qwen_image_edit_pipeline
 
     path = tmp_path_factory.mktemp("tiny_qwen_image_edit_plus") / "pipeline"
     save_tiny_qwen_image_edit_pipeline(str(path), seed=0, plus=True)

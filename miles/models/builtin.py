@@ -45,12 +45,12 @@ TINY_FOLDERS: dict[str, TinyFolder] = {
     ),
     "builtin:tiny-flux2-klein": TinyFolder("flux2", "miles.models.flux2.tiny:save_tiny_flux2_klein_pipeline"),
     "builtin:tiny-flux2-dev": TinyFolder("flux2-dev", "miles.models.flux2.tiny:save_tiny_flux2_dev_pipeline"),
-    "builtin:tiny-qwen-image": TinyFolder("qwen-image", "miles.models.tiny_qwen_image:save_tiny_qwen_image_pipeline"),
+    "builtin:tiny-qwen-image": TinyFolder("qwen-image", "miles.models.qwen.tiny:save_tiny_qwen_image_pipeline"),
     "builtin:tiny-qwen-image-edit": TinyFolder(
-        "qwen-image-edit", "miles.models.tiny_qwen_image_edit:save_tiny_qwen_image_edit_pipeline"
+        "qwen-image-edit", "miles.models.qwen.tiny_edit:save_tiny_qwen_image_edit_pipeline"
     ),
     "builtin:tiny-qwen-image-edit-plus": TinyFolder(
-        "qwen-image-edit-plus", "miles.models.tiny_qwen_image_edit:save_tiny_qwen_image_edit_pipeline", {"plus": True}
+        "qwen-image-edit-plus", "miles.models.qwen.tiny_edit:save_tiny_qwen_image_edit_pipeline", {"plus": True}
     ),
     "builtin:tiny-wan": TinyFolder("wan", "miles.models.tiny_wan:save_tiny_wan_pipeline"),
     "builtin:tiny-wan-2-experts": TinyFolder(

@@ -36,12 +36,12 @@ BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
         "miles.models.hunyuan_video15", "HunyuanVideo15Pipeline", "HunyuanVideo15PipelineConfig", video=True
     ),
     "ltx2": BuiltinFamily("miles.models.ltx2", "LTX2Pipeline", "LTX2PipelineConfig", video=True),
-    "qwen-image": BuiltinFamily("miles.models.qwen_image", "QwenImagePipeline", "QwenImagePipelineConfig"),
+    "qwen-image": BuiltinFamily("miles.models.qwen.qwen_image", "QwenImagePipeline", "QwenImagePipelineConfig"),
     "qwen-image-edit": BuiltinFamily(
-        "miles.models.qwen_image_edit", "QwenImageEditPipeline", "QwenImageEditPipelineConfig", source_images=True
+        "miles.models.qwen.qwen_image_edit", "QwenImageEditPipeline", "QwenImageEditPipelineConfig", source_images=True
     ),
     "qwen-image-edit-plus": BuiltinFamily(
-        "miles.models.qwen_image_edit",
+        "miles.models.qwen.qwen_image_edit",
         "QwenImageEditPlusPipeline",
         "QwenImageEditPlusPipelineConfig",
         source_images=True,

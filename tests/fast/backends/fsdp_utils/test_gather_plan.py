@@ -39,7 +39,7 @@ from miles.backends.fsdp_utils.fsdp import (
 )
 from miles.models.flux.flux import FluxPipelineConfig
 from miles.models.ltx2 import LTX2PipelineConfig
-from miles.models.qwen_image import QwenImagePipelineConfig
+from miles.models.qwen.qwen_image import QwenImagePipelineConfig
 from miles.models.sd3.sd3 import SD3PipelineConfig
 from miles.models.wan import WanPipelineConfig
 from miles.models.wan_experts import WanExperts
