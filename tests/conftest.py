@@ -206,7 +206,7 @@ def tiny_qwen_image_edit_plus_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_wan_dir(tmp_path_factory):
     """A tiny Wan 2.1-style (one expert) pipeline folder, built offline once per session."""
-    from miles.models.tiny_wan import save_tiny_wan_pipeline
+    from miles.models.wan.tiny import save_tiny_wan_pipeline
 
     path = tmp_path_factory.mktemp("tiny_wan") / "pipeline"
     save_tiny_wan_pipeline(str(path), seed=0)
@@ -236,7 +236,7 @@ def tiny_hunyuan_video15_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_wan_2_experts_dir(tmp_path_factory):
     """A tiny Wan 2.2-A14B-style (two experts, boundary ratio 0.875) pipeline folder, built once per session."""
-    from miles.models.tiny_wan import save_tiny_wan_pipeline
+    from miles.models.wan.tiny import save_tiny_wan_pipeline
 
     path = tmp_path_factory.mktemp("tiny_wan_2_experts") / "pipeline"
     save_tiny_wan_pipeline(str(path), seed=1, two_experts=True)
@@ -246,7 +246,7 @@ def tiny_wan_2_experts_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_wan_i2v_dir(tmp_path_factory):
     """A tiny Wan 2.1 I2V-style pipeline folder (CLIP vision image branch, condition channels), built once."""
-    from miles.models.tiny_wan_i2v import save_tiny_wan_i2v_pipeline
+    from miles.models.wan.tiny_i2v import save_tiny_wan_i2v_pipeline
 
     path = tmp_path_factory.mktemp("tiny_wan_i2v") / "pipeline"
     save_tiny_wan_i2v_pipeline(str(path), seed=0)
@@ -256,7 +256,7 @@ def tiny_wan_i2v_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_wan_i2v_2_experts_dir(tmp_path_factory):
     """A tiny Wan 2.2 I2V-A14B-style pipeline folder (no image encoder, two experts), built once per session."""
-    from miles.models.tiny_wan_i2v import save_tiny_wan_i2v_pipeline
+    from miles.models.wan.tiny_i2v import save_tiny_wan_i2v_pipeline
 
     path = tmp_path_factory.mktemp("tiny_wan_i2v_2_experts") / "pipeline"
     save_tiny_wan_i2v_pipeline(str(path), seed=1, two_experts=True)

@@ -52,11 +52,11 @@ TINY_FOLDERS: dict[str, TinyFolder] = {
     "builtin:tiny-qwen-image-edit-plus": TinyFolder(
         "qwen-image-edit-plus", "miles.models.qwen.tiny_edit:save_tiny_qwen_image_edit_pipeline", {"plus": True}
     ),
-    "builtin:tiny-wan": TinyFolder("wan", "miles.models.tiny_wan:save_tiny_wan_pipeline"),
+    "builtin:tiny-wan": TinyFolder("wan", "miles.models.wan.tiny:save_tiny_wan_pipeline"),
     "builtin:tiny-wan-2-experts": TinyFolder(
-        "wan", "miles.models.tiny_wan:save_tiny_wan_pipeline", {"two_experts": True}
+        "wan", "miles.models.wan.tiny:save_tiny_wan_pipeline", {"two_experts": True}
     ),
-    "builtin:tiny-wan-i2v": TinyFolder("wan-i2v", "miles.models.tiny_wan_i2v:save_tiny_wan_i2v_pipeline"),
+    "builtin:tiny-wan-i2v": TinyFolder("wan-i2v", "miles.models.wan.tiny_i2v:save_tiny_wan_i2v_pipeline"),
     "builtin:tiny-hunyuan-video15": TinyFolder(
         "hunyuan-video15", "miles.models.tiny_hunyuan_video15:save_tiny_hunyuan_video15_pipeline"
     ),

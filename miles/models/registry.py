@@ -47,9 +47,9 @@ BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
         source_images=True,
     ),
     "sd3": BuiltinFamily("miles.models.sd3.sd3", "StableDiffusion3Pipeline", "SD3PipelineConfig"),
-    "wan": BuiltinFamily("miles.models.wan", "WanPipeline", "WanPipelineConfig", video=True),
+    "wan": BuiltinFamily("miles.models.wan.wan", "WanPipeline", "WanPipelineConfig", video=True),
     "wan-i2v": BuiltinFamily(
-        "miles.models.wan_i2v", "WanImageToVideoPipeline", "WanI2VPipelineConfig", video=True, source_images=True
+        "miles.models.wan.wan_i2v", "WanImageToVideoPipeline", "WanI2VPipelineConfig", video=True, source_images=True
     ),
     "z-image": BuiltinFamily("miles.models.z_image", "ZImagePipeline", "ZImagePipelineConfig"),
 }

@@ -12,14 +12,14 @@ from diffusers import WanImageToVideoPipeline
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
 from miles.models.tiny import build_t5_tokenizer, eval_mode, save_tiny_folder
-from miles.models.tiny_wan import (
+from miles.models.wan.folder import WAN_MAX_SEQUENCE_LENGTH
+from miles.models.wan.tiny import (
     TINY_WAN_LATENT_CHANNELS,
     TINY_WAN_NUM_FRAMES,
     TINY_WAN_RESOLUTION,
     TINY_WAN_TEMPORAL_FACTOR,
     tiny_wan_components,
 )
-from miles.models.wan_folder import WAN_MAX_SEQUENCE_LENGTH
 
 logger = logging.getLogger(__name__)
 

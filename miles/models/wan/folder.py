@@ -40,7 +40,7 @@ from miles.models.diffusers_family import (
 )
 from miles.models.media import Media
 from miles.models.options import TRAINED_EXPERTS
-from miles.models.wan_experts import HIGH_NOISE, LOW_NOISE, WanExperts
+from miles.models.wan.experts import HIGH_NOISE, LOW_NOISE, WanExperts
 
 logger = logging.getLogger(__name__)
 
