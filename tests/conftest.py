@@ -216,7 +216,7 @@ def tiny_wan_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_ltx2_dir(tmp_path_factory):
     """A tiny LTX-2-architecture (joint audio-video) pipeline folder, built offline once per session."""
-    from miles.models.tiny_ltx2 import save_tiny_ltx2_pipeline
+    from miles.models.ltx2.tiny import save_tiny_ltx2_pipeline
 
     path = tmp_path_factory.mktemp("tiny_ltx2") / "pipeline"
     save_tiny_ltx2_pipeline(str(path), seed=0)

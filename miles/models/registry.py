@@ -35,7 +35,7 @@ BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
     "hunyuan-video15": BuiltinFamily(
         "miles.models.hunyuan_video15", "HunyuanVideo15Pipeline", "HunyuanVideo15PipelineConfig", video=True
     ),
-    "ltx2": BuiltinFamily("miles.models.ltx2", "LTX2Pipeline", "LTX2PipelineConfig", video=True),
+    "ltx2": BuiltinFamily("miles.models.ltx2.ltx2", "LTX2Pipeline", "LTX2PipelineConfig", video=True),
     "qwen-image": BuiltinFamily("miles.models.qwen.qwen_image", "QwenImagePipeline", "QwenImagePipelineConfig"),
     "qwen-image-edit": BuiltinFamily(
         "miles.models.qwen.qwen_image_edit", "QwenImageEditPipeline", "QwenImageEditPipelineConfig", source_images=True

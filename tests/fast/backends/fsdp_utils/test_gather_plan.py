@@ -38,7 +38,7 @@ from miles.backends.fsdp_utils.fsdp import (
     gather_plan,
 )
 from miles.models.flux.flux import FluxPipelineConfig
-from miles.models.ltx2 import LTX2PipelineConfig
+from miles.models.ltx2.ltx2 import LTX2PipelineConfig
 from miles.models.qwen.qwen_image import QwenImagePipelineConfig
 from miles.models.sd3.sd3 import SD3PipelineConfig
 from miles.models.wan.experts import WanExperts

@@ -40,7 +40,7 @@ from miles.models.diffusers_family import (
     dynamic_shift_sigmas,
     training_shift,
 )
-from miles.models.ltx2_sequence_parallel import shard_ltx2_sequence
+from miles.models.ltx2.sequence_parallel import shard_ltx2_sequence
 from miles.models.media import Media
 from miles.models.options import options_of
 from miles.models.sequence_parallel import SequenceParallelGroup, sequence_parallel_problems
@@ -108,7 +108,7 @@ class LTX2PipelineConfig(DiffusersFamily):
     non_text_components = ("transformer", "vae", "audio_vae", "vocoder")
     text_modules = ("text_encoder", "connectors")
     vae_class = AutoencoderKLLTX2Video
-    supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.ltx2_sequence_parallel)
+    supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.ltx2.sequence_parallel)
 
     def __init__(self, path: str, **options: Any) -> None:
         super().__init__(path, **options)
