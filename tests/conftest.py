@@ -226,7 +226,7 @@ def tiny_ltx2_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_hunyuan_video15_dir(tmp_path_factory):
     """A tiny HunyuanVideo-1.5-architecture text-to-video pipeline folder, built offline once per session."""
-    from miles.models.tiny_hunyuan_video15 import save_tiny_hunyuan_video15_pipeline
+    from miles.models.hunyuan_video15.tiny import save_tiny_hunyuan_video15_pipeline
 
     path = tmp_path_factory.mktemp("tiny_hunyuan_video15") / "pipeline"
     save_tiny_hunyuan_video15_pipeline(str(path), seed=0)

@@ -58,7 +58,7 @@ TINY_FOLDERS: dict[str, TinyFolder] = {
     ),
     "builtin:tiny-wan-i2v": TinyFolder("wan-i2v", "miles.models.wan.tiny_i2v:save_tiny_wan_i2v_pipeline"),
     "builtin:tiny-hunyuan-video15": TinyFolder(
-        "hunyuan-video15", "miles.models.tiny_hunyuan_video15:save_tiny_hunyuan_video15_pipeline"
+        "hunyuan-video15", "miles.models.hunyuan_video15.tiny:save_tiny_hunyuan_video15_pipeline"
     ),
     "builtin:tiny-ltx2": TinyFolder("ltx2", "miles.models.ltx2.tiny:save_tiny_ltx2_pipeline"),
     "builtin:tiny-z-image": TinyFolder("z-image", "miles.models.tiny_z_image:save_tiny_z_image_pipeline"),

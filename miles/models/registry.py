@@ -33,7 +33,10 @@ BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
         "miles.models.flux.flux_kontext", "FluxKontextPipeline", "FluxKontextPipelineConfig", source_images=True
     ),
     "hunyuan-video15": BuiltinFamily(
-        "miles.models.hunyuan_video15", "HunyuanVideo15Pipeline", "HunyuanVideo15PipelineConfig", video=True
+        "miles.models.hunyuan_video15.hunyuan_video15",
+        "HunyuanVideo15Pipeline",
+        "HunyuanVideo15PipelineConfig",
+        video=True,
     ),
     "ltx2": BuiltinFamily("miles.models.ltx2.ltx2", "LTX2Pipeline", "LTX2PipelineConfig", video=True),
     "qwen-image": BuiltinFamily("miles.models.qwen.qwen_image", "QwenImagePipeline", "QwenImagePipelineConfig"),

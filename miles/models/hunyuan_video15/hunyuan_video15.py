@@ -32,7 +32,7 @@ from miles.models.diffusers_family import (
     square_latent_side,
     unit_range,
 )
-from miles.models.hunyuan_video15_sequence_parallel import shard_hunyuan_video15_sequence
+from miles.models.hunyuan_video15.sequence_parallel import shard_hunyuan_video15_sequence
 from miles.models.media import Media
 from miles.models.options import options_of
 from miles.models.sequence_parallel import SequenceParallelGroup, sequence_parallel_problems
@@ -78,7 +78,7 @@ class HunyuanVideo15PipelineConfig(DiffusersFamily):
         "attn.to_add_out",
     )
     compile_refusal: ClassVar[str | None] = None
-    supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.hunyuan_video15_sequence_parallel)
+    supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.hunyuan_video15.sequence_parallel)
 
     def __init__(self, path: str, **options: Any) -> None:
         super().__init__(path, **options)
