@@ -266,7 +266,7 @@ def tiny_wan_i2v_2_experts_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_z_image_dir(tmp_path_factory):
     """A tiny Z-Image pipeline folder (Qwen3 text encoder, AutoencoderKL, Z-Image-Turbo's scheduler), built once."""
-    from miles.models.tiny_z_image import save_tiny_z_image_pipeline
+    from miles.models.z_image.tiny import save_tiny_z_image_pipeline
 
     path = tmp_path_factory.mktemp("tiny_z_image") / "pipeline"
     save_tiny_z_image_pipeline(str(path), seed=0)

@@ -61,7 +61,7 @@ TINY_FOLDERS: dict[str, TinyFolder] = {
         "hunyuan-video15", "miles.models.hunyuan_video15.tiny:save_tiny_hunyuan_video15_pipeline"
     ),
     "builtin:tiny-ltx2": TinyFolder("ltx2", "miles.models.ltx2.tiny:save_tiny_ltx2_pipeline"),
-    "builtin:tiny-z-image": TinyFolder("z-image", "miles.models.tiny_z_image:save_tiny_z_image_pipeline"),
+    "builtin:tiny-z-image": TinyFolder("z-image", "miles.models.z_image.tiny:save_tiny_z_image_pipeline"),
 }
 BUILTIN_TINY = "builtin:tiny-sd3"  # the tiny folder of the default family
 BUILTIN_NAMES = (*SHIPPED_FOLDERS, *TINY_FOLDERS)

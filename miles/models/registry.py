@@ -54,7 +54,7 @@ BUILTIN_FAMILIES: dict[str, BuiltinFamily] = {
     "wan-i2v": BuiltinFamily(
         "miles.models.wan.wan_i2v", "WanImageToVideoPipeline", "WanI2VPipelineConfig", video=True, source_images=True
     ),
-    "z-image": BuiltinFamily("miles.models.z_image", "ZImagePipeline", "ZImagePipelineConfig"),
+    "z-image": BuiltinFamily("miles.models.z_image.z_image", "ZImagePipeline", "ZImagePipelineConfig"),
 }
 
 
