@@ -31,8 +31,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from torch import nn
 
-from miles.algorithms import algorithm_of
-from miles.models.base import compute_dtype, load_pretrained, register_train_pipeline_config
+from miles.models.base import RunAlgorithm, compute_dtype, load_pretrained, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
@@ -41,7 +40,7 @@ from miles.models.diffusers_family import (
     dynamic_shift_sigmas,
     training_shift,
 )
-from miles.models.ltx2_sequence_parallel import shard_ltx2_sequence
+from miles.models.ltx2.sequence_parallel import shard_ltx2_sequence
 from miles.models.media import Media
 from miles.models.options import options_of
 from miles.models.sequence_parallel import SequenceParallelGroup, sequence_parallel_problems
@@ -109,7 +108,7 @@ class LTX2PipelineConfig(DiffusersFamily):
     non_text_components = ("transformer", "vae", "audio_vae", "vocoder")
     text_modules = ("text_encoder", "connectors")
     vae_class = AutoencoderKLLTX2Video
-    supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.ltx2_sequence_parallel)
+    supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.ltx2.sequence_parallel)
 
     def __init__(self, path: str, **options: Any) -> None:
         super().__init__(path, **options)
@@ -123,10 +122,10 @@ class LTX2PipelineConfig(DiffusersFamily):
                 f"factor {temporal} (e.g. {LTX2_DEFAULT_NUM_FRAMES})"
             )
 
-    def check_run_args(self, args: argparse.Namespace) -> None:
+    def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """Training on (prompt, image) dataset records is refused at start-up (a run without engines, --train-only):
         the LTX-2 latent is a joint video + audio latent that no image encodes."""
-        if getattr(args, "train_only", False) or not algorithm_of(args).uses_engines:
+        if getattr(args, "train_only", False) or not algorithm.uses_engines:
             raise ValueError(
                 f"--loss-type {args.loss_type} trains on (prompt, image) dataset records (--train-only), which is not "
                 f"supported for the {self.name} family ({self.path}): its latent is a joint video + audio latent and "

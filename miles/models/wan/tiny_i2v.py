@@ -1,4 +1,4 @@
-"""Tiny Wan image-to-video pipelines (`WanImageToVideoPipeline`) built offline from configs: tiny_wan's UMT5, VAE
+"""Tiny Wan image-to-video pipelines (`WanImageToVideoPipeline`) built offline from configs: `wan/tiny.py`'s UMT5, VAE
 and transformer pieces, the transformer taking the condition channels (2C + 4 in). Wan 2.1 I2V's layout adds an image
 branch and a tiny CLIPVisionModel with its CLIPImageProcessor (32x32 crops, PIL backend: no torchvision, no hub
 download); Wan 2.2 I2V-A14B's has no image encoder and two experts split at a boundary ratio.
@@ -12,14 +12,14 @@ from diffusers import WanImageToVideoPipeline
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
 from miles.models.tiny import build_t5_tokenizer, eval_mode, save_tiny_folder
-from miles.models.tiny_wan import (
+from miles.models.wan.folder import WAN_MAX_SEQUENCE_LENGTH
+from miles.models.wan.tiny import (
     TINY_WAN_LATENT_CHANNELS,
     TINY_WAN_NUM_FRAMES,
     TINY_WAN_RESOLUTION,
     TINY_WAN_TEMPORAL_FACTOR,
     tiny_wan_components,
 )
-from miles.models.wan_folder import WAN_MAX_SEQUENCE_LENGTH
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def tiny_clip_vision() -> tuple[CLIPVisionModel, CLIPImageProcessor]:
 def build_tiny_wan_i2v_pipeline(seed: int = 0, *, two_experts: bool = False) -> WanImageToVideoPipeline:
     """The tiny Wan I2V pipeline in float32, eval mode, seeded random weights: Wan 2.1's layout (CLIP vision image
     branch, one expert), or with `two_experts` Wan 2.2 I2V-A14B's (no image encoder; a `transformer_2` and a
-    boundary ratio, tiny_wan's 0.875)."""
+    boundary ratio, `wan/tiny.py`'s 0.875)."""
     tokenizer = build_t5_tokenizer()
     # the I2V transformer takes the last 512 context tokens as text: prompts are encoded at the pipeline's 512
     tokenizer.model_max_length = WAN_MAX_SEQUENCE_LENGTH

@@ -1,6 +1,6 @@
 """The FLUX.1 Kontext family (image editing): FLUX.1's networks with the source image's VAE latents appended to the
 noise tokens, computed exactly as `diffusers.FluxKontextPipeline` does, from a local pipeline folder. What every FLUX.1
-folder shares (text, VAE, guidance, σ grid, geometry) is `miles.models.flux_folder`'s.
+folder shares (text, VAE, guidance, σ grid, geometry) is `miles.models.flux.folder`'s.
 
 Latent layout as in the flux family: unpacked (C, H, W); `predict_velocity` packs the noise latents and the source
 image's latents into 2x2 patch sequences, joins them, and keeps the noise tokens of the output.
@@ -17,10 +17,10 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 from torch import nn
 
-from miles.models.base import compute_dtype, register_train_pipeline_config
+from miles.models.base import RunAlgorithm, compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import check_velocity_inputs, encode_shift_scaled
-from miles.models.flux_folder import FluxFolderFamily
+from miles.models.flux.folder import FluxFolderFamily
 from miles.models.packing import pack_latents, packed_position_ids, unpack_latents
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class FluxKontextPipelineConfig(FluxFolderFamily):
     text_pipeline_class = "FluxKontextPipeline"
     source_image_range = (1, 1)  # the pipeline takes one image per prompt
 
-    def check_run_args(self, args: argparse.Namespace) -> None:
+    def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """Refused at start-up: a negative prompt the guidance-distilled transformer would not use."""
         if self.guidance_embeds and getattr(args, "negative_prompt", ""):
             raise ValueError(

@@ -16,8 +16,15 @@ from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTra
 from tokenizers import AddedToken
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
 
-from miles.models.tiny import LATENT_CHANNELS, SHAPES_WORDS, _calibrate_vae, _vae, eval_mode, save_tiny_folder
-from miles.models.tiny_qwen_image import build_qwen2_tokenizer
+from miles.models.tiny import (
+    LATENT_CHANNELS,
+    SHAPES_WORDS,
+    build_qwen2_tokenizer,
+    build_vae,
+    calibrate_vae,
+    eval_mode,
+    save_tiny_folder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +109,9 @@ def build_tiny_z_image_pipeline(seed: int = 0, resolution: int = 32) -> ZImagePi
     tokenizer = build_qwen3_tokenizer()
     torch.manual_seed(seed)
     text_encoder = build_qwen3_text_encoder(tokenizer)
-    vae = _vae(resolution)
+    vae = build_vae(resolution)
     transformer = build_z_image_transformer()
-    shift, scale = _calibrate_vae(vae, resolution, torch.Generator().manual_seed(seed))
+    shift, scale = calibrate_vae(vae, resolution, torch.Generator().manual_seed(seed))
     vae.register_to_config(shift_factor=shift, scaling_factor=scale)
     pipe = ZImagePipeline(
         scheduler=z_image_scheduler(),

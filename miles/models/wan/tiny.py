@@ -14,7 +14,7 @@ import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
-from miles.models.tiny import _t5_encoder, build_t5_tokenizer, eval_mode, save_tiny_folder
+from miles.models.tiny import build_t5_encoder, build_t5_tokenizer, eval_mode, save_tiny_folder
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def tiny_wan_components(
     `two_experts`, a low-noise `transformer_2` (its own weights, no image branch) split at boundary ratio 0.875."""
     text_dim = 32
     torch.manual_seed(seed)
-    text_encoder = _t5_encoder(tokenizer, text_dim, d_kv=8, config_class=UMT5Config, model_class=UMT5EncoderModel)
+    text_encoder = build_t5_encoder(tokenizer, text_dim, d_kv=8, config_class=UMT5Config, model_class=UMT5EncoderModel)
     vae = tiny_wan_vae()
     transformer = tiny_wan_transformer(text_dim, in_channels=in_channels, image_dim=image_dim)
     transformer_2 = tiny_wan_transformer(text_dim, in_channels=in_channels) if two_experts else None

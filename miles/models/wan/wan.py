@@ -1,6 +1,6 @@
 """The Wan 2.x text-to-video family (`WanPipeline`): a prompt's UMT5 embeddings condition the transformer, one
 expert or Wan 2.2's two, and Wan 2.2 TI2V-5B's per-token timesteps (`expand_timesteps`) without an image. What every
-Wan folder shares (experts, VAE normalization, σ grid, geometry, the guidance) is `miles.models.wan_folder`'s.
+Wan folder shares (experts, VAE normalization, σ grid, geometry, the guidance) is `miles.models.wan.folder`'s.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import check_velocity_inputs
 from miles.models.options import options_of
 from miles.models.sequence_parallel import SequenceParallelGroup, sequence_parallel_problems
-from miles.models.wan_experts import WanExperts
-from miles.models.wan_folder import WanFolderFamily
-from miles.models.wan_sequence_parallel import shard_wan_sequence
+from miles.models.wan.experts import WanExperts
+from miles.models.wan.folder import WanFolderFamily
+from miles.models.wan.sequence_parallel import shard_wan_sequence
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class WanPipelineConfig(WanFolderFamily):
     prompt_cache_exact = True  # UMT5 at a fixed length
     pipeline_class_name = "WanPipeline"
     options = options_of("wan")
-    supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.wan_sequence_parallel)
+    supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.wan.sequence_parallel)
     text_pipeline_class = "WanPipeline"
 
     def sequence_parallel_problems(self, sp_size: int, resolution: int | None = None) -> list[str]:

@@ -27,8 +27,7 @@ from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextMode
 
 from miles.models.base import strip_name_or_path
 from miles.models.diffusers_family import write_run_defaults
-from miles.models.tiny import SHAPES_WORDS
-from miles.models.tiny_qwen_image import build_qwen2_tokenizer
+from miles.models.tiny import SHAPES_WORDS, build_qwen2_tokenizer
 
 logger = logging.getLogger(__name__)
 

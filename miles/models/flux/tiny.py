@@ -12,12 +12,12 @@ from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, Flux
 from miles.models.tiny import (
     LATENT_CHANNELS,
     VAE_BLOCK_OUT_CHANNELS,
-    _calibrate_vae,
-    _clip_text_encoder,
-    _t5_encoder,
-    _vae,
+    build_clip_text_encoder,
     build_clip_tokenizer,
+    build_t5_encoder,
     build_t5_tokenizer,
+    build_vae,
+    calibrate_vae,
     eval_mode,
     save_tiny_folder,
 )
@@ -38,9 +38,9 @@ def build_tiny_flux_pipeline(
     clip_width, t5_width = 32, 64
 
     torch.manual_seed(seed)
-    text_encoder = _clip_text_encoder(tokenizer, hidden=clip_width)
-    text_encoder_2 = _t5_encoder(tokenizer_2, d_model=t5_width)
-    vae = _vae(resolution)
+    text_encoder = build_clip_text_encoder(tokenizer, hidden=clip_width)
+    text_encoder_2 = build_t5_encoder(tokenizer_2, d_model=t5_width)
+    vae = build_vae(resolution)
     transformer = FluxTransformer2DModel(
         patch_size=1,
         in_channels=4 * LATENT_CHANNELS,  # 2x2 packed latents
@@ -53,7 +53,7 @@ def build_tiny_flux_pipeline(
         guidance_embeds=guidance_embeds,
         axes_dims_rope=(4, 6, 6),  # sums to the head dim
     )
-    shift, scale = _calibrate_vae(vae, resolution, torch.Generator().manual_seed(seed))
+    shift, scale = calibrate_vae(vae, resolution, torch.Generator().manual_seed(seed))
     vae.register_to_config(shift_factor=shift, scaling_factor=scale)
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,

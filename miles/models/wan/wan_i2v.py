@@ -1,7 +1,7 @@
 """The Wan image-to-video family (`WanImageToVideoPipeline`): the source image is the clip's first frame. Its VAE
 latents (the image followed by zero frames) and a first-frame mask are concatenated to the noisy latents along channels
 at every forward, and Wan 2.1 I2V's transformer also cross-attends to CLIP vision embeddings of the image. Wan 2.2
-I2V-A14B (no image encoder, two experts) runs the same code with the experts of `miles.models.wan_folder`.
+I2V-A14B (no image encoder, two experts) runs the same code with the experts of `miles.models.wan.folder`.
 
 Refused at start-up: Wan 2.2 TI2V-5B's first-frame conditioning (`expand_timesteps`), first-last-frame folders (a
 second source image, `last_image`), sequence parallelism, and runs that train on dataset records (sft_loss).
@@ -21,7 +21,7 @@ from miles.models.base import register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import channel_stats, check_velocity_inputs, posterior_latents
 from miles.models.options import options_of
-from miles.models.wan_folder import WAN_MAX_SEQUENCE_LENGTH, WanFolderFamily
+from miles.models.wan.folder import WAN_MAX_SEQUENCE_LENGTH, WanFolderFamily
 
 logger = logging.getLogger(__name__)
 

@@ -38,8 +38,7 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 from PIL import Image
 from torch import nn
 
-from miles.algorithms import algorithm_of
-from miles.models.base import compute_dtype, read_model_index, register_train_pipeline_config
+from miles.models.base import RunAlgorithm, compute_dtype, read_model_index, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
@@ -144,7 +143,7 @@ class Flux2Family(DiffusersFamily):
                 f"{self.path}: a scheduler with use_flow_sigmas is not supported by the {self.name} family"
             )
 
-    def check_run_args(self, args: argparse.Namespace) -> None:
+    def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """Refused at start-up: MixGRPO-Flash (its compressed grid needs one static shift of the resolution;
         FLUX.2's shift depends on the step count too) and a resolution under 64 px (miles loads reference images at
         the run's resolution, and the pipelines refuse smaller ones)."""
@@ -410,11 +409,11 @@ class Flux2KleinPipelineConfig(Flux2Family):
         super().__init__(path, **options)
         self.is_distilled = bool(self.index.get("is_distilled", False))
 
-    def check_run_args(self, args: argparse.Namespace) -> None:
+    def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """`Flux2Family.check_run_args`, and CFG on a step-distilled folder (the pipeline ignores it): the sampling
         scale and the run's algorithm's own CFG scales (its declared `guidance_flags`) above 1."""
-        super().check_run_args(args)
-        dests = ("diffusion_guidance_scale", *algorithm_of(args).guidance_flags)
+        super().check_run_args(args, algorithm)
+        dests = ("diffusion_guidance_scale", *algorithm.guidance_flags)
         scales = {"--" + dest.replace("_", "-"): getattr(args, dest, None) for dest in dests}
         for flag, scale in scales.items():
             if self.is_distilled and scale is not None and scale > 1.0:
@@ -454,9 +453,9 @@ class Flux2DevPipelineConfig(Flux2Family):
     checkpoint_name = "FLUX.2 [dev]"
     default_text_layers = FLUX2_DEV_TEXT_LAYERS
 
-    def check_run_args(self, args: argparse.Namespace) -> None:
+    def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """`Flux2Family.check_run_args`, and a --negative-prompt (Flux2Pipeline has none: its guidance is embedded)."""
-        super().check_run_args(args)
+        super().check_run_args(args, algorithm)
         if getattr(args, "negative_prompt", ""):
             raise ValueError(
                 f"--negative-prompt with the {self.name} family: Flux2Pipeline (FLUX.2 [dev], guidance-distilled) has "

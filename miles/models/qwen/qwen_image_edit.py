@@ -26,7 +26,7 @@ What the pipelines do with the source images, and where it lives here (`encode_p
   gives it alone (QwenImageEditPlusPipeline takes one prompt per call).
 
 Latents, σ grid (mu of the generated tokens only), true CFG with the norm rescale and the VAE scaling are every
-Qwen-Image folder's (`miles.models.qwen_folder`).
+Qwen-Image folder's (`miles.models.qwen.folder`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from miles.models.base import compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import check_velocity_inputs
 from miles.models.packing import pack_latents, unpack_latents
-from miles.models.qwen_folder import QwenFolderFamily, encode_qwen_latents
+from miles.models.qwen.folder import QwenFolderFamily, encode_qwen_latents
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The Qwen-Image family: QwenImageTransformer2DModel, a Qwen2.5-VL text encoder, AutoencoderKLQwenImage, flow matching
 with a resolution-dependent shift. Computed exactly as `diffusers.QwenImagePipeline` does, from a local pipeline folder; what every Qwen-Image folder
-shares (VAE, true CFG, σ grid, geometry) is `miles.models.qwen_folder`'s.
+shares (VAE, true CFG, σ grid, geometry) is `miles.models.qwen.folder`'s.
 
 Latent layout: miles holds Qwen-Image latents unpacked and without the VAE's frame axis, (C, H, W) like SD3's and
 FLUX's. The pipeline draws its noise as (1, C, H, W) per sample and packs 2x2 patches into a (H/2 * W/2, 4C)
@@ -29,7 +29,7 @@ from miles.models.base import compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import check_velocity_inputs
 from miles.models.packing import pack_latents, unpack_latents
-from miles.models.qwen_folder import QwenFolderFamily
+from miles.models.qwen.folder import QwenFolderFamily
 
 logger = logging.getLogger(__name__)
 

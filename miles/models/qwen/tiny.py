@@ -19,17 +19,15 @@ from diffusers import (
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from tokenizers import AddedToken
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from miles.models.tiny import SHAPES_WORDS, _bytes_to_unicode, _learn_bpe_merges, eval_mode, save_tiny_folder
+from miles.models.tiny import QWEN_ENDOFTEXT, SHAPES_WORDS, build_qwen2_tokenizer, eval_mode, save_tiny_folder
 
 logger = logging.getLogger(__name__)
 
 LATENT_CHANNELS = 4  # the VAE's z_dim (16 in Qwen-Image)
 VAE_DIM_MULT = (1, 2, 2)  # two spatial downsamplings: vae_scale_factor 4
 TEXT_WIDTH = 32  # the text encoder's hidden size: the transformer's joint_attention_dim (3584 in Qwen-Image)
-TOKENIZER_MAX_LENGTH = 128
 
 # the chat-template words of QwenImagePipeline.prompt_template_encode
 TEMPLATE_WORDS: tuple[str, ...] = tuple(
@@ -38,27 +36,6 @@ TEMPLATE_WORDS: tuple[str, ...] = tuple(
         "relationships of objects and background"
     ).split()
 )
-_ENDOFTEXT = "<|endoftext|>"
-SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-
-
-def build_qwen2_tokenizer(words: tuple[str, ...] = TEMPLATE_WORDS + SHAPES_WORDS) -> Qwen2Tokenizer:
-    """A Qwen2 byte-level BPE tokenizer: every byte a symbol (any text tokenizes), each of `words` one token both
-    as a word's start and after a space (Qwen2's pre-tokenizer keeps the space: "Ġword"), and Qwen's chat and
-    vision special tokens."""
-    byte_chars = _bytes_to_unicode()
-    space = byte_chars[ord(" ")]
-    vocab: dict[str, int] = {_ENDOFTEXT: 0}
-    for ch in byte_chars:
-        vocab.setdefault(ch, len(vocab))
-    merges = _learn_bpe_merges(tuple(w for word in words for w in (word, space + word)), end_of_word="")
-    for left, right in merges:
-        vocab.setdefault(left + right, len(vocab))
-    for token in SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=TOKENIZER_MAX_LENGTH)
-    tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
-    return tokenizer
 
 
 def build_qwen_vl_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
@@ -80,9 +57,9 @@ def build_qwen_vl_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForCondit
                 "rope_theta": 1000000.0,
                 "mrope_section": [2, 3, 3],  # sums to head_dim / 2
             },
-            "bos_token_id": ids(_ENDOFTEXT),
+            "bos_token_id": ids(QWEN_ENDOFTEXT),
             "eos_token_id": ids("<|im_end|>"),
-            "pad_token_id": ids(_ENDOFTEXT),
+            "pad_token_id": ids(QWEN_ENDOFTEXT),
         },
         vision_config={
             "depth": 1,
@@ -183,7 +160,11 @@ def tiny_qwen_image_components(tokenizer: Qwen2Tokenizer, seed: int, resolution:
 
 def build_tiny_qwen_image_pipeline(seed: int = 0, resolution: int = 32) -> QwenImagePipeline:
     """The tiny Qwen-Image pipeline in float32, eval mode, seeded random weights, with Qwen-Image's scheduler."""
-    return eval_mode(QwenImagePipeline(**tiny_qwen_image_components(build_qwen2_tokenizer(), seed, resolution)))
+    return eval_mode(
+        QwenImagePipeline(
+            **tiny_qwen_image_components(build_qwen2_tokenizer(TEMPLATE_WORDS + SHAPES_WORDS), seed, resolution)
+        )
+    )
 
 
 def save_tiny_qwen_image_pipeline(path: str, seed: int = 0, resolution: int = 32) -> str:

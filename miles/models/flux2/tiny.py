@@ -10,7 +10,7 @@ BPE tokenizer with Mistral's control tokens and a Mistral-Small-3-style chat tem
 text and image blocks). The real folder's `tokenizer/` is a `PixtralProcessor`, which transformers cannot build
 without torchvision; the tiny folder saves the processor's tokenizer and chat template alone (model_index names the
 tokenizer class), which is all `Flux2Pipeline.encode_prompt` uses for text (the flux2-dev family reads a real
-folder's the same way: `miles.models.flux2`). Its tokenizer knows the words of the pipeline's system message whole,
+folder's the same way: `miles.models.flux2.flux2`). Its tokenizer knows the words of the pipeline's system message whole,
 so the system turn is 30 tokens as with a real tokenizer's few dozen, not hundreds of bytes.
 
 The text encoder is 3 layers deep (16 wide) and its folder records `text_encoder_out_layers` (1, 2, 3) as a run
@@ -42,8 +42,14 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from miles.models.tiny import SHAPES_WORDS, _bytes_to_unicode, _learn_bpe_merges, eval_mode, save_tiny_folder
-from miles.models.tiny_qwen_image import build_qwen2_tokenizer
+from miles.models.tiny import (
+    SHAPES_WORDS,
+    build_qwen2_tokenizer,
+    bytes_to_unicode,
+    eval_mode,
+    learn_bpe_merges,
+    save_tiny_folder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -140,13 +146,13 @@ def calibrate_flux2_vae(vae: AutoencoderKLFlux2, resolution: int, generator: tor
 def build_mistral_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (every byte a symbol, so any text tokenizes) with Mistral's control tokens, the
     words of Flux2Pipeline's system message and the shapes words each one token, and MISTRAL_CHAT_TEMPLATE."""
-    byte_chars = _bytes_to_unicode()
+    byte_chars = bytes_to_unicode()
     space = byte_chars[ord(" ")]
     vocab = {token: i for i, token in enumerate(MISTRAL_SPECIAL_TOKENS)}
     for ch in byte_chars:
         vocab.setdefault(ch, len(vocab))
     words = (*SYSTEM_MESSAGE.replace(",", " ").replace(".", " ").split(), *SHAPES_WORDS)
-    merges = _learn_bpe_merges(tuple(w for word in words for w in (word, space + word)), end_of_word="")
+    merges = learn_bpe_merges(tuple(w for word in words for w in (word, space + word)), end_of_word="")
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))

@@ -1,12 +1,12 @@
 """Tiny Qwen-Image-Edit and Qwen-Image-Edit-Plus pipelines built offline: tiny Qwen-Image's networks
-(`miles.models.tiny_qwen_image`) with a Qwen2.5-VL vision tower that now runs, and a Qwen2VLProcessor built in code
+(`miles.models.qwen.tiny`) with a Qwen2.5-VL vision tower that now runs, and a Qwen2VLProcessor built in code
 around the same byte-level tokenizer (`Qwen2VLImageTextProcessor`: the same code without the video processor, which
 would need torchvision).
 
 The tokenizer knows the words and punctuation of the editing pipelines' prompt template (the same system part in
 both) as whole tokens, so its system part is the 64 tokens the pipelines drop (`prompt_template_encode_start_idx`),
 as with the real tokenizer; the Plus folder's also knows "Picture" (its "Picture k:" image labels). The folders
-record a small `reference_area` (`miles.models.qwen_image_edit`): the pipelines' one megapixel would make every VAE
+record a small `reference_area` (`miles.models.qwen.qwen_image_edit`): the pipelines' one megapixel would make every VAE
 encode of a source image cost seconds on a CPU; the Plus folder also records a small `condition_area` for the VL
 encoder's copies of the images (the pipeline's 384² would be ~200 vision tokens per image), larger than the
 reference area and the output size, so that the three sizes stay apart as in the real pipeline.
@@ -19,9 +19,9 @@ import logging
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from miles.models.qwen_image_edit import Qwen2VLImageTextProcessor
-from miles.models.tiny import SHAPES_WORDS, eval_mode, save_tiny_folder
-from miles.models.tiny_qwen_image import TEMPLATE_WORDS, build_qwen2_tokenizer, tiny_qwen_image_components
+from miles.models.qwen.qwen_image_edit import Qwen2VLImageTextProcessor
+from miles.models.qwen.tiny import TEMPLATE_WORDS, tiny_qwen_image_components
+from miles.models.tiny import SHAPES_WORDS, build_qwen2_tokenizer, eval_mode, save_tiny_folder
 
 logger = logging.getLogger(__name__)
 

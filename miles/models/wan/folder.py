@@ -29,7 +29,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from torch import nn
 
-from miles.models.base import compute_dtype, load_pretrained
+from miles.models.base import RunAlgorithm, compute_dtype, load_pretrained
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
@@ -40,7 +40,7 @@ from miles.models.diffusers_family import (
 )
 from miles.models.media import Media
 from miles.models.options import TRAINED_EXPERTS
-from miles.models.wan_experts import HIGH_NOISE, LOW_NOISE, WanExperts
+from miles.models.wan.experts import HIGH_NOISE, LOW_NOISE, WanExperts
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class WanFolderFamily(DiffusersFamily):
             for name, dtype in self.checkpoint_dtypes(Path(self.path) / sub).items()
         }
 
-    def check_run_args(self, args: argparse.Namespace) -> None:
+    def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """LoRA trains one adapter on one transformer: two experts are refused at start-up."""
         if getattr(args, "use_lora", False) and self.two_experts:
             raise ValueError(

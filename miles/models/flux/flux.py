@@ -1,6 +1,6 @@
 """The FLUX.1 family: FluxTransformer2DModel, CLIP (pooled) + T5 text encoders, AutoencoderKL, flow matching with a
 resolution-dependent shift. Computed exactly as `diffusers.FluxPipeline` does, from a local pipeline folder; what
-every FLUX.1 folder shares (text, VAE, guidance, σ grid, geometry) is `miles.models.flux_folder`'s.
+every FLUX.1 folder shares (text, VAE, guidance, σ grid, geometry) is `miles.models.flux.folder`'s.
 
 Latent layout: miles holds FLUX latents unpacked, (C, H, W) like SD3's; `predict_velocity` packs them into the
 pipeline's 2x2 patch sequence (with its image position ids) and unpacks the velocity. Packing is a permutation, so
@@ -17,7 +17,7 @@ from torch import nn
 from miles.models.base import compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import check_velocity_inputs
-from miles.models.flux_folder import FluxFolderFamily
+from miles.models.flux.folder import FluxFolderFamily
 from miles.models.packing import pack_latents, packed_position_ids, unpack_latents
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Wan 2.2's two experts as one network: `WanExperts` routes each row to its expert by its timestep, as
-`WanPipeline` does (the family that loads it: `miles.models.wan`)."""
+`WanPipeline` does (the family that loads it: `miles.models.wan.wan`)."""
 
 from __future__ import annotations
 

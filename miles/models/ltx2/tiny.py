@@ -25,7 +25,7 @@ from diffusers.pipelines.ltx2 import LTX2TextConnectors
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GemmaTokenizer
 
-from miles.models.tiny import SHAPES_WORDS, _learn_bpe_merges, eval_mode, save_tiny_folder
+from miles.models.tiny import SHAPES_WORDS, eval_mode, learn_bpe_merges, save_tiny_folder
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def build_gemma_tokenizer(words: tuple[str, ...] = SHAPES_WORDS) -> GemmaTokeniz
     for ch in "▁" + string.ascii_letters + string.digits + string.punctuation:
         vocab.setdefault(ch, len(vocab))
     pieces = list(dict.fromkeys([*words, *("▁" + w for w in words)]))
-    merges = _learn_bpe_merges(tuple(pieces), end_of_word="")  # plain BPE until every piece is one symbol
+    merges = learn_bpe_merges(tuple(pieces), end_of_word="")  # plain BPE until every piece is one symbol
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
     return GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=GEMMA_MAX_LENGTH)

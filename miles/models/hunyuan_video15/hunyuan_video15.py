@@ -22,7 +22,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
 from torch import nn
 
-from miles.models.base import compute_dtype, register_train_pipeline_config
+from miles.models.base import RunAlgorithm, compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
@@ -32,7 +32,7 @@ from miles.models.diffusers_family import (
     square_latent_side,
     unit_range,
 )
-from miles.models.hunyuan_video15_sequence_parallel import shard_hunyuan_video15_sequence
+from miles.models.hunyuan_video15.sequence_parallel import shard_hunyuan_video15_sequence
 from miles.models.media import Media
 from miles.models.options import options_of
 from miles.models.sequence_parallel import SequenceParallelGroup, sequence_parallel_problems
@@ -78,7 +78,7 @@ class HunyuanVideo15PipelineConfig(DiffusersFamily):
         "attn.to_add_out",
     )
     compile_refusal: ClassVar[str | None] = None
-    supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.hunyuan_video15_sequence_parallel)
+    supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.hunyuan_video15.sequence_parallel)
 
     def __init__(self, path: str, **options: Any) -> None:
         super().__init__(path, **options)
@@ -101,7 +101,7 @@ class HunyuanVideo15PipelineConfig(DiffusersFamily):
                 f"temporal factor {temporal}, e.g. {low} or {low + temporal}"
             )
 
-    def check_run_args(self, args: argparse.Namespace) -> None:
+    def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """Refused at start-up: a guidance scale below 1 (the guider would run CFG with it, miles does not) and a
         LoRA adapter written by --save-hf (the pipeline class has no `save_lora_weights` / `load_lora_weights`)."""
         scale = getattr(args, "diffusion_guidance_scale", None)
