@@ -23,7 +23,7 @@ from miles.backends.fsdp_utils.fsdp import build_mesh, gathered_tensors, parse_d
 from miles.backends.fsdp_utils.lora import lora_config_from_args
 from miles.backends.fsdp_utils.weight_push import PUSH_GATHER_BYTES, sync_plan
 from miles.models.base import family_options, get_train_pipeline_config
-from miles.plan.fake import fake_process_group, movable_fake_modules, plan_tensor_mode
+from miles.plan.fake import fake_process_group, movable_fake_modules, per_tensor_equivalents, plan_tensor_mode
 from miles.plan.tracker import Collective, PlanTracker
 from miles.rollout.engine import DiffusionEngine, GenerateResult
 from miles.rollout.prompt_cache import frees_text_encoders
@@ -141,7 +141,7 @@ def simulate_engine(
     tracker = PlanTracker()
     lora = lora_config_from_args(args, _family_name(args)) if args.use_lora else None
     samples = engine_samples(args, rows)
-    with plan_tensor_mode(fake), movable_fake_modules(), tracker:
+    with plan_tensor_mode(fake), movable_fake_modules(), per_tensor_equivalents(), tracker:
         with tracker.in_phase("start-up"):
             engine = DiffusionEngine(
                 args.hf_checkpoint,
