@@ -163,6 +163,7 @@ def _forked_ranks(ranks: list[int], simulate_rank: Callable[[int], ProcessPlan])
     simulates rank 0; yields `collect`, which returns their plans in order. Without spare cores, or with other
     threads alive (a fork copies a lock another thread may hold: the child would wait on it forever), in this
     process."""
+    _stop_tqdm_monitor()
     spare = (os.cpu_count() or 1) - 1 if threading.active_count() == 1 else 0
     workers = max(0, min(len(ranks), spare))
     context = multiprocessing.get_context("fork")
@@ -192,6 +193,19 @@ def _forked_ranks(ranks: list[int], simulate_rank: Callable[[int], ProcessPlan])
         return plans
 
     yield collect
+
+
+def _stop_tqdm_monitor() -> None:
+    """End tqdm's monitor thread (started by the first progress bar, diffusers' "Loading pipeline components") and
+    start no other: it only re-times slow bars, and while it lives no rank may be forked."""
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
+    monitor = tqdm.tqdm.monitor
+    if monitor is not None:
+        monitor.exit()
+        monitor.join(timeout=5)
+        tqdm.tqdm.monitor = None
 
 
 def window_flops(args: argparse.Namespace, forward_per_pair: float, plan: ProcessPlan, pairs: int) -> float:
