@@ -19,13 +19,13 @@ from miles.utils import import_gc
 
 with import_gc.paused():  # the driver's imports (torch, Ray) without the collector (miles/utils/import_gc.py)
     from miles.algorithms import algorithm_of
+    from miles.arguments.parser import parse_args
     from miles.plot import plot_run
     from miles.ray.cluster import check_cluster
     from miles.ray.generations import Generations, staleness_metrics
     from miles.ray.groups import RunGroups
     from miles.ray.restarts import RESTARTABLE, Restarts
     from miles.startup import start_up
-    from miles.utils.arguments import parse_args
     from miles.utils.console import ProgressLine, TqdmHandler, engine_progress_display, progress_bar, summary_line
     from miles.utils.failures import run_cleanup
     from miles.utils.stop_signals import EXIT_PREEMPTED, StopSignals, ignore_late_signals, stop_line

@@ -12,16 +12,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.algorithms import algorithm_of
+from miles.arguments.evaluation import BUILTIN_MOVING_SHAPES, eval_enabled
+from miles.arguments.hook_paths import load_path_flags
+from miles.arguments.reward_spec import reward_media_problems, reward_spec_from_args, runs_rewards
 from miles.backends.fsdp_utils.checkpoint import read_extra
 from miles.backends.fsdp_utils.loss_hub import get_loss_hooks
 from miles.ray.checkpoint_folders import check_resume_settings, check_roles_agree, lock_save_folders
 from miles.ray.cluster import ray_init_settings, start_ray, stop_ray
 from miles.rollout.input_files import check_input_files
-from miles.utils.eval_arguments import BUILTIN_MOVING_SHAPES, eval_enabled
 from miles.utils.failures import run_cleanup
-from miles.utils.hook_paths import load_path_flags
 from miles.utils.locks import FolderLocks
-from miles.utils.reward_spec import reward_media_problems, reward_spec_from_args, runs_rewards
 
 logger = logging.getLogger(__name__)
 

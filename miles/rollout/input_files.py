@@ -9,6 +9,8 @@ import logging
 import os
 
 from miles.algorithms import algorithm_of
+from miles.arguments.evaluation import eval_enabled
+from miles.arguments.reward_spec import reward_spec_from_args, runs_rewards
 from miles.data.moving_shapes import BUILTIN_MOVING_SHAPES
 from miles.data.ocr import BUILTIN_OCR, unquoted_prompts
 from miles.data.shapes_edit import BUILTIN_SHAPES_EDIT
@@ -24,9 +26,7 @@ from miles.rollout.data_source import (
     sft_image_key,
     wants_source_images,
 )
-from miles.utils.eval_arguments import eval_enabled
 from miles.utils.jsonl import read_jsonl_objects
-from miles.utils.reward_spec import reward_spec_from_args, runs_rewards
 
 logger = logging.getLogger(__name__)
 

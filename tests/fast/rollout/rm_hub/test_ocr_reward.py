@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
+from miles.arguments import reward_spec
 from miles.data.ocr import normalize_text, ocr_target, quoted_text
 from miles.rollout.rm_hub import compute_rewards, reward_metrics
 from miles.rollout.rm_hub import ocr as ocr_module
 from miles.rollout.rm_hub.ocr import edit_distance, load_ocr_engine, ocr_text_score
-from miles.utils import reward_spec
 from miles.utils.types import Sample
 
 PROMPT = 'a wooden sign that says "{}"'

@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 
+from miles.arguments.reward_spec import BUILTIN_REWARDS
 from miles.rollout.rm_hub import (
     REWARD_FUNCTIONS,
     compute_rewards,
@@ -13,7 +14,6 @@ from miles.rollout.rm_hub import (
     reward_spec_from_args,
 )
 from miles.utils.misc import HookLoadError
-from miles.utils.reward_spec import BUILTIN_REWARDS
 from miles.utils.types import Sample
 
 

@@ -8,7 +8,7 @@ import argparse
 from typing import Any
 
 from miles.algorithms import algorithm_of
-from miles.utils.plan_arguments import AUTO, parse_on_off_auto
+from miles.arguments.plan import AUTO, parse_on_off_auto
 
 DTYPE_CHOICES = ("fp32", "bf16", "fp16")
 COMPILE_CHOICES = ("off", "blocks", "full")  # miles.models.compile.COMPILE_MODES (not imported here: torch)
