@@ -131,7 +131,10 @@ def train_rollouts(
 ) -> int:
     """The outer loop (ARCHITECTURE §4) with a progress bar; `started` as in `run`. Returns the last rollout
     completed, which is `args.num_rollout - 1` unless a stop signal (`stop.requested`) ended the loop early."""
-    bar, progress = progress_bar(range(start_rollout_id, args.num_rollout), args), ProgressLine(args.loss_type)
+    bar, progress = (
+        progress_bar(range(start_rollout_id, args.num_rollout), args),
+        ProgressLine(algorithm_of(args).progress_keys),
+    )
     run_groups.rollout_manager.show_engine_progress(engine_progress_display(bar, args.loss_type))
     generations = Generations(args, run_groups.rollout_manager)
     completed = start_rollout_id - 1
