@@ -53,7 +53,7 @@ def check_startup(args: argparse.Namespace) -> None:
         )
         if problems:
             raise ValueError("; ".join(problems))
-    clips = getattr(args, "eval_prompt_data", None) == BUILTIN_MOVING_SHAPES  # the one built-in eval of video
+    clips = args.eval_prompt_data == BUILTIN_MOVING_SHAPES  # the one built-in eval of video
     if eval_enabled(args) and not args.eval_function_path and video != clips:
         if video:
             raise ValueError(

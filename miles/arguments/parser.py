@@ -330,6 +330,16 @@ def build_parser(algorithms: Iterable[Algorithm] | None = None) -> argparse.Argu
     return parser
 
 
+def default_args(**overrides: Any) -> argparse.Namespace:
+    """Every flag at its declared default, neither validated nor derived, then `overrides` (by dest): the full set of
+    flags a reader of the parsed flags may rely on, for a tool or a test that calls one without a command line."""
+    args = build_parser().parse_args([])
+    unknown = sorted(set(overrides) - set(vars(args)))
+    if unknown:
+        raise TypeError(f"default_args: no flag has the dest {', '.join(unknown)}")
+    return argparse.Namespace(**{**vars(args), **overrides})
+
+
 def read_first_pass(argv: Sequence[str] | None) -> tuple[str | None, dict[str, Any]]:
     """The first pass, before the parser exists: --config's mapping read, and the --algorithm-path module (from the
     command line or the config) imported, so that its algorithms' flags and roles are in the parser."""

@@ -139,8 +139,8 @@ def summary_line(
     parts.append(f"outputs in {args.output_dir}/ (metrics.jsonl, train.log, images/)")
     if plot_path:
         parts.append(f"plot {plot_path}")
-    if getattr(args, "save", None):
+    if args.save:
         parts.append(f"checkpoints in {args.save}")
-    if getattr(args, "save_hf", None):
+    if args.save_hf:
         parts.append(f"pipeline in {args.save_hf}")
     return "; ".join(parts)

@@ -190,7 +190,7 @@ async def compute_rewards(
     args: argparse.Namespace, samples: list[Sample], spec: list[tuple[str, float]]
 ) -> tuple[list[float], dict[str, list[float]]]:
     """Every reward of `spec` on the batch: (weighted totals per sample, raw values per reward name)."""
-    custom_path = getattr(args, "custom_rm_path", None)
+    custom_path = args.custom_rm_path
     functions = [get_reward_function(name, custom_path, args) for name, _ in spec]
     if not samples:
         return [], {name: [] for name, _ in spec}
