@@ -19,13 +19,13 @@ from miles.utils import import_gc
 
 with import_gc.paused():  # the driver's imports (torch, Ray) without the collector (miles/utils/import_gc.py)
     from miles.algorithms import algorithm_of
+    from miles.arguments.parser import parse_args
     from miles.plot import plot_run
     from miles.ray.cluster import check_cluster
     from miles.ray.generations import Generations, staleness_metrics
     from miles.ray.groups import RunGroups
     from miles.ray.restarts import RESTARTABLE, Restarts
     from miles.startup import start_up
-    from miles.utils.arguments import parse_args
     from miles.utils.console import ProgressLine, TqdmHandler, engine_progress_display, progress_bar, summary_line
     from miles.utils.failures import run_cleanup
     from miles.utils.stop_signals import EXIT_PREEMPTED, StopSignals, ignore_late_signals, stop_line
@@ -131,7 +131,10 @@ def train_rollouts(
 ) -> int:
     """The outer loop (ARCHITECTURE §4) with a progress bar; `started` as in `run`. Returns the last rollout
     completed, which is `args.num_rollout - 1` unless a stop signal (`stop.requested`) ended the loop early."""
-    bar, progress = progress_bar(range(start_rollout_id, args.num_rollout), args), ProgressLine(args.loss_type)
+    bar, progress = (
+        progress_bar(range(start_rollout_id, args.num_rollout), args),
+        ProgressLine(algorithm_of(args).progress_keys),
+    )
     run_groups.rollout_manager.show_engine_progress(engine_progress_display(bar, args.loss_type))
     generations = Generations(args, run_groups.rollout_manager)
     completed = start_rollout_id - 1

@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from miles.arguments.parser import parse_args as parse_train_args  # noqa: E402
 from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS  # noqa: E402
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, WindowMetrics  # noqa: E402
 from miles.data.shapes import shapes_prompts  # noqa: E402
@@ -63,7 +64,6 @@ from miles.rollout.rm_hub.shapes import shapes_reward  # noqa: E402
 from miles.rollout.rollout_hub.nft import nft_pairs  # noqa: E402
 from miles.rollout.rollout_hub.pairs import sde_pairs  # noqa: E402
 from miles.rollout.step_strategy_hub import window_steps  # noqa: E402
-from miles.utils.arguments import parse_args as parse_train_args  # noqa: E402
 from miles.utils.types import shard_pairs  # noqa: E402
 
 logger = logging.getLogger("bench_gradient_signal")

@@ -60,6 +60,7 @@ for name, value in WORKER_ENV.items():  # no loading bars from the plain loop's 
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
+from miles.arguments.parser import parse_args  # noqa: E402
 from miles.backends.fsdp_utils.fsdp import parse_dtype  # noqa: E402
 from miles.backends.fsdp_utils.loss_hub import get_loss_hooks  # noqa: E402
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, WindowMetrics  # noqa: E402
@@ -67,7 +68,6 @@ from miles.backends.fsdp_utils.microbatch import build_microbatch_schedule, pair
 from miles.backends.fsdp_utils.optim import build_optimizer  # noqa: E402
 from miles.models.builtin import resolve_checkpoint  # noqa: E402
 from miles.rollout.engine import DiffusionEngine  # noqa: E402
-from miles.utils.arguments import parse_args  # noqa: E402
 from miles.utils.types import num_pairs, shard_pairs, slice_pairs  # noqa: E402
 
 PHASES = ("wait", "train", "sync")  # the driver's phases of a rollout (wait: for the batch, generated meanwhile)

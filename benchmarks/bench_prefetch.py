@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def trainer_args(opts: argparse.Namespace, mode: str) -> argparse.Namespace:
     """One rank of custom_loss = SFT with this file's prepare, --prefetch-microbatches `mode`."""
-    from miles.utils.arguments import parse_args as miles_args
+    from miles.arguments.parser import parse_args as miles_args
 
     args = miles_args(
         [

@@ -49,10 +49,10 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 from bench_memory import reset_peak, rss  # noqa: E402
 
+from miles.arguments.parser import parse_args  # noqa: E402
 from miles.backends.fsdp_utils.fsdp import parse_dtype  # noqa: E402
 from miles.backends.fsdp_utils.lora import apply_lora, lora_config_from_args, lora_state_dict  # noqa: E402
 from miles.models.wan.wan import WanPipelineConfig  # noqa: E402
-from miles.utils.arguments import parse_args  # noqa: E402
 from miles.utils.tracking import read_metrics  # noqa: E402
 
 GIB = 2**30

@@ -20,10 +20,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from miles.arguments.parser import build_parser  # noqa: E402
 from miles.data.shapes import shapes_items  # noqa: E402
 from miles.ray.reward_workers import RewardWorkerPool  # noqa: E402
 from miles.rollout.rm_hub import compute_rewards, reward_spec_from_args  # noqa: E402
-from miles.utils.arguments import build_parser  # noqa: E402
 from miles.utils.types import Sample  # noqa: E402
 from tests.fast.rollout.rm_hub.reward_processes import reward_server  # noqa: E402
 

@@ -32,12 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from miles.arguments.parser import parse_args  # noqa: E402
 from miles.backends.fsdp_utils.loss_hub.sft import prepare_sft_batch  # noqa: E402
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext  # noqa: E402
 from miles.backends.fsdp_utils.optim import build_optimizer  # noqa: E402
 from miles.diffusion.schedule import flow_matching_loss  # noqa: E402
 from miles.models.base import get_train_pipeline_config  # noqa: E402
-from miles.utils.arguments import parse_args  # noqa: E402
 from miles.utils.box import put_box  # noqa: E402
 from miles.utils.types import shard_pairs  # noqa: E402
 

@@ -72,7 +72,7 @@ class PhaseSampler:
 
 
 def trainer_args(folder: str, opts: dict) -> argparse.Namespace:
-    from miles.utils.arguments import parse_args
+    from miles.arguments.parser import parse_args
 
     per_rank = opts["pairs_per_rank"]
     return parse_args(

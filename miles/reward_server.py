@@ -22,9 +22,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from miles.arguments.reward_spec import remote_rules, reward_model_problems, reward_spec_from_args
 from miles.reward_batcher import RequestBatcher
 from miles.utils.ranges import AT_LEAST_0, AT_LEAST_1, Range, range_violation
-from miles.utils.reward_spec import remote_rules, reward_model_problems, reward_spec_from_args
 
 logger = logging.getLogger("miles.reward_server")
 MISSING_EXTRA = (
@@ -45,7 +45,7 @@ def require_server_extra() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The training parser's flags (so every reward finds the flags it reads) and the server's own."""
-    from miles.utils.arguments import build_parser as training_parser
+    from miles.arguments.parser import build_parser as training_parser
 
     parser = training_parser()
     parser.prog = "python -m miles.reward_server"

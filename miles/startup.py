@@ -12,16 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.algorithms import algorithm_of
-from miles.backends.fsdp_utils.checkpoint import read_extra
+from miles.arguments.evaluation import BUILTIN_MOVING_SHAPES, eval_enabled
+from miles.arguments.hook_paths import load_path_flags
+from miles.arguments.reward_spec import reward_media_problems, reward_spec_from_args, runs_rewards
 from miles.backends.fsdp_utils.loss_hub import get_loss_hooks
 from miles.ray.checkpoint_folders import check_resume_settings, check_roles_agree, lock_save_folders
 from miles.ray.cluster import ray_init_settings, start_ray, stop_ray
 from miles.rollout.input_files import check_input_files
-from miles.utils.eval_arguments import BUILTIN_MOVING_SHAPES, eval_enabled
 from miles.utils.failures import run_cleanup
-from miles.utils.hook_paths import load_path_flags
 from miles.utils.locks import FolderLocks
-from miles.utils.reward_spec import reward_media_problems, reward_spec_from_args, runs_rewards
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ def check_startup(args: argparse.Namespace) -> None:
         )
         if problems:
             raise ValueError("; ".join(problems))
-    clips = getattr(args, "eval_prompt_data", None) == BUILTIN_MOVING_SHAPES  # the one built-in eval of video
+    clips = args.eval_prompt_data == BUILTIN_MOVING_SHAPES  # the one built-in eval of video
     if eval_enabled(args) and not args.eval_function_path and video != clips:
         if video:
             raise ValueError(
@@ -144,26 +143,3 @@ def start_up(args: argparse.Namespace) -> StartUp:
             run_cleanup(StartUp(own_ray, locks, sized, sized, ray_ready).shutdown_steps())
             raise
     return StartUp(own_ray, locks, sized, checked, ray_ready)
-
-
-def check_data_source_resume(load_dir: str, start_rollout_id: int, source: Any) -> None:
-    """Warn when a resumed run would not continue the saved prompt stream (other data, seed or batch size)."""
-    extra = read_extra(load_dir, start_rollout_id - 1, "actor") or {}
-    state = extra.get("data_source")
-    if state is None:
-        logger.warning(
-            "%s holds no data-source state: cannot confirm that rollout %d continues the saved prompt stream",
-            load_dir,
-            start_rollout_id,
-        )
-        return
-    mismatches = source.resume_mismatches(state, start_rollout_id)
-    if mismatches:
-        logger.warning(
-            "resuming from %s with different prompt data or settings; the prompt stream will not continue the "
-            "saved one (%s)",
-            load_dir,
-            "; ".join(mismatches),
-        )
-    else:
-        logger.info("prompt stream resumes at rollout %d (epoch %d)", start_rollout_id, state["epoch"])

@@ -10,13 +10,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from miles.algorithms import BUILTIN_ALGORITHMS  # noqa: E402
 from miles.algorithms.roles import add_role_arguments  # noqa: E402
+from miles.arguments.parser import build_parser  # noqa: E402
+from miles.arguments.rules import flag_ranges  # noqa: E402
 from miles.reward_server import SERVER_RANGES, add_server_arguments  # noqa: E402
-from miles.utils.arg_rules import flag_ranges  # noqa: E402
-from miles.utils.arguments import build_parser  # noqa: E402
 
 HEADER = """# CLI reference
 
-Every flag of `python train_diffusion.py`. Generated from the parser (`miles/utils/arguments.py` and each algorithm's
+Every flag of `python train_diffusion.py`. Generated from the parser (`miles/arguments/parser.py` and each algorithm's
 declaration in `miles/algorithms/`) by `python scripts/gen_cli_reference.py`; the test suite fails when this page and
 the parser disagree.
 Any flag can also be given in a `--config file.yaml` (keys with dashes or underscores; the command line wins); its
@@ -52,7 +52,7 @@ RULES = """## Rules checked before start-up
 - An unknown `--loss-type` fails naming the registered ones; an `--algorithm-path` that fails to import fails naming
   the path.
 - A flag you set (on the command line or as a `--config` key, even at its default value) that the run would not
-  read is refused, naming the flag and what reads it (`miles/utils/flag_readers.py`; a flag's declaration says who
+  read is refused, naming the flag and what reads it (`miles/arguments/flag_readers.py`; a flag's declaration says who
   reads it, and an undeclared one is read by every run). An algorithm's own flags are read by it alone, and by an
   algorithm whose declaration lists them in `reads` (`grpo_guard` and `flow_dppo` read `--diffusion-kl-beta`;
   `custom_loss`'s hooks any but another algorithm's `exclusive_flags`): `--diffusion-nft-beta 2 --loss-type

@@ -310,8 +310,8 @@ def write_init_pipeline(args: argparse.Namespace, vae, path: Path) -> None:
 
 def run_sft(args: argparse.Namespace, init_dir: Path, out_dir: Path) -> None:
     import train_diffusion
+    from miles.arguments.parser import parse_args as parse_miles_args
     from miles.data.moving_shapes import RESOLUTION
-    from miles.utils.arguments import parse_args as parse_miles_args
 
     steps_per_rollout = 8
     miles_args = parse_miles_args(

@@ -194,8 +194,8 @@ def write_sft_data(args: argparse.Namespace, path: Path) -> Path:
 def run_sft(args: argparse.Namespace, init_dir: Path, data: Path, out_dir: Path, ema_dir: Path) -> None:
     """miles' SFT: `--save-hf` writes the live weights to `out_dir`; with EMA its weights go to `ema_dir`."""
     import train_diffusion
+    from miles.arguments.parser import parse_args as parse_miles_args
     from miles.models.base import get_train_pipeline_config
-    from miles.utils.arguments import parse_args as parse_miles_args
 
     steps_per_rollout = 8
     num_rollout = math.ceil(args.sft_steps / steps_per_rollout)

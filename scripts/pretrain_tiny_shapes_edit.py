@@ -133,7 +133,7 @@ def write_init_pipeline(args: argparse.Namespace, path: Path) -> None:
 
 def run_sft(args: argparse.Namespace, init_dir: Path, out_dir: Path) -> None:
     import train_diffusion
-    from miles.utils.arguments import parse_args as parse_miles_args
+    from miles.arguments.parser import parse_args as parse_miles_args
 
     steps_per_rollout = 8
     miles_args = parse_miles_args(

@@ -207,7 +207,7 @@ class Algorithm:
     - `shapes_eval_interval`: the default --eval-interval on builtin:shapes prompts (None: no held-out eval).
     - `add_arguments(parser)`: its own flags (the parser adds every registered algorithm's); `flag_ranges`: their
       numeric ranges (dest -> Range); `exclusive_flags`: its dests refused under any other --loss-type (they would
-      be ignored there). Its own flags are read by it alone (miles/utils/flag_readers.py refuses them, set, under
+      be ignored there). Its own flags are read by it alone (miles/arguments/flag_readers.py refuses them, set, under
       another --loss-type); `reads`: other algorithms' flags (dests) it reads too, "*" for all of them (custom_loss,
       whose hooks may read any).
     - `validate(args) -> list[str]`: its rules, errors naming the flags, never mutating args; it sees the run's

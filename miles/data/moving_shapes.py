@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw
 from miles.data.shapes import BACKGROUND, PALETTE, SHAPES, SPLITS
 from miles.utils.seeding import stream_rng
 
-BUILTIN_MOVING_SHAPES = "builtin:moving-shapes"  # also in miles.utils.eval_arguments (torch- and data-free)
+BUILTIN_MOVING_SHAPES = "builtin:moving-shapes"  # also in miles.arguments.evaluation (torch- and data-free)
 NUM_FRAMES = 5  # 4k + 1: Wan's VAE keeps the first frame apart
 RESOLUTION = 32
 # direction -> (unit step in image coordinates, x right and y down; the caption's words)

@@ -17,7 +17,7 @@ from miles.utils.seeding import stream_rng
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_SHAPES_EDIT = "builtin:shapes-edit"  # also in miles.utils.eval_arguments (torch- and data-free)
+BUILTIN_SHAPES_EDIT = "builtin:shapes-edit"  # also in miles.arguments.evaluation (torch- and data-free)
 EDITS: tuple[str, ...] = ("recolor", "reshape", "move")
 _EDIT_STREAM = 7  # the edit world's streams are independent of the shapes world's (same seed, other items)
 

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles.arguments.plan import CPU_MICRO_BATCH_SIZE
 from miles.plan.run import PlanSettings, Simulation, planned_device
 from miles.plan.suggest import Change, over, replan, with_changes
-from miles.utils.plan_arguments import CPU_MICRO_BATCH_SIZE
 from miles.utils.types import num_pairs
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.algorithms import algorithm_of
+from miles.arguments.fsdp import trainer_world_size
 from miles.plan.run import PlanSettings, Simulation, plans_sleep
 from miles.plan.simulate import ProcessPlan
-from miles.utils.fsdp_arguments import trainer_world_size
 from miles.weight_sync.transports import SLOTS
 
 GPUS_PER_NODE = 8

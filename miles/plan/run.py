@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.algorithms import algorithm_of, role_settings
+from miles.arguments.fsdp import trainer_world_size
 from miles.plan.gpus import GpuSpec
 from miles.plan.simulate import (
     ProcessPlan,
@@ -30,7 +31,6 @@ from miles.plan.tracker import Collective
 from miles.rollout.engine import GenerateResult
 from miles.rollout.micro_batches import resolve_rollout_micro_batch_size
 from miles.rollout.steps import select_rows
-from miles.utils.fsdp_arguments import trainer_world_size
 from miles.utils.types import num_pairs
 
 logger = logging.getLogger(__name__)

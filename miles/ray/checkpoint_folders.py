@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+from typing import Any
 
 from miles.algorithms import role_dest, role_flag, training_order
 from miles.backends.fsdp_utils.checkpoint import (
@@ -14,10 +16,13 @@ from miles.backends.fsdp_utils.checkpoint import (
     CheckpointError,
     checkpoint_dir,
     read_dcp_metadata,
+    read_extra,
     read_latest,
     write_latest,
 )
 from miles.utils.locks import FolderLocks
+
+logger = logging.getLogger(__name__)
 
 
 class ResumeMismatchError(RuntimeError):
@@ -128,3 +133,26 @@ def check_resume_settings(args: argparse.Namespace, roles: list[str]) -> None:
             f"{where} holds a rank-{rank} LoRA adapter, and this run has --lora-rank {args.lora_rank}: resume it "
             f"with --lora-rank {rank}"
         )
+
+
+def check_data_source_resume(load_dir: str, start_rollout_id: int, source: Any) -> None:
+    """Warn when a resumed run would not continue the saved prompt stream (other data, seed or batch size)."""
+    extra = read_extra(load_dir, start_rollout_id - 1, "actor") or {}
+    state = extra.get("data_source")
+    if state is None:
+        logger.warning(
+            "%s holds no data-source state: cannot confirm that rollout %d continues the saved prompt stream",
+            load_dir,
+            start_rollout_id,
+        )
+        return
+    mismatches = source.resume_mismatches(state, start_rollout_id)
+    if mismatches:
+        logger.warning(
+            "resuming from %s with different prompt data or settings; the prompt stream will not continue the "
+            "saved one (%s)",
+            load_dir,
+            "; ".join(mismatches),
+        )
+    else:
+        logger.info("prompt stream resumes at rollout %d (epoch %d)", start_rollout_id, state["epoch"])

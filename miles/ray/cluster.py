@@ -14,10 +14,10 @@ import ray._private.services as ray_services
 import ray._private.utils as ray_utils
 
 from miles.algorithms import algorithm_of
+from miles.arguments.fsdp import resolve_cluster_device, trainer_world_size
 from miles.ray.reward_workers import REWARD_WORKER_CPUS
 from miles.utils.console import ray_init_kwargs
 from miles.utils.distributed import engine_cpus, uses_gpu
-from miles.utils.fsdp_arguments import resolve_cluster_device, trainer_world_size
 from miles.utils.stop_signals import keeping_signal_handlers
 
 

@@ -54,7 +54,7 @@ class PhaseMemory:
         self._logged = False
 
     def _decide(self, args: argparse.Namespace, placement: dict) -> bool:
-        mode = getattr(args, "colocate_sleep", "off")
+        mode = args.colocate_sleep
         if mode == "off" or self.engines is None or not self.groups:
             return False
         if mode == "auto" and not uses_gpu(args):

@@ -24,13 +24,13 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles.arguments.engine import EngineTimeouts
 from miles.ray.actor_pool import ActorPool, ReusableActor
 from miles.ray.engine_wait import Allowance, EngineWait
 from miles.ray.placement_group import Colocation
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
 from miles.rollout.micro_batches import AUTO, EngineProgress
 from miles.rollout.prompt_cache import PromptCacheConfig
-from miles.utils.engine_arguments import EngineTimeouts
 from miles.utils.failures import EngineError, where
 from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import split_contiguous

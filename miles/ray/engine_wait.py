@@ -13,8 +13,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from miles.arguments.engine import RolloutTimeout
 from miles.rollout.micro_batches import EngineProgress
-from miles.utils.engine_arguments import RolloutTimeout
 from miles.utils.failures import EngineError
 
 logger = logging.getLogger(__name__)

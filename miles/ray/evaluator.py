@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Any
 
+from miles.arguments.hook_paths import load_path_flags
 from miles.data.moving_shapes import BUILTIN_MOVING_SHAPES, moving_shapes_items
 from miles.data.ocr import BUILTIN_OCR, ocr_prompts, unquoted_prompts
 from miles.data.shapes import BUILTIN_SHAPES, ShapeScene, shapes_prompts
@@ -16,7 +17,6 @@ from miles.rollout.data_source import read_prompt_file, wants_source_images
 from miles.rollout.evaluation import evaluate_moving_shapes, evaluate_ocr, evaluate_shapes
 from miles.rollout.media_files import save_media
 from miles.rollout.rollout_hub import DatasetSpec, rollout_spec_of
-from miles.utils.hook_paths import load_path_flags
 from miles.utils.tracking import EVAL_AXIS
 
 logger = logging.getLogger(__name__)

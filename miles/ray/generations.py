@@ -22,7 +22,7 @@ class Generations:
         self.args, self.rollout_manager = args, rollout_manager
         self.ahead: dict[int, Future] = {}  # rollout id -> future of its generation
         self.executor = None
-        if getattr(args, "async_rollout", False):
+        if args.async_rollout:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-rollout")
 
     def _generate(self, rollout_id: int) -> tuple[list, dict, float]:
@@ -52,7 +52,7 @@ def staleness_metrics(
 ) -> dict:
     """--async-rollout: the trainer's weights version (the last one synced: its weights now) against the batch's,
     and the seconds the driver waited for the batch; a batch more than one update behind is an error."""
-    if not getattr(args, "async_rollout", False) or "rollout/weights_version" not in rollout_metrics:
+    if not args.async_rollout or "rollout/weights_version" not in rollout_metrics:
         return {}
     trainer = rollout_manager.weights_version
     staleness = trainer - rollout_metrics["rollout/weights_version"]

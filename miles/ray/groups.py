@@ -12,8 +12,15 @@ from collections.abc import Callable
 from typing import Any
 
 from miles.algorithms import algorithm_of
+from miles.arguments.evaluation import eval_enabled
 from miles.ray.actor_pool import ActorPool, current_pool
-from miles.ray.checkpoint_folders import check_roles_agree, load_folders, save_folders, write_latest_pointers
+from miles.ray.checkpoint_folders import (
+    check_data_source_resume,
+    check_roles_agree,
+    load_folders,
+    save_folders,
+    write_latest_pointers,
+)
 from miles.ray.colocation import PhaseMemory
 from miles.ray.placement_group import (
     Colocation,
@@ -22,9 +29,7 @@ from miles.ray.placement_group import (
     create_colocation,
     write_placement,
 )
-from miles.startup import check_data_source_resume
 from miles.utils.distributed import engine_cpus, uses_gpu
-from miles.utils.eval_arguments import eval_enabled
 from miles.utils.failures import run_cleanup
 from miles.utils.threads import phase_thread_counts
 

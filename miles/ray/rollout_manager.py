@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from miles.algorithms import algorithm_of
+from miles.arguments.engine import engine_timeouts
+from miles.arguments.hook_paths import load_path_flags
 from miles.backends.fsdp_utils.fsdp import parse_dtype
 from miles.models.base import family_options, get_train_pipeline_config
 from miles.ray.actor_pool import ActorPool
@@ -31,8 +33,6 @@ from miles.rollout.rm_hub.media import attach_media
 from miles.rollout.rollout_hub import DatasetSpec, rollout_spec_of
 from miles.utils.box import Box
 from miles.utils.distributed import engine_cpus, uses_gpu
-from miles.utils.engine_arguments import engine_timeouts
-from miles.utils.hook_paths import load_path_flags
 from miles.utils.types import Sample, TrainPairs
 
 logger = logging.getLogger(__name__)

@@ -18,13 +18,13 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from miles.arguments.fsdp import trainer_world_size
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
 from miles.ray.actor_pool import ActorPool, ReusableActor
 from miles.ray.placement_group import Colocation, create_placement_group
 from miles.utils.box import Box
 from miles.utils.distributed import uses_gpu
 from miles.utils.failures import gather
-from miles.utils.fsdp_arguments import trainer_world_size
 from miles.utils.stop_signals import defer_first_sigterm
 
 logger = logging.getLogger(__name__)

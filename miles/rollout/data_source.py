@@ -131,7 +131,7 @@ def wants_source_images(args: argparse.Namespace) -> bool:
 def source_image_range(args: argparse.Namespace) -> tuple[int, int]:
     """The family's (fewest, most) source images per prompt; (0, 0) before the start-up checks set it (a
     Namespace built by hand: text only)."""
-    return tuple(getattr(args, "source_image_range", (0, 0)))
+    return tuple(args.source_image_range)
 
 
 def check_source_image_counts(records: list[dict[str, Any]], args: argparse.Namespace, flag: str, data: str) -> None:
@@ -167,7 +167,7 @@ def sft_image_key(args: argparse.Namespace, source_images: bool) -> str:
 def check_distinct_prompts(records: list[dict[str, Any]], args: argparse.Namespace, source: str) -> None:
     """A rollout's prompt groups must be distinct prompts unless `--allow-repeated-prompts`: otherwise a short file
     would silently train on the same prompt several times in every rollout."""
-    if args.allow_repeated_prompts or getattr(args, "data_source_path", None):  # the user's own stream
+    if args.allow_repeated_prompts or args.data_source_path:  # the user's own stream
         return
 
     # the same caption with another image (SFT's target, an edit's source) is another item; in-memory images are

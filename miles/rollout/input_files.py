@@ -9,6 +9,8 @@ import logging
 import os
 
 from miles.algorithms import algorithm_of
+from miles.arguments.evaluation import eval_enabled
+from miles.arguments.reward_spec import reward_spec_from_args, runs_rewards
 from miles.data.moving_shapes import BUILTIN_MOVING_SHAPES
 from miles.data.ocr import BUILTIN_OCR, unquoted_prompts
 from miles.data.shapes_edit import BUILTIN_SHAPES_EDIT
@@ -24,9 +26,7 @@ from miles.rollout.data_source import (
     sft_image_key,
     wants_source_images,
 )
-from miles.utils.eval_arguments import eval_enabled
 from miles.utils.jsonl import read_jsonl_objects
-from miles.utils.reward_spec import reward_spec_from_args, runs_rewards
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def check_model_index(folder: str | None, flag: str) -> None:
 def check_input_files(args: argparse.Namespace) -> None:
     """Every file the run reads at start-up, before any actor starts (the driver checks while Ray starts)."""
     algorithm = algorithm_of(args)
-    folders = {"--hf-checkpoint": args.hf_checkpoint, "--teacher-load": getattr(args, "teacher_load", None)}
+    folders = {"--hf-checkpoint": args.hf_checkpoint, "--teacher-load": args.teacher_load}
     for role in algorithm.roles:  # each role's initial weights and every frozen network loaded from a checkpoint
         folders[role.flag("checkpoint")] = getattr(args, role.dest("checkpoint"), None)
         for network in role.frozen_networks:
@@ -93,8 +93,8 @@ def check_input_files(args: argparse.Namespace) -> None:
         check_record_fields(args, args.prompt_data, "--prompt-data", image_key)
         records = load_records(args, with_images=with_images, resolution=None)  # source images decoded: checked
     check_ocr_prompts(args, records)
-    eval_data = getattr(args, "eval_prompt_data", BUILTIN_SHAPES)
-    if eval_enabled(args) and not getattr(args, "eval_function_path", None):
+    eval_data = args.eval_prompt_data
+    if eval_enabled(args) and not args.eval_function_path:
         eval_records = []
         if not eval_data.startswith("builtin:"):
             check_record_fields(args, eval_data, "--eval-prompt-data", None)
@@ -106,7 +106,7 @@ def check_input_files(args: argparse.Namespace) -> None:
 def check_ocr_prompts(args: argparse.Namespace, records: list[dict] | None) -> None:
     """With the ocr reward every training prompt needs its target text in double quotes (flow_grpo's format); the
     shapes worlds (`records` None) have none."""
-    if not runs_rewards(args, algorithm_of(args).scores_rewards) or getattr(args, "data_source_path", None):
+    if not runs_rewards(args, algorithm_of(args).scores_rewards) or args.data_source_path:
         return
     if "ocr" not in dict(reward_spec_from_args(args)):
         return

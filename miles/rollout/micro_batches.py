@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from miles.utils.engine_arguments import AUTO
+from miles.arguments.engine import AUTO
 
 # auto on CUDA: at most this many latent positions (a sample's latent elements over its channels, times the forward's
 # rows, CFG's included) in one transformer forward; 2^18 is 16 SD3 / FLUX images at 1024 px, or two 81-frame Wan

@@ -31,10 +31,10 @@ def select_trained_steps(args: Any, rollout_id: int) -> list[int]:
     num_steps = int(args.diffusion_num_steps)
     if num_steps < 1:
         raise ValueError(f"--diffusion-num-steps must be >= 1, got {num_steps}")
-    path = getattr(args, "diffusion_step_strategy_path", None)
-    num_sde_steps = getattr(args, "diffusion_num_sde_steps", None)
-    window_range = getattr(args, "diffusion_sde_window_range", None)
-    if getattr(args, "mixgrpo_window_size", None):
+    path = args.diffusion_step_strategy_path
+    num_sde_steps = args.diffusion_num_sde_steps
+    window_range = args.diffusion_sde_window_range
+    if args.mixgrpo_window_size:
         if path or window_range is not None:
             raise ValueError(
                 "--mixgrpo-window-size chooses the trained steps itself; do not combine it with "
@@ -55,9 +55,7 @@ def select_trained_steps(args: Any, rollout_id: int) -> list[int]:
             )
         return all_but_last(num_steps)
     start, end = parse_window_range(window_range, num_steps)
-    return window_steps(
-        num_steps, int(num_sde_steps), start, end, seed=int(getattr(args, "rollout_seed", 0)), rollout_id=rollout_id
-    )
+    return window_steps(num_steps, int(num_sde_steps), start, end, seed=int(args.rollout_seed), rollout_id=rollout_id)
 
 
 def all_but_last(num_steps: int) -> list[int]:
@@ -112,7 +110,7 @@ def mixgrpo_steps(args: Any, rollout_id: int, num_steps: int) -> list[int]:
         mode=args.mixgrpo_mode,
         shift_interval=int(interval),
         stride=int(args.mixgrpo_stride),
-        seed=int(getattr(args, "rollout_seed", 0)),
+        seed=int(args.rollout_seed),
     )
     return list(range(start, start + int(args.mixgrpo_window_size)))
 
@@ -139,7 +137,7 @@ def mixgrpo_window_start(
 
 def flash_ratio(args: Any) -> float | None:
     """--mixgrpo-flash-ratio when MixGRPO-Flash is on (the engine then runs DPM-Solver++ after the window), else None."""
-    if getattr(args, "mixgrpo_window_size", None) and getattr(args, "mixgrpo_flash", False):
+    if args.mixgrpo_window_size and args.mixgrpo_flash:
         return float(args.mixgrpo_flash_ratio)
     return None
 

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from miles.arguments.reward_spec import reward_spec_from_args
 from miles.data.source_images import load_source_images
 from miles.rollout.advantages import compute_grpo_advantages, per_reward_group_advantages
 from miles.utils.box import Box, put_box
-from miles.utils.reward_spec import reward_spec_from_args
 from miles.utils.seeding import stream_rng, stream_seed
 from miles.utils.types import Sample, TrainPairs, shard_pairs
 

@@ -7,10 +7,8 @@ import argparse
 import logging
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
-
-from miles.algorithms import get_algorithm
 
 # transformers >= 5 warns once per process that its CLIP / SigLIP image processors fall back to PIL without
 # torchvision; diffusers' SD3 pipeline imports them, miles never uses them, so the warning only says "install a
@@ -99,8 +97,9 @@ class ProgressLine:
     are 0 by construction with one optimizer step per rollout, and a constant says nothing.
     """
 
-    def __init__(self, loss_type: str) -> None:
-        self.keys = get_algorithm(loss_type).progress_keys
+    def __init__(self, progress_keys: Sequence[tuple[str, str, str]]) -> None:
+        """`progress_keys`: the loss type's declaration's (label, record key, format spec) triples."""
+        self.keys = tuple(progress_keys)
         self.latest: dict[str, float] = {}
         self.moved: set[str] = set()
 
@@ -140,8 +139,8 @@ def summary_line(
     parts.append(f"outputs in {args.output_dir}/ (metrics.jsonl, train.log, images/)")
     if plot_path:
         parts.append(f"plot {plot_path}")
-    if getattr(args, "save", None):
+    if args.save:
         parts.append(f"checkpoints in {args.save}")
-    if getattr(args, "save_hf", None):
+    if args.save_hf:
         parts.append(f"pipeline in {args.save_hf}")
     return "; ".join(parts)

@@ -9,8 +9,8 @@ import pytest
 import ray
 
 import train_diffusion
+from miles.arguments.parser import parse_args
 from miles.ray.actor_pool import current_pool
-from miles.utils.arguments import parse_args
 
 pytestmark = pytest.mark.e2e
 

@@ -9,9 +9,9 @@ import ray
 import torch
 
 import train_diffusion
+from miles.arguments.parser import parse_args
 from miles.models.base import get_train_pipeline_config
 from miles.ray.train_group import RayTrainGroup
-from miles.utils.arguments import parse_args
 from miles.utils.box import Box
 from miles.utils.tracking import read_metrics
 

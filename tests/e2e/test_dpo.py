@@ -9,8 +9,8 @@ import os
 import pytest
 
 import train_diffusion
+from miles.arguments.parser import parse_args
 from miles.data.shapes import write_shapes_jsonl
-from miles.utils.arguments import parse_args
 from miles.utils.tracking import read_metrics
 
 pytestmark = pytest.mark.e2e

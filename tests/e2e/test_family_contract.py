@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 
 import train_diffusion
+from miles.arguments.parser import parse_args
 from miles.data.shapes import write_shapes_jsonl
 from miles.data.shapes_edit import shapes_edit_item, write_shapes_edit_jsonl
-from miles.utils.arguments import parse_args
 from miles.utils.tracking import read_metrics
 from tests.conftest import FAMILY_CASES
 

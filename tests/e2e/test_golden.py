@@ -145,7 +145,7 @@ def series(metrics_path: str) -> list[dict]:
 
 def run_series(loss_type: str, out: str, *extra: str) -> list[dict]:
     import train_diffusion
-    from miles.utils.arguments import parse_args
+    from miles.arguments.parser import parse_args
 
     train_diffusion.run(parse_args([*COMMON, *RUNS[loss_type], "--output-dir", out, *extra]))
     return series(os.path.join(out, "metrics.jsonl"))

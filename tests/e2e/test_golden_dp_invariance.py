@@ -66,7 +66,7 @@ def run_at(dp: int, loss_type: str, out: str) -> list[dict]:
 
 def run_flags(dp: int, flags: list[str], out: str) -> list[dict]:
     import train_diffusion
-    from miles.utils.arguments import parse_args
+    from miles.arguments.parser import parse_args
 
     argv = [*flags, "--output-dir", out] + (["--cpus-per-rank", CPUS[dp]] if dp in CPUS else [])
     argv[argv.index("--dp-size") + 1] = str(dp)

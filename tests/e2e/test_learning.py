@@ -106,7 +106,7 @@ if __name__ == "__main__":  # run as a script (`measure`): the driver module liv
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import train_diffusion  # noqa: E402
-from miles.utils.arguments import parse_args  # noqa: E402
+from miles.arguments.parser import parse_args  # noqa: E402
 from miles.utils.tracking import read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.e2e

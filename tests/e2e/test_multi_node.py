@@ -28,7 +28,7 @@ def run_on_two_nodes(output_dir: str) -> None:
     from ray.cluster_utils import Cluster
 
     import train_diffusion
-    from miles.utils.arguments import parse_args
+    from miles.arguments.parser import parse_args
 
     temp_dir = tempfile.mkdtemp(prefix="r2n", dir="/tmp")  # short: Ray's socket paths live under it
     # Cluster.add_node writes the head's address to <default temp dir>/ray/ray_current_cluster without creating the

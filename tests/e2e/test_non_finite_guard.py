@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import train_diffusion
+from miles.arguments.parser import parse_args
 from miles.backends.fsdp_utils.checkpoint import read_latest
-from miles.utils.arguments import parse_args
 from miles.utils.tracking import read_metrics
 
 pytestmark = pytest.mark.e2e

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 import train_diffusion
+from miles.arguments.parser import parse_args
 from miles.backends.fsdp_utils.checkpoint import META_FILE, checkpoint_dir, read_latest
-from miles.utils.arguments import parse_args
 from miles.utils.stop_signals import EXIT_PREEMPTED
 from miles.utils.tracking import read_metrics, scalar_points
 from tests.e2e.test_golden import COMMON, RUNS, series

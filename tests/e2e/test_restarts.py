@@ -22,11 +22,11 @@ import pytest
 import ray
 
 import train_diffusion
+from miles.arguments.parser import parse_args
 from miles.backends.fsdp_utils.checkpoint import read_latest
 from miles.ray.engine_group import RolloutEngineGroup
 from miles.ray.reward_workers import RewardWorkerPool
 from miles.ray.train_group import RayTrainGroup
-from miles.utils.arguments import parse_args
 from miles.utils.tracking import RESTART_KEY, current_records, read_metrics
 from tests.e2e.test_golden import COMMON, FIXTURE, RUNS, UNRECORDED, differences, machine
 

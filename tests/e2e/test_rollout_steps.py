@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train_diffusion
-from miles.utils.arguments import parse_args
+from miles.arguments.parser import parse_args
 from miles.utils.misc import HookLoadError
 from miles.utils.tracking import read_metrics
 

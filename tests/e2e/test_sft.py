@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import train_diffusion
+from miles.arguments.parser import parse_args
 from miles.backends.fsdp_utils.checkpoint import read_extra
 from miles.data.shapes import write_shapes_jsonl
-from miles.utils.arguments import parse_args
 from miles.utils.tracking import read_metrics
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 import train_diffusion
-from miles.utils.arguments import parse_args
+from miles.arguments.parser import parse_args
 from miles.utils.tracking import EVAL_AXIS, read_metrics, scalar_points
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "fast", "utils"))

@@ -21,7 +21,7 @@ import os
 import pytest
 
 import train_diffusion
-from miles.utils.arguments import parse_args
+from miles.arguments.parser import parse_args
 from miles.utils.tracking import read_metrics
 
 pytestmark = pytest.mark.e2e

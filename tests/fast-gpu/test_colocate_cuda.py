@@ -76,7 +76,7 @@ def test_an_engine_on_cuda_sleeps_to_almost_nothing_and_samples_the_same_after_a
 
 def test_one_gpu_shared_by_an_engine_and_a_rank_takes_turns_and_trains(ray_cluster, tiny_pipeline_dir, tmp_path):
     import train_diffusion
-    from miles.utils.arguments import parse_args
+    from miles.arguments.parser import parse_args
     from miles.utils.tracking import read_metrics
 
     if ray_cluster.cluster_resources().get("GPU", 0) < 1:

@@ -11,7 +11,7 @@ BRIGHTNESS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "e2e", "re
 
 def first_window(pipeline_dir, out, *extra):
     import train_diffusion
-    from miles.utils.arguments import parse_args
+    from miles.arguments.parser import parse_args
     from miles.utils.tracking import read_metrics
 
     args = [

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from miles.utils.arguments import parse_args
+from miles.arguments.parser import parse_args
 from miles.utils.box import put_box
 
 pytestmark = pytest.mark.gpu

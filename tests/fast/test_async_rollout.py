@@ -9,10 +9,10 @@ import time
 import pytest
 
 import train_diffusion
+from miles.arguments.parser import parse_args
 from miles.ray.generations import staleness_metrics
 from miles.ray.groups import RunGroups
 from miles.rollout.rollout_hub import ROLLOUT_SPECS, check_async_rollout
-from miles.utils.arguments import parse_args
 
 TIMEOUT = 30
 
@@ -39,7 +39,7 @@ def test_loss_types_that_say_what_they_do_with_a_stale_batch_accept_it(flags):
 
 def test_the_help_names_every_built_in_loss_type_whose_rollout_side_takes_a_stale_batch_and_no_other():
     from miles.algorithms import BUILTIN_ALGORITHMS
-    from miles.utils.arguments import build_parser
+    from miles.arguments.parser import build_parser
 
     (action,) = [a for a in build_parser()._actions if "--async-rollout" in a.option_strings]
     named = set(re.findall(r"[a-z][a-z0-9_]+", action.help.split("Accepted by ")[1].split(" (")[0]))

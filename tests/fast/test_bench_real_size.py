@@ -5,8 +5,8 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
+from miles.arguments.parser import parse_args
 from miles.models.wan.wan import WanPipelineConfig
-from miles.utils.arguments import parse_args
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,9 @@ import os
 
 import pytest
 
+from miles.arguments.parser import parse_args
 from miles.ray.cluster import actor_shares, check_gpus_fit, local_ray_cpus
 from miles.ray.groups import roles_to_start
-from miles.utils.arguments import parse_args
 
 
 def test_a_local_cluster_has_room_for_every_actor_share():

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles.utils.arguments import parse_args
+from miles.arguments.parser import parse_args
 from miles.utils.misc import load_module
 
 EXAMPLE = str(Path(__file__).parents[2] / "examples" / "advantage_weighted_fm.py")

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from miles.arguments import reward_spec
+from miles.arguments.parser import parse_args
 from miles.rollout.input_files import InputFileError
 from miles.startup import startup_checks
-from miles.utils import reward_spec
-from miles.utils.arguments import parse_args
 
 
 def checked(*flags: str) -> None:

@@ -59,13 +59,12 @@ class EmaConfig:
 
 
 def ema_config_from_args(args: argparse.Namespace) -> EmaConfig:
-    """`--use-ema`, `--ema-decay`, `--ema-warmup`, `--ema-update-interval` (absent flags take the defaults)."""
-    warmup = getattr(args, "ema_warmup", None)
+    """`--use-ema`, `--ema-decay`, `--ema-warmup`, `--ema-update-interval`."""
     return EmaConfig(
-        enabled=bool(getattr(args, "use_ema", False)),
-        decay=float(getattr(args, "ema_decay", 0.995)),
-        warmup="none" if warmup is None else str(warmup),
-        update_interval=int(getattr(args, "ema_update_interval", 1)),
+        enabled=bool(args.use_ema),
+        decay=float(args.ema_decay),
+        warmup=str(args.ema_warmup),
+        update_interval=int(args.ema_update_interval),
     )
 
 

@@ -48,14 +48,14 @@ def default_lora_targets(family_name: str) -> list[str]:
 
 def lora_config_from_args(args: argparse.Namespace, family_name: str) -> dict[str, Any]:
     """`LoraConfig` keyword arguments from `--lora-rank`, `--lora-alpha`, `--lora-target-modules` (default: the
-    family's `default_lora_targets`), `--lora-init-weights` and `--lora-dropout` (absent flags take their
-    defaults). Plain JSON-able values."""
-    rank = int(getattr(args, "lora_rank", 8) or 8)
+    family's `default_lora_targets`) and `--lora-init-weights`, without dropout (no flag sets it). Plain JSON-able
+    values."""
+    rank = int(args.lora_rank)
     if rank <= 0:
         raise ValueError(f"--lora-rank must be positive, got {rank}")
-    alpha = getattr(args, "lora_alpha", None)
+    alpha = args.lora_alpha
     alpha = float(rank) if alpha is None else float(alpha)
-    targets = getattr(args, "lora_target_modules", None)
+    targets = args.lora_target_modules
     if targets is None:
         targets = default_lora_targets(family_name)
     elif isinstance(targets, str):
@@ -64,7 +64,7 @@ def lora_config_from_args(args: argparse.Namespace, family_name: str) -> dict[st
         targets = [str(t) for t in targets]
     if not targets:
         raise ValueError("--lora-target-modules is empty; give module names like to_q,to_k,to_v")
-    init = getattr(args, "lora_init_weights", "true")
+    init = args.lora_init_weights
     key = str(init).lower()
     if key not in LORA_INIT_WEIGHTS:
         raise ValueError(
@@ -77,7 +77,7 @@ def lora_config_from_args(args: argparse.Namespace, family_name: str) -> dict[st
         "lora_alpha": alpha,
         "target_modules": targets,
         "init_lora_weights": LORA_INIT_WEIGHTS[key],
-        "lora_dropout": float(getattr(args, "lora_dropout", 0.0) or 0.0),
+        "lora_dropout": 0.0,
     }
 
 

@@ -35,7 +35,7 @@ PAD_TO_LEN: int | None = None
 def prefetch_enabled(args: argparse.Namespace, device: torch.device) -> bool:
     """`auto`: on CUDA only, where the copies overlap the kernels; on CPU the prepare is a few slices that the
     forward's own threads would compete with."""
-    mode = getattr(args, "prefetch_microbatches", "auto")
+    mode = args.prefetch_microbatches
     return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 

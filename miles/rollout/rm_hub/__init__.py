@@ -13,6 +13,14 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from miles.arguments.reward_spec import (  # noqa: F401  (re-exported)
+    CUSTOM,
+    VIDEO_REWARDS,
+    parse_reward_spec,
+    remote_url,
+    reward_spec_from_args,
+    valid_reward_names,
+)
 from miles.rollout.rm_hub.clip import clip_score, pickscore
 from miles.rollout.rm_hub.edit import edit_preservation
 from miles.rollout.rm_hub.jpeg import jpeg_compressibility, jpeg_incompressibility, sample_pil_image
@@ -24,14 +32,6 @@ from miles.rollout.rm_hub.shapes import ShapeScore, shapes_reward
 from miles.rollout.rm_hub.video import motion_direction, temporal_consistency
 from miles.rollout.rm_hub.vlm_judge import unparsable_metrics, vlm_judge
 from miles.utils.misc import load_function
-from miles.utils.reward_spec import (  # noqa: F401  (re-exported)
-    CUSTOM,
-    VIDEO_REWARDS,
-    parse_reward_spec,
-    remote_url,
-    reward_spec_from_args,
-    valid_reward_names,
-)
 from miles.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ async def compute_rewards(
     args: argparse.Namespace, samples: list[Sample], spec: list[tuple[str, float]]
 ) -> tuple[list[float], dict[str, list[float]]]:
     """Every reward of `spec` on the batch: (weighted totals per sample, raw values per reward name)."""
-    custom_path = getattr(args, "custom_rm_path", None)
+    custom_path = args.custom_rm_path
     functions = [get_reward_function(name, custom_path, args) for name, _ in spec]
     if not samples:
         return [], {name: [] for name, _ in spec}

@@ -90,12 +90,12 @@ def image_text_cosine(model: Any, processor: Any, samples: list[Sample]) -> torc
 
 async def clip_score(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
     """cos(image embedding, prompt embedding) in [-1, 1], unscaled (CLIPScore's 100 * max(cos, 0) is a rescale)."""
-    model, processor = load_clip(getattr(args, "clip_model_path", None), "--clip-model-path")
+    model, processor = load_clip(args.clip_model_path, "--clip-model-path")
     return image_text_cosine(model, processor, samples).tolist()
 
 
 async def pickscore(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
     """PickScore: exp(logit_scale) * cos(image, prompt), as in the PickScore reference code (~20-23 for real images)."""
-    model, processor = load_clip(getattr(args, "pickscore_model_path", None), "--pickscore-model-path")
+    model, processor = load_clip(args.pickscore_model_path, "--pickscore-model-path")
     scale = model.logit_scale.exp().float().cpu()
     return (scale * image_text_cosine(model, processor, samples)).tolist()

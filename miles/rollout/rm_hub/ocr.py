@@ -105,7 +105,7 @@ def ocr_scores(engine: Any, images: list[np.ndarray], prompts: list[str]) -> lis
 async def ocr_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
     """The OCR reward of each sample's image against its prompt's quoted text; each `OcrScore` is also stored in
     `sample.extra["ocr"]` (the rollout logs `rollout/ocr_correct_mean`)."""
-    engine = load_ocr_engine(getattr(args, "ocr_num_threads", 1))
+    engine = load_ocr_engine(args.ocr_num_threads)
     images = [np.asarray(sample_pil_image(s).convert("RGB")) for s in samples]
     scores = ocr_scores(engine, images, [s.prompt for s in samples])
     for sample, score in zip(samples, scores):

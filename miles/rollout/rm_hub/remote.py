@@ -127,7 +127,7 @@ def decode_sample(record: Any, position: int) -> Sample:
 # ---- HTTP with retries -----------------------------------------------------------------------------------------
 def bearer_headers(args: argparse.Namespace) -> dict[str, str]:
     """`Authorization: Bearer <token>` from the environment variable --rm-token-env names (none when unset)."""
-    name = getattr(args, "rm_token_env", None)
+    name = args.rm_token_env
     if not name:
         return {}
     token = os.environ.get(name)

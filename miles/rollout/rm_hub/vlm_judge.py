@@ -147,8 +147,8 @@ def unparsable_problem(args: argparse.Namespace, samples: list[Sample]) -> str |
     bad = [s for s in judged if s.extra[VLM_JUDGE_EXTRA_KEY]["unparsable"]]
     if not bad:
         return None
-    limit = float(getattr(args, "vlm_judge_max_unparsable_frac", 1.0))
-    url, model = (getattr(args, "rm_url", None) or ["?"])[0], getattr(args, "rm_model", None)
+    limit = float(args.vlm_judge_max_unparsable_frac)
+    url, model = (args.rm_url or ["?"])[0], args.rm_model
     judge = f"the VLM judge {model} at {url}" if model else f"the VLM judge at {url}"
     first = bad[0].extra[VLM_JUDGE_EXTRA_KEY]["answer"]
     counted = f"{len(bad)} of {len(judged)} answers of {judge} had no score in [0, {args.vlm_judge_max_score:g}]"

@@ -113,7 +113,7 @@ def rollout_spec_of(args: argparse.Namespace) -> RolloutSpec | DatasetSpec:
 
 def check_async_rollout(args: argparse.Namespace) -> None:
     """--async-rollout trains each batch one update after its weights: refuse it where that would be wrong."""
-    if not getattr(args, "async_rollout", False):
+    if not args.async_rollout:
         return
     if args.debug_rollout_only:
         raise ValueError(

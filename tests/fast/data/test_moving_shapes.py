@@ -145,8 +145,8 @@ def test_partial_credit_a_still_clip_and_a_blank_clip():
 
 def test_a_run_on_the_world_evaluates_on_its_eval_split_with_its_reward():
     from miles.algorithms import algorithm_of
-    from miles.utils.arguments import parse_args
-    from miles.utils.reward_spec import reward_spec_from_args
+    from miles.arguments.parser import parse_args
+    from miles.arguments.reward_spec import reward_spec_from_args
 
     model = ["--hf-checkpoint", "builtin:tiny-moving-shapes", "--prompt-data", "builtin:moving-shapes"]
     args = parse_args([*model, "--loss-type", "nft"])

@@ -8,7 +8,6 @@ Whole training runs of the same cases are in `tests/e2e/test_family_contract.py`
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import diffusers
@@ -17,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+from miles.arguments.parser import default_args
 from miles.backends.fsdp_utils.lora import apply_lora, lora_config_from_args, lora_state_dict, save_lora_adapter
 from miles.models import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
@@ -185,7 +185,7 @@ ONE_CASE_PER_FAMILY = [
 def test_default_lora_adapter_loads_through_the_pipelines_load_lora_weights(request, case, tmp_path):
     path = request.getfixturevalue(case.fixture)
     family = get_train_pipeline_config(path, **case.family_options)
-    config = lora_config_from_args(argparse.Namespace(lora_rank=4, lora_alpha=8), family.name)
+    config = lora_config_from_args(default_args(lora_rank=4, lora_alpha=8), family.name)
     assert config["target_modules"] == list(family.default_lora_targets)  # no --lora-target-modules: the defaults
     model = apply_lora(family.load_transformer(), config)
     gen = torch.Generator().manual_seed(0)

@@ -18,10 +18,10 @@ import torch
 from PIL import Image
 from transformers.utils import is_torchvision_available
 
+from miles.arguments.parser import parse_args
 from miles.models import get_train_pipeline_config
 from miles.rollout.data_source import PromptDataError, read_prompt_file
 from miles.startup import startup_checks
-from miles.utils.arguments import parse_args
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
+from miles.arguments.parser import parse_args
 from miles.models import get_train_pipeline_config
 from miles.models.flux.tiny import save_tiny_flux_pipeline
 from miles.startup import startup_checks
-from miles.utils.arguments import parse_args
 from tests.conftest import FAMILY_CASES
 from tests.fast.models.test_family_contract import PROMPTS, TOLERANCE, run_pipeline, source_images
 

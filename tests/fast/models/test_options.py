@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
+from miles.arguments.parser import build_parser, parse_args
+from miles.arguments.rules import flag_ranges
 from miles.models import all_family_classes
 from miles.models.options import FAMILY_OPTIONS, FamilyOption, add_family_arguments, family_options
-from miles.utils.arg_rules import flag_ranges
-from miles.utils.arguments import build_parser, parse_args
 from miles.utils.ranges import AT_LEAST_1, FLAG_RANGES
 
 BASE = ["--hf-checkpoint", "/tmp/x", "--prompt-data", "builtin:shapes"]
@@ -79,7 +79,7 @@ def test_families_that_disagree_on_a_shared_flag_are_an_error(monkeypatch):
 def test_parsing_the_flags_imports_no_family():
     code = (
         "import sys\n"
-        "from miles.utils.arguments import parse_args\n"
+        "from miles.arguments.parser import parse_args\n"
         "parse_args(['--hf-checkpoint', 'builtin:tiny-wan', '--num-frames', '5'])\n"
         "print(sorted(m for m in sys.modules if m == 'diffusers' or m.startswith('miles.models.')))"
     )

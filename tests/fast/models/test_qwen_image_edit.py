@@ -17,11 +17,11 @@ from diffusers import QwenImageEditPlusPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from PIL import Image
 
+from miles.arguments.parser import parse_args
 from miles.models import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.rollout.data_source import PromptDataError
 from miles.startup import startup_checks
-from miles.utils.arguments import parse_args
 from tests.conftest import _qwen_edit_reference_area
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from miles.arguments.parser import parse_args
 from miles.models.base import all_family_classes, get_train_pipeline_config
 from miles.startup import check_startup
-from miles.utils.arguments import parse_args
 
 
 def test_wan_ltx2_and_hunyuan_video15_declare_sequence_parallelism():

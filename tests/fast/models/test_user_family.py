@@ -2,8 +2,8 @@
 
 import pytest
 
+from miles.arguments.parser import parse_args
 from miles.models.base import get_train_pipeline_config, load_family_class
-from miles.utils.arguments import parse_args
 
 FAMILY = """
 from miles.models.sd3 import SD3PipelineConfig

@@ -167,9 +167,9 @@ def test_latent_geometry_and_video_media(tiny_wan_dir, tmp_path):
 
 def test_startup_refuses_what_a_wan_run_cannot_do(tiny_wan_dir, tiny_wan_2_experts_dir):
     """The driver's start-up check, before Ray: the family's options and checks, and the image-only shapes eval."""
+    from miles.arguments.parser import parse_args
     from miles.models.builtin import resolve_checkpoint
     from miles.startup import check_startup
-    from miles.utils.arguments import parse_args
 
     def check(path, *flags):
         check_startup(parse_args(["--hf-checkpoint", path, "--num-frames", "5", *flags]))

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from miles.arguments.parser import parse_args
 from miles.models import get_train_pipeline_config
 from miles.startup import check_startup
-from miles.utils.arguments import parse_args
 
 PROMPTS = ["a red circle", "a blue square"]
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from miles.arguments.parser import parse_args
 from miles.models import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
-from miles.utils.arguments import parse_args
 
 PROMPTS = ["two red circles on the left", "a blue square", "a circle"]
 

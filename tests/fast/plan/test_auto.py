@@ -10,11 +10,11 @@ import types
 import pytest
 import torch
 
+from miles.arguments.parser import parse_args
 from miles.plan import auto as auto_module
 from miles.plan import startup as startup_module
 from miles.plan.auto import largest, micro_batch_candidates, resolve_auto_sizes
 from miles.plan.suggest import with_changes
-from miles.utils.arguments import parse_args
 
 
 def stand_in_report(args: argparse.Namespace, usable: int) -> dict:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from miles.arguments.parser import parse_args
 from miles.models.base import family_options, get_train_pipeline_config
 from miles.plan import simulate as simulate_module
 from miles.plan.command import make_plan, plan_settings, resolve_plan_checkpoint
@@ -16,7 +17,6 @@ from miles.plan.report import build_report
 from miles.plan.run import CollectiveMismatch, check_collectives, simulate
 from miles.plan.simulate import PlannedTrainer, simulate_engine, simulate_trainer_rank, simulation_args
 from miles.plan.startup import PlanDoesNotFit, check_plan
-from miles.utils.arguments import parse_args
 
 SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--eval-interval", "0"]
 

@@ -104,8 +104,8 @@ def test_transformer_size_all_meta(folder: str) -> None:
 def test_plan_of_each_shipped_model_at_8_gpus(folder: str, tmp_path: Path) -> None:
     """`--plan` on the hub id at --dp-size 8: the default nft run plans (the engine, every simulated rank, the auto
     sizes), its ranks issue the same collectives, and the verdict is stated with what it rests on."""
+    from miles.arguments.parser import parse_args
     from miles.plan.command import plan_command
-    from miles.utils.arguments import parse_args
 
     hub_id = folder.replace("--", "/", 1)
     args = parse_args(["--plan", "--hf-checkpoint", hub_id, "--dp-size", "8", "--output-dir", str(tmp_path)])

@@ -11,10 +11,10 @@ from pathlib import Path
 import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from miles.arguments.parser import parse_args  # noqa: E402
 from miles.ray.engine_group import engine_options  # noqa: E402
 from miles.ray.groups import colocation_for, roles_to_start  # noqa: E402
 from miles.ray.train_group import rank_options  # noqa: E402
-from miles.utils.arguments import parse_args  # noqa: E402
 
 
 class StandIn:

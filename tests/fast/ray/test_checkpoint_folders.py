@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from miles.arguments.parser import parse_args
 from miles.backends.fsdp_utils.checkpoint import LATEST_FILE, read_latest
 from miles.ray.checkpoint_folders import (
     ResumeMismatchError,
@@ -20,7 +21,6 @@ from miles.ray.checkpoint_folders import (
     write_latest_pointers,
 )
 from miles.startup import startup_checks
-from miles.utils.arguments import parse_args
 from miles.utils.locks import FolderLockedError
 
 

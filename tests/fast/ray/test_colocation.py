@@ -10,9 +10,9 @@ import time
 import pytest
 
 import train_diffusion
+from miles.arguments.parser import parse_args
 from miles.ray.colocation import PhaseMemory, shared_gpus
 from miles.ray.groups import RunGroups
-from miles.utils.arguments import parse_args
 
 
 def args_for(*flags):

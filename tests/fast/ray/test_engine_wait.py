@@ -14,11 +14,11 @@ import pytest
 import ray
 import torch
 
+from miles.arguments.engine import EngineTimeouts, RolloutTimeout
 from miles.models.conditioning import Conditioning
 from miles.ray.engine_group import EngineActor, RolloutEngineGroup
 from miles.rollout.engine import GenerateRequest, GenerateResult
 from miles.rollout.micro_batches import EngineProgress
-from miles.utils.engine_arguments import EngineTimeouts, RolloutTimeout
 from miles.utils.failures import EngineError
 
 # one step of 2 samples may take max(0.05 x 2, 1.0) = 1 s between two reports

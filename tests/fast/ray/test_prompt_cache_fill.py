@@ -7,11 +7,11 @@ import argparse
 
 import ray
 
+from miles.arguments.engine import EngineTimeouts
 from miles.ray.engine_group import RolloutEngineGroup
 from miles.ray.rollout_manager import RolloutManager
 from miles.rollout.data_source import PromptDataSource
 from miles.rollout.prompt_cache import PromptCacheConfig
-from miles.utils.engine_arguments import EngineTimeouts
 
 TIMEOUT = 60
 

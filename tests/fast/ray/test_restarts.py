@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 import train_diffusion
+from miles.arguments.parser import parse_args
 from miles.backends.fsdp_utils.checkpoint import LATEST_FILE
 from miles.ray import restarts as restarts_module
 from miles.ray.restarts import Restarts, describe, needed_resources, resume_args, resume_hint, wait_for_resources
-from miles.utils.arguments import parse_args
 from miles.utils.failures import ActorDied, EngineError
 from miles.utils.tracking import RESTART_KEY, current_records
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from miles.arguments.parser import parse_args
 from miles.ray.evaluator import Evaluator
 from miles.ray.rollout_manager import RolloutManager
 from miles.rollout import steps
 from miles.rollout.data_source import PromptDataSource
 from miles.rollout.requests import ode_eval
 from miles.rollout.rollout_hub import ROLLOUT_SPECS, DatasetSpec, generator_eval
-from miles.utils.arguments import parse_args
 from miles.utils.types import shard_pairs
 
 BASE = ["--prompt-data", "builtin:shapes", "--log-level", "WARNING"]

@@ -7,11 +7,11 @@ from types import MappingProxyType
 import pytest
 import torch
 
+from miles.arguments.parser import parse_args
 from miles.backends.fsdp_utils.loss_hub import sft
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext
 from miles.models.base import get_train_pipeline_config
 from miles.ray.actor_pool import current_pool
-from miles.utils.arguments import parse_args
 from miles.utils.box import put_box
 from miles.utils.types import shard_pairs, slice_pairs
 

@@ -1,8 +1,8 @@
 import json
-from argparse import Namespace
 
 import pytest
 
+from miles.arguments.parser import default_args
 from miles.rollout.data_source import (
     PromptDataError,
     PromptDataSource,
@@ -84,9 +84,9 @@ def test_undecodable_bytes_name_file_line_and_byte(tmp_path):
 def test_fewer_distinct_prompts_than_a_rollout_needs_is_refused_unless_allowed(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "a"}])
     records = read_jsonl_records(path, input_key="prompt", metadata_key="metadata")
-    args = Namespace(rollout_batch_size=3, allow_repeated_prompts=False)
+    args = default_args(rollout_batch_size=3, allow_repeated_prompts=False)
     with pytest.raises(PromptDataError, match=r"2 distinct prompt\(s\), fewer than --rollout-batch-size 3.*"
                        r"--allow-repeated-prompts"):  # fmt: skip
         check_distinct_prompts(records, args, path)
-    check_distinct_prompts(records, Namespace(rollout_batch_size=2, allow_repeated_prompts=False), path)
-    check_distinct_prompts(records, Namespace(rollout_batch_size=4, allow_repeated_prompts=True), path)
+    check_distinct_prompts(records, default_args(rollout_batch_size=2, allow_repeated_prompts=False), path)
+    check_distinct_prompts(records, default_args(rollout_batch_size=4, allow_repeated_prompts=True), path)

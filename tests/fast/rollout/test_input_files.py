@@ -9,9 +9,9 @@ import pytest
 from PIL import Image
 
 import train_diffusion
+from miles.arguments.parser import parse_args
 from miles.rollout.data_source import PromptDataError
 from miles.rollout.input_files import InputFileError, check_input_files, check_model_index
-from miles.utils.arguments import parse_args
 
 
 @pytest.fixture

@@ -1,9 +1,8 @@
 """Step strategies: all-but-last default, seeded windows, custom hooks, and errors that name the flags."""
 
-from types import SimpleNamespace
-
 import pytest
 
+from miles.arguments.parser import default_args
 from miles.rollout.step_strategy_hub import flash_ratio, select_trained_steps
 from miles.utils.misc import HookLoadError, function_registry
 
@@ -17,7 +16,7 @@ def make_args(**overrides):
         rollout_seed=42,
     )
     values.update(overrides)
-    return SimpleNamespace(**values)
+    return default_args(**values)
 
 
 def test_default_trains_every_step_but_the_last():
@@ -26,8 +25,8 @@ def test_default_trains_every_step_but_the_last():
     assert select_trained_steps(make_args(diffusion_num_steps=1), 0) == []
 
 
-def test_default_reads_only_num_steps_when_other_flags_are_absent():
-    assert select_trained_steps(SimpleNamespace(diffusion_num_steps=4), 3) == [0, 1, 2]
+def test_the_flags_defaults_train_every_step_but_the_last():
+    assert select_trained_steps(default_args(diffusion_num_steps=4), 3) == [0, 1, 2]
 
 
 def test_window_is_contiguous_and_inside_the_default_range():

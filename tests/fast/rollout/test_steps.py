@@ -150,7 +150,7 @@ def test_make_samples_continues_indices_seeds_and_groups():
     ],
 )
 def test_the_advantage_divides_by_the_batch_std_where_the_run_says_so(flags, batch_std):
-    from miles.utils.arguments import parse_args
+    from miles.arguments.parser import parse_args
 
     args = parse_args(["--n-samples-per-prompt", "2", "--rollout-batch-size", "2", *flags])
     rewards = torch.tensor([1.0, 0.0, 0.2, 0.6])

@@ -7,6 +7,7 @@ import io
 import logging
 import os
 
+from miles.algorithms import get_algorithm
 from miles.utils.console import (
     WORKER_ENV,
     ProgressLine,
@@ -52,7 +53,7 @@ def test_a_local_cluster_gets_the_worker_env_through_the_driver_and_no_runtime_e
 
 
 def test_progress_shows_what_moves_and_keeps_the_last_eval():
-    line = ProgressLine("policy_loss")
+    line = ProgressLine(get_algorithm("policy_loss").progress_keys)  # the keys its declaration names
     train = {"role": "actor", "train/loss": 0.0, "train/approx_kl": 0.0, "train/clipfrac": 0.0, "train/grad_norm": 0.5}
     first = line.update([train, {"rollout/reward_mean": 0.8, "eval/shapes_accuracy": 0.5}])
     assert first == {"acc": "0.500", "reward": "0.800", "grad": "0.500"}  # zeros since the start are left out

@@ -134,7 +134,7 @@ def test_only_tensors_on_the_swap_device_move():
 
 @pytest.mark.parametrize("flags", [("--async-rollout",), ("--debug-rollout-only",)])
 def test_colocate_sleep_on_is_refused_where_the_phases_do_not_take_turns(flags, capsys):
-    from miles.utils.arguments import parse_args
+    from miles.arguments.parser import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--loss-type", "nft", "--colocate-sleep", "on", *flags])

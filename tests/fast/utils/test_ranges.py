@@ -9,9 +9,9 @@ import math
 import pytest
 
 from miles.algorithms import BUILTIN_ALGORITHMS
-from miles.utils.arg_rules import flag_ranges
-from miles.utils.arguments import build_parser, parse_args
-from miles.utils.plan_arguments import parse_auto_size
+from miles.arguments.parser import build_parser, parse_args
+from miles.arguments.plan import parse_auto_size
+from miles.arguments.rules import flag_ranges
 from miles.utils.ranges import FLAG_RANGES, Range
 
 RANGES = flag_ranges(BUILTIN_ALGORITHMS)

@@ -5,7 +5,6 @@ flow-matching (nft/sft-style) loss and every parameter's gradient. One spawn ser
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 from diffusers import LTX2VideoTransformer3DModel
 
+from miles.arguments.parser import default_args
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2
 from miles.backends.fsdp_utils.lora import apply_lora, lora_config_from_args
 from miles.diffusion.sde import sde_step
@@ -283,7 +283,7 @@ def sequence_parallel_group(world_size: int) -> Any:
 def with_lora(family: Any) -> torch.nn.Module:
     """The transformer with a LoRA adapter whose A and B are both random (seeded), so every adapter weight has a
     gradient (B = 0 at the usual init would leave A's at zero)."""
-    model = apply_lora(family.load_transformer().train(), lora_config_from_args(argparse.Namespace(), family.name))
+    model = apply_lora(family.load_transformer().train(), lora_config_from_args(default_args(), family.name))
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, param in model.named_parameters():

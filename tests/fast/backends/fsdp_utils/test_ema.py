@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 from datetime import timedelta
 
@@ -13,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from miles.arguments.parser import default_args
 from miles.backends.fsdp_utils.ema import EmaConfig, ShadowWeights, ema_config_from_args, ema_decay, swap_bits_
 from miles.backends.fsdp_utils.fsdp import full_state_dict
 from miles.diffusion.shadow import old_policy_decay
@@ -47,12 +47,10 @@ def test_ema_decay_schedules():
 
 
 def test_ema_config_from_args_defaults_and_interval():
-    config = ema_config_from_args(argparse.Namespace())
-    assert config == EmaConfig(enabled=False, decay=0.995, warmup="none", update_interval=1)
+    config = ema_config_from_args(default_args())
+    assert config == EmaConfig(enabled=False, decay=0.995, warmup="power", update_interval=1)
     assert not config.due(1)
-    config = ema_config_from_args(
-        argparse.Namespace(use_ema=True, ema_decay=0.9, ema_warmup="power", ema_update_interval=2)
-    )
+    config = ema_config_from_args(default_args(use_ema=True, ema_decay=0.9, ema_warmup="power", ema_update_interval=2))
     assert [config.due(step) for step in (1, 2, 3, 4)] == [False, True, False, True]
     assert config.decay_at(1) == pytest.approx(1 / 10)  # after the first optimizer step
     assert config.decay_at(3) == pytest.approx(3 / 12)

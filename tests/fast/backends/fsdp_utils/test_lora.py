@@ -3,7 +3,6 @@ adapter folder reproduce the trained outputs, and the adapter-free forward equal
 
 from __future__ import annotations
 
-import argparse
 from datetime import timedelta
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 from peft import LoraConfig
 
+from miles.arguments.parser import default_args
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2, full_state_dict
 from miles.backends.fsdp_utils.lora import (
     LoraBaseNetwork,
@@ -26,7 +26,7 @@ from miles.models.conditioning import Conditioning
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group
 
 STEPS = 2
-CONFIG_ARGS = argparse.Namespace(lora_rank=4, lora_alpha=8, lora_init_weights="true")  # alpha != rank: scale 2
+CONFIG_ARGS = default_args(lora_rank=4, lora_alpha=8, lora_init_weights="true")  # alpha != rank: scale 2
 
 
 def _is_lora(name: str) -> bool:
@@ -124,7 +124,7 @@ def test_default_targets_are_linear_modules_of_the_sd3_transformer(family):
 
 
 def test_lora_config_from_args(family):
-    config = lora_config_from_args(argparse.Namespace(), "sd3")
+    config = lora_config_from_args(default_args(), "sd3")
     assert config == {
         "r": 8,
         "lora_alpha": 8.0,
@@ -133,19 +133,16 @@ def test_lora_config_from_args(family):
         "lora_dropout": 0.0,
     }
     config = lora_config_from_args(
-        argparse.Namespace(lora_rank=4, lora_alpha=16, lora_target_modules="to_q, to_k", lora_init_weights="FALSE"), "x"
+        default_args(lora_rank=4, lora_alpha=16, lora_target_modules="to_q, to_k", lora_init_weights="FALSE"), "x"
     )
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 16.0, ["to_q", "to_k"])
     assert config["init_lora_weights"] is False
-    assert (
-        lora_config_from_args(argparse.Namespace(lora_init_weights="gaussian"), "sd3")["init_lora_weights"]
-        == "gaussian"
-    )
+    assert lora_config_from_args(default_args(lora_init_weights="gaussian"), "sd3")["init_lora_weights"] == "gaussian"
     LoraConfig(**config)
     with pytest.raises(ValueError, match="--lora-init-weights"):
-        lora_config_from_args(argparse.Namespace(lora_init_weights="pissa"), "sd3")
+        lora_config_from_args(default_args(lora_init_weights="pissa"), "sd3")
     with pytest.raises(ValueError, match="'cogvideox' is not a registered model family.*--lora-target-modules"):
-        lora_config_from_args(argparse.Namespace(), "cogvideox")
+        lora_config_from_args(default_args(), "cogvideox")
 
 
 def test_only_lora_parameters_train_under_fsdp2(trained):

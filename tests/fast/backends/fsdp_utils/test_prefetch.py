@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import threading
 
 import pytest
 import torch
 
+from miles.arguments.parser import default_args
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch
 from miles.backends.fsdp_utils.microbatch import MicroBatch
 from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher, prefetch_enabled, tensors_in
@@ -73,10 +73,10 @@ def test_an_error_in_a_prefetched_prepare_reaches_the_caller():
 
 
 def test_auto_prefetches_on_cuda_only():
-    args = argparse.Namespace(prefetch_microbatches="auto")
+    args = default_args(prefetch_microbatches="auto")
     assert prefetch_enabled(args, torch.device("cuda", 0)) and not prefetch_enabled(args, torch.device("cpu"))
-    assert prefetch_enabled(argparse.Namespace(prefetch_microbatches="on"), torch.device("cpu"))
-    assert not prefetch_enabled(argparse.Namespace(prefetch_microbatches="off"), torch.device("cuda", 0))
+    assert prefetch_enabled(default_args(prefetch_microbatches="on"), torch.device("cpu"))
+    assert not prefetch_enabled(default_args(prefetch_microbatches="off"), torch.device("cuda", 0))
 
 
 def test_tensors_in_finds_every_tensor_of_a_prepared_batch():

@@ -1,12 +1,12 @@
 """clip_score and pickscore on a tiny random CLIP saved to a temp folder, checked against the model's own forward."""
 
-import argparse
 import asyncio
 
 import numpy as np
 import pytest
 import torch
 
+from miles.arguments.parser import default_args
 from miles.rollout.rm_hub import RewardError, compute_rewards
 from miles.rollout.rm_hub import clip as clip_module
 from miles.rollout.rm_hub.clip import clip_score, load_clip, pickscore
@@ -94,7 +94,7 @@ def reference_cosine(path, samples, with_image_embeds=False):
 
 def test_clip_score_is_the_image_text_cosine(clip_dir):
     samples = make_samples()
-    values = asyncio.run(clip_score(argparse.Namespace(clip_model_path=clip_dir), samples))
+    values = asyncio.run(clip_score(default_args(clip_model_path=clip_dir), samples))
     expected, _ = reference_cosine(clip_dir, samples)
     assert len(values) == len(samples) and np.isfinite(values).all()
     assert values == pytest.approx(expected.tolist(), abs=1e-5)
@@ -102,7 +102,7 @@ def test_clip_score_is_the_image_text_cosine(clip_dir):
 
 def test_each_sample_keeps_its_unit_image_embedding_for_the_diversity_monitor(clip_dir):
     samples = make_samples()
-    asyncio.run(clip_score(argparse.Namespace(clip_model_path=clip_dir), samples))
+    asyncio.run(clip_score(default_args(clip_model_path=clip_dir), samples))
     _, expected = reference_cosine(clip_dir, samples, with_image_embeds=True)
     kept = np.stack([s.extra["clip_image_embedding"] for s in samples])
     assert kept.dtype == np.float32 and kept.shape == tuple(expected.shape)
@@ -111,14 +111,14 @@ def test_each_sample_keeps_its_unit_image_embedding_for_the_diversity_monitor(cl
 
 def test_pickscore_is_logit_scale_times_cosine(clip_dir):
     samples = make_samples()
-    values = asyncio.run(pickscore(argparse.Namespace(pickscore_model_path=clip_dir), samples))
+    values = asyncio.run(pickscore(default_args(pickscore_model_path=clip_dir), samples))
     cosine, scale = reference_cosine(clip_dir, samples)
     assert values == pytest.approx((scale * cosine).tolist(), abs=1e-4)
 
 
 def test_chunked_scoring_matches_one_batch(clip_dir, monkeypatch):
     samples = make_samples()
-    args = argparse.Namespace(clip_model_path=clip_dir)
+    args = default_args(clip_model_path=clip_dir)
     whole = asyncio.run(clip_score(args, samples))
     monkeypatch.setattr(clip_module, "CLIP_BATCH_SIZE", 2)
     assert asyncio.run(clip_score(args, samples)) == pytest.approx(whole, abs=1e-5)
@@ -131,8 +131,8 @@ def test_model_is_loaded_once_per_process(clip_dir):
 def test_missing_or_wrong_path_names_the_flag(tmp_path):
     samples = make_samples()[:2]
     with pytest.raises(RewardError, match=r"'clip_score' raised on sample index=0.*--clip-model-path is required"):
-        asyncio.run(compute_rewards(argparse.Namespace(), samples, [("clip_score", 1.0)]))
-    args = argparse.Namespace(pickscore_model_path=str(tmp_path / "missing"))
+        asyncio.run(compute_rewards(default_args(), samples, [("clip_score", 1.0)]))
+    args = default_args(pickscore_model_path=str(tmp_path / "missing"))
     with pytest.raises(RewardError, match=r"--pickscore-model-path '.*missing' is not a folder"):
         asyncio.run(compute_rewards(args, samples, [("pickscore", 1.0)]))
     with pytest.raises(ValueError, match=r"--pickscore-model-path .*cannot load a CLIP processor"):

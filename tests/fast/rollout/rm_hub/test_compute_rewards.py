@@ -1,12 +1,12 @@
 """compute_rewards: weighted totals, per-reward values, shapes extras, and errors that name reward and sample."""
 
-import argparse
 import asyncio
 import math
 
 import numpy as np
 import pytest
 
+from miles.arguments.parser import default_args
 from miles.data.shapes import shapes_items
 from miles.rollout.rm_hub import RewardError, compute_rewards, reward_metrics
 from miles.rollout.rm_hub.shapes import score_shapes_image
@@ -24,7 +24,7 @@ def shape_samples(num):
 
 def run_custom(fn, samples, spec=(("custom", 1.0),)):
     with function_registry.temporary("test_rm_hub.custom", fn) as name:
-        args = argparse.Namespace(custom_rm_path=name)
+        args = default_args(custom_rm_path=name)
         return asyncio.run(compute_rewards(args, samples, list(spec)))
 
 
@@ -113,7 +113,7 @@ def test_weighted_sum_and_per_reward_values():
 
 def test_shapes_extras_feed_metrics():
     samples = shape_samples(4)
-    totals, per_reward = asyncio.run(compute_rewards(argparse.Namespace(), samples, [("shapes", 2.0)]))
+    totals, per_reward = asyncio.run(compute_rewards(default_args(), samples, [("shapes", 2.0)]))
     scores = [score_shapes_image(s.image, s.metadata) for s in samples]
     for sample, score in zip(samples, scores):
         assert sample.extra["shapes"]["all_correct"] == score.all_correct
@@ -128,8 +128,8 @@ def test_sample_without_image_is_named():
     samples = shape_samples(2)
     samples[1].image = None
     with pytest.raises(RewardError, match=r"reward 'shapes' raised on sample index=11 .*has no image"):
-        asyncio.run(compute_rewards(argparse.Namespace(), samples, [("shapes", 1.0)]))
+        asyncio.run(compute_rewards(default_args(), samples, [("shapes", 1.0)]))
 
 
 def test_empty_batch_gives_empty_lists():
-    assert asyncio.run(compute_rewards(argparse.Namespace(), [], [("shapes", 1.0)])) == ([], {"shapes": []})
+    assert asyncio.run(compute_rewards(default_args(), [], [("shapes", 1.0)])) == ([], {"shapes": []})

@@ -2,7 +2,6 @@
 credit when the target is inside the read text) against hand-computed distances, and the real PP-OCRv4 model on text
 rendered with PIL's own font: right >= 0.9, wrong and blank low, partial in between, batched = one by one."""
 
-import argparse
 import asyncio
 import sys
 
@@ -10,11 +9,12 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
+from miles.arguments import reward_spec
+from miles.arguments.parser import default_args
 from miles.data.ocr import normalize_text, ocr_target, quoted_text
 from miles.rollout.rm_hub import compute_rewards, reward_metrics
 from miles.rollout.rm_hub import ocr as ocr_module
 from miles.rollout.rm_hub.ocr import edit_distance, load_ocr_engine, ocr_text_score
-from miles.utils import reward_spec
 from miles.utils.types import Sample
 
 PROMPT = 'a wooden sign that says "{}"'
@@ -101,7 +101,7 @@ def test_missing_package_names_the_extra(monkeypatch):
         load_ocr_engine(1)
     monkeypatch.setitem(reward_spec.REWARD_PACKAGES, "ocr", ("no_such_ocr_module", "pip install miles[ocr]"))
     with pytest.raises(ValueError, match=r"--rm-type 'ocr'.*no_such_ocr_module package: pip install miles\[ocr\]"):
-        reward_spec.reward_spec_from_args(argparse.Namespace(rm_type="ocr", hf_checkpoint=None, model_family="auto"))
+        reward_spec.reward_spec_from_args(default_args(rm_type="ocr", hf_checkpoint=None, model_family="auto"))
 
 
 # ---- the real model -------------------------------------------------------------------------------------------------
@@ -125,7 +125,7 @@ def cases():
 @pytest.fixture(scope="module")
 def one_by_one(cases, engine):
     """Each case scored alone through the registered reward, as the rollout calls it."""
-    args = argparse.Namespace(ocr_num_threads=1)
+    args = default_args(ocr_num_threads=1)
     scores = {}
     for name, (image, prompt) in cases.items():
         sample = Sample(index=0, prompt=prompt, image=image)
@@ -148,7 +148,7 @@ def test_rendered_text_scores(one_by_one):
 
 
 def test_batched_call_equals_one_by_one_and_logs_accuracy(cases, one_by_one):
-    args = argparse.Namespace(ocr_num_threads=1, custom_rm_path=None)
+    args = default_args(ocr_num_threads=1, custom_rm_path=None)
     samples = [Sample(index=i, prompt=prompt, image=image) for i, (image, prompt) in enumerate(cases.values())]
     totals, per_reward = asyncio.run(compute_rewards(args, samples, [("ocr", 2.0)]))
     assert per_reward["ocr"] == [one_by_one[name][0] for name in cases]
@@ -162,7 +162,7 @@ def test_a_reward_worker_scores_like_the_driver(ray_cluster, cases, one_by_one):
 
     names = ("right", "partial", "blank")
     samples = [Sample(index=i, prompt=cases[name][1], image=cases[name][0]) for i, name in enumerate(names)]
-    pool = RewardWorkerPool(argparse.Namespace(ocr_num_threads=1), [("ocr", 1.0)], num_workers=1, timeout_s=120)
+    pool = RewardWorkerPool(default_args(ocr_num_threads=1), [("ocr", 1.0)], num_workers=1, timeout_s=120)
     try:
         totals, per_reward = pool.score(samples)
     finally:

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from miles.arguments.parser import build_parser
 from miles.rollout.rm_hub import RewardError, compute_rewards, reward_spec_from_args
-from miles.utils.arguments import build_parser
 from miles.utils.types import Sample
 
 DRIP_EVERY_S = 0.05  # far below the per-read timeout: only a deadline on the whole request ends it

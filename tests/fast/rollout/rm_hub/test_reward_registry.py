@@ -1,10 +1,11 @@
 """--rm-type parsing, the reward registry and --custom-rm-path loading (file path and registered name)."""
 
-import argparse
 import asyncio
 
 import pytest
 
+from miles.arguments.parser import default_args
+from miles.arguments.reward_spec import BUILTIN_REWARDS
 from miles.rollout.rm_hub import (
     REWARD_FUNCTIONS,
     compute_rewards,
@@ -13,7 +14,6 @@ from miles.rollout.rm_hub import (
     reward_spec_from_args,
 )
 from miles.utils.misc import HookLoadError
-from miles.utils.reward_spec import BUILTIN_REWARDS
 from miles.utils.types import Sample
 
 
@@ -59,22 +59,22 @@ def test_duplicate_reward_is_an_error():
 
 
 def test_spec_from_args_defaults():
-    assert reward_spec_from_args(argparse.Namespace()) == [("shapes", 1.0)]
-    assert reward_spec_from_args(argparse.Namespace(custom_rm_path="m.fn")) == [("custom", 1.0)]
-    spec = reward_spec_from_args(argparse.Namespace(rm_type="custom:2,shapes:0.5", custom_rm_path="m.fn"))
+    assert reward_spec_from_args(default_args()) == [("shapes", 1.0)]
+    assert reward_spec_from_args(default_args(custom_rm_path="m.fn")) == [("custom", 1.0)]
+    spec = reward_spec_from_args(default_args(rm_type="custom:2,shapes:0.5", custom_rm_path="m.fn"))
     assert spec == [("custom", 2.0), ("shapes", 0.5)]
 
 
 def test_custom_without_path_names_the_flag():
     with pytest.raises(ValueError, match="--custom-rm-path is not set"):
-        reward_spec_from_args(argparse.Namespace(rm_type="custom"))
+        reward_spec_from_args(default_args(rm_type="custom"))
     with pytest.raises(ValueError, match="--custom-rm-path is not set"):
         get_reward_function("custom")
 
 
 def test_custom_path_left_out_of_spec_is_an_error():
     with pytest.raises(ValueError, match="does not include 'custom'"):
-        reward_spec_from_args(argparse.Namespace(rm_type="shapes", custom_rm_path="m.fn"))
+        reward_spec_from_args(default_args(rm_type="shapes", custom_rm_path="m.fn"))
 
 
 def test_get_reward_function():
@@ -90,7 +90,8 @@ def test_get_reward_function():
 def test_custom_reward_from_file(tmp_path, keyword):
     path = tmp_path / "my_rm.py"
     path.write_text(f"{keyword} rm(args, samples):\n    return [len(s.prompt) * args.scale for s in samples]\n")
-    args = argparse.Namespace(custom_rm_path=f"{path}:rm", scale=0.5)
+    args = default_args(custom_rm_path=f"{path}:rm")
+    args.scale = 0.5  # what the user's reward reads
     samples = [Sample(index=i, prompt="x" * (i + 1)) for i in range(3)]
     totals, per_reward = asyncio.run(compute_rewards(args, samples, reward_spec_from_args(args)))
     assert per_reward == {"custom": [0.5, 1.0, 1.5]}

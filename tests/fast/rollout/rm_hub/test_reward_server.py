@@ -11,12 +11,12 @@ import httpx
 import numpy as np
 import pytest
 
+from miles.arguments.parser import build_parser
+from miles.arguments.reward_spec import remote_rules
 from miles.data.shapes import shapes_items
 from miles.ray.reward_workers import RewardWorkerPool
 from miles.rollout.rm_hub import RewardError, compute_rewards, reward_spec_from_args
 from miles.rollout.rm_hub.remote import backoff_s, decode_sample, encode_sample
-from miles.utils.arguments import build_parser
-from miles.utils.reward_spec import remote_rules
 from miles.utils.types import Sample
 from tests.fast.rollout.rm_hub.reward_processes import fake_servers, reward_server
 

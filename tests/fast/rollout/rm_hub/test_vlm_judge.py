@@ -7,10 +7,10 @@ import asyncio
 import numpy as np
 import pytest
 
+from miles.arguments.parser import build_parser
 from miles.ray.reward_workers import RewardWorkerPool
 from miles.rollout.rm_hub import RewardError, compute_rewards, reward_metrics
 from miles.rollout.rm_hub.vlm_judge import key_frames, parse_judge_score
-from miles.utils.arguments import build_parser
 from miles.utils.types import Sample
 from tests.fast.rollout.rm_hub.reward_processes import fake_servers
 

@@ -11,11 +11,11 @@ import torch
 from PIL import Image
 
 from miles.algorithms.dpo import PreferenceDataError, read_preference_file
+from miles.arguments.parser import parse_args
+from miles.arguments.rules import ArgumentError, validate_args
 from miles.models.conditioning import Conditioning
 from miles.rollout.rollout_hub import DatasetSpec, get_rollout_spec, rollout_spec_of
 from miles.rollout.rollout_hub.dpo import online_pairs, preference_records
-from miles.utils.arg_rules import ArgumentError, validate_args
-from miles.utils.arguments import parse_args
 from miles.utils.types import Sample
 
 GROUP = 4

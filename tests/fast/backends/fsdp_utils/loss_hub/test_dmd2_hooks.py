@@ -273,7 +273,7 @@ DMD2_ARGV = [
 
 
 def test_critic_windows_follow_the_update_ratio_unless_given():
-    from miles.utils.arguments import parse_args
+    from miles.arguments.parser import parse_args
 
     args = parse_args(DMD2_ARGV + ["--num-steps-per-rollout", "2", "--dmd2-critic-updates-per-step", "3"])
     assert args.critic_num_steps_per_rollout == 6
@@ -293,7 +293,7 @@ def test_critic_windows_follow_the_update_ratio_unless_given():
     ],
 )
 def test_dmd2_flag_rules_name_the_flags(capsys, extra, message):
-    from miles.utils.arguments import parse_args
+    from miles.arguments.parser import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(DMD2_ARGV + extra)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.algorithms import Algorithm
-from miles.utils.flag_readers import ByFlag, ReadBy
+from miles.arguments.flag_readers import ByFlag, ReadBy
 from miles.utils.misc import HookLoadError, load_function
 
 # what a path flag needs of the run's algorithm (an `Algorithm` capability) besides a generating rollout (every one

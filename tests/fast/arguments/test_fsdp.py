@@ -2,8 +2,8 @@
 
 import pytest
 
-from miles.utils.arguments import parse_args
-from tests.fast.utils.test_arguments import BASE, parse_error
+from miles.arguments.parser import parse_args
+from tests.fast.arguments.test_parser import BASE, parse_error
 
 POLICY = BASE + ["--loss-type", "policy_loss"]
 
@@ -61,7 +61,7 @@ def test_sp_size_must_be_at_least_one_and_is_refused_with_colocate(capsys):
 
 
 def test_auto_device_and_dtype_follow_the_cluster_gpus():
-    from miles.utils.fsdp_arguments import resolve_device_defaults
+    from miles.arguments.fsdp import resolve_device_defaults
 
     args = parse_args(POLICY + ["--ray-address", "10.0.0.1:6379"])  # a cluster: left to the driver
     assert (args.device, args.diffusion_forward_dtype, args.diffusion_recompute_old_log_prob) == ("auto", "auto", False)
@@ -86,7 +86,7 @@ def test_a_local_run_resolves_auto_at_parse_time_from_this_machine():
 
 
 def test_cluster_rules_that_wait_for_the_device_run_after_it_is_known():
-    from miles.utils.fsdp_arguments import resolve_cluster_device
+    from miles.arguments.fsdp import resolve_cluster_device
 
     args = parse_args(BASE + ["--loss-type", "nft", "--ray-address", "x:1", "--fsdp-master-dtype", "bf16"])
     with pytest.raises(ValueError, match="--fsdp-master-dtype bf16 with --diffusion-forward-dtype fp32"):

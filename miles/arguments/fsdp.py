@@ -8,7 +8,7 @@ import argparse
 from typing import Any
 
 from miles.algorithms import algorithm_of
-from miles.utils.plan_arguments import AUTO, parse_on_off_auto
+from miles.arguments.plan import AUTO, parse_on_off_auto
 
 DTYPE_CHOICES = ("fp32", "bf16", "fp16")
 COMPILE_CHOICES = ("off", "blocks", "full")  # miles.models.compile.COMPILE_MODES (not imported here: torch)
@@ -115,7 +115,7 @@ def local_device_defaults(args: argparse.Namespace) -> dict[str, Any]:
     """`device_defaults` from this machine's GPUs when the run starts its own cluster; with --ray-address they wait
     for the driver (its node may have no GPU while the cluster's nodes do): `resolve_cluster_device`. A `--plan` is
     made for GPUs (`--device auto` plans a CUDA run; a plan needs none)."""
-    if getattr(args, "plan", False):
+    if args.plan:
         return device_defaults(args, 1.0)
     return {} if args.ray_address is not None else device_defaults(args, _local_gpus())
 

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from miles.algorithms import ALGORITHMS, BUILTIN_ALGORITHMS
+from miles.arguments.parser import parse_args
 from miles.startup import startup_checks
-from miles.utils.arguments import parse_args
-from tests.fast.utils.test_arguments import parse_error
+from tests.fast.arguments.test_parser import parse_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 PLUGINS = {"awfm": "advantage_weighted_fm.py", "cffm": "critic_filtered_fm.py"}  # examples/ declaring algorithms

@@ -2,7 +2,7 @@
 
 import pytest
 
-from miles.utils.arguments import parse_args
+from miles.arguments.parser import parse_args
 
 BASE = ["--hf-checkpoint", "builtin:tiny-shapes", "--prompt-data", "builtin:shapes"]
 

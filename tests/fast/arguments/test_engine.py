@@ -7,14 +7,14 @@ import argparse
 
 import pytest
 
-from miles.utils.arguments import parse_args
-from miles.utils.engine_arguments import (
+from miles.arguments.engine import (
     STEP_FLOOR_S,
     RolloutTimeout,
     engine_timeouts,
     parse_micro_batch_size,
     parse_rollout_timeout,
 )
+from miles.arguments.parser import parse_args
 
 
 def test_a_number_is_per_step_per_sample_with_a_floor_and_total_is_per_call():

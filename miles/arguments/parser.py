@@ -1,6 +1,6 @@
 """Command-line arguments: the shared argparse groups, every registered algorithm's own flags and its roles'
 overrides, `--config` and `--algorithm-path` read in a first pass; the rules and computed defaults are in
-arg_rules.py (`validate_args`, then `derive_args`)."""
+rules.py (`validate_args`, then `derive_args`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,9 @@ from typing import Any
 
 from miles.algorithms import ALGORITHMS, BUILTIN_ALGORITHMS, DEFAULT_LOSS_TYPE, Algorithm
 from miles.algorithms.roles import add_role_arguments
-from miles.models.options import add_family_arguments
-from miles.models.registry import BUILTIN_FAMILIES
-from miles.utils.arg_rules import ArgumentError, derive_args, flag_ranges, validate_args
-from miles.utils.config_file import config_defaults, dest_of, read_config
-from miles.utils.eval_arguments import add_eval_arguments
-from miles.utils.flag_readers import (
+from miles.arguments.config_file import config_defaults, dest_of, read_config
+from miles.arguments.evaluation import add_eval_arguments
+from miles.arguments.flag_readers import (
     WITH_FIRST_WINDOW_GUARD,
     WITH_POLICY_RATIO,
     ByFlag,
@@ -24,10 +21,13 @@ from miles.utils.flag_readers import (
     mark_owned,
     unread_flags,
 )
-from miles.utils.fsdp_arguments import add_fsdp_arguments
+from miles.arguments.fsdp import add_fsdp_arguments
+from miles.arguments.plan import AUTO, add_plan_arguments, parse_auto_size
+from miles.arguments.rl import RL_ARGUMENT_GROUPS
+from miles.arguments.rules import ArgumentError, derive_args, flag_ranges, validate_args
+from miles.models.options import add_family_arguments
+from miles.models.registry import BUILTIN_FAMILIES
 from miles.utils.misc import HookLoadError, load_module
-from miles.utils.plan_arguments import AUTO, add_plan_arguments, parse_auto_size
-from miles.utils.rl_arguments import RL_ARGUMENT_GROUPS
 from miles.weight_sync.arguments import add_weight_sync_arguments
 
 __all__ = ["ArgumentError", "build_parser", "derive_args", "parse_args", "validate_args"]
@@ -328,6 +328,16 @@ def build_parser(algorithms: Iterable[Algorithm] | None = None) -> argparse.Argu
         add_group(parser)
     add_algorithm_arguments(parser, ALGORITHMS.values() if algorithms is None else algorithms)
     return parser
+
+
+def default_args(**overrides: Any) -> argparse.Namespace:
+    """Every flag at its declared default, neither validated nor derived, then `overrides` (by dest): the full set of
+    flags a reader of the parsed flags may rely on, for a tool or a test that calls one without a command line."""
+    args = build_parser().parse_args([])
+    unknown = sorted(set(overrides) - set(vars(args)))
+    if unknown:
+        raise TypeError(f"default_args: no flag has the dest {', '.join(unknown)}")
+    return argparse.Namespace(**{**vars(args), **overrides})
 
 
 def read_first_pass(argv: Sequence[str] | None) -> tuple[str | None, dict[str, Any]]:

@@ -76,8 +76,8 @@ def parse_reward_spec(text: str) -> list[tuple[str, float]]:
 
 def server_urls(args: argparse.Namespace) -> list[str]:
     """The --rm-url values that are reward servers: all of them, unless --rm-type has vlm_judge (its endpoint)."""
-    urls = list(getattr(args, "rm_url", None) or [])
-    text = getattr(args, "rm_type", None) or ""
+    urls = list(args.rm_url or [])
+    text = args.rm_type or ""
     return [] if JUDGE in [item.partition(":")[0].strip() for item in text.split(",")] else urls
 
 
@@ -93,11 +93,11 @@ def remote_url(args: argparse.Namespace, name: str) -> str | None:
 def remote_rules(args: argparse.Namespace) -> list[str]:
     """--rm-url and its companions: URLs, one weight per reward server, vlm_judge's endpoint and model."""
     errors: list[str] = []
-    urls = list(getattr(args, "rm_url", None) or [])
+    urls = list(args.rm_url or [])
     for url in urls:
         if not url.startswith(("http://", "https://")):
             errors.append(f"--rm-url {url!r} must start with http:// or https://")
-    weights = list(getattr(args, "rm_url_weight", None) or [])
+    weights = list(args.rm_url_weight or [])
     judged = JUDGE in [name for name, _ in _given_spec(args)]
     if judged:
         if len(urls) != 1:
@@ -105,22 +105,22 @@ def remote_rules(args: argparse.Namespace) -> list[str]:
                 f"--rm-type vlm_judge needs exactly one --rm-url, the judge's OpenAI-compatible base URL "
                 f"(http://host:port/v1), got {len(urls)}; serve other rewards from the same process or weight them in"
             )
-        if not getattr(args, "rm_model", None):
+        if not args.rm_model:
             errors.append("--rm-type vlm_judge needs --rm-model, the model name the judge's server serves")
         if weights:
             errors.append("--rm-url-weight weights reward servers; under --rm-type vlm_judge weight it there instead")
     else:
-        if getattr(args, "rm_model", None):
+        if args.rm_model:
             errors.append("--rm-model names the VLM judge's model; it needs --rm-type vlm_judge")
         if weights and len(weights) != len(urls):
             errors.append(f"--rm-url-weight: {len(weights)} weights for {len(urls)} --rm-url; give one per --rm-url")
         for weight in weights:
             if not math.isfinite(weight):
                 errors.append(f"--rm-url-weight {weight} is not a finite number")
-    token_env = getattr(args, "rm_token_env", None)
+    token_env = args.rm_token_env
     if token_env and not os.environ.get(token_env):
         errors.append(f"--rm-token-env {token_env}: the environment variable {token_env} is not set or empty")
-    prompt_file = getattr(args, "vlm_judge_prompt_file", None)
+    prompt_file = args.vlm_judge_prompt_file
     if judged and prompt_file and not os.path.isfile(prompt_file):
         errors.append(f"--vlm-judge-prompt-file {prompt_file}: file not found")
     return errors
@@ -129,8 +129,8 @@ def remote_rules(args: argparse.Namespace) -> list[str]:
 def runs_rewards(args: argparse.Namespace, scores_rewards: bool) -> bool:
     """Whether the run scores rewards: its algorithm does (`scores_rewards`, its declaration), or it was given one
     to log; never with --train-only (no rollouts)."""
-    asked = getattr(args, "rm_type", None) or getattr(args, "custom_rm_path", None) or getattr(args, "rm_url", None)
-    return not getattr(args, "train_only", False) and bool(scores_rewards or asked)
+    asked = args.rm_type or args.custom_rm_path or args.rm_url
+    return not args.train_only and bool(scores_rewards or asked)
 
 
 def reward_model_problems(args: argparse.Namespace, spec: list[tuple[str, float]]) -> list[str]:
@@ -176,7 +176,7 @@ def reward_media_problems(spec: list[tuple[str, float]], *, family: str, video: 
 
 def _given_spec(args: argparse.Namespace) -> list[tuple[str, float]]:
     try:
-        return parse_reward_spec(args.rm_type) if getattr(args, "rm_type", None) else []
+        return parse_reward_spec(args.rm_type) if args.rm_type else []
     except ValueError:
         return []  # reward_spec_from_args names the problem
 
@@ -186,18 +186,15 @@ def reward_spec_from_args(args: argparse.Namespace) -> list[tuple[str, float]]:
     prompts, `shapes`, or `temporal_consistency` for a video family; only the servers when --rm-url is given), then `remote<K>` for the K-th reward server's --rm-url
     with its --rm-url-weight (default 1); a `--custom-rm-path` that the spec leaves out would be ignored silently,
     so it is an error."""
-    custom_path = getattr(args, "custom_rm_path", None)
-    remote = [
-        (f"{REMOTE}{k}", weight)
-        for k, weight in enumerate(getattr(args, "rm_url_weight", None) or [1.0] * len(server_urls(args)))
-    ]
-    if remote and not getattr(args, "rm_type", None) and not custom_path:
+    custom_path = args.custom_rm_path
+    remote = [(f"{REMOTE}{k}", weight) for k, weight in enumerate(args.rm_url_weight or [1.0] * len(server_urls(args)))]
+    if remote and not args.rm_type and not custom_path:
         return remote
-    video = makes_video(getattr(args, "hf_checkpoint", None), getattr(args, "model_family", "auto"))
+    video = makes_video(args.hf_checkpoint, args.model_family)
     default = "temporal_consistency" if video else "shapes"
-    if getattr(args, "prompt_data", None) == BUILTIN_MOVING_SHAPES:
+    if args.prompt_data == BUILTIN_MOVING_SHAPES:
         default = "moving_shapes"  # the world's own reward
-    text = getattr(args, "rm_type", None) or (CUSTOM if custom_path else default)
+    text = args.rm_type or (CUSTOM if custom_path else default)
     spec = parse_reward_spec(text) + remote
     names = [name for name, _ in spec]
     if CUSTOM in names and not custom_path:

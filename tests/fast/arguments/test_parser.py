@@ -2,7 +2,7 @@ import copy
 
 import pytest
 
-from miles.utils.arguments import derive_args, parse_args, validate_args
+from miles.arguments.parser import derive_args, parse_args, validate_args
 
 BASE = ["--hf-checkpoint", "/tmp/x", "--prompt-data", "builtin:shapes"]
 SFT = BASE + ["--loss-type", "sft_loss", "--train-only"]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from miles.utils.arguments import parse_args
-from miles.utils.hook_paths import PATH_FLAGS, load_path_flags
+from miles.arguments.hook_paths import PATH_FLAGS, load_path_flags
+from miles.arguments.parser import parse_args
 from miles.utils.misc import HookLoadError
 
 BASE = ["--hf-checkpoint", "builtin:tiny-shapes", "--prompt-data", "builtin:shapes", "--eval-interval", "0"]

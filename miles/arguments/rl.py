@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 
 from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
-from miles.utils.config_file import flag
-from miles.utils.engine_arguments import add_engine_arguments
-from miles.utils.flag_readers import WITH_SDE_SAMPLES, ByAlgorithm, ByFlag, ByReward, ReadBy
-from miles.utils.hook_paths import add_rollout_step_arguments, rollout_step_rules
-from miles.utils.reward_spec import remote_rules, reward_model_problems, reward_spec_from_args, runs_rewards
+from miles.arguments.config_file import flag
+from miles.arguments.engine import add_engine_arguments
+from miles.arguments.flag_readers import WITH_SDE_SAMPLES, ByAlgorithm, ByFlag, ByReward, ReadBy
+from miles.arguments.hook_paths import add_rollout_step_arguments, rollout_step_rules
+from miles.arguments.reward_spec import remote_rules, reward_model_problems, reward_spec_from_args, runs_rewards
 
 DEFAULT_NUM_SDE_STEPS = 3
 MIXGRPO_DEFAULTS = {"mixgrpo_mode": "progressive", "mixgrpo_shift_interval": None, "mixgrpo_stride": 1}

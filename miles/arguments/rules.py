@@ -13,13 +13,13 @@ from typing import Any
 
 from miles.algorithms import ALGORITHMS, ROLE_OVERRIDES, Algorithm, algorithm_of, get_algorithm, role_dest, role_flag
 from miles.algorithms.roles import extra_roles, folder_rules, override_rules, role_defaults
+from miles.arguments.config_file import ArgumentError, flag
+from miles.arguments.evaluation import eval_defaults, eval_rules
+from miles.arguments.fsdp import local_device_defaults, precision_rules, sharding_rules
+from miles.arguments.plan import auto_size_defaults
+from miles.arguments.rl import rl_rules
 from miles.models.options import family_option_ranges
-from miles.utils.config_file import ArgumentError, flag
-from miles.utils.eval_arguments import eval_defaults, eval_rules
-from miles.utils.fsdp_arguments import local_device_defaults, precision_rules, sharding_rules
-from miles.utils.plan_arguments import auto_size_defaults
 from miles.utils.ranges import FLAG_RANGES, Range, range_violation
-from miles.utils.rl_arguments import rl_rules
 
 __all__ = ["ArgumentError", "derive_args", "flag_ranges", "validate_args"]
 

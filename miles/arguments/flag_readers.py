@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.algorithms import ALGORITHMS, Algorithm
-from miles.utils.config_file import dest_of
-from miles.utils.reward_spec import reward_spec_from_args
+from miles.arguments.config_file import dest_of
+from miles.arguments.reward_spec import reward_spec_from_args
 
 READERS = "miles_readers"  # the attribute of an argparse Action that holds its readers
 EVERY_ALGORITHM_FLAG = "*"  # in `Algorithm.reads`: the hooks read any algorithm's flags (custom_loss)

@@ -7,8 +7,8 @@ import importlib.util
 from typing import Any
 
 from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
+from miles.arguments.reward_spec import REWARD_PACKAGES
 from miles.models.builtin import makes_video
-from miles.utils.reward_spec import REWARD_PACKAGES
 
 BUILTIN_SHAPES = "builtin:shapes"
 BUILTIN_SHAPES_EDIT = "builtin:shapes-edit"  # miles.data.shapes_edit's (this module stays free of the data modules)

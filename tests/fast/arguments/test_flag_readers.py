@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 
 from miles.algorithms import ALGORITHMS, BUILTIN_ALGORITHMS
-from miles.utils import flag_readers
-from miles.utils.arguments import build_parser, parse_args
-from miles.utils.flag_readers import ByAlgorithm, ByFlag, ByReward, flag_of, given_dests, readers_of, unread_flags
-from tests.fast.utils.test_arguments import BASE, parse_error
+from miles.arguments import flag_readers
+from miles.arguments.flag_readers import ByAlgorithm, ByFlag, ByReward, flag_of, given_dests, readers_of, unread_flags
+from miles.arguments.parser import build_parser, parse_args
+from tests.fast.arguments.test_parser import BASE, parse_error
 
 # what turns on a flag-level reader, and a reward run that reads the reward-level ones
 ENABLERS = {

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from miles.algorithms import ALGORITHMS, training_order
+from miles.arguments.parser import parse_args
 from miles.ray.checkpoint_folders import lock_save_folders
-from miles.utils.arguments import parse_args
 from miles.utils.locks import FolderLockedError
-from tests.fast.utils.test_arguments import BASE, parse_error
+from tests.fast.arguments.test_parser import BASE, parse_error
 
 PLUGIN = """
 from miles.algorithms import Algorithm, Computed, Role, register_algorithm
