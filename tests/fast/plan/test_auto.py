@@ -75,6 +75,9 @@ def test_largest_bisects_to_the_largest_candidate_that_fits():
         expected = max((c for c in candidates if c <= limit), default=None)
         assert largest(candidates, plan) == expected
         assert len(tried) <= 3
+        tried.clear()
+        assert largest(candidates, plan, smallest_first=True) == expected
+        assert tried[0] == 1 and len(tried) <= (1 if expected is None else 4)
     assert micro_batch_candidates(6) == [6, 4, 2, 1]
 
 
@@ -85,9 +88,9 @@ def test_the_trainer_gets_the_largest_micro_batch_without_checkpointing(search):
 
 
 def test_checkpointing_only_when_no_micro_batch_fits_without_it(search):
-    values, report, _ = search("--rollout-micro-batch-size", "1", usable=25)  # 20 + 10 x 1 > 25
+    values, report, replans = search("--rollout-micro-batch-size", "1", usable=25)  # 20 + 10 x 1 > 25
     assert values == {"gradient_checkpointing": True, "micro_batch_size": 2}  # 20 + 2 x 2 <= 25 < 20 + 2 x 4
-    assert report["fits"]
+    assert report["fits"] and replans <= 1 + 3  # micro-batch 1 unchecked says no at once
 
 
 def test_given_sizes_are_kept(search):
