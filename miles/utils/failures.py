@@ -38,16 +38,23 @@ class EngineError(RuntimeError):
 
 
 def gather(
-    refs: Sequence[Any], *, role: str, phase: str, rollout_id: int | None = None, timeout: float | None = None
+    refs: Sequence[Any],
+    *,
+    role: str,
+    phase: str,
+    rollout_id: int | None = None,
+    timeout: float | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> list:
     """`ray.get` of one ref per rank, taken as they finish, so the failure reported is the first one that happened
     (a dead rank's ref fails at once while its peers wait in a collective for it).
 
     A dead actor raises `ActorDied`; an exception raised inside an actor is re-raised with a note naming the actor.
-    `role` reads as a prefix of the rank: "actor rank", "reward worker".
+    `role` reads as a prefix of the rank: "actor rank", "reward worker". `ranks`: each ref's rank where the refs are
+    not every rank in order (default: its position).
     """
-    rank_of = {ref: rank for rank, ref in enumerate(refs)}
-    results: list = [None] * len(refs)
+    rank_of = dict(zip(refs, range(len(refs)) if ranks is None else ranks, strict=True))
+    results: dict = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     pending = list(refs)
     while pending:
@@ -61,7 +68,7 @@ def gather(
         for ref in ready:
             rank = rank_of[ref]
             try:
-                results[rank] = ray.get(ref)
+                results[ref] = ray.get(ref)
             except RayActorError as exc:
                 raise ActorDied(role, rank, phase, rollout_id, exc) from exc
             except RayTaskError as exc:
@@ -72,7 +79,7 @@ def gather(
                     raise died from dead[1]
                 exc.add_note(f"raised by {role} {rank} during {where(phase, rollout_id)}")
                 raise
-    return results
+    return [results[ref] for ref in refs]
 
 
 def dead_peer(pending: list, rank_of: dict, window_s: float = PEER_DEATH_WINDOW_S) -> tuple[int, RayActorError] | None:
