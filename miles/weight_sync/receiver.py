@@ -8,17 +8,11 @@ import logging
 
 import torch
 
-from miles.utils.weight_checksum import BLOCK_WORDS, WeightSyncError, block_terms
+from miles.utils.weight_checksum import WeightSyncError, block_terms
 from miles.weight_sync.protocol import SyncPlan
 from miles.weight_sync.transports import Transport
 
 logger = logging.getLogger(__name__)
-
-BLOCK_BYTES = BLOCK_WORDS * 8
-# `copy_and_terms` copies a tensor in chunks of this size and sums each while it is still in the core's cache (the
-# L2 of a server core is 1-2 MiB): the verification then costs a few percent of the copy instead of one more read of
-# the tensor from memory (docs/user-guide/performance.md, "The weight sync")
-CHUNK_BYTES = 1 << 20
 
 
 def check_plan(plan: SyncPlan, targets: dict[str, torch.Tensor], *, complete: bool) -> None:
@@ -52,7 +46,11 @@ def receive_into(transport: Transport, plan: SyncPlan, targets: dict[str, torch.
         data, terms = transport.receive(bucket)
         checked = []
         for slot in bucket.tensors:
-            checked.append(copy_and_terms(targets[slot.name], slot.view(data)))
+            source, target = slot.view(data), targets[slot.name]
+            target.copy_(source)
+            # as loaded (transit and load), or as received where a cast changes the bits by design (a LoRA adapter
+            # sent as trained and held in the forward dtype)
+            checked.append(block_terms(target if target.dtype == source.dtype else source))
         got = torch.stack(checked).cpu()
         bad = [i for i in range(len(bucket.tensors)) if not torch.equal(got[i], terms[i])]
         if bad:
@@ -69,34 +67,6 @@ def receive_into(transport: Transport, plan: SyncPlan, targets: dict[str, torch.
         raise WeightSyncError(
             f"{failures[0]}{more}: the weights were changed between the trainer's export and the engine's load"
         )
-
-
-def copy_and_terms(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """`target.copy_(source)`, and `block_terms` of the target as loaded (transit and load), or of the source where a
-    cast changes the bits by design (a LoRA adapter sent as trained and held in the forward dtype). A contiguous CPU
-    target of the source's dtype is copied chunk by chunk, each chunk's block sums taken right after its copy."""
-    nbytes = target.numel() * target.element_size()
-    same = target.dtype == source.dtype
-    if not same or target.device.type != "cpu" or not target.is_contiguous() or nbytes < 2 * CHUNK_BYTES:
-        target.copy_(source)
-        return block_terms(target if same else source)
-    into, raw = target.view(-1).view(torch.uint8), source.reshape(-1).view(torch.uint8)
-    if into.data_ptr() % 8:  # not viewable as 64-bit words
-        target.copy_(source)
-        return block_terms(target)
-    blocks = nbytes // BLOCK_BYTES
-    whole, words_end = blocks * BLOCK_BYTES, nbytes // 8 * 8
-    sums = torch.empty(blocks + 2, dtype=torch.int64)  # the blocks, then the last words and bytes (`block_terms`)
-    for start in range(0, whole, CHUNK_BYTES):
-        end = min(start + CHUNK_BYTES, whole)
-        into[start:end].copy_(raw[start:end])
-        words = into[start:end].view(torch.int64).view(-1, BLOCK_WORDS)
-        torch.sum(words, dim=1, out=sums[start // BLOCK_BYTES : end // BLOCK_BYTES])
-    into[whole:].copy_(raw[whole:])
-    sums[blocks] = into[whole:words_end].view(torch.int64).sum()
-    sums[blocks + 1] = into[words_end:].to(torch.int64).sum()
-    weights = torch.arange(1, blocks + 3, dtype=torch.int64)
-    return torch.stack([sums.sum(), (sums * weights).sum()])
 
 
 def drain(transport: Transport, plan: SyncPlan) -> None:
