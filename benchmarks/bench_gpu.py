@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2  # noqa: E402
 from miles.backends.fsdp_utils.lora import apply_lora  # noqa: E402
 from miles.models.sequence_parallel import SequenceParallelGroup, new_sequence_parallel_group  # noqa: E402
-from miles.models.wan_sequence_parallel import shard_wan_sequence  # noqa: E402
+from miles.models.wan.sequence_parallel import shard_wan_sequence  # noqa: E402
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group  # noqa: E402
 
 GIB = 2**30
@@ -87,7 +87,7 @@ class Preset:
     make_inputs: Callable[[dict[str, Any], int, Any, int, torch.dtype], dict[str, torch.Tensor]]
     video: tuple[int, int, int] | None = None  # (frames, height, width) of a video preset; images: --resolution
     # Ulysses sequence parallelism (Wan only): the step runs on sp_size ranks (one GPU each) that split one sample's
-    # tokens between its first block and the output norm (miles.models.wan_sequence_parallel) and shard the
+    # tokens between its first block and the output norm (miles.models.wan.sequence_parallel) and shard the
     # parameters with FSDP2 over all of them: what --sp-size does in the trainer, at dp 1
     sp_size: int = 1
 

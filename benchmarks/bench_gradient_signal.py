@@ -60,8 +60,8 @@ from miles.models.builtin import resolve_checkpoint  # noqa: E402
 from miles.rollout.advantages import compute_grpo_advantages  # noqa: E402
 from miles.rollout.engine import DiffusionEngine, GenerateRequest  # noqa: E402
 from miles.rollout.rm_hub.shapes import shapes_reward  # noqa: E402
-from miles.rollout.rollout_hub.flow_grpo import sde_pairs  # noqa: E402
 from miles.rollout.rollout_hub.nft import nft_pairs  # noqa: E402
+from miles.rollout.rollout_hub.pairs import sde_pairs  # noqa: E402
 from miles.rollout.step_strategy_hub import window_steps  # noqa: E402
 from miles.utils.arguments import parse_args as parse_train_args  # noqa: E402
 from miles.utils.types import shard_pairs  # noqa: E402
@@ -218,7 +218,7 @@ def gradient(engine: DiffusionEngine, args: argparse.Namespace, loss: str, pairs
     with torch.enable_grad():
         for microbatch_id, start in enumerate(range(0, total, args.micro_batch_size)):
             batch = {key: value[start : start + args.micro_batch_size] for key, value in pairs.items()}
-            prepared = hooks.prepare(ctx, batch, microbatch_id=microbatch_id, optim_step_idx=0)
+            prepared = hooks.prepare(ctx, batch, microbatch_id=microbatch_id, optim_step_idx=0, pad_to_len=None)
             new_pred = engine.family.predict_velocity(
                 engine.transformer,
                 prepared.latents,

@@ -56,7 +56,7 @@ def save_transformer_folder(folder: str, layers: int, heads: int, head_dim: int)
     SD3-architecture transformer of the given size with random weights; its parameter count."""
     from diffusers import SD3Transformer2DModel
 
-    from miles.models.tiny import save_tiny_sd3_pipeline
+    from miles.models.sd3.tiny import save_tiny_sd3_pipeline
 
     save_tiny_sd3_pipeline(folder, seed=0)
     shutil.rmtree(os.path.join(folder, "transformer"))
@@ -79,7 +79,7 @@ def save_transformer_folder(folder: str, layers: int, heads: int, head_dim: int)
 
 
 def rank_main(rank: int, world_size: int, port: int, opts: dict, out: str) -> None:
-    from miles.models.sd3 import SD3PipelineConfig
+    from miles.models.sd3.sd3 import SD3PipelineConfig
 
     torch.set_num_threads(max(1, opts["threads"] // world_size))
     init_process_group(rank, world_size, "127.0.0.1", port, "cpu", timeout=timedelta(minutes=20))

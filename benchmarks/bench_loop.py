@@ -271,7 +271,9 @@ def plain_loop(argv: list[str], rollouts: int, meter: CpuMeter) -> list[float]:
             optimizer.zero_grad(set_to_none=True)
             for mb in window:
                 batch = slice_pairs(pairs, mb.start, mb.end)
-                prepared = hooks.prepare(ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=step)
+                prepared = hooks.prepare(
+                    ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=step, pad_to_len=None
+                )
                 velocity = family.predict_velocity(
                     model,
                     prepared.latents,

@@ -18,7 +18,7 @@ checkpointing ≤ 0.5, at dp 2). Not a timed test: step times are printed for in
 
 `--sp` compares, on the same ranks (as many as the largest of `--sp-sizes`, default 1,2,4: four), --sp-size 1 (dp 4:
 each rank a whole sample) with --sp-size 2 (dp 2) and --sp-size 4 (dp 1: one sample's tokens split over all four,
-miles.models.wan_sequence_parallel): the same parameter shards per rank, so the activations per rank differ by what
+miles.models.wan.sequence_parallel): the same parameter shards per rank, so the activations per rank differ by what
 sequence parallelism saves (target: sp 2 ≤ 0.6x sp 1).
 """
 
@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2  # noqa: E402
 from miles.models.sequence_parallel import new_sequence_parallel_group  # noqa: E402
-from miles.models.wan_sequence_parallel import shard_wan_sequence  # noqa: E402
+from miles.models.wan.sequence_parallel import shard_wan_sequence  # noqa: E402
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group  # noqa: E402
 
 MIB = 2**20

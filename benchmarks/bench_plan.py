@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_memory import reset_peak, rss, trimmed_rss  # noqa: E402
 from diffusers import WanTransformer3DModel  # noqa: E402
 
-from miles.models.tiny import save_tiny_folder, save_tiny_sd3_pipeline  # noqa: E402
-from miles.models.tiny_wan import TINY_WAN_NUM_FRAMES, TINY_WAN_RESOLUTION, build_tiny_wan_pipeline  # noqa: E402
+from miles.models.sd3.tiny import save_tiny_sd3_pipeline  # noqa: E402
+from miles.models.tiny import save_tiny_folder  # noqa: E402
+from miles.models.wan.tiny import TINY_WAN_NUM_FRAMES, TINY_WAN_RESOLUTION, build_tiny_wan_pipeline  # noqa: E402
 from miles.plan.run import engine_rows, simulate  # noqa: E402
 from miles.plan.simulate import simulate_engine, simulate_trainer_rank, simulation_args, train_pairs_for_rank  # noqa: E402
 from miles.utils.arguments import parse_args  # noqa: E402

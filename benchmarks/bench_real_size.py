@@ -9,7 +9,7 @@ The model is a diffusers `WanPipeline` folder with random weights in which only 
 Wan2.1-T2V-1.3B's `WanTransformer3DModel` config (30 layers, 12 heads x 128, ffn 8960, text_dim 4096: 1.42B
 parameters), stored in bf16. The text encoder and VAE are small: a one-layer UMT5 of the transformer's text width
 (d_model 4096, d_ff 256, the tiny T5 vocabulary; prompts padded to Wan's 512 tokens, so the cross-attention sees
-real-length text), and the tiny Wan pipeline's VAE layout (`miles.models.tiny_wan`) with 16 latent channels, the
+real-length text), and the tiny Wan pipeline's VAE layout (`miles.models.wan.tiny`) with 16 latent channels, the
 transformer's in/out channels (the tiny VAE has 4); the scheduler is the tiny pipeline's flow-matching Euler one.
 
 Two runs of `train_diffusion.run` at dp 2 on their own local Ray clusters, with `--loss-type policy_loss` and the
@@ -51,7 +51,7 @@ from bench_memory import reset_peak, rss  # noqa: E402
 
 from miles.backends.fsdp_utils.fsdp import parse_dtype  # noqa: E402
 from miles.backends.fsdp_utils.lora import apply_lora, lora_config_from_args, lora_state_dict  # noqa: E402
-from miles.models.wan import WanPipelineConfig  # noqa: E402
+from miles.models.wan.wan import WanPipelineConfig  # noqa: E402
 from miles.utils.arguments import parse_args  # noqa: E402
 from miles.utils.tracking import read_metrics  # noqa: E402
 
@@ -92,7 +92,7 @@ def save_real_size_wan_pipeline(
 
     from miles.models.base import strip_name_or_path
     from miles.models.tiny import build_t5_tokenizer
-    from miles.models.tiny_wan import SCHEDULER_SHIFT
+    from miles.models.wan.tiny import SCHEDULER_SHIFT
 
     tokenizer = build_t5_tokenizer()
     tokenizer.model_max_length = text_tokens
@@ -113,7 +113,7 @@ def save_real_size_wan_pipeline(
         )
     )
     channels = transformer_config["in_channels"]
-    vae = AutoencoderKLWan(  # miles.models.tiny_wan's VAE layout, with the transformer's latent channels
+    vae = AutoencoderKLWan(  # miles.models.wan.tiny's VAE layout, with the transformer's latent channels
         base_dim=8,
         z_dim=channels,
         dim_mult=[1, 2, 2, 2],

@@ -62,7 +62,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     path = args.hf_checkpoint
     if path is None:
-        from miles.models.tiny import save_tiny_sd3_pipeline
+        from miles.models.sd3.tiny import save_tiny_sd3_pipeline
 
         path = save_tiny_sd3_pipeline(str(Path(tempfile.mkdtemp(prefix="bench_rollout_")) / "tiny"))
 

@@ -178,7 +178,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="miles-bench-")
     path = opts.hf_checkpoint
     if path is None:
-        from miles.models.tiny import save_tiny_sd3_pipeline
+        from miles.models.sd3.tiny import save_tiny_sd3_pipeline
 
         path = save_tiny_sd3_pipeline(os.path.join(tmp, "tiny"), seed=0)
     total = opts.pairs * opts.windows

@@ -1,5 +1,5 @@
 """Peak memory of a trainer rank above its baseline, through miles' own trainer (`FSDPTrainRayActor`, called without
-Ray): the tiny SD3 pipeline with a real-size transformer (`miles.models.tiny`, random weights; its tiny text
+Ray): the tiny SD3 pipeline with a real-size transformer (`miles.models.sd3.tiny`, random weights; its tiny text
 encoders and VAE), LoRA DiffusionNFT at dp 2 on CPU gloo ranks, one rollout's training per `--rollouts`.
 
     python benchmarks/bench_trainer_memory.py                      # 12 layers x 16 heads x 64: 461M parameters
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_memory import reset_peak, rss, trimmed_rss  # noqa: E402
 
-from miles.models.tiny import save_tiny_sd3_pipeline  # noqa: E402
+from miles.models.sd3.tiny import save_tiny_sd3_pipeline  # noqa: E402
 from miles.utils.distributed import find_free_port  # noqa: E402
 
 GIB = 2**30

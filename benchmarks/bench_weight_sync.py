@@ -17,7 +17,7 @@ checksums), and one memcpy of the same bytes in trainer rank 0's process; GB/s o
 `--skip-object-store` leaves the old leg out where its memory (the model ~5 times over on rank 0) does not fit.
 
 `--sd3-size LAYERS,HEADS,HEAD_DIM` builds an SD3-architecture pipeline of that transformer size (random weights,
-`miles.models.tiny`) in a temporary folder first, for the gather at sizes nearer real ones without a download.
+`miles.models.sd3.tiny`) in a temporary folder first, for the gather at sizes nearer real ones without a download.
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def main() -> None:
     opts.hf_checkpoint = resolve_checkpoint(opts.hf_checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
         if opts.sd3_size:
-            from miles.models.tiny import save_tiny_sd3_pipeline
+            from miles.models.sd3.tiny import save_tiny_sd3_pipeline
 
             try:
                 layers, heads, head_dim = (int(part) for part in opts.sd3_size.split(","))

@@ -26,7 +26,7 @@ import torch
 from miles.algorithms import Algorithm, Role, register_algorithm
 from miles.algorithms.base import COMMON_PANELS
 from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS, LossHooks
-from miles.backends.fsdp_utils.loss_hub.sft import pair_generators, pair_noise
+from miles.backends.fsdp_utils.loss_hub.noise import pair_generators, pair_noise
 from miles.backends.fsdp_utils.loss_hub.types import PreparedBatch, WindowMetrics, conditioning_from_pairs
 from miles.diffusion.schedule import add_noise
 from miles.rollout.rollout_hub import ROLLOUT_SPECS, RolloutSpec, nft_pairs, nft_pairs_count, ode_request

@@ -39,7 +39,7 @@ def check_startup(args: argparse.Namespace) -> None:
         load_family_class(args.train_pipeline_config_path)
     # the family's options (--num-frames, ...) against the folder, and its own checks of the run's flags
     family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
-    family.check_run_args(args)
+    family.check_run_args(args, algorithm_of(args))  # the record: models/ imports nothing from algorithms/
     args.source_image_range = tuple(family.source_image_range)  # what the data loaders and the eval read
     if family.takes_source_images and args.resolution is None:  # the eval loads source images at the run's size
         args.resolution = family.default_resolution

@@ -37,7 +37,7 @@ PROMPTS = ["a red circle on the left", "a blue square on the right", "a green tr
 
 def tiny_pipeline(workdir: str) -> str:
     """The tiny SD3 pipeline folder under `workdir`, built on first use (random weights, offline)."""
-    from miles.models.tiny import save_tiny_sd3_pipeline
+    from miles.models.sd3.tiny import save_tiny_sd3_pipeline
 
     path = os.path.join(workdir, "tiny_sd3")
     if not os.path.exists(os.path.join(path, "model_index.json")):

@@ -273,13 +273,13 @@ def write_init_pipeline(args: argparse.Namespace, vae, path: Path) -> None:
     from transformers import UMT5Config, UMT5EncoderModel
 
     from miles.data.moving_shapes import NUM_FRAMES, RESOLUTION
-    from miles.models.tiny import SHAPES_WORDS, _t5_encoder, build_t5_tokenizer, eval_mode, save_tiny_folder
+    from miles.models.tiny import SHAPES_WORDS, build_t5_encoder, build_t5_tokenizer, eval_mode, save_tiny_folder
 
     tokenizer = build_t5_tokenizer(SHAPES_WORDS + WORDS)
     tokenizer.model_max_length = args.text_length
     torch.manual_seed(args.seed)
     text_dim = 32
-    text_encoder = _t5_encoder(tokenizer, text_dim, d_kv=8, config_class=UMT5Config, model_class=UMT5EncoderModel)
+    text_encoder = build_t5_encoder(tokenizer, text_dim, d_kv=8, config_class=UMT5Config, model_class=UMT5EncoderModel)
     channels = vae.config.z_dim
     transformer = WanTransformer3DModel(
         patch_size=(args.temporal_patch, args.patch, args.patch),

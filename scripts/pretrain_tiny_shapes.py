@@ -93,11 +93,11 @@ def images_to_tensor(items: list[dict]) -> torch.Tensor:
 # ---- stage 1: the VAE -------------------------------------------------------------------------------------------------
 def train_vae(args: argparse.Namespace):
     from miles.data.shapes import shapes_items
-    from miles.models.tiny import _vae
+    from miles.models.tiny import build_vae
 
     torch.manual_seed(args.seed)
     channels = tuple(int(c) for c in args.vae_channels.split(","))
-    vae = _vae(RESOLUTION, channels).train()
+    vae = build_vae(RESOLUTION, channels).train()
     images = images_to_tensor(shapes_items(args.vae_dataset_size, seed=args.seed, split="train"))
     optimizer = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
     warmup = 50
@@ -158,7 +158,7 @@ def write_init_pipeline(args: argparse.Namespace, vae, path: Path) -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from miles.models.base import strip_name_or_path
-    from miles.models.tiny import build_tiny_sd3_pipeline
+    from miles.models.sd3.tiny import build_tiny_sd3_pipeline
 
     pipe = build_tiny_sd3_pipeline(
         seed=args.seed,

@@ -76,9 +76,9 @@ def write_init_pipeline(args: argparse.Namespace, path: Path) -> None:
     from miles.models.base import strip_name_or_path
     from miles.models.tiny import (
         SHAPES_WORDS,
-        _clip_text_encoder,
-        _t5_encoder,
+        build_clip_text_encoder,
         build_clip_tokenizer,
+        build_t5_encoder,
         build_t5_tokenizer,
     )
 
@@ -88,8 +88,8 @@ def write_init_pipeline(args: argparse.Namespace, path: Path) -> None:
         tok.model_max_length = args.text_length
     torch.manual_seed(args.seed)
     clip_width, t5_width = 32, 64
-    text_encoder = _clip_text_encoder(tokenizer, hidden=clip_width)
-    text_encoder_2 = _t5_encoder(tokenizer_2, d_model=t5_width)
+    text_encoder = build_clip_text_encoder(tokenizer, hidden=clip_width)
+    text_encoder_2 = build_t5_encoder(tokenizer_2, d_model=t5_width)
     vae = AutoencoderKL.from_pretrained(str(SHAPES_VAE), local_files_only=True).eval()
     head = args.head_dim
     rope = (head - 2 * (3 * head // 8), 3 * head // 8, 3 * head // 8)  # (4, 6, 6) at 16: sums to the head dim

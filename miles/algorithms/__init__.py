@@ -13,8 +13,10 @@ from miles.algorithms.base import (
     FirstWindowMetrics,
     FrozenNetwork,
     Role,
+    reference_rule,
     role_dest,
     role_flag,
+    stochastic_steps_rule,
 )
 from miles.algorithms.registry import (
     ALGORITHMS,
@@ -41,10 +43,12 @@ __all__ = [
     "Role",
     "algorithm_of",
     "get_algorithm",
+    "reference_rule",
     "register_algorithm",
     "role_dest",
     "role_flag",
     "role_settings",
+    "stochastic_steps_rule",
     "trained_roles",
     "training_order",
 ]

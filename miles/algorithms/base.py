@@ -127,6 +127,21 @@ def no_notes(args: argparse.Namespace) -> list[str]:
     return []
 
 
+# ---- rules several algorithms share (each returns its messages, naming the flags) -------------------------------
+def reference_rule(args: argparse.Namespace) -> list[str]:
+    """A KL term to the reference (--diffusion-kl-beta > 0) needs one: --ref-mode lora_base or ema."""
+    if args.diffusion_kl_beta > 0 and args.ref_mode == "none":
+        return ["--diffusion-kl-beta > 0 needs a reference: --ref-mode lora_base or ema"]
+    return []
+
+
+def stochastic_steps_rule(name: str, args: argparse.Namespace) -> list[str]:
+    """A loss on SDE transitions: the kernel must draw them."""
+    if args.diffusion_sde_type == "ode":
+        return [f"--loss-type {name} needs stochastic steps: --diffusion-sde-type sde, dance or cps"]
+    return []
+
+
 DEFAULT_PROGRESS_KEYS: tuple[ProgressKey, ...] = (
     ("reward", "rollout/reward_mean", ".3f"),
     ("loss", "train/loss", ".4f"),

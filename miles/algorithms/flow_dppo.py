@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm, FirstWindowMetrics
-from miles.algorithms.grpo_guard import reference_rule
+from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm, FirstWindowMetrics, reference_rule
 from miles.utils.ranges import POSITIVE
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm, FirstWindowMetrics
+from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm, FirstWindowMetrics, reference_rule
 from miles.utils.ranges import AT_LEAST_0, POSITIVE
 
 
@@ -17,9 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> list[str]:
-    errors = []
-    if args.diffusion_kl_beta > 0 and args.ref_mode == "none":
-        errors.append("--diffusion-kl-beta > 0 needs a reference: --ref-mode lora_base or ema")
+    errors = reference_rule(args)
     if args.diffusion_sde_type == "ode":
         errors.append(f"--loss-type {ALGORITHM.name} needs stochastic steps: --diffusion-sde-type sde or cps")
     return errors

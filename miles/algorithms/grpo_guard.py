@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, Algorithm, FirstWindowMetrics
+from miles.algorithms.base import (
+    COMMON_PANELS,
+    EVAL_PANELS,
+    Algorithm,
+    FirstWindowMetrics,
+    reference_rule,
+    stochastic_steps_rule,
+)
 from miles.utils.ranges import POSITIVE
 
 
@@ -23,19 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Drop the per-step weight 1/(−dt) of the loss (on by default: it gives every step the same gradient "
         "scale; it acts like a larger lr, 1/|dt| times, most on the finest steps).",
     )
-
-
-def stochastic_steps_rule(name: str, args: argparse.Namespace) -> list[str]:
-    """A loss on SDE transitions: the kernel must draw them."""
-    if args.diffusion_sde_type == "ode":
-        return [f"--loss-type {name} needs stochastic steps: --diffusion-sde-type sde, dance or cps"]
-    return []
-
-
-def reference_rule(args: argparse.Namespace) -> list[str]:
-    if args.diffusion_kl_beta > 0 and args.ref_mode == "none":
-        return ["--diffusion-kl-beta > 0 needs a reference: --ref-mode lora_base or ema"]
-    return []
 
 
 def validate(args: argparse.Namespace) -> list[str]:

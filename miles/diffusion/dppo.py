@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from miles.diffusion.guard import fp32_or_wider
+from miles.diffusion.policy import fp32_or_wider
 
 
 def gaussian_mean_kl(mean: torch.Tensor, old_mean: torch.Tensor, step_std: torch.Tensor) -> torch.Tensor:

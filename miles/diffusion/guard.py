@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import torch
 
-
-def fp32_or_wider(x: torch.Tensor) -> torch.Tensor:
-    """fp32 for half inputs (the SDE arithmetic's dtype); float64 stays float64."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+from miles.diffusion.policy import fp32_or_wider
 
 
 def _per_sample(step_std: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

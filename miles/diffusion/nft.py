@@ -1,8 +1,7 @@
-"""DiffusionNFT: the advantage-to-r mapping, the implicit positive/negative policy loss, and the old-policy EMA."""
+"""DiffusionNFT: the advantage-to-r mapping and the implicit positive/negative policy loss (its KL to a reference and
+the old policy's EMA are `diffusion/shadow.py`'s, shared with AWM)."""
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 
@@ -42,7 +41,7 @@ def nft_loss(
 
     v⁺ = β·v_θ + (1 − β)·v_old, v⁻ = (1 + β)·v_old − β·v_θ, x̂₀^± = x_t − t·v^±; w^± = mean over dims of
     |x̂₀^± − x₀| per sample in float64 without gradient, floored at 1e-5 (1 when `adaptive_weight` is off).
-    v_old is detached here. The KL term to a reference is separate: `nft_kl`.
+    v_old is detached here. The KL term to a reference is separate: `shadow.velocity_kl`.
     """
     v_theta = v_theta.float()
     v_old = v_old.detach().float()
@@ -71,27 +70,3 @@ def nft_loss(
             "old_deviate": ((v_theta - v_old) ** 2).mean(),
         }
     return loss, metrics
-
-
-def nft_kl(v_theta: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
-    """Per-sample (B,) mean((v_θ − v_ref)²), weighted by the KL weight (1e-4 in the reference) outside."""
-    return _per_sample_mean((v_theta.float() - v_ref.detach().float()) ** 2)
-
-
-def old_policy_decay(step: int, *, rate: float = 0.001, max_decay: float = 0.5, flat_steps: int = 0) -> float:
-    """EMA decay d of the old policy after rollout `step`: 0 for the first `flat_steps`, then rising by `rate`
-    per step, capped at `max_decay`: d = min(rate·(step − flat_steps), max_decay). d = 0 means old = current.
-    The reference's presets: (0.001, 0.5, 0) and (0.0075, 0.999, 75); rate 0 gives d ≡ 0."""
-    if step < flat_steps:
-        return 0.0
-    return min(rate * (step - flat_steps), max_decay)
-
-
-@torch.no_grad()
-def ema_update_(old_params: Iterable[torch.Tensor], new_params: Iterable[torch.Tensor], decay: float) -> None:
-    """In place: old ← decay·old + (1 − decay)·new, tensor by tensor (lists must pair up one to one)."""
-    old_list, new_list = list(old_params), list(new_params)
-    if len(old_list) != len(new_list):
-        raise ValueError(f"ema_update_ got {len(old_list)} old tensors but {len(new_list)} new ones")
-    for old, new in zip(old_list, new_list):
-        old.lerp_(new.to(device=old.device, dtype=old.dtype), 1.0 - decay)

@@ -20,7 +20,7 @@ _LAZY = {  # exported name -> the module that defines it; the built-in family cl
     "Conditioning": "miles.models.conditioning",
     "Media": "miles.models.media",
     "DiffusersFamily": "miles.models.diffusers_family",
-    "WanExperts": "miles.models.wan_experts",
+    "WanExperts": "miles.models.wan.experts",
     **{entry.class_name: entry.module for entry in BUILTIN_FAMILIES.values()},
 }
 

@@ -38,30 +38,30 @@ class TinyFolder(NamedTuple):
 
 # random weights (seed 0) at toy sizes: plumbing, the family contract tests, a newcomer's first run of a family
 TINY_FOLDERS: dict[str, TinyFolder] = {
-    "builtin:tiny-sd3": TinyFolder("sd3", "miles.models.tiny:save_tiny_sd3_pipeline"),
-    "builtin:tiny-flux": TinyFolder("flux", "miles.models.tiny_flux:save_tiny_flux_pipeline"),
+    "builtin:tiny-sd3": TinyFolder("sd3", "miles.models.sd3.tiny:save_tiny_sd3_pipeline"),
+    "builtin:tiny-flux": TinyFolder("flux", "miles.models.flux.tiny:save_tiny_flux_pipeline"),
     "builtin:tiny-flux-kontext": TinyFolder(
-        "flux-kontext", "miles.models.tiny_flux:save_tiny_flux_pipeline", {"kontext": True}
+        "flux-kontext", "miles.models.flux.tiny:save_tiny_flux_pipeline", {"kontext": True}
     ),
-    "builtin:tiny-flux2-klein": TinyFolder("flux2", "miles.models.tiny_flux2:save_tiny_flux2_klein_pipeline"),
-    "builtin:tiny-flux2-dev": TinyFolder("flux2-dev", "miles.models.tiny_flux2:save_tiny_flux2_dev_pipeline"),
-    "builtin:tiny-qwen-image": TinyFolder("qwen-image", "miles.models.tiny_qwen_image:save_tiny_qwen_image_pipeline"),
+    "builtin:tiny-flux2-klein": TinyFolder("flux2", "miles.models.flux2.tiny:save_tiny_flux2_klein_pipeline"),
+    "builtin:tiny-flux2-dev": TinyFolder("flux2-dev", "miles.models.flux2.tiny:save_tiny_flux2_dev_pipeline"),
+    "builtin:tiny-qwen-image": TinyFolder("qwen-image", "miles.models.qwen.tiny:save_tiny_qwen_image_pipeline"),
     "builtin:tiny-qwen-image-edit": TinyFolder(
-        "qwen-image-edit", "miles.models.tiny_qwen_image_edit:save_tiny_qwen_image_edit_pipeline"
+        "qwen-image-edit", "miles.models.qwen.tiny_edit:save_tiny_qwen_image_edit_pipeline"
     ),
     "builtin:tiny-qwen-image-edit-plus": TinyFolder(
-        "qwen-image-edit-plus", "miles.models.tiny_qwen_image_edit:save_tiny_qwen_image_edit_pipeline", {"plus": True}
+        "qwen-image-edit-plus", "miles.models.qwen.tiny_edit:save_tiny_qwen_image_edit_pipeline", {"plus": True}
     ),
-    "builtin:tiny-wan": TinyFolder("wan", "miles.models.tiny_wan:save_tiny_wan_pipeline"),
+    "builtin:tiny-wan": TinyFolder("wan", "miles.models.wan.tiny:save_tiny_wan_pipeline"),
     "builtin:tiny-wan-2-experts": TinyFolder(
-        "wan", "miles.models.tiny_wan:save_tiny_wan_pipeline", {"two_experts": True}
+        "wan", "miles.models.wan.tiny:save_tiny_wan_pipeline", {"two_experts": True}
     ),
-    "builtin:tiny-wan-i2v": TinyFolder("wan-i2v", "miles.models.tiny_wan_i2v:save_tiny_wan_i2v_pipeline"),
+    "builtin:tiny-wan-i2v": TinyFolder("wan-i2v", "miles.models.wan.tiny_i2v:save_tiny_wan_i2v_pipeline"),
     "builtin:tiny-hunyuan-video15": TinyFolder(
-        "hunyuan-video15", "miles.models.tiny_hunyuan_video15:save_tiny_hunyuan_video15_pipeline"
+        "hunyuan-video15", "miles.models.hunyuan_video15.tiny:save_tiny_hunyuan_video15_pipeline"
     ),
-    "builtin:tiny-ltx2": TinyFolder("ltx2", "miles.models.tiny_ltx2:save_tiny_ltx2_pipeline"),
-    "builtin:tiny-z-image": TinyFolder("z-image", "miles.models.tiny_z_image:save_tiny_z_image_pipeline"),
+    "builtin:tiny-ltx2": TinyFolder("ltx2", "miles.models.ltx2.tiny:save_tiny_ltx2_pipeline"),
+    "builtin:tiny-z-image": TinyFolder("z-image", "miles.models.z_image.tiny:save_tiny_z_image_pipeline"),
 }
 BUILTIN_TINY = "builtin:tiny-sd3"  # the tiny folder of the default family
 BUILTIN_NAMES = (*SHIPPED_FOLDERS, *TINY_FOLDERS)

@@ -1,6 +1,6 @@
-"""A tiny SD3-architecture pipeline built offline from configs: the real diffusers/transformers classes at toy sizes.
-
-Tokenizers are built in code over a character alphabet plus whole-word tokens for the shapes world (ARCHITECTURE §9).
+"""The tiny-model toolkit every lineage's tiny builder (`miles/models/<lineage>/tiny.py`) uses: tokenizers built in
+code over a byte alphabet plus whole-word tokens for the shapes world (ARCHITECTURE §9), toy-size text encoders and
+VAE from configs (the real diffusers/transformers classes), and writing a folder.
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ from typing import Any
 import torch
 from diffusers import (
     AutoencoderKL,
-    FlowMatchEulerDiscreteScheduler,
-    SD3Transformer2DModel,
-    StableDiffusion3Pipeline,
 )
+from tokenizers import AddedToken
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    Qwen2Tokenizer,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -52,7 +51,7 @@ SCHEDULER_SHIFT = 3.0
 _CLIP_BOS, _CLIP_EOS = "<|startoftext|>", "<|endoftext|>"
 
 
-def _bytes_to_unicode() -> list[str]:
+def bytes_to_unicode() -> list[str]:
     """GPT-2 / CLIP byte-level alphabet: one printable character per byte, so any text has no unknown symbols."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     printable += list(range(ord("®"), ord("ÿ") + 1))
@@ -66,7 +65,7 @@ def _bytes_to_unicode() -> list[str]:
     return chars
 
 
-def _learn_bpe_merges(words: tuple[str, ...], end_of_word: str = "</w>") -> list[tuple[str, str]]:
+def learn_bpe_merges(words: tuple[str, ...], end_of_word: str = "</w>") -> list[tuple[str, str]]:
     """Plain BPE training until every word is one symbol, so applying the merges in order rebuilds each word.
 
     `end_of_word` marks a word's last symbol (CLIP's "</w>"; "" for byte-level BPE without one, as Qwen2's)."""
@@ -93,10 +92,10 @@ def _learn_bpe_merges(words: tuple[str, ...], end_of_word: str = "</w>") -> list
 def build_clip_tokenizer(words: tuple[str, ...] = SHAPES_WORDS) -> CLIPTokenizer:
     """A CLIP BPE tokenizer: every byte as a symbol (so any text tokenizes) and each of `words` as a single token."""
     vocab: dict[str, int] = {_CLIP_BOS: 0, _CLIP_EOS: 1}
-    for ch in _bytes_to_unicode():
+    for ch in bytes_to_unicode():
         vocab.setdefault(ch, len(vocab))
         vocab.setdefault(ch + "</w>", len(vocab))
-    merges = _learn_bpe_merges(words)
+    merges = learn_bpe_merges(words)
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
@@ -114,7 +113,32 @@ def build_t5_tokenizer(words: tuple[str, ...] = SHAPES_WORDS) -> T5Tokenizer:
     return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=T5_MAX_LENGTH)
 
 
-def _clip_text_encoder(
+QWEN_ENDOFTEXT = "<|endoftext|>"
+QWEN_SPECIAL_TOKENS = (
+    "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+)  # fmt: skip
+
+
+def build_qwen2_tokenizer(words: tuple[str, ...], max_length: int = 128) -> Qwen2Tokenizer:
+    """A Qwen2 byte-level BPE tokenizer (Qwen-Image's, Z-Image's and FLUX.2 [klein]'s text encoders, HunyuanVideo
+    1.5's): every byte a symbol (any text tokenizes), each of `words` one token both as a word's start and after a
+    space (Qwen2's pre-tokenizer keeps the space: "Ġword"), and Qwen's chat and vision special tokens."""
+    byte_chars = bytes_to_unicode()
+    space = byte_chars[ord(" ")]
+    vocab: dict[str, int] = {QWEN_ENDOFTEXT: 0}
+    for ch in byte_chars:
+        vocab.setdefault(ch, len(vocab))
+    merges = learn_bpe_merges(tuple(w for word in words for w in (word, space + word)), end_of_word="")
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    for token in QWEN_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+    tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in QWEN_SPECIAL_TOKENS])
+    return tokenizer
+
+
+def build_clip_text_encoder(
     tokenizer: CLIPTokenizer, hidden: int, projection: int | None = None
 ) -> CLIPTextModelWithProjection | CLIPTextModel:
     """A 2-layer CLIP text encoder: with a projection head (SD3's two CLIPs) or without (FLUX's pooled CLIP)."""
@@ -134,7 +158,7 @@ def _clip_text_encoder(
     return CLIPTextModel(config) if projection is None else CLIPTextModelWithProjection(config)
 
 
-def _t5_encoder(
+def build_t5_encoder(
     tokenizer: Any, d_model: int, *, d_kv: int = 16, config_class: type = T5Config, model_class: type = T5EncoderModel
 ) -> Any:
     """A 2-layer T5-style encoder over `tokenizer`'s vocabulary (UMT5 with `config_class=UMT5Config`, as Wan's)."""
@@ -157,7 +181,7 @@ def _t5_encoder(
     return model_class(config)
 
 
-def _vae(
+def build_vae(
     resolution: int, block_out_channels: tuple[int, ...] = VAE_BLOCK_OUT_CHANNELS, layers_per_block: int = 1
 ) -> AutoencoderKL:
     n = len(block_out_channels)
@@ -178,7 +202,7 @@ def _vae(
 
 
 @torch.no_grad()
-def _calibrate_vae(vae: AutoencoderKL, resolution: int, generator: torch.Generator) -> tuple[float, float]:
+def calibrate_vae(vae: AutoencoderKL, resolution: int, generator: torch.Generator) -> tuple[float, float]:
     """Shift and scale that make the latents of smooth random images zero-mean, unit-variance (as SD3's are)."""
     coarse = torch.rand(16, 3, 4, 4, generator=generator) * 2 - 1
     images = torch.nn.functional.interpolate(coarse, size=(resolution, resolution), mode="bilinear")
@@ -186,77 +210,7 @@ def _calibrate_vae(vae: AutoencoderKL, resolution: int, generator: torch.Generat
     return float(latents.mean()), float(1.0 / latents.std().clamp_min(1e-6))
 
 
-def build_tiny_sd3_pipeline(
-    seed: int = 0,
-    resolution: int = 32,
-    *,
-    transformer_layers: int = 2,
-    transformer_heads: int = 4,
-    transformer_head_dim: int = 16,
-    vae_block_out_channels: tuple[int, ...] = VAE_BLOCK_OUT_CHANNELS,
-    vae_layers_per_block: int = 1,
-    qk_norm: str | None = None,
-    dual_attention_layers: tuple[int, ...] = (),
-) -> StableDiffusion3Pipeline:
-    """The tiny SD3 pipeline in float32, eval mode, with seeded random weights (a few MB in all).
-
-    The keyword-only sizes default to the test-tiny model; `scripts/pretrain_tiny_shapes.py` picks larger ones.
-    `qk_norm="rms_norm"` with `dual_attention_layers` gives SD3.5's transformer layout (Medium: MMDiT-X).
-    """
-    vae_factor = 2 ** (len(vae_block_out_channels) - 1)
-    if resolution % (2 * vae_factor) != 0:
-        raise ValueError(f"resolution {resolution} must be a multiple of {2 * vae_factor} (VAE factor x patch size)")
-    tokenizer, tokenizer_2, tokenizer_3 = build_clip_tokenizer(), build_clip_tokenizer(), build_t5_tokenizer()
-    clip_widths, t5_width = (32, 32), 64
-
-    torch.manual_seed(seed)
-    text_encoder = _clip_text_encoder(tokenizer, hidden=clip_widths[0], projection=32)
-    text_encoder_2 = _clip_text_encoder(tokenizer_2, hidden=clip_widths[1], projection=32)
-    text_encoder_3 = _t5_encoder(tokenizer_3, d_model=t5_width)
-    vae = _vae(resolution, vae_block_out_channels, vae_layers_per_block)
-    heads, head_dim = transformer_heads, transformer_head_dim
-    transformer = SD3Transformer2DModel(
-        sample_size=resolution // vae_factor,
-        patch_size=2,
-        in_channels=LATENT_CHANNELS,
-        num_layers=transformer_layers,
-        attention_head_dim=head_dim,
-        num_attention_heads=heads,
-        joint_attention_dim=t5_width,  # CLIP embeddings (32 + 32 wide) are zero-padded to the T5 width
-        caption_projection_dim=heads * head_dim,
-        pooled_projection_dim=text_encoder.config.projection_dim + text_encoder_2.config.projection_dim,
-        out_channels=LATENT_CHANNELS,
-        pos_embed_max_size=4 * resolution // vae_factor // 2,  # room for up to 4x the default resolution
-        qk_norm=qk_norm,
-        dual_attention_layers=dual_attention_layers,
-    )
-    shift, scale = _calibrate_vae(vae, resolution, torch.Generator().manual_seed(seed))
-    vae.register_to_config(shift_factor=shift, scaling_factor=scale)
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SCHEDULER_SHIFT)
-
-    pipe = StableDiffusion3Pipeline(
-        transformer=transformer,
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        text_encoder_3=text_encoder_3,
-        tokenizer_3=tokenizer_3,
-    )
-    return eval_mode(pipe)
-
-
-def save_tiny_sd3_pipeline(path: str, seed: int = 0, resolution: int = 32, **sizes: Any) -> str:
-    """Build the tiny pipeline (`sizes`: build_tiny_sd3_pipeline's keywords) and write it as a diffusers folder
-    (safetensors); returns `path`."""
-    save_tiny_folder(build_tiny_sd3_pipeline(seed=seed, resolution=resolution, **sizes), path)
-    logger.info("wrote tiny SD3 pipeline (seed %d, %dx%d) to %s", seed, resolution, resolution, path)
-    return path
-
-
-# what every tiny builder (this module's and the other families' tiny_*.py) does last
+# what every tiny builder (each lineage's tiny*.py) does last
 def eval_mode(pipe: Any) -> Any:
     """`pipe` with every torch module among its components in eval mode (from-config models start in train mode)."""
     for component in pipe.components.values():

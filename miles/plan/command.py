@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from miles.models.builtin import resolve_checkpoint
+from miles.plan.auto import resolve_auto_sizes
 from miles.plan.gpus import gpu_spec
 from miles.plan.report import build_report
 from miles.plan.run import CollectiveMismatch, PlanSettings, check_collectives, planned_device, simulate
-from miles.plan.suggest import suggest
+from miles.plan.suggest import Change, suggest, with_changes
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +62,19 @@ def make_plan(args: argparse.Namespace, *, suggestions: bool = True) -> dict[str
     simulation = simulate(args)
     check_collectives(simulation)
     report = build_report(args, simulation, settings)
+    changes, report, simulation = resolve_auto_sizes(args, report, settings, build_report, simulation)
+    args = with_changes(args, changes)
+    report["auto"] = {"flags": " ".join(c.flags for c in changes), "values": auto_values(changes)}
     report["device"] = planned_device(args)
     if suggestions and not report["fits"]:
         started = time.perf_counter()
         report["suggestions"] = suggest(args, report, settings, build_report, simulation)
         report["suggestions_seconds"] = round(time.perf_counter() - started, 1)
     return report
+
+
+def auto_values(changes: list[Change]) -> dict[str, Any]:
+    return {key: value for change in changes for key, value in change.values.items()}
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -120,6 +128,8 @@ def format_plan(args: argparse.Namespace, report: dict[str, Any]) -> str:
         "",
         _verdict(report),
     ]
+    if report["auto"]["flags"]:
+        lines.insert(-1, f"auto sizes: {report['auto']['flags']} (the largest that fits, re-planned)")
     for suggestion in report["suggestions"]:
         lines.append(
             f"  fits with: {suggestion['flags']} (worst GPU {gib(suggestion['worst_gpu_peak_bytes'])} in "

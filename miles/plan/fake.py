@@ -114,3 +114,31 @@ def movable_fake_modules() -> Iterator[None]:
         yield
     finally:
         nn.Module._apply = original
+
+
+# ---- equivalents of third-party code whose cost on fake tensors is per element, not per tensor -------------------
+def _hunyuan_video15_causal_mask(n_frame: int, n_hw: int, dtype: Any, device: Any, batch_size: int | None = None):
+    """diffusers' `HunyuanVideo15AttnBlock.prepare_causal_attention_mask` (a position may attend to every position of
+    its own and earlier latent frames) without its Python loop over the frames x positions rows: the same values,
+    dtype and result size, from the frames' (n_frame, n_frame) mask repeated per position."""
+    frames = torch.full((n_frame, n_frame), float("-inf"), dtype=dtype, device=device).triu(1)
+    mask = frames.repeat_interleave(n_hw, dim=0).repeat_interleave(n_hw, dim=1)
+    return mask if batch_size is None else mask.unsqueeze(0).expand(batch_size, -1, -1)
+
+
+@contextlib.contextmanager
+def per_tensor_equivalents() -> Iterator[None]:
+    """Third-party functions whose loops run once per element swapped, for the simulation's duration, for
+    equivalents that give the same tensors (values, dtype, size) with a few operations: on fake tensors every
+    operation costs the same whatever its size, so a loop over a video's 50k latent positions took minutes."""
+    try:
+        from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15AttnBlock
+    except ImportError:  # an older diffusers without the family: nothing to swap
+        yield
+        return
+    original = HunyuanVideo15AttnBlock.__dict__["prepare_causal_attention_mask"]
+    HunyuanVideo15AttnBlock.prepare_causal_attention_mask = staticmethod(_hunyuan_video15_causal_mask)
+    try:
+        yield
+    finally:
+        HunyuanVideo15AttnBlock.prepare_causal_attention_mask = original

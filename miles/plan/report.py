@@ -13,6 +13,7 @@ from miles.algorithms import algorithm_of
 from miles.plan.run import PlanSettings, Simulation, plans_sleep
 from miles.plan.simulate import ProcessPlan
 from miles.utils.fsdp_arguments import trainer_world_size
+from miles.weight_sync.transports import SLOTS
 
 GPUS_PER_NODE = 8
 PHASES = ("start-up", "train", "generate", "weight sync")
@@ -26,10 +27,11 @@ class Component:
     kind: str  # a role name, or "engine"
     plan: ProcessPlan
     offload: bool = False  # --fsdp-cpu-offload: its parameters, gradients and optimizer state live on the host
+    extra_bytes: int = 0  # held on the device beside what it simulated (an NCCL engine's bucket receive buffer)
 
     def _device(self, value: int) -> int:
         held_on_host = self.plan.params_bytes + self.plan.grads_bytes + self.plan.optimizer_bytes
-        return max(0, value - held_on_host) if self.offload else value
+        return (max(0, value - held_on_host) if self.offload else value) + self.extra_bytes
 
     def resident(self) -> int:
         phase = "start-up" if self.kind == "engine" else "train"
@@ -40,8 +42,8 @@ class Component:
         return self._device(self.plan.peaks.get(name, 0)) if name in self.plan.peaks else self.resident()
 
 
-def role_entry(plan: ProcessPlan, offload: bool) -> dict[str, Any]:
-    component = Component(plan.name, plan.name, plan, offload)
+def role_entry(plan: ProcessPlan, offload: bool, extra_bytes: int = 0) -> dict[str, Any]:
+    component = Component(plan.name, plan.name, plan, offload, extra_bytes)
     peak_phase = plan.peak_phase
     return {
         "peak_bytes": component.peak(peak_phase),
@@ -52,6 +54,7 @@ def role_entry(plan: ProcessPlan, offload: bool) -> dict[str, Any]:
         "other_state_bytes": plan.other_state_bytes,
         "activations_bytes": plan.activations_bytes,
         "host_offload_bytes": plan.params_bytes + plan.grads_bytes + plan.optimizer_bytes if offload else 0,
+        "sync_buffer_bytes": plan.sync_buffer_bytes + extra_bytes,
         "simulated_ranks": [],
     }
 
@@ -69,7 +72,12 @@ def gpu_components(args: argparse.Namespace, simulation: Simulation) -> list[lis
 
     engines = []
     if simulation.engine is not None and not args.train_only:
-        engines = [Component(f"engine {e}", "engine", simulation.engine) for e in range(args.rollout_num_engines)]
+        # apart from trainer rank 0's GPU (nccl) an engine receives each bucket into a buffer of its own
+        receive = 0 if args.colocate else engine_receive_bytes(simulation)
+        engines = [
+            Component(f"engine {e}", "engine", simulation.engine, extra_bytes=receive)
+            for e in range(args.rollout_num_engines)
+        ]
     if args.colocate:
         gpus = [[rank_component(role, rank) for role in simulation.roles] for rank in range(world)]
         for index, engine in enumerate(engines):
@@ -80,6 +88,13 @@ def gpu_components(args: argparse.Namespace, simulation: Simulation) -> list[lis
     for start in range(0, len(engines), per_gpu):
         gpus.append(engines[start : start + per_gpu])
     return gpus
+
+
+def engine_receive_bytes(simulation: Simulation) -> int:
+    """One bucket slot: what an engine on a GPU of its own holds for the `nccl` weight sync (trainer rank 0 holds
+    `SLOTS` of them, in its own plan)."""
+    actor = simulation.roles.get("actor")
+    return actor[0].sync_buffer_bytes // SLOTS if actor else 0
 
 
 def gpu_peaks(components: list[Component], sleeps: bool) -> dict[str, int]:
@@ -138,7 +153,7 @@ def build_report(args: argparse.Namespace, simulation: Simulation, settings: Pla
         roles[role] = role_entry(plans[0], bool(args.fsdp_cpu_offload))
         roles[role]["simulated_ranks"] = [p.rank for p in plans]
     if simulation.engine is not None:
-        roles["engine"] = role_entry(simulation.engine, False)
+        roles["engine"] = role_entry(simulation.engine, False, 0 if args.colocate else engine_receive_bytes(simulation))
         roles["engine"]["rows_per_call"] = simulation.engine_rows
         roles["engine"]["micro_batch"] = simulation.engine_micro_batch
     worst = max(gpu_entries, key=lambda g: g["peak_bytes"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,14 +19,18 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
 from miles.backends.fsdp_utils.ema import local_tensor
-from miles.backends.fsdp_utils.fsdp import build_mesh, parse_dtype
+from miles.backends.fsdp_utils.fsdp import build_mesh, gathered_tensors, parse_dtype
 from miles.backends.fsdp_utils.lora import lora_config_from_args
+from miles.backends.fsdp_utils.weight_push import PUSH_GATHER_BYTES, sync_plan
 from miles.models.base import family_options, get_train_pipeline_config
-from miles.plan.fake import fake_process_group, movable_fake_modules, plan_tensor_mode
+from miles.plan.fake import fake_process_group, movable_fake_modules, per_tensor_equivalents, plan_tensor_mode
 from miles.plan.tracker import Collective, PlanTracker
 from miles.rollout.engine import DiffusionEngine, GenerateResult
+from miles.rollout.prompt_cache import frees_text_encoders
 from miles.rollout.rollout_hub import rollout_spec_of
 from miles.utils.types import Sample, TrainPairs, shard_pairs
+from miles.weight_sync.protocol import SyncPlan, bucket_bytes_for
+from miles.weight_sync.transports import SLOTS
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,7 @@ class ProcessPlan:
     other_state_bytes: int = 0  # shadows / EMA / frozen networks (a teacher)
     host_bytes: int = 0  # what it keeps on the host (its sleep buffer)
     export_bytes: int = 0  # the weights it sends the engines per sync (rank 0)
+    sync_buffer_bytes: int = 0  # the weight sync's bucket buffers it holds for the whole run (rank 0, on a GPU)
     collectives: list[Collective] = field(default_factory=list)
     seconds: float = 0.0
     forward_flops_per_sample: float = 0.0  # an engine's: one transformer forward of one sample (its CFG rows too)
@@ -61,13 +67,14 @@ class ProcessPlan:
     @property
     def activations_bytes(self) -> int:
         resident = self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.other_state_bytes
-        return max(0, self.peak_bytes - resident)
+        return max(0, self.peak_bytes - resident - self.sync_buffer_bytes)
 
 
 def simulation_args(args: argparse.Namespace) -> argparse.Namespace:
     """The run's flags as the simulated processes see them: on the fake CPU device (the planned device's dtypes
     were derived already), one optimizer window per role."""
     sim = copy.copy(args)
+    sim.planned_device = "cpu" if args.device == "cpu" else "cuda"  # what the plan is for (`run.planned_device`)
     sim.device = "cpu"
     sim.prefetch_microbatches = "off"  # a side stream of the real GPU run; the same calls in the same order
     sim.num_steps_per_rollout = 1
@@ -134,7 +141,7 @@ def simulate_engine(
     tracker = PlanTracker()
     lora = lora_config_from_args(args, _family_name(args)) if args.use_lora else None
     samples = engine_samples(args, rows)
-    with plan_tensor_mode(fake), movable_fake_modules(), tracker:
+    with plan_tensor_mode(fake), movable_fake_modules(), per_tensor_equivalents(), tracker:
         with tracker.in_phase("start-up"):
             engine = DiffusionEngine(
                 args.hf_checkpoint,
@@ -145,10 +152,13 @@ def simulate_engine(
                 family_options=family_options(args),
                 micro_batch_size=micro_batch_size,
             )
-        weights = list(engine.transformer.parameters()) + list(engine.transformer.buffers())
-        resident = _storage_bytes(weights + [t for m in engine.family.loaded_modules() for t in m.parameters()])
         resolution = args.resolution or engine.family.default_resolution
         request = rollout_spec_of(args).build_request(args, samples, rollout_id=0, resolution=resolution)
+        if frees_text_encoders(args, engine.family):
+            with tracker.in_phase("start-up"):
+                _fill_prompt_cache(engine, request)
+        weights = list(engine.transformer.parameters()) + list(engine.transformer.buffers())
+        resident = _storage_bytes(weights + [t for m in engine.family.loaded_modules() for t in m.parameters()])
         with tracker.in_phase("generate"), FlopCounterMode(display=False) as flops:
             once = ForwardOnce(engine.family.predict_velocity, flops, run_every=not fake)
             engine.family.predict_velocity = once
@@ -159,6 +169,18 @@ def simulate_engine(
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
     return plan, result, samples, float(total_flops)
+
+
+def _fill_prompt_cache(engine: DiffusionEngine, request: Any) -> None:
+    """The start-up's prompt-cache fill as the engine meets it: the request's prompts encoded with the text encoders,
+    which are then freed; generate reads the encodings (held as the cache's entries would be read) without them."""
+    guided = request.guidance_scale > 1.0
+    encoded = engine.prompt_encoder.encode_request(
+        list(request.prompts), None, request.negative_prompt, negative=guided or request.return_negative
+    )
+    engine.family.release_text_encoders()
+    gc.collect()
+    engine.prompt_encoder.encode_request = lambda *args, **kwargs: encoded
 
 
 def latent_shape(args: argparse.Namespace) -> tuple[int, ...]:
@@ -212,6 +234,7 @@ def simulate_trainer_rank(
         with plan_tensor_mode(fake), movable_fake_modules(), tracker:
             with tracker.in_phase("start-up"):
                 actor.init(args, "planner", 0)
+                sync = _sync_buffers(args, actor) if export and role == "actor" else None
             for group in actor.optimizer.param_groups:  # the per-tensor step: AdamW's memory, without the fused
                 group.update(fused=False, foreach=False)  # kernel's slow sharding propagation over 1000s of DTensors
             passes = {"grad": 0, "no_grad": 0}
@@ -220,11 +243,11 @@ def simulate_trainer_rank(
                 output = actor.train_pairs(0, pairs, peer_output)
             plan = _resident(actor, role, rank, tracker)
             plan.passes = passes
-            if export and role == "actor":
+            if sync is not None:
                 with tracker.in_phase("weight sync"):
-                    state, _ = actor.export_weights()
-                    plan.export_bytes = _storage_bytes(list(state.values())) if state else 0
-                    del state
+                    _push(actor)
+                plan.export_bytes = sync.plan.total_bytes if rank == 0 else 0
+                plan.sync_buffer_bytes = sync.buffer_bytes
             if sleeps:
                 with tracker.in_phase("sleep"):
                     report = actor.sleep()
@@ -233,11 +256,42 @@ def simulate_trainer_rank(
                     actor.wake()
         actor.prefetcher.shutdown()
     plan.peaks, plan.after = dict(tracker.peaks), dict(tracker.after)
-    if "weight sync" in plan.peaks:  # the gathered weights leave for the host as each bucket arrives
-        plan.peaks["weight sync"] = max(plan.peaks["weight sync"] - plan.export_bytes, plan.after.get("train", 0))
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
     return plan, output
+
+
+@dataclass
+class SyncBuffers:
+    """The weight sync's bucket plan and what rank 0 holds for it for the whole run (its `SLOTS` bucket buffers on
+    the GPU with `cuda_ipc` / `nccl`; none on CPU, where `shm` buckets are a shared file)."""
+
+    plan: SyncPlan
+    buffers: torch.Tensor | None
+
+    @property
+    def buffer_bytes(self) -> int:
+        return 0 if self.buffers is None else self.buffers.nbytes
+
+
+def _sync_buffers(args: argparse.Namespace, actor: FSDPTrainRayActor) -> SyncBuffers:
+    """`prepare_weight_sync` as the run calls it after start-up: the bucket plan (every rank) and rank 0's buffers."""
+    keep, as_dtype = actor._engine_export()
+    device = args.planned_device  # `simulation_args`: the device the plan is for
+    plan = sync_plan(actor.model, bucket_bytes_for(args.weight_sync_bucket_mb, device), keep, as_dtype)
+    on_gpu = device == "cuda" and actor.rank == 0
+    return SyncBuffers(plan, torch.empty(SLOTS * plan.buffer_bytes, dtype=torch.uint8) if on_gpu else None)
+
+
+def _push(actor: FSDPTrainRayActor) -> None:
+    """`push_weights`' device side: the engines' weights gathered `PUSH_GATHER_BYTES` at a time, each tensor's pieces
+    written into a bucket slot (held above) and dropped."""
+    keep, as_dtype = actor._engine_export()
+    with actor._engine_weights_in():
+        for _name, _shape, pieces, _ in gathered_tensors(
+            actor.model, bucket_bytes=PUSH_GATHER_BYTES["cuda"], keep=keep, as_dtype=as_dtype
+        ):
+            del pieces
 
 
 def _counted(predict: Any, passes: dict[str, int]) -> Any:

@@ -10,6 +10,7 @@ import logging
 import torch
 
 from miles.plan.command import gib, make_plan
+from miles.plan.suggest import Change, apply_changes
 from miles.utils.distributed import uses_gpu
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ def check_plan(args: argparse.Namespace) -> dict | None:
     planned = argparse.Namespace(**{**vars(args), "plan_gpu": local_gpu(args)})
     report = make_plan(planned)
     worst = report["worst_gpu"]
+    if report["auto"]["flags"]:  # the `auto` sizes the plan chose, for the run itself
+        apply_changes(args, [Change(report["auto"]["flags"], report["auto"]["values"])])
+        logger.info("plan: auto sizes %s", report["auto"]["flags"])
     if report["fits"]:
         logger.info(
             "plan: fits (%s on GPU %d in %s, of %s usable; planned in %.0fs)",

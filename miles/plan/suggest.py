@@ -45,7 +45,7 @@ def engine_ladder(report: dict[str, Any]) -> list[Change]:
     ]
 
 
-def _over(report: dict[str, Any], engines: bool) -> bool:
+def over(report: dict[str, Any], engines: bool) -> bool:
     """Whether a trainer GPU (`engines` False) or an engine-only GPU (True) overflows."""
     for gpu in report["gpus"]:
         engine_only = all(label.startswith("engine") for label in gpu["roles"])
@@ -61,12 +61,19 @@ def _smaller(value: int) -> list[int]:
 
 def with_changes(args: argparse.Namespace, changes: list[Change]) -> argparse.Namespace:
     changed = copy.copy(args)
-    for change in changes:
-        vars(changed).update(change.values)
-        for key, value in change.values.items():  # a role's own copy of an override follows the shared flag
-            for role_key in [k for k in vars(changed) if k.endswith(f"_{key}") and k != key]:
-                setattr(changed, role_key, value)
+    apply_changes(changed, changes)
     return changed
+
+
+def apply_changes(args: argparse.Namespace, changes: list[Change]) -> None:
+    """`changes` made to `args` in place; a role's override that follows the shared flag (`role_followers`: not
+    given) follows it, one the user gave stays."""
+    for change in changes:
+        vars(args).update(change.values)
+        for key, value in change.values.items():
+            for dest in args.role_followers:
+                if dest.endswith(f"_{key}") and not dest.endswith(f"_rollout_{key}"):
+                    setattr(args, dest, value)
 
 
 def suggest(
@@ -83,7 +90,7 @@ def suggest(
     chosen: list[Change] = []
     last = report
     for engines, ladder in ((False, trainer_ladder(args)), (True, engine_ladder(report))):
-        if not _over(report, engines):
+        if not over(report, engines):
             continue
         fixed = _climb(args, chosen, ladder, engines, settings, build_report, base, budget)  # plans every change
         if fixed is None:
@@ -110,17 +117,17 @@ def _climb(
             return None
         steps = [c for c in steps if not set(c.values) & set(change.values)] + [change]
         budget[0] -= 1
-        replanned = _replan(args, steps, settings, build_report, base)
-        if not _over(replanned, engines):
+        replanned, _ = replan(args, steps, settings, build_report, base)
+        if not over(replanned, engines):
             return steps, replanned
     return None
 
 
-def _replan(
+def replan(
     args: argparse.Namespace, changes: list[Change], settings: PlanSettings, build_report: Callable, base: Simulation
-) -> dict[str, Any]:
-    """The plan with `changes`, simulating again only what they touch (rank 0 only: the base plan checked the
-    collectives)."""
+) -> tuple[dict[str, Any], Simulation]:
+    """The plan with `changes` and its simulation, simulating again only what they touch (rank 0 only: the base plan
+    checked the collectives)."""
     changed = with_changes(args, changes)
     parts = tuple(dict.fromkeys(part for change in changes for part in change.parts))
     simulation = simulate(changed, ranks=[0], reuse=base, parts=parts)
@@ -132,7 +139,7 @@ def _replan(
         "fits" if report["fits"] else "does not fit",
         simulation.seconds,
     )
-    return report
+    return report, simulation
 
 
 def _suggestion(changes: list[Change], report: dict[str, Any]) -> dict[str, Any]:

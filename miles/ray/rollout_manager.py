@@ -24,7 +24,7 @@ from miles.rollout.data_source import PromptDataSource, load_records, records_di
 from miles.rollout.engine import GenerateResult
 from miles.rollout.media_files import first_sources, save_media
 from miles.rollout.monitors import DriftWatch, monitor_metrics, watches
-from miles.rollout.prompt_cache import prompt_cache_config
+from miles.rollout.prompt_cache import DRAWING_HOOKS, prompt_cache_config
 from miles.rollout.rm_hub import reward_metrics, reward_spec_from_args
 from miles.rollout.rm_hub.clip import CLIP_EMBEDDING_KEY
 from miles.rollout.rm_hub.media import attach_media
@@ -38,12 +38,6 @@ from miles.utils.types import Sample, TrainPairs
 logger = logging.getLogger(__name__)
 REWARD_TERMS = steps.REWARD_TERMS  # Sample.extra key: the sample's value of each weighted reward
 # hooks that may draw prompts of their own (refill rounds too): the engines then keep their text encoders
-DRAWING_HOOKS = (
-    "data_source_path",
-    "dynamic_sampling_filter_path",
-    "rollout_function_path",
-    "custom_generate_function_path",
-)
 
 
 class RolloutManager:

@@ -18,7 +18,7 @@ from miles.ray.placement_group import actor_nodes
 from miles.utils import failures
 from miles.utils.distributed import uses_gpu
 from miles.utils.failures import dead_peer
-from miles.weight_sync.protocol import DEFAULT_BUCKET_BYTES
+from miles.weight_sync.protocol import bucket_bytes_for
 from miles.weight_sync.transports import TransportSpec, choose_transport
 
 logger = logging.getLogger(__name__)
@@ -28,9 +28,7 @@ TRAINER, ENGINE = "trainer", "engine"  # the two kinds of sync member, with a tr
 
 def bucket_bytes(args: argparse.Namespace) -> int:
     """--weight-sync-bucket-mb in bytes; its default by device."""
-    if args.weight_sync_bucket_mb is not None:
-        return args.weight_sync_bucket_mb << 20
-    return DEFAULT_BUCKET_BYTES["cuda" if uses_gpu(args) else "cpu"]
+    return bucket_bytes_for(args.weight_sync_bucket_mb, "cuda" if uses_gpu(args) else "cpu")
 
 
 def check_placement(kind: str, rank0: dict, engines: list[dict]) -> None:

@@ -47,6 +47,27 @@ class PromptCacheConfig:
     fingerprint: str
 
 
+# hooks that may draw prompts the start-up cannot list: with one, the engines keep their text encoders
+DRAWING_HOOKS = (
+    "data_source_path",
+    "dynamic_sampling_filter_path",
+    "rollout_function_path",
+    "custom_generate_function_path",
+)
+
+
+def caches_prompts(args: argparse.Namespace, family: TrainPipelineConfig) -> bool:
+    """Whether `--prompt-cache` is on for this family (`prompt_cache_config` without its folder)."""
+    return args.prompt_cache != OFF and (args.prompt_cache != AUTO or family.prompt_cache_exact)
+
+
+def frees_text_encoders(args: argparse.Namespace, family: TrainPipelineConfig) -> bool:
+    """Whether the engines free their text encoders after the start-up's cache fill (`RolloutManager.fill_prompt_cache`):
+    a prompt cache, prompts without source images, and no hook that draws prompts of its own."""
+    drawing = any(getattr(args, dest) for dest in DRAWING_HOOKS)
+    return caches_prompts(args, family) and not family.takes_source_images and not drawing
+
+
 def prompt_cache_config(
     args: argparse.Namespace, family: TrainPipelineConfig, dtype: torch.dtype
 ) -> PromptCacheConfig | None:
@@ -55,7 +76,7 @@ def prompt_cache_config(
     value = args.prompt_cache
     if value == OFF:
         return None
-    if value == AUTO and not family.prompt_cache_exact:
+    if not caches_prompts(args, family):
         logger.info(
             "prompt cache off: the %s family encodes a prompt differently alone and in a batch (in the last bits), so "
             "cached encodings would change the samples; --prompt-cache DIR caches anyway",

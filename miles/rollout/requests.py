@@ -1,13 +1,15 @@
-"""The engine requests that belong to no one algorithm: the sampling flags' request with a chosen kernel, the shared
+"""The engine requests that belong to no one algorithm: the sampling flags' request with a chosen kernel, the SDE
+request on the step strategy's steps (with or without the step means), the deterministic ODE request, the shared
 initial noise of a prompt group, and the held-out eval's deterministic ODE."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from miles.rollout.engine import GenerateRequest
-from miles.rollout.step_strategy_hub import flash_ratio
+from miles.rollout.step_strategy_hub import flash_ratio, select_trained_steps
 from miles.utils.types import Sample
 
 
@@ -45,6 +47,31 @@ def sampler_request(
         flash_ratio=flash_ratio(args) if trained_steps else None,
         source_images=source_images_of(samples),
     )
+
+
+def sde_request(
+    args: argparse.Namespace, samples: list[Sample], *, rollout_id: int, resolution: int
+) -> GenerateRequest:
+    """The --diffusion-sde-type kernel on the steps the step strategy picks, with CFG as configured."""
+    trained = select_trained_steps(args, rollout_id)
+    return sampler_request(
+        args, samples, resolution=resolution, sde_type=args.diffusion_sde_type, trained_steps=trained
+    )
+
+
+def mean_recording_request(
+    args: argparse.Namespace, samples: list[Sample], *, rollout_id: int, resolution: int
+) -> GenerateRequest:
+    """`sde_request`, asking the engine for each trained step's mean μ_old too (the ratio-on-means losses)."""
+    request = sde_request(args, samples, rollout_id=rollout_id, resolution=resolution)
+    return dataclasses.replace(request, record_means=True)
+
+
+def ode_request(
+    args: argparse.Namespace, samples: list[Sample], *, rollout_id: int, resolution: int
+) -> GenerateRequest:
+    """Deterministic ODE sampling, nothing recorded but the clean latents."""
+    return sampler_request(args, samples, resolution=resolution, sde_type="ode", trained_steps=[])
 
 
 def ode_eval(args: argparse.Namespace) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from miles.models.options import family_option_ranges
 from miles.utils.config_file import ArgumentError, flag
 from miles.utils.eval_arguments import eval_defaults, eval_rules
 from miles.utils.fsdp_arguments import local_device_defaults, precision_rules, sharding_rules
+from miles.utils.plan_arguments import auto_size_defaults
 from miles.utils.ranges import FLAG_RANGES, Range, range_violation
 from miles.utils.rl_arguments import rl_rules
 
@@ -161,8 +162,8 @@ def derive_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill every computed default, in this order (each step reads the ones before): the notes that say them
     (`args.default_notes`), the flags the algorithm implies (`implied_flags`), the family from
     --train-pipeline-config-path, the algorithm's own (`derive`), the sampling guidance and the advantage's reward
-    std (the algorithm's), the global batch size (from the batch invariant), the eval interval, the roles'
-    overrides, and the `auto` device and dtype of a cluster this run starts. Returns `args`, updated."""
+    std (the algorithm's), the global batch size (from the batch invariant), the eval interval, the `auto` sizes (`auto_sizes`), the
+    roles' overrides (`role_followers`: those not given), and the `auto` device and dtype of a cluster this run starts. Returns `args`, updated."""
     algorithm = algorithm_of(args)
     args.default_notes = tuple(default_notes(args, algorithm))
     vars(args).update(implied_flags(args, algorithm))
@@ -176,6 +177,9 @@ def derive_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.global_batch_size is None:
         args.global_batch_size = args.rollout_batch_size * args.n_samples_per_prompt // args.num_steps_per_rollout
     vars(args).update(eval_defaults(args, algorithm))
-    vars(args).update(role_defaults(args))
+    vars(args).update(auto_size_defaults(args))  # before the roles' overrides, which copy the concrete values
+    followers = role_defaults(args)
+    vars(args).update(followers)
+    args.role_followers = tuple(followers)  # the roles' overrides that follow the shared flag (not given)
     vars(args).update(local_device_defaults(args))
     return args

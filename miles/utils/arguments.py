@@ -26,7 +26,7 @@ from miles.utils.flag_readers import (
 )
 from miles.utils.fsdp_arguments import add_fsdp_arguments
 from miles.utils.misc import HookLoadError, load_module
-from miles.utils.plan_arguments import add_plan_arguments
+from miles.utils.plan_arguments import AUTO, add_plan_arguments, parse_auto_size
 from miles.utils.rl_arguments import RL_ARGUMENT_GROUPS
 from miles.weight_sync.arguments import add_weight_sync_arguments
 
@@ -161,7 +161,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="Only warn when, before the first update, the policy ratio is not 1 or train/log_prob_abs_diff is over "
         "the forward dtype's bound (losses with a policy ratio; default: the run fails naming both numbers).",
     )
-    group.add_argument("--micro-batch-size", type=int, default=32, help="Train pairs per forward/backward.")
+    group.add_argument(
+        "--micro-batch-size",
+        type=parse_auto_size,
+        default=AUTO,
+        help="Train pairs per forward/backward. auto: 32 on CPU; on CUDA the largest (a power of two up to 32) that "
+        "the start-up plan says fits (docs/user-guide/memory.md#auto-sizes).",
+    )
     group.add_argument(
         "--global-batch-size", type=int, default=None, help="Samples per optimizer step over all ranks (§7)."
     )

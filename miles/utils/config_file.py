@@ -65,12 +65,16 @@ def _config_value(action: argparse.Action, value: Any, where: str, ranges: Mappi
         if not isinstance(value, bool):
             raise ArgumentError(f"{where} ({flag(action.dest)}) takes true or false, got {value!r}")
         return value
+    if isinstance(value, bool) and action.nargs == "?" and action.const is True:  # an on/off/auto flag
+        value = "on" if value else "off"
     if isinstance(value, (bool, list, dict)):
         raise ArgumentError(f"{where} ({flag(action.dest)}) takes one value, got {value!r}")
     converted = str(value)
     if action.type is not None:
         try:
             converted = action.type(converted)
+        except argparse.ArgumentTypeError as exc:  # a type that says what it takes
+            raise ArgumentError(f"{where} ({flag(action.dest)}): {exc}") from None
         except (TypeError, ValueError):
             name = getattr(action.type, "__name__", "value")
             raise ArgumentError(f"{where} ({flag(action.dest)}): invalid {name} value {value!r}") from None

@@ -85,8 +85,8 @@ def add_engine_arguments(group: argparse._ArgumentGroup) -> None:
         default=AUTO,
         help="Samples per transformer forward inside an engine (its share of the batch in micro-batches; with CFG the "
         "forward holds twice as many rows). Noise is drawn per sample: the same samples as one batch. auto: the whole "
-        "share on CPU; on CUDA the most samples whose forward holds at most 2^18 latent positions "
-        "(docs/user-guide/performance.md).",
+        "share on CPU; on CUDA the most samples whose forward holds at most 2^18 latent positions, lowered by the "
+        "start-up plan to the largest that fits (docs/user-guide/memory.md#auto-sizes).",
     )
     group.add_argument(
         "--rollout-timeout",

@@ -8,6 +8,7 @@ import argparse
 from typing import Any
 
 from miles.algorithms import algorithm_of
+from miles.utils.plan_arguments import AUTO, parse_on_off_auto
 
 DTYPE_CHOICES = ("fp32", "bf16", "fp16")
 COMPILE_CHOICES = ("off", "blocks", "full")  # miles.models.compile.COMPILE_MODES (not imported here: torch)
@@ -25,9 +26,14 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--gradient-checkpointing",
-        action="store_true",
+        nargs="?",
+        const=True,
+        default=AUTO,
+        type=parse_on_off_auto,
+        metavar="{on,off,auto}",
         help="Recompute each transformer block's activations in backward: activation memory down to the blocks' "
-        "inputs, for about one more forward per step (docs/user-guide/memory.md).",
+        "inputs, for about one more forward per step (docs/user-guide/memory.md). Given alone: on. auto: off on "
+        "CPU; on CUDA on only when the start-up plan finds no micro-batch that fits without it.",
     )
     group.add_argument(
         "--compile",
@@ -153,7 +159,7 @@ def sharding_rules(args: argparse.Namespace) -> list[str]:
             f"--compile {args.compile} with --sp-size {args.sp_size}: the sequence-parallel attention's all-to-alls "
             "inside compiled blocks are not checked yet; use --compile off with --sp-size > 1"
         )
-    if args.compile == "full" and args.gradient_checkpointing:
+    if args.compile == "full" and args.gradient_checkpointing is True:
         errors.append(
             "--compile full with --gradient-checkpointing: the per-block recompute hooks would be traced into the "
             "whole-transformer graph; use --compile blocks (checkpointing wraps the compiled blocks)"

@@ -43,3 +43,42 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="On CUDA, skip the start-up plan that refuses a run whose GPU would run out of memory.",
     )
+
+
+# ---- `auto` sizes: concrete at parse (the CPU defaults); on CUDA the start-up plan may change them (miles/plan/auto.py)
+AUTO = "auto"
+CPU_MICRO_BATCH_SIZE = 32  # --micro-batch-size auto on CPU, and the start of the search on CUDA
+AUTO_SIZED = ("micro_batch_size", "gradient_checkpointing", "rollout_micro_batch_size")
+_ON, _OFF = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
+
+
+def parse_auto_size(text: str) -> int | str:
+    """`auto` or a whole number >= 1 (--micro-batch-size)."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto or a whole number >= 1") from None
+
+
+def parse_on_off_auto(text: str) -> bool | str:
+    """on / off (or true / false) -> True / False; auto stays auto (--gradient-checkpointing)."""
+    lowered = str(text).lower()
+    if lowered == AUTO:
+        return AUTO
+    if lowered in _ON or lowered in _OFF:
+        return lowered in _ON
+    raise argparse.ArgumentTypeError(f"{text!r}: give on, off or auto")
+
+
+def auto_size_defaults(args: argparse.Namespace) -> dict[str, object]:
+    """The `auto` sizes made concrete at once: --micro-batch-size 32 and --gradient-checkpointing off (the CPU
+    defaults; a CPU run keeps them), --rollout-micro-batch-size left to the engines' rule. `auto_sizes` names the flags
+    that were auto: on CUDA the start-up plan re-plans them to the largest that fits (`miles.plan.auto`)."""
+    out: dict[str, object] = {"auto_sizes": tuple(dest for dest in AUTO_SIZED if getattr(args, dest) == AUTO)}
+    if args.micro_batch_size == AUTO:
+        out["micro_batch_size"] = CPU_MICRO_BATCH_SIZE
+    if args.gradient_checkpointing == AUTO:
+        out["gradient_checkpointing"] = False
+    return out

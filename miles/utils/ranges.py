@@ -81,6 +81,6 @@ def range_violation(dest: str, value: Any, ranges: Mapping[str, Range] = FLAG_RA
     bounds = ranges.get(dest)
     if isinstance(value, (list, tuple)):  # a flag given several times (action="append"): each value in range
         return next((p for v in value if (p := range_violation(dest, v, ranges))), None)
-    if bounds is None or value is None or isinstance(value, bool) or bounds.contains(value):
+    if bounds is None or value is None or isinstance(value, (bool, str)) or bounds.contains(value):  # str: auto
         return None
     return f"--{dest.replace('_', '-')} must be {bounds.describe()}, got {value}"

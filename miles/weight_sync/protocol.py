@@ -62,6 +62,13 @@ class SyncPlan:
         return [t.name for b in self.buckets for t in b.tensors]
 
 
+def bucket_bytes_for(bucket_mb: int | None, device_type: str) -> int:
+    """--weight-sync-bucket-mb in bytes; its default by device type."""
+    return (
+        bucket_mb << 20 if bucket_mb is not None else DEFAULT_BUCKET_BYTES["cuda" if device_type == "cuda" else "cpu"]
+    )
+
+
 def plan_buckets(entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> SyncPlan:
     """Cut (name, shape, dtype) entries, in order, into buckets of at most `bucket_bytes` (each tensor aligned to
     `ALIGN`). A tensor larger than `bucket_bytes` gets a bucket of its own, and the buffer grows to hold it; a model

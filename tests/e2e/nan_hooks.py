@@ -1,8 +1,8 @@
 """A custom loss whose value turns NaN from rollout 1 on (the non-finite guard's fault injection)."""
 
-from miles.backends.fsdp_utils.loss_hub import flow_grpo
+from miles.backends.fsdp_utils.loss_hub import flow_grpo, policy
 
-prepare = flow_grpo.prepare_policy_batch
+prepare = policy.prepare_policy_batch
 
 
 def nan_from_rollout_1(ctx, batch, prepared, **kwargs):

@@ -28,7 +28,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 FIXTURE = Path(__file__).with_name("golden_metric_series.json")
-HOOKS = "miles.backends.fsdp_utils.loss_hub.flow_grpo"
+HOOKS = "miles.backends.fsdp_utils.loss_hub"
 COMMON = [
     "--hf-checkpoint",
     "builtin:tiny-shapes",
@@ -114,9 +114,9 @@ RUNS: dict[str, list[str]] = {
         "--loss-type",
         "custom_loss",
         "--custom-prepare-train-batch-path",
-        f"{HOOKS}.prepare_policy_batch",
+        f"{HOOKS}.policy.prepare_policy_batch",
         "--custom-loss-function-path",
-        f"{HOOKS}.policy_formula",
+        f"{HOOKS}.flow_grpo.policy_formula",
         "--num-steps-per-rollout",
         "1",
         "--diffusion-num-sde-steps",

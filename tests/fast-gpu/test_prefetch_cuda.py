@@ -11,7 +11,7 @@ from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher
 pytestmark = pytest.mark.gpu
 
 
-def prepare(ctx, batch, *, microbatch_id, optim_step_idx):
+def prepare(ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len=None):
     noise = torch.randn(batch["x"].shape, generator=torch.Generator().manual_seed(microbatch_id))
     return PreparedBatch(
         latents=batch["x"].to("cuda"), sigmas=batch["s"].to("cuda"), embeds=None, extras={"noise": noise.to("cuda")}

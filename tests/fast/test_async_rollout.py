@@ -71,7 +71,7 @@ def test_a_declaration_whose_async_rollout_disagrees_with_its_rollout_side_is_re
                 "--loss-type",
                 "custom_loss",
                 "--custom-prepare-train-batch-path",
-                "miles.backends.fsdp_utils.loss_hub.flow_grpo.prepare_policy_batch",
+                "miles.backends.fsdp_utils.loss_hub.policy.prepare_policy_batch",
                 "--custom-loss-function-path",
                 "miles.backends.fsdp_utils.loss_hub.flow_grpo.policy_formula",
             ),

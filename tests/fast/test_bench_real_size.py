@@ -5,7 +5,7 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 
-from miles.models.wan import WanPipelineConfig
+from miles.models.wan.wan import WanPipelineConfig
 from miles.utils.arguments import parse_args
 
 

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.fsdp import full_state_dict as gather_full_state_dict
-from miles.diffusion.nft import ema_update_
+from miles.diffusion.shadow import ema_update_
 
 logger = logging.getLogger(__name__)
 

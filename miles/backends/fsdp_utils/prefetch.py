@@ -2,8 +2,8 @@
 while the trunk runs the forward and backward of micro-batch n.
 
 The hook is called exactly as without prefetch: one call per micro-batch, in order, with the same
-(microbatch_id, optim_step_idx), one at a time (a single worker), with the caller's grad mode. Prefetch never crosses
-a window: the optimizer step between windows changes the weights a prepare hook may read. Prepare hooks draw their
+(microbatch_id, optim_step_idx, pad_to_len), one at a time (a single worker), with the caller's grad mode. Prefetch
+never crosses a window: the optimizer step between windows changes the weights a prepare hook may read. Prepare hooks draw their
 noise from generators seeded by those ids, so results are bit-identical with and without prefetch.
 
 On CUDA the worker prepares on a side stream, so the host-to-device copies of n+1 overlap n's kernels; the trunk's
@@ -26,6 +26,10 @@ from miles.backends.fsdp_utils.microbatch import MicroBatch
 from miles.utils.types import TrainPairs, slice_pairs
 
 PrepareFn = Callable[..., PreparedBatch]
+# The width a prepare pads a micro-batch's sequences to. Train pairs are columns, one tensor each for the rank's whole
+# shard (the rollout side pads variable-length conditioning to one width when it builds them, `Conditioning.cat`), so
+# a micro-batch, a slice of rows, already has that width and no loop pads one: the trunk passes None, explicitly.
+PAD_TO_LEN: int | None = None
 
 
 def prefetch_enabled(args: argparse.Namespace, device: torch.device) -> bool:
@@ -50,6 +54,11 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(item)
 
 
+def call_prepare(prepare: PrepareFn, ctx: Any, batch: TrainPairs, mb: MicroBatch, optim_step_idx: int) -> PreparedBatch:
+    """The trunk's one prepare call (both loops, with or without prefetch): all three keywords of the contract."""
+    return prepare(ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=optim_step_idx, pad_to_len=PAD_TO_LEN)
+
+
 class MicrobatchPrefetcher:
     """One worker thread (and on CUDA one side stream) per trainer rank, reused by every window."""
 
@@ -72,14 +81,9 @@ class MicrobatchPrefetcher:
             batch = slice_pairs(pairs, mb.start, mb.end)
             with torch.set_grad_enabled(grad):
                 if self._stream is None:
-                    return (
-                        mb,
-                        batch,
-                        prepare(ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=optim_step_idx),
-                        None,
-                    )
+                    return mb, batch, call_prepare(prepare, ctx, batch, mb, optim_step_idx), None
                 with torch.cuda.stream(self._stream):
-                    prepared = prepare(ctx, batch, microbatch_id=mb.microbatch_id, optim_step_idx=optim_step_idx)
+                    prepared = call_prepare(prepare, ctx, batch, mb, optim_step_idx)
                     ready = torch.cuda.Event()
                     ready.record(self._stream)
             return mb, batch, prepared, ready

@@ -7,31 +7,53 @@ from __future__ import annotations
 import argparse
 
 from miles.algorithms import get_algorithm
-from miles.rollout.requests import group_initial_seeds, ode_eval, sampler_request
+from miles.rollout.requests import (
+    group_initial_seeds,
+    mean_recording_request,
+    ode_eval,
+    ode_request,
+    sampler_request,
+    sde_request,
+)
 from miles.rollout.rollout_hub import awm, custom, dmd2, dpo, flow_dppo, flow_grpo, grpo_guard, nft, sft
+from miles.rollout.rollout_hub.dataset import DATASET_SPEC, encode_dataset, encode_records, image_to_tensor
 from miles.rollout.rollout_hub.dmd2 import generator_eval, generator_pairs, generator_request, one_pair
-from miles.rollout.rollout_hub.flow_grpo import sde_pairs, sde_request, trained_steps_per_sample
-from miles.rollout.rollout_hub.nft import nft_pairs, nft_pairs_count, ode_request
+from miles.rollout.rollout_hub.nft import nft_pairs, nft_pairs_count
+from miles.rollout.rollout_hub.pairs import (
+    clean_latent_pairs,
+    recompute_conflict,
+    sde_pairs,
+    sde_pairs_with_means,
+    trained_steps_per_sample,
+)
 from miles.rollout.rollout_hub.spec import DatasetSpec, RolloutSpec
 
 __all__ = [  # what a plugin builds its entry from
+    "DATASET_SPEC",
     "ROLLOUT_SPECS",
     "DatasetSpec",
     "RolloutSpec",
     "check_async_rollout",
+    "clean_latent_pairs",
+    "encode_dataset",
+    "encode_records",
     "generator_eval",
     "generator_pairs",
     "generator_request",
     "get_rollout_spec",
     "group_initial_seeds",
+    "image_to_tensor",
+    "mean_recording_request",
     "nft_pairs",
     "nft_pairs_count",
     "ode_eval",
     "ode_request",
     "one_pair",
+    "recompute_conflict",
     "rollout_spec_of",
     "sampler_request",
     "sde_pairs",
+    "sde_pairs_with_means",
     "sde_request",
     "trained_steps_per_sample",
 ]

@@ -10,8 +10,8 @@ import torch
 
 from miles.diffusion.awm import stratified_indices
 from miles.rollout.engine import GenerateRequest, GenerateResult
-from miles.rollout.rollout_hub.flow_grpo import sde_request
-from miles.rollout.rollout_hub.nft import clean_latent_pairs, ode_request
+from miles.rollout.requests import ode_request, sde_request
+from miles.rollout.rollout_hub.pairs import clean_latent_pairs
 from miles.rollout.rollout_hub.spec import RolloutSpec
 from miles.utils.seeding import stream_rng
 from miles.utils.types import Sample, TrainPairs
@@ -23,7 +23,7 @@ _TIMESTEP_SALT = 0x41574D
 def awm_request(
     args: argparse.Namespace, samples: list[Sample], *, rollout_id: int, resolution: int
 ) -> GenerateRequest:
-    """--awm-sampler ode: nft's deterministic request; sde: Flow-GRPO's (its kernel on the step strategy's steps)."""
+    """--awm-sampler ode: the deterministic request; sde: the --diffusion-sde-type kernel on the step strategy's steps."""
     request = sde_request if args.awm_sampler == "sde" else ode_request
     return request(args, samples, rollout_id=rollout_id, resolution=resolution)
 
@@ -49,7 +49,7 @@ def awm_pairs(
     *,
     rollout_id: int,
 ) -> TrainPairs:
-    """nft's clean-latent pairs at the stratified timesteps, plus `step_index` (the grid index of `t`) and
+    """The clean-latent pairs at the stratified timesteps, plus `step_index` (the grid index of `t`) and
     `old_log_prob` (NaN until the trainer's recompute pass writes windows 1..; window 0 uses its own value)."""
     batch = result.final_latents.shape[0]
     num_steps, steps = result.sigmas.shape[0] - 1, args.awm_train_timesteps

@@ -3,8 +3,13 @@ engine's step means μ_old, which its KL trust region is measured against)."""
 
 from __future__ import annotations
 
-from miles.rollout.rollout_hub.flow_grpo import recompute_conflict, trained_steps_per_sample
-from miles.rollout.rollout_hub.grpo_guard import STALE_MEAN_BATCH, mean_recording_request, sde_pairs_with_means
+from miles.rollout.requests import mean_recording_request
+from miles.rollout.rollout_hub.pairs import (
+    STALE_MEAN_BATCH,
+    recompute_conflict,
+    sde_pairs_with_means,
+    trained_steps_per_sample,
+)
 from miles.rollout.rollout_hub.spec import RolloutSpec
 
 SPEC = RolloutSpec(

@@ -9,9 +9,9 @@ import argparse
 
 import torch
 
-from miles.rollout.conditioning import negative_columns
 from miles.rollout.engine import GenerateRequest, GenerateResult
-from miles.rollout.requests import sampler_request
+from miles.rollout.requests import ode_request
+from miles.rollout.rollout_hub.pairs import clean_latent_pairs
 from miles.rollout.rollout_hub.spec import RolloutSpec
 from miles.utils.seeding import stream_rng
 from miles.utils.types import Sample, TrainPairs
@@ -22,13 +22,6 @@ STALE_NFT_BATCH = (
     "off-policy by construction: the loss noises the clean samples afresh and needs only their rewards, no "
     "log-prob of the policy that sampled them; samples from the previous weights are ordinary training data"
 )
-
-
-def ode_request(
-    args: argparse.Namespace, samples: list[Sample], *, rollout_id: int, resolution: int
-) -> GenerateRequest:
-    """Deterministic ODE sampling, nothing recorded but the clean latents."""
-    return sampler_request(args, samples, resolution=resolution, sde_type="ode", trained_steps=[])
 
 
 def nft_pairs_per_sample(num_steps: int, timestep_fraction: float) -> int:
@@ -46,29 +39,6 @@ def draw_timestep_indices(num_steps: int, count: int, *, seed: int, rollout_id: 
     """`count` distinct indices into the grid's nonzero sigmas (0 .. num_steps−1), shuffled per sample."""
     rng = stream_rng(seed, rollout_id, sample, _TIMESTEP_SALT)
     return torch.from_numpy(rng.permutation(num_steps)[:count].copy()).long()
-
-
-def clean_latent_pairs(result: GenerateResult, advantages: torch.Tensor, index: torch.Tensor, steps: int) -> TrainPairs:
-    """Sample-major pairs of clean latents: sample b's `steps` pairs are rows b·K .. b·K+K−1, pair i at the grid σ
-    `result.sigmas[index[i]]`. Columns: x0 (the clean latent), t (that σ), advantage, the conditioning (`cond/*`),
-    sample_index (and the negative conditioning `negative_cond/*` when the engine sampled with CFG)."""
-    batch = result.final_latents.shape[0]
-    if advantages.shape != (batch,):
-        raise ValueError(f"expected one advantage per sample ({batch},), got {tuple(advantages.shape)}")
-
-    def per_pair(x: torch.Tensor) -> torch.Tensor:  # (B, ...) -> (B·K, ...)
-        return x.repeat_interleave(steps, dim=0)
-
-    pairs: TrainPairs = {
-        "x0": per_pair(result.final_latents.float()),
-        "t": result.sigmas.float()[index].clone(),
-        "advantage": per_pair(advantages.float()),
-        **result.conditioning.repeat_interleave(steps).to_columns(),
-        "sample_index": per_pair(torch.arange(batch)),
-    }
-    if result.negative is not None:
-        pairs |= negative_columns(result.negative, batch * steps)
-    return pairs
 
 
 def nft_pairs(

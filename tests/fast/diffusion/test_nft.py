@@ -1,11 +1,11 @@
-"""DiffusionNFT: r mapping, gradient symmetry at θ = θ_old, reduction to weighted flow matching, decay, EMA."""
+"""DiffusionNFT: r mapping, gradient symmetry at θ = θ_old, reduction to weighted flow matching."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from miles.diffusion.nft import advantage_to_r, ema_update_, nft_kl, nft_loss, old_policy_decay
+from miles.diffusion.nft import advantage_to_r, nft_loss
 
 
 def test_r_mapping():
@@ -61,31 +61,3 @@ def test_weight_floor_and_no_adaptive_weight():
     plain, _ = nft_loss(v, v_exact, x0, x_t, t, torch.ones(3), beta=0.5, adv_clip_max=5.0, adaptive_weight=False)
     # x̂₀⁺ − x₀ = −t·β·1 everywhere, so mean square = (tβ)²; times c / β.
     torch.testing.assert_close(plain, 5.0 * (t * 0.5) ** 2 / 0.5)
-
-
-def test_nft_kl_is_zero_for_equal_predictions():
-    v = torch.randn(2, 3)
-    torch.testing.assert_close(nft_kl(v, v.clone()), torch.zeros(2))
-    torch.testing.assert_close(nft_kl(v, v + 2.0), torch.full((2,), 4.0))
-
-
-def test_decay_schedule_values():
-    assert [old_policy_decay(s) for s in (0, 1, 100, 500, 501, 10_000)] == pytest.approx(
-        [0.0, 0.001, 0.1, 0.5, 0.5, 0.5]
-    )
-    assert old_policy_decay(50, rate=0.0075, max_decay=0.999, flat_steps=75) == 0.0
-    assert old_policy_decay(175, rate=0.0075, max_decay=0.999, flat_steps=75) == pytest.approx(0.75)
-    assert old_policy_decay(10_000, rate=0.0075, max_decay=0.999, flat_steps=75) == pytest.approx(0.999)
-    assert old_policy_decay(300, rate=0.0, max_decay=0.0) == 0.0
-
-
-def test_ema_update_in_place():
-    old = [torch.tensor([1.0, 2.0]), torch.tensor([[0.0]])]
-    new = [torch.tensor([3.0, 6.0]), torch.tensor([[4.0]])]
-    ema_update_(old, new, 0.25)
-    torch.testing.assert_close(old[0], torch.tensor([0.25 * 1 + 0.75 * 3, 0.25 * 2 + 0.75 * 6]))
-    torch.testing.assert_close(old[1], torch.tensor([[3.0]]))
-    ema_update_(old, new, 0.0)
-    torch.testing.assert_close(old[0], new[0])
-    with pytest.raises(ValueError, match="1 new"):
-        ema_update_(old, new[:1], 0.5)

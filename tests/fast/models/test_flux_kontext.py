@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from miles.models import get_train_pipeline_config
-from miles.models.tiny_flux import save_tiny_flux_pipeline
+from miles.models.flux.tiny import save_tiny_flux_pipeline
 from miles.startup import startup_checks
 from miles.utils.arguments import parse_args
 from tests.conftest import FAMILY_CASES

@@ -9,16 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from miles.algorithms import ALGORITHMS
 from miles.models import get_train_pipeline_config
+
+POLICY = ALGORITHMS["policy_loss"]
 
 
 def test_lora_save_hf_and_a_scale_below_one_are_refused(tiny_hunyuan_video15_dir):
     family = get_train_pipeline_config(tiny_hunyuan_video15_dir)
-    family.check_run_args(argparse.Namespace(use_lora=True, save_hf=None, diffusion_guidance_scale=3.5))
+    family.check_run_args(argparse.Namespace(use_lora=True, save_hf=None, diffusion_guidance_scale=3.5), POLICY)
     with pytest.raises(ValueError, match="--use-lora with --save-hf: .*HunyuanVideo15Pipeline has no LoRA loader"):
-        family.check_run_args(argparse.Namespace(use_lora=True, save_hf="/out", diffusion_guidance_scale=1.0))
+        family.check_run_args(argparse.Namespace(use_lora=True, save_hf="/out", diffusion_guidance_scale=1.0), POLICY)
     with pytest.raises(ValueError, match="--diffusion-guidance-scale 0.5: .*guider runs CFG at any scale but 1"):
-        family.check_run_args(argparse.Namespace(use_lora=False, save_hf=None, diffusion_guidance_scale=0.5))
+        family.check_run_args(argparse.Namespace(use_lora=False, save_hf=None, diffusion_guidance_scale=0.5), POLICY)
 
 
 def test_a_guider_whose_maths_miles_does_not_run_is_refused(tiny_hunyuan_video15_dir, tmp_path):

@@ -11,8 +11,9 @@ import pytest
 import torch
 from diffusers import LTX2Pipeline
 
+from miles.algorithms import ALGORITHMS
 from miles.models import get_train_pipeline_config
-from miles.models.ltx2 import pack_audio, pack_video, unpack_audio, unpack_video
+from miles.models.ltx2.ltx2 import pack_audio, pack_video, unpack_audio, unpack_video
 from miles.rollout.engine import DiffusionEngine, GenerateRequest
 from miles.rollout.media_files import save_media
 
@@ -57,11 +58,11 @@ def test_noise_is_drawn_as_the_pipeline_draws_it(family, tiny_ltx2_dir):
 def test_refusals_name_the_problem(family, tiny_ltx2_dir):
     refused = r"trains on \(prompt, image\) dataset records \(--train-only\), which is not supported for the ltx2"
     with pytest.raises(ValueError, match=rf"--loss-type sft_loss {refused}"):  # an algorithm without engines
-        family.check_run_args(argparse.Namespace(loss_type="sft_loss", train_only=False))
+        family.check_run_args(argparse.Namespace(loss_type="sft_loss", train_only=False), ALGORITHMS["sft_loss"])
     with pytest.raises(ValueError, match=rf"--loss-type custom_loss {refused}"):  # any algorithm run --train-only
-        family.check_run_args(argparse.Namespace(loss_type="custom_loss", train_only=True))
+        family.check_run_args(argparse.Namespace(loss_type="custom_loss", train_only=True), ALGORITHMS["custom_loss"])
     for loss_type in ("policy_loss", "nft", "dmd2", "custom_loss"):  # their rollouts are generated
-        family.check_run_args(argparse.Namespace(loss_type=loss_type, train_only=False))
+        family.check_run_args(argparse.Namespace(loss_type=loss_type, train_only=False), ALGORITHMS[loss_type])
     with pytest.raises(NotImplementedError, match="joint video \\+ audio latent"):
         family.encode_images(torch.zeros(1, 3, RESOLUTION, RESOLUTION))
     with pytest.raises(ValueError, match="num_frames - 1 divisible by the video VAE's temporal factor 8"):

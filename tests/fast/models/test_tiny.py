@@ -8,7 +8,8 @@ import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
 
-from miles.models.tiny import SHAPES_WORDS, build_clip_tokenizer, build_t5_tokenizer, build_tiny_sd3_pipeline
+from miles.models.sd3.tiny import build_tiny_sd3_pipeline
+from miles.models.tiny import SHAPES_WORDS, build_clip_tokenizer, build_t5_tokenizer
 
 REQUIRED_WORDS = (
     "a an one two three four five six red green blue yellow purple orange white black gray pink cyan circle circles "

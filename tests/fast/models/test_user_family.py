@@ -45,3 +45,10 @@ def test_model_family_and_the_class_path_exclude_each_other(capsys):
              "--train-pipeline-config-path", "f.py:C"]
         )  # fmt: skip
     assert "--train-pipeline-config-path" in capsys.readouterr().err
+
+
+def test_a_family_whose_run_check_takes_no_algorithm_is_refused(tmp_path):
+    path = tmp_path / "family.py"
+    path.write_text(FAMILY + "\n\nclass OldCheck(MySD3):\n    def check_run_args(self, args):\n        pass\n")
+    with pytest.raises(TypeError, match=r"OldCheck\.check_run_args must take \(self, args, algorithm\)"):
+        load_family_class(f"{path}:OldCheck")

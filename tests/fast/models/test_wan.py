@@ -12,6 +12,7 @@ import pytest
 import torch
 from diffusers import UniPCMultistepScheduler
 
+from miles.algorithms import ALGORITHMS
 from miles.models import WanExperts, get_train_pipeline_config
 from miles.models.diffusers_family import RUN_DEFAULTS_FILE
 from miles.models.media import Media
@@ -91,9 +92,9 @@ def test_options_are_checked_against_the_folder(tiny_wan_dir, tiny_wan_2_experts
         get_train_pipeline_config(tiny_pipeline_dir, num_frames=5)
     assert get_train_pipeline_config(tiny_pipeline_dir, num_frames=None).name == "sd3"  # not given: fine
     lora = argparse.Namespace(use_lora=True)
-    get_train_pipeline_config(tiny_wan_dir).check_run_args(lora)  # one expert: LoRA is fine
+    get_train_pipeline_config(tiny_wan_dir).check_run_args(lora, ALGORITHMS["policy_loss"])  # one expert: LoRA is fine
     with pytest.raises(ValueError, match="--use-lora with a two-expert Wan folder"):
-        get_train_pipeline_config(tiny_wan_2_experts_dir).check_run_args(lora)
+        get_train_pipeline_config(tiny_wan_2_experts_dir).check_run_args(lora, ALGORITHMS["policy_loss"])
 
 
 def test_save_transformer_writes_both_experts(tiny_wan_2_experts_dir, tmp_path):

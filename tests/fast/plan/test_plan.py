@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from miles.models.base import family_options, get_train_pipeline_config
 from miles.plan import simulate as simulate_module
-from miles.plan.command import make_plan, resolve_plan_checkpoint
+from miles.plan.command import make_plan, plan_settings, resolve_plan_checkpoint
+from miles.plan.report import build_report
 from miles.plan.run import CollectiveMismatch, check_collectives, simulate
 from miles.plan.simulate import PlannedTrainer, simulate_engine, simulate_trainer_rank, simulation_args
 from miles.plan.startup import PlanDoesNotFit, check_plan
@@ -50,12 +51,18 @@ def test_counts_match_a_hand_count_of_shards_and_adamw_states(dp2):
 
 
 def test_ranks_issue_the_same_collectives_and_rank_0_gathers_for_the_engines(dp2):
-    _, simulation = dp2
+    args, simulation = dp2
     first, last = simulation.roles["actor"]
     assert (first.rank, last.rank) == (0, 1)
     check_collectives(simulation)
     assert [c.op for c in first.collectives if c.phase == "train"]
     assert first.export_bytes > 0 and last.export_bytes == 0
+    # a CUDA plan: rank 0 holds two bucket buffers of the weight sync for the whole run (the tiny model fits one
+    # bucket: a buffer of its own size, tensors aligned), an engine apart one
+    assert first.sync_buffer_bytes == pytest.approx(2 * first.export_bytes, rel=0.01) and last.sync_buffer_bytes == 0
+    assert first.peaks["train"] >= first.sync_buffer_bytes + first.params_bytes
+    report = build_report(args, simulation, plan_settings(args))
+    assert report["roles"]["engine"]["sync_buffer_bytes"] == first.sync_buffer_bytes // 2
 
 
 def test_planted_rank_dependent_collective_is_caught(monkeypatch):
@@ -92,7 +99,8 @@ def test_the_plan_predicts_the_same_steps_run_on_real_tensors():
 def test_startup_refuses_a_cuda_run_that_would_not_fit(monkeypatch):
     """--plan-gpu as a stated size (0.01 GiB): the refusal names the GPU, the role, the phase and what fits."""
     monkeypatch.setattr("miles.plan.suggest.MAX_REPLANS", 1)
-    args = parse_args([*SMALL, "--plan-gpu", "0.01"])
+    sizes = ["--micro-batch-size", "4", "--gradient-checkpointing", "off", "--rollout-micro-batch-size", "2"]
+    args = parse_args([*SMALL, *sizes, "--plan-gpu", "0.01"])  # given sizes: no `auto` search (test_auto.py)
     args.device = "cuda"  # what a CUDA machine resolves --device auto to; the plan itself runs on the CPU
     with pytest.raises(PlanDoesNotFit, match=r"GPU \d+ \((actor rank 0|engine 0)[^)]*\) needs .* in (train|generate)"):
         check_plan(args)
@@ -103,3 +111,33 @@ def test_startup_refuses_a_cuda_run_that_would_not_fit(monkeypatch):
 def test_an_unknown_hub_id_names_the_shipped_ones():
     with pytest.raises(ValueError, match="black-forest-labs/FLUX.1-dev"):
         make_plan(parse_args(["--plan", "--hf-checkpoint", "nobody/nothing"]))
+
+
+def test_the_engine_frees_its_text_encoders_after_the_prompt_cache_fill_as_a_run_does(tiny_flux_dev_dir):
+    """FLUX's encodings are cache-exact: with the prompt cache on (auto) the engine encodes at start-up, frees its
+    text encoders and generates without them; with it off they stay resident for the whole run."""
+    plans = {}
+    for cache in ("auto", "off"):
+        args = simulation_args(plan_args("--hf-checkpoint", str(tiny_flux_dev_dir), "--prompt-cache", cache))
+        plans[cache], *_ = simulate_engine(args, 2)
+    freed = plans["off"].params_bytes - plans["auto"].params_bytes  # the text encoders
+    assert freed > 0
+    assert plans["auto"].peaks["generate"] <= plans["off"].peaks["generate"] - freed
+    assert plans["auto"].peaks["start-up"] >= plans["off"].params_bytes  # loaded for the fill
+
+
+def test_per_tensor_equivalents_give_diffusers_tensors_and_are_restored():
+    """The planner's loop-free HunyuanVideo 1.5 VAE attention mask equals diffusers' own (values, dtype, size)."""
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15AttnBlock
+
+    from miles.plan.fake import per_tensor_equivalents
+
+    own = HunyuanVideo15AttnBlock.prepare_causal_attention_mask
+    cases = [(3, 4, None, torch.float32), (5, 7, 2, torch.float32), (2, 3, None, torch.bfloat16)]
+    expected = [own(n, hw, dtype, "cpu", batch_size=b) for n, hw, b, dtype in cases]
+    with per_tensor_equivalents():
+        assert HunyuanVideo15AttnBlock.prepare_causal_attention_mask is not own
+        got = [HunyuanVideo15AttnBlock.prepare_causal_attention_mask(n, hw, d, "cpu", b) for n, hw, b, d in cases]
+    assert HunyuanVideo15AttnBlock.prepare_causal_attention_mask is own
+    for a, b in zip(expected, got):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -97,3 +97,22 @@ def test_transformer_size_all_meta(folder: str) -> None:
     with accelerate.init_empty_weights(include_buffers=True):
         transformer = cls.from_config(cls.load_config(str(CONFIGS / folder / "transformer")))
     assert_published_size(folder, transformer)
+
+
+@pytest.mark.standard  # a real-size plan takes 40-180 s here: docs/user-guide/memory.md's table is these runs
+@pytest.mark.parametrize("folder", sorted(SHIPPED))
+def test_plan_of_each_shipped_model_at_8_gpus(folder: str, tmp_path: Path) -> None:
+    """`--plan` on the hub id at --dp-size 8: the default nft run plans (the engine, every simulated rank, the auto
+    sizes), its ranks issue the same collectives, and the verdict is stated with what it rests on."""
+    from miles.plan.command import plan_command
+    from miles.utils.arguments import parse_args
+
+    hub_id = folder.replace("--", "/", 1)
+    args = parse_args(["--plan", "--hf-checkpoint", hub_id, "--dp-size", "8", "--output-dir", str(tmp_path)])
+    assert plan_command(args) in (0, 3)
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["world_size"] == 9 and report["device"] == "cuda"
+    assert report["roles"]["actor"]["simulated_ranks"] == [0, 7]
+    # rank 0's fp32 master shards: an eighth of the published transformer (full fine-tuning, FSDP over 8 ranks)
+    assert report["roles"]["actor"]["params_bytes"] == pytest.approx(4 * SHIPPED[folder][1] / 8, rel=0.03)
+    assert report["flops_per_sample"]["forward"] > 0 and report["seconds_per_rollout"]["train"] > 0

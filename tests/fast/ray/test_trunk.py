@@ -199,14 +199,15 @@ def test_hook_wiring_numbering_in_recompute_and_training_loops_with_and_without_
         assert from_new == [False] * len(recompute) + [w == 0 for (_, w, _) in training]
         assert out["same_list"], "train_output did not receive the list the formulas appended to"
         assert out["appended"] == [mb for mb, _, _ in recompute + training]
-        assert [(mb, step, grad) for mb, step, grad, _ in out["prepares"]] == [
+        assert [(mb, step, grad) for mb, step, grad, *_ in out["prepares"]] == [
             (mb, w, not recompute_call) for mb, w, recompute_call in recompute + training
         ]  # the recompute loop prepares without grad
-        assert all(main for *_, main in out["prepares"])
+        assert all(main for *_, main, _ in out["prepares"])
+        assert all(pad is None for *_, pad in out["prepares"])  # passed explicitly: the hook has no default
     for off, on in zip(outputs, on_outputs):
         assert [p[:3] for p in on["prepares"]] == [p[:3] for p in off["prepares"]]
         assert on["calls"] == off["calls"] and on["appended"] == off["appended"]
-        assert not any(main for *_, main in on["prepares"]), "prefetch on, yet a prepare ran on the main thread"
+        assert not any(main for *_, main, _ in on["prepares"]), "prefetch on, yet a prepare ran on the main thread"
     for off, on in zip(off_weights, on_weights):
         assert off.keys() == on.keys()
         for name in off:

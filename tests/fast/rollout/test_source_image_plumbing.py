@@ -19,7 +19,7 @@ from miles.rollout.engine import GenerateRequest, GenerateResult
 from miles.rollout.media_files import beside_sources, first_sources
 from miles.rollout.requests import source_images_of
 from miles.rollout.rm_hub.remote import decode_sample, encode_sample
-from miles.rollout.rollout_hub.flow_grpo import sde_pairs
+from miles.rollout.rollout_hub.pairs import sde_pairs
 from miles.rollout.steps import make_samples
 
 B, K = 3, 2

@@ -131,7 +131,8 @@ def test_validation_leaves_the_args_as_given_and_derivation_fills_the_defaults_i
     assert vars(args) == given
     derive_args(args)
     assert args.global_batch_size == 6 * 2 // 3 and args.diffusion_guidance_scale == 1.0 and args.eval_interval == 20
-    assert (args.critic_lr, args.critic_micro_batch_size) == (given["lr"], given["micro_batch_size"])
+    assert given["micro_batch_size"] == "auto" and args.micro_batch_size == 32  # auto: concrete at once (CPU's)
+    assert (args.critic_lr, args.critic_micro_batch_size) == (given["lr"], args.micro_batch_size)
     assert args.critic_num_steps_per_rollout == 5 * 3  # --dmd2-critic-updates-per-step 5 x --num-steps-per-rollout 3
     assert (args.critic_checkpoint, args.critic_save, args.critic_load) == ("/t", str(tmp_path), None)
     changed = {k for k in given if given[k] != vars(args)[k]}

@@ -11,13 +11,15 @@ import pytest
 from miles.algorithms import BUILTIN_ALGORITHMS
 from miles.utils.arg_rules import flag_ranges
 from miles.utils.arguments import build_parser, parse_args
+from miles.utils.plan_arguments import parse_auto_size
 from miles.utils.ranges import FLAG_RANGES, Range
 
 RANGES = flag_ranges(BUILTIN_ALGORITHMS)
 
 BASE = ["--hf-checkpoint", "/tmp/x", "--prompt-data", "builtin:shapes"]
-NUMERIC = sorted(a.dest for a in build_parser(BUILTIN_ALGORITHMS)._actions if a.type in (int, float))
-TYPES = {a.dest: a.type for a in build_parser(BUILTIN_ALGORITHMS)._actions}
+NUMBER_TYPES = {int: int, float: float, parse_auto_size: int}  # auto or a number: its numbers have a range too
+NUMERIC = sorted(a.dest for a in build_parser(BUILTIN_ALGORITHMS)._actions if a.type in NUMBER_TYPES)
+TYPES = {a.dest: NUMBER_TYPES.get(a.type, a.type) for a in build_parser(BUILTIN_ALGORITHMS)._actions}
 
 
 def outside(bounds: Range, kind: type) -> list[str]:
@@ -91,7 +93,7 @@ def test_noise_level_below_zero_is_refused(capsys):
 @pytest.mark.parametrize(
     ("yaml_line", "message"),
     [
-        ("micro-batch-size: 2.5", "key 'micro-batch-size' (--micro-batch-size): invalid int value 2.5"),
+        ("micro-batch-size: 2.5", "key 'micro-batch-size' (--micro-batch-size): '2.5': give auto or a whole number"),
         ("lr: -0.1", "key 'lr': --lr must be > 0, got -0.1"),
         ("adam_beta2: 1.0", "key 'adam_beta2': --adam-beta2 must be in [0, 1), got 1.0"),
         ("use-lora: 1", "key 'use-lora' (--use-lora) takes true or false, got 1"),

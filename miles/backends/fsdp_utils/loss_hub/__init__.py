@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.algorithms import Role, algorithm_of
-from miles.backends.fsdp_utils.loss_hub import awm, dmd2, dpo, flow_dppo, flow_grpo, grpo_guard, nft, sft
+from miles.backends.fsdp_utils.loss_hub import awm, dmd2, dpo, flow_dppo, flow_grpo, grpo_guard, nft, policy, sft
 from miles.utils.misc import load_function
 
 PrepareFn = Callable[..., Any]  # (ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len=None) -> PreparedBatch
@@ -55,9 +55,9 @@ class LossHooks:
 
 LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
     ("sft_loss", "actor"): LossHooks(prepare=sft.prepare_sft_batch, formula=sft.sft_formula),
-    ("policy_loss", "actor"): LossHooks(prepare=flow_grpo.prepare_policy_batch, formula=flow_grpo.policy_formula),
-    ("grpo_guard", "actor"): LossHooks(prepare=flow_grpo.prepare_policy_batch, formula=grpo_guard.guard_formula),
-    ("flow_dppo", "actor"): LossHooks(prepare=flow_grpo.prepare_policy_batch, formula=flow_dppo.dppo_formula),
+    ("policy_loss", "actor"): LossHooks(prepare=policy.prepare_policy_batch, formula=flow_grpo.policy_formula),
+    ("grpo_guard", "actor"): LossHooks(prepare=policy.prepare_policy_batch, formula=grpo_guard.guard_formula),
+    ("flow_dppo", "actor"): LossHooks(prepare=policy.prepare_policy_batch, formula=flow_dppo.dppo_formula),
     ("nft", "actor"): LossHooks(
         prepare=nft.prepare_nft_batch,
         formula=nft.nft_formula,
@@ -81,7 +81,7 @@ LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
 
 # What each hook must accept (by name, or through **kwargs): the trunk passes all of these.
 REQUIRED_KEYWORDS = {
-    "prepare": ("microbatch_id", "optim_step_idx"),
+    "prepare": ("microbatch_id", "optim_step_idx", "pad_to_len"),
     "formula": ("new_pred", "frozen_preds", "metrics", "optim_step_idx", "train_output_inputs"),
     "after_train": ("global_step",),
 }

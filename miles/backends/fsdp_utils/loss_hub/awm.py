@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import torch
 
 from miles.algorithms.awm import EMA_ANCHOR
-from miles.backends.fsdp_utils.loss_hub.sft import pair_generators, pair_noise
+from miles.backends.fsdp_utils.loss_hub.noise import pair_generators, pair_noise
 from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
     PreparedBatch,
@@ -33,9 +33,9 @@ from miles.backends.fsdp_utils.loss_hub.types import (
     frozen_prediction,
 )
 from miles.diffusion.awm import awm_log_prob, scaled_advantage
-from miles.diffusion.grpo import clipped_policy_loss
-from miles.diffusion.nft import nft_kl, old_policy_decay
+from miles.diffusion.policy import clipped_policy_loss
 from miles.diffusion.schedule import add_noise
+from miles.diffusion.shadow import old_policy_decay, velocity_kl
 from miles.utils.types import TrainPairs
 
 REF_NETWORK = "ref"
@@ -120,11 +120,11 @@ def awm_formula(
         metrics.add("train/sigma_mean", prepared.sigmas)
     metrics.add("train/policy_loss", loss)
     if args.awm_kl_beta > 0:
-        kl = nft_kl(new_pred, frozen_prediction(frozen_preds, REF_NETWORK, "--awm-kl-beta > 0"))
+        kl = velocity_kl(new_pred, frozen_prediction(frozen_preds, REF_NETWORK, "--awm-kl-beta > 0"))
         metrics.add("train/kl", kl)
         loss = loss + args.awm_kl_beta * kl
     if args.awm_ema_kl_beta > 0:
-        ema_kl = nft_kl(new_pred, frozen_prediction(frozen_preds, EMA_NETWORK, "--awm-ema-kl-beta > 0"))
+        ema_kl = velocity_kl(new_pred, frozen_prediction(frozen_preds, EMA_NETWORK, "--awm-ema-kl-beta > 0"))
         metrics.add("train/ema_kl", ema_kl)
         loss = loss + args.awm_ema_kl_beta * ema_kl
     metrics.add("train/loss", loss)

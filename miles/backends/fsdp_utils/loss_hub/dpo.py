@@ -10,7 +10,7 @@ from functools import lru_cache
 import torch
 
 from miles.algorithms.dpo import REFERENCE
-from miles.backends.fsdp_utils.loss_hub.sft import pair_generators, pair_noise
+from miles.backends.fsdp_utils.loss_hub.noise import pair_generators, pair_noise
 from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
     PreparedBatch,

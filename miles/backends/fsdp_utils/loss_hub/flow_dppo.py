@@ -18,9 +18,9 @@ from collections.abc import Mapping
 
 import torch
 
-from miles.backends.fsdp_utils.loss_hub.flow_grpo import policy_step
-from miles.backends.fsdp_utils.loss_hub.grpo_guard import (
+from miles.backends.fsdp_utils.loss_hub.policy import (
     old_mean_of,
+    policy_step,
     record_rollout_parity,
     store_old_step,
     with_reference_kl,

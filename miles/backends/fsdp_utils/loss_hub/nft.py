@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from miles.backends.fsdp_utils.loss_hub.sft import pair_generators, pair_noise
+from miles.backends.fsdp_utils.loss_hub.noise import pair_generators, pair_noise
 from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
     PreparedBatch,
@@ -16,8 +16,9 @@ from miles.backends.fsdp_utils.loss_hub.types import (
     conditioning_from_pairs,
     frozen_prediction,
 )
-from miles.diffusion.nft import advantage_to_r, nft_kl, nft_loss, old_policy_decay
+from miles.diffusion.nft import advantage_to_r, nft_loss
 from miles.diffusion.schedule import add_noise
+from miles.diffusion.shadow import old_policy_decay, velocity_kl
 from miles.utils.types import TrainPairs
 
 OLD_NETWORK = "old"
@@ -108,7 +109,7 @@ def nft_formula(
     metrics.add("train/nft_old_deviate", parts["old_deviate"].expand(n))
     metrics.add("train/r_mean", r)
     if args.diffusion_nft_kl_beta > 0:
-        kl = nft_kl(new_pred, frozen_prediction(frozen_preds, REF_NETWORK, "--diffusion-nft-kl-beta > 0"))
+        kl = velocity_kl(new_pred, frozen_prediction(frozen_preds, REF_NETWORK, "--diffusion-nft-kl-beta > 0"))
         metrics.add("train/kl", kl)
         loss = loss + args.diffusion_nft_kl_beta * kl
     metrics.add("train/loss", loss)

@@ -6,6 +6,7 @@ from functools import lru_cache
 
 import torch
 
+from miles.backends.fsdp_utils.loss_hub.noise import pair_generators, pair_noise
 from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
     PreparedBatch,
@@ -19,35 +20,14 @@ from miles.diffusion.schedule import (
     sigmas_from_u,
     training_sigmas,
 )
-from miles.utils.seeding import stream_generator
 from miles.utils.simulation import real_tensors
-from miles.utils.types import PAIR_INDEX, TrainPairs
+from miles.utils.types import TrainPairs
 
 
 @lru_cache(maxsize=8)
 def _sigma_table(shift: float) -> torch.Tensor:
     with real_tensors():  # cached: never a planner's fake tensor
         return training_sigmas(shift=shift)
-
-
-def pair_generators(
-    ctx: DiffusionLossContext, batch: TrainPairs, optim_step_idx: int, salt: int = 0
-) -> list[torch.Generator]:
-    """One generator per pair, seeded by (seed, rollout, window, the pair's row in the rollout's batch, salt): a pair
-    draws the same noise and timestep in every pass over its window and on whichever rank and micro-batch it lands
-    (any --dp-size: ranks are dealt rows so that window k holds the same pairs), and fresh ones in another window
-    (dmd2's critic sees each pair once per window)."""
-    if PAIR_INDEX not in batch:
-        raise KeyError(
-            f"train pairs lack {PAIR_INDEX!r} (miles.utils.types.shard_pairs adds it); columns: {sorted(batch)}"
-        )
-    rollout, seed = ctx.rollout_id, ctx.args.seed
-    return [stream_generator(seed, rollout, optim_step_idx, int(i), salt) for i in batch[PAIR_INDEX].tolist()]
-
-
-def pair_noise(generators: list[torch.Generator], shape: torch.Size) -> torch.Tensor:
-    """(len(generators), *shape[1:]) float32 standard normal, row i from generator i."""
-    return torch.stack([torch.randn(shape[1:], generator=g, dtype=torch.float32) for g in generators])
 
 
 def prepare_sft_batch(

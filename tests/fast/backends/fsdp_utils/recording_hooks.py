@@ -12,12 +12,12 @@ NAME = "recording"
 
 CALLS: list = []
 LIST_IDS: set = set()
-PREPARES: list = []  # (microbatch_id, optim_step_idx, grad enabled, on the main thread) of each prepare call
+PREPARES: list = []  # (microbatch_id, optim_step_idx, grad enabled, on the main thread, pad_to_len) of each call
 
 
-def prepare(ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len=None):
+def prepare(ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len):  # no default: the trunk must pass all three
     main = threading.current_thread() is threading.main_thread()
-    PREPARES.append((microbatch_id, optim_step_idx, torch.is_grad_enabled(), main))
+    PREPARES.append((microbatch_id, optim_step_idx, torch.is_grad_enabled(), main, pad_to_len))
     prepared = sft.prepare_sft_batch(ctx, batch, microbatch_id=microbatch_id, optim_step_idx=optim_step_idx)
     prepared.extras["microbatch_id"] = microbatch_id
     prepared.extras["prepare_step"] = optim_step_idx

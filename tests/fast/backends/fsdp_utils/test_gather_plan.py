@@ -37,12 +37,12 @@ from miles.backends.fsdp_utils.fsdp import (
     gather_entries,
     gather_plan,
 )
-from miles.models.flux import FluxPipelineConfig
-from miles.models.ltx2 import LTX2PipelineConfig
-from miles.models.qwen_image import QwenImagePipelineConfig
-from miles.models.sd3 import SD3PipelineConfig
-from miles.models.wan import WanPipelineConfig
-from miles.models.wan_experts import WanExperts
+from miles.models.flux.flux import FluxPipelineConfig
+from miles.models.ltx2.ltx2 import LTX2PipelineConfig
+from miles.models.qwen.qwen_image import QwenImagePipelineConfig
+from miles.models.sd3.sd3 import SD3PipelineConfig
+from miles.models.wan.experts import WanExperts
+from miles.models.wan.wan import WanPipelineConfig
 from miles.utils.weight_checksum import block_terms
 from tests.background import job_folder
 from tests.fast.backends.fsdp_utils import rank_jobs

@@ -20,9 +20,11 @@ WINDOW = [MicroBatch(start=2 * i, end=2 * i + 2, microbatch_id=10 + i) for i in 
 class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[int, int, bool, str]] = []
+        self.pads: list = []
         self.started = {mb.microbatch_id: threading.Event() for mb in WINDOW}
 
-    def __call__(self, ctx, batch, *, microbatch_id, optim_step_idx):
+    def __call__(self, ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len):  # no default: passed explicitly
+        self.pads.append(pad_to_len)
         self.calls.append((microbatch_id, optim_step_idx, torch.is_grad_enabled(), threading.current_thread().name))
         self.started[microbatch_id].set()
         return PreparedBatch(latents=batch["x"] * 2, sigmas=batch["x"], embeds=None)
@@ -53,10 +55,11 @@ def test_prefetch_prepares_the_next_microbatch_while_the_caller_holds_this_one(g
     assert got == expected
     assert [c[:3] for c in plain.calls] == [c[:3] for c in recorder.calls]
     assert all(name == threading.current_thread().name for *_, name in plain.calls)
+    assert recorder.pads == plain.pads == [None] * len(WINDOW)  # the contract's third keyword, from both paths
 
 
 def test_an_error_in_a_prefetched_prepare_reaches_the_caller():
-    def prepare(ctx, batch, *, microbatch_id, optim_step_idx):
+    def prepare(ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len=None):
         if microbatch_id == 12:
             raise ValueError("bad micro-batch 12")
         return PreparedBatch(latents=batch["x"], sigmas=batch["x"], embeds=None)

@@ -39,7 +39,7 @@ def test_a_family_without_empty_loads_whole_with_a_warning(tiny_pipeline_dir, ca
     import torch
 
     from miles.backends.fsdp_utils.sharded_load import load_sharded
-    from miles.models.sd3 import SD3PipelineConfig
+    from miles.models.sd3.sd3 import SD3PipelineConfig
 
     class OldStyle(SD3PipelineConfig):  # a user family written before `empty`
         def load_transformer(self, path=None, dtype=torch.float32):

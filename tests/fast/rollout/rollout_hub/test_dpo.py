@@ -147,7 +147,7 @@ def test_offline_runs_the_dataset_entry_and_online_the_engines():
 
 def test_preference_pairs_encode_the_chosen_and_the_rejected_image_of_each_record(tiny_pipeline_dir, tmp_path):
     from miles.models.base import get_train_pipeline_config
-    from miles.rollout.rollout_hub.sft import image_to_tensor
+    from miles.rollout.rollout_hub.dataset import image_to_tensor
 
     for name, value in (("a.png", 0), ("b.png", 255), ("c.png", 90)):
         write_image(tmp_path / name, value)

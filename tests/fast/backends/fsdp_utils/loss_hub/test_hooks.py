@@ -121,6 +121,18 @@ def test_a_formula_still_taking_ref_pred_fails_at_start_up_saying_what_replaced_
     assert str(hooks) in message and 'ref_pred became frozen_preds["ref"]' in message
 
 
+def test_a_prepare_must_take_pad_to_len_which_the_trunk_passes_explicitly():
+    def without(ctx, batch, *, microbatch_id, optim_step_idx):
+        return None
+
+    def with_kwargs(ctx, batch, *, microbatch_id, **kwargs):
+        return None
+
+    with pytest.raises(HookSignatureError, match=r"prepare hook mine\.py:without: missing .*pad_to_len"):
+        check_hook_signature("prepare", without, "mine.py:without")
+    check_hook_signature("prepare", with_kwargs, "mine.py:with_kwargs")  # **kwargs takes whatever the trunk adds
+
+
 def test_the_recompute_keywords_are_required_only_with_a_log_prob_ratio():
     def formula(ctx, batch, prepared, *, new_pred, frozen_preds, metrics, optim_step_idx, train_output_inputs):
         return None

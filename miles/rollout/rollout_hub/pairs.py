@@ -1,0 +1,119 @@
+"""Samples -> train pairs conversions several algorithms share: the recorded SDE transitions (Flow-GRPO, GRPO-Guard,
+Flow-DPPO, custom_loss), with the engine's step means when a loss takes them, and the clean latents at chosen grid
+timesteps (DiffusionNFT, AWM). Also what a transition-based loss does with a stale batch under --async-rollout."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from miles.rollout.conditioning import negative_columns
+from miles.rollout.engine import GenerateRequest, GenerateResult
+from miles.utils.types import Sample, TrainPairs
+
+STALE_POLICY_BATCH = (
+    "the behaviour log-probs are the rollout's, recorded by the engine with the weights it sampled with, so the "
+    "ratio is taken against them and clipped as usual: PPO's importance ratio for a behaviour policy one update old"
+)
+STALE_MEAN_BATCH = (
+    "the behaviour step means and log-probs are the rollout's, recorded by the engine with the weights it sampled "
+    "with, so the ratio is taken against the policy one update old that drew the transitions"
+)
+
+
+def sde_pairs(
+    args: argparse.Namespace,
+    samples: list[Sample],
+    result: GenerateResult,
+    advantages: torch.Tensor,
+    *,
+    rollout_id: int,
+) -> TrainPairs:
+    """Sample-major pairs: sample b's K transitions are rows b·K .. b·K+K−1, so contiguous shards keep samples whole.
+
+    `result` is the engine's record of the trained steps; `advantages` (B,) one per sample.
+    """
+    batch, steps = result.log_probs.shape
+    if steps == 0:
+        raise ValueError("the step strategy selected no trained steps: nothing to train on")
+    index = torch.tensor(result.trained_steps, dtype=torch.long)
+    sigmas = result.sigmas.float()
+
+    def per_pair(x: torch.Tensor) -> torch.Tensor:  # (B, ...) -> (B·K, ...)
+        return x.repeat_interleave(steps, dim=0)
+
+    log_probs = result.log_probs.reshape(-1).float()
+    pairs: TrainPairs = {
+        "latents": result.latents.reshape(batch * steps, *result.latents.shape[2:]).float(),
+        "next_latents": result.next_latents.reshape(batch * steps, *result.next_latents.shape[2:]).float(),
+        "sigma": sigmas[index].repeat(batch),
+        "sigma_next": sigmas[index + 1].repeat(batch),
+        "sigma_max": sigmas[1].expand(batch * steps).clone(),
+        "rollout_log_prob": log_probs.clone(),
+        "old_log_prob": log_probs.clone(),
+        "advantage": per_pair(advantages.float()),
+        "sample_index": per_pair(torch.arange(batch)),
+        "step_index": index.repeat(batch),
+        **result.conditioning.repeat_interleave(steps).to_columns(),
+    }
+    if result.negative is not None:
+        pairs |= negative_columns(result.negative, batch * steps)
+    return pairs
+
+
+def sde_pairs_with_means(
+    args: argparse.Namespace,
+    samples: list[Sample],
+    result: GenerateResult,
+    advantages: torch.Tensor,
+    *,
+    rollout_id: int,
+) -> TrainPairs:
+    """`sde_pairs` plus μ_old of each transition: `rollout_mean` (the engine's, for the parity
+    metric) and `old_mean` (the ratio's, overwritten by --diffusion-recompute-old-log-prob)."""
+    if result.means is None:
+        raise ValueError(
+            f"--loss-type {args.loss_type} needs the engine's step means (GenerateResult.means): the request sets "
+            "record_means, so an engine that ignores it (a serving engine) must be taught to return them"
+        )
+    pairs = sde_pairs(args, samples, result, advantages, rollout_id=rollout_id)
+    batch, steps = result.means.shape[:2]
+    means = result.means.reshape(batch * steps, *result.means.shape[2:]).float()
+    return pairs | {"rollout_mean": means, "old_mean": means.clone()}
+
+
+def trained_steps_per_sample(args: argparse.Namespace, request: GenerateRequest) -> int:
+    return len(request.trained_steps)
+
+
+def recompute_conflict(args: argparse.Namespace) -> str | None:
+    if args.diffusion_recompute_old_log_prob:
+        return (
+            "--diffusion-recompute-old-log-prob replaces the rollout's behaviour log-probs by the current policy's, "
+            "so a batch generated one update behind would be trained as if on-policy; drop one of the two flags"
+        )
+    return None
+
+
+def clean_latent_pairs(result: GenerateResult, advantages: torch.Tensor, index: torch.Tensor, steps: int) -> TrainPairs:
+    """Sample-major pairs of clean latents: sample b's `steps` pairs are rows b·K .. b·K+K−1, pair i at the grid σ
+    `result.sigmas[index[i]]`. Columns: x0 (the clean latent), t (that σ), advantage, the conditioning (`cond/*`),
+    sample_index (and the negative conditioning `negative_cond/*` when the engine sampled with CFG)."""
+    batch = result.final_latents.shape[0]
+    if advantages.shape != (batch,):
+        raise ValueError(f"expected one advantage per sample ({batch},), got {tuple(advantages.shape)}")
+
+    def per_pair(x: torch.Tensor) -> torch.Tensor:  # (B, ...) -> (B·K, ...)
+        return x.repeat_interleave(steps, dim=0)
+
+    pairs: TrainPairs = {
+        "x0": per_pair(result.final_latents.float()),
+        "t": result.sigmas.float()[index].clone(),
+        "advantage": per_pair(advantages.float()),
+        **result.conditioning.repeat_interleave(steps).to_columns(),
+        "sample_index": per_pair(torch.arange(batch)),
+    }
+    if result.negative is not None:
+        pairs |= negative_columns(result.negative, batch * steps)
+    return pairs
