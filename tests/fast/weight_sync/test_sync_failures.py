@@ -33,11 +33,12 @@ def sync_of(trainer: list[tuple], engines: list[tuple]) -> tuple[WeightSyncLink,
     return link, group, group.actors + engine_group.engines
 
 
-def test_a_trainer_rank_killed_mid_sync_is_named_not_rank_0_whose_collective_broke(ray_cluster):
+def test_a_trainer_rank_killed_mid_sync_is_named_not_rank_0_whose_collective_broke(ray_cluster, tmp_path):
     import ray
 
     # rank 1 dies; rank 0's barrier breaks before Ray reports the death; the engine waits for rank 0's buckets
-    link, group, members = sync_of([("break",), ("die", 0.3)], [("hang",)])
+    flag = str(tmp_path / "broken")
+    link, group, members = sync_of([("break", 0.0, flag), ("die", 0.3, flag)], [("hang",)])
     try:
         with pytest.raises(
             ActorDied, match=r"^actor rank 1 died during weight sync \(version 4\) of rollout 2: "
@@ -54,10 +55,11 @@ def test_a_trainer_rank_killed_mid_sync_is_named_not_rank_0_whose_collective_bro
             ray.kill(actor)
 
 
-def test_an_engine_killed_mid_sync_is_named_not_rank_0_whose_send_broke(ray_cluster):
+def test_an_engine_killed_mid_sync_is_named_not_rank_0_whose_send_broke(ray_cluster, tmp_path):
     import ray
 
-    link, group, members = sync_of([("break",)], [("hang",), ("die", 0.3)])
+    flag = str(tmp_path / "broken")
+    link, group, members = sync_of([("break", 0.0, flag)], [("hang",), ("die", 0.3, flag)])
     try:
         with pytest.raises(EngineError, match=r"^rollout engine 1 of 2 died during weight sync \(version 3\)") as info:
             link.push(group, 3, rollout_id=1)
