@@ -209,16 +209,20 @@ def whole_sync(opts: argparse.Namespace) -> dict:
                 [r.push.remote() for r in ranks] + [e.receive_weights.remote(v) for e in engines], timeout=SYNC_TIMEOUT
             )
 
-        legs = {"object store (before)": old, f"sync group ({kind})": new}
+        legs = {f"sync group ({kind})": new, "object store (before)": old}
         if opts.skip_object_store:  # its rank 0 holds the model ~5 times over: it may not fit beside other jobs
             del legs["object store (before)"]
-        seconds: dict[str, list[float]] = {name: [] for name in legs}
-        for fn in legs.values():  # warm-up
-            fn()
+        # each time printed as it is taken: what was measured stays on record if the machine's memory runs out
+        # in a later sync (Ray then ends a worker: the object-store leg holds the model several times over)
+        seconds = {"memcpy": ray.get(ranks[0].memcpy.remote(plan.total_bytes, opts.repeats), timeout=SYNC_TIMEOUT)}
+        print(f"memcpy: {' '.join(f'{t:.3f}' for t in seconds['memcpy'])} s", flush=True)
+        seconds.update({name: [] for name in legs})
+        for name, fn in legs.items():
+            print(f"{name} (warm-up): {_timed(fn):.3f} s", flush=True)
         for _ in range(opts.repeats):
             for name, fn in legs.items():
                 seconds[name].append(_timed(fn))
-        seconds["memcpy"] = ray.get(ranks[0].memcpy.remote(plan.total_bytes, opts.repeats), timeout=SYNC_TIMEOUT)
+                print(f"{name}: {seconds[name][-1]:.3f} s", flush=True)
         return {"seconds": seconds, "bytes": plan.total_bytes, "buckets": len(plan.buckets), "kind": kind}
     finally:
         ray.shutdown()
