@@ -104,6 +104,8 @@ class WeightSyncLink:
             try:
                 self._collect(actor_group, member, ref, version, rollout_id)
             except Exception as exc:
+                # every member may be left waiting in the broken sync group: none is handed on to a pool
+                actor_group.failed = self.engines.failed = True
                 if isinstance(exc.__cause__, RayActorError):
                     raise  # a death, named
                 dead = dead_peer(list(waiting), {r: r for r in waiting}, failures.PEER_DEATH_WINDOW_S)

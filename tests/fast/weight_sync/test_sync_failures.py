@@ -49,7 +49,7 @@ def test_a_trainer_rank_killed_mid_sync_is_named_not_rank_0_whose_collective_bro
             "actor rank 0 failed after it: ConnectionError: [gloo/transport/tcp/pair.cc:534] Connection closed by "
             "peer [127.0.0.1]:41000"
         ]
-        assert group.failed
+        assert group.failed and link.engines.failed  # the engine waits in the broken group: not for a pool
     finally:
         for actor in members:
             ray.kill(actor)
@@ -78,7 +78,6 @@ def test_a_member_s_own_error_with_every_peer_alive_is_raised_naming_it(ray_clus
         with pytest.raises(ray.exceptions.RayTaskError) as info:
             link.push(group, 5, rollout_id=3)
         assert "raised by actor rank 0 during weight sync (version 5) of rollout 3" in info.value.__notes__
-        assert not link.engines.failed
     finally:
         for actor in members:
             ray.kill(actor)
