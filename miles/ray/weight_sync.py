@@ -11,13 +11,12 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
 
 from miles.ray.engine_group import RolloutEngineGroup
 from miles.ray.placement_group import actor_nodes
 from miles.utils import failures
 from miles.utils.distributed import uses_gpu
-from miles.utils.failures import dead_peer
+from miles.utils.failures import ACTOR_GONE, dead_peer
 from miles.weight_sync.protocol import bucket_bytes_for
 from miles.weight_sync.transports import TransportSpec, choose_transport
 
@@ -106,7 +105,7 @@ class WeightSyncLink:
             except Exception as exc:
                 # every member may be left waiting in the broken sync group: none is handed on to a pool
                 actor_group.failed = self.engines.failed = True
-                if isinstance(exc.__cause__, RayActorError):
+                if isinstance(exc.__cause__, ACTOR_GONE):
                     raise  # a death, named
                 dead = dead_peer(list(waiting), {r: r for r in waiting}, failures.PEER_DEATH_WINDOW_S)
                 if dead is None:

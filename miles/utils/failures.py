@@ -10,10 +10,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayTaskError
 
 logger = logging.getLogger(__name__)
 
+# what says an actor's process is gone: killed or lost (`RayActorError`), or ended by Ray's memory monitor while it ran
+# the task waited for (`OutOfMemoryError`; its later calls raise `RayActorError`)
+ACTOR_GONE = (RayActorError, OutOfMemoryError)
 PEER_DEATH_WINDOW_S = 10.0  # after a rank's error, how long `gather` waits for its peers to reveal a dead rank
 
 
@@ -69,7 +72,7 @@ def gather(
             rank = rank_of[ref]
             try:
                 results[ref] = ray.get(ref)
-            except RayActorError as exc:
+            except ACTOR_GONE as exc:
                 raise ActorDied(role, rank, phase, rollout_id, exc) from exc
             except RayTaskError as exc:
                 dead = dead_peer(pending, rank_of)
@@ -82,7 +85,7 @@ def gather(
     return [results[ref] for ref in refs]
 
 
-def dead_peer(pending: list, rank_of: dict, window_s: float = PEER_DEATH_WINDOW_S) -> tuple[int, RayActorError] | None:
+def dead_peer(pending: list, rank_of: dict, window_s: float = PEER_DEATH_WINDOW_S) -> tuple[Any, Exception] | None:
     """The first of the `pending` refs that fails within `window_s` because its actor died: (rank, error), else None.
     A rank killed in a collective makes its peers raise (gloo: "Connection closed by peer") about when Ray reports the
     death itself, so the peer's error may come first: the dead rank, not the peer, is the one to name."""
@@ -92,7 +95,7 @@ def dead_peer(pending: list, rank_of: dict, window_s: float = PEER_DEATH_WINDOW_
         for ref in ready:
             try:
                 ray.get(ref)
-            except RayActorError as exc:
+            except ACTOR_GONE as exc:
                 return rank_of[ref], exc
             except Exception:  # noqa: BLE001 - another peer's own error: keep looking for a death
                 continue
