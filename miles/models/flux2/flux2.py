@@ -38,7 +38,7 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 from PIL import Image
 from torch import nn
 
-from miles.models.base import RunAlgorithm, compute_dtype, read_model_index, register_train_pipeline_config
+from miles.models.base import RunAlgorithm, compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
@@ -50,6 +50,7 @@ from miles.models.diffusers_family import (
     training_shift,
     unit_range,
 )
+from miles.models.loading import read_model_index
 from miles.models.media import Media
 
 logger = logging.getLogger(__name__)
