@@ -159,32 +159,32 @@ def simulate_roles(
 
 @contextlib.contextmanager
 def _forked_ranks(ranks: list[int], simulate_rank: Callable[[int], ProcessPlan]) -> Iterator[Callable]:
-    """Simulate `ranks` in forked children (as many at once as the machine has spare cores) while the caller
-    simulates rank 0; yields `collect`, which returns their plans in order. Without spare cores, or with other
-    threads alive (a fork copies a lock another thread may hold: the child would wait on it forever), in this
-    process."""
+    """Simulate `ranks` in children forked now, before the caller simulates rank 0, so that each starts from the
+    same clean state (torch keeps device meshes it met: a second simulation in one process would find rank 0's mesh
+    groups in its own); they take turns on the machine's spare cores. Yields `collect`, which returns their plans in
+    order. With other threads alive (a fork copies a lock another thread may hold: the child would wait on it
+    forever) they run in this process after rank 0, which a 2-D mesh (--fsdp-shard-size) does not survive."""
     _stop_tqdm_monitor()
-    spare = (os.cpu_count() or 1) - 1 if threading.active_count() == 1 else 0
-    workers = max(0, min(len(ranks), spare))
+    forkable = threading.active_count() == 1
+    if ranks and not forkable:
+        others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+        logger.info("simulating ranks %s in this process after rank 0 (threads alive: %s)", ranks, others)
     context = multiprocessing.get_context("fork")
-    pending: list[tuple[int, Any]] = []
-
-    def start(rank: int) -> None:
+    turns = context.Semaphore(max(1, (os.cpu_count() or 1) - 1))
+    pending: dict[int, tuple[Any, Any]] = {}
+    for rank in ranks if forkable else []:
         receive, send = context.Pipe(duplex=False)
-        process = context.Process(target=_child, args=(simulate_rank, rank, send), daemon=True)
+        process = context.Process(target=_child, args=(simulate_rank, rank, send, turns), daemon=True)
         process.start()
-        pending.append((rank, (process, receive)))
-
-    for rank in ranks[:workers]:
-        start(rank)
+        pending[rank] = (process, receive)
 
     def collect() -> list[ProcessPlan]:
         plans = []
         for rank in ranks:
-            if not any(r == rank for r, _ in pending):
+            if rank not in pending:
                 plans.append(simulate_rank(rank))
                 continue
-            process, receive = next(handle for r, handle in pending if r == rank)
+            process, receive = pending[rank]
             result = receive.recv()
             process.join()
             if isinstance(result, BaseException):
@@ -196,16 +196,17 @@ def _forked_ranks(ranks: list[int], simulate_rank: Callable[[int], ProcessPlan])
 
 
 def _stop_tqdm_monitor() -> None:
-    """End tqdm's monitor thread (started by the first progress bar, diffusers' "Loading pipeline components") and
-    start no other: it only re-times slow bars, and while it lives no rank may be forked."""
+    """End tqdm's monitor threads (the first progress bar of a tqdm class starts one, diffusers' "Loading pipeline
+    components" among them) and start no other: they only re-time slow bars, and while one lives no rank may be
+    forked."""
     import tqdm
+    from tqdm._monitor import TMonitor
 
-    tqdm.tqdm.monitor_interval = 0
-    monitor = tqdm.tqdm.monitor
-    if monitor is not None:
-        monitor.exit()
-        monitor.join(timeout=5)
-        tqdm.tqdm.monitor = None
+    tqdm.tqdm.monitor_interval = 0  # every tqdm class inherits it
+    for thread in threading.enumerate():
+        if isinstance(thread, TMonitor):
+            thread.exit()
+            thread.join(timeout=5)
 
 
 def window_flops(args: argparse.Namespace, forward_per_pair: float, plan: ProcessPlan, pairs: int) -> float:
@@ -220,9 +221,10 @@ def _plan_only(run: Callable[..., tuple[ProcessPlan, Any]], rank: int) -> Proces
     return run(rank=rank)[0]
 
 
-def _child(simulate_rank: Callable[[int], ProcessPlan], rank: int, send: Any) -> None:
+def _child(simulate_rank: Callable[[int], ProcessPlan], rank: int, send: Any, turns: Any) -> None:
     try:
-        send.send(simulate_rank(rank))
+        with turns:
+            send.send(simulate_rank(rank))
     except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises it
         send.send(RuntimeError(f"simulating rank {rank}: {type(exc).__name__}: {exc}"))
     finally:

@@ -141,3 +141,14 @@ def test_per_tensor_equivalents_give_diffusers_tensors_and_are_restored():
     assert HunyuanVideo15AttnBlock.prepare_causal_attention_mask is own
     for a, b in zip(expected, got):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_hybrid_sharding_simulates_a_rank_of_each_shard_group():
+    """--dp-size 4 --fsdp-shard-size 2 (a 2-D mesh): rank 0, the last rank and the second group's first rank are
+    each simulated from a clean state (forked before rank 0; torch keeps the meshes a simulation met) and issue the
+    same collectives (a rank simulated after rank 0 in one process would find rank 0's mesh groups: it failed)."""
+    sizes = ["--micro-batch-size", "4", "--gradient-checkpointing", "off", "--rollout-micro-batch-size", "2"]
+    args = plan_args("--dp-size", "4", "--fsdp-shard-size", "2", *sizes)
+    simulation = simulate(args)
+    assert [plan.rank for plan in simulation.roles["actor"]] == [0, 3, 2]
+    check_collectives(simulation)
