@@ -70,6 +70,17 @@ def test_fsdp_training_matches_plain_loop(results, plain_reference, world_size):
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
+def test_split_blocks_trains_bit_identically(results, world_size):
+    """Each block's children gathered and reduced as groups of their own (`split_blocks`): the same numbers."""
+    for report in results[world_size]:
+        norms, full = report["split"]
+        assert norms == report["norms"]
+        assert full.keys() == report["full"].keys()
+        for name, expected in report["full"].items():
+            assert torch.equal(full[name], expected), name
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
 def test_clip_grad_norm_returns_full_norm_on_every_rank(results, plain_reference, world_size):
     assert min(plain_reference["norms"]) > MAX_NORM  # clipping was active in every step
     for report in results[world_size]:
