@@ -73,10 +73,11 @@ def build_odd_fsdp_model() -> OddModel:
     return fully_shard(model)
 
 
-def build_fsdp_model(seed: int, split_blocks: bool = False) -> BlockModel:
+def build_fsdp_model(seed: int, split_blocks: bool = False, checkpointing: bool = False) -> BlockModel:
     model = build_model(seed)
+    dtypes = {"param_dtype": torch.float32, "reduce_dtype": torch.float32}
     return apply_fsdp2(
-        model, list(model.blocks), param_dtype=torch.float32, reduce_dtype=torch.float32, split_blocks=split_blocks
+        model, list(model.blocks), **dtypes, split_blocks=split_blocks, gradient_checkpointing=checkpointing
     )
 
 
@@ -114,9 +115,9 @@ def _entry(rank: int, fn: Callable[[int, int, str], dict], world_size: int, port
     os._exit(0)
 
 
-def trained_fsdp(rank: int, world_size: int, split_blocks: bool = False) -> tuple[BlockModel, list[float]]:
+def trained_fsdp(rank: int, world_size: int, **sharding: bool) -> tuple[BlockModel, list[float]]:
     """The block model after 2 AdamW steps with FSDP2, each rank on its slice of the batch, and its gradient norms."""
-    model = build_fsdp_model(0, split_blocks)
+    model = build_fsdp_model(0, **sharding)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     x, y = fixed_batch()
     x_local, y_local = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
@@ -133,10 +134,11 @@ def trained_fsdp(rank: int, world_size: int, split_blocks: bool = False) -> tupl
 
 def train_fsdp(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     """Train the block model with FSDP2 (`trained_fsdp`), also with each block's children grouped apart
-    (`split_blocks`); report what happened."""
+    (`split_blocks`, without and with activation checkpointing); report what happened."""
     model, norms = trained_fsdp(rank, world_size)
     all_dtensor = all(type(p).__name__ == "DTensor" for p in model.parameters())
     split, split_norms = trained_fsdp(rank, world_size, split_blocks=True)
+    recomputed, recomputed_norms = trained_fsdp(rank, world_size, split_blocks=True, checkpointing=True)
     full_every_rank = full_state_dict(model, cpu_offload=False)
     full_rank0_only = full_state_dict(model)
     source = {k: v.clone() for k, v in full_rank0_only.items()}
@@ -155,6 +157,7 @@ def train_fsdp(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
         "norms": norms,
         "full": {k: v.detach().cpu().clone() for k, v in full_every_rank.items()},
         "split": (split_norms, full_state_dict(split, cpu_offload=False)),
+        "split_checkpointed": (recomputed_norms, full_state_dict(recomputed, cpu_offload=False)),
         "rank0_only_keys": sorted(full_rank0_only),
         "rank0_only": full_rank0_only,
         "source_untouched": all(type(v) is torch.Tensor for v in source.values()),

@@ -57,14 +57,13 @@ def fake_world_of_two() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def sharded(split_blocks: bool) -> Net:
+def sharded(split_blocks: bool, checkpointing: bool = False) -> Net:
     torch.manual_seed(0)
     net = Net()
     for name, param in net.named_parameters():
         param.requires_grad_("adapter" in name)  # LoRA: only the adapter trains
-    return apply_fsdp2(
-        net, list(net.blocks), param_dtype=torch.float32, reduce_dtype=torch.float32, split_blocks=split_blocks
-    )
+    dtypes = {"param_dtype": torch.float32, "reduce_dtype": torch.float32}
+    return apply_fsdp2(net, list(net.blocks), **dtypes, split_blocks=split_blocks, gradient_checkpointing=checkpointing)
 
 
 def gathered_in_backward(net: Net, monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -86,18 +85,26 @@ def gathered_in_backward(net: Net, monkeypatch: pytest.MonkeyPatch) -> list[int]
     return seen
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("split_blocks", [False, True])
-def test_one_group_is_gathered_at_a_time_in_backward(split_blocks, monkeypatch):
+def test_one_group_is_gathered_at_a_time_in_backward(split_blocks, checkpointing, monkeypatch):
+    """Also where activation checkpointing recomputes a block in backward: its children are freed after their
+    recomputed forward and gathered again one at a time for their backward."""
     with fake_world_of_two():
-        net = sharded(split_blocks)
+        net = sharded(split_blocks, checkpointing)
         block = net.blocks[0]
         assert isinstance(block.attn, FSDPModule) == isinstance(block.ff, FSDPModule) == split_blocks
         assert not isinstance(block.act, FSDPModule)  # no parameters: no group
         # the names the checkpoints and the weight sync see do not change
         assert [n for n, _ in net.named_parameters()] == [n for n, _ in Net().named_parameters()]
         gathered = gathered_in_backward(net, monkeypatch)
-    largest_group = WIDTH * WIDTH + WIDTH if split_blocks else 3 * WIDTH * WIDTH + 2 * WIDTH
-    assert gathered and max(gathered) == largest_group  # never a second group beside it (FSDP2's prefetch)
+    child, block = WIDTH * WIDTH + WIDTH, 3 * WIDTH * WIDTH + 2 * WIDTH
+    if not split_blocks:
+        assert max(gathered) == block  # never a second block beside it (FSDP2's prefetch)
+    elif not checkpointing:
+        assert max(gathered) == child  # never a second child beside it
+    else:  # the child whose backward started the recompute beside the one recomputed, never the whole block
+        assert max(gathered) == 2 * child
 
 
 def test_backward_prefetch_is_left_to_fsdp2_on_other_backends(monkeypatch):
