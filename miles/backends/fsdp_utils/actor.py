@@ -138,6 +138,7 @@ class FSDPTrainRayActor(TrainLoop):
                 cast_root_inputs=False,  # the family's predict_velocity casts, exactly as in the engines
                 gradient_checkpointing=args.gradient_checkpointing,
                 compile_mode=args.compile,
+                split_blocks=args.use_lora,  # a frozen base: gathered a block's child at a time
                 **self._placement(),
             ),
         )
@@ -200,6 +201,7 @@ class FSDPTrainRayActor(TrainLoop):
                 reduce_dtype=parse_dtype(self.args.fsdp_reduce_dtype),
                 cast_root_inputs=False,
                 compile_mode=self.args.compile,
+                split_blocks=True,  # frozen: gathered a block's child at a time
                 **self._placement(),
             ),
         )

@@ -73,9 +73,12 @@ def build_odd_fsdp_model() -> OddModel:
     return fully_shard(model)
 
 
-def build_fsdp_model(seed: int) -> BlockModel:
+def build_fsdp_model(seed: int, split_blocks: bool = False, checkpointing: bool = False) -> BlockModel:
     model = build_model(seed)
-    return apply_fsdp2(model, list(model.blocks), param_dtype=torch.float32, reduce_dtype=torch.float32)
+    dtypes = {"param_dtype": torch.float32, "reduce_dtype": torch.float32}
+    return apply_fsdp2(
+        model, list(model.blocks), **dtypes, split_blocks=split_blocks, gradient_checkpointing=checkpointing
+    )
 
 
 def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,10 +115,9 @@ def _entry(rank: int, fn: Callable[[int, int, str], dict], world_size: int, port
     os._exit(0)
 
 
-def train_fsdp(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
-    """Train the block model 2 AdamW steps with FSDP2, each rank on its slice of the batch; report what happened."""
-    model = build_fsdp_model(0)
-    all_dtensor = all(type(p).__name__ == "DTensor" for p in model.parameters())
+def trained_fsdp(rank: int, world_size: int, **sharding: bool) -> tuple[BlockModel, list[float]]:
+    """The block model after 2 AdamW steps with FSDP2, each rank on its slice of the batch, and its gradient norms."""
+    model = build_fsdp_model(0, **sharding)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     x, y = fixed_batch()
     x_local, y_local = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
@@ -127,7 +129,16 @@ def train_fsdp(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
         (per_sample.sum() * world_size / BATCH).backward()
         norms.append(clip_grad_norm_(model.parameters(), MAX_NORM))
         optimizer.step()
+    return model, norms
 
+
+def train_fsdp(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """Train the block model with FSDP2 (`trained_fsdp`), also with each block's children grouped apart
+    (`split_blocks`, without and with activation checkpointing); report what happened."""
+    model, norms = trained_fsdp(rank, world_size)
+    all_dtensor = all(type(p).__name__ == "DTensor" for p in model.parameters())
+    split, split_norms = trained_fsdp(rank, world_size, split_blocks=True)
+    recomputed, recomputed_norms = trained_fsdp(rank, world_size, split_blocks=True, checkpointing=True)
     full_every_rank = full_state_dict(model, cpu_offload=False)
     full_rank0_only = full_state_dict(model)
     source = {k: v.clone() for k, v in full_rank0_only.items()}
@@ -145,6 +156,8 @@ def train_fsdp(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
         "all_dtensor": all_dtensor,
         "norms": norms,
         "full": {k: v.detach().cpu().clone() for k, v in full_every_rank.items()},
+        "split": (split_norms, full_state_dict(split, cpu_offload=False)),
+        "split_checkpointed": (recomputed_norms, full_state_dict(recomputed, cpu_offload=False)),
         "rank0_only_keys": sorted(full_rank0_only),
         "rank0_only": full_rank0_only,
         "source_untouched": all(type(v) is torch.Tensor for v in source.values()),

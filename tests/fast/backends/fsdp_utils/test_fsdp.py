@@ -69,6 +69,19 @@ def test_fsdp_training_matches_plain_loop(results, plain_reference, world_size):
             torch.testing.assert_close(report["full"][name], expected, atol=1e-6, rtol=0, msg=name)
 
 
+@pytest.mark.parametrize("variant", ["split", "split_checkpointed"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_split_blocks_trains_bit_identically(results, world_size, variant):
+    """Each block's children gathered and reduced as groups of their own (`split_blocks`), also recomputed in
+    backward (activation checkpointing, each child gathered again after its recompute): the same numbers."""
+    for report in results[world_size]:
+        norms, full = report[variant]
+        assert norms == report["norms"]
+        assert full.keys() == report["full"].keys()
+        for name, expected in report["full"].items():
+            assert torch.equal(full[name], expected), name
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_clip_grad_norm_returns_full_norm_on_every_rank(results, plain_reference, world_size):
     assert min(plain_reference["norms"]) > MAX_NORM  # clipping was active in every step
