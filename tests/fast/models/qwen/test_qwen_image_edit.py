@@ -22,7 +22,7 @@ from miles.models import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.rollout.data_source import PromptDataError
 from miles.startup import startup_checks
-from tests.conftest import _qwen_edit_reference_area
+from tests.fast.models.family_cases import _qwen_edit_reference_area
 
 
 @pytest.fixture(scope="module")
