@@ -1,6 +1,6 @@
-"""The family contract in whole runs through the driver at dp size 2, for every case of `FAMILY_CASES` (tests/fast/models/family_cases.py):
-train/rollout parity before the first update with and without guidance, every loss type end to end, and a
-`--save-hf` folder that the family's own diffusers pipeline class loads and samples from."""
+"""The family contract in whole runs through the driver at dp size 2, for every case of `FAMILY_CASES`
+(tests/fast/models/family_cases.py): train/rollout parity before the first update with and without guidance, every
+loss type end to end, and a `--save-hf` folder that the family's own diffusers pipeline class loads and samples from."""
 
 from __future__ import annotations
 
