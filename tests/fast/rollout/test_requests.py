@@ -1,14 +1,7 @@
-"""Per-sample noise seeds of a rollout, and the shared initial latent of --diffusion-shared-initial-noise."""
+"""The shared initial latent of --diffusion-shared-initial-noise: each group's first sample's seed."""
 
 from miles.rollout.requests import group_initial_seeds
-from miles.rollout.steps import sample_seed
 from miles.utils.types import Sample
-
-
-def test_sample_seeds_differ_by_rollout_and_index():
-    seeds = {sample_seed(42, rollout, index) for rollout in range(3) for index in range(8)}
-    assert len(seeds) == 24
-    assert sample_seed(42, 1, 5) == sample_seed(42, 1, 5) != sample_seed(43, 1, 5)
 
 
 def test_group_initial_seeds_are_each_groups_first_seed():
