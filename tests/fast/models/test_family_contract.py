@@ -173,7 +173,8 @@ def test_a_prompt_encodes_alone_as_in_a_batch_where_the_family_says_its_cache_is
 
 
 # the adapter depends on the family (its targets, its pipeline class), not on the configuration: one case per family
-# whose pipeline class loads adapters (the others refuse --use-lora --save-hf: tests/fast/models/test_hunyuan_video15.py)
+# whose pipeline class loads adapters (the others refuse --use-lora --save-hf:
+# tests/fast/models/hunyuan_video15/test_hunyuan_video15.py)
 ONE_CASE_PER_FAMILY = [
     case
     for i, case in enumerate(FAMILY_CASES)
