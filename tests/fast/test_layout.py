@@ -9,11 +9,11 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Issue 50 asks for 90%. What is true today (2026-12-06): 135 of 193 modules (70%); the missing ones are mostly
+# Issue 50 asks for 90%. What is true today (2026-12-06): 137 of 193 modules (71%); the missing ones are mostly
 # tested under other names in folders other work was editing at the time (backends/fsdp_utils/loss_hub/test_*_hooks.py,
 # weight_sync/, plan/test_plan.py) and the lineages' tiny builders and sequence-parallel modules (tested through the
 # family suites). Raise this as files move; never lower it.
-MIN_MIRRORED = 0.69
+MIN_MIRRORED = 0.70
 
 
 def _is_trivial(body: list[ast.stmt]) -> bool:
