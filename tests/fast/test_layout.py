@@ -9,11 +9,11 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Issue 50 asks for 90%. What is true today (2026-12-06): 137 of 193 modules (71%); the missing ones are mostly
+# Issue 50 asks for 90%. What is true today (2026-12-06): 140 of 200 modules (70%); the missing ones are mostly
 # tested under other names in folders other work was editing at the time (backends/fsdp_utils/loss_hub/test_*_hooks.py,
 # weight_sync/, plan/test_plan.py) and the lineages' tiny builders and sequence-parallel modules (tested through the
 # family suites). Raise this as files move; never lower it.
-MIN_MIRRORED = 0.70
+MIN_MIRRORED_PERCENT = 70
 
 
 def _is_trivial(body: list[ast.stmt]) -> bool:
@@ -67,9 +67,9 @@ def test_logic_detection():
 def test_test_tree_mirrors_the_package():
     modules = modules_with_logic()
     missing = [m for m in modules if not os.path.exists(os.path.join(ROOT, mirrored_test(m)))]
-    fraction = 1 - len(missing) / len(modules)
-    assert fraction >= MIN_MIRRORED, (
-        f"{fraction:.0%} of the {len(modules)} modules with logic have a test at the mirrored path "
-        f"(tests/fast/<path under miles>/test_<module>.py), below {MIN_MIRRORED:.0%}; without one:\n"
+    mirrored = len(modules) - len(missing)
+    assert 100 * mirrored >= MIN_MIRRORED_PERCENT * len(modules), (
+        f"{mirrored} of the {len(modules)} modules with logic have a test at the mirrored path "
+        f"(tests/fast/<path under miles>/test_<module>.py), below {MIN_MIRRORED_PERCENT}%; without one:\n"
         + "\n".join(f"  {m} -> {mirrored_test(m)}" for m in missing)
     )
