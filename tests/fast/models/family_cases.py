@@ -5,98 +5,23 @@ it. A new family adds its case here; the test tree's root stays family-agnostic.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-
-def _same_layout(pipe: Any, latents: Any, resolution: int) -> Any:
-    return latents
-
-
-def _flux_unpacked(pipe: Any, latents: Any, resolution: int) -> Any:
-    return pipe._unpack_latents(latents, resolution, resolution, pipe.vae_scale_factor)
-
-
-def _flux2_patchified(pipe: Any, latents: Any, resolution: int) -> Any:
-    """Flux2KleinPipeline's latents -> the flux2 family's normalised, patchified (B, 4C, h, w): its loop's packed
-    tokens (B, h*w, 4C) as they are, or __call__'s denormalised, unpatchified output (output_type="latent")."""
-    import torch
-
-    if latents.ndim == 3:  # the denoising loop's state: tokens in row-major order
-        side = resolution // (pipe.vae_scale_factor * 2)
-        return latents.transpose(1, 2).reshape(latents.shape[0], -1, side, side)
-    patches = pipe._patchify_latents(latents)
-    mean = pipe.vae.bn.running_mean.view(1, -1, 1, 1)
-    std = torch.sqrt(pipe.vae.bn.running_var.view(1, -1, 1, 1) + pipe.vae.config.batch_norm_eps)
-    return (patches - mean) / std
-
-
-# the tiny FLUX.2 folder's text length and hidden states (its miles_defaults.json; the pipeline's are 512, (9, 18, 27))
-FLUX2_CALL_KWARGS = {"max_sequence_length": 32, "text_encoder_out_layers": (1, 2, 3)}
-# the tiny FLUX.2 [dev] folder's (the pipeline's are 512, (10, 20, 30)): its system turn is 30 of the 64 tokens
-FLUX2_DEV_CALL_KWARGS = {"max_sequence_length": 64, "text_encoder_out_layers": (1, 2, 3)}
-
-
-def _qwen_image_unpacked(pipe: Any, latents: Any, resolution: int) -> Any:
-    return pipe._unpack_latents(latents, resolution, resolution, pipe.vae_scale_factor)[:, :, 0]  # one frame
-
-
-@contextlib.contextmanager
-def _qwen_edit_reference_area(path: str) -> Iterator[None]:
-    """The editing pipelines' __call__ resizing the source images to the areas the tiny folder records (the family
-    reads them there; the pipelines hard-code them, one megapixel for the VAE: seconds per image on a CPU):
-    QwenImageEditPipeline's `calculate_dimensions` is given the reference area instead of 1024 * 1024, and
-    QwenImageEditPlusPipeline's VAE_IMAGE_SIZE and CONDITION_IMAGE_SIZE (its VL images, 384²) are the folder's."""
-    from unittest import mock
-
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
-
-    with open(os.path.join(path, "miles_defaults.json")) as f:
-        areas = json.load(f)
-    original = pipeline_qwenimage_edit.calculate_dimensions
-
-    def at_folder_area(target_area: int, ratio: float) -> Any:
-        assert target_area == 1024 * 1024, target_area  # the pipeline's constant, replaced
-        return original(areas["reference_area"], ratio)
-
-    assert (plus.VAE_IMAGE_SIZE, plus.CONDITION_IMAGE_SIZE) == (1024 * 1024, 384 * 384)  # the constants replaced
-    with (
-        mock.patch.object(pipeline_qwenimage_edit, "calculate_dimensions", at_folder_area),
-        mock.patch.object(plus, "VAE_IMAGE_SIZE", areas["reference_area"]),
-        mock.patch.object(plus, "CONDITION_IMAGE_SIZE", areas.get("condition_area", plus.CONDITION_IMAGE_SIZE)),
-    ):
-        yield
-
-
-def _ltx2_joint(pipe: Any, latents: Any, resolution: int, num_frames: int = 121) -> Any:
-    """LTX2Pipeline's (video, audio) latents -> the ltx2 family's joint (B, D) latent: the loop's packed, normalized
-    latents (what its schedulers step) or __call__'s unpacked, denormalized output (output_type="latent")."""
-    import torch
-
-    video, audio = latents
-    mel_bins = pipe.audio_vae.config.mel_bins // pipe.audio_vae_mel_compression_ratio
-    if video.ndim == 3:  # the denoising loop's state
-        frames = (num_frames - 1) // pipe.vae_temporal_compression_ratio + 1
-        side = resolution // pipe.vae_spatial_compression_ratio
-        patch, patch_t = pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size
-        video = pipe._unpack_latents(video, frames, side, side, patch, patch_t)
-        audio = pipe._unpack_audio_latents(audio, audio.shape[1], num_mel_bins=mel_bins)
-    else:  # __call__'s output
-        video = pipe._normalize_latents(
-            video, pipe.vae.latents_mean, pipe.vae.latents_std, pipe.vae.config.scaling_factor
-        )
-        tokens = pipe._normalize_audio_latents(
-            pipe._pack_audio_latents(audio), pipe.audio_vae.latents_mean, pipe.audio_vae.latents_std
-        )
-        audio = pipe._unpack_audio_latents(tokens, audio.shape[2], num_mel_bins=mel_bins)
-    return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
+from tests.fast.models.pipeline_layouts import (
+    FLUX2_CALL_KWARGS,
+    FLUX2_DEV_CALL_KWARGS,
+    flux2_patchified,
+    flux_unpacked,
+    ltx2_joint,
+    qwen_edit_reference_area,
+    qwen_image_unpacked,
+    same_layout,
+)
 
 
 @dataclass(frozen=True)
@@ -169,7 +94,7 @@ FAMILY_CASES = [
         "tiny_pipeline_dir",
         "StableDiffusion3Pipeline",
         lambda w: {"guidance_scale": w},
-        _same_layout,
+        same_layout,
         loss_runs=False,
         e2e_guidances=(),
     ),
@@ -180,7 +105,7 @@ FAMILY_CASES = [
         "tiny_sd35_dir",
         "StableDiffusion3Pipeline",
         lambda w: {"guidance_scale": w},
-        _same_layout,
+        same_layout,
         loss_runs=False,
         e2e_guidances=(1.0,),  # its config's blocks; the sd3 family's CFG runs in test_policy_loss.py
     ),
@@ -191,7 +116,7 @@ FAMILY_CASES = [
         "tiny_flux_dev_dir",
         "FluxPipeline",
         lambda w: {"guidance_scale": w},
-        _flux_unpacked,
+        flux_unpacked,
         e2e_guidances=(1.0,),
     ),
     # the same family code as flux-dev but for guidance, which the parity runs cover
@@ -201,7 +126,7 @@ FAMILY_CASES = [
         "tiny_flux_schnell_dir",
         "FluxPipeline",
         lambda w: {"true_cfg_scale": w, "negative_prompt": "", "guidance_scale": 0.0},
-        _flux_unpacked,
+        flux_unpacked,
         loss_runs=False,
         e2e_guidances=(3.5,),  # its true CFG; the conditional forward alone is flux-dev's without the embedding
     ),
@@ -213,7 +138,7 @@ FAMILY_CASES = [
         "tiny_flux_kontext_dir",
         "FluxKontextPipeline",
         lambda w: {"guidance_scale": w},
-        _flux_unpacked,
+        flux_unpacked,
         call_kwargs={"max_sequence_length": 32, "_auto_resize": False, "max_area": 32 * 32},
         e2e_guidances=(1.0,),  # the guidance embedding takes w as an input, as flux-dev's
         source_images=1,
@@ -225,7 +150,7 @@ FAMILY_CASES = [
         "tiny_flux2_klein_dir",
         "Flux2KleinPipeline",
         lambda w: {"guidance_scale": w},
-        _flux2_patchified,
+        flux2_patchified,
         call_kwargs=FLUX2_CALL_KWARGS,
         resolution=64,  # the least the pipeline takes for a reference image, the tiny folder's default
         loss_runs=False,  # the edit case's run the same family code on conditioned samples
@@ -241,7 +166,7 @@ FAMILY_CASES = [
         "tiny_flux2_klein_dir",
         "Flux2KleinPipeline",
         lambda w: {"guidance_scale": w},
-        _flux2_patchified,
+        flux2_patchified,
         call_kwargs=FLUX2_CALL_KWARGS,
         resolution=64,
         standard_loss_runs=True,  # three whole runs: the suite's budget keeps them in the standard tier
@@ -258,7 +183,7 @@ FAMILY_CASES = [
         "tiny_flux2_dev_dir",
         "Flux2Pipeline",
         lambda w: {"guidance_scale": w},
-        _flux2_patchified,
+        flux2_patchified,
         call_kwargs=FLUX2_DEV_CALL_KWARGS,
         resolution=64,
         loss_runs=False,  # the edit case's run the same family code on conditioned samples
@@ -272,7 +197,7 @@ FAMILY_CASES = [
         "tiny_flux2_dev_dir",
         "Flux2Pipeline",
         lambda w: {"guidance_scale": w},
-        _flux2_patchified,
+        flux2_patchified,
         call_kwargs=FLUX2_DEV_CALL_KWARGS,
         resolution=64,
         standard_loss_runs=True,  # three whole runs: the suite's budget keeps them in the standard tier
@@ -289,7 +214,7 @@ FAMILY_CASES = [
         "tiny_qwen_image_dir",
         "QwenImagePipeline",
         lambda w: {"true_cfg_scale": w, **({"negative_prompt": ""} if w > 1 else {})},
-        _qwen_image_unpacked,
+        qwen_image_unpacked,
         call_kwargs={},
     ),
     # one source image per prompt; the negative prompt is read with each prompt's image, so the pipeline takes it as
@@ -300,11 +225,11 @@ FAMILY_CASES = [
         "tiny_qwen_image_edit_dir",
         "QwenImageEditPipeline",
         lambda w: {"true_cfg_scale": w, **({"negative_prompt": ["", ""]} if w > 1 else {})},  # the suite's 2 prompts
-        _qwen_image_unpacked,
+        qwen_image_unpacked,
         call_kwargs={},
         e2e_guidances=(3.5,),  # true CFG with per-prompt negatives (encoded with each source image) in the trainer
         source_images=1,
-        call_context=_qwen_edit_reference_area,
+        call_context=qwen_edit_reference_area,
     ),
     # Qwen-Image-Edit-Plus (2509): two source images per prompt (it takes one to three), each read by the VL encoder
     # at its condition size and by the VAE at its reference size (the folder's areas), their latents in turn.
@@ -319,13 +244,13 @@ FAMILY_CASES = [
         "tiny_qwen_image_edit_plus_dir",
         "QwenImageEditPlusPipeline",
         lambda w: {"true_cfg_scale": w, **({"negative_prompt": ""} if w > 1 else {})},  # one prompt per call
-        _qwen_image_unpacked,
+        qwen_image_unpacked,
         call_kwargs={},
         loss_runs=False,
         e2e_guidances=(3.5,),  # true CFG with per-prompt negatives read with both images, and --save-hf
         source_images=2,
         image_kwargs=lambda images: {"image": images[0]},  # one prompt's: a list of PIL images
-        call_context=_qwen_edit_reference_area,
+        call_context=qwen_edit_reference_area,
         per_prompt_calls=True,
     ),
     FamilyCase(
@@ -334,7 +259,7 @@ FAMILY_CASES = [
         "tiny_wan_dir",
         "WanPipeline",
         lambda w: {"guidance_scale": w},
-        _same_layout,
+        same_layout,
         num_frames=5,
         output_latents=lambda output: output.frames,
         family_options={"num_frames": 5},
@@ -349,7 +274,7 @@ FAMILY_CASES = [
         "tiny_wan_2_experts_dir",
         "WanPipeline",
         lambda w: {"guidance_scale": w, "guidance_scale_2": 2.0},
-        _same_layout,
+        same_layout,
         loss_runs=False,
         num_frames=5,
         output_latents=lambda output: output.frames,
@@ -364,7 +289,7 @@ FAMILY_CASES = [
         "tiny_wan_i2v_dir",
         "WanImageToVideoPipeline",
         lambda w: {"guidance_scale": w},
-        _same_layout,
+        same_layout,
         call_kwargs={},  # the pipeline's 512 text tokens, which its image branch requires
         num_frames=5,
         output_latents=lambda output: output.frames,
@@ -383,7 +308,7 @@ FAMILY_CASES = [
         "tiny_wan_i2v_2_experts_dir",
         "WanImageToVideoPipeline",
         lambda w: {"guidance_scale": w, "guidance_scale_2": 2.0},
-        _same_layout,
+        same_layout,
         call_kwargs={},
         loss_runs=False,
         num_frames=5,
@@ -402,7 +327,7 @@ FAMILY_CASES = [
         "tiny_hunyuan_video15_dir",
         "HunyuanVideo15Pipeline",
         lambda w: {},
-        _same_layout,
+        same_layout,
         call_kwargs={},  # the pipeline's fixed text lengths (1000 Qwen, 256 ByT5 tokens)
         loss_runs=False,
         num_frames=5,
@@ -423,7 +348,7 @@ FAMILY_CASES = [
         "tiny_z_image_dir",
         "ZImagePipeline",
         lambda w: {"guidance_scale": w - 1.0},
-        _same_layout,
+        same_layout,
         call_kwargs={},
         e2e_guidances=(1.0,),
         standard_loss_runs=True,
@@ -437,7 +362,7 @@ FAMILY_CASES = [
         "tiny_z_image_dir",
         "ZImagePipeline",
         lambda w: {"guidance_scale": w - 1.0, "cfg_normalization": 1.0, "cfg_truncation": 0.2},
-        _same_layout,
+        same_layout,
         call_kwargs={},
         loss_runs=False,
         family_options={"cfg_normalization": 1.0, "cfg_truncation": 0.2},
@@ -466,7 +391,7 @@ FAMILY_CASES = [
             "audio_modality_scale": 1.0,
             "spatio_temporal_guidance_blocks": None,
         },
-        _ltx2_joint,
+        ltx2_joint,
         num_frames=121,
         output_latents=lambda output: (output.frames, output.audio),
         scheduler_steps=2,
