@@ -1,6 +1,6 @@
-"""The family contract in whole runs through the driver at dp size 2, for every case of `FAMILY_CASES` (conftest):
-train/rollout parity before the first update with and without guidance, every loss type end to end, and a
-`--save-hf` folder that the family's own diffusers pipeline class loads and samples from."""
+"""The family contract in whole runs through the driver at dp size 2, for every case of `FAMILY_CASES`
+(tests/fast/models/family_cases.py): train/rollout parity before the first update with and without guidance, every
+loss type end to end, and a `--save-hf` folder that the family's own diffusers pipeline class loads and samples from."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from miles.arguments.parser import parse_args
 from miles.data.shapes import write_shapes_jsonl
 from miles.data.shapes_edit import shapes_edit_item, write_shapes_edit_jsonl
 from miles.utils.tracking import read_metrics
-from tests.conftest import FAMILY_CASES
+from tests.fast.models.family_cases import FAMILY_CASES
 
 LOSS_CASES = [case for case in FAMILY_CASES if case.loss_runs]  # the others' loss types run elsewhere
 LOSS_CASE_PARAMS = [

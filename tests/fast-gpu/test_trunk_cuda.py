@@ -51,7 +51,7 @@ def test_sde_log_prob_is_fp32_under_bf16_inputs_on_cuda():
 def test_fsdp2_group_trains_on_cuda_with_nccl(ray_cluster, tiny_pipeline_dir, dtype):
     from miles.models.base import get_train_pipeline_config
     from miles.ray.train_group import RayTrainGroup
-    from tests.fast.ray.test_trunk import make_pairs
+    from tests.fast.ray.test_train_group import make_pairs
 
     family = get_train_pipeline_config(tiny_pipeline_dir)
     family.load_text_encoders()

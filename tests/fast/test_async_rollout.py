@@ -1,4 +1,5 @@
-"""--async-rollout: which loss types take a stale batch, and the driver's overlap with its staleness bound."""
+"""--async-rollout: which loss types take a stale batch, and the driver's overlap with its staleness bound (the
+bound's own tests: tests/fast/ray/test_generations.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 
 import train_diffusion
 from miles.arguments.parser import parse_args
-from miles.ray.generations import staleness_metrics
 from miles.ray.groups import RunGroups
 from miles.rollout.rollout_hub import ROLLOUT_SPECS, check_async_rollout
 
@@ -170,10 +170,3 @@ def test_the_driver_generates_one_rollout_ahead_and_records_a_staleness_of_at_mo
     assert [r["rollout/trainer_weights_version"] for r in records] == [1, 2, 3, 4]
     order = [e[:2] for e in world.events if e[0] in ("generate", "train")]
     assert order.index(("generate", 1)) < order.index(("train", 0))  # overlapped
-
-
-def test_a_batch_more_than_one_update_behind_is_an_error():
-    args = args_for("--loss-type", "nft", "--async-rollout")
-    manager = type("M", (), {"weights_version": 5})()
-    with pytest.raises(RuntimeError, match="generated with weights version 3 but the trainer holds version 5"):
-        staleness_metrics(args, manager, 7, {"rollout/weights_version": 3}, 0.0)

@@ -1,8 +1,6 @@
-import copy
-
 import pytest
 
-from miles.arguments.parser import derive_args, parse_args, validate_args
+from miles.arguments.parser import parse_args
 
 BASE = ["--hf-checkpoint", "/tmp/x", "--prompt-data", "builtin:shapes"]
 SFT = BASE + ["--loss-type", "sft_loss", "--train-only"]
@@ -25,12 +23,6 @@ def test_help_parses(capsys):
 def test_recompute_flag_rejected_without_log_prob_ratio(loss, capsys):
     argv = BASE + ["--loss-type", loss, "--diffusion-recompute-old-log-prob", "--teacher-load", "/t", "--train-only"]
     assert "--diffusion-recompute-old-log-prob" in parse_error(argv, capsys)
-
-
-def test_dmd2_distills_the_model_itself_without_teacher_load():
-    args = parse_args(BASE + ["--loss-type", "dmd2"])
-    assert args.teacher_load == args.critic_checkpoint == "/tmp/x"  # the critic starts from the teacher
-    assert any("--teacher-load is --hf-checkpoint /tmp/x" in note for note in args.default_notes)
 
 
 @pytest.mark.parametrize("loss", ["sft_loss", "policy_loss", "nft", "dmd2"])
@@ -58,47 +50,9 @@ def test_training_hook_paths_only_under_custom_loss(capsys):
     assert args.custom_train_output_path == "m.o"
 
 
-def test_dmd2_rejects_a_sampling_guidance_scale(capsys):
-    dmd2 = BASE + ["--loss-type", "dmd2", "--teacher-load", "/t"]
-    err = parse_error(dmd2 + ["--diffusion-guidance-scale", "4.5"], capsys)
-    assert "--diffusion-guidance-scale 4.5 does not apply to --loss-type dmd2" in err
-    assert "--dmd2-real-guidance-scale" in err
-    assert parse_args(dmd2 + ["--diffusion-guidance-scale", "1"]).diffusion_guidance_scale == 1.0
-
-
-def test_critic_overrides_only_under_dmd2(capsys):
-    err = parse_error(SFT + ["--critic-lr", "1e-5", "--critic-save", "/c"], capsys)
-    assert "--critic-lr, --critic-save only apply to an algorithm with a critic role (dmd2)" in err
-    assert "--loss-type sft_loss trains actor" in err
-    args = parse_args(BASE + ["--loss-type", "dmd2", "--teacher-load", "/t", "--critic-lr", "1e-5"])
-    assert args.critic_lr == 1e-5 and args.critic_checkpoint == "/t"
-    assert args.critic_micro_batch_size == args.micro_batch_size
-
-
-def test_batch_invariant_names_the_flags(capsys):
-    err = parse_error(SFT + ["--rollout-batch-size", "8", "--global-batch-size", "3"], capsys)
-    assert "--rollout-batch-size" in err and "--global-batch-size" in err and "--num-steps-per-rollout" in err
-    err = parse_error(SFT + ["--rollout-batch-size", "6", "--global-batch-size", "6", "--dp-size", "4"], capsys)
-    assert "divisible by --dp-size" in err
-
-
 def test_global_batch_size_derived_from_rollout():
     args = parse_args(SFT + ["--rollout-batch-size", "8", "--num-steps-per-rollout", "2"])
     assert args.global_batch_size == 4
-
-
-def test_config_file_gives_defaults_and_command_line_wins(tmp_path):
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("lr: 0.5\nmicro-batch-size: 3\nloss_type: sft_loss\ntrain-only: true\n")
-    args = parse_args(BASE + ["--config", str(cfg), "--lr", "0.25"])
-    assert args.lr == 0.25 and args.micro_batch_size == 3 and args.train_only
-
-
-def test_config_unknown_key_suggests_the_flag(tmp_path, capsys):
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("micro-batch-sise: 3\n")
-    err = parse_error(SFT + ["--config", str(cfg)], capsys)
-    assert "micro-batch-sise" in err and "did you mean --micro-batch-size" in err
 
 
 def test_missing_load_dir_is_an_error(tmp_path, capsys):
@@ -123,37 +77,6 @@ def test_shared_initial_noise_only_for_sde_rollouts(loss, capsys):
     assert parse_args(BASE + ["--loss-type", "policy_loss"] + shared).diffusion_shared_initial_noise
 
 
-def test_validation_leaves_the_args_as_given_and_derivation_fills_the_defaults_in_one_step(tmp_path):
-    argv = BASE + ["--loss-type", "dmd2", "--teacher-load", "/t", "--rollout-batch-size", "6", "--n-samples-per-prompt"]
-    args = parse_args(argv + ["2", "--num-steps-per-rollout", "3", "--save", str(tmp_path)], validate=False)
-    given = copy.deepcopy(vars(args))
-    validate_args(args)
-    assert vars(args) == given
-    derive_args(args)
-    assert args.global_batch_size == 6 * 2 // 3 and args.diffusion_guidance_scale == 1.0 and args.eval_interval == 20
-    assert given["micro_batch_size"] == "auto" and args.micro_batch_size == 32  # auto: concrete at once (CPU's)
-    assert (args.critic_lr, args.critic_micro_batch_size) == (given["lr"], args.micro_batch_size)
-    assert args.critic_num_steps_per_rollout == 5 * 3  # --dmd2-critic-updates-per-step 5 x --num-steps-per-rollout 3
-    assert (args.critic_checkpoint, args.critic_save, args.critic_load) == ("/t", str(tmp_path), None)
-    changed = {k for k in given if given[k] != vars(args)[k]}
-    assert changed >= {"global_batch_size", "diffusion_guidance_scale", "eval_interval", "critic_lr"}
-    assert not changed & {"lr", "rollout_batch_size", "n_samples_per_prompt", "save", "load", "teacher_load"}
-
-
-def test_every_broken_rule_of_a_stage_is_reported_at_once(capsys):
-    flags = ["--loss-type", "nft", "--train-only", "--eval-only", "--ref-mode", "ema", "--no-eval-before-train"]
-    err = parse_error(BASE + flags, capsys)
-    assert "--train-only skips the rollout engine, which --loss-type nft needs" in err
-    assert "--eval-only samples with the rollout engine" in err and "--ref-mode ema needs --use-ema" in err
-    assert "--eval-only is the eval before training; it cannot be combined with --no-eval-before-train" in err
-
-
-def test_sft_trains_each_pair_once_and_implies_train_only():
-    assert parse_args(SFT + ["--n-samples-per-prompt", "4", "--rollout-batch-size", "8"]).n_samples_per_prompt == 1
-    args = parse_args(BASE + ["--loss-type", "sft_loss"])
-    assert args.train_only and args.default_notes == ("--loss-type sft_loss trains on dataset pairs: --train-only",)
-
-
 def test_per_reward_group_norm_refused_where_it_would_be_ignored(capsys):
     argv = BASE + [
         "--loss-type",
@@ -165,43 +88,3 @@ def test_per_reward_group_norm_refused_where_it_would_be_ignored(capsys):
     assert parse_args(argv).per_reward_group_norm
     err = parse_error(argv + ["--custom-reward-post-process-path", "m.py:fn"], capsys)
     assert "--per-reward-group-norm would be ignored: --custom-reward-post-process-path" in err
-
-
-POLICY = BASE + ["--loss-type", "policy_loss", "--diffusion-num-steps", "10"]
-
-
-def test_mixgrpo_window_parses_and_its_flags_need_it(capsys):
-    args = parse_args(POLICY + ["--mixgrpo-window-size", "4", "--mixgrpo-flash", "--mixgrpo-flash-ratio", "0.5"])
-    assert (args.mixgrpo_window_size, args.mixgrpo_flash, args.mixgrpo_flash_ratio) == (4, True, 0.5)
-    err = parse_error(POLICY + ["--mixgrpo-flash", "--mixgrpo-stride", "2"], capsys)
-    assert "--mixgrpo-stride, --mixgrpo-flash need --mixgrpo-window-size" in err
-    assert "--mixgrpo-flash-ratio needs --mixgrpo-flash" in parse_error(
-        POLICY + ["--mixgrpo-window-size", "4", "--mixgrpo-flash-ratio", "0.5"], capsys
-    )
-
-
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        (["--diffusion-num-sde-steps", "2"], "--mixgrpo-window-size and --diffusion-num-sde-steps both choose"),
-        (["--diffusion-sde-window-range", "0,5"], "--mixgrpo-window-size and --diffusion-sde-window-range both choose"),
-        (["--diffusion-step-strategy-path", "m.f"], "--mixgrpo-window-size and --diffusion-step-strategy-path both"),
-        (["--mixgrpo-window-size", "9"], "--mixgrpo-window-size 9 must be <= --diffusion-num-steps 10 - 2"),
-        (
-            ["--mixgrpo-mode", "random", "--mixgrpo-shift-interval", "5"],
-            "--mixgrpo-shift-interval move the progressive",
-        ),
-        (["--mixgrpo-window-size", "0"], "--mixgrpo-window-size must be ≥ 1"),
-        (["--mixgrpo-flash", "--mixgrpo-flash-ratio", "0"], "--mixgrpo-flash-ratio must be in (0, 1]"),
-        (["--diffusion-sde-type", "ode"], "--diffusion-sde-type ode has none"),
-    ],
-)
-def test_mixgrpo_rules_name_both_flags(extra, message, capsys):
-    window = [] if "--mixgrpo-window-size" in extra else ["--mixgrpo-window-size", "4"]
-    assert message in parse_error(POLICY + window + extra, capsys)
-
-
-def test_mixgrpo_needs_an_sde_sampling_loss_type(capsys):
-    assert "--loss-type nft samples no SDE" in parse_error(
-        BASE + ["--loss-type", "nft", "--mixgrpo-window-size", "2"], capsys
-    )

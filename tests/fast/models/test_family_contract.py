@@ -1,4 +1,4 @@
-"""The family contract against each family's own diffusers pipeline (every case of `FAMILY_CASES` in conftest):
+"""The family contract against each family's own diffusers pipeline (every case of `FAMILY_CASES` in family_cases.py):
 the velocity its denoising loop feeds the scheduler, the engine's ODE sampling end to end, and a LoRA adapter on the
 family's default targets, saved as `--use-lora --save-hf` saves it, loading through the pipeline's
 `load_lora_weights`.
@@ -21,7 +21,7 @@ from miles.backends.fsdp_utils.lora import apply_lora, lora_config_from_args, lo
 from miles.models import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.rollout.engine import DiffusionEngine, GenerateRequest
-from tests.conftest import FAMILY_CASES, case_params
+from tests.fast.models.family_cases import FAMILY_CASES, case_params
 
 PROMPTS = ["two red circles on the left", "a blue square"]
 SEEDS = [3, 11]
@@ -173,7 +173,8 @@ def test_a_prompt_encodes_alone_as_in_a_batch_where_the_family_says_its_cache_is
 
 
 # the adapter depends on the family (its targets, its pipeline class), not on the configuration: one case per family
-# whose pipeline class loads adapters (the others refuse --use-lora --save-hf: tests/fast/models/test_hunyuan_video15.py)
+# whose pipeline class loads adapters (the others refuse --use-lora --save-hf:
+# tests/fast/models/hunyuan_video15/test_hunyuan_video15.py)
 ONE_CASE_PER_FAMILY = [
     case
     for i, case in enumerate(FAMILY_CASES)

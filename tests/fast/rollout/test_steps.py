@@ -159,3 +159,9 @@ def test_the_advantage_divides_by_the_batch_std_where_the_run_says_so(flags, bat
     std = torch.tensor([0.59 / 4] * 4).sqrt() if batch_std else torch.tensor([0.5, 0.5, 0.2, 0.2])
     expected = torch.tensor([0.5, -0.5, -0.2, 0.2]) / (std + 1e-4)
     torch.testing.assert_close(steps.compute_advantages(args, samples_of(2, 2), rewards), expected)
+
+
+def test_sample_seeds_differ_by_rollout_and_index():
+    seeds = {steps.sample_seed(42, rollout, index) for rollout in range(3) for index in range(8)}
+    assert len(seeds) == 24
+    assert steps.sample_seed(42, 1, 5) == steps.sample_seed(42, 1, 5) != steps.sample_seed(43, 1, 5)

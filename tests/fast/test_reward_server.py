@@ -20,11 +20,8 @@ from miles.rollout.rm_hub.remote import backoff_s, decode_sample, encode_sample
 from miles.utils.types import Sample
 from tests.fast.rollout.rm_hub.reward_processes import fake_servers, reward_server
 
-BRIGHTNESS = (
-    os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))), "e2e", "rewards.py")
-    + ":brightness"
-)
-SLOW = os.path.join(os.path.dirname(__file__), "slow_rewards.py") + ":slow_brightness"
+BRIGHTNESS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "e2e", "rewards.py") + ":brightness"
+SLOW = os.path.join(os.path.dirname(__file__), "rollout", "rm_hub", "slow_rewards.py") + ":slow_brightness"
 TOKEN = "s3cret-token"
 
 

@@ -1,4 +1,4 @@
-"""The grpo_guard and flow_dppo declarations' flags and rules, as the parser applies them."""
+"""The flow_dppo declaration's flags and rules, as the parser applies them."""
 
 import pytest
 
@@ -14,19 +14,13 @@ def parse_error(capsys, *argv):
 
 
 def test_defaults():
-    guard = parse_args([*BASE, "--loss-type", "grpo_guard"])
-    assert guard.grpo_guard_clip_range == 2e-6 and not guard.grpo_guard_no_step_reweight
     assert parse_args([*BASE, "--loss-type", "flow_dppo"]).flow_dppo_kl_threshold == 1e-5
 
 
 def test_the_rules_name_the_flags(capsys):
-    assert "--diffusion-sde-type" in parse_error(capsys, "--loss-type", "grpo_guard", "--diffusion-sde-type", "ode")
     err = parse_error(capsys, "--loss-type", "flow_dppo", "--diffusion-sde-type", "cps")
     assert "--diffusion-sde-type sde or dance" in err
-    assert "--grpo-guard-clip-range" in parse_error(capsys, "--loss-type", "grpo_guard", "--grpo-guard-clip-range", "0")
     assert "--flow-dppo-kl-threshold" in parse_error(
         capsys, "--loss-type", "flow_dppo", "--flow-dppo-kl-threshold", "-1"
     )
-    err = parse_error(capsys, "--loss-type", "policy_loss", "--grpo-guard-no-step-reweight")
-    assert "--grpo-guard-no-step-reweight only apply to --loss-type grpo_guard" in err
     assert "--ref-mode" in parse_error(capsys, "--loss-type", "flow_dppo", "--diffusion-kl-beta", "0.1")

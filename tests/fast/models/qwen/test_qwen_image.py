@@ -1,6 +1,6 @@
 """What the Qwen-Image family adds to the contract suite: the tiny tokenizer splits the prompt template as the real one
-does, prompt conditioning of different batches concatenates, and the VAE round trip runs on one frame with Qwen's
-per-channel normalization. Pipeline parity is in `test_family_contract.py`."""
+does, and prompt conditioning of different batches concatenates (the Qwen folders' VAE round trip: test_folder.py).
+Pipeline parity is in `test_family_contract.py`."""
 
 from __future__ import annotations
 
@@ -40,20 +40,3 @@ def test_prompt_conditioning_masks_padding_and_concatenates_across_batches(famil
         joined = family.predict_velocity(transformer, latents, torch.full((3,), 0.6), both)
         alone = family.predict_velocity(transformer, latents[:1], torch.full((1,), 0.6), other)
     torch.testing.assert_close(joined[:1], alone, atol=1e-6, rtol=0)  # padding changes nothing
-
-
-def test_vae_round_trip_uses_one_frame_and_per_channel_normalization(family):
-    coarse = torch.rand(2, 3, 4, 4, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    images = torch.nn.functional.interpolate(coarse, size=(32, 32), mode="bilinear")
-    latents = family.encode_images(images)
-    assert latents.shape == (2, *family.latent_shape(32)) and latents.dtype == torch.float32
-    vae = family.load_vae()
-    z = vae.encode(images.unsqueeze(2)).latent_dist.mode()[:, :, 0]
-    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1)
-    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1)
-    torch.testing.assert_close(latents, (z - mean) / std, atol=1e-5, rtol=1e-5)
-    decoded = family.decode_latents(latents).images
-    with torch.no_grad():
-        expected = vae.decode((latents * std + mean).unsqueeze(2)).sample[:, :, 0] / 2 + 0.5
-    assert decoded.shape == images.shape and 0 <= decoded.min() and decoded.max() <= 1
-    torch.testing.assert_close(decoded, expected.clamp(0, 1), atol=1e-5, rtol=1e-5)

@@ -87,7 +87,7 @@ def test_sides_flag(bench, capsys):
 if __name__ == "__main__":  # the meter's scenario in a process whose only descendant is its spinning child
     import importlib.util
 
-    ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     spec = importlib.util.spec_from_file_location("bench_loop", os.path.join(ROOT, "benchmarks", "bench_loop.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_loop"] = module

@@ -1,9 +1,9 @@
 """What the flux2 families add to the contract suite (`test_family_contract.py`: klein and dev, text to image and two
-references, guidance 1 and 3.5): a batch mixing rows with 0, 1 and 2 references predicts as each row alone, text and
-editing data both run on one folder, and what a run refuses at start-up (CFG on a step-distilled klein, MixGRPO-Flash,
-reference images under 64 px, a folder of the other FLUX.2 pipeline, a negative prompt for dev); FLUX.2 [dev]'s
-guidance is embedded (no negative), and a folder whose tokenizer is a PixtralProcessor (as FLUX.2-dev's, which
-transformers cannot load without torchvision) encodes through its tokenizer and the processor's chat template."""
+references, guidance 1 and 3.5): text and editing data both run on one folder, and what a run refuses at start-up
+(CFG on a step-distilled klein, MixGRPO-Flash, reference images under 64 px, a folder of the other FLUX.2 pipeline, a
+negative prompt for dev); FLUX.2 [dev]'s guidance is embedded (no negative), and a folder whose tokenizer is a
+PixtralProcessor (as FLUX.2-dev's, which transformers cannot load without torchvision) encodes through its tokenizer
+and the processor's chat template (mixed reference counts and the reference checks: test_folder.py)."""
 
 from __future__ import annotations
 
@@ -42,35 +42,6 @@ def _copy_with_index(source: str, tmp_path: Path, **changes) -> str:
     return str(folder)
 
 
-def test_a_batch_of_different_reference_counts_predicts_as_each_row_alone(family):
-    """Rows with 0, 1 and 2 references (zero-padded to one length in the conditioning) run as separate forwards:
-    each row's velocity is the one it has in a batch of its own (with CFG: both branches)."""
-    prompts = ["a red circle", "make the square blue", "put the circle of the first on the second"]
-    images = [[], [_image(1)], [_image(2), _image(3)]]
-    embeds, negative = family.encode_request(prompts, images, "", negative=True)
-    assert embeds["image_token_counts"].tolist() == [0, 64, 128]  # 8x8 tokens per 64 px reference
-    assert embeds["image_ids"][2, 64:, 0].unique().tolist() == [20]  # the second reference's time coordinate
-    transformer = family.load_transformer()
-    latents = torch.randn(3, *family.latent_shape(64), generator=torch.Generator().manual_seed(0))
-    sigmas = torch.tensor([0.9, 0.6, 0.3])
-    with torch.no_grad():
-        batched = family.predict_velocity(transformer, latents, sigmas, embeds, guidance_scale=3.5, negative=negative)
-        alone = [
-            family.predict_velocity(
-                transformer, latents[i : i + 1], sigmas[i : i + 1], embeds.rows(i), guidance_scale=3.5,
-                negative=negative,
-            )
-            for i in range(3)
-        ]  # fmt: skip
-    torch.testing.assert_close(batched, torch.cat(alone), atol=1e-6, rtol=0)
-    # the references change the prediction (a row is not the text-only one)
-    text_only, _ = family.encode_request(prompts[1:2], None, "", negative=False)
-    with torch.no_grad():
-        plain = family.predict_velocity(transformer, latents[1:2], sigmas[1:2], text_only, guidance_scale=3.5,
-                                        negative=negative)  # fmt: skip
-    assert (plain - alone[1]).abs().max() > 1e-3
-
-
 def test_a_run_takes_text_and_editing_data_and_refuses_what_flux2_does_not_support(tiny_flux2_klein_dir, tmp_path):
     def check(*flags, path=tiny_flux2_klein_dir):
         startup_checks(parse_args(["--hf-checkpoint", path, *flags]))
@@ -101,15 +72,6 @@ def test_a_run_takes_text_and_editing_data_and_refuses_what_flux2_does_not_suppo
     with pytest.raises(ValueError, match=r"is a Flux2KleinPipeline folder; the flux2-dev family covers Flux2Pipeline "
                        r"\(FLUX.2 \[dev\]\) folders only"):  # fmt: skip
         get_train_pipeline_config(tiny_flux2_klein_dir, "flux2-dev")
-
-
-def test_reference_images_are_checked_as_the_pipeline_checks_them(family):
-    with pytest.raises(ValueError, match="Image too small: 32×32"):
-        family.encode_prompts(["make it blue"], images=[[_image(0, side=32)]])
-    with pytest.raises(ValueError, match=r"takes 0 to 10 source image\(s\) per prompt, got prompts with 11"):
-        family.encode_request(["make it blue"], [[_image(0)] * 11], "", negative=False)
-    with pytest.raises(ValueError, match="no static shift"):
-        family.sampling_shift(64)
 
 
 def test_prompt_records_without_images_are_text_prompts_for_a_family_that_takes_0(tmp_path):

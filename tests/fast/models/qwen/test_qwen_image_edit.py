@@ -22,7 +22,7 @@ from miles.models import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.rollout.data_source import PromptDataError
 from miles.startup import startup_checks
-from tests.conftest import _qwen_edit_reference_area
+from tests.fast.models.pipeline_layouts import qwen_edit_reference_area
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,7 @@ def test_plus_rows_whose_references_differ_run_apart_and_each_is_the_pipelines(p
     pipe.set_progress_bar_config(disable=True)
     steps = []
     pipe.scheduler.step = lambda velocity, t, sample, *a, **k: steps.append((velocity, sample)) or (sample,)
-    with _qwen_edit_reference_area(plus.path):
+    with qwen_edit_reference_area(plus.path):
         pipe(image=[Image.fromarray(i) for i in images[1]], prompt=prompts[1], negative_prompt="", true_cfg_scale=3.5,
              height=32, width=32, num_inference_steps=2, generator=torch.Generator().manual_seed(0),
              output_type="latent")  # fmt: skip

@@ -1,5 +1,6 @@
-"""The Wan family beyond the contract suite: two-expert routing, which experts train, its options and their
-errors, saving both experts, the σ grid of real (UniPC) folders, latent geometry and video media."""
+"""The Wan folders' family base beyond the contract suite: which experts train, the options and their errors,
+guidance_scale_2, saving both experts, the σ grid of real (UniPC) folders, latent geometry and video media (the
+two experts' routing: test_experts.py; a wan run's start-up checks: test_wan.py)."""
 
 from __future__ import annotations
 
@@ -13,46 +14,11 @@ import torch
 from diffusers import UniPCMultistepScheduler
 
 from miles.algorithms import ALGORITHMS
-from miles.models import WanExperts, get_train_pipeline_config
+from miles.models import get_train_pipeline_config
 from miles.models.diffusers_family import RUN_DEFAULTS_FILE
 from miles.models.media import Media
 
 PROMPTS = ["a red circle", "a blue square", "two green triangles"]
-
-
-def test_two_experts_route_each_row_as_the_pipeline_does(tiny_wan_2_experts_dir):
-    """Rows at t >= boundary (875) go to `transformer`, the others to `transformer_2` (WanPipeline's rule), in one
-    mixed batch: each row equals its expert's own forward of that row alone."""
-    family = get_train_pipeline_config(tiny_wan_2_experts_dir, num_frames=5)
-    experts = family.load_transformer()
-    assert isinstance(experts, WanExperts) and family.boundary_timestep == 875.0
-    calls = {"transformer": [], "transformer_2": []}
-    for name in calls:
-        getattr(experts, name).register_forward_hook(
-            lambda module, args, kwargs, out, name=name: calls[name].append(kwargs["timestep"].tolist()),
-            with_kwargs=True,
-        )
-    sigmas = torch.tensor([0.9, 0.875, 0.85])  # one step on each side of the boundary, one on it
-    latents = torch.randn(3, *family.latent_shape(32), generator=torch.Generator().manual_seed(0))
-    embeds = family.encode_prompts(PROMPTS)
-    with torch.no_grad():
-        mixed = family.predict_velocity(experts, latents, sigmas, embeds)
-    assert calls == {"transformer": [[900.0, 875.0]], "transformer_2": [[850.0]]}
-    for row, expert in enumerate([experts.transformer, experts.transformer, experts.transformer_2]):
-        with torch.no_grad():
-            alone = expert(
-                hidden_states=latents[row : row + 1],
-                timestep=sigmas[row : row + 1] * 1000,
-                encoder_hidden_states=embeds["prompt_embeds"][row : row + 1],
-                return_dict=False,
-            )[0]
-        assert (mixed[row] - alone[0]).abs().max().item() <= 1e-5, row
-    # the experts differ, so a wrong route would show
-    with torch.no_grad():
-        other = experts.transformer_2(
-            hidden_states=latents[:1], timestep=sigmas[:1] * 1000, encoder_hidden_states=embeds["prompt_embeds"][:1]
-        )[0]
-    assert (mixed[0] - other[0]).abs().max().item() > 1e-3
 
 
 def test_guidance_scale_2_guides_the_low_noise_rows_only(tiny_wan_2_experts_dir):
@@ -163,29 +129,3 @@ def test_latent_geometry_and_video_media(tiny_wan_dir, tmp_path):
     media = family.decode_latents(still)
     assert isinstance(media, Media) and media.is_video and media.fps == 16.0
     assert media.pixels.shape == (2, 5, 3, 32, 32) and 0.0 <= float(media.pixels.min()) <= float(media.pixels.max())
-
-
-def test_startup_refuses_what_a_wan_run_cannot_do(tiny_wan_dir, tiny_wan_2_experts_dir):
-    """The driver's start-up check, before Ray: the family's options and checks, and the image-only shapes eval."""
-    from miles.arguments.parser import parse_args
-    from miles.models.builtin import resolve_checkpoint
-    from miles.startup import check_startup
-
-    def check(path, *flags):
-        check_startup(parse_args(["--hf-checkpoint", path, "--num-frames", "5", *flags]))
-
-    check(tiny_wan_2_experts_dir, "--loss-type", "nft", "--eval-interval", "0", "--wan-trained-experts", "low-noise")
-    with pytest.raises(ValueError, match="--use-lora with a two-expert Wan folder"):
-        check(tiny_wan_2_experts_dir, "--eval-interval", "0", "--use-lora")
-    with pytest.raises(ValueError, match="--wan-trained-experts high-noise: .* has one expert"):
-        check(tiny_wan_dir, "--eval-interval", "0", "--wan-trained-experts", "high-noise")
-    check(tiny_wan_dir, "--loss-type", "nft")  # nft on builtin:shapes evaluates by default, but not video families
-    with pytest.raises(ValueError, match=r"--rm-type shapes scores images \(sample.image\), and wan makes video"):
-        check(tiny_wan_dir, "--loss-type", "nft", "--rm-type", "shapes")  # a video family's default is a video reward
-    with pytest.raises(ValueError, match="shapes eval scores images, and wan makes video"):
-        check(tiny_wan_dir, "--loss-type", "nft", "--eval-interval", "5")
-    moving = ("--eval-prompt-data", "builtin:moving-shapes", "--eval-interval", "5")
-    check(tiny_wan_dir, "--loss-type", "nft", *moving)  # the video world's eval scores clips
-    with pytest.raises(ValueError, match="builtin:moving-shapes scores clips, and sd3 makes images"):
-        shapes_model = resolve_checkpoint("builtin:tiny-shapes")
-        check_startup(parse_args(["--hf-checkpoint", shapes_model, "--loss-type", "nft", *moving]))

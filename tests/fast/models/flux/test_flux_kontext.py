@@ -12,7 +12,7 @@ from miles.arguments.parser import parse_args
 from miles.models import get_train_pipeline_config
 from miles.models.flux.tiny import save_tiny_flux_pipeline
 from miles.startup import startup_checks
-from tests.conftest import FAMILY_CASES
+from tests.fast.models.family_cases import FAMILY_CASES
 from tests.fast.models.test_family_contract import PROMPTS, TOLERANCE, run_pipeline, source_images
 
 KONTEXT = next(case for case in FAMILY_CASES if case.id == "flux-kontext")

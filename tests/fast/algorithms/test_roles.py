@@ -1,0 +1,31 @@
+"""The roles a run trains: their order (a critic before the actor it scores for), none for a debug rollout, what
+differs between roles (their overrides, defaults filled at parse), and which algorithms declare an extra role."""
+
+from __future__ import annotations
+
+from miles.algorithms import BUILTIN_ALGORITHMS
+from miles.algorithms.roles import extra_roles, role_settings, trained_roles, training_order
+from miles.arguments.parser import parse_args
+from tests.fast.arguments.test_parser import BASE
+
+DMD2 = [*BASE, "--loss-type", "dmd2", "--teacher-load", "/t"]
+
+
+def test_a_critic_trains_before_the_actor_and_a_debug_rollout_trains_nothing():
+    assert training_order(parse_args([*BASE, "--loss-type", "nft"])) == ["actor"]
+    assert training_order(parse_args(DMD2)) == trained_roles(parse_args(DMD2)) == ["critic", "actor"]
+    assert trained_roles(parse_args([*DMD2, "--debug-rollout-only"])) == []
+
+
+def test_each_role_has_its_own_overrides_with_the_run_defaults_filled():
+    args = parse_args([*DMD2, "--critic-lr", "1e-5", "--lr", "2e-4"])
+    critic, actor = role_settings(args, "critic"), role_settings(args, "actor")
+    assert (critic["checkpoint"], critic["lr"]) == ("/t", 1e-5)  # the critic starts from the teacher
+    assert (actor["checkpoint"], actor["lr"]) == ("/tmp/x", 2e-4)
+    assert critic["micro_batch_size"] == actor["micro_batch_size"]  # not overridden: the run's
+
+
+def test_only_dmd2_declares_an_extra_role():
+    assert {role: [a.name for a in holders] for role, holders in extra_roles(BUILTIN_ALGORITHMS).items()} == {
+        "critic": ["dmd2"]
+    }
