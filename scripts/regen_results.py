@@ -2,10 +2,12 @@
 
 `python scripts/regen_results.py` runs the demo (`train_diffusion.py` with no flags) and the same run on seeds 1, 2
 and 3, one after another, each into `outputs/results/<run>/`, then rewrites what sits between the `<!-- regen:NAME -->`
-and `<!-- /regen:NAME -->` markers of README.md and docs/results.md (the learning table, the headline, the demo's
-summary line) and copies the demo's held-out grids and metrics.png to docs/images/. `--runs demo` runs the demo only;
-`--render-only` re-renders from the finished runs already in `--runs-dir` (none: only the support table). The README's support table (families x algorithms x
-rewards) is rendered from the registries on every call; `--check` only says whether it is current (exit 1 if not).
+and `<!-- /regen:NAME -->` markers of README.md, docs/results.md and the quick start (the learning table, the
+headline, the demo's summary line) and copies the demo's held-out grids and metrics.png to docs/images/. The table
+holds every finished run in `--runs-dir`, each with its date and commit. `--runs demo` runs the demo only;
+`--render-only` re-renders from the finished runs already there (none: only the support table). The README's support
+table (families x algorithms x rewards) is rendered from the registries on every call; `--check` only says whether it
+is current (exit 1 if not).
 """
 
 from __future__ import annotations
@@ -170,21 +172,20 @@ def learning_table(runs: list[dict[str, Any]]) -> str:
     """The results page's table: accuracy after each eval, the gain, the eval reward, the wall time, per run."""
     rollouts = list(runs[0]["evals"])
     head = " | ".join(f"after {r}" if r else "before (0)" for r in rollouts)
-    lines = [f"| run (flags) | {head} | gain | eval reward | wall time |", "|---" * (len(rollouts) + 4) + "|"]
+    lines = [f"| run (flags) | {head} | gain | eval reward | wall time | measured (UTC, commit) |"]
+    lines.append("|---" * (len(rollouts) + 5) + "|")
     for run in runs:
         values = list(run["evals"].values())
         cells = " | ".join(f"{accuracy:.3f}" for accuracy, _ in values)
-        gain = 100 * (values[-1][0] - values[0][0])
+        gain = f"{100 * (values[-1][0] - values[0][0]):+.1f} pts"
         reward = f"{values[0][1]:.3f} -> {values[-1][1]:.3f}"
+        measured = f"{run['date_utc']}, {run['commit']}"
         lines.append(
-            f"| {run['run']} (`{run['flags']}`) | {cells} | {gain:+.1f} pts | {reward} | {run['wall_s']:.0f} s |"
+            f"| {run['run']} (`{run['flags']}`) | {cells} | {gain} | {reward} | {run['wall_s']:.0f} s | {measured} |"
         )
-    first = runs[0]
     lines.append("")
-    lines.append(
-        f"Measured {first['date_utc']} UTC at commit {first['commit']} by `python scripts/regen_results.py`, "
-        f"{first['machine']}; the runs ran one after another."
-    )
+    machines = "; ".join(f"{run['run']}: {run['machine']}" for run in runs)
+    lines.append(f"Measured by `python scripts/regen_results.py`, one run at a time ({machines}).")
     return "\n".join(lines) + "\n"
 
 
@@ -222,10 +223,11 @@ def _rewrite(path: str, sections: dict[str, str]) -> bool:
     return new != text
 
 
-def render(runs_dir: str, names: list[str]) -> None:
+def render(runs_dir: str) -> None:
     """Rewrite the README's support table, and the regenerated sections of the README, the results page and the
-    quick start from the finished runs among `names` in runs_dir (those sections stay as they are without one)."""
-    finished = [name for name in names if os.path.exists(os.path.join(runs_dir, name, "regen.json"))]
+    quick start from every finished run in runs_dir (a run's regen.json is written once it ended; those sections
+    stay as they are without one)."""
+    finished = [name for name in RUNS if os.path.exists(os.path.join(runs_dir, name, "regen.json"))]
     runs = [summarize(os.path.join(runs_dir, name)) for name in finished]
     readme: dict[str, str] = {"support": support_table()}
     results: dict[str, str] = {"learning": learning_table(runs)} if runs else {}
@@ -260,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.render_only:
         for name in args.runs:
             run_one(name, args.runs_dir)
-    render(args.runs_dir, args.runs)
+    render(args.runs_dir)
     return 0
 
 

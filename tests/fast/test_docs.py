@@ -91,5 +91,5 @@ def test_regen_reads_a_finished_run(load_script, tmp_path):
     )
     table = module.learning_table([run])
     assert "| before (0) | after 20 | after 40 |" in table
-    assert "| 0.420 | 0.440 | 0.504 | +8.4 pts | 0.861 -> 0.888 | 153 s |" in table
+    assert "| 0.420 | 0.440 | 0.504 | +8.4 pts | 0.861 -> 0.888 | 153 s | 2026-12-06 12:00, abc1234 |" in table
     assert "0.420 -> 0.440 -> 0.504" in module.headline(run)
