@@ -223,11 +223,19 @@ def _rewrite(path: str, sections: dict[str, str]) -> bool:
     return new != text
 
 
+def _finished(run_dir: str) -> bool:
+    """The run ended with exit code 0 (a failed run's regen.json says its code; one under way has none yet)."""
+    path = os.path.join(run_dir, "regen.json")
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return json.load(f)["returncode"] == 0
+
+
 def render(runs_dir: str) -> None:
     """Rewrite the README's support table, and the regenerated sections of the README, the results page and the
-    quick start from every finished run in runs_dir (a run's regen.json is written once it ended; those sections
-    stay as they are without one)."""
-    finished = [name for name in RUNS if os.path.exists(os.path.join(runs_dir, name, "regen.json"))]
+    quick start from every finished run in runs_dir (exit code 0; those sections stay as they are without one)."""
+    finished = [name for name in RUNS if _finished(os.path.join(runs_dir, name))]
     runs = [summarize(os.path.join(runs_dir, name)) for name in finished]
     readme: dict[str, str] = {"support": support_table()}
     results: dict[str, str] = {"learning": learning_table(runs)} if runs else {}
