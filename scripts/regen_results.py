@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 
 from miles.algorithms.registry import ALGORITHMS  # noqa: E402  (the repository root goes on the path first)
 from miles.models.registry import BUILTIN_FAMILIES  # noqa: E402
-from miles.utils.reward_spec import (  # noqa: E402
+from miles.arguments.reward_spec import (  # noqa: E402
     BUILTIN_REWARDS,
     CUSTOM,
     EITHER_MEDIA,
