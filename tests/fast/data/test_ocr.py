@@ -2,10 +2,10 @@
 the start-up check that every prompt of an ocr run has quoted text, and which held-out eval a prompt file selects."""
 
 import json
-from argparse import Namespace
 
 import pytest
 
+from miles.arguments.parser import default_args
 from miles.data.ocr import BUILTIN_OCR, SPLIT_TEXTS, ocr_prompts, ocr_target
 from miles.ray.evaluator import OCR_EVAL, SHAPES_EVAL, load_eval_records
 from miles.rollout.data_source import PromptDataError, load_records, read_text_prompts
@@ -32,7 +32,7 @@ def data_args(**overrides):
         eval_num_prompts=500,
         eval_seed=0,
     )
-    return Namespace(**{**values, **overrides})
+    return default_args(**{**values, **overrides})
 
 
 def test_builtin_prompts_quote_their_text_and_eval_words_are_held_out():

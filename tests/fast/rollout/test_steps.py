@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from miles.arguments.parser import default_args
 from miles.models.conditioning import Conditioning
 from miles.rollout import steps
 from miles.utils.types import Sample
@@ -71,7 +72,7 @@ def test_removed_samples_get_zero_advantage_and_the_others_keep_theirs():
 
 
 def test_per_reward_group_norm_reads_each_samples_reward_terms():
-    args = SimpleNamespace(
+    args = default_args(
         n_samples_per_prompt=2,
         globalize_reward_std=False,
         disable_grpo_std_normalization=False,
