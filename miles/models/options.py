@@ -76,6 +76,21 @@ FAMILY_OPTIONS: tuple[FamilyOption, ...] = (
     ),
 )
 
+# families whose VAE decodes in spatial tiles with --vae-tiling on (diffusers' `vae.enable_tiling()`)
+VAE_TILING_FAMILIES = ("hunyuan-video15",)
+FAMILY_OPTIONS += tuple(
+    FamilyOption(
+        family,
+        "vae_tiling",
+        "--vae-tiling",
+        "decode each clip in overlapping spatial tiles, blended (diffusers' vae.enable_tiling(), as the pipeline's "
+        "own example does): untiled, the VAE's attention over every latent position of a 480p clip holds ~90 GB "
+        "(docs/user-guide/memory.md); tiled samples differ slightly from untiled ones; default off",
+        choices=("on", "off"),
+    )
+    for family in VAE_TILING_FAMILIES
+)
+
 # what a flag shared by several families means, before each family's own part of its help
 FLAG_SUMMARIES = {
     "--num-frames": "Frames per video sample of a video family",

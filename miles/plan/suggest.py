@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.models.base import family_options, get_train_pipeline_config
+from miles.models.options import VAE_TILING_FAMILIES
 from miles.plan.run import PlanSettings, Simulation, simulate
 from miles.rollout.prompt_cache import AUTO, DEFAULT_SUBDIR, frees_text_encoders
 
@@ -52,6 +53,8 @@ def engine_ladder(args: argparse.Namespace, report: dict[str, Any]) -> list[Chan
         steps.append(
             Change(f"--prompt-cache {cached.prompt_cache}", {"prompt_cache": cached.prompt_cache}, ("engine",))
         )
+    if family.name in VAE_TILING_FAMILIES and args.vae_tiling != "on":  # a video's decode: its attention over it all
+        steps.append(Change("--vae-tiling on", {"vae_tiling": "on"}, ("engine",)))
     rows = report["roles"].get("engine", {}).get("micro_batch", 1)
     steps += [
         Change(f"--rollout-micro-batch-size {r}", {"rollout_micro_batch_size": r}, ("engine",)) for r in _smaller(rows)

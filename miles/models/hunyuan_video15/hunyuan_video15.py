@@ -153,6 +153,8 @@ class HunyuanVideo15PipelineConfig(DiffusersFamily):
         wrongly over a batch of several clips."""
         vae = super().load_vae(device, dtype)
         vae.enable_slicing()
+        if self.family_options.get("vae_tiling") == "on":  # --vae-tiling on: spatial tiles, blended
+            vae.enable_tiling()
         return vae
 
     @torch.no_grad()

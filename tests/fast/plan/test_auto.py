@@ -142,3 +142,11 @@ def test_the_engines_first_fix_is_a_prompt_cache_where_auto_keeps_the_text_encod
     off = parse_args(["--plan", "--prompt-cache", "off"])
     off.hf_checkpoint = args.hf_checkpoint
     assert [c.flags for c in engine_ladder(off, report)][0] == "--rollout-micro-batch-size 2"
+
+
+def test_a_video_familys_engine_is_offered_vae_tiling(tiny_hunyuan_video15_dir):
+    from miles.plan.suggest import engine_ladder
+
+    args = parse_args(["--plan", "--hf-checkpoint", str(tiny_hunyuan_video15_dir), "--prompt-cache", "off"])
+    flags = [c.flags for c in engine_ladder(args, {"roles": {"engine": {"micro_batch": 1}}})]
+    assert flags == ["--vae-tiling on"]

@@ -35,3 +35,9 @@ def test_a_guider_whose_maths_miles_does_not_run_is_refused(tiny_hunyuan_video15
 def test_num_frames_must_fit_the_vae_temporal_factor(tiny_hunyuan_video15_dir):
     with pytest.raises(ValueError, match="--num-frames 6: .*e.g. 5 or 9"):
         get_train_pipeline_config(tiny_hunyuan_video15_dir, num_frames=6)
+
+
+def test_vae_tiling_on_decodes_in_spatial_tiles_and_off_is_the_default(tiny_hunyuan_video15_dir):
+    assert not get_train_pipeline_config(tiny_hunyuan_video15_dir).load_vae().use_tiling
+    family = get_train_pipeline_config(tiny_hunyuan_video15_dir, vae_tiling="on")
+    assert family.load_vae().use_tiling
