@@ -43,10 +43,10 @@ from miles.backends.fsdp_utils.fsdp import apply_fsdp2, bucketed_full_state_dict
 from miles.backends.fsdp_utils.weight_push import WeightPusher, sync_plan  # noqa: E402
 from miles.models.base import get_train_pipeline_config  # noqa: E402
 from miles.models.builtin import resolve_checkpoint  # noqa: E402
-from miles.ray.engine_group import EngineActor  # noqa: E402
+from miles.ray.engine_group import ENGINE_ACTOR_OPTIONS, EngineActor  # noqa: E402
 from miles.ray.placement_group import actor_nodes  # noqa: E402
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group  # noqa: E402
-from miles.utils.heap import keep_freed_memory  # noqa: E402
+from miles.utils.heap import TRAINER_MMAP_THRESHOLD, keep_freed_memory  # noqa: E402
 from miles.utils.weight_checksum import verify_loaded  # noqa: E402
 from miles.weight_sync.protocol import DEFAULT_BUCKET_BYTES  # noqa: E402
 from miles.weight_sync.transports import TransportSpec, choose_transport  # noqa: E402
@@ -114,7 +114,7 @@ class BenchRank:
 
     def __init__(self, rank: int, world_size: int, checkpoint: str, master: tuple[str, int]) -> None:
         torch.set_num_threads(1)
-        keep_freed_memory()  # as a trainer rank on CPU does (miles.utils.heap)
+        keep_freed_memory(TRAINER_MMAP_THRESHOLD)  # as a trainer rank on CPU does (miles.utils.heap)
         self.rank = rank
         init_process_group(rank, world_size, *master, "cpu", timeout=timedelta(seconds=SYNC_TIMEOUT))
         family = get_train_pipeline_config(checkpoint)
@@ -175,10 +175,12 @@ def whole_sync(opts: argparse.Namespace) -> dict:
         master = ("127.0.0.1", find_free_port())
         remote_rank = ray.remote(num_cpus=1)(BenchRank)
         ranks = [remote_rank.remote(r, opts.world_size, opts.hf_checkpoint, master) for r in range(opts.world_size)]
-        engines = [
-            ray.remote(num_cpus=0.5)(EngineActor).remote(opts.hf_checkpoint, device="cpu") for _ in range(opts.engines)
-        ]
-        ray.get([r.ready.remote() for r in ranks] + [e.health.remote() for e in engines], timeout=SYNC_TIMEOUT)
+        ray.get([r.ready.remote() for r in ranks], timeout=SYNC_TIMEOUT)
+        engine = ray.remote(num_cpus=0.5, **ENGINE_ACTOR_OPTIONS)(EngineActor)
+        engines = []
+        for _ in range(opts.engines):  # one at a time: the load peaks do not add up (issue 48 item 6)
+            engines.append(engine.remote(opts.hf_checkpoint, device="cpu"))
+            ray.get(engines[-1].health.remote(), timeout=SYNC_TIMEOUT)
         kind = choose_transport(actor_nodes(ranks[:1])[0], actor_nodes(engines), "cpu")
         prepared = ray.get(
             [r.prepare.remote(kind, opts.bucket_mb << 20, kind == "shm") for r in ranks], timeout=SYNC_TIMEOUT
@@ -207,16 +209,20 @@ def whole_sync(opts: argparse.Namespace) -> dict:
                 [r.push.remote() for r in ranks] + [e.receive_weights.remote(v) for e in engines], timeout=SYNC_TIMEOUT
             )
 
-        legs = {"object store (before)": old, f"sync group ({kind})": new}
+        legs = {f"sync group ({kind})": new, "object store (before)": old}
         if opts.skip_object_store:  # its rank 0 holds the model ~5 times over: it may not fit beside other jobs
             del legs["object store (before)"]
-        seconds: dict[str, list[float]] = {name: [] for name in legs}
-        for fn in legs.values():  # warm-up
-            fn()
+        # each time printed as it is taken: what was measured stays on record if the machine's memory runs out
+        # in a later sync (Ray then ends a worker: the object-store leg holds the model several times over)
+        seconds = {"memcpy": ray.get(ranks[0].memcpy.remote(plan.total_bytes, opts.repeats), timeout=SYNC_TIMEOUT)}
+        print(f"memcpy: {' '.join(f'{t:.3f}' for t in seconds['memcpy'])} s", flush=True)
+        seconds.update({name: [] for name in legs})
+        for name, fn in legs.items():
+            print(f"{name} (warm-up): {_timed(fn):.3f} s", flush=True)
         for _ in range(opts.repeats):
             for name, fn in legs.items():
                 seconds[name].append(_timed(fn))
-        seconds["memcpy"] = ray.get(ranks[0].memcpy.remote(plan.total_bytes, opts.repeats), timeout=SYNC_TIMEOUT)
+                print(f"{name}: {seconds[name][-1]:.3f} s", flush=True)
         return {"seconds": seconds, "bytes": plan.total_bytes, "buckets": len(plan.buckets), "kind": kind}
     finally:
         ray.shutdown()

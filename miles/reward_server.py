@@ -98,6 +98,23 @@ def jsonable_extra(entries: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def token_accepted(authorization: str, token: str | None) -> bool:
+    """Whether a request's Authorization header carries the server's bearer `token` (any request when it has none)."""
+    return token is None or hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode())
+
+
+def decode_score_request(body: bytes) -> list[Any]:
+    """The samples of a POST /score body; a ValueError saying what is wrong with it (a 400)."""
+    from miles.rollout.rm_hub.remote import WIRE_VERSION, decode_sample
+
+    payload = json.loads(body)
+    if not isinstance(payload, dict) or not isinstance(payload.get("samples"), list):
+        raise ValueError("the body must be an object with a 'samples' list")
+    if payload.get("version", WIRE_VERSION) != WIRE_VERSION:
+        raise ValueError(f"wire version {payload.get('version')!r}; this server speaks {WIRE_VERSION}")
+    return [decode_sample(record, k) for k, record in enumerate(payload["samples"])]
+
+
 def create_app(args: argparse.Namespace, spec: list[tuple[str, float]], token: str | None = None) -> Any:
     """The Starlette app: GET /health, POST /score (schema in miles/rollout/rm_hub/remote.py)."""
     from starlette.applications import Starlette
@@ -106,7 +123,7 @@ def create_app(args: argparse.Namespace, spec: list[tuple[str, float]], token: s
     from starlette.routing import Route
 
     from miles.rollout.rm_hub import RewardError, compute_rewards
-    from miles.rollout.rm_hub.remote import WIRE_VERSION, decode_sample
+    from miles.rollout.rm_hub.remote import WIRE_VERSION
 
     scorer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
     rm_type = ",".join(f"{name}:{weight:g}" for name, weight in spec)
@@ -134,20 +151,13 @@ def create_app(args: argparse.Namespace, spec: list[tuple[str, float]], token: s
         )
 
     async def score(request: Request) -> JSONResponse:
-        if token is not None:
-            sent = request.headers.get("authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-                return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
+        if not token_accepted(request.headers.get("authorization", ""), token):
+            return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
             return JSONResponse({"error": f"request of {len(body)} bytes exceeds {MAX_BODY_BYTES}"}, status_code=413)
         try:
-            payload = json.loads(body)
-            if not isinstance(payload, dict) or not isinstance(payload.get("samples"), list):
-                raise ValueError("the body must be an object with a 'samples' list")
-            if payload.get("version", WIRE_VERSION) != WIRE_VERSION:
-                raise ValueError(f"wire version {payload.get('version')!r}; this server speaks {WIRE_VERSION}")
-            samples = [decode_sample(record, k) for k, record in enumerate(payload["samples"])]
+            samples = decode_score_request(body)
         except ValueError as exc:
             return JSONResponse({"error": f"bad request: {exc}"}, status_code=400)
         try:

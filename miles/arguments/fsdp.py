@@ -66,6 +66,11 @@ def add_fsdp_arguments(parser: argparse.ArgumentParser) -> None:
         help="Trainer ranks use deterministic kernels only and fixed reduction orders (cuBLAS workspace, NCCL "
         "ring); slower on GPU, and an op without a deterministic kernel raises (docs/user-guide/memory.md).",
     )
+    add_mesh_arguments(group)
+
+
+def add_mesh_arguments(group: argparse._ArgumentGroup) -> None:
+    """How a role's ranks are laid out: hybrid sharding groups and sequence parallelism."""
     group.add_argument(
         "--fsdp-shard-size",
         type=int,

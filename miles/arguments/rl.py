@@ -74,6 +74,11 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         "--diffusion-step-strategy-path", default=None, help="fn(args, rollout_id, num_steps) -> trained steps."
     )
     add_mixgrpo_arguments(group)
+    add_rollout_debug_arguments(group)
+
+
+def add_rollout_debug_arguments(group: argparse._ArgumentGroup) -> None:
+    """What a rollout leaves to look at: debug runs, saved and replayed rollouts, image grids and video media."""
     group.add_argument("--debug-rollout-only", action="store_true", help="Generate and score; never train.")
     group.add_argument("--save-debug-rollout-data", default=None, help="Save each rollout's train data: DIR.")
     group.add_argument(
@@ -352,6 +357,11 @@ def add_remote_reward_arguments(parser: argparse.ArgumentParser) -> None:
         "--rm-max-concurrency", type=int, default=8, help="Requests in flight per remote reward at a time."
     )
     group.add_argument("--rm-model", default=None, help="vlm_judge: the model name the judge's server serves.")
+    add_vlm_judge_arguments(group)
+
+
+def add_vlm_judge_arguments(group: argparse._ArgumentGroup) -> None:
+    """The VLM judge's own flags (--rm-type vlm_judge), in the remote rewards' group."""
     judge = ReadBy(group, ByReward(("vlm_judge",)))
     judge.add_argument(
         "--vlm-judge-prompt-file",

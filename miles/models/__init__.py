@@ -8,12 +8,12 @@ from typing import Any
 from miles.models.registry import BUILTIN_FAMILIES
 
 _LAZY = {  # exported name -> the module that defines it; the built-in family classes come from BUILTIN_FAMILIES
-    "TRAIN_PIPELINE_CONFIGS": "miles.models.base",
+    "TRAIN_PIPELINE_CONFIGS": "miles.models.family_registry",
     "TrainPipelineConfig": "miles.models.base",
-    "all_family_classes": "miles.models.base",
-    "family_class": "miles.models.base",
-    "get_train_pipeline_config": "miles.models.base",
-    "register_train_pipeline_config": "miles.models.base",
+    "all_family_classes": "miles.models.family_registry",
+    "family_class": "miles.models.family_registry",
+    "get_train_pipeline_config": "miles.models.family_registry",
+    "register_train_pipeline_config": "miles.models.family_registry",
     "family_options": "miles.models.options",
     "FamilyOption": "miles.models.options",
     "add_family_arguments": "miles.models.options",

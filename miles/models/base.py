@@ -1,4 +1,7 @@
-"""Model families: the `TrainPipelineConfig` interface (the family contract) and the family registry.
+"""Model families: the `TrainPipelineConfig` interface (the family contract), and the import path of what a family
+and its callers use: the registry (`miles.models.family_registry`: `register_train_pipeline_config`,
+`get_train_pipeline_config`, ...), the loading helpers (`miles.models.loading`: `load_pretrained`, `compute_dtype`)
+and `family_options`, re-exported here.
 
 A family knows how to load one kind of diffusers pipeline folder and run its networks the way its pipeline does:
 its conditioning (`Conditioning`, names of its choosing), its latent geometry (any rank), its decoded media (`Media`)
@@ -7,81 +10,39 @@ and its default LoRA targets. Code outside `miles/models/` relies on this interf
 
 from __future__ import annotations
 
-import inspect
 import json
-import logging
 from abc import ABC, abstractmethod
-from importlib import import_module
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol
 
-import accelerate
-import diffusers.utils.deprecation_utils
 import torch
-from diffusers.models.modeling_utils import no_init_weights
 from torch import nn
 
 from miles.diffusion.schedule import sampling_sigmas as static_shift_sampling_sigmas
 from miles.models.conditioning import Conditioning
-from miles.models.configs_only import keep_fp32_parameters, module_from_config, pipeline_components_from_configs
+from miles.models.configs_only import pipeline_components_from_configs
+from miles.models.family_registry import (  # noqa: F401  (re-exported: the registry's API)
+    TRAIN_PIPELINE_CONFIGS,
+    all_family_classes,
+    family_class,
+    family_for_pipeline,
+    get_train_pipeline_config,
+    is_family_class_path,
+    load_family_class,
+    register_train_pipeline_config,
+)
+from miles.models.loading import (  # noqa: F401  (load_pretrained, compute_dtype: re-exported)
+    DTYPE_KW,
+    check_pipeline_components,
+    check_pipeline_folder,
+    compute_dtype,
+    load_pretrained,
+    read_model_index,
+)
 from miles.models.media import Media
 from miles.models.options import FamilyOption, family_options, option_flag  # noqa: F401  (family_options: re-exported)
-from miles.models.registry import BUILTIN_FAMILIES, builtin_family_of_pipeline
 from miles.models.sequence_parallel import SequenceParallelGroup, sequence_parallel_problems
-from miles.utils import import_gc
-from miles.utils.misc import load_function
 from miles.utils.simulation import simulating
-
-logger = logging.getLogger(__name__)
-
-# from_pretrained's dtype keyword: `dtype` in the diffusers versions that renamed it, `torch_dtype` before
-DTYPE_KW = "dtype" if hasattr(diffusers.utils.deprecation_utils, "_resolve_dtype") else "torch_dtype"
-# safetensors' dtype names (a file header's "dtype") -> torch dtypes
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-# where `load_pretrained(..., empty=True)` records the folder whose safetensors hold a module's weights
-CHECKPOINT_FOLDER_ATTR = "_miles_checkpoint_folder"
-
-
-def load_pretrained(
-    cls: type[nn.Module], root: str | Path, subfolder: str | None, dtype: torch.dtype, *, empty: bool = False
-) -> nn.Module:
-    """`cls.from_pretrained(root, subfolder=..., dtype=...)` in eval mode, or with `empty=True` the same module with
-    its parameters on the meta device and no weights read, tagged with its weights' folder (`CHECKPOINT_FOLDER_ATTR`)
-    so that a sharded loader can fill each rank's shards from the files (`miles.backends.fsdp_utils.sharded_load`).
-
-    The empty module is built as from_pretrained builds it: under `dtype` as the default dtype (buffers computed at
-    construction get it), weights initialisation skipped, and the class's `_keep_in_fp32_modules` parameters in fp32.
-
-    Under the planner's simulation (`miles.utils.simulation`) no weight file is read: the module is built from its
-    config with fake weights (`module_from_config`).
-    """
-    folder = Path(root) / subfolder if subfolder else Path(root)
-    if not empty:
-        if simulating():
-            return module_from_config(cls, folder, dtype)
-        return cls.from_pretrained(str(root), subfolder=subfolder, **{DTYPE_KW: dtype}, local_files_only=True).eval()
-    config = cls.load_config(str(folder), local_files_only=True)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with no_init_weights(), accelerate.init_empty_weights(include_buffers=False):
-            model = cls.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
-    keep_fp32_parameters(model, cls, dtype)
-    setattr(model, CHECKPOINT_FOLDER_ATTR, folder)
-    return model.eval()
 
 
 class RunAlgorithm(Protocol):
@@ -394,174 +355,3 @@ class TrainPipelineConfig(ABC):
         draws its initial latents (what the engine's seeded noise goes through). Default: one `torch.randn`; a
         family whose latent joins several pipeline latents (LTX-2: video then audio) draws them in its order."""
         return torch.randn(self.latent_shape(resolution), generator=generator)
-
-
-def compute_dtype(network: nn.Module) -> torch.dtype:
-    """The dtype a network's forward runs in: the `compute_dtype` a mixed-precision wrapper set on it or on a module
-    inside it (FSDP2 stores fp32 master weights and computes in its param dtype), else its parameters' dtype (of those
-    not kept in fp32: a bf16 Wan loaded by from_pretrained holds fp32 norms and tables first).
-
-    A family's `predict_velocity` casts its inputs to this dtype, so engines and trainer cast alike."""
-    kept: set[str] = set()  # modules diffusers keeps in fp32 whatever the dtype (Wan's scale_shift_table, norms)
-    for module in network.modules():
-        dtype = module.__dict__.get("compute_dtype")
-        if dtype is not None:
-            return dtype
-        kept.update(getattr(module, "_keep_in_fp32_modules", None) or ())
-    for name, param in network.named_parameters():
-        if not kept.intersection(name.split(".")):
-            return param.dtype
-    return next(network.parameters()).dtype
-
-
-def check_pipeline_folder(path: str | Path) -> Path:
-    """`path` as a Path if it is a local diffusers pipeline folder (has model_index.json); a clear error otherwise."""
-    folder = Path(path).expanduser()
-    hint = "--hf-checkpoint must be a local diffusers pipeline folder (nothing is downloaded)"
-    if not folder.exists():
-        raise FileNotFoundError(f"pipeline folder {str(path)!r} does not exist; {hint}")
-    if not folder.is_dir():
-        raise NotADirectoryError(f"pipeline path {str(path)!r} is not a folder; {hint}")
-    if not (folder / "model_index.json").is_file():
-        raise FileNotFoundError(f"{str(path)!r} has no model_index.json; {hint}")
-    return folder
-
-
-def read_model_index(folder: Path) -> dict[str, Any]:
-    """The folder's model_index.json as a dict; an error naming the file and the folder when it is not a JSON object
-    (binary bytes, truncated text)."""
-    file = folder / "model_index.json"
-    try:
-        index = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{file} is not JSON ({exc}): {folder} is not a diffusers pipeline folder") from None
-    if not isinstance(index, dict):
-        raise ValueError(f"{file} is not a JSON object: {folder} is not a diffusers pipeline folder")
-    return index
-
-
-def check_pipeline_components(folder: Path, family: str) -> Path:
-    """`folder` if every component its model_index.json lists (`"vae": ["diffusers", "AutoencoderKL"]`; null entries
-    are absent by design) has its subfolder; an error naming the first missing component and its class otherwise
-    (diffusers would fail less clearly, and a missing tokenizer folder can even load as an empty tokenizer)."""
-    index = read_model_index(folder)
-    for component, spec in index.items():
-        if component.startswith("_") or not isinstance(spec, list) or len(spec) != 2 or spec[1] is None:
-            continue
-        if not (folder / component).is_dir():
-            raise FileNotFoundError(
-                f"{folder} is not a complete {family} pipeline folder: model_index.json lists the component "
-                f"{component!r} ({spec[1]}), but {folder / component} is missing"
-            )
-    return folder
-
-
-def strip_name_or_path(folder: str | Path) -> list[Path]:
-    """Remove `_name_or_path` from every JSON file under `folder`: from_pretrained records the folder a component
-    was loaded from there, and save_pretrained writes it back, so a saved pipeline would name the machine it was
-    built on. Returns the files rewritten."""
-    rewritten = []
-    for file in sorted(Path(folder).rglob("*.json")):
-        data = json.loads(file.read_text())
-        if isinstance(data, dict) and "_name_or_path" in data:
-            del data["_name_or_path"]
-            file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-            rewritten.append(file)
-    return rewritten
-
-
-TRAIN_PIPELINE_CONFIGS: dict[str, type[TrainPipelineConfig]] = {}  # the families imported so far, by name
-
-_C = TypeVar("_C", bound=type[TrainPipelineConfig])
-
-
-def register_train_pipeline_config(cls: _C) -> _C:
-    """Class decorator: make a family available under `cls.name`."""
-    if cls.name in TRAIN_PIPELINE_CONFIGS and TRAIN_PIPELINE_CONFIGS[cls.name] is not cls:
-        raise ValueError(f"model family {cls.name!r} is already registered by {TRAIN_PIPELINE_CONFIGS[cls.name]}")
-    TRAIN_PIPELINE_CONFIGS[cls.name] = cls
-    return cls
-
-
-def family_class(name: str) -> type[TrainPipelineConfig] | None:
-    """The family registered under `name`, importing a built-in one on first use; None when there is none."""
-    if name not in TRAIN_PIPELINE_CONFIGS and name in BUILTIN_FAMILIES:
-        with import_gc.paused():  # diffusers' pipelines and transformers' models, less CPU (import_gc)
-            import_module(BUILTIN_FAMILIES[name].module)  # its decorator registers it
-    return TRAIN_PIPELINE_CONFIGS.get(name)
-
-
-def family_for_pipeline(class_name: str | None) -> type[TrainPipelineConfig] | None:
-    """The family that handles the pipeline class `class_name` (model_index.json's `_class_name`): a registered
-    one first (a user's family may take over a built-in pipeline class), then a built-in one; None when none does."""
-    for cls in TRAIN_PIPELINE_CONFIGS.values():
-        if cls.pipeline_class_name == class_name:
-            return cls
-    name = builtin_family_of_pipeline(class_name)
-    return None if name is None else family_class(name)
-
-
-def all_family_classes() -> dict[str, type[TrainPipelineConfig]]:
-    """Every family, by name: the built-in ones (each imported) and those registered since."""
-    for name in BUILTIN_FAMILIES:
-        family_class(name)
-    return dict(TRAIN_PIPELINE_CONFIGS)
-
-
-def _known_families() -> str:
-    """Each family's name and pipeline class, without importing a built-in one."""
-    known = {name: entry.pipeline_class_name for name, entry in BUILTIN_FAMILIES.items()}
-    known.update((name, cls.pipeline_class_name) for name, cls in TRAIN_PIPELINE_CONFIGS.items())
-    return ", ".join(f"{name} ({pipeline})" for name, pipeline in sorted(known.items())) or "none"
-
-
-def is_family_class_path(family: str) -> bool:
-    """`file.py:Class` or `package.module.Class` (a user's family class), as opposed to a registered name."""
-    return ":" in family or "." in family
-
-
-def load_family_class(spec: str) -> type[TrainPipelineConfig]:
-    """A user's model family class from `file.py:Class` or `package.module.Class`, registered under its `name`
-    (--train-pipeline-config-path); a clear error when it is not a complete TrainPipelineConfig."""
-    cls = load_function(spec)
-    if not (isinstance(cls, type) and issubclass(cls, TrainPipelineConfig)):
-        raise TypeError(f"--train-pipeline-config-path {spec}: {cls!r} is not a TrainPipelineConfig subclass")
-    missing = sorted(getattr(cls, "__abstractmethods__", ()))
-    unnamed = [attr for attr in ("name", "pipeline_class_name") if not isinstance(getattr(cls, attr, None), str)]
-    if missing or unnamed:
-        raise TypeError(
-            f"--train-pipeline-config-path {spec}: {cls.__name__} must define "
-            + ", ".join([*(f"class attribute {a}" for a in unnamed), *(f"method {m}" for m in missing)])
-        )
-    try:  # start-up calls it with the run's algorithm record (a family written before it took one fails here)
-        inspect.signature(cls.check_run_args).bind(None, None, None)
-    except TypeError:
-        raise TypeError(
-            f"--train-pipeline-config-path {spec}: {cls.__name__}.check_run_args must take (self, args, algorithm)"
-        ) from None
-    return register_train_pipeline_config(cls)
-
-
-def get_train_pipeline_config(path: str, family: str = "auto", **options: Any) -> TrainPipelineConfig:
-    """The family config for the pipeline folder `path`; "auto" picks it by model_index.json's `_class_name`, a
-    class path (`file.py:Class`, from --train-pipeline-config-path) loads and registers the user's family.
-
-    `options` (see `family_options`): the ones not None go to the family's constructor, which refuses those it
-    does not accept."""
-    folder = check_pipeline_folder(path)
-    given = {k: v for k, v in options.items() if v is not None}  # a user's family may take the path only
-    if is_family_class_path(family):
-        return load_family_class(family)(str(folder), **given)
-    if family != "auto":
-        cls = family_class(family)
-        if cls is None:
-            raise ValueError(f"unknown model family {family!r}; known families: {_known_families()}")
-        return cls(str(folder), **given)
-    class_name = read_model_index(folder).get("_class_name")
-    cls = family_for_pipeline(class_name)
-    if cls is not None:
-        return cls(str(folder), **given)
-    raise ValueError(
-        f"{path}/model_index.json names pipeline class {class_name!r}, which no model family handles; "
-        f"known families: {_known_families()}"
-    )

@@ -18,8 +18,9 @@ from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from torch import nn
 
-from miles.models.base import SAFETENSORS_DTYPES, TrainPipelineConfig, load_pretrained, strip_name_or_path
+from miles.models.base import TrainPipelineConfig, load_pretrained
 from miles.models.conditioning import Conditioning
+from miles.models.loading import SAFETENSORS_DTYPES, strip_name_or_path
 from miles.models.media import Media
 
 logger = logging.getLogger(__name__)

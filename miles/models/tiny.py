@@ -27,8 +27,8 @@ from transformers import (
     T5Tokenizer,
 )
 
-from miles.models.base import strip_name_or_path
 from miles.models.diffusers_family import write_run_defaults
+from miles.models.loading import strip_name_or_path
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ touches), never extrapolated.
   rows to fill a GPU), lowered to the largest power of two that fits when it does not.
 
 Micro-batches are searched by bisection (memory grows with the micro-batch), so a search costs at most three
-re-plans per setting. On CPU, `auto` is 32, off and the whole share (the parse's values, unchanged)."""
+re-plans per setting; without checkpointing the smallest micro-batch is planned first (at real size it seldom fits:
+one re-plan instead of three). On CPU, `auto` is 32, off and the whole share (the parse's values, unchanged)."""
 
 from __future__ import annotations
 
@@ -119,7 +120,9 @@ def _trainer_sizes(
             found = search.fits([*toggle, change], engines=False)
             return None if found is None else ([*toggle, change], found)
 
-        best = largest(sizes, plan)
+        # a checkpointing round follows: the smallest micro-batch first (at real size it rarely fits without
+        # checkpointing, and then one re-plan says so instead of a bisection's three)
+        best = largest(sizes, plan, smallest_first=on is False and len(checkpointing) > 1)
         if best is not None:
             return best
     return None
@@ -136,10 +139,16 @@ def _engine_size(search: AutoSearch, rule_size: int) -> tuple[Change, tuple[dict
     return largest(sizes, plan)
 
 
-def largest(candidates: list[int], plan: Callable[[int], Any]) -> Any:
+def largest(candidates: list[int], plan: Callable[[int], Any], smallest_first: bool = False) -> Any:
     """`plan(c)` of the largest of `candidates` (largest first) for which it is not None, by bisection: whether a
-    candidate fits only gets likelier as candidates get smaller. None when none does."""
+    candidate fits only gets likelier as candidates get smaller. None when none does. `smallest_first`: plan the
+    smallest first, and bisect the others only when it fits."""
     low, high, best = 0, len(candidates) - 1, None
+    if smallest_first and candidates:
+        best = plan(candidates[-1])
+        if best is None:
+            return None
+        high -= 1
     while low <= high:
         middle = (low + high) // 2
         found = plan(candidates[middle])

@@ -7,11 +7,14 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from miles.models.base import family_options, get_train_pipeline_config
 from miles.plan.run import PlanSettings, Simulation, simulate
+from miles.rollout.prompt_cache import AUTO, DEFAULT_SUBDIR, frees_text_encoders
 
 logger = logging.getLogger(__name__)
 MAX_REPLANS = 8  # simulations a search may run (a real-size one takes tens of seconds)
@@ -38,11 +41,22 @@ def trainer_ladder(args: argparse.Namespace) -> list[Change]:
     return steps
 
 
-def engine_ladder(report: dict[str, Any]) -> list[Change]:
+def engine_ladder(args: argparse.Namespace, report: dict[str, Any]) -> list[Change]:
+    """The engines' changes: a prompt cache that frees their text encoders where `auto` keeps them (a family whose
+    prompts encode alone differently in the last bits: the samples are then not bit-identical to batch encoding),
+    then smaller micro-batches."""
+    steps = []
+    family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
+    cached = argparse.Namespace(**{**vars(args), "prompt_cache": os.path.join(args.output_dir, DEFAULT_SUBDIR)})
+    if not frees_text_encoders(args, family) and args.prompt_cache == AUTO and frees_text_encoders(cached, family):
+        steps.append(
+            Change(f"--prompt-cache {cached.prompt_cache}", {"prompt_cache": cached.prompt_cache}, ("engine",))
+        )
     rows = report["roles"].get("engine", {}).get("micro_batch", 1)
-    return [
+    steps += [
         Change(f"--rollout-micro-batch-size {r}", {"rollout_micro_batch_size": r}, ("engine",)) for r in _smaller(rows)
     ]
+    return steps
 
 
 def over(report: dict[str, Any], engines: bool) -> bool:
@@ -89,7 +103,7 @@ def suggest(
     budget = [MAX_REPLANS]
     chosen: list[Change] = []
     last = report
-    for engines, ladder in ((False, trainer_ladder(args)), (True, engine_ladder(report))):
+    for engines, ladder in ((False, trainer_ladder(args)), (True, engine_ladder(args, report))):
         if not over(report, engines):
             continue
         fixed = _climb(args, chosen, ladder, engines, settings, build_report, base, budget)  # plans every change

@@ -31,7 +31,7 @@ from miles.ray.placement_group import Colocation
 from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
 from miles.rollout.micro_batches import AUTO, EngineProgress
 from miles.rollout.prompt_cache import PromptCacheConfig
-from miles.utils.failures import EngineError, where
+from miles.utils.failures import ACTOR_GONE, EngineError, where
 from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import split_contiguous
 from miles.utils.stop_signals import defer_first_sigterm
@@ -307,7 +307,7 @@ class RolloutEngineGroup:
     def _answer(self, index: int, ref: ray.ObjectRef, what: str) -> Any:
         try:
             return ray.get(ref)
-        except RayActorError as exc:
+        except ACTOR_GONE as exc:
             raise EngineError(f"rollout engine {index} of {self.num_engines} died during {what}: {exc}", index) from exc
         except WeightSyncError as exc:  # the engine is alive; the run must not sample from what it holds
             cause = exc.cause if isinstance(exc, RayTaskError) else exc

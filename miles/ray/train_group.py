@@ -124,10 +124,13 @@ class RayTrainGroup:
             return None
         return placement_group, actors
 
-    def _get(self, refs: list, phase: str, rollout_id: int | None = None) -> list:
-        """Every rank's answer; a failure names this role, the rank, the phase and the rollout (`failures.gather`)."""
+    def _get(self, refs: list, phase: str, rollout_id: int | None = None, ranks: list[int] | None = None) -> list:
+        """Every rank's answer; a failure names this role, the rank, the phase and the rollout (`failures.gather`;
+        `ranks`: each ref's rank, where the refs are not every rank in order)."""
         try:
-            return gather(refs, role=f"{self.role} rank", phase=phase, rollout_id=rollout_id, timeout=self.timeout)
+            return gather(
+                refs, role=f"{self.role} rank", phase=phase, rollout_id=rollout_id, timeout=self.timeout, ranks=ranks
+            )
         except BaseException:
             self.failed = True
             raise
@@ -211,9 +214,10 @@ class RayTrainGroup:
         """Every rank starts the weight sync's gather, rank 0 sending to the engines (`miles.ray.weight_sync`)."""
         return [a.push_weights.remote() for a in self.actors]
 
-    def collect(self, refs: list, phase: str, rollout_id: int | None = None) -> list:
-        """Ranks' answers to a submitted call; a failure names this role, the rank, the phase and the rollout."""
-        return self._get(refs, phase, rollout_id)
+    def collect(self, refs: list, phase: str, rollout_id: int | None = None, ranks: list[int] | None = None) -> list:
+        """Ranks' answers to a submitted call (`ranks`: each ref's rank, default its position); a failure names this
+        role, the rank, the phase and the rollout."""
+        return self._get(refs, phase, rollout_id, ranks)
 
     def save_hf(self, out_dir: str) -> str:
         return self._get([a.save_hf.remote(out_dir) for a in self.actors], "save_hf", self.last_rollout_id)[0]

@@ -14,11 +14,15 @@ import ray
 
 from miles.ray.engine_group import RolloutEngineGroup
 from miles.ray.placement_group import actor_nodes
+from miles.utils import failures
 from miles.utils.distributed import uses_gpu
+from miles.utils.failures import ACTOR_GONE, dead_peer
 from miles.weight_sync.protocol import bucket_bytes_for
 from miles.weight_sync.transports import TransportSpec, choose_transport
 
 logger = logging.getLogger(__name__)
+
+TRAINER, ENGINE = "trainer", "engine"  # the two kinds of sync member, with a trainer rank or an engine index
 
 
 def bucket_bytes(args: argparse.Namespace) -> int:
@@ -84,18 +88,52 @@ class WeightSyncLink:
     def push(self, actor_group: Any, version: int, rollout_id: int | None = None) -> float:
         """One sync: the trainer ranks gather and rank 0 sends while the engines receive; seconds until every engine
         holds (and has verified) the weights. The first member to fail is the one named (the others would wait on it
-        until the group's timeout)."""
+        until the group's timeout), unless another member died: a member whose collective broke because a peer's
+        process died (gloo's "Connection closed by peer") fails about when Ray reports the death, and the dead one,
+        trainer rank or engine, is the cause to name."""
         if self.actor_group is not actor_group:
             self.connect(actor_group)
         started = time.perf_counter()
-        waiting = {ref: None for ref in actor_group.submit_push()}
-        waiting.update({ref: i for i, ref in self.engines.submit_receive(version).items()})
+        waiting = {ref: (TRAINER, rank) for rank, ref in enumerate(actor_group.submit_push())}
+        waiting.update({ref: (ENGINE, i) for i, ref in self.engines.submit_receive(version).items()})
         while waiting:
             ready, _ = ray.wait(list(waiting), num_returns=1, timeout=self.engines.timeouts.sync_s)
             ref = ready[0] if ready else next(iter(waiting))  # none in time: the next get names who timed out
-            index = waiting.pop(ref)
-            if index is None:
-                actor_group.collect([ref], f"weight sync (version {version})", rollout_id)
-            else:
-                self.engines.collect_receive({index: ref}, version, rollout_id)
+            member = waiting.pop(ref)
+            try:
+                self._collect(actor_group, member, ref, version, rollout_id)
+            except Exception as exc:
+                # every member may be left waiting in the broken sync group: none is handed on to a pool
+                actor_group.failed = self.engines.failed = True
+                if isinstance(exc.__cause__, ACTOR_GONE):
+                    raise  # a death, named
+                dead = dead_peer(list(waiting), {r: r for r in waiting}, failures.PEER_DEATH_WINDOW_S)
+                if dead is None:
+                    raise
+                self._name_death(actor_group, waiting[dead[0]], dead[0], exc, member, version, rollout_id)
         return time.perf_counter() - started
+
+    def _collect(self, actor_group: Any, member: tuple[str, int], ref: Any, version: int, rollout_id: int | None):
+        """One member's answer; its failure named by its group (the trainer rank, the engine index)."""
+        kind, index = member
+        if kind == TRAINER:
+            actor_group.collect([ref], f"weight sync (version {version})", rollout_id, ranks=[index])
+        else:
+            self.engines.collect_receive({index: ref}, version, rollout_id)
+
+    def _name_death(
+        self, actor_group: Any, dead: tuple[str, int], ref: Any, after: Exception, failed: tuple[str, int], *context
+    ) -> None:
+        """Raise the death of member `dead` (its ref failed with `RayActorError`) as its group names it, noting the
+        error of `failed` that followed it."""
+
+        def who(member: tuple[str, int]) -> str:
+            kind, index = member
+            return f"{actor_group.role} rank {index}" if kind == TRAINER else f"rollout engine {index}"
+
+        try:
+            self._collect(actor_group, dead, ref, *context)
+        except Exception as death:
+            death.add_note(f"{who(failed)} failed after it: {(str(after).strip().splitlines() or [''])[-1]}")
+            raise
+        raise RuntimeError(f"weight sync: {who(dead)} was reported dead but answered")  # dead_peer saw it fail

@@ -94,6 +94,19 @@ def score_shapes_media(images: np.ndarray, metadatas: list[dict[str, Any]]) -> l
     return [frame_averaged_score(flat[i * frames : (i + 1) * frames]) for i in range(len(images))]
 
 
+def eval_source_images(
+    records: list[dict[str, Any]], num_samples_per_prompt: int, resolution: int | None
+) -> list[list[np.ndarray]] | None:
+    """Each sample's source images (record-major, as the prompts), loaded at `resolution`; None when no record
+    carries any (text-only prompts)."""
+    if all(r.get("source_images") is None for r in records):
+        return None
+    if resolution is None:  # editing / image-to-video prompts
+        raise ValueError("the eval's prompts carry source images: pass the run's resolution to load them at")
+    loaded = [load_source_images(r.get("source_images"), resolution) or [] for r in records]
+    return [images for images in loaded for _ in range(num_samples_per_prompt)]
+
+
 def generate_eval_samples(
     engine: GenerateEngine,
     records: list[dict[str, Any]],
@@ -122,12 +135,7 @@ def generate_eval_samples(
         )
     prompts = [r["prompt"] for r in records for _ in range(num_samples_per_prompt)]
     seeds = [eval_seed(seed, i, k) for i in range(len(records)) for k in range(num_samples_per_prompt)]
-    sources = None
-    if any(r.get("source_images") is not None for r in records):  # editing / image-to-video prompts
-        if resolution is None:
-            raise ValueError("the eval's prompts carry source images: pass the run's resolution to load them at")
-        loaded = [load_source_images(r.get("source_images"), resolution) or [] for r in records]
-        sources = [images for images in loaded for _ in range(num_samples_per_prompt)]
+    sources = eval_source_images(records, num_samples_per_prompt, resolution)
     images, audio, last = [], [], None
     for start in range(0, len(prompts), batch_size):
         request = GenerateRequest(

@@ -10,10 +10,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayTaskError
 
 logger = logging.getLogger(__name__)
 
+# what says an actor's process is gone: killed or lost (`RayActorError`), or ended by Ray's memory monitor while it ran
+# the task waited for (`OutOfMemoryError`; its later calls raise `RayActorError`)
+ACTOR_GONE = (RayActorError, OutOfMemoryError)
 PEER_DEATH_WINDOW_S = 10.0  # after a rank's error, how long `gather` waits for its peers to reveal a dead rank
 
 
@@ -38,16 +41,23 @@ class EngineError(RuntimeError):
 
 
 def gather(
-    refs: Sequence[Any], *, role: str, phase: str, rollout_id: int | None = None, timeout: float | None = None
+    refs: Sequence[Any],
+    *,
+    role: str,
+    phase: str,
+    rollout_id: int | None = None,
+    timeout: float | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> list:
     """`ray.get` of one ref per rank, taken as they finish, so the failure reported is the first one that happened
     (a dead rank's ref fails at once while its peers wait in a collective for it).
 
     A dead actor raises `ActorDied`; an exception raised inside an actor is re-raised with a note naming the actor.
-    `role` reads as a prefix of the rank: "actor rank", "reward worker".
+    `role` reads as a prefix of the rank: "actor rank", "reward worker". `ranks`: each ref's rank where the refs are
+    not every rank in order (default: its position).
     """
-    rank_of = {ref: rank for rank, ref in enumerate(refs)}
-    results: list = [None] * len(refs)
+    rank_of = dict(zip(refs, range(len(refs)) if ranks is None else ranks, strict=True))
+    results: dict = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     pending = list(refs)
     while pending:
@@ -61,8 +71,8 @@ def gather(
         for ref in ready:
             rank = rank_of[ref]
             try:
-                results[rank] = ray.get(ref)
-            except RayActorError as exc:
+                results[ref] = ray.get(ref)
+            except ACTOR_GONE as exc:
                 raise ActorDied(role, rank, phase, rollout_id, exc) from exc
             except RayTaskError as exc:
                 dead = dead_peer(pending, rank_of)
@@ -72,10 +82,10 @@ def gather(
                     raise died from dead[1]
                 exc.add_note(f"raised by {role} {rank} during {where(phase, rollout_id)}")
                 raise
-    return results
+    return [results[ref] for ref in refs]
 
 
-def dead_peer(pending: list, rank_of: dict, window_s: float = PEER_DEATH_WINDOW_S) -> tuple[int, RayActorError] | None:
+def dead_peer(pending: list, rank_of: dict, window_s: float = PEER_DEATH_WINDOW_S) -> tuple[Any, Exception] | None:
     """The first of the `pending` refs that fails within `window_s` because its actor died: (rank, error), else None.
     A rank killed in a collective makes its peers raise (gloo: "Connection closed by peer") about when Ray reports the
     death itself, so the peer's error may come first: the dead rank, not the peer, is the one to name."""
@@ -85,7 +95,7 @@ def dead_peer(pending: list, rank_of: dict, window_s: float = PEER_DEATH_WINDOW_
         for ref in ready:
             try:
                 ray.get(ref)
-            except RayActorError as exc:
+            except ACTOR_GONE as exc:
                 return rank_of[ref], exc
             except Exception:  # noqa: BLE001 - another peer's own error: keep looking for a death
                 continue

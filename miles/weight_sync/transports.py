@@ -187,6 +187,12 @@ class Transport:
         self.pending.clear()
 
     def close(self) -> None:
+        """Leave the group (rank 0 once the engines took the last sync). A group that a member's death broke (the
+        sync that met it failed, naming the member) is left without waiting for it."""
         if self.rank == 0:
-            self.finish()
+            try:
+                self.finish()
+            except RuntimeError as exc:  # gloo / NCCL: "Connection closed by peer", an aborted communicator
+                logger.warning("weight sync (%s): closed with a broken sync group: %s", self.kind, exc)
+                self.pending.clear()
         self.buffer = self.group = None

@@ -1,14 +1,14 @@
 """Resumable checkpoints (ARCHITECTURE §10): `SAVE_DIR/iter_{rollout_id:07d}/{role}/` holding a sharded DCP save of
 model + optimizer, the LR schedule, per-rank RNG and an `extra` dict (JSON + safetensors, no pickled code), a manifest
-of every file's size and CRC32, and `meta.json` (written last); plus each save folder's latest-iteration pointer."""
+of every file's size and CRC32, and `meta.json` (written last); plus each save folder's latest-iteration pointer.
+
+`save_checkpoint` and `load_checkpoint` run their named steps (`checkpoint_save`, `checkpoint_load`); the layout
+(folder and file names) is `checkpoint_layout`'s."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -18,37 +18,42 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from miles import __version__
 from miles.backends.fsdp_utils.checkpoint_files import (
-    MANIFEST_FILE,
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
     check_sizes,
-    describe_files,
     encode_tree,
-    identity_mismatch,
-    list_files,
-    model_identity,
     read_dcp_metadata,
     read_manifest,
     read_tree,
-    rng_state,
-    set_rng_state,
-    write_tree,
 )
 from miles.backends.fsdp_utils.checkpoint_files import verify_checksums as verify_checksums_of
+from miles.backends.fsdp_utils.checkpoint_layout import (
+    DCP_DIR,
+    EXTRA_STEM,
+    LATEST_FILE,
+    META_FILE,
+    TRAINED_ONLY,
+    atomic_write_text,
+    barrier,
+    checkpoint_dir,
+    current_rank,
+    current_world_size,
+)
+from miles.backends.fsdp_utils.checkpoint_load import check_role_dir, read_small_files, restore, state_to_load
+from miles.backends.fsdp_utils.checkpoint_save import (
+    check_meta_argument,
+    meta_record,
+    prepare_role_dir,
+    write_manifest,
+    write_state,
+)
 from miles.backends.fsdp_utils.checkpoint_space import (
     SaveTarget,
     attempt,
@@ -63,20 +68,6 @@ from miles.utils.weight_checksum import checksum_terms
 
 logger = logging.getLogger(__name__)
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-META_FILE = "meta.json"
-DCP_DIR = "dcp"
-LR_SCHEDULER_STEM = "lr_scheduler"
-EXTRA_STEM = "extra"
-_REQUIRED_META = ("rollout_id", "role", "world_size", "miles_version", "time")
-_RESERVED_META = (*_REQUIRED_META, "model", "frozen_weights")
-# Frozen parameters (a LoRA base, Wan's untrained expert) never change while training: a resumed run rebuilds them
-# from its model folder, so a checkpoint holds only what trains (a LoRA run saves its adapter, not the whole base).
-# meta.json keeps a digest of the frozen weights that were left out, checked when the run that loads has rebuilt its own.
-TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
-# setting them back: the state holds exactly TRAINED_ONLY's keys, so non-strict only lets the frozen ones be absent
-SET_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
-
 
 @dataclass(frozen=True)
 class LoadedCheckpoint:
@@ -85,153 +76,6 @@ class LoadedCheckpoint:
     rollout_id: int
     extra: dict[str, Any] | None
     meta: dict[str, Any]
-
-
-def checkpoint_dir(save_dir: str, rollout_id: int, role: str) -> str:
-    return os.path.join(save_dir, f"iter_{rollout_id:07d}", role)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def _rng_stem(rank: int) -> str:
-    return f"rng_rank{rank}"
-
-
-def save_checkpoint(
-    save_dir: str,
-    rollout_id: int,
-    role: str,
-    *,
-    model: nn.Module,
-    optimizer: Optimizer,
-    lr_scheduler: LRScheduler | None,
-    extra: dict[str, Any] | None = None,
-    meta: dict[str, Any] | None = None,
-    sharded: dict[str, dict[str, torch.Tensor]] | None = None,
-    save_flag: str = "--save",
-) -> str:
-    """Save one role's training state (collective: every rank of the group calls it). Returns the role dir.
-
-    `extra` (data-source state, ...) must be the same on every rank, JSON data or full tensors: rank 0 writes it.
-    `sharded` (EMA / old-policy shadow weights, ...) holds per-rank DTensor state saved with the model by DCP.
-    `meta.json` is written last, so a role dir without it is an unfinished save. The latest pointer is not touched:
-    the driver calls `write_latest` once every group has saved. A save that fails on any rank is removed on every
-    rank together (`SaveTarget.settle`); a full device raises `CheckpointSpaceError` naming `save_flag`, the
-    iteration and the bytes. A device with less free space than the save needs is warned about before it starts.
-    """
-    clashes = sorted(set(meta or {}) & set(_RESERVED_META))
-    if clashes:
-        raise ValueError(f"save_checkpoint: meta keys {clashes} are reserved (miles writes {list(_RESERVED_META)})")
-    try:
-        json.dumps(meta)  # checked on every rank before any collective, not on rank 0 at the end
-    except TypeError as err:
-        raise TypeError(f"save_checkpoint: meta must be JSON-serialisable for meta.json: {err}") from None
-    # encoded before any collective, so a bad `extra` fails on every rank and leaves nothing on disk
-    encoded_extra = encode_tree(extra, "extra") if extra is not None else None
-    encoded_schedule = encode_tree(lr_scheduler.state_dict(), "lr_scheduler") if lr_scheduler is not None else None
-    path = checkpoint_dir(save_dir, rollout_id, role)
-    rank, world_size = _rank(), _world_size()
-    frozen = frozen_weights_digest(model)
-    model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED_ONLY)
-    state = {"model": model_state, "optimizer": optim_state, **(sharded or {})}
-    target = _save_target(save_dir, rollout_id, role, state, save_flag)
-    if rank == 0:
-        warn_if_short(save_flag, save_dir, target.needed, rollout_id)
-    target.settle(attempt(_prepare_role_dir, path, rank))
-    target.settle(attempt(_write_state, path, rank, state, encoded_schedule, encoded_extra))
-    _write_manifest(path, rank, world_size, target)
-    record = {
-        "rollout_id": rollout_id,
-        "role": role,
-        "world_size": world_size,
-        "miles_version": __version__,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "model": model_identity(model),
-        "frozen_weights": frozen,
-        **(meta or {}),
-    }
-    meta_text = json.dumps(record, indent=2) + "\n"  # written last: the role dir is complete once it lands
-    target.settle(attempt(_atomic_write_text, os.path.join(path, META_FILE), meta_text) if rank == 0 else None)
-    if rank == 0:
-        warn_if_next_wont_fit(save_flag, save_dir, folder_bytes(path), rollout_id)
-    logger.info("saved %s checkpoint of rollout %d to %s", role, rollout_id, path)
-    return path
-
-
-def _prepare_role_dir(path: str, rank: int) -> None:
-    """Re-saving an iteration: it is incomplete until the new meta.json lands, and no stale file may survive."""
-    os.makedirs(path, exist_ok=True)
-    if rank == 0:
-        for name in [META_FILE, *os.listdir(path)]:
-            target = os.path.join(path, name)
-            if os.path.isdir(target):
-                shutil.rmtree(target)
-            elif os.path.exists(target):
-                os.remove(target)
-
-
-def _write_state(path: str, rank: int, state: dict[str, Any], schedule: Any, extra: Any) -> None:
-    """The sharded state (DCP, collective), this rank's RNG streams, and on rank 0 the LR schedule and `extra`."""
-    dcp.save(state, checkpoint_id=os.path.join(path, DCP_DIR))
-    write_tree(encode_tree(rng_state(), "rng"), os.path.join(path, _rng_stem(rank)))
-    if rank == 0:
-        if schedule is not None:
-            write_tree(schedule, os.path.join(path, LR_SCHEDULER_STEM))
-        if extra is not None:
-            write_tree(extra, os.path.join(path, EXTRA_STEM))
-
-
-def _save_target(save_dir: str, rollout_id: int, role: str, state: dict[str, Any], save_flag: str) -> SaveTarget:
-    """The save's `SaveTarget`: about what it takes (the latest checkpoint of this role in `save_dir`, else every
-    rank's tensors: their shards are alike in size) and the latest iteration it must leave intact."""
-    try:
-        latest = read_latest(save_dir) if os.path.isdir(save_dir) else None
-    except ValueError:
-        latest = None
-    previous = folder_bytes(checkpoint_dir(save_dir, latest, role)) if latest is not None else 0
-    needed = previous or tensor_bytes([state]) * _world_size()
-    return SaveTarget(save_flag, save_dir, rollout_id, checkpoint_dir(save_dir, rollout_id, role), needed, latest)
-
-
-def _write_manifest(path: str, rank: int, world_size: int, target: SaveTarget) -> None:
-    """Size and CRC32 of every file; the ranks hash their share of the files and rank 0 writes the list."""
-    mine, error = None, None
-    try:
-        names = list_files(path, skip=(MANIFEST_FILE, META_FILE))
-        mine = describe_files(path, names[rank::world_size])
-    except OSError as err:
-        error = err
-    shares = target.settle(error, mine)  # every rank's share, once every rank has hashed its own
-    error = None
-    if rank == 0:
-        files = {name: entry for share in shares for name, entry in share.items()}
-        text = json.dumps({"algorithm": "crc32", "files": dict(sorted(files.items()))}, indent=1) + "\n"
-        error = attempt(_atomic_write_text, os.path.join(path, MANIFEST_FILE), text)
-    target.settle(error)
 
 
 def read_latest(load_dir: str) -> int | None:
@@ -253,7 +97,7 @@ def write_latest(save_dir: str, rollout_id: int) -> None:
     Refuses unless every role dir of that iteration is complete (has meta.json). Inside a process group it is
     collective (barrier, rank 0 writes, barrier); the Ray driver, which has no group, calls it directly.
     """
-    _barrier()
+    barrier()
     # Every rank checks (same filesystem, same verdict) so that a refusal raises everywhere instead of hanging.
     iter_dir = os.path.join(save_dir, f"iter_{rollout_id:07d}")
     roles = sorted(os.listdir(iter_dir)) if os.path.isdir(iter_dir) else []
@@ -265,24 +109,9 @@ def write_latest(save_dir: str, rollout_id: int) -> None:
             f"write_latest: {iter_dir} has unfinished saves for roles {unfinished} (no {META_FILE}); "
             f"{LATEST_FILE} still points at the previous checkpoint"
         )
-    if _rank() == 0:
-        _atomic_write_text(os.path.join(save_dir, LATEST_FILE), f"{rollout_id}\n")
-    _barrier()
-
-
-def _read_meta(path: str) -> dict[str, Any]:
-    meta_path = os.path.join(path, META_FILE)
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"{path} has no {META_FILE}: the save did not finish; load an earlier iteration")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{meta_path} is corrupt (not valid JSON: {err})") from None
-    missing = [key for key in _REQUIRED_META if not isinstance(meta, dict) or key not in meta]
-    if missing:
-        raise ValueError(f"{meta_path} is corrupt: missing fields {missing}")
-    return meta
+    if current_rank() == 0:
+        atomic_write_text(os.path.join(save_dir, LATEST_FILE), f"{rollout_id}\n")
+    barrier()
 
 
 def _resolve_checkpoint(load_dir: str, role: str, rollout_id: int | None) -> tuple[int, str]:
@@ -320,6 +149,63 @@ def read_extra(load_dir: str, rollout_id: int, role: str) -> dict[str, Any] | No
     return read_tree(os.path.join(path, EXTRA_STEM))
 
 
+def save_checkpoint(
+    save_dir: str,
+    rollout_id: int,
+    role: str,
+    *,
+    model: nn.Module,
+    optimizer: Optimizer,
+    lr_scheduler: LRScheduler | None,
+    extra: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
+    sharded: dict[str, dict[str, torch.Tensor]] | None = None,
+    save_flag: str = "--save",
+) -> str:
+    """Save one role's training state (collective: every rank of the group calls it). Returns the role dir.
+
+    `extra` (data-source state, ...) must be the same on every rank, JSON data or full tensors: rank 0 writes it.
+    `sharded` (EMA / old-policy shadow weights, ...) holds per-rank DTensor state saved with the model by DCP.
+    `meta.json` is written last, so a role dir without it is an unfinished save. The latest pointer is not touched:
+    the driver calls `write_latest` once every group has saved. A save that fails on any rank is removed on every
+    rank together (`SaveTarget.settle`); a full device raises `CheckpointSpaceError` naming `save_flag`, the
+    iteration and the bytes. A device with less free space than the save needs is warned about before it starts.
+    """
+    check_meta_argument(meta)
+    # encoded before any collective, so a bad `extra` fails on every rank and leaves nothing on disk
+    encoded_extra = encode_tree(extra, "extra") if extra is not None else None
+    encoded_schedule = encode_tree(lr_scheduler.state_dict(), "lr_scheduler") if lr_scheduler is not None else None
+    path = checkpoint_dir(save_dir, rollout_id, role)
+    rank, world_size = current_rank(), current_world_size()
+    frozen = frozen_weights_digest(model)
+    model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED_ONLY)
+    state = {"model": model_state, "optimizer": optim_state, **(sharded or {})}
+    target = _save_target(save_dir, rollout_id, role, state, save_flag)
+    if rank == 0:
+        warn_if_short(save_flag, save_dir, target.needed, rollout_id)
+    target.settle(attempt(prepare_role_dir, path, rank))
+    target.settle(attempt(write_state, path, rank, state, encoded_schedule, encoded_extra))
+    write_manifest(path, rank, world_size, target)
+    meta_text = meta_record(rollout_id, role, world_size, model, frozen, meta)  # last: the role dir is then whole
+    target.settle(attempt(atomic_write_text, os.path.join(path, META_FILE), meta_text) if rank == 0 else None)
+    if rank == 0:
+        warn_if_next_wont_fit(save_flag, save_dir, folder_bytes(path), rollout_id)
+    logger.info("saved %s checkpoint of rollout %d to %s", role, rollout_id, path)
+    return path
+
+
+def _save_target(save_dir: str, rollout_id: int, role: str, state: dict[str, Any], save_flag: str) -> SaveTarget:
+    """The save's `SaveTarget`: about what it takes (the latest checkpoint of this role in `save_dir`, else every
+    rank's tensors: their shards are alike in size) and the latest iteration it must leave intact."""
+    try:
+        latest = read_latest(save_dir) if os.path.isdir(save_dir) else None
+    except ValueError:
+        latest = None
+    previous = folder_bytes(checkpoint_dir(save_dir, latest, role)) if latest is not None else 0
+    needed = previous or tensor_bytes([state]) * current_world_size()
+    return SaveTarget(save_flag, save_dir, rollout_id, checkpoint_dir(save_dir, rollout_id, role), needed, latest)
+
+
 def load_checkpoint(
     load_dir: str,
     role: str,
@@ -341,7 +227,7 @@ def load_checkpoint(
     ranks) unless `verify_checksums=False`. The ranks decide together whether all loaded (one all-gather), so a
     failure on one rank raises on every rank, naming the file, instead of leaving the others waiting.
     """
-    rank = _rank()
+    rank = current_rank()
     frozen = frozen_weights_digest(model)  # collective: every rank, before anything that may fail on one
     error: BaseException | None = None
     hashing = None
@@ -349,23 +235,15 @@ def load_checkpoint(
     path = load_dir
     try:
         rollout_id, path = _resolve_checkpoint(load_dir, role, rollout_id)
-        meta = _check_meta(path, role, rollout_id, model)
-        _check_frozen_weights(path, role, meta, frozen)
-        manifest = read_manifest(path)
-        # What every rank reads alike is checked alike (same files, same verdict) before DCP's own collectives.
-        shared = [n for n in manifest if not n.startswith("rng_rank")]
-        check_sizes(path, manifest, shared)
+        meta, manifest, shared = check_role_dir(path, role, rollout_id, model, frozen)
         shards = [n for n in shared if n.startswith(DCP_DIR + "/") and n.endswith(".distcp")]
         if verify_checksums:  # the small files are parsed, so they are checked before; the shards beside the load
             verify_checksums_of(path, manifest, [n for n in shared if n not in shards])
-            hashing = pool.submit(verify_checksums_of, path, manifest, shards[rank :: _world_size()])
-        state = {"model": get_model_state_dict(model, options=TRAINED_ONLY), **(sharded or {})}
-        if load_optimizer:
-            model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED_ONLY)
-            state = {"model": model_state, "optimizer": optim_state, **(sharded or {})}
+            hashing = pool.submit(verify_checksums_of, path, manifest, shards[rank :: current_world_size()])
+        state = state_to_load(model, optimizer, sharded, load_optimizer=load_optimizer)
         read_dcp_metadata(os.path.join(path, DCP_DIR, ".metadata"))  # refused here, alike on every rank
         dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(path, DCP_DIR)), planner=SafeLoadPlanner())
-        rng, schedule, extra = _read_small_files(
+        rng, schedule, extra = read_small_files(
             path, manifest, rank, with_schedule=load_optimizer and lr_scheduler is not None, verify=verify_checksums
         )
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
@@ -378,65 +256,27 @@ def load_checkpoint(
         pool.shutdown(wait=True)
     _decide_together(error, role, path)
 
-    if load_optimizer:
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=SET_TRAINED,
-        )
-        if schedule is not None:
-            lr_scheduler.load_state_dict(schedule)
-    else:
-        set_model_state_dict(model, state["model"], options=SET_TRAINED)
-    set_rng_state(rng)
+    restore(model, optimizer, lr_scheduler, state, schedule, rng, load_optimizer=load_optimizer)
     logger.info("loaded %s checkpoint of rollout %d from %s", role, rollout_id, path)
     return LoadedCheckpoint(rollout_id=rollout_id, extra=extra, meta=meta)
 
 
-def _read_small_files(
-    path: str, manifest: dict[str, Any], rank: int, *, with_schedule: bool, verify: bool
-) -> tuple[Any, Any, Any]:
-    """This rank's RNG state (checked against the manifest), the LR schedule when asked and the `extra` dict (None
-    when none was saved) of the role dir `path`."""
-    rng_names = [n for n in manifest if n.startswith(_rng_stem(rank) + ".")]
-    if not rng_names:
-        raise CheckpointError(f"{os.path.join(path, _rng_stem(rank))}.json is not listed in {MANIFEST_FILE}")
-    check_sizes(path, manifest, rng_names)
-    if verify:
-        verify_checksums_of(path, manifest, rng_names)
-    rng = read_tree(os.path.join(path, _rng_stem(rank)))
-    schedule = None
-    if with_schedule:
-        if f"{LR_SCHEDULER_STEM}.json" not in manifest:
-            raise FileNotFoundError(
-                f"{os.path.join(path, LR_SCHEDULER_STEM)}.json does not exist: the checkpoint was saved without "
-                "an LR scheduler"
-            )
-        schedule = read_tree(os.path.join(path, LR_SCHEDULER_STEM))
-    extra = read_tree(os.path.join(path, EXTRA_STEM)) if f"{EXTRA_STEM}.json" in manifest else None
-    return rng, schedule, extra
-
-
-def _check_meta(path: str, role: str, rollout_id: int, model: nn.Module) -> dict[str, Any]:
-    """meta.json against this run: the same ranks, the same place, the same model."""
-    meta = _read_meta(path)
-    meta_path = os.path.join(path, META_FILE)
-    if meta["world_size"] != _world_size():
-        raise ValueError(
-            f"{meta_path}: saved with world size {meta['world_size']}, but the current world size is "
-            f"{_world_size()}; resume with the same number of ranks"
-        )
-    if meta["rollout_id"] != rollout_id or meta["role"] != role:
-        raise ValueError(
-            f"{meta_path} records rollout {meta['rollout_id']} role {meta['role']!r}, "
-            f"but it sits where rollout {rollout_id} role {role!r} belongs"
-        )
-    mismatch = identity_mismatch(meta.get("model"), model_identity(model))
-    if mismatch is not None:
-        raise CheckpointError(f"{meta_path}: refusing to load this {role} checkpoint: {mismatch}")
-    return meta
+def _decide_together(error: BaseException | None, role: str, path: str) -> None:
+    """One all-gather of every rank's outcome: all loaded, or every rank raises the most telling failure."""
+    if current_world_size() == 1:
+        if error is not None:
+            error.add_note(f"while loading the {role} checkpoint {path}")
+            raise error
+        return
+    mine = None if error is None else (isinstance(error, CheckpointError), f"{type(error).__name__}: {error}")
+    outcomes: list = [None] * current_world_size()
+    dist.all_gather_object(outcomes, mine)
+    failed = [(rank, outcome) for rank, outcome in enumerate(outcomes) if outcome is not None]
+    if not failed:
+        return
+    # a named damaged / foreign file first: the other ranks' errors are often its consequences
+    rank, (_, message) = min(failed, key=lambda item: (not item[1][0], item[0]))
+    raise CheckpointError(f"loading the {role} checkpoint {path} failed on rank {rank}: {message}") from error
 
 
 def frozen_weights_digest(model: nn.Module) -> dict[str, int]:
@@ -460,42 +300,9 @@ def frozen_weights_digest(model: nn.Module) -> dict[str, int]:
 
 def _shard_group(param: torch.Tensor) -> Any:
     """The process group over which `param`'s distinct shards lie; None when this rank holds it whole."""
-    if not isinstance(param, DTensor) or _world_size() == 1:
+    if not isinstance(param, DTensor) or current_world_size() == 1:
         return None
     dims = [i for i, placement in enumerate(param.placements) if placement.is_shard()]
     if len(dims) > 1:
         raise ValueError(f"a frozen parameter sharded on mesh dims {dims}: FSDP2 shards on one")
     return param.device_mesh.get_group(dims[0]) if dims else None
-
-
-def _check_frozen_weights(path: str, role: str, meta: dict[str, Any], here: dict[str, int]) -> None:
-    """The frozen weights this run rebuilt from its model folder are the ones the checkpoint was trained on (they are
-    not in the checkpoint). Checkpoints from before the digest stored them and carry none: nothing to check."""
-    saved = meta.get("frozen_weights")
-    if saved is None or saved == here:
-        return
-    raise CheckpointError(
-        f"{os.path.join(path, META_FILE)}: refusing to load this {role} checkpoint: its frozen weights ({saved['tensors']} "
-        f"tensors, {saved['elements']} values, e.g. a LoRA base) are not stored in it and this run's differ "
-        f"({here['tensors']} tensors, {here['elements']} values, word sum {here['words']} against {saved['words']}); "
-        "resume from the same --hf-checkpoint (and --teacher-load / --critic-* model folders) the checkpoint was "
-        "trained from"
-    )
-
-
-def _decide_together(error: BaseException | None, role: str, path: str) -> None:
-    """One all-gather of every rank's outcome: all loaded, or every rank raises the most telling failure."""
-    if _world_size() == 1:
-        if error is not None:
-            error.add_note(f"while loading the {role} checkpoint {path}")
-            raise error
-        return
-    mine = None if error is None else (isinstance(error, CheckpointError), f"{type(error).__name__}: {error}")
-    outcomes: list = [None] * _world_size()
-    dist.all_gather_object(outcomes, mine)
-    failed = [(rank, outcome) for rank, outcome in enumerate(outcomes) if outcome is not None]
-    if not failed:
-        return
-    # a named damaged / foreign file first: the other ranks' errors are often its consequences
-    rank, (_, message) = min(failed, key=lambda item: (not item[1][0], item[0]))
-    raise CheckpointError(f"loading the {role} checkpoint {path} failed on rank {rank}: {message}") from error

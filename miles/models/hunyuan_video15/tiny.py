@@ -14,6 +14,7 @@ import inspect
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import (
@@ -23,10 +24,11 @@ from diffusers import (
     HunyuanVideo15Transformer3DModel,
 )
 from diffusers.guiders import ClassifierFreeGuidance
+from torch import nn
 from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
-from miles.models.base import strip_name_or_path
 from miles.models.diffusers_family import write_run_defaults
+from miles.models.loading import strip_name_or_path
 from miles.models.tiny import SHAPES_WORDS, build_qwen2_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,11 +65,8 @@ def build_hunyuan_qwen_tokenizer():
     return tokenizer
 
 
-def build_tiny_hunyuan_video15_pipeline(seed: int = 0) -> HunyuanVideo15Pipeline:
-    """The tiny pipeline in float32, eval mode, seeded random weights."""
-    tokenizer = build_hunyuan_qwen_tokenizer()
-    tokenizer_2 = ByT5Tokenizer()
-    torch.manual_seed(seed)
+def build_tiny_text_encoders(tokenizer: Any, tokenizer_2: ByT5Tokenizer) -> tuple[nn.Module, nn.Module]:
+    """The tiny Qwen2.5-VL text model and ByT5 encoder, random weights from the current torch seed (in that order)."""
     text_encoder = Qwen2_5_VLTextModel(
         Qwen2_5_VLTextConfig(
             vocab_size=len(tokenizer),
@@ -99,6 +98,15 @@ def build_tiny_hunyuan_video15_pipeline(seed: int = 0) -> HunyuanVideo15Pipeline
             eos_token_id=tokenizer_2.eos_token_id,
         )
     )
+    return text_encoder, text_encoder_2
+
+
+def build_tiny_hunyuan_video15_pipeline(seed: int = 0) -> HunyuanVideo15Pipeline:
+    """The tiny pipeline in float32, eval mode, seeded random weights."""
+    tokenizer = build_hunyuan_qwen_tokenizer()
+    tokenizer_2 = ByT5Tokenizer()
+    torch.manual_seed(seed)
+    text_encoder, text_encoder_2 = build_tiny_text_encoders(tokenizer, tokenizer_2)
     vae = AutoencoderKLHunyuanVideo15(
         latent_channels=LATENT_CHANNELS,
         block_out_channels=(16, 16),

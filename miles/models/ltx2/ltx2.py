@@ -41,6 +41,15 @@ from miles.models.diffusers_family import (
     training_shift,
 )
 from miles.models.ltx2.sequence_parallel import shard_ltx2_sequence
+from miles.models.ltx2.streams import (
+    guided_stream_velocity,
+    joint_forward,
+    pack_audio,
+    pack_video,
+    unpack_audio,
+    unpack_video,
+    vae_factors,
+)
 from miles.models.media import Media
 from miles.models.options import options_of
 from miles.models.sequence_parallel import SequenceParallelGroup, sequence_parallel_problems
@@ -50,40 +59,7 @@ logger = logging.getLogger(__name__)
 LTX2_DEFAULT_NUM_FRAMES = 121  # LTX2Pipeline's num_frames default (checkpoints without a duration head)
 LTX2_DEFAULT_FRAME_RATE = 24.0  # its frame_rate default
 LTX2_DEFAULT_RESOLUTION = 512  # its default height (its default frame is 512x768; miles samples square frames)
-LTX2_GUIDANCE_RESCALE = 0.7  # its guidance_rescale (and audio_guidance_rescale) default
 _LTX2_MAX_SEQUENCE_LENGTH = 1024  # its max_sequence_length default
-
-
-def pack_video(latents: torch.Tensor, patch: int, patch_t: int) -> torch.Tensor:
-    """(B, C, F, H, W) -> (B, F/pt * H/p * W/p, C*pt*p*p) tokens, the layout of LTX2Pipeline._pack_latents."""
-    b, c, f, h, w = latents.shape
-    x = latents.reshape(b, c, f // patch_t, patch_t, h // patch, patch, w // patch, patch)
-    return x.permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, (f // patch_t) * (h // patch) * (w // patch), -1)
-
-
-def unpack_video(tokens: torch.Tensor, shape: tuple[int, ...], patch: int, patch_t: int) -> torch.Tensor:
-    """The inverse of `pack_video` for one sample's latent `shape` (C, F, H, W)."""
-    c, f, h, w = shape
-    x = tokens.reshape(tokens.shape[0], f // patch_t, h // patch, w // patch, c, patch_t, patch, patch)
-    return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(tokens.shape[0], c, f, h, w)
-
-
-def pack_audio(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, L, M) -> (B, L, C*M): LTX2Pipeline._pack_audio_latents without patch sizes (what its __call__ uses)."""
-    return latents.transpose(1, 2).flatten(2, 3)
-
-
-def unpack_audio(tokens: torch.Tensor, mel_bins: int) -> torch.Tensor:
-    """The inverse of `pack_audio`: (B, L, C*M) -> (B, C, L, M)."""
-    return tokens.unflatten(2, (-1, mel_bins)).transpose(1, 2)
-
-
-def rescale_guided(guided: torch.Tensor, conditional: torch.Tensor, rescale: float) -> torch.Tensor:
-    """Guidance rescale (Lin et al. 2023, §3.4), per sample over all other dims: the guided prediction scaled to the
-    conditional one's std, mixed with the unscaled one by `rescale` (what LTX2Pipeline applies to its x0)."""
-    dims = list(range(1, guided.ndim))
-    scaled = guided * (conditional.std(dim=dims, keepdim=True) / guided.std(dim=dims, keepdim=True))
-    return rescale * scaled + (1 - rescale) * guided
 
 
 @register_train_pipeline_config
@@ -286,48 +262,21 @@ class LTX2PipelineConfig(DiffusersFamily):
             hidden, audio_hidden = torch.cat([hidden, hidden]), torch.cat([audio_hidden, audio_hidden])
             timestep = torch.cat([timestep, timestep])
         cond = cond.to(device=device, dtype=dtype)
-        pred_video, pred_audio = transformer(
-            hidden_states=hidden.to(dtype),
-            audio_hidden_states=audio_hidden.to(dtype),
-            encoder_hidden_states=cond["prompt_embeds"],
-            audio_encoder_hidden_states=cond["audio_prompt_embeds"],
-            timestep=timestep,
-            sigma=timestep,  # the pipeline passes the scaled timestep as `sigma` too
-            encoder_attention_mask=cond["attention_mask"],
-            audio_encoder_attention_mask=cond["attention_mask"],
-            num_frames=frames // patch_t,
-            height=height // patch,
-            width=width // patch,
-            fps=self.frame_rate,
-            audio_num_frames=audio.shape[2],
-            isolate_modalities=False,
-            spatio_temporal_guidance_blocks=None,
-            perturbation_mask=None,
-            use_cross_timestep=True,
-            return_dict=False,
+        pred_video, pred_audio = joint_forward(
+            transformer,
+            (hidden.to(dtype), audio_hidden.to(dtype)),
+            cond,
+            timestep,
+            ((frames // patch_t, height // patch, width // patch), audio.shape[2]),
+            self.frame_rate,
         )
         sigma = sigmas.to(device=device, dtype=torch.float32).view(batch, 1, 1)
-        video_velocity = self._guide(video_tokens, pred_video.float(), sigma, guidance_scale, cfg)
-        audio_velocity = self._guide(audio_tokens, pred_audio.float(), sigma, guidance_scale, cfg)
+        video_velocity = guided_stream_velocity(video_tokens, pred_video.float(), sigma, guidance_scale, cfg)
+        audio_velocity = guided_stream_velocity(audio_tokens, pred_audio.float(), sigma, guidance_scale, cfg)
         return self.join_latents(
             unpack_video(video_velocity, tuple(video.shape[1:]), patch, patch_t),
             unpack_audio(audio_velocity, audio.shape[-1]),
         )
-
-    @staticmethod
-    def _guide(
-        sample: torch.Tensor, pred: torch.Tensor, sigma: torch.Tensor, guidance_scale: float, cfg: bool
-    ) -> torch.Tensor:
-        """One stream's guided velocity, in LTX2Pipeline's order of operations (x0 space, then back)."""
-        if cfg:
-            uncond, cond = pred.chunk(2)
-            x0 = sample - cond * sigma
-            delta = (guidance_scale - 1) * (x0 - (sample - uncond * sigma))
-        else:
-            x0, delta = sample - pred * sigma, 0
-        guided = x0 + delta
-        x0 = rescale_guided(guided, x0, LTX2_GUIDANCE_RESCALE) if LTX2_GUIDANCE_RESCALE > 0 else guided
-        return (sample - x0) / sigma
 
     def mu(self, resolution: int | None = None) -> float:
         """LTX2Pipeline's shift: `calculate_shift` of the video token count, with its defaults for missing keys."""
@@ -369,14 +318,8 @@ class LTX2PipelineConfig(DiffusersFamily):
         return self.cached_json("vae", "config.json")
 
     def _vae_factors(self) -> tuple[int, int]:
-        """(spatial, temporal) compression of the video VAE, computed as AutoencoderKLLTX2Video does."""
-        config = self._vae_config()
-        scaling = config.get("spatio_temporal_scaling", (True, True, True, True))
-        if isinstance(scaling, bool):
-            scaling = (scaling,) * (len(config.get("layers_per_block", (4, 6, 6, 2, 2))) - 1)
-        spatial = config.get("spatial_compression_ratio") or config.get("patch_size", 4) * 2 ** sum(scaling)
-        temporal = config.get("temporal_compression_ratio") or config.get("patch_size_t", 1) * 2 ** sum(scaling)
-        return int(spatial), int(temporal)
+        """(spatial, temporal) compression of the video VAE (`vae_factors`)."""
+        return vae_factors(self._vae_config())
 
     @property
     def vae_scale_factor(self) -> int:

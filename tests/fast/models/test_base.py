@@ -22,8 +22,8 @@ from miles.models import (
     all_family_classes,
     get_train_pipeline_config,
 )
-from miles.models.base import strip_name_or_path
 from miles.models.diffusers_family import DiffusersFamily
+from miles.models.loading import strip_name_or_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -75,6 +75,9 @@ def test_largest_bisects_to_the_largest_candidate_that_fits():
         expected = max((c for c in candidates if c <= limit), default=None)
         assert largest(candidates, plan) == expected
         assert len(tried) <= 3
+        tried.clear()
+        assert largest(candidates, plan, smallest_first=True) == expected
+        assert tried[0] == 1 and len(tried) <= (1 if expected is None else 4)
     assert micro_batch_candidates(6) == [6, 4, 2, 1]
 
 
@@ -85,9 +88,9 @@ def test_the_trainer_gets_the_largest_micro_batch_without_checkpointing(search):
 
 
 def test_checkpointing_only_when_no_micro_batch_fits_without_it(search):
-    values, report, _ = search("--rollout-micro-batch-size", "1", usable=25)  # 20 + 10 x 1 > 25
+    values, report, replans = search("--rollout-micro-batch-size", "1", usable=25)  # 20 + 10 x 1 > 25
     assert values == {"gradient_checkpointing": True, "micro_batch_size": 2}  # 20 + 2 x 2 <= 25 < 20 + 2 x 4
-    assert report["fits"]
+    assert report["fits"] and replans <= 1 + 3  # micro-batch 1 unchecked says no at once
 
 
 def test_given_sizes_are_kept(search):
@@ -119,3 +122,23 @@ def test_a_config_file_says_on_off_and_auto(tmp_path):
     assert (args.gradient_checkpointing, args.micro_batch_size, args.auto_sizes[0]) == (True, 32, "micro_batch_size")
     config.write_text("gradient-checkpointing: false\n")
     assert parse_args(["--config", str(config)]).gradient_checkpointing is False
+
+
+def test_the_engines_first_fix_is_a_prompt_cache_where_auto_keeps_the_text_encoders(tmp_path):
+    """SD3 encodes a prompt alone differently in the last bits, so `auto` keeps its text encoders; a folder frees
+    them, and the planner offers it first (re-planned like the others); never when the user turned the cache off."""
+    from miles.plan.command import resolve_plan_checkpoint
+    from miles.plan.suggest import engine_ladder
+
+    report = {"roles": {"engine": {"micro_batch": 8}}}
+    args = parse_args(["--plan", "--output-dir", str(tmp_path)])
+    args.hf_checkpoint = resolve_plan_checkpoint(args.hf_checkpoint)  # as make_plan hands it on
+    flags = [c.flags for c in engine_ladder(args, report)]
+    assert flags == [
+        f"--prompt-cache {tmp_path / 'prompt_cache'}",
+        "--rollout-micro-batch-size 2",
+        "--rollout-micro-batch-size 1",
+    ]
+    off = parse_args(["--plan", "--prompt-cache", "off"])
+    off.hf_checkpoint = args.hf_checkpoint
+    assert [c.flags for c in engine_ladder(off, report)][0] == "--rollout-micro-batch-size 2"

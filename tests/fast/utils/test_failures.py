@@ -71,3 +71,26 @@ def test_a_dead_rank_is_named_with_role_phase_and_rollout_not_the_peer_that_fail
     assert "raised by reward worker 0 during score of rollout 2" in raised.value.__notes__
     for actor in actors:
         ray.kill(actor)
+
+
+def test_a_rank_ended_by_rays_memory_monitor_is_a_death_named_as_such(monkeypatch):
+    """Ray's memory monitor ends a worker mid-task: that task raises OutOfMemoryError (only later calls raise
+    RayActorError), and the rank is lost (restartable), not a bug inside it."""
+    from ray.exceptions import OutOfMemoryError
+
+    from miles.utils import failures
+
+    class FakeRay:
+        @staticmethod
+        def wait(pending, num_returns, timeout):
+            return pending[:1], pending[1:]
+
+        @staticmethod
+        def get(ref):
+            if ref == "rank 1":
+                raise OutOfMemoryError("1 worker(s) were killed due to the node running low on memory")
+            return 7
+
+    monkeypatch.setattr(failures, "ray", FakeRay)
+    with pytest.raises(ActorDied, match=r"^actor rank 1 died during train of rollout 4: OutOfMemoryError: 1 worker"):
+        gather(["rank 0", "rank 1"], role="actor rank", phase="train", rollout_id=4, timeout=5)

@@ -115,10 +115,10 @@ def test_each_actor_module_pauses_the_collector_before_its_heavy_imports(module)
 
 
 def test_built_in_families_import_with_the_collector_off(collector_restored, monkeypatch):
-    import miles.models.base as base
+    import miles.models.family_registry as registry
 
     seen = []
-    monkeypatch.delitem(base.TRAIN_PIPELINE_CONFIGS, "flux", raising=False)
-    monkeypatch.setattr(base, "import_module", lambda name: seen.append((name, gc.isenabled())))
-    base.family_class("flux")
-    assert seen == [(base.BUILTIN_FAMILIES["flux"][0], False)] and gc.isenabled()
+    monkeypatch.delitem(registry.TRAIN_PIPELINE_CONFIGS, "flux", raising=False)
+    monkeypatch.setattr(registry, "import_module", lambda name: seen.append((name, gc.isenabled())))
+    registry.family_class("flux")
+    assert seen == [(registry.BUILTIN_FAMILIES["flux"][0], False)] and gc.isenabled()

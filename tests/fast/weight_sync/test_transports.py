@@ -148,3 +148,16 @@ def test_buckets_larger_than_the_free_dev_shm_go_to_a_file_in_the_temporary_fold
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     assert shm_path(1 << 20).startswith("/dev/shm/") or not os.path.isdir("/dev/shm")
     assert shm_path(1 << 62).startswith(str(tmp_path))  # no tmpfs has 4 EiB free
+
+
+def test_rank_0_leaves_a_sync_group_broken_by_a_dead_engine_without_raising_in_its_cleanup(caplog):
+    class BrokenWork:  # what gloo's pending allreduce raises once an engine's process is gone
+        def wait(self):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:13699")
+
+    transport = Transport.__new__(Transport)
+    transport.rank, transport.kind, transport.buffer, transport.group = 0, "shm", torch.empty(8), object()
+    transport.pending = {0: [BrokenWork()]}
+    transport.close()  # the trainer's shutdown after the failed sync (which named the engine) goes on
+    assert transport.pending == {} and transport.group is None
+    assert "closed with a broken sync group" in caplog.text

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from miles.backends.fsdp_utils import checkpoint
+from miles.backends.fsdp_utils import checkpoint_save
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, save_checkpoint, write_latest
 from miles.backends.fsdp_utils.checkpoint_space import CheckpointSpaceError
 from miles.backends.fsdp_utils.fsdp import (
@@ -198,20 +198,20 @@ def _to_cpu(obj: Any) -> Any:
 def one_rank_fills(rank: int, save_dir: str, model: nn.Module, optimizer: Any, scheduler: Any) -> str:
     """Rank 1's device fills while it writes its RNG file of rollout 4 (rank 0's writes went through): what each
     rank raised. Every rank must raise the same error rather than wait in a collective for rank 1."""
-    real = checkpoint.write_tree
+    real = checkpoint_save.write_tree
 
     def full(encoded: Any, stem: str) -> None:
         if rank == 1 and os.path.basename(stem).startswith("rng"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(encoded, stem)
 
-    checkpoint.write_tree = full
+    checkpoint_save.write_tree = full
     try:
         save_checkpoint(save_dir, 4, "actor", model=model, optimizer=optimizer, lr_scheduler=scheduler)
     except CheckpointSpaceError as exc:
         return str(exc)
     finally:
-        checkpoint.write_tree = real
+        checkpoint_save.write_tree = real
     return "saved"
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from miles import __version__
-from miles.backends.fsdp_utils import checkpoint
+from miles.backends.fsdp_utils import checkpoint, checkpoint_layout, checkpoint_save
 from miles.backends.fsdp_utils.checkpoint import (
     LATEST_FILE,
     checkpoint_dir,
@@ -210,7 +210,7 @@ def test_failed_save_keeps_the_previous_pointer(tmp_path, trainer, monkeypatch):
     def disk_full(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "write_tree", disk_full)  # the save dies half-way, after the DCP shards
+    monkeypatch.setattr(checkpoint_save, "write_tree", disk_full)  # the save dies half-way, after the DCP shards
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(save_dir, 2, "actor", **trainer)
     monkeypatch.undo()
@@ -236,7 +236,7 @@ def test_pointer_write_is_atomic(tmp_path, trainer, monkeypatch):
     def crash(src: str, dst: str) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    monkeypatch.setattr(checkpoint_layout.os, "replace", crash)
     with pytest.raises(OSError, match="disk full"):
         write_latest(save_dir, 2)
     monkeypatch.undo()

@@ -1,0 +1,83 @@
+"""A weight sync that fails because one of its members died names the dead one: a trainer rank killed mid-sync
+makes rank 0's collective break ("Connection closed by peer") about when Ray reports the death, and the dead rank
+(or engine), not rank 0, is the loss the driver reports and restarts from (`miles.ray.weight_sync.WeightSyncLink`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles.arguments.engine import EngineTimeouts
+from miles.ray.engine_group import RolloutEngineGroup
+from miles.ray.train_group import RayTrainGroup
+from miles.ray.weight_sync import WeightSyncLink
+from miles.utils.failures import ActorDied, EngineError
+from tests.fast.weight_sync.sync_members import SyncMember
+
+TIMEOUT = 60.0
+
+
+def sync_of(trainer: list[tuple], engines: list[tuple]) -> tuple[WeightSyncLink, RayTrainGroup, list]:
+    """A sync link between stand-in trainer ranks and engines, each given (what it does, after how long)."""
+    import ray
+
+    member = ray.remote(num_cpus=0.01, max_concurrency=2)(SyncMember)
+    group = RayTrainGroup.__new__(RayTrainGroup)
+    group.role, group.timeout, group.failed = "actor", TIMEOUT, False
+    group.actors = [member.remote(*does) for does in trainer]
+    engine_group = RolloutEngineGroup.__new__(RolloutEngineGroup)
+    engine_group.engines = [member.remote(*does) for does in engines]
+    engine_group.failed, engine_group.timeouts = False, EngineTimeouts(startup_s=TIMEOUT, sync_s=TIMEOUT)
+    engine_group.on_progress, engine_group.poll_s, engine_group.log_every_s = None, 1.0, 30.0
+    link = WeightSyncLink.__new__(WeightSyncLink)
+    link.engines, link.actor_group, link.kind = engine_group, group, "shm"
+    return link, group, group.actors + engine_group.engines
+
+
+def test_a_trainer_rank_killed_mid_sync_is_named_not_rank_0_whose_collective_broke(ray_cluster, tmp_path):
+    import ray
+
+    # rank 1 dies; rank 0's barrier breaks before Ray reports the death; the engine waits for rank 0's buckets
+    flag = str(tmp_path / "broken")
+    link, group, members = sync_of([("break", 0.0, flag), ("die", 0.3, flag)], [("hang",)])
+    try:
+        with pytest.raises(
+            ActorDied, match=r"^actor rank 1 died during weight sync \(version 4\) of rollout 2: "
+        ) as info:
+            link.push(group, 4, rollout_id=2)
+        assert (info.value.role, info.value.rank, info.value.rollout_id) == ("actor rank", 1, 2)
+        assert info.value.__notes__ == [
+            "actor rank 0 failed after it: ConnectionError: [gloo/transport/tcp/pair.cc:534] Connection closed by "
+            "peer [127.0.0.1]:41000"
+        ]
+        assert group.failed and link.engines.failed  # the engine waits in the broken group: not for a pool
+    finally:
+        for actor in members:
+            ray.kill(actor)
+
+
+def test_an_engine_killed_mid_sync_is_named_not_rank_0_whose_send_broke(ray_cluster, tmp_path):
+    import ray
+
+    flag = str(tmp_path / "broken")
+    link, group, members = sync_of([("break", 0.0, flag)], [("hang",), ("die", 0.3, flag)])
+    try:
+        with pytest.raises(EngineError, match=r"^rollout engine 1 of 2 died during weight sync \(version 3\)") as info:
+            link.push(group, 3, rollout_id=1)
+        assert info.value.index == 1 and link.engines.failed
+        assert info.value.__notes__[0].startswith("actor rank 0 failed after it: ConnectionError: ")
+    finally:
+        for actor in members:
+            ray.kill(actor)
+
+
+def test_a_member_s_own_error_with_every_peer_alive_is_raised_naming_it(ray_cluster):
+    import ray
+
+    link, group, members = sync_of([("break", 0.5)], [("answer",)])
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            link.push(group, 5, rollout_id=3)
+        assert "raised by actor rank 0 during weight sync (version 5) of rollout 3" in info.value.__notes__
+    finally:
+        for actor in members:
+            ray.kill(actor)
