@@ -70,7 +70,8 @@ def plot_panels(records: list[dict[str, Any]], loss_type: str | None) -> list[Pl
     only the logged keys; a panel whose series an earlier panel already draws is left out (the monitors' KL panel
     under an algorithm that plots its KL)."""
     logged = series(records)
-    panels, drawn = [], set()
+    panels: list[PlotPanel] = []
+    drawn: set[str] = set()
     for title, keys in get_algorithm(loss_type).plot_panels if loss_type else DEFAULT_PLOT_PANELS:
         present = logged_keys(keys, logged)
         if present and not set(present) <= drawn:

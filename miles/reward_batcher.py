@@ -66,10 +66,12 @@ class RequestBatcher:
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
         pending = _Pending(list(items), asyncio.get_running_loop().create_future())
         self._queue.append(pending)
+        assert self._arrived is not None  # made above, with the loop task
         self._arrived.set()
         return await pending.future
 
     async def _run(self) -> None:
+        assert self._arrived is not None  # submit() makes it before it starts this task
         while True:
             await self._arrived.wait()
             if self.wait_s > 0 and self._queued_samples() < self.max_batch_size:

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import socket
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -217,4 +216,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -64,7 +64,8 @@ def default_notes(args: argparse.Namespace) -> list[str]:
 
 
 def critic_steps(args: argparse.Namespace) -> int:
-    return args.dmd2_critic_updates_per_step * args.num_steps_per_rollout
+    steps: int = args.dmd2_critic_updates_per_step * args.num_steps_per_rollout
+    return steps
 
 
 CRITIC = Role(

@@ -59,7 +59,7 @@ def read_preference_file(path: str, *, check_images: bool = True) -> list[Prefer
     return records
 
 
-def _image_path(row: dict, key: str, base: str, path: str, line_no: int, where: str, check: bool) -> str:
+def _image_path(row: dict[str, Any], key: str, base: str, path: str, line_no: int, where: str, check: bool) -> str:
     value = row[key]
     if not isinstance(value, str) or not value:
         raise PreferenceDataError(f"{path}:{line_no}: {key!r} must be an image path string ({where})")

@@ -71,9 +71,9 @@ def add_role_arguments(parser: argparse.ArgumentParser, algorithms: Iterable[Alg
                 else "; ".join(f"{k}: {v}" for k, v in says.items())
             )
             try:
-                group.add_argument(
+                group.add_argument(  # type=None (no conversion) is argparse's default; typeshed leaves None out
                     role_flag(name, override),
-                    type=OVERRIDE_TYPES.get(override),
+                    type=OVERRIDE_TYPES.get(override),  # type: ignore[arg-type]
                     default=None,
                     help=f"The {name}'s {OVERRIDE_HELP[override]} (default: {text}).",
                 )

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import yaml
 
@@ -69,10 +69,11 @@ def _config_value(action: argparse.Action, value: Any, where: str, ranges: Mappi
         value = "on" if value else "off"
     if isinstance(value, (bool, list, dict)):
         raise ArgumentError(f"{where} ({flag(action.dest)}) takes one value, got {value!r}")
-    converted = str(value)
+    converted: Any = str(value)
     if action.type is not None:
+        convert = cast(Callable[[str], Any], action.type)  # argparse also types it as a registry name: none are used
         try:
-            converted = action.type(converted)
+            converted = convert(converted)
         except argparse.ArgumentTypeError as exc:  # a type that says what it takes
             raise ArgumentError(f"{where} ({flag(action.dest)}): {exc}") from None
         except (TypeError, ValueError):

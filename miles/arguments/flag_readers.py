@@ -113,10 +113,11 @@ def readers_of(action: argparse.Action) -> Readers | None:
 def mark_owned(actions: Iterable[argparse.Action], owner: Algorithm) -> None:
     """An algorithm's own flags: read by it, and by the algorithms that list them in `reads` unless they are its
     `exclusive_flags` (a flag with its own declaration keeps it)."""
+    name = owner.name
     for action in actions:
         if readers_of(action) is None:
             exclusive = action.dest in owner.exclusive_flags
-            read_by(action, ByAlgorithm(lambda a, name=owner.name: a.name == name, owned=True, exclusive=exclusive))
+            read_by(action, ByAlgorithm(lambda a: a.name == name, owned=True, exclusive=exclusive))
 
 
 def given_dests(

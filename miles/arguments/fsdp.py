@@ -98,7 +98,8 @@ def add_mesh_arguments(group: argparse._ArgumentGroup) -> None:
 
 def trainer_world_size(args: argparse.Namespace) -> int:
     """Ranks of one trained role: --dp-size data-parallel groups of --sp-size sequence-parallel ranks each."""
-    return args.dp_size * args.sp_size
+    ranks: int = args.dp_size * args.sp_size
+    return ranks
 
 
 def device_defaults(args: argparse.Namespace, cluster_gpus: float) -> dict[str, Any]:

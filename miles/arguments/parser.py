@@ -370,6 +370,7 @@ def parse_args(argv: Sequence[str] | None = None, *, validate: bool = True) -> a
     except ValueError as exc:  # a plugin's flag or role clashes with a registered one
         argparse.ArgumentParser(prog=PROG).error(str(exc))
     if config:
+        assert config_path is not None  # a config is read from --config
         try:
             parser.set_defaults(**config_defaults(parser, config, config_path, flag_ranges()))
         except ArgumentError as exc:

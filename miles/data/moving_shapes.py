@@ -125,7 +125,7 @@ def draw_frame(
         draw.rectangle((x0, y0, x1, y1), fill=fill)
     else:  # upright triangle, base = height = size
         draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=fill)
-    return np.asarray(image.resize((resolution, resolution), Image.BOX), dtype=np.uint8).copy()
+    return np.asarray(image.resize((resolution, resolution), Image.Resampling.BOX), dtype=np.uint8).copy()
 
 
 def render_clip(scene: MovingScene, trajectory: list[tuple[float, float]], size: float, resolution: int) -> np.ndarray:

@@ -159,7 +159,7 @@ def draw_layout(scene: ShapeScene, layout: list[tuple[float, float, float]], res
             draw.rectangle((x0, y0, x1, y1), fill=fill)
         else:  # upright triangle, base = height = size, so it fills half its bounding box
             draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=fill)
-    return image.resize((resolution, resolution), Image.BOX)
+    return image.resize((resolution, resolution), Image.Resampling.BOX)
 
 
 def _item_rng(seed: int, split: str, index: int) -> np.random.Generator:

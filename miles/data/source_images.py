@@ -67,7 +67,7 @@ def load_source_image(image: Any, resolution: int) -> np.ndarray:
             raise ValueError(f"cannot read source image {image}: {exc}") from None
     image = image.convert("RGB")
     if image.size != (resolution, resolution):
-        image = image.resize((resolution, resolution), Image.BICUBIC)
+        image = image.resize((resolution, resolution), Image.Resampling.BICUBIC)
     return np.asarray(image, dtype=np.uint8).copy()
 
 

@@ -19,7 +19,9 @@ def sampling_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
     Read from diffusers, never recomputed: `set_timesteps` shifts the low end twice (the last nonzero
     σ of a 10-step shift-3 grid is ~0.0089), and the engine must train on exactly the σ it sampled with.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler  # here: the loss hub imports this module for its maths only
+    # here: the loss hub imports this module for its maths only (and from its module: diffusers' top level types it as
+    # the torch-less dummy for mypy)
+    from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
@@ -30,7 +32,7 @@ def sampling_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
 
 def training_sigmas(shift: float = 3.0, num_train_timesteps: int = 1000) -> torch.Tensor:
     """The scheduler's training table (num_train_timesteps float32 values, descending from 1)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=num_train_timesteps, shift=shift)
     return scheduler.sigmas.detach().to(torch.float32).cpu().clone()

@@ -70,6 +70,8 @@ class Evaluator:
         self.args, self.sampler = args, spec.eval_sampler
         self.custom = load_path_flags(args).get("eval_function_path")
         sources = wants_source_images(args)
+        self.kind: str | None
+        self.records: list[dict[str, Any]]
         self.kind, self.records = load_eval_records(args, sources) if self.custom is None else (None, [])
 
     def prompts(self) -> list[str] | None:

@@ -65,7 +65,9 @@ def engines_after_trainers(args: argparse.Namespace) -> bool:
 def resumes_from_save_folders(args: argparse.Namespace, roles: list[str]) -> bool:
     """Whether every role that saves loads from the folder it saves into (`--load DIR --save DIR`)."""
     saves, loads = save_folders(args, roles), load_folders(args, roles)
-    same = [loads[role] and os.path.realpath(loads[role]) == os.path.realpath(folder) for role, folder in saves.items()]
+    same = [
+        (load := loads[role]) and os.path.realpath(load) == os.path.realpath(folder) for role, folder in saves.items()
+    ]
     return bool(saves) and all(same)
 
 

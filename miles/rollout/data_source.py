@@ -216,6 +216,7 @@ def load_records(args: argparse.Namespace, *, with_images: bool, resolution: int
         records = ocr_prompts(split="train")
     elif args.prompt_data == BUILTIN_SHAPES:
         if with_images:
+            assert resolution is not None, "built-in shapes images need a resolution"
             records = shapes_items(
                 args.builtin_dataset_size, seed=args.rollout_seed, split="train", resolution=resolution
             )

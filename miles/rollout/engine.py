@@ -9,7 +9,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 import torch
@@ -108,6 +108,14 @@ class GenerateRequest:
             raise ValueError("flash_ratio (--mixgrpo-flash) runs after the trained steps: it needs an SDE window")
 
 
+_T = TypeVar("_T")
+
+
+def _present(values: list[_T | None]) -> list[_T]:
+    """A field of the parts of one request that the first part has: every part has it (same request, same fields)."""
+    return cast(list[_T], values)
+
+
 @dataclass
 class GenerateResult:
     """Batch-first float32 CPU tensors; K = len(trained_steps); `*latent` is the family's `latent_shape` (any rank).
@@ -149,8 +157,11 @@ class GenerateResult:
         versions = sorted({p.weights_version for p in parts})
         if len(versions) > 1:
             raise ValueError(f"engines answered with different weights versions {versions}: a weight sync was missed")
-        images = None if first.images is None else np.concatenate([p.images for p in parts])
-        audio = None if first.audio is None else torch.cat([p.audio for p in parts])
+        images = None if first.images is None else np.concatenate(_present([p.images for p in parts]))
+        audio = None if first.audio is None else torch.cat(_present([p.audio for p in parts]))
+        negative = (
+            Conditioning.cat(_present([p.negative for p in parts])) if first.negative_per_prompt else first.negative
+        )
         return GenerateResult(
             images=images,
             final_latents=torch.cat([p.final_latents for p in parts]),
@@ -160,11 +171,11 @@ class GenerateResult:
             sigmas=first.sigmas,
             trained_steps=list(first.trained_steps),
             conditioning=Conditioning.cat([p.conditioning for p in parts]),
-            negative=Conditioning.cat([p.negative for p in parts]) if first.negative_per_prompt else first.negative,
+            negative=negative,
             negative_per_prompt=first.negative_per_prompt,
             weights_version=versions[0],
-            denoised=None if first.denoised is None else torch.cat([p.denoised for p in parts]),
-            means=None if first.means is None else torch.cat([p.means for p in parts]),
+            denoised=None if first.denoised is None else torch.cat(_present([p.denoised for p in parts])),
+            means=None if first.means is None else torch.cat(_present([p.means for p in parts])),
             fps=first.fps,
             audio=audio,
             sample_rate=first.sample_rate,
@@ -241,7 +252,8 @@ class DiffusionEngine:
         from peft import LoraConfig  # local: peft costs ~1.3 s per process and only LoRA engines need it
 
         check_lora_targets(self.transformer, lora_config["target_modules"], "the rollout engine's transformer")
-        self.transformer.add_adapter(LoraConfig(**lora_config))
+        # add_adapter is diffusers' PEFT mixin's; mypy sees an nn.Module, whose unknown attributes are tensors
+        self.transformer.add_adapter(LoraConfig(**lora_config))  # type: ignore[operator]
         names = [n for n, _ in self.transformer.named_parameters() if "lora_" in n]
         # accept the engine's own names and PEFT's adapter-less export names (".lora_A.weight")
         self._lora_names = {n: n for n in names} | {n.replace(".default.", "."): n for n in names}
@@ -370,7 +382,7 @@ class DiffusionEngine:
         weights (every one of which a plan must carry)."""
         if self.lora_config is None:
             return self.transformer.state_dict(keep_vars=True)
-        params = dict(self.transformer.named_parameters())
+        params: dict[str, torch.Tensor] = dict(self.transformer.named_parameters())
         targets = {
             k: params[self._lora_names[self._lora_key(k)]] for k in plan.names if self._lora_key(k) in self._lora_names
         }
@@ -393,7 +405,7 @@ class DiffusionEngine:
         missing = sorted(set(self._lora_names.values()) - set(targets))
         if missing:
             raise WeightSyncError(f"update_weights is missing {len(missing)} LoRA weights, e.g. {missing[:3]}")
-        params = dict(self.transformer.named_parameters())
+        params: dict[str, torch.Tensor] = dict(self.transformer.named_parameters())
         for name, value in targets.items():
             params[name].copy_(value.to(device=params[name].device, dtype=params[name].dtype))
         return params
@@ -446,7 +458,7 @@ class DiffusionEngine:
             self._report(phase="denoise", micro_batch=k + 1, samples=end - start)
             rows = slice(start, end)
             own_negative = negative is not None and negative.batch_size == batch > 1  # a negative row per prompt
-            part_negative = negative.rows(rows) if own_negative else negative
+            part_negative = negative.rows(rows) if own_negative and negative is not None else negative
             part = self._denoise(request, sigmas, flash_from, embeds.rows(rows), part_negative, noise[rows])
             parts.append(part)
         self._report(phase="idle")
@@ -463,8 +475,11 @@ class DiffusionEngine:
             sigmas = family.sampling_sigmas(request.num_steps, request.resolution)
         else:
             sigmas = sampling_sigmas(request.num_steps, shift)
-        flash_from = None if request.flash_ratio is None else request.trained_steps[-1] + 1
-        if flash_from is not None:  # the post grid follows the sampling grid's own shift (FLUX: e^μ, by resolution)
+        flash_from = None
+        if (
+            request.flash_ratio is not None
+        ):  # the post grid follows the sampling grid's own shift (FLUX: e^μ, by resolution)
+            flash_from = request.trained_steps[-1] + 1
             flash_shift = family.sampling_shift(request.resolution) if request.shift is None else request.shift
             sigmas = flash_sigmas(sigmas, flash_from - 1, request.flash_ratio, flash_shift)
         return sigmas, flash_from

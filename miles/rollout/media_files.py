@@ -8,7 +8,7 @@ import logging
 import math
 import os
 from fractions import Fraction
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -16,10 +16,10 @@ from miles.rollout.image_grid import save_image_grid
 
 logger = logging.getLogger(__name__)
 
-VIDEO_CODEC = "libx264"
+VIDEO_CODEC: Final = "libx264"  # Final (a literal): PyAV types its stream by the codec name
 VIDEO_PIXEL_FORMAT = "yuv420p"  # what browsers and players decode; it halves chroma, so sizes must be even
 VIDEO_CRF = "18"  # x264's "visually lossless" end; tiny test videos stay close to their frames
-AUDIO_CODEC = "aac"
+AUDIO_CODEC: Final = "aac"
 AUDIO_LAYOUTS = {1: "mono", 2: "stereo"}
 CONTACT_SHEET_FRAMES = 4
 
@@ -75,9 +75,12 @@ def write_mp4(path: str, frames: Any, fps: float, audio: Any = None, sample_rate
         video = container.add_stream(VIDEO_CODEC, rate=rate, options={"crf": VIDEO_CRF})
         video.width, video.height, video.pix_fmt = frames.shape[2], frames.shape[1], VIDEO_PIXEL_FORMAT
         video.codec_context.time_base = 1 / rate
-        sound = None
+        sound: av.AudioStream | None = None
+        audio_rate = 0
         if audio is not None:
-            sound = container.add_stream(AUDIO_CODEC, rate=int(sample_rate))
+            assert sample_rate is not None  # _check_audio took it
+            audio_rate = int(sample_rate)
+            sound = container.add_stream(AUDIO_CODEC, rate=audio_rate)
             sound.layout = AUDIO_LAYOUTS[audio.shape[0]]
         for index, frame in enumerate(frames):
             picture = av.VideoFrame.from_ndarray(frame, format="rgb24")
@@ -86,7 +89,7 @@ def write_mp4(path: str, frames: Any, fps: float, audio: Any = None, sample_rate
         container.mux(video.encode())
         if sound is not None:  # one planar frame; the encoder cuts it into AAC's 1024-sample frames
             wave = av.AudioFrame.from_ndarray(audio, format="fltp", layout=AUDIO_LAYOUTS[audio.shape[0]])
-            wave.sample_rate, wave.pts = int(sample_rate), 0
+            wave.sample_rate, wave.pts = audio_rate, 0
             container.mux(sound.encode(wave))
             container.mux(sound.encode())
     return path

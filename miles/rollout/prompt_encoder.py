@@ -59,7 +59,9 @@ class PromptEncoder:
         return row_digest(self.config.fingerprint, "device", device_signature(self.device))
 
     def _cache(self) -> PromptCache:
-        return PromptCache(self.config.directory, self.cache_key())
+        key = self.cache_key()
+        assert self.config is not None and key is not None, "a prompt cache needs --prompt-cache-dir"
+        return PromptCache(self.config.directory, key)
 
     def encode_request(
         self,
@@ -125,7 +127,9 @@ class PromptEncoder:
         for text, own in zip(texts, images):
             row = row_digest(cache.key, kind, text, own)
             if row not in found:
-                found[row] = self._row(cache, kind, text, own, row=row)
+                conditioning = self._row(cache, kind, text, own, row=row)
+                assert conditioning is not None  # keep=True: the row itself
+                found[row] = conditioning
             order.append(row)
         return Conditioning.cat([found[row] for row in order])
 

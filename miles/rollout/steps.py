@@ -44,7 +44,7 @@ def make_samples(
 ) -> list[Sample]:
     """--n-samples-per-prompt samples per record, consecutive per prompt group, seeded by their rollout index; a
     record's source images (editing, image-to-video) are loaded at `resolution` and shared by its group."""
-    samples = []
+    samples: list[Sample] = []
     for group, record_index in enumerate(record_indices, start=first_group):
         record = records[record_index]
         sources = record.get("source_images")

@@ -132,8 +132,10 @@ def summary_line(
     """One line closing a run: wall time, baseline -> last held-out eval, and where the outputs are."""
     parts = [f"done in {format_duration(wall_s)}"]
     accuracy = next((key for r in records if (key := _accuracy_key(r)) is not None), None)
-    evals = [r for r in records if isinstance(r.get(accuracy), float) and math.isfinite(r[accuracy])]
-    if evals:
+    evals: list[dict[str, Any]] = []
+    if accuracy is not None:
+        evals = [r for r in records if isinstance(r.get(accuracy), float) and math.isfinite(r[accuracy])]
+    if evals and accuracy is not None:
         series = f"{evals[0][accuracy]:.3f}" + (f" -> {evals[-1][accuracy]:.3f}" if len(evals) > 1 else "")
         parts.append(f"eval accuracy on {args.eval_num_prompts} held-out prompts: {series}")
     parts.append(f"outputs in {args.output_dir}/ (metrics.jsonl, train.log, images/)")

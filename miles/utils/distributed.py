@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,7 @@ def init_process_group(
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    kwargs = {"timeout": timeout} if timeout is not None else {}
+    kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{master_addr}:{master_port}",

@@ -9,9 +9,10 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType, TracebackType
+from typing import Any
 
 from miles.utils.import_gc import in_ray_worker
 
@@ -39,7 +40,7 @@ class StopSignals:
         self.signal_name: str | None = None  # the first signal's name once one arrived
         self.abandoned: str | None = None  # what the driver gave up after the signal (a generated, untrained batch)
         self.grace_s, self.count = grace_s, 0
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
         self._watchdog: threading.Timer | None = None
 
     def __enter__(self) -> StopSignals:

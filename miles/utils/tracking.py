@@ -38,6 +38,7 @@ class MetricsWriter:
     def log(self, record: dict[str, Any]) -> None:
         line = (json.dumps({k: _encode(v) for k, v in record.items()}, sort_keys=True) + "\n").encode()
         view = memoryview(line)
+        assert self._fd is not None, f"{self.path} was closed"
         while view:  # a regular file takes the whole line at once; a short write (a signal) is continued
             view = view[os.write(self._fd, view) :]
 
@@ -191,7 +192,7 @@ class WandbSink:
             group=args.wandb_group,
             name=args.wandb_run_name,
             dir=args.output_dir,
-            mode=mode,
+            mode=mode,  # type: ignore[arg-type]  # WANDB_MODE passes through as given; wandb.init checks it
             config=config,
         )
         if mode == "offline":

@@ -203,10 +203,11 @@ async def compute_rewards(
     outcomes = await asyncio.gather(
         *(_score_one(name, fn, args, samples) for (name, _), fn in zip(spec, functions)), return_exceptions=True
     )
-    for outcome in outcomes:
+    per_reward: dict[str, list[float]] = {}
+    for (name, _), outcome in zip(spec, outcomes):
         if isinstance(outcome, BaseException):
             raise outcome
-    per_reward = {name: values for (name, _), values in zip(spec, outcomes)}
+        per_reward[name] = outcome
     totals = [sum(weight * per_reward[name][i] for name, weight in spec) for i in range(len(samples))]
     return totals, per_reward
 

@@ -257,10 +257,12 @@ def server_rewards(url: str) -> Callable[[argparse.Namespace, list[Sample]], Any
 
         async with http_client(args) as client:
             parts = await asyncio.gather(*(send(client, chunk) for chunk in chunks), return_exceptions=True)
+        values: list[float] = []
         for part in parts:
             if isinstance(part, BaseException):
                 raise part
-        return [value for part in parts for value in part]
+            values.extend(part)
+        return values
 
     remote.__name__ = f"remote reward {url}"
     return remote

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +123,7 @@ def score_shapes_image(image: np.ndarray | Image.Image, metadata: dict[str, Any]
     return shapes_reward([image], [metadata])[0]
 
 
-def shapes_reward(images: list[np.ndarray | Image.Image], metadatas: list[dict[str, Any]]) -> list[ShapeScore]:
+def shapes_reward(images: Sequence[np.ndarray | Image.Image], metadatas: list[dict[str, Any]]) -> list[ShapeScore]:
     """Score a batch: one `ShapeScore` per (image, metadata) pair; same-size images are scored together."""
     if len(images) != len(metadatas):
         raise ValueError(f"shapes_reward got {len(images)} images but {len(metadatas)} metadata dicts")

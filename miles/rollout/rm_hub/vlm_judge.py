@@ -124,10 +124,12 @@ async def vlm_judge(args: argparse.Namespace, samples: list[Sample]) -> list[flo
 
     async with http_client(args) as client:
         outcomes = await asyncio.gather(*(judge(client, sample) for sample in samples), return_exceptions=True)
+    scores: list[float] = []
     for outcome in outcomes:
         if isinstance(outcome, BaseException):
             raise outcome
-    return list(outcomes)
+        scores.append(outcome)
+    return scores
 
 
 def unparsable_metrics(samples: list[Sample]) -> dict[str, float]:

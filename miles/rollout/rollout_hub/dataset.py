@@ -33,7 +33,7 @@ def image_to_tensor(image: Any, resolution: int) -> torch.Tensor:
             raise ValueError(f"cannot read image {image}: {exc}") from exc
     image = image.convert("RGB")
     if image.size != (resolution, resolution):
-        image = image.resize((resolution, resolution), Image.BICUBIC)
+        image = image.resize((resolution, resolution), Image.Resampling.BICUBIC)
     array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 

@@ -17,7 +17,7 @@ RequestFn = Callable[..., GenerateRequest]  # (args, samples, *, rollout_id, res
 ConvertFn = Callable[..., TrainPairs]  # (args, samples, result, advantages, *, rollout_id) -> TrainPairs
 PairsPerSampleFn = Callable[..., int]  # (args, request) -> pairs per sample, sample-major in the converted pairs
 EncodeFn = Callable[..., TrainPairs]  # (args, family, records, *, resolution) -> TrainPairs, row i from records[i]
-RecordsFn = Callable[..., list]  # (args, *, resolution) -> records, each a dict with at least "prompt"
+RecordsFn = Callable[..., list[dict[str, Any]]]  # (args, *, resolution) -> records, each a dict with at least "prompt"
 
 
 def no_metrics(request: GenerateRequest) -> dict[str, Any]:

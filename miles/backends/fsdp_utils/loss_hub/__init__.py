@@ -169,7 +169,7 @@ def _custom_loss_hooks(args: argparse.Namespace) -> tuple[LossHooks, dict[str, s
         raise ValueError(
             "--loss-type custom_loss requires --custom-prepare-train-batch-path and --custom-loss-function-path"
         )
-    loaded = {name: load_function(path) for name, path in paths.items() if path}
+    loaded: dict[str, Any] = {name: load_function(path) for name, path in paths.items() if path}
     return LossHooks(**loaded), {name: repr(path) for name, path in paths.items() if path}
 
 

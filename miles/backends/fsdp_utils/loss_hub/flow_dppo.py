@@ -51,6 +51,7 @@ def dppo_formula(
         store_old_step(batch, step)
         return None
     log_prob = step.log_prob
+    assert log_prob is not None  # policy_step is an SDE step: it has a log-prob
     old_mean = old_mean_of(batch, step, old_log_prob_from_new)
     old_log_prob = log_prob.detach() if old_log_prob_from_new else batch["old_log_prob"].to(log_prob.device)
     kl = gaussian_mean_kl(step.mean.detach(), old_mean, step.step_std)

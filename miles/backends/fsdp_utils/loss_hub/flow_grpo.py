@@ -31,6 +31,7 @@ def policy_formula(
     args = ctx.args
     step = policy_step(ctx, batch, new_pred)
     log_prob = step.log_prob
+    assert log_prob is not None  # policy_step is an SDE step: it has a log-prob
     if write_old_log_prob:
         batch["old_log_prob"].copy_(log_prob.detach().to(batch["old_log_prob"].device))
         return None

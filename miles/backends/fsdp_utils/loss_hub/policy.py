@@ -96,6 +96,7 @@ def old_mean_of(batch: TrainPairs, step: StepResult, old_log_prob_from_new: bool
 def store_old_step(batch: TrainPairs, step: StepResult) -> None:
     """The recompute pass: the current policy's step mean and log-prob become the pairs' old ones."""
     batch[OLD_MEAN].copy_(step.mean.detach().to(batch[OLD_MEAN].device))
+    assert step.log_prob is not None  # policy_step is an SDE step: it has a log-prob
     batch["old_log_prob"].copy_(step.log_prob.detach().to(batch["old_log_prob"].device))
 
 
@@ -105,6 +106,7 @@ def record_rollout_parity(batch: TrainPairs, step: StepResult, metrics: WindowMe
         return
     with torch.no_grad():
         log_prob = step.log_prob
+        assert log_prob is not None  # policy_step is an SDE step: it has a log-prob
         metrics.add("train/log_prob_abs_diff", (log_prob - batch["rollout_log_prob"].to(log_prob.device)).abs())
         diff = (step.mean - batch[ROLLOUT_MEAN].to(step.mean.device)).abs()
         metrics.add("train/mean_abs_diff", diff.reshape(diff.shape[0], -1).max(dim=1).values)
