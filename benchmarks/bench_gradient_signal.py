@@ -59,7 +59,8 @@ from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, Windo
 from miles.data.shapes import shapes_prompts  # noqa: E402
 from miles.models.builtin import resolve_checkpoint  # noqa: E402
 from miles.rollout.advantages import compute_grpo_advantages  # noqa: E402
-from miles.rollout.engine import DiffusionEngine, GenerateRequest  # noqa: E402
+from miles.rollout.engine import DiffusionEngine  # noqa: E402
+from miles.rollout.engine_api import GenerateRequest  # noqa: E402
 from miles.rollout.rm_hub.shapes import shapes_reward  # noqa: E402
 from miles.rollout.rollout_hub.nft import nft_pairs  # noqa: E402
 from miles.rollout.rollout_hub.pairs import sde_pairs  # noqa: E402

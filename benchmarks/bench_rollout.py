@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from miles.rollout.engine import DiffusionEngine, GenerateRequest  # noqa: E402
+from miles.rollout.engine import DiffusionEngine  # noqa: E402
+from miles.rollout.engine_api import GenerateRequest  # noqa: E402
 from miles.rollout.step_strategy_hub import all_but_last  # noqa: E402
 
 logger = logging.getLogger("bench_rollout")

@@ -1,5 +1,5 @@
 """The weight export's gather at dp >= 2, side by side: torch's per-tensor full state dict (one all-gather per
-tensor) vs miles' bucketed one (`fsdp.bucketed_full_state_dict`: one all-gather per bucket), on the same FSDP2
+tensor) vs miles' bucketed one (`gather.bucketed_full_state_dict`: one all-gather per bucket), on the same FSDP2
 transformer, interleaved; checks that both give the same bits and prints the medians and the ratio. Then what the
 verified sync adds: the bucketed gather with the trainer's checksums (`miles.utils.weight_checksum`), and on the
 engine side the load (`load_state_dict` into an unsharded transformer) against the verification of what it loaded.
@@ -39,7 +39,8 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 
-from miles.backends.fsdp_utils.fsdp import apply_fsdp2, bucketed_full_state_dict  # noqa: E402
+from miles.backends.fsdp_utils.fsdp import apply_fsdp2  # noqa: E402
+from miles.backends.fsdp_utils.gather import bucketed_full_state_dict  # noqa: E402
 from miles.backends.fsdp_utils.weight_push import WeightPusher, sync_plan  # noqa: E402
 from miles.models.base import get_train_pipeline_config  # noqa: E402
 from miles.models.builtin import resolve_checkpoint  # noqa: E402

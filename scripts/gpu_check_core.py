@@ -26,7 +26,8 @@ from miles.backends.fsdp_utils.actor import FSDPTrainRayActor  # noqa: E402
 from miles.backends.fsdp_utils.first_window_guard import LOG_PROB_BOUNDS  # noqa: E402
 from miles.diffusion.sde import sde_step  # noqa: E402
 from miles.models.base import get_train_pipeline_config  # noqa: E402
-from miles.rollout.engine import DiffusionEngine, GenerateRequest  # noqa: E402
+from miles.rollout.engine import DiffusionEngine  # noqa: E402
+from miles.rollout.engine_api import GenerateRequest  # noqa: E402
 from miles.utils.distributed import find_free_port  # noqa: E402
 from miles.utils.offload import HostSwap, host_offsets  # noqa: E402
 from miles.utils.types import shard_pairs  # noqa: E402

@@ -28,7 +28,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from miles.algorithms.registry import ALGORITHMS  # noqa: E402  (the repository root goes on the path first)
-from miles.models.registry import BUILTIN_FAMILIES  # noqa: E402
 from miles.arguments.reward_spec import (  # noqa: E402
     BUILTIN_REWARDS,
     CUSTOM,
@@ -36,6 +35,7 @@ from miles.arguments.reward_spec import (  # noqa: E402
     SOURCE_IMAGE_REWARDS,
     VIDEO_REWARDS,
 )
+from miles.models.registry import BUILTIN_FAMILIES  # noqa: E402
 
 README = os.path.join(ROOT, "README.md")
 RESULTS = os.path.join(ROOT, "docs", "results.md")

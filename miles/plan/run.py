@@ -28,7 +28,7 @@ from miles.plan.simulate import (
     train_pairs_for_rank,
 )
 from miles.plan.tracker import Collective
-from miles.rollout.engine import GenerateResult
+from miles.rollout.engine_api import GenerateResult
 from miles.rollout.micro_batches import resolve_rollout_micro_batch_size
 from miles.rollout.steps import select_rows
 from miles.utils.types import num_pairs

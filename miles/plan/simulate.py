@@ -19,13 +19,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
 from miles.backends.fsdp_utils.ema import local_tensor
-from miles.backends.fsdp_utils.fsdp import build_mesh, gathered_tensors, parse_dtype
+from miles.backends.fsdp_utils.fsdp import build_mesh, parse_dtype
+from miles.backends.fsdp_utils.gather import gathered_tensors
 from miles.backends.fsdp_utils.lora import lora_config_from_args
 from miles.backends.fsdp_utils.weight_push import PUSH_GATHER_BYTES, sync_plan
 from miles.models.base import family_options, get_train_pipeline_config
 from miles.plan.fake import fake_process_group, movable_fake_modules, per_tensor_equivalents, plan_tensor_mode
 from miles.plan.tracker import Collective, PlanTracker
-from miles.rollout.engine import DiffusionEngine, GenerateResult
+from miles.rollout.engine import DiffusionEngine
+from miles.rollout.engine_api import GenerateResult
 from miles.rollout.prompt_cache import frees_text_encoders
 from miles.rollout.rollout_hub import rollout_spec_of
 from miles.utils.types import Sample, TrainPairs, shard_pairs
@@ -276,7 +278,7 @@ class SyncBuffers:
 
 def _sync_buffers(args: argparse.Namespace, actor: FSDPTrainRayActor) -> SyncBuffers:
     """`prepare_weight_sync` as the run calls it after start-up: the bucket plan (every rank) and rank 0's buffers."""
-    keep, as_dtype = actor._engine_export()
+    keep, as_dtype = actor.export.filters()
     device = args.planned_device  # `simulation_args`: the device the plan is for
     plan = sync_plan(actor.model, bucket_bytes_for(args.weight_sync_bucket_mb, device), keep, as_dtype)
     on_gpu = device == "cuda" and actor.rank == 0
@@ -286,8 +288,9 @@ def _sync_buffers(args: argparse.Namespace, actor: FSDPTrainRayActor) -> SyncBuf
 def _push(actor: FSDPTrainRayActor) -> None:
     """`push_weights`' device side: the engines' weights gathered `PUSH_GATHER_BYTES` at a time, each tensor's pieces
     written into a bucket slot (held above) and dropped."""
-    keep, as_dtype = actor._engine_export()
-    with actor._engine_weights_in():
+    export = actor.export
+    keep, as_dtype = export.filters()
+    with export.weights_in():
         for _name, _shape, pieces, _ in gathered_tensors(
             actor.model, bucket_bytes=PUSH_GATHER_BYTES["cuda"], keep=keep, as_dtype=as_dtype
         ):

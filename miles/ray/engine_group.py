@@ -28,7 +28,8 @@ from miles.arguments.engine import EngineTimeouts
 from miles.ray.actor_pool import ActorPool, ReusableActor
 from miles.ray.engine_wait import Allowance, EngineWait
 from miles.ray.placement_group import Colocation
-from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
+from miles.rollout.engine import DiffusionEngine
+from miles.rollout.engine_api import GenerateRequest, GenerateResult
 from miles.rollout.micro_batches import AUTO, EngineProgress
 from miles.rollout.prompt_cache import PromptCacheConfig
 from miles.utils.failures import ACTOR_GONE, EngineError, where

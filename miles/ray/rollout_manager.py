@@ -23,7 +23,7 @@ from miles.ray.reward_workers import RewardWorkerPool
 from miles.ray.weight_sync import WeightSyncLink
 from miles.rollout import steps
 from miles.rollout.data_source import PromptDataSource, load_records, records_digest
-from miles.rollout.engine import GenerateResult
+from miles.rollout.engine_api import GenerateResult
 from miles.rollout.media_files import first_sources, save_media
 from miles.rollout.monitors import DriftWatch, monitor_metrics, watches
 from miles.rollout.prompt_cache import DRAWING_HOOKS, prompt_cache_config
@@ -37,7 +37,6 @@ from miles.utils.types import Sample, TrainPairs
 
 logger = logging.getLogger(__name__)
 REWARD_TERMS = steps.REWARD_TERMS  # Sample.extra key: the sample's value of each weighted reward
-# hooks that may draw prompts of their own (refill rounds too): the engines then keep their text encoders
 
 
 class RolloutManager:
@@ -223,18 +222,12 @@ class RolloutManager:
     def _monitor_metrics(self, rollout_id: int, samples: list[Sample], result: Any) -> dict[str, float]:
         """The reward-hacking monitors of the batch (`miles.rollout.monitors`), their warnings, `monitor/alerts`."""
         groups = [[s.index for s in group] for group in steps.split_groups(samples)]
-        per_reward = self._per_reward(samples)
+        per_reward = steps.per_reward(samples)
         embeddings = None
         if samples and all(CLIP_EMBEDDING_KEY in s.extra for s in samples):
             embeddings = np.stack([s.extra[CLIP_EMBEDDING_KEY] for s in samples])
         metrics = monitor_metrics(result.images, result.final_latents.float().numpy(), groups, per_reward, embeddings)
         return {**metrics, "monitor/alerts": len(self.drift.check(rollout_id, metrics))}
-
-    @staticmethod
-    def _per_reward(samples: list[Sample]) -> dict[str, list[float]]:
-        """Each weighted reward's raw values, in sample order ({} for a single unnamed reward)."""
-        names = list(samples[0].extra.get(REWARD_TERMS, {})) if samples else []
-        return {name: [s.extra[REWARD_TERMS][name] for s in samples] for name in names}
 
     def _save_media(self, rollout_id: int, result: Any, samples: list[Sample]) -> None:
         """Every --image-grid-interval rollouts: the image grid, or for video the first --media-max-samples
@@ -362,7 +355,7 @@ class RolloutManager:
 
     @staticmethod
     def _reward_metrics(samples: list[Sample], rewards: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
-        per_reward = RolloutManager._per_reward(samples)
+        per_reward = steps.per_reward(samples)
         return {
             **reward_metrics([s.reward for s in samples], per_reward, samples),
             "rollout/reward_std": float(rewards.std(unbiased=False)),

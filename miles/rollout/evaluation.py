@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from miles.data.source_images import load_source_images
-from miles.rollout.engine import GenerateRequest, GenerateResult
+from miles.rollout.engine_api import GenerateRequest, GenerateResult
 from miles.rollout.rm_hub.edit import PSNR_CAP_DB, keep_mask, masked_psnr
 from miles.rollout.rm_hub.moving_shapes import MovingShapeScore, moving_shapes_reward
 from miles.rollout.rm_hub.ocr import OcrScore, load_ocr_engine, ocr_scores

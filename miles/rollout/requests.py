@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from miles.rollout.engine import GenerateRequest
+from miles.rollout.engine_api import GenerateRequest
 from miles.rollout.step_strategy_hub import flash_ratio, select_trained_steps
 from miles.utils.types import Sample
 

@@ -173,3 +173,9 @@ def order_pairs(pairs: TrainPairs, num_samples: int, per_sample: int, *, seed: i
 def shard(pairs: TrainPairs, dp_size: int) -> list[Box]:
     """One box per data-parallel rank, its contiguous equal share of the pairs in the object store."""
     return [put_box(part) for part in shard_pairs(pairs, dp_size)]
+
+
+def per_reward(samples: list[Sample]) -> dict[str, list[float]]:
+    """Each weighted reward's raw values (`extra[REWARD_TERMS]`), in sample order ({} for a single unnamed reward)."""
+    names = list(samples[0].extra.get(REWARD_TERMS, {})) if samples else []
+    return {name: [s.extra[REWARD_TERMS][name] for s in samples] for name in names}

@@ -78,6 +78,15 @@ def find_free_port() -> int:
         return sock.getsockname()[1]
 
 
+def resolve_device(name: str) -> torch.device:
+    """The device a trainer rank runs on for `--device` (auto: CUDA when there is one; cuda: the current one)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def collective_device() -> torch.device:
     """Where small collectives (metrics, checks) run: this rank's GPU under nccl, else the CPU (gloo)."""
     if "nccl" in str(dist.get_backend()):

@@ -49,7 +49,8 @@ def test_sleeping_1_1_gib_pins_exactly_those_bytes_outside_the_caching_host_allo
 
 
 def test_an_engine_on_cuda_sleeps_to_almost_nothing_and_samples_the_same_after_a_sync(tiny_pipeline_dir):
-    from miles.rollout.engine import DiffusionEngine, GenerateRequest
+    from miles.rollout.engine import DiffusionEngine
+    from miles.rollout.engine_api import GenerateRequest
 
     engine = DiffusionEngine(tiny_pipeline_dir, device="cuda")
     request = GenerateRequest(

@@ -26,7 +26,8 @@ def test_the_transformer_loads_onto_the_gpu_within_1_2x_its_weights(tiny_pipelin
 
 
 def test_micro_batches_on_cuda_agree_with_one_batch(tiny_pipeline_dir):
-    from miles.rollout.engine import DiffusionEngine, GenerateRequest
+    from miles.rollout.engine import DiffusionEngine
+    from miles.rollout.engine_api import GenerateRequest
 
     engine = DiffusionEngine(tiny_pipeline_dir, device="cuda", forward_dtype=torch.bfloat16)
     req = GenerateRequest(

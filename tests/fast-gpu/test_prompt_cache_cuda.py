@@ -7,7 +7,8 @@ import torch
 
 from miles.models.base import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
-from miles.rollout.engine import DiffusionEngine, GenerateRequest
+from miles.rollout.engine import DiffusionEngine
+from miles.rollout.engine_api import GenerateRequest
 from miles.rollout.prompt_cache import PromptCacheConfig, device_signature, encoder_fingerprint
 
 pytestmark = pytest.mark.gpu

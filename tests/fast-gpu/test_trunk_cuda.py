@@ -68,7 +68,8 @@ def test_fsdp2_group_trains_on_cuda_with_nccl(ray_cluster, tiny_pipeline_dir, dt
 
 def test_engine_log_probs_match_trainer_recompute_on_cuda(tiny_pipeline_dir):
     from miles.diffusion.sde import sde_step
-    from miles.rollout.engine import DiffusionEngine, GenerateRequest
+    from miles.rollout.engine import DiffusionEngine
+    from miles.rollout.engine_api import GenerateRequest
 
     engine = DiffusionEngine(tiny_pipeline_dir, device="cuda")
     result = engine.generate(

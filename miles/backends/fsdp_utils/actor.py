@@ -5,13 +5,10 @@ says which frozen networks a role holds, its loss-hub entry what the trunk does 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import logging
-import os
 import random
 import socket
-from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
@@ -22,16 +19,14 @@ from torch.distributed.tensor import DTensor
 
 from miles.algorithms import FrozenNetwork, algorithm_of, role_flag, role_settings
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_latest, save_checkpoint
-from miles.backends.fsdp_utils.checkpoint_space import export_space_error, tensor_bytes
 from miles.backends.fsdp_utils.ema import ShadowWeights, ema_config_from_args, local_tensor, reshard
-from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, full_state_dict, keep_in_fp32_names, parse_dtype
+from miles.backends.fsdp_utils.engine_export import EngineExport
+from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, parse_dtype
+from miles.backends.fsdp_utils.gather import full_state_dict
 from miles.backends.fsdp_utils.lora import (
     LoraBaseNetwork,
     apply_lora,
-    is_lora_key,
     lora_config_from_args,
-    lora_state_dict,
-    save_lora_adapter,
 )
 from miles.backends.fsdp_utils.loss_hub import LossHooks, checkpoint_meta, get_loss_hooks
 from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
@@ -45,6 +40,7 @@ from miles.utils.distributed import (
     collective_device,
     destroy_process_group,
     init_process_group,
+    resolve_device,
     use_deterministic_algorithms,
 )
 from miles.utils.heap import TRAINER_MMAP_THRESHOLD, keep_freed_memory
@@ -57,14 +53,6 @@ from miles.weight_sync.transports import TransportSpec
 
 logger = logging.getLogger(__name__)
 SHADOW_CHECKPOINT_KEYS = {"old": "nft_old"}  # the name checkpoints written before the loss-hub declarations use
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class FSDPTrainRayActor(TrainLoop):
@@ -106,13 +94,7 @@ class FSDPTrainRayActor(TrainLoop):
         self.args = args
         self.settings = role_settings(args, self.role)
         self.device = resolve_device(args.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(max(1, round(args.cpus_per_rank)))
-            # each micro-batch reuses the heap the last one freed, except blocks of 4 MiB or more (FSDP2's gathered
-            # parameters among them), which go back to the kernel when freed (miles.utils.heap)
-            keep_freed_memory(mmap_threshold=TRAINER_MMAP_THRESHOLD)
-        else:
-            torch.set_num_threads(gpu_rank_threads())
+        self._set_up_process(args.cpus_per_rank)
         if args.deterministic_mode:
             use_deterministic_algorithms()
         self._join_process_group(master_addr, master_port)
@@ -162,6 +144,16 @@ class FSDPTrainRayActor(TrainLoop):
         self.networks = MappingProxyType(self._build_networks())
         self.swap = HostSwap(self.device)  # sleep / wake (--colocate-sleep)
         return self._load()
+
+    def _set_up_process(self, cpus_per_rank: float) -> None:
+        """This rank's torch threads (and, on CPU, its heap) for `self.device`."""
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, round(cpus_per_rank)))
+            # each micro-batch reuses the heap the last one freed, except blocks of 4 MiB or more (FSDP2's gathered
+            # parameters among them), which go back to the kernel when freed (miles.utils.heap)
+            keep_freed_memory(mmap_threshold=TRAINER_MMAP_THRESHOLD)
+        else:
+            torch.set_num_threads(gpu_rank_threads())
 
     def _join_process_group(self, master_addr: str, master_port: int) -> None:
         """The default process group of this role's ranks (the planner's simulated rank joins a fake one instead)."""
@@ -336,6 +328,12 @@ class FSDPTrainRayActor(TrainLoop):
             save_flag=role_flag(self.role, "save"),  # what a full device's error names
         )
 
+    @property
+    def export(self) -> EngineExport:
+        """What the engines sample with, as this rank sends it (`miles.backends.fsdp_utils.engine_export`)."""
+        parts = (self.model, self.family, self.rank, self.forward_dtype, self.lora_config, self.hooks.engine_weights)
+        return EngineExport(*parts, self.shadows, self.ema, self.args.ema_rollout_policy)
+
     def export_weights(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, TensorChecksum] | None]:
         """(weights, their checksums) for the rollout engines on rank 0, (None, None) elsewhere; collective.
 
@@ -345,30 +343,7 @@ class FSDPTrainRayActor(TrainLoop):
         leave it.
         """
         self.wake()
-        checksums: dict[str, TensorChecksum] = {}
-        keep, as_dtype = self._engine_export()
-        with self._engine_weights_in():  # the gather returns fresh tensors: nothing aliases the swapped-in shadow
-            state = full_state_dict(self.model, keep=keep, as_dtype=as_dtype, checksums=checksums)
-        if self.rank != 0:
-            return None, None
-        if self.lora_config is not None:
-            state = lora_state_dict(state)
-        return state, {name: checksums[name] for name in state}
-
-    def _engine_weights_in(self) -> contextlib.AbstractContextManager:
-        """The model holding the weights the engines sample with: the declared shadow the loss-hub entry names
-        (`engine_weights`, e.g. NFT's old policy), else EMA weights with `--ema-rollout-policy ema`, else the live
-        ones."""
-        if self.hooks.engine_weights is not None:
-            return self.shadows[self.hooks.engine_weights].swapped_in(self.model)
-        if self.ema is not None and self.args.ema_rollout_policy == "ema":
-            return self.ema.swapped_in(self.model)
-        return contextlib.nullcontext(self.model)
-
-    def _engine_export(self) -> tuple[Callable[[str], bool] | None, Callable[[str], torch.dtype | None] | None]:
-        """(keep, as_dtype) of an export: only the LoRA entries with LoRA; the rest in the engines' dtype, cast
-        before it leaves the device."""
-        return (is_lora_key if self.lora_config is not None else None), self._engine_dtype()
+        return self.export.weights()
 
     # ---- the weight sync (miles.weight_sync; the driver's side is miles.ray.weight_sync) -----------------------
     def prepare_weight_sync(
@@ -376,7 +351,7 @@ class FSDPTrainRayActor(TrainLoop):
     ) -> tuple[SyncPlan, str | tuple | None]:
         """The bucket plan (every rank; collective) and, on rank 0, the persistent buffer of a shared transport with
         what the engines open it by. `direct`: every rank writes its shards into the `shm` buckets (no gather)."""
-        keep, as_dtype = self._engine_export()
+        keep, as_dtype = self.export.filters()
         self.pusher = WeightPusher(sync_plan(self.model, bucket_bytes, keep, as_dtype), self.rank, self.device)
         return self.pusher.plan, self.pusher.prepare(kind, direct)
 
@@ -393,17 +368,10 @@ class FSDPTrainRayActor(TrainLoop):
         """Gather the engines' weights (collective) and, on rank 0, send them bucket by bucket, each with its
         checksums; seconds on rank 0 until the engines took the last bucket."""
         self.wake()
-        keep, as_dtype = self._engine_export()
-        with self._engine_weights_in():
+        export = self.export
+        keep, as_dtype = export.filters()
+        with export.weights_in():
             return self._pusher().push(self.model, keep, as_dtype)
-
-    def _engine_dtype(self):
-        """`as_dtype` of the weight export: the forward dtype the engines hold their transformer in, except what
-        diffusers keeps in fp32 there too and the LoRA adapter (sent as trained); None when that is fp32."""
-        if self.forward_dtype == torch.float32:
-            return None
-        kept = keep_in_fp32_names(self.model)
-        return lambda name: None if name in kept or is_lora_key(name) else self.forward_dtype
 
     def full_state_dict_every_rank(self) -> dict[str, torch.Tensor]:
         """Each rank's own gather of the full weights (to check that ranks agree)."""
@@ -419,24 +387,7 @@ class FSDPTrainRayActor(TrainLoop):
     def save_hf(self, out_dir: str) -> str | None:
         """A diffusers pipeline folder with the trained transformer, or a PEFT LoRA adapter folder with LoRA."""
         self.check_finite_weights(f"write --save-hf {out_dir}")
-        if self.lora_config is not None:
-            state = full_state_dict(self.model, keep=is_lora_key)  # the adapter, as trained
-        else:  # cast on the device to the dtypes the folder stores: rank 0 never holds the fp32 masters of bf16 weights
-            state = full_state_dict(self.model, as_dtype=self.family.saved_transformer_dtypes().get)
-        if self.rank != 0:
-            return None
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-            if self.lora_config is not None:
-                save_lora_adapter(lora_state_dict(state), self.lora_config, out_dir, self.family.pipeline_class_name)
-            else:
-                self.family.save_transformer(state, out_dir)
-        except Exception as err:  # a full device is named as such, not as a deep writer error
-            full = export_space_error(err, "--save-hf", out_dir, tensor_bytes([state]))
-            if full is None:
-                raise
-            raise full from err
-        return out_dir
+        return self.export.save_hf(out_dir)
 
     def shutdown(self) -> None:
         if self.prefetcher is not None:  # None until init built it

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from miles.backends.fsdp_utils.fsdp import full_state_dict as gather_full_state_dict
+from miles.backends.fsdp_utils.gather import full_state_dict as gather_full_state_dict
 from miles.diffusion.shadow import ema_update_
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class ShadowWeights:
 
     def full_state_dict(self, model: nn.Module, *, cpu_offload: bool = True, **gather: Any) -> dict[str, torch.Tensor]:
         """The whole model's full state dict with θ_s in place of the trainable parameters (collective), e.g. EMA
-        weights for the rollout engine or `--save-hf`; rank 0 only unless `cpu_offload=False`, like `fsdp.full_state_dict`
+        weights for the rollout engine or `--save-hf`; rank 0 only unless `cpu_offload=False`, like `gather.full_state_dict`
         (whose `keep` / `as_dtype` it passes on)."""
         with self.swapped_in(model):
             state = gather_full_state_dict(model, cpu_offload=cpu_offload, **gather)

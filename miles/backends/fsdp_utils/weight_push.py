@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from miles.backends.fsdp_utils.fsdp import GatherEntry, gather_entries, gathered_tensors
+from miles.backends.fsdp_utils.gather import GatherEntry, gather_entries, gathered_tensors
 from miles.utils.distributed import collective_device
 from miles.utils.weight_checksum import block_terms
 from miles.weight_sync.protocol import SyncPlan, plan_buckets
@@ -24,7 +24,7 @@ from miles.weight_sync.transports import SLOTS, Transport, TransportSpec, shared
 logger = logging.getLogger(__name__)
 
 # Bytes each rank sends per all-gather of a push, by collective device: larger than the gathers' default on CPU
-# (`fsdp.GATHER_BUCKET_BYTES`), since a push streams every bucket out at once and fewer gloo calls win at size
+# (`gather.GATHER_BUCKET_BYTES`), since a push streams every bucket out at once and fewer gloo calls win at size
 # (docs/user-guide/performance.md, "The weight sync").
 PUSH_GATHER_BYTES = {"cpu": 32 << 20, "cuda": 128 << 20}
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from miles.rollout.conditioning import negative_columns
-from miles.rollout.engine import GenerateRequest, GenerateResult
+from miles.rollout.engine_api import GenerateRequest, GenerateResult
 from miles.rollout.requests import source_images_of
 from miles.rollout.rollout_hub.spec import RolloutSpec
 from miles.utils.seeding import stream_rng

@@ -14,7 +14,7 @@ import torch
 
 from miles.algorithms.dpo import read_preference_file
 from miles.diffusion.dpo import best_worst_pair
-from miles.rollout.engine import GenerateResult
+from miles.rollout.engine_api import GenerateResult
 from miles.rollout.requests import ode_request
 from miles.rollout.rollout_hub.dataset import ENCODE_BATCH, encode_records, image_to_tensor
 from miles.rollout.rollout_hub.spec import DatasetSpec, RolloutSpec

@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from miles.rollout.engine import GenerateRequest, GenerateResult
+from miles.rollout.engine_api import GenerateRequest, GenerateResult
 from miles.rollout.requests import ode_request
 from miles.rollout.rollout_hub.pairs import clean_latent_pairs
 from miles.rollout.rollout_hub.spec import RolloutSpec

@@ -9,7 +9,7 @@ import argparse
 import torch
 
 from miles.rollout.conditioning import negative_columns
-from miles.rollout.engine import GenerateRequest, GenerateResult
+from miles.rollout.engine_api import GenerateRequest, GenerateResult
 from miles.utils.types import Sample, TrainPairs
 
 STALE_POLICY_BATCH = (

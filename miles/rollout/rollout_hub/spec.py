@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from miles.rollout.engine import GenerateRequest
+from miles.rollout.engine_api import GenerateRequest
 from miles.rollout.requests import ode_eval
 from miles.utils.types import TrainPairs
 

@@ -55,7 +55,8 @@ def test_every_builtin_name_resolves_to_a_folder_of_its_family(builtin_folders):
 
 
 def test_the_shipped_moving_shapes_model_samples_clips_of_its_world():
-    from miles.rollout.engine import DiffusionEngine, GenerateRequest
+    from miles.rollout.engine import DiffusionEngine
+    from miles.rollout.engine_api import GenerateRequest
 
     engine = DiffusionEngine(resolve_checkpoint("builtin:tiny-moving-shapes"))  # shipped: nothing to build
     prompts = ["a red circle moving to the left", "a blue square moving up"]

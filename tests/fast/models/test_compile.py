@@ -16,7 +16,8 @@ import torch
 
 from miles.models.base import get_train_pipeline_config
 from miles.models.compile import BACKEND_ENV, check_compile, compile_counters, compile_transformer
-from miles.rollout.engine import DiffusionEngine, GenerateRequest
+from miles.rollout.engine import DiffusionEngine
+from miles.rollout.engine_api import GenerateRequest
 from tests.fast.models.family_cases import FAMILY_CASES
 from tests.fast.models.test_family_contract import PROMPTS as CONTRACT_PROMPTS
 from tests.fast.models.test_family_contract import source_images as contract_source_images

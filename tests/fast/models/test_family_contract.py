@@ -20,7 +20,8 @@ from miles.arguments.parser import default_args
 from miles.backends.fsdp_utils.lora import apply_lora, lora_config_from_args, lora_state_dict, save_lora_adapter
 from miles.models import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
-from miles.rollout.engine import DiffusionEngine, GenerateRequest
+from miles.rollout.engine import DiffusionEngine
+from miles.rollout.engine_api import GenerateRequest
 from tests.fast.models.family_cases import FAMILY_CASES, case_params
 
 PROMPTS = ["two red circles on the left", "a blue square"]

@@ -17,7 +17,7 @@ import torch
 from miles.arguments.engine import EngineTimeouts, RolloutTimeout
 from miles.models.conditioning import Conditioning
 from miles.ray.engine_group import EngineActor, RolloutEngineGroup
-from miles.rollout.engine import GenerateRequest, GenerateResult
+from miles.rollout.engine_api import GenerateRequest, GenerateResult
 from miles.rollout.micro_batches import EngineProgress
 from miles.utils.failures import EngineError
 

@@ -10,7 +10,7 @@ import torch
 
 from miles.models.conditioning import Conditioning
 from miles.ray.rollout_manager import REWARD_TERMS, RolloutManager
-from miles.rollout.engine import GenerateRequest, GenerateResult
+from miles.rollout.engine_api import GenerateRequest, GenerateResult
 from miles.utils.types import Sample
 
 

@@ -14,7 +14,7 @@ import torch
 from miles.models.conditioning import Conditioning
 from miles.ray.reward_workers import RewardWorkerPool
 from miles.ray.rollout_manager import REWARD_TERMS, RolloutManager
-from miles.rollout.engine import GenerateResult
+from miles.rollout.engine_api import GenerateResult
 from miles.utils.types import Sample
 
 FPS, RATE, FRAMES = 8.0, 16000, 6

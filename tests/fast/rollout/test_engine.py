@@ -13,7 +13,8 @@ from miles.arguments.engine import EngineTimeouts, RolloutTimeout
 from miles.diffusion.sde import get_sde_kernel
 from miles.models.base import get_train_pipeline_config
 from miles.ray.engine_group import RolloutEngineGroup
-from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult, RolloutEngine
+from miles.rollout.engine import DiffusionEngine
+from miles.rollout.engine_api import GenerateRequest, GenerateResult, RolloutEngine
 from miles.utils.failures import EngineError
 from miles.utils.misc import split_contiguous as split_evenly
 from miles.utils.weight_checksum import WeightSyncError, tensor_checksums

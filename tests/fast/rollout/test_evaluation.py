@@ -12,7 +12,8 @@ from PIL.ImageFont import load_default
 from miles.data.ocr import ocr_prompts
 from miles.data.shapes import ShapeScene, render_scene, shapes_items, shapes_prompts
 from miles.models.conditioning import Conditioning
-from miles.rollout.engine import DiffusionEngine, GenerateRequest, GenerateResult
+from miles.rollout.engine import DiffusionEngine
+from miles.rollout.engine_api import GenerateRequest, GenerateResult
 from miles.rollout.evaluation import eval_seed, evaluate_ocr, evaluate_shapes
 from miles.rollout.rm_hub.shapes import score_shapes_image
 

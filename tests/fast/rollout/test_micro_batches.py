@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from miles.rollout.engine import DiffusionEngine, GenerateRequest
+from miles.rollout.engine import DiffusionEngine
+from miles.rollout.engine_api import GenerateRequest
 from miles.rollout.micro_batches import (
     CUDA_FORWARD_POSITIONS,
     EngineProgress,

@@ -15,7 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from miles.models.base import get_train_pipeline_config
-from miles.rollout.engine import DiffusionEngine, GenerateRequest
+from miles.rollout.engine import DiffusionEngine
+from miles.rollout.engine_api import GenerateRequest
 from miles.rollout.prompt_cache import (
     DEFAULT_SUBDIR,
     PromptCacheConfig,

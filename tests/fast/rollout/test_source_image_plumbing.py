@@ -15,7 +15,7 @@ import torch
 from miles.diffusion.schedule import sampling_sigmas
 from miles.models import get_train_pipeline_config
 from miles.models.conditioning import Conditioning
-from miles.rollout.engine import GenerateRequest, GenerateResult
+from miles.rollout.engine_api import GenerateRequest, GenerateResult
 from miles.rollout.media_files import beside_sources, first_sources
 from miles.rollout.requests import source_images_of
 from miles.rollout.rm_hub.remote import decode_sample, encode_sample

@@ -22,13 +22,8 @@ from torch.distributed.fsdp import fully_shard
 from miles.backends.fsdp_utils import checkpoint_save
 from miles.backends.fsdp_utils.checkpoint import load_checkpoint, save_checkpoint, write_latest
 from miles.backends.fsdp_utils.checkpoint_space import CheckpointSpaceError
-from miles.backends.fsdp_utils.fsdp import (
-    apply_fsdp2,
-    bucketed_full_state_dict,
-    clip_grad_norm_,
-    full_state_dict,
-    load_full_state_dict,
-)
+from miles.backends.fsdp_utils.fsdp import apply_fsdp2, clip_grad_norm_, load_full_state_dict
+from miles.backends.fsdp_utils.gather import bucketed_full_state_dict, full_state_dict
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group
 
 BATCH = 8

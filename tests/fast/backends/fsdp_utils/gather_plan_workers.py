@@ -11,14 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from miles.backends.fsdp_utils.fsdp import (
-    apply_fsdp2,
-    bucketed_full_state_dict,
-    build_mesh,
-    full_state_dict,
-    gather_entries,
-    gather_plan,
-)
+from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh
+from miles.backends.fsdp_utils.gather import bucketed_full_state_dict, full_state_dict, gather_entries, gather_plan
 from miles.backends.fsdp_utils.weight_push import WeightPusher, sync_plan
 from miles.weight_sync.transports import SLOTS
 

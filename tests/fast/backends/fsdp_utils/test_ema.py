@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from miles.arguments.parser import default_args
 from miles.backends.fsdp_utils.ema import EmaConfig, ShadowWeights, ema_config_from_args, ema_decay, swap_bits_
-from miles.backends.fsdp_utils.fsdp import full_state_dict
+from miles.backends.fsdp_utils.gather import full_state_dict
 from miles.diffusion.shadow import old_policy_decay
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group
 from tests.fast.backends.fsdp_utils.fsdp_workers import (

@@ -1,4 +1,4 @@
-"""The weight gather's bucket plan (`fsdp.gather_plan`) is the same on every rank: hand-written entries; the real
+"""The weight gather's bucket plan (`gather.gather_plan`) is the same on every rank: hand-written entries; the real
 configs of every family on the meta device at world sizes 2..64 (pure, against torch.chunk's split and the old rule);
 FSDP2's DTensors on fake process groups (what each rank reads); gloo ranks gathering rows that do not divide the
 shard group."""
@@ -29,14 +29,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from miles.backends.fsdp_utils.fsdp import (
-    GATHER_BUCKET_BYTES,
-    GatherEntry,
-    ShardLayout,
-    build_mesh,
-    gather_entries,
-    gather_plan,
-)
+from miles.backends.fsdp_utils.fsdp import build_mesh
+from miles.backends.fsdp_utils.gather import GATHER_BUCKET_BYTES, GatherEntry, ShardLayout, gather_entries, gather_plan
 from miles.models.flux.flux import FluxPipelineConfig
 from miles.models.ltx2.ltx2 import LTX2PipelineConfig
 from miles.models.qwen.qwen_image import QwenImagePipelineConfig

@@ -11,7 +11,8 @@ from diffusers import StableDiffusion3Pipeline
 from peft import LoraConfig
 
 from miles.arguments.parser import default_args
-from miles.backends.fsdp_utils.fsdp import apply_fsdp2, full_state_dict
+from miles.backends.fsdp_utils.fsdp import apply_fsdp2
+from miles.backends.fsdp_utils.gather import full_state_dict
 from miles.backends.fsdp_utils.lora import (
     LoraBaseNetwork,
     adapters_disabled,

@@ -14,7 +14,8 @@ from diffusers import LTX2Pipeline
 from miles.algorithms import ALGORITHMS
 from miles.models import get_train_pipeline_config
 from miles.models.ltx2.streams import pack_audio, pack_video, unpack_audio, unpack_video
-from miles.rollout.engine import DiffusionEngine, GenerateRequest
+from miles.rollout.engine import DiffusionEngine
+from miles.rollout.engine_api import GenerateRequest
 from miles.rollout.media_files import save_media
 
 RESOLUTION = 32

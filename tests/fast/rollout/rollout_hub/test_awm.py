@@ -8,7 +8,7 @@ import torch
 
 from miles.diffusion.schedule import sampling_sigmas
 from miles.models.conditioning import Conditioning
-from miles.rollout.engine import GenerateResult
+from miles.rollout.engine_api import GenerateResult
 from miles.rollout.rollout_hub.awm import awm_pairs, awm_pairs_count, awm_request
 from miles.utils.types import Sample
 

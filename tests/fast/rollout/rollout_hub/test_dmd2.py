@@ -6,7 +6,8 @@ import torch
 
 from miles.diffusion.sde import renoise_sigmas
 from miles.models.base import get_train_pipeline_config
-from miles.rollout.engine import DiffusionEngine, GenerateRequest, draw_sample_noise
+from miles.rollout.engine import DiffusionEngine
+from miles.rollout.engine_api import GenerateRequest, draw_sample_noise
 from miles.rollout.rollout_hub.dmd2 import dmd2_trained_step, generator_pairs
 
 

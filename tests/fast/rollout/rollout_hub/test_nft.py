@@ -9,7 +9,7 @@ import torch
 
 from miles.diffusion.schedule import sampling_sigmas
 from miles.models.conditioning import Conditioning
-from miles.rollout.engine import GenerateResult
+from miles.rollout.engine_api import GenerateResult
 from miles.rollout.rollout_hub.nft import nft_pairs, nft_pairs_count, nft_pairs_per_sample
 
 B, L, D = 4, 5, 6

@@ -10,7 +10,7 @@ import torch
 
 from miles.diffusion.schedule import sampling_sigmas
 from miles.models.conditioning import Conditioning
-from miles.rollout.engine import GenerateResult
+from miles.rollout.engine_api import GenerateResult
 from miles.rollout.requests import sde_request
 from miles.rollout.rollout_hub.pairs import sde_pairs, trained_steps_per_sample
 from miles.utils.types import Sample
