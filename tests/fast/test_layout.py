@@ -9,11 +9,12 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Issue 50 asks for 90%. What is true today (2026-12-06): 140 of 200 modules (70%); the missing ones are mostly
-# tested under other names in folders other work was editing at the time (backends/fsdp_utils/loss_hub/test_*_hooks.py,
-# weight_sync/, plan/test_plan.py) and the lineages' tiny builders and sequence-parallel modules (tested through the
-# family suites). Raise this as files move; never lower it.
-MIN_MIRRORED_PERCENT = 70
+# Issue 50 asks for 90%. What is true today (2026-12-06): 149 of 205 modules (72%) after the loss-hub hook tests took
+# their modules' names and plan/test_plan.py split by module; the missing ones are mostly tested under other names
+# (weight_sync/test_transports.py holds protocol's and receiver's, the checkpoint tests the split-out checkpoint
+# modules') and the lineages' tiny builders and sequence-parallel modules (tested through the family suites). Raise
+# this as files move; never lower it.
+MIN_MIRRORED_PERCENT = 72
 
 
 def _is_trivial(body: list[ast.stmt]) -> bool:

@@ -1,0 +1,54 @@
+"""The simulated ranks together (miles/plan/run.py): the same collectives, a planted rank-dependent one caught, every shard group's first rank of a 2-D mesh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from miles.plan.command import plan_settings
+from miles.plan.report import build_report
+from miles.plan.run import CollectiveMismatch, check_collectives, simulate
+from miles.plan.simulate import PlannedTrainer
+from tests.fast.plan.plan_cases import plan_args
+
+
+def test_ranks_issue_the_same_collectives_and_rank_0_gathers_for_the_engines(dp2):
+    args, simulation = dp2
+    first, last = simulation.roles["actor"]
+    assert (first.rank, last.rank) == (0, 1)
+    check_collectives(simulation)
+    assert [c.op for c in first.collectives if c.phase == "train"]
+    assert first.export_bytes > 0 and last.export_bytes == 0
+    # a CUDA plan: rank 0 holds two bucket buffers of the weight sync for the whole run (the tiny model fits one
+    # bucket: a buffer of its own size, tensors aligned), an engine apart one
+    assert first.sync_buffer_bytes == pytest.approx(2 * first.export_bytes, rel=0.01) and last.sync_buffer_bytes == 0
+    assert first.peaks["train"] >= first.sync_buffer_bytes + first.params_bytes
+    report = build_report(args, simulation, plan_settings(args))
+    assert report["roles"]["engine"]["sync_buffer_bytes"] == first.sync_buffer_bytes // 2
+
+
+def test_planted_rank_dependent_collective_is_caught(monkeypatch):
+    """A rank that issues one more all-reduce than rank 0 (the hang class): the plan fails naming both ranks."""
+    original = PlannedTrainer._check_same_schedule_on_all_ranks
+
+    def uneven(self, schedule):
+        original(self, schedule)
+        if self.rank != 0:
+            dist.all_reduce(torch.zeros(3))
+
+    monkeypatch.setattr(PlannedTrainer, "_check_same_schedule_on_all_ranks", uneven)
+    args = plan_args("--dp-size", "2")
+    with pytest.raises(CollectiveMismatch, match=r"actor rank 0 and rank 1 diverge .*allreduce"):
+        check_collectives(simulate(args))
+
+
+def test_hybrid_sharding_simulates_a_rank_of_each_shard_group():
+    """--dp-size 4 --fsdp-shard-size 2 (a 2-D mesh): rank 0, the last rank and the second group's first rank are
+    each simulated from a clean state (forked before rank 0; torch keeps the meshes a simulation met) and issue the
+    same collectives (a rank simulated after rank 0 in one process would find rank 0's mesh groups: it failed)."""
+    sizes = ["--micro-batch-size", "4", "--gradient-checkpointing", "off", "--rollout-micro-batch-size", "2"]
+    args = plan_args("--dp-size", "4", "--fsdp-shard-size", "2", *sizes)
+    simulation = simulate(args)
+    assert [plan.rank for plan in simulation.roles["actor"]] == [0, 3, 2]
+    check_collectives(simulation)

@@ -1,0 +1,57 @@
+"""The simulated processes (miles/plan/simulate.py): the counts against a hand count, the prediction against the same steps on real tensors, the engine's prompt-cache fill."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from miles.models.base import family_options, get_train_pipeline_config
+from miles.plan import simulate as simulate_module
+from miles.plan.simulate import simulate_engine, simulate_trainer_rank, simulation_args
+from tests.fast.plan.plan_cases import plan_args
+
+
+def test_counts_match_a_hand_count_of_shards_and_adamw_states(dp2):
+    """Rank 0's fp32 master shards, gradients and AdamW moments (plus one fp32 step counter per tensor) from the
+    transformer's own parameter shapes, FSDP2 splitting dim 0 in chunks of ceil(rows / 2); nft's `old` shadow
+    holds one more copy of the shards."""
+    args, simulation = dp2
+    family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
+    transformer = family.load_transformer(empty=True)
+    shards = [math.ceil(p.shape[0] / 2) * p[0].numel() if p.dim() else p.numel() for p in transformer.parameters()]
+    rank0 = simulation.roles["actor"][0]
+    assert rank0.params_bytes == 4 * sum(shards)
+    assert rank0.grads_bytes == 4 * sum(shards)
+    assert rank0.optimizer_bytes == 4 * (2 * sum(shards) + len(shards))
+    assert rank0.other_state_bytes == rank0.params_bytes
+    assert rank0.peaks["train"] > rank0.params_bytes + rank0.grads_bytes + rank0.optimizer_bytes
+
+
+def test_the_plan_predicts_the_same_steps_run_on_real_tensors():
+    """World size 1: the trainer's start-up and window on pairs from the engine, on fake tensors and then for real,
+    tracked alike: the start-up and window peaks agree within 1%. (Not the export: on a CPU its device-to-host copies
+    alias; nor the engine, whose real weights come memory-mapped from their files, outside the dispatcher: both are
+    compared with the whole process's RSS in docs/user-guide/memory.md.)"""
+    args = simulation_args(plan_args("--diffusion-forward-dtype", "fp32"))
+    peaks = {}
+    for fake in (True, False):
+        engine, result, samples, _ = simulate_engine(args, 2, fake=fake)
+        pairs = simulate_module.train_pairs_for_rank(args, samples, result)
+        trainer, _ = simulate_trainer_rank(args, "actor", 0, 1, pairs, fake=fake)
+        peaks[fake] = (trainer.peaks["start-up"], trainer.peaks["train"])
+    for predicted, measured in zip(peaks[True], peaks[False]):
+        assert predicted == pytest.approx(measured, rel=0.01)
+
+
+def test_the_engine_frees_its_text_encoders_after_the_prompt_cache_fill_as_a_run_does(tiny_flux_dev_dir):
+    """FLUX's encodings are cache-exact: with the prompt cache on (auto) the engine encodes at start-up, frees its
+    text encoders and generates without them; with it off they stay resident for the whole run."""
+    plans = {}
+    for cache in ("auto", "off"):
+        args = simulation_args(plan_args("--hf-checkpoint", str(tiny_flux_dev_dir), "--prompt-cache", cache))
+        plans[cache], *_ = simulate_engine(args, 2)
+    freed = plans["off"].params_bytes - plans["auto"].params_bytes  # the text encoders
+    assert freed > 0
+    assert plans["auto"].peaks["generate"] <= plans["off"].peaks["generate"] - freed
+    assert plans["auto"].peaks["start-up"] >= plans["off"].params_bytes  # loaded for the fill
