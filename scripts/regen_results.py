@@ -27,7 +27,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from miles.algorithms.registry import ALGORITHMS  # noqa: E402  (the repository root goes on the path first)
+from miles.algorithms.registry import BUILTIN_ALGORITHMS  # noqa: E402  (the repository root goes on the path first)
 from miles.arguments.reward_spec import (  # noqa: E402
     BUILTIN_REWARDS,
     CUSTOM,
@@ -91,14 +91,15 @@ def _rewards_for(kind: str) -> list[str]:
 
 def support_table() -> str:
     """The README's table of families x algorithms x rewards, from the three registries."""
-    missing = sorted(set(ALGORITHMS) - set(ALGORITHM_NAMES))
+    builtin = [a.name for a in BUILTIN_ALGORITHMS]  # not a plugin a process registered
+    missing = sorted(set(builtin) - set(ALGORITHM_NAMES))
     if missing:
         raise ValueError(f"scripts/regen_results.py: ALGORITHM_NAMES has no line for {', '.join(missing)}")
     lines = ["| | model families (`--model-family`) | rewards (`--rm-type`) |", "|---|---|---|"]
     for kind, families in _families_by_kind():
         lines.append(f"| **{kind}** | {', '.join(families)} | {', '.join(_rewards_for(kind))} |")
     lines.append("")
-    loss_types = "; ".join(f"`{name}` {ALGORITHM_NAMES[name]}" for name in ALGORITHMS)
+    loss_types = "; ".join(f"`{name}` {ALGORITHM_NAMES[name]}" for name in builtin)
     lines.append(f"Loss types (`--loss-type`), each for every family but where the notes below say: {loss_types}.")
     return "\n".join(lines) + "\n"
 

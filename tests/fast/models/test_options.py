@@ -29,7 +29,7 @@ def test_each_family_class_takes_the_options_declared_for_it():
     assert declared == {
         "wan": wan,
         "wan-i2v": wan,
-        "hunyuan-video15": {"num_frames"},
+        "hunyuan-video15": {"num_frames", "vae_tiling"},
         "ltx2": {"num_frames"},
         "z-image": z_image,
     }

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,7 +15,7 @@ from miles.plan.command import plan_settings
 from miles.plan.report import build_report
 from miles.plan.run import CollectiveMismatch, check_collectives, simulate
 from miles.plan.simulate import PlannedTrainer
-from tests.fast.plan.plan_cases import plan_args
+from tests.fast.plan.plan_cases import SMALL, plan_args
 
 
 def test_ranks_issue_the_same_collectives_and_rank_0_gathers_for_the_engines(dp2):
@@ -43,12 +48,16 @@ def test_planted_rank_dependent_collective_is_caught(monkeypatch):
         check_collectives(simulate(args))
 
 
-def test_hybrid_sharding_simulates_a_rank_of_each_shard_group():
-    """--dp-size 4 --fsdp-shard-size 2 (a 2-D mesh): rank 0, the last rank and the second group's first rank are
-    each simulated from a clean state (forked before rank 0; torch keeps the meshes a simulation met) and issue the
-    same collectives (a rank simulated after rank 0 in one process would find rank 0's mesh groups: it failed)."""
+def test_hybrid_sharding_simulates_a_rank_of_each_shard_group(tmp_path):
+    """--dp-size 4 --fsdp-shard-size 2 (a 2-D mesh), as a user runs it (a fresh process: torch keeps the device meshes a
+    process met, so one that simulated other ranks before, like this test session, would hand rank 0's mesh groups to
+    a later rank; the planner forks every other rank before rank 0 runs): rank 0, the last rank and the second
+    group's first rank issue the same collectives and the plan is written (it failed before: 'Could not resolve the
+    process group registered under the name 3')."""
     sizes = ["--micro-batch-size", "4", "--gradient-checkpointing", "off", "--rollout-micro-batch-size", "2"]
-    args = plan_args("--dp-size", "4", "--fsdp-shard-size", "2", *sizes)
-    simulation = simulate(args)
-    assert [plan.rank for plan in simulation.roles["actor"]] == [0, 3, 2]
-    check_collectives(simulation)
+    flags = ["--plan", *SMALL, "--dp-size", "4", "--fsdp-shard-size", "2", *sizes, "--output-dir", str(tmp_path)]
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, str(root / "train_diffusion.py"), *flags], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["roles"]["actor"]["simulated_ranks"] == [0, 3, 2] and report["world_size"] == 5

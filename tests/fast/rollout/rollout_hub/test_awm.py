@@ -1,11 +1,10 @@
 """The awm conversion: K pairs per sample, one grid timestep per stratum of [1, int(0.9·N)) drawn from a seeded
 stream, sample-major rows of clean latents, an unwritten old log-prob; and the sampler the request asks for."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from miles.arguments.parser import default_args
 from miles.diffusion.schedule import sampling_sigmas
 from miles.models.conditioning import Conditioning
 from miles.rollout.engine_api import GenerateResult
@@ -36,7 +35,7 @@ def make_result(seed=0):
 
 def make_args(**overrides):
     values = dict(awm_train_timesteps=6, awm_timestep_fraction=0.9, rollout_seed=1, awm_sampler="ode")
-    return SimpleNamespace(**{**values, **overrides})
+    return default_args(**{**values, **overrides})
 
 
 def convert(result, rollout_id=3, **overrides):
@@ -76,7 +75,7 @@ def test_draws_repeat_per_seed_rollout_and_sample_and_differ_across_them():
 
 @pytest.mark.parametrize(("sampler", "sde_type", "trained"), [("ode", "ode", []), ("sde", "sde", [0, 1, 2, 3, 4])])
 def test_request_samples_with_the_chosen_sampler(sampler, sde_type, trained):
-    args = SimpleNamespace(
+    args = default_args(
         awm_sampler=sampler,
         diffusion_sde_type="sde",
         diffusion_num_steps=6,

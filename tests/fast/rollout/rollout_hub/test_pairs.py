@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from miles.arguments.parser import default_args
 from miles.diffusion.schedule import sampling_sigmas
 from miles.models.conditioning import Conditioning
 from miles.rollout.engine_api import GenerateResult
@@ -98,7 +99,7 @@ def sampling_args(**overrides):
         rollout_seed=3,
     )
     values.update(overrides)
-    return SimpleNamespace(**values)
+    return default_args(**values)
 
 
 def test_the_request_samples_the_sde_kernel_on_the_strategys_steps():
