@@ -89,7 +89,7 @@ def apply_changes(args: argparse.Namespace, changes: list[Change]) -> None:
         vars(args).update(change.values)
         for key, value in change.values.items():
             for dest in args.role_followers:
-                if dest.endswith(f"_{key}") and not dest.endswith(f"_rollout_{key}"):
+                if dest.endswith(f"_{key}"):  # role overrides only: rollout_micro_batch_size is none
                     setattr(args, dest, value)
 
 
