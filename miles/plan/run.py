@@ -108,7 +108,9 @@ def simulate(
     """The engine's generate call, then each role's ranks (rank 0 first) on the first micro-batch of one window of
     pairs converted from it, its FLOPs scaled to the whole window; when the window has more, the peak of the train
     phase adds the gradients the first leaves (a second micro-batch computes beside them: its steady state). With `reuse`, the parts not named in `parts` are taken from that
-    simulation (a re-plan of a change that touches only the trainer, or only the engines)."""
+    simulation (a re-plan of a change that touches only the trainer, or only the engines; "window": only the
+    trainer's window, whose later phases, the weight sync, sleep and wake, hold the same state whatever the
+    micro-batch or checkpointing, and are taken from `reuse`'s ranks)."""
     started = time.perf_counter()
     sim = simulation_args(args)
     algorithm = algorithm_of(args)
@@ -125,16 +127,22 @@ def simulate(
     out.engine_micro_batch = micro if fresh else reuse.engine_micro_batch
     out.forward_flops_per_sample = engine.forward_flops_per_sample if fresh else reuse.forward_flops_per_sample
     out.window = window
-    if reuse is not None and "trainer" not in parts:
+    if reuse is not None and "trainer" not in parts and "window" not in parts:
         out.roles, out.train_flops = reuse.roles, reuse.train_flops
     else:
-        simulate_roles(args, sim, window, out, ranks)
+        after_window = reuse if reuse is not None and "trainer" not in parts else None
+        simulate_roles(args, sim, window, out, ranks, after_window)
     out.seconds = time.perf_counter() - started
     return out
 
 
 def simulate_roles(
-    args: argparse.Namespace, sim: argparse.Namespace, window: dict, out: Simulation, ranks: list[int] | None
+    args: argparse.Namespace,
+    sim: argparse.Namespace,
+    window: dict,
+    out: Simulation,
+    ranks: list[int] | None,
+    after_window: Simulation | None = None,
 ) -> None:
     """Each role's simulated ranks into `out` (in training order: each role's rank-0 output is the next one's
     peer, as dmd2's critic feeds its actor). Rank 0 runs here; the others, which are simulated only to compare
@@ -145,8 +153,16 @@ def simulate_roles(
         simulated = min(num_pairs(window), micro)
         pairs = {key: value[:simulated] for key, value in window.items()}
         first, *others = ranks if ranks is not None else simulated_ranks(args)
+        later = after_window.roles[role][0] if after_window is not None else None
         run = functools.partial(
-            simulate_trainer_rank, sim, role, world_size=world, pairs=pairs, peer_output=peer, sleeps=sleeps
+            simulate_trainer_rank,
+            sim,
+            role,
+            world_size=world,
+            pairs=pairs,
+            peer_output=peer,
+            sleeps=sleeps,
+            after_window=later,
         )
         with _forked_ranks(others, functools.partial(_plan_only, run)) as collect:
             plan, peer = run(rank=first)

@@ -223,10 +223,13 @@ def simulate_trainer_rank(
     export: bool = True,
     sleeps: bool = False,
     fake: bool = True,
+    after_window: ProcessPlan | None = None,
 ) -> tuple[ProcessPlan, Any]:
     """Rank `rank` of the role's `world_size` ranks: start-up (sharded load, LoRA, checkpointing, optimizer), one
     optimizer window on `pairs`, the weight export (rank 0 keeps the engines' copy: host memory, not counted in the
-    phase's device peak), sleep and wake. `fake=False` runs the same steps on real tensors (world size 1)."""
+    phase's device peak), sleep and wake. `fake=False` runs the same steps on real tensors (world size 1).
+    `after_window`: the same rank planned under another micro-batch or checkpointing, whose phases after the window
+    are taken instead of simulated again (`AFTER_WINDOW`: they start from the same resident state)."""
     started = time.perf_counter()
     tracker = PlanTracker()
     with fake_process_group(rank, world_size, fake=fake):
@@ -246,11 +249,12 @@ def simulate_trainer_rank(
             plan = _resident(actor, role, rank, tracker)
             plan.passes = passes
             if sync is not None:
-                with tracker.in_phase("weight sync"):
-                    _push(actor)
                 plan.export_bytes = sync.plan.total_bytes if rank == 0 else 0
                 plan.sync_buffer_bytes = sync.buffer_bytes
-            if sleeps:
+            if sync is not None and after_window is None:
+                with tracker.in_phase("weight sync"):
+                    _push(actor)
+            if sleeps and after_window is None:
                 with tracker.in_phase("sleep"):
                     report = actor.sleep()
                     plan.host_bytes = int(report["copied_bytes"])
@@ -258,9 +262,24 @@ def simulate_trainer_rank(
                     actor.wake()
         actor.prefetcher.shutdown()
     plan.peaks, plan.after = dict(tracker.peaks), dict(tracker.after)
+    if after_window is not None:
+        _take_after_window(plan, after_window)
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
     return plan, output
+
+
+AFTER_WINDOW = ("weight sync", "sleep", "wake")  # the phases after a trainer's window, in order
+
+
+def _take_after_window(plan: ProcessPlan, other: ProcessPlan) -> None:
+    """`other`'s phases after the window (and what they measured: the host copy of a sleep) into `plan`."""
+    for phase in AFTER_WINDOW:
+        if phase in other.peaks:
+            plan.peaks[phase] = other.peaks[phase]
+        if phase in other.after:
+            plan.after[phase] = other.after[phase]
+    plan.host_bytes = other.host_bytes
 
 
 @dataclass
