@@ -167,7 +167,7 @@ def simulate_roles(
         with _forked_ranks(others, functools.partial(_plan_only, run)) as collect:
             plan, peer = run(rank=first)
             out.roles[role] = [plan, *collect()]
-        out.train_flops[role] = window_flops(args, out.forward_flops_per_sample, plan, num_pairs(window))
+        out.train_flops[role] = window_flops(args, out.forward_flops_per_sample, plan, num_pairs(window), role)
         if num_pairs(window) > simulated:  # a later micro-batch computes beside the gradients the first left
             for each in out.roles[role]:
                 each.peaks["train"] += each.grads_bytes
@@ -225,12 +225,20 @@ def _stop_tqdm_monitor() -> None:
             thread.join(timeout=5)
 
 
-def window_flops(args: argparse.Namespace, forward_per_pair: float, plan: ProcessPlan, pairs: int) -> float:
+def window_flops(
+    args: argparse.Namespace, forward_per_pair: float, plan: ProcessPlan, pairs: int, role: str = "actor"
+) -> float:
     """One window's FLOPs on a rank from its forwards per micro-batch (`plan.passes`): each with gradients costs
     itself, its backward twice as much and, under activation checkpointing, its recompute once more; each without
-    gradients (a frozen network's) itself. A pair's forward costs what the engine's forward of a sample measured."""
-    with_grad = plan.passes.get("grad", 0) * (4 if args.gradient_checkpointing else 3)
-    return forward_per_pair * pairs * (with_grad + plan.passes.get("no_grad", 0))
+    gradients (a frozen network's) itself. A pair's forward costs what the engine's forward of a sample measured.
+    With `--diffusion-recompute-old-log-prob`, windows 1.. of a rollout are first run forward once more without
+    gradients (the recompute loop): their share of it is added to each window (the simulated rollout has one)."""
+    grad, no_grad = plan.passes.get("grad", 0), plan.passes.get("no_grad", 0)
+    flops = forward_per_pair * pairs * (grad * (4 if args.gradient_checkpointing else 3) + no_grad)
+    windows = role_settings(args, role)["num_steps_per_rollout"] or args.num_steps_per_rollout
+    if algorithm_of(args).log_prob_ratio and args.diffusion_recompute_old_log_prob and windows > 1:
+        flops += forward_per_pair * pairs * (grad + no_grad) * (windows - 1) / windows
+    return flops
 
 
 def _plan_only(run: Callable[..., tuple[ProcessPlan, Any]], rank: int) -> ProcessPlan:

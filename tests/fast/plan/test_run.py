@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from miles.arguments.parser import parse_args
 from miles.plan.command import plan_settings
 from miles.plan.report import build_report
-from miles.plan.run import CollectiveMismatch, check_collectives, simulate
-from miles.plan.simulate import PlannedTrainer
+from miles.plan.run import CollectiveMismatch, check_collectives, simulate, window_flops
+from miles.plan.simulate import PlannedTrainer, ProcessPlan
 from miles.plan.suggest import WINDOW, Change, with_changes
 from tests.fast.plan.plan_cases import SMALL, plan_args
 
@@ -78,3 +79,15 @@ def test_a_window_replan_takes_the_phases_after_the_window_from_the_plan_it_chan
     assert window.peaks["weight sync"] == whole.peaks["weight sync"] > 0
     assert window.peaks["train"] == whole.peaks["train"] < simulation.roles["actor"][0].peaks["train"]
     assert window.export_bytes == whole.export_bytes and window.passes == whole.passes
+
+
+def test_window_flops_count_the_old_log_prob_recompute_of_later_windows():
+    """policy_loss recomputes old log-probs of windows 1.. before training (one forward each, no gradients): with
+    4 windows a window carries 3/4 of one; without the flag, or with one window, nothing is added."""
+    plan = ProcessPlan("actor", 0, {}, passes={"grad": 1, "no_grad": 1})
+    flags = ["--loss-type", "policy_loss", "--rollout-batch-size", "8", "--n-samples-per-prompt", "2"]
+    train = (3 + 1) * 10.0 * 4  # a grad forward with its backward, a frozen forward; 10 FLOPs a pair, 4 pairs
+    one = parse_args([*flags, "--num-steps-per-rollout", "1", "--diffusion-recompute-old-log-prob"])
+    four = parse_args([*flags, "--num-steps-per-rollout", "4", "--diffusion-recompute-old-log-prob"])
+    assert window_flops(one, 10.0, plan, 4) == train
+    assert window_flops(four, 10.0, plan, 4) == pytest.approx(train + (1 + 1) * 10.0 * 4 * 3 / 4)
