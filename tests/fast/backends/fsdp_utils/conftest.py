@@ -1,12 +1,24 @@
-"""What the trainer-side tests of several files read: the reports of the background job of gloo ranks that gather
-and push uneven shards (test_gather.py, test_weight_push.py)."""
+"""What the trainer-side tests of several files use: the reports of the background job of gloo ranks that gather
+and push uneven shards (test_gather.py, test_weight_push.py), and a gloo process group of one rank (a trainer rank
+always runs in one)."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
+from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group
 from tests.background import job_folder
 from tests.fast.backends.fsdp_utils import rank_jobs
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A gloo process group of this one rank for the module's tests (a file may define its own)."""
+    init_process_group(0, 1, "127.0.0.1", find_free_port(), "cpu", timeout=timedelta(seconds=60))
+    yield
+    destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ weight sync used before its plan, and what it exports."""
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +14,6 @@ from torch import nn
 
 from miles.algorithms.base import OLD_POLICY, TEACHER
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
-from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group
 from miles.utils.offload import HostSwap
 
 
@@ -77,13 +75,6 @@ def test_without_a_checkpoint_to_resume_the_run_starts_at_rollout_0(tmp_path, ca
     with caplog.at_level(logging.INFO, logger="miles.backends.fsdp_utils.actor"):
         assert trainer._load() == 0
     assert f"no checkpoint in {tmp_path} yet: starting from rollout 0" in caplog.text
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    init_process_group(0, 1, "127.0.0.1", find_free_port(), "cpu", timeout=timedelta(seconds=60))
-    yield
-    destroy_process_group()
 
 
 def test_non_finite_weights_or_shadows_are_never_written(world_of_one):

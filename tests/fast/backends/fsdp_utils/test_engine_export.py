@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -16,16 +15,7 @@ from torch import nn
 
 from miles.backends.fsdp_utils.checkpoint_space import CheckpointSpaceError
 from miles.backends.fsdp_utils.engine_export import EngineExport
-from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group
 from miles.utils.weight_checksum import tensor_checksums
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    """A trainer rank always runs in a process group (the rank-0 gather casts to the engines' dtype)."""
-    init_process_group(0, 1, "127.0.0.1", find_free_port(), "cpu", timeout=timedelta(seconds=60))
-    yield
-    destroy_process_group()
 
 
 class Tiny(nn.Module):

@@ -5,14 +5,13 @@ in), which rank checksums each tensor of a direct push, a push on one rank that 
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
 
 import pytest
 import torch
 from torch import nn
 
 from miles.backends.fsdp_utils.weight_push import WeightPusher, checksum_owners, sync_plan
-from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group
+from miles.utils.distributed import find_free_port
 from miles.utils.weight_checksum import block_terms
 from miles.weight_sync.protocol import plan_buckets
 from miles.weight_sync.receiver import receive_into
@@ -59,13 +58,6 @@ def test_each_tensor_is_checksummed_by_the_rank_with_the_fewest_bytes_so_far():
     assert checksum_owners(plan, 4) == [[0, 3, 1, 2]]
     two = plan_buckets([("a", (100,), torch.float32), ("b", (100,), torch.float32)], bucket_bytes=400)
     assert checksum_owners(two, 2) == [[0], [0]]  # each bucket is balanced on its own
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    init_process_group(0, 1, "127.0.0.1", find_free_port(), "cpu", timeout=timedelta(seconds=60))
-    yield
-    destroy_process_group()
 
 
 def test_a_push_on_one_rank_hands_the_engine_every_tensor_bit_for_bit(world_of_one):
