@@ -1,17 +1,13 @@
-"""The prompt cache fill at start-up: the manager asks for the prompts the run's rollouts draw (and the eval prompts),
-the engines that share a cache key split them, and every engine frees its text encoders only when the set is whole."""
+"""The rollout engine group's own work: the prompt cache fill at start-up, where the engines that share a cache key
+split the distinct prompts and every engine frees its text encoders only when the set is whole; each engine's Ray
+options."""
 
 from __future__ import annotations
-
-import argparse
 
 import ray
 
 from miles.arguments.engine import EngineTimeouts
-from miles.ray.engine_group import RolloutEngineGroup
-from miles.ray.rollout_manager import RolloutManager
-from miles.rollout.data_source import PromptDataSource
-from miles.rollout.prompt_cache import PromptCacheConfig
+from miles.ray.engine_group import RolloutEngineGroup, engine_options
 
 TIMEOUT = 60
 
@@ -68,37 +64,6 @@ def test_engines_sharing_a_key_split_the_distinct_prompts_and_free_their_encoder
     assert all(e.released for e in engines)
 
 
-class RecordingEngines:
-    def __init__(self) -> None:
-        self.calls = []
-
-    def fill_prompt_cache(self, prompts, negatives, release):
-        self.calls.append((prompts, negatives, release))
-        return {"found": 0, "encoded": len(set(prompts)) + len(negatives)}
-
-
-def manager_of(records, hooks=None) -> RolloutManager:
-    manager = RolloutManager.__new__(RolloutManager)
-    manager.args = argparse.Namespace(num_rollout=3, negative_prompt="neg")
-    manager.records, manager.hooks, manager.engines = records, hooks or {}, RecordingEngines()
-    manager.source = PromptDataSource(len(records), 2, seed=5, shuffle=True)
-    manager.prompt_cache = PromptCacheConfig("unused", "f")
-    return manager
-
-
-def test_the_manager_fills_what_the_rollouts_draw_and_keeps_the_encoders_when_prompts_may_come_from_elsewhere():
-    records = [{"prompt": f"prompt {i}"} for i in range(20)]
-    manager = manager_of(records)
-    manager.fill_prompt_cache(["eval a", "eval b"], start_rollout_id=1)
-    drawn = sorted({i for rollout_id in (1, 2) for i in manager.source.indices(rollout_id)})
-    assert manager.engines.calls == [([f"prompt {i}" for i in drawn] + ["eval a", "eval b"], ["neg"], True)]
-
-    for hooks, eval_prompts in (({"data_source_path": print}, []), ({"dynamic_sampling_filter_path": print}, []),
-                                ({}, None)):  # fmt: skip
-        manager = manager_of(records, hooks)
-        manager.fill_prompt_cache(eval_prompts)
-        assert manager.engines.calls[0][2] is False  # filled, encoders kept
-
-    manager = manager_of([{"prompt": "edit it", "source_images": ["a.png"]}])
-    manager.fill_prompt_cache([])
-    assert manager.engines.calls == []  # cached at first use, with the images
+def test_an_engine_without_colocation_asks_for_its_own_shares():
+    assert engine_options(3, 0.5, 0.0) == {"num_cpus": 0.5, "num_gpus": 0.0}
+    assert engine_options(0, 1.0, 1.0) == {"num_cpus": 1.0, "num_gpus": 1.0}
