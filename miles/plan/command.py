@@ -146,7 +146,7 @@ def _timing(report: dict[str, Any]) -> str:
     """The plan's wall time, and what it was spent on (the first plan, the auto sizes' re-plans, the suggestions)."""
     parts = [f"first plan {report.get('base_seconds', report['plan_seconds']):.0f}s"]
     if report.get("auto_replans"):
-        parts.append(f"{report['auto_replans']} re-plans for the auto sizes {report['auto_seconds']:.0f}s")
+        parts.append(f"{report['auto_replans']} re-plan(s) for the auto sizes {report['auto_seconds']:.0f}s")
     if "suggestions_seconds" in report:
         parts.append(f"suggestions {report['suggestions_seconds']:.0f}s")
     total = report.get("wall_seconds", report["plan_seconds"])

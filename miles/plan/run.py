@@ -168,9 +168,18 @@ def simulate_roles(
             plan, peer = run(rank=first)
             out.roles[role] = [plan, *collect()]
         out.train_flops[role] = window_flops(args, out.forward_flops_per_sample, plan, num_pairs(window), role)
-        if num_pairs(window) > simulated:  # a later micro-batch computes beside the gradients the first left
-            for each in out.roles[role]:
-                each.peaks["train"] += each.grads_bytes
+        for each in out.roles[role]:
+            each.peaks["train"] = steady_train_peak(each, later_micro_batches=num_pairs(window) > simulated)
+
+
+def steady_train_peak(plan: ProcessPlan, later_micro_batches: bool) -> int:
+    """The train phase's peak in any window of the run, from the first one simulated: from the second window on,
+    the forwards and backwards run beside AdamW's moments (the first step allocates them), and a later micro-batch
+    of a window beside the gradients the first left; the optimizer step's own peak is the first window's."""
+    forward_backward = plan.before_step_bytes + plan.optimizer_bytes
+    if later_micro_batches:
+        forward_backward += plan.grads_bytes
+    return max(plan.peaks["train"], forward_backward)
 
 
 @contextlib.contextmanager

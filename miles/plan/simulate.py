@@ -56,6 +56,7 @@ class ProcessPlan:
     collectives: list[Collective] = field(default_factory=list)
     seconds: float = 0.0
     forward_flops_per_sample: float = 0.0  # an engine's: one transformer forward of one sample (its CFG rows too)
+    before_step_bytes: int = 0  # a trainer's: the train phase's peak before its first optimizer step
     passes: dict[str, int] = field(default_factory=dict)  # a trainer's forwards per micro-batch: "grad", "no_grad"
 
     @property
@@ -244,10 +245,15 @@ def simulate_trainer_rank(
                 group.update(fused=False, foreach=False)  # kernel's slow sharding propagation over 1000s of DTensors
             passes = {"grad": 0, "no_grad": 0}
             actor._predict = _counted(actor._predict, passes)
+            before_step: list[int] = []
+            actor.optimizer.register_step_pre_hook(
+                lambda *_: None if before_step else before_step.append(tracker.peaks.get("train", 0))
+            )
             with tracker.in_phase("train"):
                 output = actor.train_pairs(0, pairs, peer_output)
             plan = _resident(actor, role, rank, tracker)
             plan.passes = passes
+            plan.before_step_bytes = before_step[0] if before_step else tracker.peaks["train"]
             if sync is not None:
                 plan.export_bytes = sync.plan.total_bytes if rank == 0 else 0
                 plan.sync_buffer_bytes = sync.buffer_bytes
