@@ -75,16 +75,3 @@ def test_shared_initial_noise_only_for_sde_rollouts(loss, capsys):
     err = parse_error(BASE + ["--loss-type", loss, "--teacher-load", "/t"] + shared, capsys)
     assert "--diffusion-shared-initial-noise" in err and loss in err
     assert parse_args(BASE + ["--loss-type", "policy_loss"] + shared).diffusion_shared_initial_noise
-
-
-def test_per_reward_group_norm_refused_where_it_would_be_ignored(capsys):
-    argv = BASE + [
-        "--loss-type",
-        "policy_loss",
-        "--per-reward-group-norm",
-        "--rm-type",
-        "shapes,jpeg_compressibility:0.1",
-    ]
-    assert parse_args(argv).per_reward_group_norm
-    err = parse_error(argv + ["--custom-reward-post-process-path", "m.py:fn"], capsys)
-    assert "--per-reward-group-norm would be ignored: --custom-reward-post-process-path" in err

@@ -1,14 +1,12 @@
-"""The family contract's base: no family imports another's modules or private names, a run of one family imports no
-other, and a pickled family carries its path, not its loaded models (the registry's tests: test_family_registry.py;
-the folders' checks: test_loading.py)."""
+"""The family contract's base: no family imports another's modules or private names, and a pickled family carries its
+path, not its loaded models (the registry's tests: test_family_registry.py; the folders' checks: test_loading.py; a
+run of one family importing no other: test_models.py)."""
 
 from __future__ import annotations
 
 import ast
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -31,21 +29,6 @@ def test_no_family_imports_another_family_or_its_private_names():
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("miles")
                  for a in n.names]  # fmt: skip
         assert not [name for name in names if name.startswith("_")], (module, names)
-
-
-def test_a_run_of_one_family_imports_no_other(tiny_pipeline_dir):
-    """Auto-detection and the package's names import the family asked for only (in a fresh interpreter)."""
-    code = (
-        "import sys\n"
-        "from miles.models import get_train_pipeline_config\n"
-        f"config = get_train_pipeline_config({str(tiny_pipeline_dir)!r})\n"
-        "from miles.models import SD3PipelineConfig\n"
-        "assert type(config) is SD3PipelineConfig\n"
-        "print(sorted(m for m in ('flux', 'ltx2', 'qwen_image', 'qwen_image_edit', 'wan', 'sd3') if 'miles.models.' + m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['sd3']"
 
 
 def test_pickled_config_carries_the_path_not_loaded_models(tiny_pipeline_dir):

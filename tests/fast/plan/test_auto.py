@@ -163,31 +163,3 @@ def test_a_config_file_says_on_off_and_auto(tmp_path):
     assert (args.gradient_checkpointing, args.micro_batch_size, args.auto_sizes[0]) == (True, 32, "micro_batch_size")
     config.write_text("gradient-checkpointing: false\n")
     assert parse_args(["--config", str(config)]).gradient_checkpointing is False
-
-
-def test_the_engines_first_fix_is_a_prompt_cache_where_auto_keeps_the_text_encoders(tmp_path):
-    """SD3 encodes a prompt alone differently in the last bits, so `auto` keeps its text encoders; a folder frees
-    them, and the planner offers it first (re-planned like the others); never when the user turned the cache off."""
-    from miles.plan.command import resolve_plan_checkpoint
-    from miles.plan.suggest import engine_ladder
-
-    report = {"roles": {"engine": {"micro_batch": 8}}}
-    args = parse_args(["--plan", "--output-dir", str(tmp_path)])
-    args.hf_checkpoint = resolve_plan_checkpoint(args.hf_checkpoint)  # as make_plan hands it on
-    flags = [c.flags for c in engine_ladder(args, report)]
-    assert flags == [
-        f"--prompt-cache {tmp_path / 'prompt_cache'}",
-        "--rollout-micro-batch-size 2",
-        "--rollout-micro-batch-size 1",
-    ]
-    off = parse_args(["--plan", "--prompt-cache", "off"])
-    off.hf_checkpoint = args.hf_checkpoint
-    assert [c.flags for c in engine_ladder(off, report)][0] == "--rollout-micro-batch-size 2"
-
-
-def test_a_video_familys_engine_is_offered_vae_tiling(tiny_hunyuan_video15_dir):
-    from miles.plan.suggest import engine_ladder
-
-    args = parse_args(["--plan", "--hf-checkpoint", str(tiny_hunyuan_video15_dir), "--prompt-cache", "off"])
-    flags = [c.flags for c in engine_ladder(args, {"roles": {"engine": {"micro_batch": 1}}})]
-    assert flags == ["--vae-tiling on"]
