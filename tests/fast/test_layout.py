@@ -9,12 +9,10 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Issue 50 asks for 90%. What is true today (2026-12-06): 149 of 205 modules (72%) after the loss-hub hook tests took
-# their modules' names and plan/test_plan.py split by module; the missing ones are mostly tested under other names
-# (weight_sync/test_transports.py holds protocol's and receiver's, the checkpoint tests the split-out checkpoint
-# modules') and the lineages' tiny builders and sequence-parallel modules (tested through the family suites). Raise
-# this as files move; never lower it.
-MIN_MIRRORED_PERCENT = 72
+# Issue 50 asks for 90%. What is true today (2026-12-06, session 9): 205 of 205 modules with logic have a test at the
+# mirrored path (tests moved to their module's name, new unit tests where a module had none). A new module brings its
+# test file; raise this as files move, never lower it.
+MIN_MIRRORED_PERCENT = 95
 
 
 def _is_trivial(body: list[ast.stmt]) -> bool:
