@@ -21,8 +21,7 @@ import ray
 from miles.algorithms import role_dest, role_flag, training_order
 from miles.backends.fsdp_utils.checkpoint import read_latest
 from miles.ray.checkpoint_folders import save_folders
-from miles.ray.cluster import actor_cpus, actor_shares
-from miles.utils.distributed import uses_gpu
+from miles.ray.cluster import ClusterFlags, actor_cpus, actor_gpus
 from miles.utils.failures import ActorDied, EngineError, run_cleanup
 from miles.utils.tracking import RESTART_KEY
 
@@ -55,8 +54,8 @@ def describe(exc: BaseException, placement: dict[str, list[dict[str, Any]]]) -> 
 
 def needed_resources(args: argparse.Namespace) -> dict[str, float]:
     """The CPUs and GPUs the run's actors ask Ray for (trainer ranks, engines, reward workers)."""
-    gpus = sum(actor_shares(args, args.gpus_per_rank, args.rollout_gpus_per_engine)) if uses_gpu(args) else 0.0
-    return {"CPU": actor_cpus(args), "GPU": gpus}
+    flags = ClusterFlags.from_args(args)
+    return {"CPU": actor_cpus(flags), "GPU": actor_gpus(flags)}
 
 
 def missing_resources(target: dict[str, float]) -> dict[str, float]:

@@ -3,11 +3,11 @@ the engines that share a cache key split them, and every engine frees its text e
 
 from __future__ import annotations
 
-import argparse
-
 import ray
 
 from miles.arguments.engine import EngineTimeouts
+from miles.arguments.parser import default_args
+from miles.arguments.records import RolloutFlags
 from miles.ray.engine_group import RolloutEngineGroup
 from miles.ray.rollout_manager import RolloutManager
 from miles.rollout.data_source import PromptDataSource
@@ -79,7 +79,7 @@ class RecordingEngines:
 
 def manager_of(records, hooks=None) -> RolloutManager:
     manager = RolloutManager.__new__(RolloutManager)
-    manager.args = argparse.Namespace(num_rollout=3, negative_prompt="neg")
+    manager.flags = RolloutFlags.from_args(default_args(num_rollout=3, negative_prompt="neg"))
     manager.records, manager.hooks, manager.engines = records, hooks or {}, RecordingEngines()
     manager.source = PromptDataSource(len(records), 2, seed=5, shuffle=True)
     manager.prompt_cache = PromptCacheConfig("unused", "f")
