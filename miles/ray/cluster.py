@@ -139,7 +139,7 @@ def ray_init_settings(args: argparse.Namespace) -> dict[str, Any] | None:
 class OwnSessionPopen(ray_services.ConsolePopen):
     """Ray's process launcher, each process in a session (and process group) of its own (`setsid`)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, start_new_session=True, **kwargs)
 
 
@@ -150,14 +150,14 @@ def ray_processes_in_own_sessions() -> Iterator[None]:
     reaches the driver alone and the actors live on while it saves; the driver still ends them (`ray.shutdown`), and
     Ray's kernel fate-sharing (PR_SET_PDEATHSIG) ends them if the driver is killed."""
     launcher = ray_services.ConsolePopen
-    ray_services.ConsolePopen = OwnSessionPopen
+    ray_services.ConsolePopen = OwnSessionPopen  # type: ignore[misc]  # the module's launcher is Ray's only hook
     try:
         yield
     finally:
-        ray_services.ConsolePopen = launcher
+        ray_services.ConsolePopen = launcher  # type: ignore[misc]  # as above
 
 
-def start_ray(settings: dict | None) -> bool:
+def start_ray(settings: dict[str, Any] | None) -> bool:
     """Start or join the cluster of `ray_init_settings`; True when this driver started it. Call it from the main
     thread: Ray's processes end with the thread that started them."""
     if settings is None:

@@ -184,7 +184,7 @@ class RunGroups:
             self.phases.start()
         return start_rollout_id
 
-    def record_placement(self) -> dict:
+    def record_placement(self) -> dict[str, list[dict[str, Any]]]:
         """Where every trainer rank and engine runs (node, IP, GPU ids; a trainer rank's data-parallel group and
         sequence-parallel rank too): `placement.json` in the output folder and a log line per role. Returns it, by
         role (`engines` for the engines)."""
@@ -249,7 +249,8 @@ class RunGroups:
         """The actor's weights to the engines after rollout `rollout_id` trained; with --colocate-sleep the trainer
         ranks sleep and the engines wake once the weights are exported. Seconds taken."""
         to_generate = functools.partial(self.phases.to_generate, rollout_id)
-        return self.rollout_manager.update_weights(self.groups["actor"], to_generate, rollout_id=rollout_id)
+        seconds: float = self.rollout_manager.update_weights(self.groups["actor"], to_generate, rollout_id=rollout_id)
+        return seconds
 
     def pop_metrics(self) -> list[dict[str, Any]]:
         """The trainer windows' records since the last call, group by group in training order."""
@@ -257,7 +258,8 @@ class RunGroups:
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         """The held-out eval on the engines, recorded at `rollout_id` (0: the baseline before any update)."""
-        return self.evaluator.evaluate(self.rollout_manager.engines, rollout_id)
+        metrics: dict[str, float] = self.evaluator.evaluate(self.rollout_manager.engines, rollout_id)
+        return metrics
 
     def save_hf(self, out_dir: str, rollout_id: int | None = None) -> None:
         """The actor as a diffusers pipeline folder (or LoRA adapter); its ranks hold the device for the gather."""
