@@ -39,12 +39,12 @@ class ResumeSettingsError(RuntimeError):
 
 def save_folders(args: argparse.Namespace, roles: list[str]) -> dict[str, str]:
     """role -> the folder it saves into, for the roles that save (`--save`, `--<role>-save`)."""
-    folders = {role: getattr(args, role_dest(role, "save"), None) for role in roles}
+    folders = {role: getattr(args, role_dest(role, "save")) for role in roles}
     return {role: folder for role, folder in folders.items() if folder}
 
 
 def load_folders(args: argparse.Namespace, roles: list[str]) -> dict[str, str | None]:
-    return {role: getattr(args, role_dest(role, "load"), None) for role in roles}
+    return {role: getattr(args, role_dest(role, "load")) for role in roles}
 
 
 def lock_save_folders(args: argparse.Namespace) -> FolderLocks:

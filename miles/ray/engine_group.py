@@ -114,8 +114,7 @@ class RolloutEngineGroup:
         new processes, and go back to it at `shutdown`. `engine_class`: the actor class (an `EngineActor`)."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-        self.timeouts = timeouts
-        self.failed = False
+        self.timeouts, self.failed = timeouts, False
         self.on_progress: Callable[[str], None] | None = None  # the driver's display of generate progress
         self.poll_s, self.log_every_s = 1.0, 30.0  # how often a wait reads the engines' progress, and logs it
         device = "cuda" if num_gpus_per_engine > 0 else "cpu"
