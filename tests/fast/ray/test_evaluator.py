@@ -8,13 +8,13 @@ from miles.arguments.parser import default_args, parse_args
 from miles.ray.evaluator import EvalFlags, Evaluator
 
 
-def test_the_eval_record_holds_the_evaluators_flags(tmp_path, tiny_pipeline_dir):
+def test_the_eval_record_holds_the_evaluators_flags(tmp_path):
     defaults = EvalFlags.from_args(default_args())
     assert (defaults.n_samples_per_eval_prompt, defaults.eval_seed, defaults.ocr_num_threads) == (1, 0, 1)
     assert (defaults.diffusion_guidance_scale, defaults.resolution, defaults.negative_prompt) == (None, None, "")
     args = parse_args(
         [
-            "--hf-checkpoint", tiny_pipeline_dir, "--prompt-data", "builtin:shapes", "--loss-type", "policy_loss",
+            "--hf-checkpoint", "unused", "--prompt-data", "builtin:shapes", "--loss-type", "policy_loss",
             "--eval-num-prompts", "2", "--n-samples-per-eval-prompt", "3", "--eval-seed", "9", "--resolution", "32",
             "--negative-prompt", "blurry", "--output-dir", str(tmp_path), "--media-max-samples", "2",
         ]
