@@ -70,6 +70,8 @@ def trainer_rank(rank: int, world: int, port: int, folder: str, flags: list[str]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     args = simulation_args(run_args(folder, flags))
+    for steps in [k for k in vars(args) if k.endswith("num_steps_per_rollout")]:
+        setattr(args, steps, 2)  # two windows: the second's forwards run beside AdamW's moments, as the plan's
     pairs = torch.load(pairs_file)
     before = trimmed_rss()
     reset_peak()
@@ -104,9 +106,9 @@ def measure(name: str, folder: str, flags: list[str], what: str, tmp: str) -> di
         _, result, samples, _ = simulate_engine(sim, max(1, sim.global_batch_size // args.dp_size), fake=False)
         pairs = train_pairs_for_rank(sim, samples, result)
         micro = args.micro_batch_size
-        pairs = {
-            k: v[: 2 * micro].clone() for k, v in pairs.items()
-        }  # two micro-batches: the steady state a plan estimates
+        # two windows of two micro-batches: the second window's second micro-batch is the steady state a plan
+        # estimates (beside AdamW's moments and the first micro-batch's gradients)
+        pairs = {k: torch.cat([v[: 2 * micro]] * 2).clone() for k, v in pairs.items()}
         pairs_file = os.path.join(out, "pairs.pt")
         torch.save(pairs, pairs_file)
         world = args.dp_size

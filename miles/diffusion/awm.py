@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from miles.utils.simulation import real_tensors
+
 AWM_WEIGHTINGS = ("ghuber", "l", "sigma", "sigma2")
 GHUBER_EPS = 1e-10
 
@@ -50,15 +52,19 @@ def scaled_advantage(advantages: torch.Tensor, adv_clip_max: float) -> torch.Ten
 
 
 def stratum_bounds(num_steps: int, count: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """The `count` strata [lower_k, upper_k) of grid indices over [1, int(fraction·num_steps)), as the authors' code
-    cuts them: floors of an even split. Each is non-empty when count ≤ int(fraction·num_steps) − 1."""
+    """The `count` strata [lower_k, upper_k) of grid indices over [1, int(fraction·num_steps)), cut exactly as the
+    authors' code cuts them: `torch.linspace(1, top, count + 1)` in float32, truncated by `.long()`. Its rounding
+    puts some edges one index below the exact floor (an edge k·(top − 1)/count + 1 that is a whole number lands just
+    under it) in some layouts from 14 strata on, which an exact or float64 floor does not reproduce. Each stratum is
+    non-empty when count ≤ int(fraction·num_steps) − 1."""
     top = int(fraction * num_steps)
     if count < 1 or top - 1 < count:
         raise ValueError(
             f"--awm-train-timesteps {count} strata do not fit in the grid indices [1, {top}) of --diffusion-num-steps "
             f"{num_steps} x --awm-timestep-fraction {fraction}: need at most {max(top - 1, 0)}"
         )
-    edges = np.floor(np.linspace(1.0, float(top), count + 1)).astype(np.int64)
+    with real_tensors():  # the planner converts fake rollouts: the edges are numbers, never a fake tensor
+        edges = torch.linspace(1, top, count + 1, dtype=torch.float32, device="cpu").long().numpy()
     return edges[:-1], edges[1:]
 
 

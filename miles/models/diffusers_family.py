@@ -144,9 +144,9 @@ class DiffusersFamily(TrainPipelineConfig):
 
     # media
     def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-        """The VAE (`vae_class` from `vae/`) in eval mode, cached."""
+        """The VAE (`vae_class` from `vae/`) in eval mode, cached; decoding in tiles with `--vae-tiling on`."""
         vae = load_pretrained(diffusers_class(self.vae_class), self.path, "vae", dtype)
-        vae = vae.to(device).eval().requires_grad_(False)
+        vae = tiled_if_asked(vae.to(device).eval().requires_grad_(False), self.family_options)
         self._loaded["vae"] = vae
         return vae
 
@@ -284,3 +284,11 @@ def dynamic_shift_sigmas(scheduler_config: dict[str, Any], num_steps: int, mu: f
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
     scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
     return scheduler.sigmas.detach().to(torch.float32).cpu().clone()
+
+
+def tiled_if_asked(vae: nn.Module, options: dict[str, Any]) -> nn.Module:
+    """`vae` decoding in overlapping spatial tiles, blended (diffusers' `enable_tiling()`), when the family's
+    `--vae-tiling` says on (`VAE_TILING_FAMILIES`)."""
+    if options.get("vae_tiling") == "on":
+        vae.enable_tiling()
+    return vae

@@ -77,22 +77,18 @@ FAMILY_OPTIONS: tuple[FamilyOption, ...] = (
 )
 
 # families whose VAE decodes in spatial tiles with --vae-tiling on (diffusers' `vae.enable_tiling()`)
-VAE_TILING_FAMILIES = ("hunyuan-video15",)
+VAE_TILING_FAMILIES = ("hunyuan-video15", "ltx2", "qwen-image", "qwen-image-edit", "qwen-image-edit-plus")
 FAMILY_OPTIONS += tuple(
-    FamilyOption(
-        family,
-        "vae_tiling",
-        "--vae-tiling",
-        "decode each clip in overlapping spatial tiles, blended (diffusers' vae.enable_tiling(), as the pipeline's "
-        "own example does): untiled, the VAE's attention over every latent position of a 480p clip holds ~90 GB "
-        "(docs/user-guide/memory.md); tiled samples differ slightly from untiled ones; default off",
-        choices=("on", "off"),
-    )
+    FamilyOption(family, "vae_tiling", "--vae-tiling", "on or off, default off", choices=("on", "off"))
     for family in VAE_TILING_FAMILIES
 )
 
 # what a flag shared by several families means, before each family's own part of its help
 FLAG_SUMMARIES = {
+    "--vae-tiling": "Decode each sample in overlapping spatial tiles, blended (diffusers' vae.enable_tiling()): "
+    "untiled, HunyuanVideo 1.5's VAE attention over every latent position of a 480p clip holds ~90 GB "
+    "(docs/user-guide/memory.md); `--plan` offers it where the decode sets an engine's peak; tiled samples differ "
+    "slightly from untiled ones",
     "--num-frames": "Frames per video sample of a video family",
     "--wan-trained-experts": "Two-expert Wan 2.2 folders: which experts train, the others frozen; default both, so "
     "every σ the trained steps visit is trained through the expert that sampled it",

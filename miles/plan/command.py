@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.models.builtin import resolve_checkpoint
-from miles.plan.auto import resolve_auto_sizes
+from miles.plan.auto import auto_start, resolve_auto_sizes
 from miles.plan.gpus import gpu_spec
 from miles.plan.report import build_report
 from miles.plan.run import CollectiveMismatch, PlanSettings, check_collectives, planned_device, simulate
@@ -59,10 +59,13 @@ def make_plan(args: argparse.Namespace, *, suggestions: bool = True) -> dict[str
         if getattr(args, dest, None):
             setattr(args, dest, resolve_plan_checkpoint(getattr(args, dest)))
     settings = plan_settings(args)
-    simulation = simulate(args)
+    start = auto_start(args)
+    simulation = simulate(with_changes(args, start))
     check_collectives(simulation)
-    report = build_report(args, simulation, settings)
-    changes, report, simulation = resolve_auto_sizes(args, report, settings, build_report, simulation)
+    report = build_report(with_changes(args, start), simulation, settings)
+    base_seconds = report["plan_seconds"]
+    changes, report, simulation = resolve_auto_sizes(args, report, settings, build_report, simulation, start)
+    report["base_seconds"] = base_seconds
     args = with_changes(args, changes)
     report["auto"] = {"flags": " ".join(c.flags for c in changes), "values": auto_values(changes)}
     report["device"] = planned_device(args)
@@ -135,8 +138,19 @@ def format_plan(args: argparse.Namespace, report: dict[str, Any]) -> str:
             f"  fits with: {suggestion['flags']} (worst GPU {gib(suggestion['worst_gpu_peak_bytes'])} in "
             f"{suggestion['worst_gpu_phase']}; re-planned in {suggestion['plan_seconds']:.0f}s)"
         )
-    lines.append(f"planned in {report['plan_seconds']:.0f}s")
+    lines.append(_timing(report))
     return "\n".join(lines)
+
+
+def _timing(report: dict[str, Any]) -> str:
+    """The plan's wall time, and what it was spent on (the first plan, the auto sizes' re-plans, the suggestions)."""
+    parts = [f"first plan {report.get('base_seconds', report['plan_seconds']):.0f}s"]
+    if report.get("auto_replans"):
+        parts.append(f"{report['auto_replans']} re-plan(s) for the auto sizes {report['auto_seconds']:.0f}s")
+    if "suggestions_seconds" in report:
+        parts.append(f"suggestions {report['suggestions_seconds']:.0f}s")
+    total = report.get("wall_seconds", report["plan_seconds"])
+    return f"planned in {total:.0f}s ({', '.join(parts)})"
 
 
 def _distinct_gpus(gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -108,7 +108,9 @@ def simulate(
     """The engine's generate call, then each role's ranks (rank 0 first) on the first micro-batch of one window of
     pairs converted from it, its FLOPs scaled to the whole window; when the window has more, the peak of the train
     phase adds the gradients the first leaves (a second micro-batch computes beside them: its steady state). With `reuse`, the parts not named in `parts` are taken from that
-    simulation (a re-plan of a change that touches only the trainer, or only the engines)."""
+    simulation (a re-plan of a change that touches only the trainer, or only the engines; "window": only the
+    trainer's window, whose later phases, the weight sync, sleep and wake, hold the same state whatever the
+    micro-batch or checkpointing, and are taken from `reuse`'s ranks)."""
     started = time.perf_counter()
     sim = simulation_args(args)
     algorithm = algorithm_of(args)
@@ -125,16 +127,22 @@ def simulate(
     out.engine_micro_batch = micro if fresh else reuse.engine_micro_batch
     out.forward_flops_per_sample = engine.forward_flops_per_sample if fresh else reuse.forward_flops_per_sample
     out.window = window
-    if reuse is not None and "trainer" not in parts:
+    if reuse is not None and "trainer" not in parts and "window" not in parts:
         out.roles, out.train_flops = reuse.roles, reuse.train_flops
     else:
-        simulate_roles(args, sim, window, out, ranks)
+        after_window = reuse if reuse is not None and "trainer" not in parts else None
+        simulate_roles(args, sim, window, out, ranks, after_window)
     out.seconds = time.perf_counter() - started
     return out
 
 
 def simulate_roles(
-    args: argparse.Namespace, sim: argparse.Namespace, window: dict, out: Simulation, ranks: list[int] | None
+    args: argparse.Namespace,
+    sim: argparse.Namespace,
+    window: dict,
+    out: Simulation,
+    ranks: list[int] | None,
+    after_window: Simulation | None = None,
 ) -> None:
     """Each role's simulated ranks into `out` (in training order: each role's rank-0 output is the next one's
     peer, as dmd2's critic feeds its actor). Rank 0 runs here; the others, which are simulated only to compare
@@ -145,16 +153,33 @@ def simulate_roles(
         simulated = min(num_pairs(window), micro)
         pairs = {key: value[:simulated] for key, value in window.items()}
         first, *others = ranks if ranks is not None else simulated_ranks(args)
+        later = after_window.roles[role][0] if after_window is not None else None
         run = functools.partial(
-            simulate_trainer_rank, sim, role, world_size=world, pairs=pairs, peer_output=peer, sleeps=sleeps
+            simulate_trainer_rank,
+            sim,
+            role,
+            world_size=world,
+            pairs=pairs,
+            peer_output=peer,
+            sleeps=sleeps,
+            after_window=later,
         )
         with _forked_ranks(others, functools.partial(_plan_only, run)) as collect:
             plan, peer = run(rank=first)
             out.roles[role] = [plan, *collect()]
-        out.train_flops[role] = window_flops(args, out.forward_flops_per_sample, plan, num_pairs(window))
-        if num_pairs(window) > simulated:  # a later micro-batch computes beside the gradients the first left
-            for each in out.roles[role]:
-                each.peaks["train"] += each.grads_bytes
+        out.train_flops[role] = window_flops(args, out.forward_flops_per_sample, plan, num_pairs(window), role)
+        for each in out.roles[role]:
+            each.peaks["train"] = steady_train_peak(each, later_micro_batches=num_pairs(window) > simulated)
+
+
+def steady_train_peak(plan: ProcessPlan, later_micro_batches: bool) -> int:
+    """The train phase's peak in any window of the run, from the first one simulated: from the second window on,
+    the forwards and backwards run beside AdamW's moments (the first step allocates them), and a later micro-batch
+    of a window beside the gradients the first left; the optimizer step's own peak is the first window's."""
+    forward_backward = plan.before_step_bytes + plan.optimizer_bytes
+    if later_micro_batches:
+        forward_backward += plan.grads_bytes
+    return max(plan.peaks["train"], forward_backward)
 
 
 @contextlib.contextmanager
@@ -209,12 +234,20 @@ def _stop_tqdm_monitor() -> None:
             thread.join(timeout=5)
 
 
-def window_flops(args: argparse.Namespace, forward_per_pair: float, plan: ProcessPlan, pairs: int) -> float:
+def window_flops(
+    args: argparse.Namespace, forward_per_pair: float, plan: ProcessPlan, pairs: int, role: str = "actor"
+) -> float:
     """One window's FLOPs on a rank from its forwards per micro-batch (`plan.passes`): each with gradients costs
     itself, its backward twice as much and, under activation checkpointing, its recompute once more; each without
-    gradients (a frozen network's) itself. A pair's forward costs what the engine's forward of a sample measured."""
-    with_grad = plan.passes.get("grad", 0) * (4 if args.gradient_checkpointing else 3)
-    return forward_per_pair * pairs * (with_grad + plan.passes.get("no_grad", 0))
+    gradients (a frozen network's) itself. A pair's forward costs what the engine's forward of a sample measured.
+    With `--diffusion-recompute-old-log-prob`, windows 1.. of a rollout are first run forward once more without
+    gradients (the recompute loop): their share of it is added to each window (the simulated rollout has one)."""
+    grad, no_grad = plan.passes.get("grad", 0), plan.passes.get("no_grad", 0)
+    flops = forward_per_pair * pairs * (grad * (4 if args.gradient_checkpointing else 3) + no_grad)
+    windows = role_settings(args, role)["num_steps_per_rollout"] or args.num_steps_per_rollout
+    if algorithm_of(args).log_prob_ratio and args.diffusion_recompute_old_log_prob and windows > 1:
+        flops += forward_per_pair * pairs * (grad + no_grad) * (windows - 1) / windows
+    return flops
 
 
 def _plan_only(run: Callable[..., tuple[ProcessPlan, Any]], rank: int) -> ProcessPlan:

@@ -56,6 +56,7 @@ class ProcessPlan:
     collectives: list[Collective] = field(default_factory=list)
     seconds: float = 0.0
     forward_flops_per_sample: float = 0.0  # an engine's: one transformer forward of one sample (its CFG rows too)
+    before_step_bytes: int = 0  # a trainer's: the train phase's peak before its first optimizer step
     passes: dict[str, int] = field(default_factory=dict)  # a trainer's forwards per micro-batch: "grad", "no_grad"
 
     @property
@@ -223,10 +224,13 @@ def simulate_trainer_rank(
     export: bool = True,
     sleeps: bool = False,
     fake: bool = True,
+    after_window: ProcessPlan | None = None,
 ) -> tuple[ProcessPlan, Any]:
     """Rank `rank` of the role's `world_size` ranks: start-up (sharded load, LoRA, checkpointing, optimizer), one
     optimizer window on `pairs`, the weight export (rank 0 keeps the engines' copy: host memory, not counted in the
-    phase's device peak), sleep and wake. `fake=False` runs the same steps on real tensors (world size 1)."""
+    phase's device peak), sleep and wake. `fake=False` runs the same steps on real tensors (world size 1).
+    `after_window`: the same rank planned under another micro-batch or checkpointing, whose phases after the window
+    are taken instead of simulated again (`AFTER_WINDOW`: they start from the same resident state)."""
     started = time.perf_counter()
     tracker = PlanTracker()
     with fake_process_group(rank, world_size, fake=fake):
@@ -241,16 +245,22 @@ def simulate_trainer_rank(
                 group.update(fused=False, foreach=False)  # kernel's slow sharding propagation over 1000s of DTensors
             passes = {"grad": 0, "no_grad": 0}
             actor._predict = _counted(actor._predict, passes)
+            before_step: list[int] = []
+            actor.optimizer.register_step_pre_hook(
+                lambda *_: None if before_step else before_step.append(tracker.peaks.get("train", 0))
+            )
             with tracker.in_phase("train"):
                 output = actor.train_pairs(0, pairs, peer_output)
             plan = _resident(actor, role, rank, tracker)
             plan.passes = passes
+            plan.before_step_bytes = before_step[0] if before_step else tracker.peaks["train"]
             if sync is not None:
-                with tracker.in_phase("weight sync"):
-                    _push(actor)
                 plan.export_bytes = sync.plan.total_bytes if rank == 0 else 0
                 plan.sync_buffer_bytes = sync.buffer_bytes
-            if sleeps:
+            if sync is not None and after_window is None:
+                with tracker.in_phase("weight sync"):
+                    _push(actor)
+            if sleeps and after_window is None:
                 with tracker.in_phase("sleep"):
                     report = actor.sleep()
                     plan.host_bytes = int(report["copied_bytes"])
@@ -258,9 +268,24 @@ def simulate_trainer_rank(
                     actor.wake()
         actor.prefetcher.shutdown()
     plan.peaks, plan.after = dict(tracker.peaks), dict(tracker.after)
+    if after_window is not None:
+        _take_after_window(plan, after_window)
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
     return plan, output
+
+
+AFTER_WINDOW = ("weight sync", "sleep", "wake")  # the phases after a trainer's window, in order
+
+
+def _take_after_window(plan: ProcessPlan, other: ProcessPlan) -> None:
+    """`other`'s phases after the window (and what they measured: the host copy of a sleep) into `plan`."""
+    for phase in AFTER_WINDOW:
+        if phase in other.peaks:
+            plan.peaks[phase] = other.peaks[phase]
+        if phase in other.after:
+            plan.after[phase] = other.after[phase]
+    plan.host_bytes = other.host_bytes
 
 
 @dataclass

@@ -21,11 +21,14 @@ logger = logging.getLogger(__name__)
 MAX_REPLANS = 8  # simulations a search may run (a real-size one takes tens of seconds)
 
 
+WINDOW = ("window",)  # a change of the trainer's window only: its phases after the window are the base plan's
+
+
 @dataclass(frozen=True)
 class Change:
     flags: str  # as the user types them
     values: dict[str, Any]  # args dest -> value
-    parts: tuple[str, ...] = ("trainer",)  # what a re-plan simulates again (the rest is the base plan's)
+    parts: tuple[str, ...] = ("trainer",)  # what a re-plan simulates again (the rest is the base plan's; `WINDOW`)
 
 
 def trainer_ladder(args: argparse.Namespace) -> list[Change]:
@@ -33,8 +36,10 @@ def trainer_ladder(args: argparse.Namespace) -> list[Change]:
     replaces a larger one)."""
     steps = []
     if not args.gradient_checkpointing:
-        steps.append(Change("--gradient-checkpointing", {"gradient_checkpointing": True}))
-    steps += [Change(f"--micro-batch-size {m}", {"micro_batch_size": m}) for m in _smaller(args.micro_batch_size)]
+        steps.append(Change("--gradient-checkpointing", {"gradient_checkpointing": True}, WINDOW))
+    steps += [
+        Change(f"--micro-batch-size {m}", {"micro_batch_size": m}, WINDOW) for m in _smaller(args.micro_batch_size)
+    ]
     if not args.use_lora:
         steps.append(Change("--use-lora", {"use_lora": True}, ("engine", "trainer")))
     if not args.fsdp_cpu_offload and not args.colocate:
@@ -64,11 +69,18 @@ def engine_ladder(args: argparse.Namespace, report: dict[str, Any]) -> list[Chan
 
 def over(report: dict[str, Any], engines: bool) -> bool:
     """Whether a trainer GPU (`engines` False) or an engine-only GPU (True) overflows."""
-    for gpu in report["gpus"]:
-        engine_only = all(label.startswith("engine") for label in gpu["roles"])
-        if engine_only == engines and gpu["peak_bytes"] > report["usable_bytes"]:
-            return True
-    return False
+    return side_peak(report, engines) > report["usable_bytes"]
+
+
+def side_peak(report: dict[str, Any], engines: bool) -> int:
+    """The largest peak of the trainer's GPUs (`engines` False: colocated engines included) or of the engine-only
+    GPUs (True); 0 when the side has none."""
+    peaks = [
+        gpu["peak_bytes"]
+        for gpu in report["gpus"]
+        if all(label.startswith("engine") for label in gpu["roles"]) == engines
+    ]
+    return max(peaks, default=0)
 
 
 def _smaller(value: int) -> list[int]:

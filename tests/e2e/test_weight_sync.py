@@ -4,7 +4,7 @@ tensor at the fourth; the first window warns under --allow-rollout-mismatch, the
 the engine and the rollout. The driver cannot touch the bytes of the sync group (`miles.ray.weight_sync`), so those
 two syncs go through the engines' `update_weights` with a dict (the same verification and naming); the second and
 third run over the sync group, and the run goes on through them (a transit fault over the group itself:
-tests/fast/weight_sync/test_transports.py)."""
+tests/fast/weight_sync/test_receiver.py)."""
 
 from __future__ import annotations
 

@@ -69,11 +69,12 @@ def ema_config_from_args(args: argparse.Namespace) -> EmaConfig:
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank's own storage of a parameter (the shard of a DTensor, the tensor itself otherwise); writable."""
+    """The rank's own storage of a parameter (the shard of a DTensor, the tensor itself otherwise); writable, for
+    reads and in-place writes without gradients. The shard itself: `to_local()` would make a view of it through an
+    autograd function on every call (thousands per step over a real model's parameters)."""
     if not isinstance(tensor, DTensor):
         return tensor
-    with torch.no_grad():  # without grad, to_local shares the shard's storage instead of going through autograd
-        return tensor.to_local()
+    return tensor._local_tensor
 
 
 def reshard(model: nn.Module) -> None:

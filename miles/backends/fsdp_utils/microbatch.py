@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -48,6 +49,24 @@ def build_microbatch_schedule(num_pairs: int, num_windows: int, micro_batch_size
 
 def pairs_in_window(window: list[MicroBatch]) -> int:
     return sum(mb.size for mb in window)
+
+
+def window_weight_totals(weights: torch.Tensor, schedule: list[list[MicroBatch]]) -> torch.Tensor:
+    """(windows, 2) float64: each window's sum of a per-pair weight column and its pair count on this rank (the
+    trunk sums them over the ranks)."""
+    w = weights.detach().to("cpu", torch.float64).reshape(-1)
+    rows = [[float(w[window[0].start : window[-1].end].sum()), float(pairs_in_window(window))] for window in schedule]
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(schedule), 2)
+
+
+def weighted_denominator(window: list[MicroBatch], weight_sum: float, pair_count: float) -> float:
+    """What this rank divides the window's loss sum by under a pair weight w: its pair count times the window's weight
+    per pair over every rank (`weight_sum` / `pair_count`, both summed over the ranks). The ranks' gradients are then
+    averaged into Σ w·ℓ / Σ w over the window's pairs on all ranks: for 0/1 weights the mean over the pairs that
+    train, whatever number of weight-0 pairs ride along. All weights 1 give the pair count exactly; a window whose
+    weights are all 0 keeps it too (its loss is 0)."""
+    count = pairs_in_window(window)
+    return count if weight_sum <= 0 else count * (weight_sum / pair_count)
 
 
 def is_hybrid(model: FSDPModule) -> bool:

@@ -22,6 +22,8 @@ from miles.backends.fsdp_utils.microbatch import (
     accumulate_gradients,
     build_microbatch_schedule,
     pairs_in_window,
+    weighted_denominator,
+    window_weight_totals,
 )
 from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher
 from miles.models.compile import compile_counters
@@ -125,11 +127,12 @@ class TrainLoop:
         recompute = self.log_prob_ratio and bool(self.args.diffusion_recompute_old_log_prob)
         if recompute:
             self.recompute_old_log_probs(ctx, pairs, schedule, train_output_inputs)
+        denominators = self._window_denominators(pairs, schedule)
         for optim_step_idx, window in enumerate(schedule):
             started = time.perf_counter()
             self.optimizer.zero_grad(set_to_none=True)
             metrics = WindowMetrics()
-            denominator = pairs_in_window(window)
+            denominator = denominators[optim_step_idx]
             losses_finite = True
             for mb_idx, (_, batch, prepared) in enumerate(self._prepared(ctx, pairs, window, optim_step_idx)):
                 self._set_gradient_sync(mb_idx == len(window) - 1)
@@ -159,6 +162,24 @@ class TrainLoop:
             if self.first_window_metrics is not None:  # window 0 of the run's first train call
                 self._check_first_window(ctx, record)
         return train_output_inputs
+
+    def _window_denominators(self, pairs: TrainPairs, schedule: list[list[MicroBatch]]) -> list[float]:
+        """What each window's loss sums are divided by: the window's pair count, or under the entry's `pair_weight`
+        column the count scaled by the window's weight per pair over every rank (`weighted_denominator`: the step
+        follows the mean over the pairs that train). One all-reduce per train call, only with a pair weight."""
+        column = self.hooks.pair_weight
+        if column is None:
+            return [pairs_in_window(window) for window in schedule]
+        if column not in pairs:
+            raise KeyError(
+                f"the {self.role}'s train pairs have no {column!r} column, which its loss hooks name as the pair "
+                f"weight (LossHooks.pair_weight): its rollout side must write it (columns: {sorted(pairs)})"
+            )
+        totals = window_weight_totals(pairs[column], schedule)
+        if self.world_size > 1:
+            totals = totals.to(collective_device())
+            dist.all_reduce(totals)
+        return [weighted_denominator(w, s, n) for w, (s, n) in zip(schedule, totals.cpu().tolist())]
 
     def _check_first_window(self, ctx: DiffusionLossContext, record: dict[str, Any]) -> None:
         """The first-window guard, once per run, on every rank alike (the record is reduced over dp): no rank

@@ -147,10 +147,8 @@ class HunyuanVideo15PipelineConfig(DiffusersFamily):
     def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
         """The VAE, encoding and decoding one clip at a time: diffusers 0.42's causal attention mask broadcasts
         wrongly over a batch of several clips."""
-        vae = super().load_vae(device, dtype)
+        vae = super().load_vae(device, dtype)  # tiled with --vae-tiling on
         vae.enable_slicing()
-        if self.family_options.get("vae_tiling") == "on":  # --vae-tiling on: spatial tiles, blended
-            vae.enable_tiling()
         return vae
 
     @torch.no_grad()

@@ -38,6 +38,7 @@ from miles.models.diffusers_family import (
     check_velocity_inputs,
     dynamic_sampling_shift,
     dynamic_shift_sigmas,
+    tiled_if_asked,
     training_shift,
 )
 from miles.models.ltx2.sequence_parallel import shard_ltx2_sequence
@@ -162,8 +163,9 @@ class LTX2PipelineConfig(DiffusersFamily):
 
     # media
     def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-        """The video VAE, with the audio VAE and the vocoder (eval mode, cached); returns the video VAE."""
-        vae = load_pretrained(self.vae_class, self.path, "vae", dtype)
+        """The video VAE (decoding in tiles with `--vae-tiling on`), with the audio VAE and the vocoder (eval mode,
+        cached); returns the video VAE."""
+        vae = tiled_if_asked(load_pretrained(self.vae_class, self.path, "vae", dtype), self.family_options)
         audio_vae = load_pretrained(AutoencoderKLLTX2Audio, self.path, "audio_vae", dtype)
         vocoder_class = LTX2VocoderWithBWE if self._vocoder_class_name() == "LTX2VocoderWithBWE" else LTX2Vocoder
         vocoder = load_pretrained(vocoder_class, self.path, "vocoder", dtype)

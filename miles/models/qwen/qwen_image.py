@@ -28,6 +28,7 @@ from torch import nn
 from miles.models.base import compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import check_velocity_inputs
+from miles.models.options import options_of
 from miles.models.packing import pack_latents, unpack_latents
 from miles.models.qwen.folder import QwenFolderFamily
 
@@ -46,6 +47,7 @@ class QwenImagePipelineConfig(QwenFolderFamily):
     """
 
     name = "qwen-image"
+    options = options_of("qwen-image")
     pipeline_class_name = "QwenImagePipeline"
     text_pipeline_class = "QwenImagePipeline"
 

@@ -47,6 +47,7 @@ from transformers.processing_utils import ProcessorMixin
 from miles.models.base import compute_dtype, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import check_velocity_inputs
+from miles.models.options import options_of
 from miles.models.packing import pack_latents, unpack_latents
 from miles.models.qwen.folder import QwenFolderFamily, encode_qwen_latents
 
@@ -181,6 +182,7 @@ class QwenImageEditPipelineConfig(QwenEditFamily):
     encoder and the VAE at one size (`reference_area`), a batch resized to its first image's shape."""
 
     name = "qwen-image-edit"
+    options = options_of("qwen-image-edit")
     pipeline_class_name = "QwenImageEditPipeline"
     text_pipeline_class = "QwenImageEditPipeline"
     source_image_range = (1, 1)
@@ -245,6 +247,7 @@ class QwenImageEditPlusPipelineConfig(QwenEditFamily):
     batch prompt by prompt, and `predict_velocity` batches the rows whose references share their grids."""
 
     name = "qwen-image-edit-plus"
+    options = options_of("qwen-image-edit-plus")
     pipeline_class_name = "QwenImageEditPlusPipeline"
     text_pipeline_class = "QwenImageEditPlusPipeline"
     source_image_range = (1, PLUS_MAX_SOURCE_IMAGES)

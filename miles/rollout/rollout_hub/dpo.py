@@ -57,7 +57,8 @@ def online_pairs(
 ) -> TrainPairs:
     """One pair row per sample (the batch invariant counts rows per sample): each of a group's n rows is the group's
     (chosen, rejected) pair, so every pair is trained at n independent (ε, σ) draws per rollout. A dropped group's rows
-    carry `weight` 0: they add nothing to the loss or the gradient but keep every rank's windows the same size.
+    carry `weight` 0: they add nothing to the loss, the gradient or the step's denominator (the trainer divides by
+    the pairs that train) but keep every rank's windows the same size.
 
     Columns: x0_w, x0_l, weight, reward_gap (r_w − r_l), the conditioning (`cond/*`), sample_index."""
     batch = result.final_latents.shape[0]

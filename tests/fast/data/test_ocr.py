@@ -1,13 +1,11 @@
 """OCR prompt data: builtin:ocr (quoted targets, distinct prompts, eval words unseen in training), .txt prompt files,
-the start-up check that every prompt of an ocr run has quoted text, and which held-out eval a prompt file selects."""
-
-import json
+the start-up check that every prompt of an ocr run has quoted text. Which held-out eval a prompt file selects:
+tests/fast/ray/test_evaluator.py."""
 
 import pytest
 
 from miles.arguments.parser import default_args
 from miles.data.ocr import BUILTIN_OCR, SPLIT_TEXTS, ocr_prompts, ocr_target
-from miles.ray.evaluator import OCR_EVAL, SHAPES_EVAL, load_eval_records
 from miles.rollout.data_source import PromptDataError, load_records, read_text_prompts
 from miles.rollout.input_files import InputFileError, check_ocr_prompts
 
@@ -66,22 +64,3 @@ def test_an_ocr_run_refuses_a_prompt_without_quoted_text(tmp_path):
     with pytest.raises(InputFileError, match=r"record 2 \(1 of 2 unquoted\): 'a red circle' has no target text"):
         check_ocr_prompts(data_args(prompt_data="p.txt"), records)
     check_ocr_prompts(data_args(rm_type="shapes"), records)  # other rewards do not read quotes
-
-
-def test_prompt_file_picks_the_held_out_eval(tmp_path):
-    kind, records = load_eval_records(data_args(eval_num_prompts=5))
-    assert kind == OCR_EVAL and records == ocr_prompts("eval")[:5]
-    quoted = tmp_path / "ocr.jsonl"
-    quoted.write_text(json.dumps({"prompt": 'a sign that says "OPEN"'}) + "\n")
-    assert load_eval_records(data_args(eval_prompt_data=str(quoted))) == (
-        OCR_EVAL,
-        [{"prompt": 'a sign that says "OPEN"', "metadata": {}}],
-    )
-    shapes = tmp_path / "shapes.jsonl"
-    meta = {"color": "red", "shape": "circle", "count": 1, "position": "left"}
-    shapes.write_text(json.dumps({"prompt": "a red circle on the left", "metadata": meta}) + "\n")
-    assert load_eval_records(data_args(eval_prompt_data=str(shapes)))[0] == SHAPES_EVAL
-    plain = tmp_path / "plain.txt"
-    plain.write_text("a red circle\n")
-    with pytest.raises(ValueError, match=r"plain.txt record 1: 'a red circle' has neither shapes metadata nor"):
-        load_eval_records(data_args(eval_prompt_data=str(plain)))

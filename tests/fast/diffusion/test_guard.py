@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from miles.diffusion.guard import guard_policy_loss, normalized_log_ratio
+from miles.diffusion.guard import clip_decision, guard_policy_loss, normalized_log_ratio
 from miles.diffusion.sde import sde_step
 
 D = 2 * 4 * 4  # latent elements per sample
@@ -116,3 +116,80 @@ def test_gradient_is_zero_where_clipped():
     for i in (1, 3):
         expected = -adv[i].item() * ratio[i].item() / 0.1  # ∂(w·(−A·r̂))/∂Δ summed over dims, w = 1/0.1
         assert grad[i].item() == pytest.approx(expected, rel=1e-9)
+
+
+RECIPE_CLIP = 2e-6  # GRPO-Guard's c: float32's spacing near 1 (6e-8 below, 1.2e-7 above) is 3-6% of it
+
+
+def loss_and_grad(log_ratio, adv, loss_fn):
+    """Per-sample loss and ∂loss/∂log r̂ (each sample's loss depends on its own log-ratio only)."""
+    log_ratio = log_ratio.clone().requires_grad_(True)
+    loss = loss_fn(log_ratio, adv)
+    loss.sum().backward()
+    return loss.detach(), log_ratio.grad
+
+
+def new_loss(c):
+    return lambda lr, adv: guard_policy_loss(lr, adv, -torch.ones_like(adv), clip_range=c, adv_clip_max=5.0)[0]
+
+
+def max_of_branches(c):  # the max of the two branches in the inputs' dtype: float32 decides the clip on the float32 r̂
+    def loss(lr, adv):
+        ratio = torch.exp(lr)
+        return torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - c, 1.0 + c))
+
+    return loss
+
+
+def edge_log_ratios(c):
+    """Log-ratios inside and outside log(1 ± c) by 1e-10 .. 5e-8, less than float32's spacing of r̂ there."""
+    margins = torch.tensor([1e-10, 1e-9, 1e-8, 5e-8], dtype=torch.float64)
+    high, low = math.log1p(c), math.log1p(-c)
+    values = torch.cat([high - margins, high + margins, low + margins, low - margins])
+    outside = torch.cat([torch.zeros(4), torch.ones(4), torch.zeros(4), torch.ones(4)]).bool()
+    return values.float(), outside
+
+
+def test_the_clip_is_decided_exactly_at_the_edge_against_a_float64_reference():
+    c = RECIPE_CLIP
+    log_ratio, outside = edge_log_ratios(c)
+    assert (log_ratio.double() - log_ratio.double().clamp(math.log1p(-c), math.log1p(c)) != 0).eq(outside).all()
+    below, above = clip_decision(log_ratio, c)
+    reference_ratio = torch.exp(log_ratio.double())
+    assert torch.equal(below | above, (reference_ratio - 1.0).abs() > c)  # train/clipfrac's samples
+    assert torch.equal(below | above, outside)
+    for sign in (1.0, -1.0):
+        adv = torch.full_like(log_ratio, sign)
+        loss, grad = loss_and_grad(log_ratio, adv, new_loss(c))
+        ref_loss, ref_grad = loss_and_grad(log_ratio.double(), adv.double(), max_of_branches(c))  # exact here
+        assert torch.equal(grad == 0, ref_grad == 0)  # which samples keep a gradient: exactly the reference's
+        assert (grad == 0).sum() == 4  # A > 0 above 1 + c, or A < 0 below 1 − c
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-6, atol=0)
+        torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-6, atol=0)
+        # the float32 decision this replaces keeps the unclipped gradient on some samples past the edge
+        _, f32_grad = loss_and_grad(log_ratio, adv, max_of_branches(c))
+        assert ((f32_grad != 0) & (ref_grad == 0)).any()
+
+
+def test_against_the_float32_max_only_the_samples_at_the_edges_change():
+    c = RECIPE_CLIP
+    g = torch.Generator().manual_seed(7)
+    log_ratio = (torch.linspace(-3.0, 3.0, 4001, dtype=torch.float64) * c).float()
+    adv = (torch.rand(4001, generator=g) * 2.0 - 1.0) * 4.0  # within the advantage clip (5)
+    loss, grad = loss_and_grad(log_ratio, adv, new_loss(c))
+    _, ref_grad = loss_and_grad(log_ratio.double(), adv.double(), max_of_branches(c))
+    assert torch.equal(grad == 0, ref_grad == 0)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-6, atol=0)
+    f32_loss, f32_grad = loss_and_grad(log_ratio, adv, max_of_branches(c))
+    assert torch.equal(loss, f32_loss)  # a sample that moves to the clipped branch sat on the float32 edge already
+    clipped_now = (grad == 0) & (f32_grad != 0)  # past the edge by less than float32's rounding of r̂ and 1 ± c
+    past = log_ratio.double().abs()[clipped_now] / c - 1.0
+    assert clipped_now.any() and past.min() > 0 and past.max() < 0.045
+    # the float32 max also halved the gradient where its two branches rounded to the same product (a tie, within
+    # float32's spacing of an edge, on either side): now the whole −A·r̂ gradient, as in float64
+    halved = (grad != f32_grad) & (f32_grad != 0) & (grad != 0)
+    assert halved.any() and torch.equal(grad[halved], 2 * f32_grad[halved])
+    assert (log_ratio.double().abs()[halved] / c - 1.0).abs().max() < 0.06
+    assert not ((grad != 0) & (f32_grad == 0)).any()  # never a sample the float32 max clipped
+    same = ~(clipped_now | halved)
+    assert torch.equal(grad[same], f32_grad[same])  # every other gradient bit for bit

@@ -30,7 +30,10 @@ def test_each_family_class_takes_the_options_declared_for_it():
         "wan": wan,
         "wan-i2v": wan,
         "hunyuan-video15": {"num_frames", "vae_tiling"},
-        "ltx2": {"num_frames"},
+        "ltx2": {"num_frames", "vae_tiling"},
+        "qwen-image": {"vae_tiling"},
+        "qwen-image-edit": {"vae_tiling"},
+        "qwen-image-edit-plus": {"vae_tiling"},
         "z-image": z_image,
     }
 

@@ -13,7 +13,7 @@ import torch
 from miles.arguments.parser import parse_args
 from miles.plan import auto as auto_module
 from miles.plan import startup as startup_module
-from miles.plan.auto import largest, micro_batch_candidates, resolve_auto_sizes
+from miles.plan.auto import auto_start, climb, largest, micro_batch_candidates, resolve_auto_sizes
 from miles.plan.suggest import with_changes
 
 
@@ -32,8 +32,8 @@ def stand_in_report(args: argparse.Namespace, usable: int) -> dict:
 
 @pytest.fixture
 def search(monkeypatch):
-    """resolve_auto_sizes on the stand-in with `usable` bytes, from a CUDA run's flags; returns (the chosen values,
-    the plan under them, the re-plans run)."""
+    """The plan's auto step on the stand-in with `usable` bytes, from a CUDA run's flags, as make_plan runs it (the
+    first plan at `auto_start`); returns (the chosen values, the plan under them, the re-plans run)."""
     planned, limit = [], [100]
 
     def replan(args, changes, settings, build_report, base):
@@ -47,7 +47,9 @@ def search(monkeypatch):
     def run(*flags: str, usable: int = 100):
         limit[0] = usable
         args = parse_args(["--device", "cuda", "--plan", *flags])
-        changes, report, _ = resolve_auto_sizes(args, stand_in_report(args, usable), None, None, base)
+        start = auto_start(args)
+        first = stand_in_report(with_changes(args, start), usable)
+        changes, report, _ = resolve_auto_sizes(args, first, None, None, base, start)
         return {k: v for c in changes for k, v in c.values.items()}, report, len(planned)
 
     return run
@@ -75,22 +77,61 @@ def test_largest_bisects_to_the_largest_candidate_that_fits():
         expected = max((c for c in candidates if c <= limit), default=None)
         assert largest(candidates, plan) == expected
         assert len(tried) <= 3
-        tried.clear()
-        assert largest(candidates, plan, smallest_first=True) == expected
-        assert tried[0] == 1 and len(tried) <= (1 if expected is None else 4)
     assert micro_batch_candidates(6) == [6, 4, 2, 1]
+
+
+@pytest.mark.parametrize("fixed", [0, 5, 40])
+@pytest.mark.parametrize("per_size", [1, 3, 10])
+def test_climb_finds_the_largest_that_fits_on_any_convex_memory(fixed, per_size):
+    """Memory a convex function of the size (a constant plus a multiple, and a steeper part past a knee, as a
+    peak moving to a later phase does): the climb finds what measuring every size finds, in fewer measurements."""
+    sizes = micro_batch_candidates(32)[::-1]
+    for knee in (1, 4, 16):
+        for usable in range(0, 200, 3):
+
+            def memory(size, knee=knee):
+                return fixed + per_size * size + 2 * per_size * max(0, size - knee)
+
+            measured = []
+
+            def measure(size, memory=memory, measured=measured):
+                measured.append(size)
+                return memory(size), size
+
+            expected = max((s for s in sizes if memory(s) <= usable), default=None)
+            assert climb(sizes, measure, usable) == expected
+            assert measured[0] == 1 and len(measured) == len(set(measured))
+            assert len(measured) <= (1 if expected is None else sizes.index(expected) + 2)  # here: at most one size over it
+
+
+def test_climb_plans_one_size_past_the_smallest_when_the_next_does_not_fit():
+    measured = []
+
+    def measure(size):
+        measured.append(size)
+        return 60 + 40 * size, size
+
+    assert climb([1, 2, 4, 8, 16, 32], measure, usable=120) == 1 and measured == [1, 2]
+    measured.clear()  # 1 and 2 fit; the line through them leaves 4 (50), which is planned and fits; 8 is ruled out
+    assert climb([1, 2, 4, 8, 16, 32], lambda s: (measured.append(s), (10 + 10 * s, s))[1], usable=55) == 4
+    assert measured == [1, 2, 4]
+    measured.clear()  # the same line rules out 4 at 45: 2 without planning it
+    assert climb([1, 2, 4, 8, 16, 32], lambda s: (measured.append(s), (10 + 10 * s, s))[1], usable=45) == 2
+    assert measured == [1, 2]
 
 
 def test_the_trainer_gets_the_largest_micro_batch_without_checkpointing(search):
     values, report, replans = search()  # 20 + 10 x 32 does not fit 100; 20 + 10 x 8 does, 16 does not
     assert values == {"micro_batch_size": 8, "rollout_micro_batch_size": 4}  # engine: 10 + 15 x 4 <= 100 < 10 + 15 x 8
-    assert report["fits"] and replans <= 6
+    assert report["fits"] and replans <= 4 + 2  # the first plan is micro-batch 1: 2, 8, 16; the engine's two
 
 
 def test_checkpointing_only_when_no_micro_batch_fits_without_it(search):
     values, report, replans = search("--rollout-micro-batch-size", "1", usable=25)  # 20 + 10 x 1 > 25
     assert values == {"gradient_checkpointing": True, "micro_batch_size": 2}  # 20 + 2 x 2 <= 25 < 20 + 2 x 4
-    assert report["fits"] and replans <= 1 + 3  # micro-batch 1 unchecked says no at once
+    assert (
+        report["fits"] and replans == 2
+    )  # micro-batch 1 unchecked (the first plan) says no; checked: 1, 2 (4 ruled out)
 
 
 def test_given_sizes_are_kept(search):

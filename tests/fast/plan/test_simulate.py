@@ -7,6 +7,7 @@ import math
 import pytest
 
 from miles.models.base import family_options, get_train_pipeline_config
+from miles.plan import run as run_module
 from miles.plan import simulate as simulate_module
 from miles.plan.simulate import simulate_engine, simulate_trainer_rank, simulation_args
 from tests.fast.plan.plan_cases import plan_args
@@ -55,3 +56,21 @@ def test_the_engine_frees_its_text_encoders_after_the_prompt_cache_fill_as_a_run
     assert freed > 0
     assert plans["auto"].peaks["generate"] <= plans["off"].peaks["generate"] - freed
     assert plans["auto"].peaks["start-up"] >= plans["off"].params_bytes  # loaded for the fill
+
+
+def test_the_train_peak_is_a_later_windows_with_adamw_moments_beside_the_forwards():
+    """The first window's forwards and backwards run before AdamW allocates its moments; every later window runs
+    them beside the moments (and a later micro-batch beside the first one's gradients). At 128 pixels the tiny
+    model's activations outweigh its step, so the planned peak is the forward-backward one plus both."""
+    args = simulation_args(
+        plan_args("--micro-batch-size", "2", "--gradient-checkpointing", "off", "--resolution", "128")
+    )
+    engine, result, samples, _ = simulate_engine(args, 4)
+    pairs = simulate_module.train_pairs_for_rank(args, samples, result)
+    trainer, _ = simulate_trainer_rank(args, "actor", 0, 1, {k: v[:2] for k, v in pairs.items()})
+    assert 0 < trainer.before_step_bytes <= trainer.peaks["train"]
+    steady = trainer.before_step_bytes + trainer.optimizer_bytes + trainer.grads_bytes
+    assert steady > trainer.peaks["train"]  # the first window's step peak is lower than this
+    assert run_module.steady_train_peak(trainer, later_micro_batches=True) == steady
+    alone = trainer.before_step_bytes + trainer.optimizer_bytes
+    assert run_module.steady_train_peak(trainer, later_micro_batches=False) == max(alone, trainer.peaks["train"])

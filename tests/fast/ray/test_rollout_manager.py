@@ -1,18 +1,18 @@
-"""The rollout manager and the evaluator ask the run's rollout entry: a dataset entry is encoded once and each
-rollout trains the rows the data source picks (no engine, no Ray); the eval samples with the entry's sampler."""
+"""The rollout manager asks the run's rollout entry: a dataset entry is encoded once and each rollout trains the rows
+the data source picks (no engine, no Ray). The prompt cache fill at start-up asks for the prompts the run's rollouts
+draw (and the eval prompts), and keeps the text encoders when prompts may come from elsewhere."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from miles.arguments.parser import parse_args
-from miles.ray.evaluator import Evaluator
+from miles.arguments.parser import default_args, parse_args
+from miles.arguments.records import RolloutFlags
 from miles.ray.rollout_manager import RolloutManager
 from miles.rollout import steps
 from miles.rollout.data_source import PromptDataSource
-from miles.rollout.requests import ode_eval
-from miles.rollout.rollout_hub import ROLLOUT_SPECS, DatasetSpec, generator_eval
+from miles.rollout.prompt_cache import PromptCacheConfig
+from miles.rollout.rollout_hub import ROLLOUT_SPECS, DatasetSpec
 from miles.utils.types import shard_pairs
 
 BASE = ["--prompt-data", "builtin:shapes", "--log-level", "WARNING"]
@@ -52,12 +52,37 @@ def test_a_dataset_entry_is_encoded_once_and_each_rollout_trains_the_data_source
     assert sorted(seen) == sorted(list(range(RECORDS)) * 2)  # 12 rows: two whole epochs
 
 
-def test_the_eval_samples_with_the_entrys_sampler(tiny_pipeline_dir):
-    common = [*BASE, "--hf-checkpoint", tiny_pipeline_dir, "--eval-num-prompts", "2"]
-    assert Evaluator(parse_args([*common, "--loss-type", "nft"])).sampler is ode_eval
-    dmd2 = parse_args([*common, "--loss-type", "dmd2", "--teacher-load", tiny_pipeline_dir])
-    assert Evaluator(dmd2).sampler is generator_eval
-    with pytest.raises(
-        ValueError, match="sft_loss trains on dataset pairs here with none started: pass --eval-interval"
-    ):
-        Evaluator(sft_args(tiny_pipeline_dir))
+class RecordingEngines:
+    def __init__(self) -> None:
+        self.calls = []
+
+    def fill_prompt_cache(self, prompts, negatives, release):
+        self.calls.append((prompts, negatives, release))
+        return {"found": 0, "encoded": len(set(prompts)) + len(negatives)}
+
+
+def manager_of(records, hooks=None) -> RolloutManager:
+    manager = RolloutManager.__new__(RolloutManager)
+    manager.flags = RolloutFlags.from_args(default_args(num_rollout=3, negative_prompt="neg"))
+    manager.records, manager.hooks, manager.engines = records, hooks or {}, RecordingEngines()
+    manager.source = PromptDataSource(len(records), 2, seed=5, shuffle=True)
+    manager.prompt_cache = PromptCacheConfig("unused", "f")
+    return manager
+
+
+def test_the_manager_fills_what_the_rollouts_draw_and_keeps_the_encoders_when_prompts_may_come_from_elsewhere():
+    records = [{"prompt": f"prompt {i}"} for i in range(20)]
+    manager = manager_of(records)
+    manager.fill_prompt_cache(["eval a", "eval b"], start_rollout_id=1)
+    drawn = sorted({i for rollout_id in (1, 2) for i in manager.source.indices(rollout_id)})
+    assert manager.engines.calls == [([f"prompt {i}" for i in drawn] + ["eval a", "eval b"], ["neg"], True)]
+
+    for hooks, eval_prompts in (({"data_source_path": print}, []), ({"dynamic_sampling_filter_path": print}, []),
+                                ({}, None)):  # fmt: skip
+        manager = manager_of(records, hooks)
+        manager.fill_prompt_cache(eval_prompts)
+        assert manager.engines.calls[0][2] is False  # filled, encoders kept
+
+    manager = manager_of([{"prompt": "edit it", "source_images": ["a.png"]}])
+    manager.fill_prompt_cache([])
+    assert manager.engines.calls == []  # cached at first use, with the images

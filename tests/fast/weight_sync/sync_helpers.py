@@ -1,16 +1,19 @@
 """A trainer's rank 0 of the weight sync in a test: the plan of a state dict, and a sender that writes each bucket
-as `WeightPusher.push` does (tensors into their slots, `block_terms` over them), with engines on other threads."""
+as `WeightPusher.push` does (tensors into their slots, `block_terms` over them), with engines on other threads; a
+state dict of mixed shapes and dtypes, and engines that receive it into their own tensors."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
 import torch
 
 from miles.utils.distributed import find_free_port
-from miles.utils.weight_checksum import block_terms
+from miles.utils.weight_checksum import WeightSyncError, block_terms
 from miles.weight_sync.protocol import SyncPlan, plan_buckets
+from miles.weight_sync.receiver import receive_into
 from miles.weight_sync.transports import Transport, TransportSpec, shared_buffer
 
 TIMEOUT = 60.0
@@ -54,3 +57,39 @@ def run_sync(
     assert not any(thread.is_alive() for thread in threads)
     sender.close()
     return spec
+
+
+def mixed_weights() -> dict[str, torch.Tensor]:
+    """Tensors of every kind a sync carries: float32, bf16 and fp16, 0-d, int64, and one of 16 KiB."""
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "a.weight": torch.randn(33, 7, generator=generator),
+        "a.bias": torch.randn(7, generator=generator).to(torch.bfloat16),
+        "scale": torch.tensor(1.5),  # 0-d
+        "steps": torch.arange(5, dtype=torch.int64),
+        "b.weight": torch.randn(64, 64, generator=generator),  # 16 KiB: a bucket of its own below
+        "c.weight": torch.randn(3, 5, generator=generator).to(torch.float16),
+    }
+
+
+def sync_into(kind: str, weights: dict, targets: list[dict], corrupt: str | None = None, syncs: int = 2) -> list:
+    """Rank 0 sends `weights` `syncs` times over `kind`; engine i receives into `targets[i]` (`receive_into`).
+    Returns each engine's errors."""
+    plan = plan_of(weights)
+    errors: list[list] = [[] for _ in targets]
+
+    def engine(index: int):
+        def take(spec: TransportSpec, rank: int) -> None:
+            transport = Transport(spec, rank, torch.device("cpu"))
+            for version in range(syncs):
+                try:
+                    receive_into(transport, plan, targets[index], version)
+                except WeightSyncError as exc:
+                    errors[index].append(exc)
+
+        return take
+
+    spec = run_sync(kind, weights, [engine(i) for i in range(len(targets))], syncs=syncs, corrupt=corrupt, plan=plan)
+    if kind == "shm":
+        assert not os.path.exists(spec.shm_path)  # unlinked once every member mapped it
+    return errors

@@ -43,6 +43,9 @@ class LossHooks:
     - `after_train`: once per rollout after the last window, returns the decay of each declared shadow to update.
     - `engine_weights`: the declared shadow the rollout engines sample with (None: the trained weights, or their
       EMA with --ema-rollout-policy ema).
+    - `pair_weight`: a per-pair column w of the train pairs (0/1: trained or not) the formula multiplies its losses
+      by; the trunk then divides a window's loss sums by its weight, not its pair count, so the step follows the mean
+      over the pairs that train (`microbatch.weighted_denominator`). None: every pair counts.
     """
 
     prepare: PrepareFn
@@ -51,6 +54,7 @@ class LossHooks:
     train_output: TrainOutputFn = default_train_output
     after_train: AfterTrainFn = no_after_train
     engine_weights: str | None = None
+    pair_weight: str | None = None
 
 
 LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
@@ -72,7 +76,10 @@ LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
     ),
     ("dmd2", "actor"): LossHooks(prepare=dmd2.prepare_generator_batch, formula=dmd2.generator_formula),
     ("dpo", "actor"): LossHooks(
-        prepare=dpo.prepare_dpo_batch, formula=dpo.dpo_formula, after_train=dpo.refresh_reference
+        prepare=dpo.prepare_dpo_batch,
+        formula=dpo.dpo_formula,
+        after_train=dpo.refresh_reference,
+        pair_weight=dpo.PAIR_WEIGHT,  # a dropped (zero-spread) group's rows: weight 0, not in the step's mean
     ),
     ("awm", "actor"): LossHooks(
         prepare=awm.prepare_awm_batch, formula=awm.awm_formula, after_train=awm.decay_ema_anchor

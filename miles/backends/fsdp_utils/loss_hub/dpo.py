@@ -24,6 +24,7 @@ from miles.utils.simulation import real_tensors
 from miles.utils.types import TrainPairs
 
 REF_NETWORK = REFERENCE.name
+PAIR_WEIGHT = "weight"  # 1 for a pair that trains, 0 for a dropped group's: the trunk's denominator (LossHooks)
 
 
 @lru_cache(maxsize=8)
@@ -71,7 +72,7 @@ def prepare_dpo_batch(
         sigmas=sigmas,
         embeds=conditioning_from_pairs(batch, ctx.device).repeat_interleave(2),
         frozen_networks=(REF_NETWORK,),
-        extras={"x0": x0, "noise": noise, "weight": batch["weight"].float().to(ctx.device)},
+        extras={"x0": x0, "noise": noise, "weight": batch[PAIR_WEIGHT].float().to(ctx.device)},
     )
 
 
@@ -86,7 +87,9 @@ def dpo_formula(
     **kwargs,
 ) -> torch.Tensor:
     """Sum over pairs of weight·(−log σ(z)), z from the flow errors of v_θ (`new_pred`) and v_ref
-    (`frozen_preds["dpo_ref"]`) on the interleaved rows; the trunk divides by the window's pair count."""
+    (`frozen_preds["dpo_ref"]`) on the interleaved rows. The trunk divides by the window's weight (the entry's
+    `pair_weight`), so the step is the mean over the pairs that train, however many dropped groups ride along;
+    `train/loss` is that mean too (over the kept pairs), and `train/dpo_pair_weight` the kept share."""
     v_ref = frozen_prediction(frozen_preds, REF_NETWORK, "dpo's preference loss")
     x0, noise, weight = prepared.extras["x0"], prepared.extras["noise"], prepared.extras["weight"]
     err = flow_error(new_pred, x0, noise).view(-1, 2)
@@ -95,7 +98,7 @@ def dpo_formula(
     z = dpo_logits(err[:, 0], err[:, 1], ref_err[:, 0], ref_err[:, 1], beta=ctx.args.dpo_beta)
     loss = weight * dpo_loss(z)
     kept = weight > 0
-    metrics.add("train/loss", loss)
+    metrics.add("train/loss", loss[kept])  # the mean the step follows (weights are 0/1)
     metrics.add("train/dpo_pair_weight", weight)
     metrics.add("train/dpo_implicit_acc", (z[kept] > 0).float())  # among trained pairs (possibly none here)
     metrics.add("train/dpo_z", z[kept])

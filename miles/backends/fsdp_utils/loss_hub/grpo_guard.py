@@ -16,7 +16,7 @@ from miles.backends.fsdp_utils.loss_hub.policy import (
     with_reference_kl,
 )
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, PreparedBatch, WindowMetrics
-from miles.diffusion.guard import guard_policy_loss, normalized_log_ratio
+from miles.diffusion.guard import clip_decision, guard_policy_loss, normalized_log_ratio
 from miles.utils.types import TrainPairs
 
 
@@ -53,7 +53,8 @@ def guard_formula(
     )
     with torch.no_grad():
         metrics.add("train/ratio_mean", ratio)
-        metrics.add("train/clipfrac", ((ratio - 1.0).abs() > args.grpo_guard_clip_range).float())
+        below, above = clip_decision(log_ratio, args.grpo_guard_clip_range)  # exact, not on the float32 r̂
+        metrics.add("train/clipfrac", (below | above).float())
         metrics.add("train/approx_kl", 0.5 * log_ratio**2)
     record_rollout_parity(batch, step, metrics, optim_step_idx)
     metrics.add("train/guard_policy_loss", loss)

@@ -18,6 +18,7 @@ JOBS = {  # job -> (worker module in this folder, its function, world size, time
     "compile-ws2": ("sharding_workers", "compiled_gradients", 2, 900.0),
 }
 SCRIPT = "tests/fast/backends/fsdp_utils/rank_jobs.py"
+GATHER_JOB = "gather-ws6-shard3"  # the gather and the direct weight push on 2 replicas x 3 shards (conftest.py)
 
 
 def reports(folder: Path, job: str) -> list[dict]:

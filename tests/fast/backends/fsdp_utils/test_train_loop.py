@@ -11,6 +11,7 @@ import miles.backends.fsdp_utils as fsdp_utils
 from miles.algorithms import OLD_POLICY, TEACHER, Role, get_algorithm
 from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS, LossHooks, check_declaration, sft
 from miles.backends.fsdp_utils.loss_hub.types import Guidance, PreparedBatch
+from miles.backends.fsdp_utils.microbatch import build_microbatch_schedule
 from miles.backends.fsdp_utils.train_loop import TrainLoop
 
 
@@ -116,6 +117,20 @@ def test_after_train_may_decay_only_a_declared_shadow():
     )
     with pytest.raises(KeyError, match="'old', which is not a shadow"):
         loop._update_shadows(None)
+
+
+def test_a_pair_weight_divides_each_window_by_its_pairs_that_train():
+    loop = Loop({"policy": Scale(1.0)})
+    loop.world_size, loop.role = 1, "actor"
+    schedule = build_microbatch_schedule(num_pairs=8, num_windows=2, micro_batch_size=3)
+    pairs = {"weight": torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])}
+    loop.hooks = LossHooks(prepare=sft.prepare_sft_batch, formula=sft.sft_formula)
+    assert loop._window_denominators(pairs, schedule) == [4, 4]  # no pair weight: the pair counts
+    loop.hooks = LossHooks(prepare=sft.prepare_sft_batch, formula=sft.sft_formula, pair_weight="weight")
+    assert loop._window_denominators(pairs, schedule) == [3.0, 4]  # 3 pairs train; none: the loss is 0
+    with pytest.raises(KeyError, match="no 'weight' column"):
+        loop._window_denominators({"x0": torch.zeros(8)}, schedule)
+    assert LOSS_HOOKS[("dpo", "actor")].pair_weight == "weight"
 
 
 @pytest.mark.parametrize("name", ["actor.py", "train_loop.py"])

@@ -29,3 +29,11 @@ def test_vae_round_trip_uses_one_frame_and_per_channel_normalization(family):
         expected = vae.decode((latents * std + mean).unsqueeze(2)).sample[:, :, 0] / 2 + 0.5
     assert decoded.shape == images.shape and 0 <= decoded.min() and decoded.max() <= 1
     torch.testing.assert_close(decoded, expected.clamp(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_vae_tiling_on_decodes_in_spatial_tiles_and_off_is_the_default(tiny_qwen_image_dir, tiny_ltx2_dir):
+    """--vae-tiling reaches the VAE of every family that declares it (Qwen-Image's folder base and LTX-2's own
+    loader), off by default: untiled samples stay the pipeline's."""
+    for folder in (tiny_qwen_image_dir, tiny_ltx2_dir):
+        assert not get_train_pipeline_config(folder).load_vae().use_tiling
+        assert get_train_pipeline_config(folder, vae_tiling="on").load_vae().use_tiling

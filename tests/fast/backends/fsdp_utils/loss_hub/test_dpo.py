@@ -17,6 +17,12 @@ from miles.backends.fsdp_utils.loss_hub.dpo import (
     refresh_reference,
 )
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, WindowMetrics
+from miles.backends.fsdp_utils.microbatch import (
+    build_microbatch_schedule,
+    pairs_in_window,
+    weighted_denominator,
+    window_weight_totals,
+)
 from miles.diffusion.schedule import training_sigmas
 
 P, C, H, W, L, E = 4, 2, 3, 3, 5, 6
@@ -121,6 +127,40 @@ def test_a_weight_0_pair_adds_no_loss_and_no_gradient():
     assert torch.equal(new_pred.grad[dropped], torch.zeros_like(new_pred.grad[dropped]))
     assert new_pred.grad[[0, 1, 4, 5]].abs().min() > 0
     assert metrics.means()["train/dpo_pair_weight"] == 0.5 and metrics.counts["train/dpo_z"] == 2
+
+
+def window_step(batch, weighted):
+    """The trunk's step on one window of `batch` (one rank, one micro-batch) through a tiny policy v = v_ref + θ·x:
+    (the loss it backpropagates, ∂/∂θ, the metrics), divided as the trunk divides (`weighted`: by the pairs that
+    train, the dpo entry's pair weight; else by the pair count)."""
+    ctx = make_ctx()
+    prepared = prepare_dpo_batch(ctx, batch, microbatch_id=0, optim_step_idx=0)
+    v_ref = torch.randn(C, H, W, generator=torch.Generator().manual_seed(5)).expand_as(prepared.latents)
+    theta = torch.full((C, H, W), 0.02, requires_grad=True)
+    metrics = WindowMetrics()
+    loss_sum = run_formula(ctx, batch, prepared, v_ref + theta * prepared.latents, v_ref, metrics)
+    schedule = build_microbatch_schedule(len(batch["weight"]), 1, 8)
+    totals = window_weight_totals(batch["weight"], schedule)[0].tolist()
+    denominator = weighted_denominator(schedule[0], *totals) if weighted else pairs_in_window(schedule[0])
+    loss = loss_sum / denominator
+    loss.backward()
+    return loss.detach(), theta.grad, metrics.means()
+
+
+def test_dropped_groups_change_neither_the_loss_nor_the_gradient_of_a_window():
+    # pairs 1 and 3 belong to dropped (zero-spread) groups: weight 0; the same window without them
+    batch = make_batch(weight=[1.0, 0.0, 1.0, 0.0])
+    kept = {key: value[[0, 2]] for key, value in batch.items()}  # pair_index 0 and 2: the same ε and σ
+    loss, grad, metrics = window_step(batch, weighted=True)
+    kept_loss, kept_grad, kept_metrics = window_step(kept, weighted=True)
+    torch.testing.assert_close(loss, kept_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad, kept_grad, rtol=1e-5, atol=1e-6)  # float32 sums over other rows
+    assert metrics["train/loss"] == pytest.approx(kept_metrics["train/loss"], rel=1e-6)
+    assert metrics["train/loss"] == pytest.approx(loss.item(), rel=1e-6)  # the metric is the mean the step follows
+    # dividing by every pair, dropped ones included, shrank the step by the kept share (here 1/2)
+    diluted_loss, diluted_grad, _ = window_step(batch, weighted=False)
+    torch.testing.assert_close(diluted_grad, grad / 2, rtol=1e-5, atol=1e-6)
+    assert diluted_loss.item() == pytest.approx(loss.item() / 2, rel=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,20 @@
-"""A weight sync that fails because one of its members died names the dead one: a trainer rank killed mid-sync
-makes rank 0's collective break ("Connection closed by peer") about when Ray reports the death, and the dead rank
-(or engine), not rank 0, is the loss the driver reports and restarts from (`miles.ray.weight_sync.WeightSyncLink`)."""
+"""The driver's side of the weight sync. A sync that fails because one of its members died names the dead one: a
+trainer rank killed mid-sync makes rank 0's collective break ("Connection closed by peer") about when Ray reports the
+death, and the dead rank (or engine), not rank 0, is the loss the driver reports and restarts from (`WeightSyncLink`).
+A forced shared transport that some engine cannot map is refused naming the flag; the bucket size by device."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 from miles.arguments.engine import EngineTimeouts
 from miles.ray.engine_group import RolloutEngineGroup
 from miles.ray.train_group import RayTrainGroup
-from miles.ray.weight_sync import WeightSyncLink
+from miles.ray.weight_sync import WeightSyncLink, bucket_bytes, check_placement
 from miles.utils.failures import ActorDied, EngineError
-from tests.fast.weight_sync.sync_members import SyncMember
+from tests.fast.ray.sync_members import SyncMember
 
 TIMEOUT = 60.0
 
@@ -81,3 +84,21 @@ def test_a_member_s_own_error_with_every_peer_alive_is_raised_naming_it(ray_clus
     finally:
         for actor in members:
             ray.kill(actor)
+
+
+def test_a_forced_shared_transport_that_some_engine_cannot_map_is_refused_naming_the_flag():
+    rank0 = {"node_id": "n0", "gpus": ["0"]}
+    check_placement("shm", rank0, [{"node_id": "n0", "gpus": []}])
+    check_placement("gloo", rank0, [{"node_id": "n1", "gpus": []}])
+    with pytest.raises(
+        ValueError, match=r"--weight-sync-transport shm needs every engine on the node .* engines \[1\]"
+    ):
+        check_placement("shm", rank0, [{"node_id": "n0", "gpus": []}, {"node_id": "n1", "gpus": []}])
+    with pytest.raises(ValueError, match=r"cuda_ipc needs every engine on the GPU"):
+        check_placement("cuda_ipc", rank0, [{"node_id": "n0", "gpus": ["1"]}])
+
+
+def test_the_bucket_size_follows_the_flag_or_the_runs_device():
+    assert bucket_bytes(SimpleNamespace(weight_sync_bucket_mb=8, device="cpu")) == 8 << 20
+    assert bucket_bytes(SimpleNamespace(weight_sync_bucket_mb=None, device="cpu")) == 64 << 20
+    assert bucket_bytes(SimpleNamespace(weight_sync_bucket_mb=None, device="cuda")) == 512 << 20

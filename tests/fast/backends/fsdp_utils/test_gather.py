@@ -1,7 +1,7 @@
 """The weight gather's bucket plan (`gather.gather_plan`) is the same on every rank: hand-written entries; the real
 configs of every family on the meta device at world sizes 2..64 (pure, against torch.chunk's split and the old rule);
 FSDP2's DTensors on fake process groups (what each rank reads); gloo ranks gathering rows that do not divide the
-shard group."""
+shard group (a name filter, the engines' dtype). The same gloo run's direct weight push: test_weight_push.py."""
 
 from __future__ import annotations
 
@@ -37,8 +37,6 @@ from miles.models.qwen.qwen_image import QwenImagePipelineConfig
 from miles.models.sd3.sd3 import SD3PipelineConfig
 from miles.models.wan.experts import WanExperts
 from miles.models.wan.wan import WanPipelineConfig
-from miles.utils.weight_checksum import block_terms
-from tests.background import job_folder
 from tests.fast.backends.fsdp_utils import rank_jobs
 from tests.fast.backends.fsdp_utils.gather_plan_workers import SHARD, is_lora
 
@@ -347,18 +345,8 @@ def test_fsdp2_ranks_read_the_meta_plan_inputs_from_uneven_shards(world, shard, 
 # gloo ranks
 
 
-GLOO_JOB = "gather-ws6-shard3"
-ON_GLOO = pytest.mark.background(rank_jobs.SCRIPT, GLOO_JOB)  # the tests that read its reports start the job
-
-
-@pytest.fixture(scope="module")
-def gloo_reports() -> dict[str, list[dict]]:
-    """What each rank of a 6-rank run in 2 replicas of 3 shards reported (`gather_report`): its shard groups hold the
-    uneven rows a plain 3-rank run would, so one run covers both (a separate 3-rank run cost ~25 s more). Before the
-    plan, this run aborted in gloo ("Received data size doesn't match expected size", 612 vs 112 bytes). The run is
-    the background job `gather-ws6-shard3` of rank_jobs.py (`gather_hybrid` on 2 x SHARD ranks)."""
-    assert rank_jobs.JOBS[GLOO_JOB][1:3] == ("gather_hybrid", 2 * SHARD)
-    return {"ws6-shard3": rank_jobs.reports(job_folder(rank_jobs.SCRIPT, GLOO_JOB), GLOO_JOB)}
+# the tests that read its reports (the `gloo_reports` fixture of conftest.py) start the job
+ON_GLOO = pytest.mark.background(rank_jobs.SCRIPT, rank_jobs.GATHER_JOB)
 
 
 @ON_GLOO
@@ -435,20 +423,3 @@ def test_gather_in_the_engines_dtype_casts_before_it_sends(gloo_reports, run):
     bf16_bytes = [b for b in reports[0]["bf16_sent"] if b > 0]
     assert sum(bf16_bytes) < sum(fp32_bytes)
     assert all(report["bf16_sent"] == reports[0]["bf16_sent"] for report in reports)  # the same collectives
-
-
-@ON_GLOO
-@pytest.mark.parametrize("run", ["ws6-shard3"])
-def test_ranks_writing_their_own_rows_into_the_shared_buckets_give_the_full_tensors(gloo_reports, run):
-    """The weight sync on one host (`WeightPusher.push_direct`): every rank of replica 0 writes its uneven dim-0 rows
-    of each tensor, cast to the engines' dtype, where they lie in the bucket, rank 0 the buffer; what each of two
-    syncs hands over (through two reused slots) is `full_tensor()` cast, bit for bit, with its `block_terms`."""
-    reports = gloo_reports[run]
-    expected = {n: t if is_lora(n) else t.to(torch.bfloat16) for n, t in reports[0]["per_tensor"].items()}
-    assert all(report["direct"] is None for report in reports[1:])
-    for sent in reports[0]["direct"]:
-        assert list(sent) == list(expected)
-        for name, value in expected.items():
-            got, terms = sent[name]
-            assert got.dtype == value.dtype and torch.equal(got, value), name
-            assert torch.equal(terms, block_terms(value)), name
