@@ -78,7 +78,7 @@ def startup_checks(args: argparse.Namespace) -> float:
     from miles.plan.startup import check_plan  # the trainer's and the engine's modules, imported here meanwhile
 
     for dest in ("hf_checkpoint", "teacher_load", "critic_checkpoint"):  # builtin:NAME -> the packaged folder
-        setattr(args, dest, resolve_checkpoint(getattr(args, dest, None)))
+        setattr(args, dest, resolve_checkpoint(getattr(args, dest)))
     check_startup(args)
     check_input_files(args)
     check_roles_agree(args, algorithm_of(args).role_names)

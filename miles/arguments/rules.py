@@ -107,7 +107,7 @@ def colocate_rules(args: argparse.Namespace) -> list[str]:
         errors.append(
             "--colocate shares the GPUs between trainer ranks and rollout engines; --train-only has no engines"
         )
-    alone = [f for f in ("async_rollout", "train_only", "debug_rollout_only") if getattr(args, f, False)]
+    alone = [f for f in ("async_rollout", "train_only", "debug_rollout_only") if getattr(args, f)]
     if args.colocate_sleep == "on" and alone:
         errors.append(
             f"--colocate-sleep on has the engines and the trainer ranks take turns on the GPU; {flag(alone[0])} "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -43,6 +43,9 @@ from miles.models.media import Media
 from miles.models.options import FamilyOption, family_options, option_flag  # noqa: F401  (family_options: re-exported)
 from miles.models.sequence_parallel import SequenceParallelGroup, sequence_parallel_problems
 from miles.utils.simulation import simulating
+
+if TYPE_CHECKING:  # diffusers is imported by the families that load pipelines
+    from diffusers import DiffusionPipeline
 
 
 class RunAlgorithm(Protocol):
@@ -91,7 +94,7 @@ class TrainPipelineConfig(ABC):
 
     def __init__(self, path: str, **options: Any) -> None:
         self.path = str(check_pipeline_components(check_pipeline_folder(path), self.name))
-        self._loaded: dict[str, Any] = {}
+        self._loaded: dict[str | tuple[str | None, ...], Any] = {}  # "text", "vae", ...; ("negative", prompt, device)
         given = {k: v for k, v in options.items() if v is not None}
         refused = sorted(set(given) - {option.name for option in self.options})
         if refused:
@@ -114,7 +117,7 @@ class TrainPipelineConfig(ABC):
 
     def load_text_pipeline(
         self,
-        pipeline_class: type,
+        pipeline_class: type[DiffusionPipeline],
         *,
         without: tuple[str, ...],
         frozen: tuple[str, ...],

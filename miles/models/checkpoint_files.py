@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -99,9 +100,11 @@ def fill_from_checkpoint(model: nn.Module, names: list[str]) -> None:
         if name not in wanted and not buffer_from_file:
             continue
         prefix = max((p for p in folders if name.startswith(p)), key=len, default=None)
-        key = None if prefix is None else name[len(prefix) :].replace(_PEFT_BASE, "")
-        file = None if key is None else index[prefix].get(key)
-        if file is None:
+        key = file = None
+        if prefix is not None:
+            key = name[len(prefix) :].replace(_PEFT_BASE, "")
+            file = index[prefix].get(key)
+        if file is None or key is None:  # a file is looked up by its key
             if not buffer_from_file:
                 missing.append(name)
             continue
@@ -155,7 +158,7 @@ def _read_part(value: torch.Tensor, file: SafetensorsFile, key: str) -> None:
     target = local_part(value)
     if target.numel() == 0:
         return
-    offset = [0] * value.dim()
+    offset: Sequence[int] = [0] * value.dim()
     if isinstance(value, DTensor):
         local_shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
         if any(offset[1:]) or tuple(local_shape[1:]) != shape[1:]:

@@ -140,7 +140,7 @@ def family_options(args: argparse.Namespace) -> dict[str, Any]:
     """The family options a run's flags set (those given, i.e. not None), for `get_train_pipeline_config`."""
     options = {}
     for option in FAMILY_OPTIONS:
-        value = getattr(args, option.dest, None)
+        value = getattr(args, option.dest)
         if value is not None:
             options[option.name] = value
     return options

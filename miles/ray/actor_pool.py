@@ -55,7 +55,7 @@ class ReusableActor:
         return True
 
     def reuse(self, *args: Any, **kwargs: Any) -> bool:
-        self.__init__(*args, **kwargs)
+        type(self).__init__(self, *args, **kwargs)
         return True
 
 

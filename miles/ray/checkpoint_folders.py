@@ -39,12 +39,12 @@ class ResumeSettingsError(RuntimeError):
 
 def save_folders(args: argparse.Namespace, roles: list[str]) -> dict[str, str]:
     """role -> the folder it saves into, for the roles that save (`--save`, `--<role>-save`)."""
-    folders = {role: getattr(args, role_dest(role, "save"), None) for role in roles}
+    folders = {role: getattr(args, role_dest(role, "save")) for role in roles}
     return {role: folder for role, folder in folders.items() if folder}
 
 
 def load_folders(args: argparse.Namespace, roles: list[str]) -> dict[str, str | None]:
-    return {role: getattr(args, role_dest(role, "load"), None) for role in roles}
+    return {role: getattr(args, role_dest(role, "load")) for role in roles}
 
 
 def lock_save_folders(args: argparse.Namespace) -> FolderLocks:
@@ -111,10 +111,12 @@ def saved_lora_rank(role_dir: str) -> int | None | str:
 def check_resume_settings(args: argparse.Namespace, roles: list[str]) -> None:
     """Before any actor starts: each role resumes a checkpoint trained the way this run trains, LoRA adapter or
     full weights (--use-lora) and the adapter's rank (--lora-rank); otherwise one line names the flag to change."""
+    folders = load_folders(args, roles)
     for role, rollout_id in saved_rollouts(args, roles).items():
-        if rollout_id is None:
+        folder = folders[role]
+        if rollout_id is None or folder is None:  # a rollout is read from a folder only
             continue
-        flag, folder = role_flag(role, "load"), load_folders(args, roles)[role]
+        flag = role_flag(role, "load")
         rank = saved_lora_rank(checkpoint_dir(folder, rollout_id, role))
         where = f"{flag} {folder} (rollout {rollout_id}, {role})"
         if rank == UNKNOWN or rank == (args.lora_rank if args.use_lora else None):

@@ -8,64 +8,96 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 import ray._private.services as ray_services
 import ray._private.utils as ray_utils
 
-from miles.algorithms import algorithm_of
-from miles.arguments.fsdp import resolve_cluster_device, trainer_world_size
+from miles.algorithms import get_algorithm
+from miles.arguments.fsdp import resolve_cluster_device
+from miles.arguments.records import FlagRecord
 from miles.ray.reward_workers import REWARD_WORKER_CPUS
 from miles.utils.console import ray_init_kwargs
 from miles.utils.distributed import engine_cpus, uses_gpu
 from miles.utils.stop_signals import keeping_signal_handlers
 
 
-def actor_shares(args: argparse.Namespace, per_rank: float, per_engine: float) -> tuple[float, float]:
+@dataclass(frozen=True)
+class ClusterFlags(FlagRecord):
+    """The flags that size the run's actors on the cluster: which algorithm (its roles, whether it runs engines), the
+    device, and each actor kind's count and share."""
+
+    loss_type: str
+    device: str  # after `--device auto` resolved (`check_cluster` builds its record once it is)
+    ray_address: str | None
+    dp_size: int
+    sp_size: int
+    cpus_per_rank: float
+    gpus_per_rank: float
+    rollout_num_engines: int
+    rollout_cpus_per_engine: float
+    rollout_gpus_per_engine: float
+    rm_num_workers: int
+    colocate: bool
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one trained role: --dp-size data-parallel groups of --sp-size sequence-parallel ranks each."""
+        return self.dp_size * self.sp_size
+
+
+def actor_shares(flags: ClusterFlags, per_rank: float, per_engine: float) -> tuple[float, float]:
     """(trainer ranks' total, rollout engines' total) of one resource, given each actor's share of it."""
-    algorithm = algorithm_of(args)
-    trainers = trainer_world_size(args) * per_rank * len(algorithm.role_names)
-    engines = args.rollout_num_engines * per_engine if algorithm.uses_engines else 0.0
+    algorithm = get_algorithm(flags.loss_type)
+    trainers = flags.world_size * per_rank * len(algorithm.role_names)
+    engines = flags.rollout_num_engines * per_engine if algorithm.uses_engines else 0.0
     return trainers, engines
 
 
-def local_ray_cpus(args: argparse.Namespace) -> int:
+def local_ray_cpus(flags: ClusterFlags) -> int:
     """Logical CPUs for a Ray cluster this driver starts: the machine's, or enough for every actor's share.
 
     Shares are scheduling labels, not pinned cores: a dmd2 run (actor and critic groups, an engine) asks for more
     than a 2-core laptop has, and Ray would wait forever for CPUs that never come.
     """
-    return max(os.cpu_count() or 1, math.ceil(actor_cpus(args)))
+    return max(os.cpu_count() or 1, math.ceil(actor_cpus(flags)))
 
 
-def actor_cpus(args: argparse.Namespace) -> float:
+def actor_cpus(flags: ClusterFlags) -> float:
     """The CPUs every actor of the run asks Ray for: trainer ranks (none on GPU), engines, reward workers."""
-    trainers, engines = actor_shares(args, 0.0 if uses_gpu(args) else args.cpus_per_rank, engine_cpus(args))
-    workers = REWARD_WORKER_CPUS * args.rm_num_workers if algorithm_of(args).uses_engines else 0.0
+    trainers, engines = actor_shares(flags, 0.0 if uses_gpu(flags) else flags.cpus_per_rank, engine_cpus(flags))
+    workers = REWARD_WORKER_CPUS * flags.rm_num_workers if get_algorithm(flags.loss_type).uses_engines else 0.0
     return trainers + engines + workers
 
 
-def check_gpus_fit(args: argparse.Namespace, cluster_gpus: float) -> None:
+def actor_gpus(flags: ClusterFlags) -> float:
+    """The GPUs the trainer ranks and engines ask Ray for (none off GPU)."""
+    return sum(actor_shares(flags, flags.gpus_per_rank, flags.rollout_gpus_per_engine)) if uses_gpu(flags) else 0.0
+
+
+def check_gpus_fit(flags: ClusterFlags, cluster_gpus: float) -> None:
     """Fail at once, naming the flags, when the trainer ranks and engines ask for more GPUs than the cluster has
     (otherwise a placement group waits for GPUs that never come)."""
-    if not uses_gpu(args):
+    if not uses_gpu(flags):
         return
-    if args.colocate:
-        if args.dp_size > cluster_gpus:
+    if flags.colocate:
+        if flags.dp_size > cluster_gpus:
             raise ValueError(
-                f"--colocate puts rank i of every group and its engines on GPU i: --dp-size {args.dp_size} needs "
-                f"{args.dp_size} GPUs but the Ray cluster has {cluster_gpus:g}: lower --dp-size"
+                f"--colocate puts rank i of every group and its engines on GPU i: --dp-size {flags.dp_size} needs "
+                f"{flags.dp_size} GPUs but the Ray cluster has {cluster_gpus:g}: lower --dp-size"
             )
         return
-    world = trainer_world_size(args)
-    if world > 1 and args.gpus_per_rank < 1:
+    world = flags.world_size
+    if world > 1 and flags.gpus_per_rank < 1:
         raise ValueError(
-            f"--gpus-per-rank {args.gpus_per_rank:g} with {world} ranks per group (--dp-size x --sp-size): Ray packs "
+            f"--gpus-per-rank {flags.gpus_per_rank:g} with {world} ranks per group (--dp-size x --sp-size): Ray packs "
             "fractional shares onto as few GPUs as it can, so ranks of one group would share a GPU, which NCCL "
             "refuses; to share GPUs between trainer ranks and rollout engines use --colocate (whole GPUs, one rank of "
             "each group per GPU)"
         )
-    trainers, engines = actor_shares(args, args.gpus_per_rank, args.rollout_gpus_per_engine)
+    trainers, engines = actor_shares(flags, flags.gpus_per_rank, flags.rollout_gpus_per_engine)
     if trainers + engines <= cluster_gpus + 1e-9:
         return
     if world > cluster_gpus:
@@ -75,9 +107,10 @@ def check_gpus_fit(args: argparse.Namespace, cluster_gpus: float) -> None:
         )
     else:
         hint = "share them with --colocate (rank i of every group and engines i, i + dp-size, ... on GPU i)"
+    groups = len(get_algorithm(flags.loss_type).role_names)
     raise ValueError(
-        f"the run needs {trainers + engines:g} GPUs ({len(algorithm_of(args).role_names)} group(s) x --dp-size "
-        f"{args.dp_size} x --sp-size {args.sp_size} x --gpus-per-rank {args.gpus_per_rank:g}, plus {engines:g} for "
+        f"the run needs {trainers + engines:g} GPUs ({groups} group(s) x --dp-size "
+        f"{flags.dp_size} x --sp-size {flags.sp_size} x --gpus-per-rank {flags.gpus_per_rank:g}, plus {engines:g} for "
         f"the rollout engines) but the Ray cluster has {cluster_gpus:g}: {hint}"
     )
 
@@ -88,24 +121,25 @@ def check_cluster(args: argparse.Namespace) -> None:
     cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
     if args.ray_address is not None:
         resolve_cluster_device(args, cluster_gpus)
-    check_gpus_fit(args, cluster_gpus)
+    check_gpus_fit(ClusterFlags.from_args(args), cluster_gpus)
 
 
-def ray_init_settings(args: argparse.Namespace) -> dict | None:
+def ray_init_settings(args: argparse.Namespace) -> dict[str, Any] | None:
     """`ray.init` keywords of this run's cluster, or None when Ray is up already (tests, tools). Without
     --ray-address: a local cluster sized for every actor's share, always one of this run's own, never one that
     another run on the machine started."""
     if ray.is_initialized():
         return None
-    if args.ray_address:
-        return {"address": args.ray_address, **ray_init_kwargs(local=False)}
-    return {"address": "local", "num_cpus": local_ray_cpus(args), **ray_init_kwargs(local=True)}
+    flags = ClusterFlags.from_args(args)
+    if flags.ray_address:
+        return {"address": flags.ray_address, **ray_init_kwargs(local=False)}
+    return {"address": "local", "num_cpus": local_ray_cpus(flags), **ray_init_kwargs(local=True)}
 
 
 class OwnSessionPopen(ray_services.ConsolePopen):
     """Ray's process launcher, each process in a session (and process group) of its own (`setsid`)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, start_new_session=True, **kwargs)
 
 
@@ -116,14 +150,14 @@ def ray_processes_in_own_sessions() -> Iterator[None]:
     reaches the driver alone and the actors live on while it saves; the driver still ends them (`ray.shutdown`), and
     Ray's kernel fate-sharing (PR_SET_PDEATHSIG) ends them if the driver is killed."""
     launcher = ray_services.ConsolePopen
-    ray_services.ConsolePopen = OwnSessionPopen
+    ray_services.ConsolePopen = OwnSessionPopen  # type: ignore[misc]  # the module's launcher is Ray's only hook
     try:
         yield
     finally:
-        ray_services.ConsolePopen = launcher
+        ray_services.ConsolePopen = launcher  # type: ignore[misc]  # as above
 
 
-def start_ray(settings: dict | None) -> bool:
+def start_ray(settings: dict[str, Any] | None) -> bool:
     """Start or join the cluster of `ray_init_settings`; True when this driver started it. Call it from the main
     thread: Ray's processes end with the thread that started them."""
     if settings is None:

@@ -70,14 +70,15 @@ class EngineActor(DiffusionEngine, ReusableActor):
             keep_freed_memory()
         super().__init__(*args, **kwargs)
 
+    # the same method, wrapped as Ray's actors call it (`.remote()`)
     @ray.method(concurrency_group="progress")
-    def progress(self) -> EngineProgress:
+    def progress(self) -> EngineProgress:  # type: ignore[override]
         """Answered on its own thread while `generate` runs (every other call waits its turn, in order)."""
         return super().progress()
 
 
 # the Ray options every engine actor class takes: `progress` runs beside the call in progress
-ENGINE_ACTOR_OPTIONS = {"concurrency_groups": {"progress": 1}}
+ENGINE_ACTOR_OPTIONS: dict[str, Any] = {"concurrency_groups": {"progress": 1}}
 
 
 class RolloutEngineGroup:
@@ -113,8 +114,7 @@ class RolloutEngineGroup:
         new processes, and go back to it at `shutdown`. `engine_class`: the actor class (an `EngineActor`)."""
         if num_engines < 1:
             raise ValueError(f"num_engines must be >= 1, got {num_engines}")
-        self.timeouts = timeouts
-        self.failed = False
+        self.timeouts, self.failed = timeouts, False
         self.on_progress: Callable[[str], None] | None = None  # the driver's display of generate progress
         self.poll_s, self.log_every_s = 1.0, 30.0  # how often a wait reads the engines' progress, and logs it
         device = "cuda" if num_gpus_per_engine > 0 else "cpu"
@@ -130,8 +130,9 @@ class RolloutEngineGroup:
             "prompt_cache": prompt_cache,
             "micro_batch_size": micro_batch_size,
         }
-        remote_cls = ray.remote(**ENGINE_ACTOR_OPTIONS)(engine_class)
-        self.engines, self._starting = [], {}
+        remote_cls: Any = ray.remote(**ENGINE_ACTOR_OPTIONS)(engine_class)  # a Ray actor class
+        self.engines: list[Any] = []  # Ray actor handles
+        self._starting: dict[int, Any] | None = {}  # engine index -> its start-up answer, until `wait_ready`
         for index in range(num_engines):
             engine = self.pool.take(self.pool_key) if self.pool is not None else None
             if engine is not None:  # its answer to `reuse` is its health once the pipeline is loaded

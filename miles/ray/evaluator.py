@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from miles.arguments.hook_paths import load_path_flags
+from miles.arguments.records import FlagRecord
 from miles.data.moving_shapes import BUILTIN_MOVING_SHAPES, moving_shapes_items
 from miles.data.ocr import BUILTIN_OCR, ocr_prompts, unquoted_prompts
 from miles.data.shapes import BUILTIN_SHAPES, ShapeScene, shapes_prompts
@@ -57,15 +59,32 @@ def load_eval_records(args: argparse.Namespace, source_images: bool = False) -> 
     return SHAPES_EVAL, records
 
 
+@dataclass(frozen=True)
+class EvalFlags(FlagRecord):
+    """The flags the evaluator reads itself (the prompts' flags are read where the prompts load, the sampler's by
+    the rollout entry's sampler, which gets the whole namespace)."""
+
+    loss_type: str
+    n_samples_per_eval_prompt: int
+    diffusion_guidance_scale: float | None  # None only before the computed defaults (the algorithm's scale)
+    eval_seed: int
+    resolution: int | None
+    negative_prompt: str
+    ocr_num_threads: int
+    output_dir: str
+    media_max_samples: int
+
+
 class Evaluator:
     """The eval sampler of the run's rollout entry (`rollout_spec_of`) on the eval prompts, or --eval-function-path."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        self.flags = EvalFlags.from_args(args)
         spec = rollout_spec_of(args)
         if isinstance(spec, DatasetSpec):
             raise ValueError(
-                f"the held-out eval samples with the rollout engines, and --loss-type {args.loss_type} trains on "
-                "dataset pairs here with none started: pass --eval-interval 0"
+                f"the held-out eval samples with the rollout engines, and --loss-type {self.flags.loss_type} trains "
+                "on dataset pairs here with none started: pass --eval-interval 0"
             )
         self.args, self.sampler = args, spec.eval_sampler
         self.custom = load_path_flags(args).get("eval_function_path")
@@ -79,35 +98,35 @@ class Evaluator:
         return None if self.custom is not None else [record["prompt"] for record in self.records]
 
     def evaluate(self, engine: Any, rollout_id: int) -> dict[str, float]:
-        args, started = self.args, time.perf_counter()
+        args, flags, started = self.args, self.flags, time.perf_counter()
         if self.custom is not None:
             metrics = {k: float(v) for k, v in dict(self.custom(args, engine, rollout_id)).items()}
             metrics["perf/eval_s"] = time.perf_counter() - started
             metrics[EVAL_AXIS] = rollout_id
             return metrics
         sampling = dict(
-            num_samples_per_prompt=args.n_samples_per_eval_prompt,
-            guidance_scale=args.diffusion_guidance_scale,
-            seed=args.eval_seed,
-            resolution=args.resolution,
-            negative_prompt=args.negative_prompt,
+            num_samples_per_prompt=flags.n_samples_per_eval_prompt,
+            guidance_scale=flags.diffusion_guidance_scale,
+            seed=flags.eval_seed,
+            resolution=flags.resolution,
+            negative_prompt=flags.negative_prompt,
             **self.sampler(args),
         )
         if self.kind == OCR_EVAL:
-            metrics, samples = evaluate_ocr(engine, self.records, ocr_num_threads=args.ocr_num_threads, **sampling)
+            metrics, samples = evaluate_ocr(engine, self.records, ocr_num_threads=flags.ocr_num_threads, **sampling)
         elif self.kind == MOVING_SHAPES_EVAL:
             metrics, samples = evaluate_moving_shapes(engine, self.records, **sampling)
         else:
             metrics, samples = evaluate_shapes(engine, self.records, **sampling)
         save_media(
-            args.output_dir,
+            flags.output_dir,
             f"eval_{rollout_id:07d}",
             samples.images,
             fps=samples.fps,
             audio=samples.audio,
             sample_rate=samples.sample_rate,
-            max_samples=args.media_max_samples,
-            columns=args.n_samples_per_eval_prompt if samples.sources is not None else None,
+            max_samples=flags.media_max_samples,
+            columns=flags.n_samples_per_eval_prompt if samples.sources is not None else None,
             sources=samples.sources,
         )
         metrics["perf/eval_s"] = time.perf_counter() - started

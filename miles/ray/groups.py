@@ -9,10 +9,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from miles.algorithms import algorithm_of
+from miles.algorithms import get_algorithm
 from miles.arguments.evaluation import eval_enabled
+from miles.arguments.records import FlagRecord
 from miles.ray.actor_pool import ActorPool, current_pool
 from miles.ray.checkpoint_folders import (
     check_data_source_resume,
@@ -36,30 +38,53 @@ from miles.utils.threads import phase_thread_counts
 logger = logging.getLogger(__name__)
 
 
-def roles_to_start(args: argparse.Namespace) -> list[str]:
+@dataclass(frozen=True)
+class RunFlags(FlagRecord):
+    """The flags the run's groups read themselves; each actor they start gets the whole namespace (its own record)."""
+
+    loss_type: str
+    device: str
+    debug_rollout_only: bool
+    eval_only: bool
+    load: str | None
+    output_dir: str
+    colocate: bool
+    async_rollout: bool
+    dp_size: int
+    sp_size: int
+    cpus_per_rank: float
+    rollout_num_engines: int
+    rollout_cpus_per_engine: float
+    cpu_phase_threads: str  # auto | off
+    fsdp_shard_size: int | None
+    fsdp_strict_shard_groups: bool
+
+
+def roles_to_start(flags: RunFlags) -> list[str]:
     """The trainer groups this run starts, in training order: none for debug rollouts or for evaluating the
     pipeline as loaded (--eval-only without --load)."""
-    return [] if args.debug_rollout_only or (args.eval_only and not args.load) else algorithm_of(args).role_names
+    nothing_trains = flags.debug_rollout_only or (flags.eval_only and not flags.load)
+    return [] if nothing_trains else get_algorithm(flags.loss_type).role_names
 
 
-def colocation_for(args: argparse.Namespace) -> Colocation | None:
+def colocation_for(flags: RunFlags) -> Colocation | None:
     """--colocate: the placement group that the trainer groups and the engines share (None without the flag)."""
-    if not args.colocate:
+    if not flags.colocate:
         return None
     return create_colocation(
-        args.dp_size,
-        len(roles_to_start(args)),
-        args.rollout_num_engines,
-        use_gpu=uses_gpu(args),
-        cpus_per_rank=args.cpus_per_rank,
-        cpus_per_engine=engine_cpus(args),
+        flags.dp_size,
+        len(roles_to_start(flags)),
+        flags.rollout_num_engines,
+        use_gpu=uses_gpu(flags),
+        cpus_per_rank=flags.cpus_per_rank,
+        cpus_per_engine=engine_cpus(flags),
     )
 
 
-def engines_after_trainers(args: argparse.Namespace) -> bool:
+def engines_after_trainers(flags: RunFlags) -> bool:
     """--colocate on GPUs: the engines start loading only once the trainer ranks have sharded, so a GPU never holds
     an engine's whole model beside a rank's loading buffers (on CPU they load meanwhile: start-up is shorter)."""
-    return bool(args.colocate) and uses_gpu(args) and bool(roles_to_start(args))
+    return flags.colocate and uses_gpu(flags) and bool(roles_to_start(flags))
 
 
 def resumes_from_save_folders(args: argparse.Namespace, roles: list[str]) -> bool:
@@ -86,6 +111,7 @@ class RunGroups:
         phases: PhaseMemory | None = None,
     ) -> None:
         self.args, self.groups, self.rollout_manager = args, groups, rollout_manager
+        self.flags = RunFlags.from_args(args)
         self.colocation, self.evaluator = colocation, evaluator
         self.phases = phases if phases is not None else PhaseMemory(args, {}, None)
         self.saved: int | None = None  # the last rollout whose checkpoint the save folders hold from this run
@@ -103,16 +129,17 @@ class RunGroups:
         from miles.ray.train_group import RayTrainGroup
 
         pool = current_pool() if pool is None else pool
-        if pool is not None and args.colocate:  # a colocated run's actors live in its own placement group
+        flags = RunFlags.from_args(args)
+        if pool is not None and flags.colocate:  # a colocated run's actors live in its own placement group
             pool.evict_idle()
-        launched = cls(args, {}, None, colocation=colocation_for(args))
+        launched = cls(args, {}, None, colocation=colocation_for(flags))
         try:
-            for role in roles_to_start(args):
+            for role in roles_to_start(flags):
                 launched.groups[role] = RayTrainGroup(args, role, colocation=launched.colocation, pool=pool)
             start_engines = functools.partial(
                 RolloutManager, args, wait=False, colocation=launched.colocation, pool=pool
             )
-            if engines_after_trainers(args):
+            if engines_after_trainers(flags):
                 launched.start_engines = start_engines  # `start` calls it once the ranks hold only their shards
             else:
                 launched.rollout_manager = start_engines()
@@ -127,7 +154,7 @@ class RunGroups:
         thread counts, record where everything runs and give the engines the actor's weights (with --colocate-sleep
         the trainer ranks sleep between the export and the engines' load, as in `to_generate`). Returns the first
         rollout id."""
-        args, groups = self.args, self.groups
+        args, flags, groups = self.args, self.flags, self.groups
         for group in groups.values():
             group.start_init()
         if self.start_engines is not None:  # colocated on GPUs: the engines' whole models after the ranks' shards
@@ -143,12 +170,12 @@ class RunGroups:
         self.set_phase_threads()
         start_rollout_id = min(starts.values(), default=0)
         manager.fill_prompt_cache([] if self.evaluator is None else self.evaluator.prompts(), start_rollout_id)
-        if args.load and start_rollout_id > 0:
-            check_data_source_resume(args.load, start_rollout_id, manager.source)
+        if flags.load and start_rollout_id > 0:
+            check_data_source_resume(flags.load, start_rollout_id, manager.source)
             if resumes_from_save_folders(args, list(groups)):
                 self.saved = start_rollout_id - 1
         self.placement = self.record_placement()
-        check_shard_groups(args.fsdp_shard_size, self.placement, args.fsdp_strict_shard_groups)
+        check_shard_groups(flags.fsdp_shard_size, self.placement, flags.fsdp_strict_shard_groups)
         self.phases = PhaseMemory(args, groups, manager.engines, self.placement)
         if groups:  # the version an uninterrupted run holds here: one sync at its start and one per rollout;
             # with --colocate-sleep the ranks sleep once the weights are exported, before the engines load them
@@ -157,28 +184,28 @@ class RunGroups:
             self.phases.start()
         return start_rollout_id
 
-    def record_placement(self) -> dict:
+    def record_placement(self) -> dict[str, list[dict[str, Any]]]:
         """Where every trainer rank and engine runs (node, IP, GPU ids; a trainer rank's data-parallel group and
         sequence-parallel rank too): `placement.json` in the output folder and a log line per role. Returns it, by
         role (`engines` for the engines)."""
         placement = {role: actor_nodes(group.actors) for role, group in self.groups.items()}
         for role in self.groups:
             for rank, entry in enumerate(placement[role]):
-                entry["dp_rank"], entry["sp_rank"] = divmod(rank, self.args.sp_size)
+                entry["dp_rank"], entry["sp_rank"] = divmod(rank, self.flags.sp_size)
         if self.rollout_manager.engines is not None:
             placement["engines"] = actor_nodes(self.rollout_manager.engines.engines)
         if self.rollout_manager.rewards is not None and self.rollout_manager.rewards.workers:
             placement["reward_workers"] = actor_nodes(self.rollout_manager.rewards.workers)
-        write_placement(self.args.output_dir, placement)
+        write_placement(self.flags.output_dir, placement)
         return placement
 
     def set_phase_threads(self) -> None:
         """Colocated phases on CPU (`--cpu-phase-threads auto`): engines and trainer ranks that share a node use its
         cores for their own phase (generate / train) and their base count otherwise (`miles.utils.threads`)."""
-        args, engines = self.args, self.rollout_manager.engines
-        if args.cpu_phase_threads == "off" or uses_gpu(args) or engines is None or not self.groups:
+        flags, engines = self.flags, self.rollout_manager.engines
+        if flags.cpu_phase_threads == "off" or uses_gpu(flags) or engines is None or not self.groups:
             return
-        if args.async_rollout:  # generation and training overlap: no phase has the node to itself
+        if flags.async_rollout:  # generation and training overlap: no phase has the node to itself
             logger.info("phase threads off: --async-rollout runs generation and training at once")
             return
         groups = self.groups.values()
@@ -222,7 +249,8 @@ class RunGroups:
         """The actor's weights to the engines after rollout `rollout_id` trained; with --colocate-sleep the trainer
         ranks sleep and the engines wake once the weights are exported. Seconds taken."""
         to_generate = functools.partial(self.phases.to_generate, rollout_id)
-        return self.rollout_manager.update_weights(self.groups["actor"], to_generate, rollout_id=rollout_id)
+        seconds: float = self.rollout_manager.update_weights(self.groups["actor"], to_generate, rollout_id=rollout_id)
+        return seconds
 
     def pop_metrics(self) -> list[dict[str, Any]]:
         """The trainer windows' records since the last call, group by group in training order."""
@@ -230,7 +258,8 @@ class RunGroups:
 
     def evaluate(self, rollout_id: int) -> dict[str, float]:
         """The held-out eval on the engines, recorded at `rollout_id` (0: the baseline before any update)."""
-        return self.evaluator.evaluate(self.rollout_manager.engines, rollout_id)
+        metrics: dict[str, float] = self.evaluator.evaluate(self.rollout_manager.engines, rollout_id)
+        return metrics
 
     def save_hf(self, out_dir: str, rollout_id: int | None = None) -> None:
         """The actor as a diffusers pipeline folder (or LoRA adapter); its ranks hold the device for the gather."""

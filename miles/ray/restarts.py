@@ -21,8 +21,7 @@ import ray
 from miles.algorithms import role_dest, role_flag, training_order
 from miles.backends.fsdp_utils.checkpoint import read_latest
 from miles.ray.checkpoint_folders import save_folders
-from miles.ray.cluster import actor_cpus, actor_shares
-from miles.utils.distributed import uses_gpu
+from miles.ray.cluster import ClusterFlags, actor_cpus, actor_gpus
 from miles.utils.failures import ActorDied, EngineError, run_cleanup
 from miles.utils.tracking import RESTART_KEY
 
@@ -41,7 +40,7 @@ class Failure:
     message: str
 
 
-def describe(exc: BaseException, placement: dict[str, list[dict[str, Any]]]) -> Failure:
+def describe(exc: ActorDied | EngineError, placement: dict[str, list[dict[str, Any]]]) -> Failure:
     """The dead actor's role, rank and node, from the error and the run's placement (`RunGroups.placement`)."""
     if isinstance(exc, ActorDied):
         who, index = f"{exc.role} {exc.rank}", exc.rank
@@ -55,8 +54,8 @@ def describe(exc: BaseException, placement: dict[str, list[dict[str, Any]]]) -> 
 
 def needed_resources(args: argparse.Namespace) -> dict[str, float]:
     """The CPUs and GPUs the run's actors ask Ray for (trainer ranks, engines, reward workers)."""
-    gpus = sum(actor_shares(args, args.gpus_per_rank, args.rollout_gpus_per_engine)) if uses_gpu(args) else 0.0
-    return {"CPU": actor_cpus(args), "GPU": gpus}
+    flags = ClusterFlags.from_args(args)
+    return {"CPU": actor_cpus(flags), "GPU": actor_gpus(flags)}
 
 
 def missing_resources(target: dict[str, float]) -> dict[str, float]:
@@ -88,8 +87,8 @@ def resume_args(args: argparse.Namespace) -> tuple[argparse.Namespace, int | Non
     """The run's flags with every role loading from its save folder, and the rollout they resume after; the flags
     as given (and None) when no save folder holds a checkpoint yet."""
     folders = save_folders(args, training_order(args))
-    latest = [read_latest(folder) for folder in folders.values()]
-    if not folders or any(rollout is None for rollout in latest):
+    latest = [rollout for folder in folders.values() if (rollout := read_latest(folder)) is not None]
+    if not folders or len(latest) < len(folders):
         return args, None
     resumed = copy.copy(args)
     for role, folder in folders.items():
@@ -103,8 +102,8 @@ def resume_hint(args: argparse.Namespace) -> str:
     folders = save_folders(args, training_order(args))
     if not folders:
         return "nothing to resume from (no --save)"
-    latest = [read_latest(folder) for folder in folders.values()]
-    if any(rollout is None for rollout in latest):
+    latest = [rollout for folder in folders.values() if (rollout := read_latest(folder)) is not None]
+    if len(latest) < len(folders):
         return f"no checkpoint in {', '.join(dict.fromkeys(folders.values()))} yet: rerun the command to start over"
     flags = " ".join(f"{role_flag(role, 'load')} {folder}" for role, folder in folders.items())
     return f"the latest checkpoint is rollout {min(latest)}: rerun the command with {flags} to resume from it"
@@ -131,7 +130,7 @@ class Restarts:
         completed = [r["rollout_id"] for r in summary.get("rollouts", []) if r["rollout_id"] >= self.first_rollout]
         return max(completed, default=self.first_rollout - 1) + 1
 
-    def give_up(self, exc: BaseException, summary: dict, stopping: bool = False) -> str:
+    def give_up(self, exc: ActorDied | EngineError, summary: dict, stopping: bool = False) -> str:
         """The run ends with `exc` (not restarted): one line, logged and added to `exc` as a note, naming the lost
         actor, why it is not restarted (the budget spent, a stop signal) and the checkpoint to resume from."""
         failure = describe(exc, self.groups.placement if self.groups is not None else {})
@@ -148,7 +147,7 @@ class Restarts:
         exc.add_note(line)
         return line
 
-    def recover(self, exc: BaseException, summary: dict) -> dict[str, Any]:
+    def recover(self, exc: ActorDied | EngineError, summary: dict) -> dict[str, Any]:
         """Tear the failed attempt's groups down, wait for the resources, point the next attempt at the latest
         checkpoint and drop the redone rollouts from `summary`; returns the restart's metrics record. Raises the
         original error when the wait times out."""

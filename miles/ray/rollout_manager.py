@@ -15,6 +15,7 @@ import torch
 from miles.algorithms import algorithm_of
 from miles.arguments.engine import engine_timeouts
 from miles.arguments.hook_paths import load_path_flags
+from miles.arguments.records import RolloutFlags
 from miles.backends.fsdp_utils.fsdp import parse_dtype
 from miles.models.base import family_options, get_train_pipeline_config
 from miles.ray.actor_pool import ActorPool
@@ -50,15 +51,16 @@ class RolloutManager:
         starts the trainer ranks meanwhile). `colocation`: the shared placement group of --colocate. `pool`: where
         the engines come from and go back to (`miles.ray.actor_pool`)."""
         self.args, self._wait, self._colocation, self._pool = args, wait, colocation, pool
-        self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
-        self.resolution = args.resolution or self.family.default_resolution
+        self.flags = flags = RolloutFlags.from_args(args)
+        self.family = get_train_pipeline_config(flags.hf_checkpoint, flags.model_family, **family_options(args))
+        self.resolution = flags.resolution or self.family.default_resolution
         self.engines = self.rewards = self.prompt_cache = None
         self.dataset_pairs: TrainPairs | None = None
         self.weights_version = 0
         self.weight_sync: WeightSyncLink | None = None  # made at the first sync with engines
         self.last_metrics: dict[str, float] = {}
         self.drift = DriftWatch(
-            watches(args.monitor_image_drift, args.monitor_norm_drift, args.monitor_diversity_collapse)
+            watches(flags.monitor_image_drift, flags.monitor_norm_drift, flags.monitor_diversity_collapse)
         )
         self.hooks = load_path_flags(args)  # the rollout steps the path flags replace, {flag dest: function}
         self.spec = rollout_spec_of(args)
@@ -79,47 +81,47 @@ class RolloutManager:
         self.source = self._source(records)
 
     def _source(self, records: list[dict[str, Any]]) -> PromptDataSource:
-        args = self.args
+        flags = self.flags
         return PromptDataSource(
             len(records),
-            args.rollout_batch_size,
-            seed=args.rollout_seed,
-            shuffle=not args.no_rollout_shuffle,
+            flags.rollout_batch_size,
+            seed=flags.rollout_seed,
+            shuffle=not flags.no_rollout_shuffle,
             digest=records_digest(records),
         )
 
     # ---- engine-fed (RolloutSpec) ---------------------------------------------------------------
     def _init_rl(self) -> None:
-        args = self.args
+        args, flags = self.args, self.flags
         self.records = load_records(args, with_images=False, resolution=self.resolution)
         self.source = self._source(self.records)
-        if args.load_debug_rollout_data:
-            logger.info("replaying rollouts from %s: no engine started", args.load_debug_rollout_data)
+        if flags.load_debug_rollout_data:
+            logger.info("replaying rollouts from %s: no engine started", flags.load_debug_rollout_data)
             return
         gpu = uses_gpu(args)
-        forward_dtype = parse_dtype(args.diffusion_forward_dtype)  # the trainer's: log-probs must match (§7)
+        forward_dtype = parse_dtype(flags.diffusion_forward_dtype)  # the trainer's: log-probs must match (§7)
         self.prompt_cache = prompt_cache_config(args, self.family, forward_dtype)
         self.engines = RolloutEngineGroup(
-            args.hf_checkpoint,
-            num_engines=args.rollout_num_engines,
-            model_family=args.model_family,
+            flags.hf_checkpoint,
+            num_engines=flags.rollout_num_engines,
+            model_family=flags.model_family,
             num_cpus_per_engine=engine_cpus(args),
-            num_gpus_per_engine=args.rollout_gpus_per_engine if gpu else 0.0,
+            num_gpus_per_engine=flags.rollout_gpus_per_engine if gpu else 0.0,
             forward_dtype=forward_dtype,
             lora_config=self._lora_config(),
             family_options=family_options(args),
-            compile_mode=args.compile,
+            compile_mode=flags.compile,
             prompt_cache=self.prompt_cache,
-            micro_batch_size=args.rollout_micro_batch_size,
+            micro_batch_size=flags.rollout_micro_batch_size,
             timeouts=engine_timeouts(args),
             wait=self._wait,
             colocation=self._colocation,
             pool=self._pool,
         )
         # an algorithm that scores no rewards (its declaration) scores them only when asked, as metrics
-        if algorithm_of(args).scores_rewards or args.rm_type or args.custom_rm_path or args.rm_url:
+        if algorithm_of(args).scores_rewards or flags.rm_type or flags.custom_rm_path or flags.rm_url:
             self.rewards = RewardWorkerPool(
-                args, reward_spec_from_args(args), num_workers=args.rm_num_workers, wait=self._wait
+                args, reward_spec_from_args(args), num_workers=flags.rm_num_workers, wait=self._wait
             )
 
     def wait_ready(self) -> None:
@@ -134,11 +136,11 @@ class RolloutManager:
         unknown) once, then free their text encoders unless a hook may bring others (`DRAWING_HOOKS`)."""
         if self.engines is None or self.prompt_cache is None or any(r.get("source_images") for r in self.records):
             return  # prompts with source images are cached as they come, and the text encoders stay
-        started, rollouts = time.perf_counter(), range(start_rollout_id, self.args.num_rollout)
+        started, rollouts = time.perf_counter(), range(start_rollout_id, self.flags.num_rollout)
         drawn = sorted({index for rollout_id in rollouts for index in self.source.indices(rollout_id)})
         prompts = [self.records[index]["prompt"] for index in drawn] + list(eval_prompts or [])
         complete = eval_prompts is not None and not any(flag in self.hooks for flag in DRAWING_HOOKS)
-        stats = self.engines.fill_prompt_cache(prompts, [self.args.negative_prompt], release=complete)
+        stats = self.engines.fill_prompt_cache(prompts, [self.flags.negative_prompt], release=complete)
         stats["seconds"] = round(time.perf_counter() - started, 1)
         logger.info("prompt cache %s: %s%s", self.prompt_cache.directory, stats, "" if complete else ", encoders kept")
 
@@ -149,7 +151,7 @@ class RolloutManager:
             self.engines.on_progress = display
 
     def _lora_config(self) -> dict | None:
-        if not self.args.use_lora:
+        if not self.flags.use_lora:
             return None
         from miles.backends.fsdp_utils.lora import lora_config_from_args  # local: peft costs ~1.3 s per process
 
@@ -159,19 +161,19 @@ class RolloutManager:
         if self.dataset_pairs is not None:
             index = torch.tensor(self.source.indices(rollout_id))
             return self._boxes({key: value[index] for key, value in self.dataset_pairs.items()})
-        if self.args.load_debug_rollout_data:
-            return self._boxes(torch.load(self._debug_path(self.args.load_debug_rollout_data, rollout_id)))
+        if self.flags.load_debug_rollout_data:
+            return self._boxes(torch.load(self._debug_path(self.flags.load_debug_rollout_data, rollout_id)))
         if "rollout_function_path" in self.hooks:
             pairs = self.hooks["rollout_function_path"](self.args, rollout_id, self)
         else:
             pairs = self._rl_rollout(rollout_id)
-        if self.args.save_debug_rollout_data:
-            os.makedirs(self.args.save_debug_rollout_data, exist_ok=True)
-            torch.save(pairs, self._debug_path(self.args.save_debug_rollout_data, rollout_id))
+        if self.flags.save_debug_rollout_data:
+            os.makedirs(self.flags.save_debug_rollout_data, exist_ok=True)
+            torch.save(pairs, self._debug_path(self.flags.save_debug_rollout_data, rollout_id))
         return self._boxes(pairs)
 
     def _boxes(self, pairs: TrainPairs) -> list[Box]:
-        return steps.shard(pairs, self.args.dp_size)
+        return steps.shard(pairs, self.flags.dp_size)
 
     @staticmethod
     def _debug_path(directory: str, rollout_id: int) -> str:
@@ -201,7 +203,7 @@ class RolloutManager:
                 spec.convert(args, samples, result, advantages, rollout_id=rollout_id),
                 len(samples),
                 per_sample,
-                seed=args.rollout_seed,
+                seed=self.flags.rollout_seed,
                 rollout_id=rollout_id,
             )
         self.last_metrics = {
@@ -232,18 +234,18 @@ class RolloutManager:
     def _save_media(self, rollout_id: int, result: Any, samples: list[Sample]) -> None:
         """Every --image-grid-interval rollouts: the image grid, or for video the first --media-max-samples
         samples as mp4s (audio muxed when there is sound) and their contact sheet (`media_files.save_media`)."""
-        args = self.args
-        if not args.image_grid_interval or rollout_id % args.image_grid_interval or result.images is None:
+        flags = self.flags
+        if not flags.image_grid_interval or rollout_id % flags.image_grid_interval or result.images is None:
             return
         save_media(
-            args.output_dir,
+            flags.output_dir,
             f"rollout_{rollout_id:07d}",
             result.images,
             fps=result.fps,
             audio=result.audio,
             sample_rate=result.sample_rate,
-            columns=args.n_samples_per_prompt,
-            max_samples=args.media_max_samples,
+            columns=flags.n_samples_per_prompt,
+            max_samples=flags.media_max_samples,
             sources=first_sources(samples),
         )
 
@@ -251,7 +253,7 @@ class RolloutManager:
         """Samples of the rollout's prompt groups, generated and scored. With a dynamic-sampling filter, dropped
         groups are refilled with new prompts for up to --dynamic-sampling-max-rounds rounds (then the batch is
         completed with dropped groups, with a warning). Returns (samples, engine result, request, refill rounds)."""
-        args, wanted = self.args, self.args.rollout_batch_size
+        args, wanted = self.args, self.flags.rollout_batch_size
         keep = self.hooks.get("dynamic_sampling_filter_path")
         kept: list[tuple[list[Sample], list[int], Any]] = []  # (group, its rows in its round's result, that result)
         dropped: list[tuple[list[Sample], list[int], Any]] = []
@@ -265,7 +267,7 @@ class RolloutManager:
                 rows = [s.index - samples[0].index for s in group]
                 keeps = keep is None or steps.keeps_group(keep, args, group)
                 (kept if keeps else dropped).append((group, rows, result))
-            if len(kept) >= wanted or rounds >= args.dynamic_sampling_max_rounds:
+            if len(kept) >= wanted or rounds >= self.flags.dynamic_sampling_max_rounds:
                 break
             rounds += 1
         if rounds == 0 and not dropped:
@@ -289,7 +291,7 @@ class RolloutManager:
         """The sample step: prompt records (the data source's, or --data-source-path's) -> samples. Refill rounds
         (attempt ≥ 1) draw fresh prompts from a seeded stream."""
         args = self.args
-        first_group = first_index // args.n_samples_per_prompt
+        first_group = first_index // self.flags.n_samples_per_prompt
         if "data_source_path" in self.hooks:
             records = list(self.hooks["data_source_path"](args, rollout_id, num_prompts, attempt))
             if len(records) != num_prompts:
@@ -303,7 +305,7 @@ class RolloutManager:
         else:
             records = self.records
             indices = steps.refill_record_indices(
-                len(records), num_prompts, seed=args.rollout_seed, rollout_id=rollout_id, round_index=attempt
+                len(records), num_prompts, seed=self.flags.rollout_seed, rollout_id=rollout_id, round_index=attempt
             )
         return steps.make_samples(
             args,
@@ -320,7 +322,7 @@ class RolloutManager:
         engines) the batch is generated N samples at a time and each chunk is scored while the engines generate the
         next one: the same samples, rewards and pairs as generating and scoring those chunks one after the other
         (rewards are per sample: the reward workers already score contiguous slices)."""
-        chunk = self.args.generate_chunk_size
+        chunk = self.flags.generate_chunk_size
         if not chunk or chunk >= len(samples) or self.rewards is None or "custom_generate_function_path" in self.hooks:
             result = self._generate(request, rollout_id)
             self._score(samples, result, rollout_id)

@@ -136,7 +136,10 @@ def generate_eval_samples(
     prompts = [r["prompt"] for r in records for _ in range(num_samples_per_prompt)]
     seeds = [eval_seed(seed, i, k) for i in range(len(records)) for k in range(num_samples_per_prompt)]
     sources = eval_source_images(records, num_samples_per_prompt, resolution)
-    images, audio, last = [], [], None
+    images: list[np.ndarray] = []
+    audio: list[torch.Tensor] = []
+    fps: float | None = None
+    sample_rate: int | None = None
     for start in range(0, len(prompts), batch_size):
         request = GenerateRequest(
             prompts=prompts[start : start + batch_size],
@@ -156,12 +159,12 @@ def generate_eval_samples(
             raise ValueError("the engine returned no images; the held-out eval needs decoded samples (decode=True)")
         images.append(result.images)
         audio += [] if result.audio is None else [result.audio]
-        last = result
+        fps, sample_rate = result.fps, result.sample_rate  # the last batch's
     return EvalSamples(
         np.concatenate(images),
-        fps=last.fps,
+        fps=fps,
         audio=torch.cat(audio) if audio else None,
-        sample_rate=last.sample_rate if audio else None,
+        sample_rate=sample_rate if audio else None,
         sources=None if sources is None else np.stack([images[0] for images in sources]),
     )
 
@@ -169,6 +172,8 @@ def generate_eval_samples(
 def edit_eval_metrics(samples: EvalSamples, metadatas: list[dict[str, Any]]) -> dict[str, float]:
     """`eval/edit_preservation_mean` of an editing eval's images against their first source images (`sources`),
     outside each sample's `edit_box`."""
+    if samples.sources is None:
+        raise ValueError("the edit eval's preservation needs the samples' source images (EvalSamples.sources)")
     height, width = samples.images.shape[1:3]
     scores = [
         min(masked_psnr(image, source, keep_mask(height, width, meta.get("edit_box"))), PSNR_CAP_DB) / PSNR_CAP_DB

@@ -74,10 +74,10 @@ def check_input_files(args: argparse.Namespace) -> None:
     algorithm = algorithm_of(args)
     folders = {"--hf-checkpoint": args.hf_checkpoint, "--teacher-load": args.teacher_load}
     for role in algorithm.roles:  # each role's initial weights and every frozen network loaded from a checkpoint
-        folders[role.flag("checkpoint")] = getattr(args, role.dest("checkpoint"), None)
+        folders[role.flag("checkpoint")] = getattr(args, role.dest("checkpoint"))
         for network in role.frozen_networks:
             if network.path_flag is not None:
-                folders["--" + network.path_flag.replace("_", "-")] = getattr(args, network.path_flag, None)
+                folders["--" + network.path_flag.replace("_", "-")] = getattr(args, network.path_flag)
     for flag, folder in folders.items():
         check_model_index(folder, flag)
     with_images = not algorithm.uses_engines  # dataset pairs: prompts with images

@@ -155,7 +155,7 @@ class HostSwap:
         self._moved = self._plan(storages.values(), report)
         for storage, nbytes, start in self._moved:
             if start is not None:
-                self.host[start : start + nbytes].copy_(_bytes_view(storage), non_blocking=pinned)
+                self._host_slice(start, nbytes).copy_(_bytes_view(storage), non_blocking=pinned)
         if pinned:
             torch.cuda.synchronize(self.device)  # the copies are done before their source is freed
         for storage, _, _ in self._moved:
@@ -171,6 +171,12 @@ class HostSwap:
     def host(self) -> torch.Tensor | None:
         """The host buffer (None before the first sleep that copies)."""
         return self.buffer.tensor
+
+    def _host_slice(self, start: int, nbytes: int) -> torch.Tensor:
+        """One copied storage's bytes in the host buffer (`_plan` sized it before any copy)."""
+        if self.host is None:
+            raise RuntimeError("HostSwap: a storage to copy but no host buffer (`_plan` sizes it before the copies)")
+        return self.host[start : start + nbytes]
 
     def _plan(
         self, storages: Iterable[tuple[torch.UntypedStorage, bool]], report: SwapReport
@@ -211,7 +217,7 @@ class HostSwap:
             if start is None:
                 report.discarded_bytes += nbytes
             else:
-                _bytes_view(storage).copy_(self.host[start : start + nbytes], non_blocking=pinned)
+                _bytes_view(storage).copy_(self._host_slice(start, nbytes), non_blocking=pinned)
                 report.copied_bytes += nbytes
         if pinned:
             torch.cuda.synchronize(self.device)  # the host buffers are rewritten by the next sleep

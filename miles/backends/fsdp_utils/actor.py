@@ -29,7 +29,7 @@ from miles.backends.fsdp_utils.lora import (
     lora_config_from_args,
 )
 from miles.backends.fsdp_utils.loss_hub import LossHooks, checkpoint_meta, get_loss_hooks
-from miles.backends.fsdp_utils.optim import build_lr_scheduler, build_optimizer
+from miles.backends.fsdp_utils.optim import OptimizerFlags, build_lr_scheduler, build_optimizer
 from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher, prefetch_enabled
 from miles.backends.fsdp_utils.sharded_load import load_sharded
 from miles.backends.fsdp_utils.train_loop import TrainLoop
@@ -134,9 +134,10 @@ class FSDPTrainRayActor(TrainLoop):
         self.first_window_metrics = algorithm.first_window_metrics if self.role == "actor" else None
         self.frozen: tuple[FrozenNetwork, ...] = algorithm.role(self.role).frozen_networks
         self.prefetcher = MicrobatchPrefetcher(prefetch_enabled(args, self.device), self.device)
-        self.optimizer = build_optimizer(self.model.parameters(), args, self.settings["lr"])
+        optimizer_flags = OptimizerFlags.from_args(args)
+        self.optimizer = build_optimizer(self.model.parameters(), optimizer_flags, self.settings["lr"])
         total_steps = args.num_rollout * self.settings["num_steps_per_rollout"]
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, args, self.settings["lr"], total_steps)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, optimizer_flags, self.settings["lr"], total_steps)
         self.ema_config = ema_config_from_args(args)
         self.ema = ShadowWeights(self.model) if self.ema_config.enabled else None
         # the declared shadow networks (NFT's old policy): copies of the trained weights the per-rollout step moves

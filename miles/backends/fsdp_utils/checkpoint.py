@@ -234,8 +234,8 @@ def load_checkpoint(
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify")
     path = load_dir
     try:
-        rollout_id, path = _resolve_checkpoint(load_dir, role, rollout_id)
-        meta, manifest, shared = check_role_dir(path, role, rollout_id, model, frozen)
+        found, path = _resolve_checkpoint(load_dir, role, rollout_id)
+        meta, manifest, shared = check_role_dir(path, role, found, model, frozen)
         shards = [n for n in shared if n.startswith(DCP_DIR + "/") and n.endswith(".distcp")]
         if verify_checksums:  # the small files are parsed, so they are checked before; the shards beside the load
             verify_checksums_of(path, manifest, [n for n in shared if n not in shards])
@@ -257,8 +257,8 @@ def load_checkpoint(
     _decide_together(error, role, path)
 
     restore(model, optimizer, lr_scheduler, state, schedule, rng, load_optimizer=load_optimizer)
-    logger.info("loaded %s checkpoint of rollout %d from %s", role, rollout_id, path)
-    return LoadedCheckpoint(rollout_id=rollout_id, extra=extra, meta=meta)
+    logger.info("loaded %s checkpoint of rollout %d from %s", role, found, path)
+    return LoadedCheckpoint(rollout_id=found, extra=extra, meta=meta)
 
 
 def _decide_together(error: BaseException | None, role: str, path: str) -> None:

@@ -10,7 +10,7 @@ import pickle
 import random
 import zlib
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -108,7 +108,8 @@ def read_tree(stem: str) -> Any:
 def rng_state() -> dict[str, Any]:
     """This rank's RNG streams as JSON data and tensors (no pickled tuples or arrays)."""
     version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # the legacy tuple (get_state's default), which numpy's stubs type together with the dict form
+    name, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     return {
         "python": [version, list(internal), gauss],
         "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],

@@ -86,7 +86,7 @@ def restore(
             optim_state_dict=state["optimizer"],
             options=SET_TRAINED,
         )
-        if schedule is not None:
+        if schedule is not None and lr_scheduler is not None:  # a schedule is read only for a scheduler
             lr_scheduler.load_state_dict(schedule)
     else:
         set_model_state_dict(model, state["model"], options=SET_TRAINED)

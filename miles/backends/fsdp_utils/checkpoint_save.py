@@ -72,7 +72,8 @@ def write_state(path: str, rank: int, state: dict[str, Any], schedule: Any, extr
 
 def write_manifest(path: str, rank: int, world_size: int, target: SaveTarget) -> None:
     """Size and CRC32 of every file; the ranks hash their share of the files and rank 0 writes the list."""
-    mine, error = None, None
+    mine: dict[str, dict[str, Any]] | None = None
+    error: BaseException | None = None
     try:
         names = list_files(path, skip=(MANIFEST_FILE, META_FILE))
         mine = describe_files(path, names[rank::world_size])

@@ -34,7 +34,7 @@ class CheckpointSpaceError(OSError):
         return type(self), (self.strerror,), self.__dict__
 
     def __str__(self) -> str:
-        return self.strerror
+        return self.strerror or ""  # always the message given (OSError types it optional)
 
 
 def attempt(fn: Any, *args: Any) -> BaseException | None:
@@ -84,7 +84,7 @@ def free_bytes(path: str) -> int | None:
         return None
 
 
-def human(size: int) -> str:
+def human(size: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(size) < 1000 or unit == "TB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
@@ -127,7 +127,7 @@ def warn_if_next_wont_fit(save_flag: str, save_dir: str, written: int, rollout_i
 def _chain(error: BaseException) -> list[BaseException]:
     """The error, its causes and contexts, and the per-rank failures a DCP CheckpointException carries."""
     seen: list[BaseException] = []
-    stack = [error]
+    stack: list[BaseException | None] = [error]
     while stack:
         item = stack.pop()
         if item is None or any(item is s for s in seen):

@@ -9,7 +9,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import diffusers
 import torch
@@ -18,6 +18,9 @@ from torch.distributed.fsdp import FSDPModule
 
 from miles.models.base import all_family_classes, family_class
 from miles.models.lora_targets import check_lora_targets
+
+if TYPE_CHECKING:  # peft is imported where it is used (its import costs ~1.5 s per process)
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +95,8 @@ def apply_lora(transformer: nn.Module, config: dict[str, Any]) -> nn.Module:
     from peft import LoraConfig  # local: peft (and the transformers it imports) costs every rank ~1.5 s to import
 
     check_lora_targets(transformer, config["target_modules"], "the trained transformer")
-    transformer.add_adapter(LoraConfig(**config), adapter_name=ADAPTER_NAME)
+    # diffusers' PeftAdapterMixin method, which the nn.Module annotation does not show
+    transformer.add_adapter(LoraConfig(**config), adapter_name=ADAPTER_NAME)  # type: ignore[operator]
     if on_meta:
         torch.set_rng_state(rng)
         _initialise_on_cpu(transformer, config["init_lora_weights"])
@@ -115,7 +119,7 @@ def apply_lora(transformer: nn.Module, config: dict[str, Any]) -> nn.Module:
     return transformer
 
 
-def tuner_layers(model: nn.Module) -> list[nn.Module]:
+def tuner_layers(model: nn.Module) -> list[BaseTunerLayer]:
     """The modules peft injected (its `BaseTunerLayer`s), in module order."""
     from peft.tuners.tuners_utils import BaseTunerLayer  # local, as in `apply_lora`
 
@@ -133,7 +137,7 @@ def _initialise_on_cpu(transformer: nn.Module, init: bool | str) -> None:
             layer = getattr(module, layer_name)[ADAPTER_NAME]
             layer.to_empty(device="cpu")
             layer.reset_parameters()
-        module.reset_lora_parameters(ADAPTER_NAME, init)
+        module.reset_lora_parameters(ADAPTER_NAME, init)  # type: ignore[attr-defined]  # a LoraConfig's layers are LoraLayers
     left = [name for name, p in transformer.named_parameters() if is_lora_key(name) and p.is_meta]
     if left:
         raise RuntimeError(

@@ -71,7 +71,8 @@ def weighted_denominator(window: list[MicroBatch], weight_sum: float, pair_count
 
 def is_hybrid(model: FSDPModule) -> bool:
     """Whether FSDP2 shards `model` on a 2-D (replicate, shard) mesh (`--fsdp-shard-size`)."""
-    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    # fully_shard makes the module a subclass of its own class and FSDPModule: both, which no annotation says
+    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)  # type: ignore[attr-defined]
     return param is not None and param.device_mesh.ndim > 1
 
 

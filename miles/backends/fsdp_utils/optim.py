@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
-import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
+
+from miles.arguments.records import FlagRecord
+
+
+@dataclass(frozen=True)
+class OptimizerFlags(FlagRecord):
+    """The optimizer's and the schedule's flags (the peak LR is the role's setting, passed beside)."""
+
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    weight_decay: float
+    lr_warmup_steps: int
+    lr_decay_steps: int | None  # None: decay over the run's optimizer steps
+    lr_decay_style: str  # constant | linear | cosine
+    min_lr: float
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, decay_steps: int, decay_style: str, min_ratio: float) -> float:
@@ -25,13 +41,13 @@ def lr_multiplier(step: int, *, warmup_steps: int, decay_steps: int, decay_style
     return min_ratio + (1.0 - min_ratio) * shape
 
 
-def build_optimizer(params, args: argparse.Namespace, lr: float) -> torch.optim.Optimizer:
+def build_optimizer(params: Iterable[torch.nn.Parameter], flags: OptimizerFlags, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         [p for p in params if p.requires_grad],
         lr=lr,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_eps,
-        weight_decay=args.weight_decay,
+        betas=(flags.adam_beta1, flags.adam_beta2),
+        eps=flags.adam_eps,
+        weight_decay=flags.weight_decay,
         # one fused kernel per step (CPU and CUDA) instead of one op per parameter: torch picks the per-tensor
         # path on CPU by default, and on FSDP2's DTensors each of those ops pays a Python dispatch
         fused=True,
@@ -39,14 +55,14 @@ def build_optimizer(params, args: argparse.Namespace, lr: float) -> torch.optim.
 
 
 def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, args: argparse.Namespace, lr: float, total_steps: int
+    optimizer: torch.optim.Optimizer, flags: OptimizerFlags, lr: float, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    decay_steps = args.lr_decay_steps or total_steps
+    decay_steps = flags.lr_decay_steps or total_steps
     fn: Callable[[int], float] = lambda step: lr_multiplier(  # noqa: E731
         step,
-        warmup_steps=args.lr_warmup_steps,
+        warmup_steps=flags.lr_warmup_steps,
         decay_steps=decay_steps,
-        decay_style=args.lr_decay_style,
-        min_ratio=args.min_lr / lr,
+        decay_style=flags.lr_decay_style,
+        min_ratio=flags.min_lr / lr,
     )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

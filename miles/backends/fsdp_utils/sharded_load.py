@@ -47,7 +47,7 @@ def load_sharded(
         logger.warning("%s: no safetensors weights to read shards from; every rank loads the whole network", path)
         model = None
     sharded_read = model is not None
-    if not sharded_read:
+    if model is None:
         model = family.load_transformer(path, dtype=dtype).to(device)
     if prepare is not None:
         prepare(model)

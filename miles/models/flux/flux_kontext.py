@@ -55,7 +55,7 @@ class FluxKontextPipelineConfig(FluxFolderFamily):
 
     def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """Refused at start-up: a negative prompt the guidance-distilled transformer would not use."""
-        if self.guidance_embeds and getattr(args, "negative_prompt", ""):
+        if self.guidance_embeds and args.negative_prompt:
             raise ValueError(
                 f"--negative-prompt with the guidance-distilled {self.path}: --diffusion-guidance-scale is its "
                 "embedded guidance and FluxKontextPipeline's true CFG on top of it (a second scale) is not supported; "

@@ -55,7 +55,7 @@ class Flux2KleinPipelineConfig(Flux2Family):
         scale and the run's algorithm's own CFG scales (its declared `guidance_flags`) above 1."""
         super().check_run_args(args, algorithm)
         dests = ("diffusion_guidance_scale", *algorithm.guidance_flags)
-        scales = {"--" + dest.replace("_", "-"): getattr(args, dest, None) for dest in dests}
+        scales = {"--" + dest.replace("_", "-"): getattr(args, dest) for dest in dests}
         for flag, scale in scales.items():
             if self.is_distilled and scale is not None and scale > 1.0:
                 raise ValueError(
@@ -97,7 +97,7 @@ class Flux2DevPipelineConfig(Flux2Family):
     def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """`Flux2Family.check_run_args`, and a --negative-prompt (Flux2Pipeline has none: its guidance is embedded)."""
         super().check_run_args(args, algorithm)
-        if getattr(args, "negative_prompt", ""):
+        if args.negative_prompt:
             raise ValueError(
                 f"--negative-prompt with the {self.name} family: Flux2Pipeline (FLUX.2 [dev], guidance-distilled) has "
                 "no negative prompt and runs no CFG; --diffusion-guidance-scale is its embedded guidance"

@@ -132,14 +132,14 @@ class Flux2Family(DiffusersFamily):
         """Refused at start-up: MixGRPO-Flash (its compressed grid needs one static shift of the resolution;
         FLUX.2's shift depends on the step count too) and a resolution under 64 px (miles loads reference images at
         the run's resolution, and the pipelines refuse smaller ones)."""
-        resolution = getattr(args, "resolution", None) or self.default_resolution
+        resolution = args.resolution or self.default_resolution
         if resolution < FLUX2_MIN_REFERENCE_SIDE:
             raise ValueError(
                 f"--resolution {resolution}: the {self.name} family loads reference images at the run's resolution "
                 f"and {self.pipeline_class_name} takes none smaller than {FLUX2_MIN_REFERENCE_SIDE} px a side; use "
                 f"at least {FLUX2_MIN_REFERENCE_SIDE}"
             )
-        if getattr(args, "mixgrpo_flash", False):
+        if args.mixgrpo_flash:
             raise ValueError(
                 f"--mixgrpo-flash is not supported by the {self.name} family: its σ shift depends on the step count "
                 "(compute_empirical_mu), not on the resolution alone"

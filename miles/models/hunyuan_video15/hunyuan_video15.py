@@ -104,18 +104,14 @@ class HunyuanVideo15PipelineConfig(DiffusersFamily):
     def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """Refused at start-up: a guidance scale below 1 (the guider would run CFG with it, miles does not) and a
         LoRA adapter written by --save-hf (the pipeline class has no `save_lora_weights` / `load_lora_weights`)."""
-        scale = getattr(args, "diffusion_guidance_scale", None)
+        scale = args.diffusion_guidance_scale
         if scale is not None and scale < 1.0:
             raise ValueError(
                 f"--diffusion-guidance-scale {scale}: HunyuanVideo15Pipeline's guider runs CFG at any scale but 1, "
                 "miles disables CFG at ≤ 1; use 1 (no CFG) or a scale above 1"
             )
         pipeline = getattr(diffusers, self.pipeline_class_name)
-        if (
-            getattr(args, "use_lora", False)
-            and getattr(args, "save_hf", None)
-            and not hasattr(pipeline, "save_lora_weights")
-        ):
+        if args.use_lora and args.save_hf and not hasattr(pipeline, "save_lora_weights"):
             raise ValueError(
                 f"--use-lora with --save-hf: diffusers' {self.pipeline_class_name} has no LoRA loader "
                 "(save_lora_weights / load_lora_weights), so the adapter could not be written as the pipeline loads "

@@ -102,7 +102,7 @@ class LTX2PipelineConfig(DiffusersFamily):
     def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """Training on (prompt, image) dataset records is refused at start-up (a run without engines, --train-only):
         the LTX-2 latent is a joint video + audio latent that no image encodes."""
-        if getattr(args, "train_only", False) or not algorithm.uses_engines:
+        if args.train_only or not algorithm.uses_engines:
             raise ValueError(
                 f"--loss-type {args.loss_type} trains on (prompt, image) dataset records (--train-only), which is not "
                 f"supported for the {self.name} family ({self.path}): its latent is a joint video + audio latent and "

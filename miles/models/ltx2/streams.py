@@ -84,6 +84,7 @@ def guided_stream_velocity(
     sample: torch.Tensor, pred: torch.Tensor, sigma: torch.Tensor, guidance_scale: float, cfg: bool
 ) -> torch.Tensor:
     """One stream's guided velocity, in LTX2Pipeline's order of operations (x0 space, then back)."""
+    delta: torch.Tensor | int  # 0 without CFG
     if cfg:
         uncond, cond = pred.chunk(2)
         x0 = sample - cond * sigma

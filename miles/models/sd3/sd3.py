@@ -8,7 +8,10 @@ from __future__ import annotations
 import logging
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+# from its module, not the package: mypy reads `from diffusers import X` as diffusers' torch-less dummy class
+from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 from torch import nn
 
 from miles.models.base import compute_dtype, register_train_pipeline_config

@@ -178,7 +178,7 @@ class WanFolderFamily(DiffusersFamily):
 
     def check_run_args(self, args: argparse.Namespace, algorithm: RunAlgorithm) -> None:
         """LoRA trains one adapter on one transformer: two experts are refused at start-up."""
-        if getattr(args, "use_lora", False) and self.two_experts:
+        if args.use_lora and self.two_experts:
             raise ValueError(
                 f"--use-lora with a two-expert Wan folder ({self.path}) is not supported: miles injects one adapter "
                 "into one transformer; train the experts fully (--wan-trained-experts picks which)"

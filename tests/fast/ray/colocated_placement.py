@@ -13,7 +13,7 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from miles.arguments.parser import parse_args  # noqa: E402
 from miles.ray.engine_group import engine_options  # noqa: E402
-from miles.ray.groups import colocation_for, roles_to_start  # noqa: E402
+from miles.ray.groups import RunFlags, colocation_for, roles_to_start  # noqa: E402
 from miles.ray.train_group import rank_options  # noqa: E402
 
 
@@ -26,10 +26,10 @@ def main() -> None:
     flags = ["--loss-type", "dmd2", "--teacher-load", "unused", "--hf-checkpoint", "unused", "--device", "cuda"]
     args = parse_args([*flags, "--dp-size", "2", "--rollout-num-engines", "3", "--colocate"])
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(), log_to_driver=False)
-    colocation = colocation_for(args)
+    colocation = colocation_for(RunFlags.from_args(args))
     stand_in = ray.remote(StandIn)
     placement = {}
-    for role in roles_to_start(args):
+    for role in roles_to_start(RunFlags.from_args(args)):
         ranks = [
             stand_in.options(**rank_options(args, r, colocation.placement_group, colocation)).remote() for r in (0, 1)
         ]

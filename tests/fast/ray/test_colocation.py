@@ -191,11 +191,11 @@ def test_colocated_engines_on_gpus_load_once_the_ranks_hold_their_shards(monkeyp
 
     monkeypatch.setattr(miles.ray.train_group, "RayTrainGroup", Group)
     monkeypatch.setattr(miles.ray.rollout_manager, "RolloutManager", Manager)
-    monkeypatch.setattr(groups_module, "colocation_for", lambda args: None)
+    monkeypatch.setattr(groups_module, "colocation_for", lambda flags: None)
     monkeypatch.setattr(groups_module.RunGroups, "record_placement", lambda self: {})
-    monkeypatch.setattr(groups_module, "uses_gpu", lambda args: args.device == "cuda")
+    monkeypatch.setattr(groups_module, "uses_gpu", lambda flags: flags.device == "cuda")
     args = args_for("--device", device, "--eval-interval", "0", *(["--colocate"] if colocate else []))
-    assert groups_module.engines_after_trainers(args) is after
+    assert groups_module.engines_after_trainers(groups_module.RunFlags.from_args(args)) is after
     run_groups = groups_module.RunGroups.launch(args, pool=None)
     assert run_groups.start() == 0
     if after:

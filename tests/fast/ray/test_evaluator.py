@@ -1,6 +1,6 @@
 """Held-out evaluation: which eval a prompt file selects (OCR when no record has shapes metadata, then every prompt
-needs quoted text; shapes otherwise), and the eval samples with the run's rollout entry's sampler (none for a
-dataset entry, which starts no engine)."""
+needs quoted text; shapes otherwise), the eval samples with the run's rollout entry's sampler (none for a
+dataset entry, which starts no engine), and the evaluator's flag record."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from miles.arguments.parser import parse_args
+from miles.algorithms import get_algorithm
+from miles.arguments.parser import default_args, parse_args
 from miles.data.ocr import ocr_prompts
-from miles.ray.evaluator import OCR_EVAL, SHAPES_EVAL, Evaluator, load_eval_records
+from miles.ray.evaluator import OCR_EVAL, SHAPES_EVAL, EvalFlags, Evaluator, load_eval_records
 from miles.rollout.requests import ode_eval
 from miles.rollout.rollout_hub import generator_eval
 from tests.fast.data.test_ocr import data_args
@@ -45,3 +46,26 @@ def test_the_eval_samples_with_the_entrys_sampler(tiny_pipeline_dir):
         ValueError, match="sft_loss trains on dataset pairs here with none started: pass --eval-interval"
     ):
         Evaluator(sft_args(tiny_pipeline_dir))
+
+
+def test_the_eval_record_holds_the_evaluators_flags(tmp_path):
+    defaults = EvalFlags.from_args(default_args())
+    assert (defaults.n_samples_per_eval_prompt, defaults.eval_seed, defaults.ocr_num_threads) == (1, 0, 1)
+    assert (defaults.diffusion_guidance_scale, defaults.resolution, defaults.negative_prompt) == (None, None, "")
+    args = parse_args(
+        [
+            "--hf-checkpoint", "unused", "--prompt-data", "builtin:shapes", "--loss-type", "policy_loss",
+            "--eval-num-prompts", "2", "--n-samples-per-eval-prompt", "3", "--eval-seed", "9", "--resolution", "32",
+            "--negative-prompt", "blurry", "--output-dir", str(tmp_path), "--media-max-samples", "2",
+        ]
+    )  # fmt: skip
+    flags = EvalFlags.from_args(args)
+    assert (flags.loss_type, flags.n_samples_per_eval_prompt, flags.eval_seed, flags.resolution) == (
+        "policy_loss",
+        3,
+        9,
+        32,
+    )
+    assert (flags.negative_prompt, flags.output_dir, flags.media_max_samples) == ("blurry", str(tmp_path), 2)
+    assert flags.diffusion_guidance_scale == get_algorithm("policy_loss").guidance_scale  # the computed default
+    assert Evaluator(args).flags == flags

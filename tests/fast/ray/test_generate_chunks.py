@@ -3,11 +3,11 @@ result are those of generating and scoring the same chunks one after the other."
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 import torch
 
+from miles.arguments.parser import default_args
+from miles.arguments.records import RolloutFlags
 from miles.models.conditioning import Conditioning
 from miles.ray.rollout_manager import REWARD_TERMS, RolloutManager
 from miles.rollout.engine_api import GenerateRequest, GenerateResult
@@ -75,7 +75,7 @@ def ode_request(samples: list[Sample]) -> GenerateRequest:
 def run(chunk: int) -> tuple[list[Sample], GenerateResult, list]:
     events: list = []
     manager = RolloutManager.__new__(RolloutManager)
-    manager.args = argparse.Namespace(generate_chunk_size=chunk)
+    manager.flags = RolloutFlags.from_args(default_args(generate_chunk_size=chunk))
     manager.hooks, manager.engines, manager.rewards = {}, Engines(events), Rewards(events)
     seeds = [3, 11, 5, 8, 1]
     samples = [Sample(index=i, prompt=f"p{i}", seed=seed) for i, seed in enumerate(seeds)]
@@ -105,7 +105,7 @@ def test_each_chunk_is_scored_while_the_next_generates_with_the_same_results():
 def test_no_chunking_without_rewards_to_score():
     manager = RolloutManager.__new__(RolloutManager)
     events: list = []
-    manager.args = argparse.Namespace(generate_chunk_size=2)
+    manager.flags = RolloutFlags.from_args(default_args(generate_chunk_size=2))
     manager.hooks, manager.engines, manager.rewards = {}, Engines(events), None
     samples = [Sample(index=i, prompt="p", seed=i) for i in range(4)]
     manager._generate_and_score(samples, ode_request(samples), rollout_id=0)

@@ -8,8 +8,10 @@ import signal
 import time
 
 import train_diffusion
+from miles.algorithms import DEFAULT_LOSS_TYPE
+from miles.arguments.parser import default_args
 from miles.backends.fsdp_utils.checkpoint import META_FILE, checkpoint_dir, read_latest, write_latest
-from miles.ray.groups import RunGroups, resumes_from_save_folders
+from miles.ray.groups import RunFlags, RunGroups, resumes_from_save_folders
 from miles.utils.stop_signals import StopSignals
 from tests.fast.test_async_rollout import World, args_for
 
@@ -99,3 +101,24 @@ def test_a_run_resumed_from_its_own_save_folder_holds_its_start_as_saved(tmp_pat
     other = args_for("--loss-type", "nft", "--save", ckpt, "--load", str(elsewhere))
     assert not resumes_from_save_folders(other, ["actor"])
     assert not resumes_from_save_folders(args_for("--loss-type", "nft", "--load", ckpt), ["actor"])
+
+
+def test_the_run_record_holds_the_groups_flags_as_parsed(tmp_path):
+    defaults = RunFlags.from_args(default_args())
+    assert (defaults.loss_type, defaults.load, defaults.colocate, defaults.dp_size, defaults.sp_size) == (
+        DEFAULT_LOSS_TYPE, None, False, 2, 1
+    )  # fmt: skip
+    assert (defaults.cpu_phase_threads, defaults.fsdp_shard_size, defaults.fsdp_strict_shard_groups) == (
+        "auto",
+        None,
+        False,
+    )
+    args = args_for(
+        "--loss-type", "nft", "--load", str(tmp_path), "--eval-only", "--async-rollout", "--cpu-phase-threads", "off",
+        "--rollout-num-engines", "2", "--rollout-cpus-per-engine", "0.25", "--output-dir", str(tmp_path / "out"),
+    )  # fmt: skip
+    flags = RunFlags.from_args(args)
+    assert (flags.loss_type, flags.load, flags.eval_only, flags.async_rollout) == ("nft", str(tmp_path), True, True)
+    assert (flags.cpu_phase_threads, flags.rollout_num_engines, flags.rollout_cpus_per_engine) == ("off", 2, 0.25)
+    assert flags.output_dir == str(tmp_path / "out") and flags.device == args.device
+    assert RunGroups(args, {}, None).flags == flags  # the groups read this record

@@ -4,11 +4,10 @@ draw (and the eval prompts), and keeps the text encoders when prompts may come f
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from miles.arguments.parser import parse_args
+from miles.arguments.parser import default_args, parse_args
+from miles.arguments.records import RolloutFlags
 from miles.ray.rollout_manager import RolloutManager
 from miles.rollout import steps
 from miles.rollout.data_source import PromptDataSource
@@ -64,7 +63,7 @@ class RecordingEngines:
 
 def manager_of(records, hooks=None) -> RolloutManager:
     manager = RolloutManager.__new__(RolloutManager)
-    manager.args = argparse.Namespace(num_rollout=3, negative_prompt="neg")
+    manager.flags = RolloutFlags.from_args(default_args(num_rollout=3, negative_prompt="neg"))
     manager.records, manager.hooks, manager.engines = records, hooks or {}, RecordingEngines()
     manager.source = PromptDataSource(len(records), 2, seed=5, shuffle=True)
     manager.prompt_cache = PromptCacheConfig("unused", "f")

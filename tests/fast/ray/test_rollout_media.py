@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from miles.arguments.parser import default_args
+from miles.arguments.records import RolloutFlags
 from miles.models.conditioning import Conditioning
 from miles.ray.reward_workers import RewardWorkerPool
 from miles.ray.rollout_manager import REWARD_TERMS, RolloutManager
@@ -88,10 +90,8 @@ def test_a_custom_reward_reads_frames_fps_and_audio_through_the_score_step(tmp_p
 
 
 def test_every_interval_a_rollout_saves_bounded_mp4s_with_sound_and_a_contact_sheet(tmp_path):
-    args = argparse.Namespace(
-        output_dir=str(tmp_path), image_grid_interval=2, n_samples_per_prompt=2, media_max_samples=2
-    )
-    manager = SimpleNamespace(args=args)
+    args = default_args(output_dir=str(tmp_path), image_grid_interval=2, n_samples_per_prompt=2, media_max_samples=2)
+    manager = SimpleNamespace(flags=RolloutFlags.from_args(args))
     result = video_result([2, -2, 0], audio_level=[0.25, 0.5, 0.0])
     RolloutManager._save_media(manager, 3, result, [])
     assert not (tmp_path / "media").exists()

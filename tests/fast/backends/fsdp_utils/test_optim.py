@@ -1,8 +1,10 @@
 import math
 
 import pytest
+import torch
 
-from miles.backends.fsdp_utils.optim import lr_multiplier
+from miles.arguments.parser import default_args, parse_args
+from miles.backends.fsdp_utils.optim import OptimizerFlags, build_lr_scheduler, build_optimizer, lr_multiplier
 
 
 def test_warmup_is_linear_then_constant():
@@ -17,3 +19,30 @@ def test_cosine_and_linear_decay_match_their_formulas(step):
     lin = lr_multiplier(step, warmup_steps=2, decay_steps=10, decay_style="linear", min_ratio=0.1)
     assert cos == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
     assert lin == pytest.approx(0.1 + 0.9 * (1 - progress))
+
+
+def test_the_optimizer_record_holds_the_flags_that_build_adamw_and_its_schedule():
+    defaults = OptimizerFlags.from_args(default_args())
+    assert (defaults.adam_beta1, defaults.adam_beta2, defaults.adam_eps, defaults.weight_decay) == (
+        0.9,
+        0.999,
+        1e-8,
+        0.0,
+    )
+    assert (defaults.lr_warmup_steps, defaults.lr_decay_steps, defaults.lr_decay_style, defaults.min_lr) == (
+        0, None, "constant", 0.0
+    )  # fmt: skip
+    args = parse_args(
+        [
+            "--hf-checkpoint", "unused", "--adam-beta1", "0.8", "--adam-beta2", "0.95", "--adam-eps", "1e-6",
+            "--weight-decay", "0.01", "--lr", "1e-3", "--lr-warmup-steps", "2", "--lr-decay-steps", "10",
+            "--lr-decay-style", "linear", "--min-lr", "1e-4",
+        ]
+    )  # fmt: skip
+    flags = OptimizerFlags.from_args(args)
+    optimizer = build_optimizer([torch.nn.Parameter(torch.ones(2))], flags, lr=1e-3)
+    group = optimizer.param_groups[0]
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.95), 1e-6, 0.01)
+    scheduler = build_lr_scheduler(optimizer, flags, lr=1e-3, total_steps=100)
+    factors = [scheduler.lr_lambdas[0](step) for step in (0, 1, 2, 6, 10, 50)]
+    assert factors == pytest.approx([0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5, 0.1, 0.1])  # warm-up 2, linear to 0.1 at 10

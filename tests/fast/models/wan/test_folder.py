@@ -4,7 +4,6 @@ two experts' routing: test_experts.py; a wan run's start-up checks: test_wan.py)
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 from diffusers import UniPCMultistepScheduler
 
 from miles.algorithms import ALGORITHMS
+from miles.arguments.parser import default_args
 from miles.models import get_train_pipeline_config
 from miles.models.diffusers_family import RUN_DEFAULTS_FILE
 from miles.models.media import Media
@@ -57,7 +57,7 @@ def test_options_are_checked_against_the_folder(tiny_wan_dir, tiny_wan_2_experts
     with pytest.raises(ValueError, match="--num-frames does not apply to the sd3 family"):
         get_train_pipeline_config(tiny_pipeline_dir, num_frames=5)
     assert get_train_pipeline_config(tiny_pipeline_dir, num_frames=None).name == "sd3"  # not given: fine
-    lora = argparse.Namespace(use_lora=True)
+    lora = default_args(use_lora=True)
     get_train_pipeline_config(tiny_wan_dir).check_run_args(lora, ALGORITHMS["policy_loss"])  # one expert: LoRA is fine
     with pytest.raises(ValueError, match="--use-lora with a two-expert Wan folder"):
         get_train_pipeline_config(tiny_wan_2_experts_dir).check_run_args(lora, ALGORITHMS["policy_loss"])
