@@ -21,8 +21,8 @@
 #   plan_sd35_medium 65 s   the planner's engine and trainer phases vs torch.cuda.max_memory_allocated of the same
 #                           library steps run for real (random weights), SD3.5-Medium as bench_sd35_medium trains it,
 #                           each phase within 10% (scripts/gpu_check_plan.py)
-#   plan_flux_dev 86 s      the same for FLUX.1-dev, LoRA rank 16 as bench_flux_dev (the library's trainer, not
-#                           bench's bare FSDP2 step: a run of its own)
+#   plan_flux_dev 86 s      the same for FLUX.1-dev, LoRA rank 16 on a bf16 base as bench_flux_dev (the library's
+#                           trainer and engine, not bench's bare FSDP2 step: a run of its own)
 # Without CUDA every step is skipped with the reason and the script exits 0.
 #
 # Packages the Ray-free core needs besides torch (and torch's own dependencies). Where the machine lacks them and has

@@ -2,7 +2,7 @@
 steps run for real, one model per call, ending with a `RESULT:` line:
 
     python scripts/gpu_check_plan.py --model sd3.5-medium --workdir DIR   # full fine-tuning, bf16 master weights
-    python scripts/gpu_check_plan.py --model flux-dev --workdir DIR       # LoRA rank 16 (as bench_flux_dev)
+    python scripts/gpu_check_plan.py --model flux-dev --workdir DIR       # LoRA rank 16, bf16 base (bench_flux_dev)
     python scripts/gpu_check_plan.py --model tiny --device cpu --workdir DIR   # the same comparison on a CPU
 
 At world size 1, 1024 px, activation checkpointing, micro-batch 1, one engine generate of 2 samples (4 steps):
@@ -68,7 +68,10 @@ COMMON += [
 ]
 MODELS = {  # --model: (checkpoint, its flags)
     "sd3.5-medium": ("sd3.5-medium", ["--resolution", "1024", "--fsdp-master-dtype", "bf16"]),
-    "flux-dev": ("black-forest-labs/FLUX.1-dev", ["--resolution", "1024", "--use-lora", "--lora-rank", "16"]),
+    "flux-dev": (
+        "black-forest-labs/FLUX.1-dev",
+        ["--resolution", "1024", "--use-lora", "--lora-rank", "16", "--fsdp-master-dtype", "bf16"],
+    ),
     "tiny": ("tiny", []),
 }
 SD35_LARGE = CONFIGS / "stabilityai--stable-diffusion-3.5-large"

@@ -62,3 +62,25 @@ def test_the_sd35_medium_folder_is_sd35_large_with_the_medium_transformer(plan_s
 def test_without_cuda_it_refuses_naming_the_cpu_variant(plan_script, tmp_path):
     with pytest.raises(SystemExit, match="no CUDA device visible.*--device cpu with --model tiny"):
         plan_script.main(["--model", "flux-dev", "--workdir", str(tmp_path)])
+
+
+def test_cuda_peaks_reads_each_phase_from_its_own_reset_less_the_baseline(plan_script, monkeypatch):
+    """`CudaPeaks` with torch.cuda's statistics played by a counter: each phase's peak is read after a reset at its
+    start, a phase entered twice keeps the larger, and what was allocated before the tracker is not counted."""
+    stats = {"allocated": 100, "peak": 100}
+    cuda = plan_script.torch.cuda
+    monkeypatch.setattr(cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(cuda, "memory_allocated", lambda: stats["allocated"])
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda: stats["peak"])
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda: stats.update(peak=stats["allocated"]))
+
+    def allocate(n):
+        stats["allocated"] += n
+        stats["peak"] = max(stats["peak"], stats["allocated"])
+
+    tracker = plan_script.CudaPeaks()
+    for phase, sizes in [("start-up", [50, -20]), ("generate", [300, -300]), ("start-up", [10])]:
+        with tracker.in_phase(phase):
+            for n in sizes:
+                allocate(n)
+    assert tracker.measured == {"start-up": 50, "generate": 330}
