@@ -23,6 +23,8 @@
 #                           each phase within 10% (scripts/gpu_check_plan.py)
 #   plan_flux_dev 86 s      the same for FLUX.1-dev, LoRA rank 16 on a bf16 base as bench_flux_dev (the library's
 #                           trainer and engine, not bench's bare FSDP2 step: a run of its own)
+#                           (their plan side, on fake tensors, took 41 s of CPU time for FLUX.1-dev and about 30 s
+#                           for SD3.5-Medium on the 2-core CPU machine, imports included; the real side is unmeasured)
 # Without CUDA every step is skipped with the reason and the script exits 0.
 #
 # Packages the Ray-free core needs besides torch (and torch's own dependencies). Where the machine lacks them and has
