@@ -8,15 +8,23 @@
 #   GPU_CHECK_OUT=/tmp/out bash scripts/gpu_check.sh --no-setup
 #
 # --no-setup uses the python on PATH as it is (torch with CUDA already installed), installs nothing and needs neither
-# the network nor Ray. Its steps (limits add up to 8 min 40 s; one H100):
+# the network nor Ray. Its steps (limits add up to 8 min 56 s; one H100; the limits were set without a GPU: no GPU was
+# lent to the session that set them, 2026-12-06, so they are estimates from the steps' work, not measured times):
 #   environment 20 s        GPU, driver, torch, CUDA, which packages are missing
-#   trainer_step 70 s       FSDP2 trainer rank, world size 1 over NCCL, two optimizer windows (scripts/gpu_check_core.py)
-#   engine_generate 50 s    a rollout engine samples 4 prompts with CFG
-#   pinned_sizes 45 s       --colocate-sleep's host buffer after sleeping 1.1 GiB: exact size, page-locked, not cached
-#   precision_parity 60 s   engine (bf16) vs the trainer's FSDP2 recompute of the recorded log-probs, bf16 bound 1e-2
-#   bench_sd35_medium 120 s benchmarks/bench_gpu.py, SD3.5-Medium 1024 px, full fine-tuning, bf16 master weights
-#   bench_flux_dev 155 s    benchmarks/bench_gpu.py, FLUX.1-dev 1024 px, LoRA rank 16 (full fine-tuning of 12B with
+#   trainer_step 45 s       FSDP2 trainer rank, world size 1 over NCCL, two optimizer windows (scripts/gpu_check_core.py)
+#   engine_generate 35 s    a rollout engine samples 4 prompts with CFG
+#   pinned_sizes 30 s       --colocate-sleep's host buffer after sleeping 1.1 GiB: exact size, page-locked, not cached
+#   precision_parity 45 s   engine (bf16) vs the trainer's FSDP2 recompute of the recorded log-probs, bf16 bound 1e-2
+#   bench_sd35_medium 90 s  benchmarks/bench_gpu.py, SD3.5-Medium 1024 px, full fine-tuning, bf16 master weights
+#   bench_flux_dev 120 s    benchmarks/bench_gpu.py, FLUX.1-dev 1024 px, LoRA rank 16 (full fine-tuning of 12B with
 #                           AdamW needs ~96 GB even with bf16 master weights: more than one H100)
+#   plan_sd35_medium 65 s   the planner's engine and trainer phases vs torch.cuda.max_memory_allocated of the same
+#                           library steps run for real (random weights), SD3.5-Medium as bench_sd35_medium trains it,
+#                           each phase within 10% (scripts/gpu_check_plan.py)
+#   plan_flux_dev 86 s      the same for FLUX.1-dev, LoRA rank 16 on a bf16 base as bench_flux_dev (the library's
+#                           trainer and engine, not bench's bare FSDP2 step: a run of its own)
+#                           (their plan side, on fake tensors, took 41 s of CPU time for FLUX.1-dev and about 30 s
+#                           for SD3.5-Medium on the 2-core CPU machine, imports included; the real side is unmeasured)
 # Without CUDA every step is skipped with the reason and the script exits 0.
 #
 # Packages the Ray-free core needs besides torch (and torch's own dependencies). Where the machine lacks them and has
@@ -65,9 +73,11 @@ cuda_reason="$(python -c 'import torch; print("" if torch.cuda.is_available() el
   || cuda_reason="$(command -v python || echo no python) cannot import torch: $cuda_reason"
 core="python scripts/gpu_check_core.py"
 bench="python benchmarks/bench_gpu.py --gradient-checkpointing --warmup 1 --steps 3"
-names=(environment trainer_step engine_generate pinned_sizes precision_parity bench_sd35_medium bench_flux_dev)
-declare -A limit=([environment]=20 [trainer_step]=70 [engine_generate]=50 [pinned_sizes]=45 [precision_parity]=60
-  [bench_sd35_medium]=120 [bench_flux_dev]=155)
+plan="python scripts/gpu_check_plan.py --workdir $out"
+names=(environment trainer_step engine_generate pinned_sizes precision_parity bench_sd35_medium bench_flux_dev
+  plan_sd35_medium plan_flux_dev)
+declare -A limit=([environment]=20 [trainer_step]=45 [engine_generate]=35 [pinned_sizes]=30 [precision_parity]=45
+  [bench_sd35_medium]=90 [bench_flux_dev]=120 [plan_sd35_medium]=65 [plan_flux_dev]=86)
 declare -A command=(
   [environment]="python scripts/gpu_check_wheels.py --report"
   [trainer_step]="$core trainer_step --workdir $out"
@@ -76,6 +86,8 @@ declare -A command=(
   [precision_parity]="$core precision_parity --workdir $out"
   [bench_sd35_medium]="$bench --preset sd3.5-medium --master-dtype bf16"
   [bench_flux_dev]="$bench --preset flux-dev --lora-rank 16"
+  [plan_sd35_medium]="$plan --model sd3.5-medium"
+  [plan_flux_dev]="$plan --model flux-dev"
 )
 if [ "$no_setup" = 0 ]; then  # with the venv (Ray installed): the GPU test tier and a whole colocated run too
   names+=(fast_gpu colocated_grpo)
@@ -123,11 +135,11 @@ done
   for name in "${names[@]}"; do
     echo "| $name | ${limit[$name]} | ${status[$name]} | ${result[$name]:-see $out/$name.log} |"
   done
-  for name in bench_sd35_medium bench_flux_dev; do
+  for name in bench_sd35_medium bench_flux_dev plan_sd35_medium plan_flux_dev; do
     if [ -f "$out/$name.log" ]; then
       echo
       echo '```'
-      sed -n '/^images/,$p' "$out/$name.log"
+      sed -n '/^images/,$p;/^process/,/^RESULT/p' "$out/$name.log"
       echo '```'
     fi
   done

@@ -5,14 +5,17 @@ one optimizer window, the weight export and a sleep / wake, each the library's o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
@@ -134,14 +137,20 @@ class ForwardOnce:
 
 
 def simulate_engine(
-    args: argparse.Namespace, rows: int, *, fake: bool = True, micro_batch_size: int | str = "auto"
+    args: argparse.Namespace,
+    rows: int,
+    *,
+    fake: bool = True,
+    micro_batch_size: int | str = "auto",
+    tracker: PlanTracker | None = None,
 ) -> tuple[ProcessPlan, GenerateResult, list[Sample], float]:
     """A rollout engine process: its start-up (transformer, text encoders, VAE in the forward dtype), then one
     generate call of `rows` samples as the algorithm requests them (one transformer forward run, the others
     counted: `ForwardOnce`); returns its plan, the result (the trainer's simulation converts it), the samples and
-    the call's FLOPs."""
+    the call's FLOPs. `fake=False` on `args.device` cuda runs it for real on the GPU (`scripts/gpu_check_plan.py`
+    measures it with its own `tracker`)."""
     started = time.perf_counter()
-    tracker = PlanTracker()
+    tracker = tracker or PlanTracker()
     lora = lora_config_from_args(args, _family_name(args)) if args.use_lora else None
     samples = engine_samples(args, rows)
     with plan_tensor_mode(fake), movable_fake_modules(), per_tensor_equivalents(), tracker:
@@ -149,7 +158,7 @@ def simulate_engine(
             engine = DiffusionEngine(
                 args.hf_checkpoint,
                 model_family=args.model_family,
-                device="cpu",
+                device=args.device,  # `simulation_args`: cpu
                 forward_dtype=parse_dtype(args.diffusion_forward_dtype),
                 lora_config=lora,
                 family_options=family_options(args),
@@ -225,18 +234,21 @@ def simulate_trainer_rank(
     sleeps: bool = False,
     fake: bool = True,
     after_window: ProcessPlan | None = None,
+    tracker: PlanTracker | None = None,
 ) -> tuple[ProcessPlan, Any]:
     """Rank `rank` of the role's `world_size` ranks: start-up (sharded load, LoRA, checkpointing, optimizer), one
     optimizer window on `pairs`, the weight export (rank 0 keeps the engines' copy: host memory, not counted in the
     phase's device peak), sleep and wake. `fake=False` runs the same steps on real tensors (world size 1).
     `after_window`: the same rank planned under another micro-batch or checkpointing, whose phases after the window
-    are taken instead of simulated again (`AFTER_WINDOW`: they start from the same resident state)."""
+    are taken instead of simulated again (`AFTER_WINDOW`: they start from the same resident state). `fake=False`
+    with `args.device` cuda runs it on the GPU over NCCL (world size 1; `scripts/gpu_check_plan.py`)."""
     started = time.perf_counter()
-    tracker = PlanTracker()
-    with fake_process_group(rank, world_size, fake=fake):
+    tracker = tracker or PlanTracker()
+    device = "cpu" if fake else args.device  # `simulation_args`: cpu
+    with _process_group(rank, world_size, fake, device):
         actor = PlannedTrainer(world_size, rank, role)
         # the mesh is built outside the fake mode (its rank tables are real tensors)
-        actor.mesh = build_mesh(world_size, args.fsdp_shard_size, "cpu") or init_device_mesh("cpu", (world_size,))
+        actor.mesh = build_mesh(world_size, args.fsdp_shard_size, device) or init_device_mesh(device, (world_size,))
         with plan_tensor_mode(fake), movable_fake_modules(), tracker:
             with tracker.in_phase("start-up"):
                 actor.init(args, "planner", 0)
@@ -273,6 +285,26 @@ def simulate_trainer_rank(
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
     return plan, output
+
+
+@contextlib.contextmanager
+def _process_group(rank: int, world_size: int, fake: bool, device: str) -> Iterator[None]:
+    """The simulated rank's process group (`fake_process_group`); for a real run on one GPU, gloo and NCCL at world
+    size 1 (FSDP2's collectives on CUDA tensors go over NCCL, as in a run)."""
+    if fake or device != "cuda":
+        with fake_process_group(rank, world_size, fake=fake):
+            yield
+        return
+    if world_size != 1 or dist.is_initialized():
+        raise RuntimeError(
+            f"a real trainer rank on cuda runs at world size 1 alone, without a process group ({world_size=})"
+        )
+    torch.cuda.set_device(0)
+    dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 AFTER_WINDOW = ("weight sync", "sleep", "wake")  # the phases after a trainer's window, in order
