@@ -29,6 +29,8 @@ BUILTIN_REWARDS: tuple[str, ...] = (
     "moving_shapes",
     "shapes_strict",
     "moving_shapes_strict",
+    "shapes_learned",
+    "shapes_learned_latent",
 )
 REMOTE = "remote"  # remote<K>: the reward server of the K-th --rm-url (not a --rm-type name)
 JUDGE = "vlm_judge"  # takes --rm-url as its chat-completions endpoint instead of a reward server
@@ -41,6 +43,11 @@ REWARD_MODEL_FLAGS: dict[str, str] = {"clip_score": "clip_model_path", "pickscor
 VIDEO_REWARDS: tuple[str, ...] = ("temporal_consistency", "motion_direction", "moving_shapes", "moving_shapes_strict")
 EITHER_MEDIA: tuple[str, ...] = (JUDGE,)
 SOURCE_IMAGE_REWARDS: tuple[str, ...] = ("edit_preservation",)  # compare each result with its source image
+# The built-ins that are differentiable functions of what they score, and what that is: "image" (pixels in [0, 1])
+# or "latent" (a checkpoint's normalised latents). Their functions carry the torch scorer as a `differentiable`
+# attribute (`rm_hub.learned_shapes.DifferentiableReward`; a test keeps the two equal); a reward-gradient algorithm
+# refuses a reward that is not here and whose function has no such attribute.
+DIFFERENTIABLE_REWARDS: dict[str, str] = {"shapes_learned": "image", "shapes_learned_latent": "latent"}
 
 
 def valid_reward_names() -> str:
