@@ -48,6 +48,11 @@ SOURCE_IMAGE_REWARDS: tuple[str, ...] = ("edit_preservation",)  # compare each r
 # attribute (`rm_hub.learned_shapes.DifferentiableReward`; a test keeps the two equal); a reward-gradient algorithm
 # refuses a reward that is not here and whose function has no such attribute.
 DIFFERENTIABLE_REWARDS: dict[str, str] = {"shapes_learned": "image", "shapes_learned_latent": "latent"}
+# The learned shapes rewards' weight files, in miles/assets/shapes_reward/ or the folder --shapes-learned-dir names.
+SHAPES_LEARNED_FILES: dict[str, str] = {
+    "shapes_learned": "shapes_learned.safetensors",
+    "shapes_learned_latent": "shapes_learned_latent.safetensors",
+}
 
 
 def valid_reward_names() -> str:
@@ -155,6 +160,19 @@ def reward_model_problems(args: argparse.Namespace, spec: list[tuple[str, float]
         elif not os.path.isfile(os.path.join(path, "config.json")):
             errors.append(f"{flag} {path}: no config.json in it (--rm-type {name} loads a transformers CLIP folder)")
     return errors
+
+
+def shapes_learned_problems(args: argparse.Namespace, spec: list[tuple[str, float]]) -> list[str]:
+    """--shapes-learned-dir without the weight file a learned shapes reward of `spec` loads from it."""
+    folder = args.shapes_learned_dir
+    if not folder:
+        return []
+    return [
+        f"--shapes-learned-dir {folder}: no {SHAPES_LEARNED_FILES[name]} in it (--rm-type {name} loads it; "
+        f"python scripts/train_shapes_reward.py --out-dir {folder} writes it)"
+        for name, _ in spec
+        if name in SHAPES_LEARNED_FILES and not os.path.isfile(os.path.join(folder, SHAPES_LEARNED_FILES[name]))
+    ]
 
 
 def reward_media_problems(spec: list[tuple[str, float]], *, family: str, video: bool, source_images: bool) -> list[str]:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from miles.arguments.reward_spec import SHAPES_LEARNED_FILES
 from miles.data.shapes import COUNTS, PALETTE, POSITIONS, SHAPES
 from miles.utils.types import Sample
 
@@ -36,8 +37,8 @@ ATTRIBUTES: tuple[tuple[str, tuple[Any, ...]], ...] = (
 IMAGE, LATENT = "image", "latent"
 IMAGE_SIZE = 32  # the shapes world's resolution; other square images are resized to it (differentiably)
 LATENT_CHECKPOINT = "builtin:tiny-shapes"  # the latent variant scores this checkpoint's normalised VAE latents
-WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "shapes_reward"
-WEIGHT_FILES = {IMAGE: "shapes_learned.safetensors", LATENT: "shapes_learned_latent.safetensors"}
+WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "shapes_reward"  # the shipped weights (package data)
+WEIGHT_FILES = {IMAGE: SHAPES_LEARNED_FILES["shapes_learned"], LATENT: SHAPES_LEARNED_FILES["shapes_learned_latent"]}
 
 
 class ShapesRewardNet(nn.Module):
@@ -101,14 +102,14 @@ def wanted_probabilities(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
 
 
 @functools.cache
-def _cpu_net(kind: str) -> tuple[ShapesRewardNet, dict[str, str]]:
+def _cpu_net(kind: str, folder: str) -> tuple[ShapesRewardNet, dict[str, str]]:
     from safetensors import safe_open
 
-    path = WEIGHTS_DIR / WEIGHT_FILES[kind]
+    path = Path(folder) / WEIGHT_FILES[kind]
     if not path.is_file():
         raise FileNotFoundError(
-            f"--rm-type {reward_name(kind)}: its weights {path} are missing; the package ships them, or rebuild "
-            "them with python scripts/train_shapes_reward.py"
+            f"--rm-type {reward_name(kind)}: its weights {path} are missing; the package ships them in {WEIGHTS_DIR} "
+            "(--shapes-learned-dir names another folder), or rebuild them with python scripts/train_shapes_reward.py"
         )
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata() or {}
@@ -122,14 +123,15 @@ def reward_name(kind: str) -> str:
     return "shapes_learned" if kind == IMAGE else "shapes_learned_latent"
 
 
-def load_net(kind: str, device: torch.device | str = "cpu") -> ShapesRewardNet:
-    """The shipped network of `kind` (image or latent), frozen, on `device` (loaded once per process and device)."""
-    return _net_on(kind, str(torch.device(device)))
+def load_net(kind: str, device: torch.device | str = "cpu", folder: str | None = None) -> ShapesRewardNet:
+    """The network of `kind` (image or latent) from `folder` (None: the shipped one), frozen, on `device` (loaded
+    once per process, folder and device)."""
+    return _net_on(kind, str(torch.device(device)), str(folder or WEIGHTS_DIR))
 
 
 @functools.cache
-def _net_on(kind: str, device: str) -> ShapesRewardNet:
-    net = _cpu_net(kind)[0]
+def _net_on(kind: str, device: str, folder: str) -> ShapesRewardNet:
+    net = _cpu_net(kind, folder)[0]
     return net if device == "cpu" else _copy_to(net, device)
 
 
@@ -139,9 +141,9 @@ def _copy_to(net: ShapesRewardNet, device: str) -> ShapesRewardNet:
     return copy.to(device).eval().requires_grad_(False)
 
 
-def shipped_metadata(kind: str) -> dict[str, str]:
+def shipped_metadata(kind: str, folder: str | None = None) -> dict[str, str]:
     """The weights file's metadata: config, seed, the training command, held-out accuracy per attribute (JSON)."""
-    return dict(_cpu_net(kind)[1])
+    return dict(_cpu_net(kind, str(folder or WEIGHTS_DIR))[1])
 
 
 def _resized(pixels: torch.Tensor) -> torch.Tensor:
@@ -152,18 +154,21 @@ def _resized(pixels: torch.Tensor) -> torch.Tensor:
     return nn.functional.interpolate(pixels, size=(IMAGE_SIZE, IMAGE_SIZE), mode="bilinear", antialias=True)
 
 
-def score_images(pixels: torch.Tensor, metadatas: Sequence[dict[str, Any]]) -> torch.Tensor:
+def score_images(pixels: torch.Tensor, metadatas: Sequence[dict[str, Any]], folder: str | None = None) -> torch.Tensor:
     """(B,) scores in [0, 1] of images (B, 3, S, S) in [0, 1] (any float dtype, any device) against their prompts'
-    shapes metadata: the mean over attributes of the probability of the wanted class. Differentiable in `pixels`."""
+    shapes metadata: the mean over attributes of the probability of the wanted class. Differentiable in `pixels`.
+    `folder`: the weights' (None: the shipped ones)."""
     x = _resized(pixels).float()
-    logits = load_net(IMAGE, x.device)(x * 2 - 1)
+    logits = load_net(IMAGE, x.device, folder)(x * 2 - 1)
     return wanted_probabilities(logits, scene_labels(metadatas)).mean(dim=1)
 
 
-def score_latents(latents: torch.Tensor, metadatas: Sequence[dict[str, Any]]) -> torch.Tensor:
+def score_latents(
+    latents: torch.Tensor, metadatas: Sequence[dict[str, Any]], folder: str | None = None
+) -> torch.Tensor:
     """(B,) scores in [0, 1] of `builtin:tiny-shapes` normalised latents (B, 4, 16, 16), x0 = (z - shift) * scale as
     the engine's final latents, against the prompts' shapes metadata. Differentiable in `latents`."""
-    net = load_net(LATENT, latents.device)
+    net = load_net(LATENT, latents.device, folder)
     expected = (net.config["in_channels"], net.config["size"], net.config["size"])
     if tuple(latents.shape[1:]) != expected:
         raise ValueError(
@@ -178,12 +183,13 @@ class DifferentiableReward:
     """What a reward that can be back-propagated provides, as the `differentiable` attribute of its function.
 
     `inputs`: IMAGE, pixels (B, 3, H, W) in [0, 1]; or LATENT, the normalised latents of `latent_checkpoint`.
-    `score(inputs, metadatas)`: (B,) tensor on the inputs' device, differentiable in the inputs, the same values
-    (to float rounding) as the reward function gives the samples those inputs decode to / come from.
+    `score(args, inputs, metadatas)`: (B,) tensor on the inputs' device, differentiable in the inputs, the same
+    values (to float rounding) as the reward function `rm(args, samples)` gives the samples those inputs decode to
+    or come from (`metadatas`: the samples' prompt metadata).
     """
 
     inputs: str
-    score: Callable[[torch.Tensor, Sequence[dict[str, Any]]], torch.Tensor]
+    score: Callable[[argparse.Namespace, torch.Tensor, Sequence[dict[str, Any]]], torch.Tensor]
     latent_checkpoint: str | None = None
 
 
@@ -231,22 +237,28 @@ def encode_images(pixels: torch.Tensor) -> torch.Tensor:
     return encode_shift_scaled(shapes_vae(), _resized(pixels) * 2 - 1, None)
 
 
-def _score_encoded(pixels: torch.Tensor, metadatas: list[dict]) -> torch.Tensor:
-    return score_latents(encode_images(pixels), metadatas)
+def differentiable_images(args: argparse.Namespace, pixels: torch.Tensor, metadatas: Sequence[dict]) -> torch.Tensor:
+    """`shapes_learned`'s declared scorer: `score_images` with the weights of --shapes-learned-dir."""
+    return score_images(pixels, metadatas, args.shapes_learned_dir)
+
+
+def differentiable_latents(args: argparse.Namespace, latents: torch.Tensor, metadatas: Sequence[dict]) -> torch.Tensor:
+    """`shapes_learned_latent`'s declared scorer: `score_latents` with the weights of --shapes-learned-dir."""
+    return score_latents(latents, metadatas, args.shapes_learned_dir)
 
 
 async def shapes_learned_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
     """The image network's score of each sample's image against its shapes metadata (in [0, 1])."""
-    return _by_size(samples, score_images)
+    return _by_size(samples, lambda pixels, metadatas: differentiable_images(args, pixels, metadatas))
 
 
 async def shapes_learned_latent_rm(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
     """The latent network's score of each sample's image encoded by the `builtin:tiny-shapes` VAE (posterior mode):
     samples carry decoded images; a reward-gradient algorithm scores the final latents directly (`score_latents`)."""
-    return _by_size(samples, _score_encoded)
+    return _by_size(samples, lambda pixels, metadatas: differentiable_latents(args, encode_images(pixels), metadatas))
 
 
-shapes_learned_rm.differentiable = DifferentiableReward(IMAGE, score_images)  # type: ignore[attr-defined]
+shapes_learned_rm.differentiable = DifferentiableReward(IMAGE, differentiable_images)  # type: ignore[attr-defined]
 shapes_learned_latent_rm.differentiable = DifferentiableReward(  # type: ignore[attr-defined]
-    LATENT, score_latents, LATENT_CHECKPOINT
+    LATENT, differentiable_latents, LATENT_CHECKPOINT
 )

@@ -13,7 +13,7 @@ import torch
 
 import miles
 from miles.arguments.parser import default_args
-from miles.arguments.reward_spec import DIFFERENTIABLE_REWARDS
+from miles.arguments.reward_spec import DIFFERENTIABLE_REWARDS, shapes_learned_problems
 from miles.data.shapes import COUNTS, PALETTE, POSITIONS, SHAPES, shapes_items
 from miles.rollout.rm_hub import REWARD_FUNCTIONS, compute_rewards, differentiable_of, reward_spec_from_args
 from miles.rollout.rm_hub import learned_shapes as ls
@@ -80,12 +80,12 @@ def test_scores_are_one_per_sample_in_the_unit_interval(scenes):
         assert scores[0::2].mean() > scores[1::2].mean() + 0.1
 
 
-@pytest.mark.parametrize("kind", [ls.IMAGE, ls.LATENT])
-def test_gradient_in_the_input_is_finite_and_nonzero(scenes, kind):
-    inputs = scenes["pixels"][:8] if kind == ls.IMAGE else scenes["latents"][:8]
+@pytest.mark.parametrize("name", ["shapes_learned", "shapes_learned_latent"])
+def test_gradient_in_the_input_is_finite_and_nonzero(scenes, name):
+    declared = differentiable_of(REWARD_FUNCTIONS[name])  # what a reward-gradient algorithm calls
+    inputs = scenes["pixels"][:8] if declared.inputs == ls.IMAGE else scenes["latents"][:8]
     inputs = inputs.clone().requires_grad_(True)
-    score = ls.score_images if kind == ls.IMAGE else ls.score_latents
-    score(inputs, scenes["metadatas"][:8]).sum().backward()
+    declared.score(default_args(), inputs, scenes["metadatas"][:8]).sum().backward()
     grad = inputs.grad
     assert bool(torch.isfinite(grad).all())
     assert bool((grad.flatten(1).abs().amax(dim=1) > 0).all())  # every sample's score moves with its input
@@ -128,7 +128,7 @@ def test_differentiable_declarations_agree_with_the_functions():
         declared = differentiable_of(fn)
         assert (declared.inputs if declared else None) == DIFFERENTIABLE_REWARDS.get(name), name
     latent = differentiable_of(REWARD_FUNCTIONS["shapes_learned_latent"])
-    assert latent.latent_checkpoint == ls.LATENT_CHECKPOINT and latent.score is ls.score_latents
+    assert latent.latent_checkpoint == ls.LATENT_CHECKPOINT and latent.score is ls.differentiable_latents
 
 
 def test_errors_name_what_is_wrong(scenes):
@@ -138,3 +138,21 @@ def test_errors_name_what_is_wrong(scenes):
         ls.score_images(scenes["pixels"][:1], [{"color": "red", "count": 1, "position": "left"}])
     with pytest.raises(ValueError, match=r"square RGB images"):
         ls.score_images(torch.zeros(1, 3, 32, 16), scenes["metadatas"][:1])
+
+
+def test_weights_from_another_folder(scenes, tmp_path):
+    for kind in (ls.IMAGE, ls.LATENT):  # a copy of the shipped files scores the same through the flag
+        (tmp_path / ls.WEIGHT_FILES[kind]).write_bytes((ls.WEIGHTS_DIR / ls.WEIGHT_FILES[kind]).read_bytes())
+    args = default_args(rm_type="shapes_learned", shapes_learned_dir=str(tmp_path))
+    samples = [Sample(index=0, prompt="", metadata=scenes["metadatas"][0], image=scenes["images"][0])]
+    _, per_reward = asyncio.run(compute_rewards(args, samples, reward_spec_from_args(args)))
+    assert per_reward["shapes_learned"][0] == pytest.approx(
+        float(ls.score_images(scenes["pixels"][:1], [samples[0].metadata])[0]), abs=1e-6
+    )
+    assert ls.load_net(ls.IMAGE, folder=str(tmp_path)) is not ls.load_net(ls.IMAGE)
+    (tmp_path / ls.WEIGHT_FILES[ls.LATENT]).unlink()
+    missing = default_args(rm_type="shapes_learned_latent", shapes_learned_dir=str(tmp_path))
+    assert shapes_learned_problems(missing, reward_spec_from_args(missing)) == [
+        f"--shapes-learned-dir {tmp_path}: no shapes_learned_latent.safetensors in it (--rm-type shapes_learned_latent "
+        f"loads it; python scripts/train_shapes_reward.py --out-dir {tmp_path} writes it)"
+    ]
