@@ -70,6 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "samples of eval prompts with the gold and the shipped networks, and print their agreement.",
     )
     parser.add_argument("--gold-check-cfg", type=float, default=4.5, help="The samples' guidance scale (20 steps).")
+    parser.add_argument(
+        "--model-samples",
+        type=int,
+        default=0,
+        help="Also train on this many builtin:tiny-shapes samples of train prompts, labelled by the gold (the "
+        "classes its attribute tests accept): a proxy fitted to the model's own outputs. 0 (the shipped weights): "
+        "the generator's scenes only.",
+    )
     parser.add_argument("--out-dir", default=str(ls.WEIGHTS_DIR))
     return parser.parse_args(argv)
 
@@ -116,8 +124,8 @@ def augment_images(x: torch.Tensor, labels: torch.Tensor, g: torch.Generator) ->
     n = x.shape[0]
     flip = torch.rand(n, generator=g) < 0.5
     x = torch.where(flip[:, None, None, None], x.flip(-1), x)
-    labels = labels.clone()
-    labels[flip, 3] = _MIRROR[labels[flip, 3]]
+    labels, position = labels.clone(), labels[:, 3]
+    labels[:, 3] = torch.where(flip & (position >= 0), _MIRROR[position.clamp(min=0)], position)
     blurred = nn.functional.conv2d(nn.functional.pad(x, (1, 1, 1, 1), mode="replicate"), _BLUR, groups=3)
     amount = torch.rand(n, 1, 1, 1, generator=g)
     x = x + amount * (blurred - x)
@@ -169,8 +177,9 @@ def accuracy(net: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> dict[str,
 
 def train_image(args, data) -> tuple[nn.Module, dict[str, dict[str, float]]]:
     (pixels, labels), recons, (eval_pixels, eval_labels, eval_recons) = data["train"], data["recons"], data["eval"]
-    inputs = torch.cat([pixels, recons])
-    targets = torch.cat([labels, labels[: len(recons)]])
+    model_pixels, _, model_labels = data.get("model", (pixels[:0], None, labels[:0]))
+    inputs = torch.cat([pixels, recons, model_pixels])
+    targets = torch.cat([labels, labels[: len(recons)], model_labels])
     g = torch.Generator().manual_seed(args.seed + 1)
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,6 +198,10 @@ def train_image(args, data) -> tuple[nn.Module, dict[str, dict[str, float]]]:
 
 def train_latent(args, data) -> tuple[nn.Module, dict[str, dict[str, float]]]:
     (mean, std), labels = data["latents"], data["train"][1]
+    if "model" in data:  # the model's final latents, exact (no posterior spread)
+        _, model_latents, model_labels = data["model"]
+        mean, std = torch.cat([mean, model_latents]), torch.cat([std, torch.zeros_like(model_latents)])
+        labels = torch.cat([labels, model_labels])
     (eval_mean, _), eval_labels = data["eval_latents"], data["eval"][1]
     g = torch.Generator().manual_seed(args.seed + 2)
 
@@ -214,6 +227,16 @@ def prepare(args: argparse.Namespace) -> dict:
     data["recons"] = decode(data["latents"][0][: args.recon_size])
     data["eval"] = (eval_pixels, eval_labels, decode(data["eval_latents"][0]))
     log(f"decoded {args.recon_size} + {args.eval_size} reconstructions ({time.perf_counter() - started:.0f} s)")
+    if args.model_samples:
+        images, latents, metadatas = model_samples(args.model_samples, "train", args)
+        labels = gold_labels(images, metadatas)
+        pixels = torch.from_numpy(images.astype(np.float32) / 255).permute(0, 3, 1, 2).contiguous()
+        data["model"] = (pixels, latents, labels)
+        kept = (labels >= 0).float().mean(dim=0).tolist()
+        log(
+            f"{args.model_samples} model samples labelled by the gold, share labelled per attribute {kept} "
+            f"({time.perf_counter() - started:.0f} s)"
+        )
     return data
 
 
@@ -236,40 +259,71 @@ def save(net: nn.Module, kind: str, held_out: dict, args: argparse.Namespace, se
 
 
 @torch.no_grad()
-def gold_check(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """Agreement of the networks in `--out-dir` with the gold, per attribute and all-correct, on samples of the
-    shipped model: the gold's `ATTRIBUTE_CORRECT` against wanted probability > 0.5; the latent net reads the final
-    latents (what a reward-gradient algorithm hands it), the image net the decoded images."""
+def model_samples(num: int, split: str, args: argparse.Namespace) -> tuple[np.ndarray, torch.Tensor, list[dict]]:
+    """(images (N, 32, 32, 3) uint8, final latents, metadatas) of `builtin:tiny-shapes` on the first `num` prompts of
+    `split`: 20 ODE steps at CFG --gold-check-cfg, prompt i from the noise of seed 1000 + i."""
     from miles.data.shapes import shapes_prompts
     from miles.models.builtin import resolve_checkpoint
     from miles.rollout.engine import DiffusionEngine
     from miles.rollout.engine_api import GenerateRequest
+
+    records = shapes_prompts(num, seed=args.seed, split=split)
+    engine = DiffusionEngine(resolve_checkpoint(ls.LATENT_CHECKPOINT))
+    images, latents = [], []
+    for start in range(0, num, 128):
+        chunk = records[start : start + 128]
+        request = GenerateRequest(
+            prompts=[r["prompt"] for r in chunk],
+            seeds=[1000 + start + i for i in range(len(chunk))],
+            num_steps=20,
+            guidance_scale=args.gold_check_cfg,
+            negative_prompt="",
+            sde_type="ode",
+            noise_level=0.0,
+            trained_steps=[],
+        )
+        result = engine.generate(request)
+        images.append(result.images)
+        latents.append(result.final_latents.float())
+    return np.concatenate(images), torch.cat(latents), [r["metadata"] for r in records]
+
+
+def gold_labels(images: np.ndarray, metadatas: list[dict]) -> torch.Tensor:
+    """(N, 4) labels of model samples read by the gold: per attribute, the one class whose `ATTRIBUTE_CORRECT` test
+    passes when the prompt asks for it (the other attributes as prompted); -100 (ignored) when none or several do."""
     from miles.rollout.evaluation import ATTRIBUTE_CORRECT
     from miles.rollout.rm_hub.shapes import shapes_reward
 
-    records = shapes_prompts(args.gold_check, seed=args.seed, split="eval")
-    engine = DiffusionEngine(resolve_checkpoint(ls.LATENT_CHECKPOINT))
-    request = GenerateRequest(
-        prompts=[r["prompt"] for r in records],
-        seeds=[1000 + i for i in range(len(records))],
-        num_steps=20,
-        guidance_scale=args.gold_check_cfg,
-        negative_prompt="",
-        sde_type="ode",
-        noise_level=0.0,
-        trained_steps=[],
-    )
-    result = engine.generate(request)
-    metadatas = [r["metadata"] for r in records]
-    gold = shapes_reward(list(result.images), metadatas)
+    labels = torch.full((len(metadatas), len(ls.ATTRIBUTES)), -100, dtype=torch.long)
+    for k, (name, classes) in enumerate(ls.ATTRIBUTES):
+        passes = torch.tensor(
+            [
+                [ATTRIBUTE_CORRECT[name](s) for s in shapes_reward(list(images), [{**m, name: c} for m in metadatas])]
+                for c in classes
+            ]
+        )
+        unique = passes.sum(dim=0) == 1
+        labels[unique, k] = passes.float().argmax(dim=0)[unique]
+    return labels
+
+
+def gold_check(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Agreement of the networks in `--out-dir` with the gold, per attribute and all-correct, on samples of the
+    shipped model for eval prompts: the gold's `ATTRIBUTE_CORRECT` against wanted probability > 0.5; the latent net
+    reads the final latents (what a reward-gradient algorithm hands it), the image net the decoded images."""
+    from miles.rollout.evaluation import ATTRIBUTE_CORRECT
+    from miles.rollout.rm_hub.shapes import shapes_reward
+
+    images, latents, metadatas = model_samples(args.gold_check, "eval", args)
+    gold = shapes_reward(list(images), metadatas)
     gold_right = torch.tensor([[ATTRIBUTE_CORRECT[name](score) for name, _ in ls.ATTRIBUTES] for score in gold])
     labels = ls.scene_labels(metadatas)
-    pixels = torch.from_numpy(result.images.astype(np.float32) / 255).permute(0, 3, 1, 2)
-    inputs = {ls.IMAGE: pixels * 2 - 1, ls.LATENT: result.final_latents.float()}
+    pixels = torch.from_numpy(images.astype(np.float32) / 255).permute(0, 3, 1, 2)
+    inputs = {ls.IMAGE: pixels * 2 - 1, ls.LATENT: latents}
     report = {"gold_accuracy": _rates(gold_right)}
     for kind in args.kinds.split(","):
-        net = _saved_net(args, kind)
-        learned_right = ls.wanted_probabilities(net(inputs[kind]), labels) > 0.5
+        with torch.no_grad():
+            learned_right = ls.wanted_probabilities(_saved_net(args, kind)(inputs[kind]), labels) > 0.5
         report[kind] = _rates(learned_right == gold_right, all_of=(learned_right.all(1) == gold_right.all(1)))
     return report
 
