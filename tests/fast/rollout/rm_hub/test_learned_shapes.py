@@ -56,6 +56,9 @@ def test_shipped_weights_are_small_packaged_and_carry_their_recipe():
         net = ls.load_net(kind)
         assert sum(p.numel() for p in net.parameters()) < 300_000
         assert not any(p.requires_grad for p in net.parameters())
+        copy = ls._copy_to(net, "cpu")  # what another device gets (tests/fast-gpu runs it on CUDA)
+        x = torch.randn(2, net.config["in_channels"], net.config["size"], net.config["size"])
+        assert torch.equal(copy(x), net(x)) and not any(p.requires_grad for p in copy.parameters())
         metadata = ls.shipped_metadata(kind)
         assert metadata["seed"] == "0" and metadata["command"].startswith("python scripts/train_shapes_reward.py")
         assert set(json.loads(metadata["heldout_accuracy"])) and metadata["kind"] == kind
