@@ -29,6 +29,8 @@ BUILTIN_REWARDS: tuple[str, ...] = (
     "moving_shapes",
     "shapes_strict",
     "moving_shapes_strict",
+    "shapes_learned",
+    "shapes_learned_latent",
 )
 REMOTE = "remote"  # remote<K>: the reward server of the K-th --rm-url (not a --rm-type name)
 JUDGE = "vlm_judge"  # takes --rm-url as its chat-completions endpoint instead of a reward server
@@ -41,6 +43,16 @@ REWARD_MODEL_FLAGS: dict[str, str] = {"clip_score": "clip_model_path", "pickscor
 VIDEO_REWARDS: tuple[str, ...] = ("temporal_consistency", "motion_direction", "moving_shapes", "moving_shapes_strict")
 EITHER_MEDIA: tuple[str, ...] = (JUDGE,)
 SOURCE_IMAGE_REWARDS: tuple[str, ...] = ("edit_preservation",)  # compare each result with its source image
+# The built-ins that are differentiable functions of what they score, and what that is: "image" (pixels in [0, 1])
+# or "latent" (a checkpoint's normalised latents). Their functions carry the torch scorer as a `differentiable`
+# attribute (`rm_hub.learned_shapes.DifferentiableReward`; a test keeps the two equal); a reward-gradient algorithm
+# refuses a reward that is not here and whose function has no such attribute.
+DIFFERENTIABLE_REWARDS: dict[str, str] = {"shapes_learned": "image", "shapes_learned_latent": "latent"}
+# The learned shapes rewards' weight files, in miles/assets/shapes_reward/ or the folder --shapes-learned-dir names.
+SHAPES_LEARNED_FILES: dict[str, str] = {
+    "shapes_learned": "shapes_learned.safetensors",
+    "shapes_learned_latent": "shapes_learned_latent.safetensors",
+}
 
 
 def valid_reward_names() -> str:
@@ -148,6 +160,19 @@ def reward_model_problems(args: argparse.Namespace, spec: list[tuple[str, float]
         elif not os.path.isfile(os.path.join(path, "config.json")):
             errors.append(f"{flag} {path}: no config.json in it (--rm-type {name} loads a transformers CLIP folder)")
     return errors
+
+
+def shapes_learned_problems(args: argparse.Namespace, spec: list[tuple[str, float]]) -> list[str]:
+    """--shapes-learned-dir without the weight file a learned shapes reward of `spec` loads from it."""
+    folder = args.shapes_learned_dir
+    if not folder:
+        return []
+    return [
+        f"--shapes-learned-dir {folder}: no {SHAPES_LEARNED_FILES[name]} in it (--rm-type {name} loads it; "
+        f"python scripts/train_shapes_reward.py --out-dir {folder} writes it)"
+        for name, _ in spec
+        if name in SHAPES_LEARNED_FILES and not os.path.isfile(os.path.join(folder, SHAPES_LEARNED_FILES[name]))
+    ]
 
 
 def reward_media_problems(spec: list[tuple[str, float]], *, family: str, video: bool, source_images: bool) -> list[str]:

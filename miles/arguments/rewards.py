@@ -7,7 +7,14 @@ import argparse
 
 from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
 from miles.arguments.flag_readers import ByReward, ReadBy
-from miles.arguments.reward_spec import remote_rules, reward_model_problems, reward_spec_from_args, runs_rewards
+from miles.arguments.reward_spec import (
+    SHAPES_LEARNED_FILES,
+    remote_rules,
+    reward_model_problems,
+    reward_spec_from_args,
+    runs_rewards,
+    shapes_learned_problems,
+)
 
 
 def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +39,12 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--clip-model-path", default=None, help="Local CLIP folder for clip_score.")
     group.add_argument("--pickscore-model-path", default=None, help="Local PickScore folder for pickscore.")
+    ReadBy(group, ByReward(tuple(SHAPES_LEARNED_FILES))).add_argument(
+        "--shapes-learned-dir",
+        default=None,
+        help="shapes_learned, shapes_learned_latent: the folder of their weights (what scripts/"
+        "train_shapes_reward.py --out-dir writes; default: the shipped miles/assets/shapes_reward).",
+    )
     group.add_argument(
         "--ocr-num-threads",
         type=int,
@@ -161,7 +174,8 @@ def reward_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
     errors = remote_rules(args)
     if runs_rewards(args, algorithm.scores_rewards):  # a reward that cannot run is refused before any model loads
         try:
-            errors += reward_model_problems(args, reward_spec_from_args(args))
+            spec = reward_spec_from_args(args)
+            errors += reward_model_problems(args, spec) + shapes_learned_problems(args, spec)
         except ValueError as exc:
             errors.append(str(exc))
     if args.per_reward_group_norm and (args.custom_reward_post_process_path or not algorithm.scores_rewards):

@@ -24,6 +24,12 @@ from miles.arguments.reward_spec import (  # noqa: F401  (re-exported)
 from miles.rollout.rm_hub.clip import clip_score, pickscore
 from miles.rollout.rm_hub.edit import edit_preservation
 from miles.rollout.rm_hub.jpeg import jpeg_compressibility, jpeg_incompressibility, sample_pil_image
+from miles.rollout.rm_hub.learned_shapes import (  # noqa: F401  (differentiable_of re-exported)
+    DifferentiableReward,
+    differentiable_of,
+    shapes_learned_latent_rm,
+    shapes_learned_rm,
+)
 from miles.rollout.rm_hub.media import IMAGE, VIDEO, media_mismatch, sample_frames
 from miles.rollout.rm_hub.moving_shapes import MovingShapeScore, moving_shapes_reward
 from miles.rollout.rm_hub.ocr import OCR_EXTRA_KEY, ocr_rm
@@ -101,6 +107,8 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "moving_shapes": moving_shapes_rm,
     "shapes_strict": shapes_strict_rm,
     "moving_shapes_strict": moving_shapes_strict_rm,
+    "shapes_learned": shapes_learned_rm,
+    "shapes_learned_latent": shapes_learned_latent_rm,
 }
 # The media each built-in scores (custom rewards read what they like): image rewards read sample.image, video
 # rewards sample.frames; the start-up refuses a mismatch with the family (`reward_media_problems`), and

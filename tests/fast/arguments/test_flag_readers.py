@@ -51,6 +51,7 @@ def test_the_walk_lists_every_flag_that_declares_its_readers():
         "--ref-mode",
         *(f"--vlm-judge-{k}" for k in ("prompt-file", "max-score", "unparsable", "default-score", "frames")),
         "--vlm-judge-max-tokens",
+        "--shapes-learned-dir",
     }
     assert shared <= set(flags), sorted(shared - set(flags))
     for algorithm in BUILTIN_ALGORITHMS:  # every algorithm's own flags are declared (read by it)
@@ -87,8 +88,9 @@ def test_each_declared_flag_is_refused_exactly_where_nothing_reads_it(monkeypatc
                 enabled = {readers.dest: ENABLERS[readers.dest]}
             else:
                 assert isinstance(readers, ByReward) and len(problems[name]) == 1
-                assert problems[name][0].startswith(f"{flag} is read only by the vlm_judge reward; this run's rewards")
-                enabled = JUDGE_RUN
+                wanted = " or ".join(readers.names)
+                assert problems[name][0].startswith(f"{flag} is read only by the {wanted} reward; this run's rewards")
+                enabled = JUDGE_RUN if "vlm_judge" in readers.names else {"rm_type": readers.names[0]}
             assert unread_flags(parser, {action.dest}, argparse.Namespace(**{**vars(run), **enabled})) == [], flag
 
 
