@@ -101,7 +101,8 @@ def test_climb_finds_the_largest_that_fits_on_any_convex_memory(fixed, per_size)
             expected = max((s for s in sizes if memory(s) <= usable), default=None)
             assert climb(sizes, measure, usable) == expected
             assert measured[0] == 1 and len(measured) == len(set(measured))
-            assert len(measured) <= (1 if expected is None else sizes.index(expected) + 2)  # here: at most one size over it
+            at_most = 1 if expected is None else sizes.index(expected) + 2  # here: at most one size over it
+            assert len(measured) <= at_most
 
 
 def test_climb_plans_one_size_past_the_smallest_when_the_next_does_not_fit():
