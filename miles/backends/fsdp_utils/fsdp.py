@@ -19,6 +19,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.frozen_mlp import lean_frozen_mlps
+from miles.backends.fsdp_utils.joint_attention import lean_joint_attention
 from miles.models.compile import compile_transformer
 from miles.utils.distributed import collective_device
 
@@ -56,7 +57,7 @@ def apply_fsdp2(
     keep_in_fp32: set[str] | None = None,
     compile_mode: str = "off",
     split_blocks: bool = False,
-    lean_mlps: bool = True,
+    lean_activations: bool = True,
 ) -> nn.Module:
     """Shard each block with `fully_shard`, then the root (which picks up the remaining parameters).
 
@@ -69,7 +70,7 @@ def apply_fsdp2(
     as `model.compute_dtype`, which `miles.models.base.compute_dtype` reads), so a float timestep can stay fp32 as
     the rollout engines and diffusers pipelines keep it; FSDP2 would round it to bf16 (857 -> 856).
 
-    With `gradient_checkpointing`, `compile_mode` and `lean_mlps` the blocks are prepared before sharding
+    With `gradient_checkpointing`, `compile_mode` and `lean_activations` the blocks are prepared before sharding
     (`_prepare_blocks`).
 
     With `cpu_offload` (FSDP2's `CPUOffloadPolicy`) sharded parameters, gradients and optimizer state live in CPU
@@ -86,7 +87,7 @@ def apply_fsdp2(
     """
     if not dist.is_initialized():
         raise RuntimeError("apply_fsdp2 needs a process group; call miles.utils.distributed.init_process_group first")
-    _prepare_blocks(model, blocks, gradient_checkpointing, compile_mode, lean_mlps)
+    _prepare_blocks(model, blocks, gradient_checkpointing, compile_mode, lean_activations)
     keep = keep_in_fp32_names(model) if keep_in_fp32 is None else set(keep_in_fp32)
     cast_buffers_as_loaded(model, param_dtype, keep)
     if dist.get_world_size() == 1 and not cpu_offload:  # offloading still moves one block at a time
@@ -105,13 +106,18 @@ def apply_fsdp2(
 
 
 def _prepare_blocks(
-    model: nn.Module, blocks: list[nn.Module], gradient_checkpointing: bool, compile_mode: str, lean_mlps: bool = True
+    model: nn.Module,
+    blocks: list[nn.Module],
+    gradient_checkpointing: bool,
+    compile_mode: str,
+    lean_activations: bool = True,
 ) -> None:
     """The blocks before `fully_shard`, in torchtitan's order.
 
-    Without checkpointing or compiling, with `lean_mlps`, the blocks' frozen GELU MLPs keep their input for backward
-    instead of their hidden activation (`frozen_mlp.lean_frozen_mlps`: the same numbers; the largest tensors a LoRA
-    block saves, a quarter of the size, for the MLP's first linear again in backward).
+    Without checkpointing or compiling, with `lean_activations`, the blocks keep less for backward and compute the
+    same numbers: frozen GELU MLPs keep their input instead of their hidden activation (`frozen_mlp.py`: the largest
+    tensors a LoRA block saves, a quarter of the size, for the MLP's first linear again in backward), and SD3's joint
+    attention keeps its output once instead of twice (`joint_attention.py`).
 
     With `gradient_checkpointing` each block keeps only its inputs in forward and recomputes its activations in
     backward, applied before `fully_shard` as torchtitan does (composable, so parameter names do not change).
@@ -123,9 +129,10 @@ def _prepare_blocks(
     if gradient_checkpointing:
         for block in blocks:
             checkpoint_activations(block)
-    elif lean_mlps and compile_mode == "off":
+    elif lean_activations and compile_mode == "off":
         for block in blocks:
             lean_frozen_mlps(block)
+            lean_joint_attention(block)
     compile_transformer(model, blocks, compile_mode)
 
 

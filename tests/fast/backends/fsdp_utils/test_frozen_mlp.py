@@ -1,6 +1,7 @@
 """Frozen GELU MLPs keep their input for backward instead of their hidden activation (`frozen_mlp.py`): fewer saved
 bytes, the same outputs and gradients (`torch.equal`), in one process and on two gloo ranks under FSDP2 with each
-block's children grouped apart (`split_blocks`, how a LoRA network is sharded)."""
+block's children grouped apart (`split_blocks`, how a LoRA network is sharded), there with the joint attention of
+`joint_attention.py` too (what `apply_fsdp2` installs by default)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.frozen_mlp import LEAN_MARK, lean_frozen_mlps
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2
+from miles.backends.fsdp_utils.joint_attention import LeanJointAttnProcessor
 from miles.backends.fsdp_utils.lora import apply_lora
 from tests.fast.backends.fsdp_utils.fsdp_workers import run_ranks
 
@@ -21,8 +23,9 @@ TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_
 IMAGE_TOKENS, TEXT_TOKENS, WIDTH, BATCH = 64, 9, 64, 2
 
 
-def sd3(lora: bool = True) -> SD3Transformer2DModel:
-    """A small SD3 transformer (2 joint blocks, 64 wide; the last block's text stream has no MLP), LoRA on attention."""
+def sd3(lora: bool = True, **layout: Any) -> SD3Transformer2DModel:
+    """A small SD3 transformer (2 joint blocks, 64 wide; the last block's text stream has no MLP), LoRA on attention;
+    `layout`: SD3.5's `qk_norm` and `dual_attention_layers`."""
     torch.manual_seed(0)
     model = SD3Transformer2DModel(
         sample_size=16,
@@ -36,6 +39,7 @@ def sd3(lora: bool = True) -> SD3Transformer2DModel:
         pooled_projection_dim=32,
         out_channels=16,
         pos_embed_max_size=16,
+        **layout,
     )
     if lora:
         config = {"r": 4, "lora_alpha": 4.0, "target_modules": TARGETS, "init_lora_weights": True}
@@ -47,13 +51,13 @@ def sd3(lora: bool = True) -> SD3Transformer2DModel:
     return model
 
 
-def inputs(rank: int = 0) -> dict[str, torch.Tensor]:
+def inputs(rank: int = 0, batch: int = BATCH) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1 + rank)
     return {
-        "hidden_states": torch.randn(BATCH, 16, 16, 16, generator=gen),
-        "timestep": torch.tensor([500.0, 300.0]),
-        "encoder_hidden_states": torch.randn(BATCH, TEXT_TOKENS, 32, generator=gen),
-        "pooled_projections": torch.randn(BATCH, 32, generator=gen),
+        "hidden_states": torch.randn(batch, 16, 16, 16, generator=gen),
+        "timestep": torch.tensor([500.0, 300.0])[:batch],
+        "encoder_hidden_states": torch.randn(batch, TEXT_TOKENS, 32, generator=gen),
+        "pooled_projections": torch.randn(batch, 32, generator=gen),
     }
 
 
@@ -113,13 +117,14 @@ def test_a_trained_or_gradient_free_mlp_runs_its_own_forward():
 def test_apply_fsdp2_installs_it_only_without_checkpointing(monkeypatch):
     installed: list[bool] = []
     monkeypatch.setattr("miles.backends.fsdp_utils.fsdp.lean_frozen_mlps", lambda block: installed.append(True))
+    monkeypatch.setattr("miles.backends.fsdp_utils.fsdp.lean_joint_attention", lambda block: installed.append(True))
     monkeypatch.setattr("miles.backends.fsdp_utils.fsdp.checkpoint_activations", lambda block: None)
     monkeypatch.setattr("miles.backends.fsdp_utils.fsdp.compile_transformer", lambda *a: None)
     from miles.backends.fsdp_utils.fsdp import _prepare_blocks
 
     model = sd3(lora=False)
     for checkpointing, compile_mode, lean, expected in [
-        (False, "off", True, 2),
+        (False, "off", True, 2 * 2),  # MLPs and attention of each block
         (True, "off", True, 0),
         (False, "blocks", True, 0),
         (False, "off", False, 0),
@@ -130,16 +135,18 @@ def test_apply_fsdp2_installs_it_only_without_checkpointing(monkeypatch):
 
 
 def lora_step_on_ranks(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
-    """One LoRA forward and backward under FSDP2 with split blocks, with and without lean MLPs: full gradients."""
+    """One LoRA forward and backward under FSDP2 with split blocks, with and without lean activations (MLPs and joint
+    attention), at a batch of one (where both save): full gradients."""
     report = {}
-    for lean in (False, True):
+    for lean in (False, True):  # the lean run checks against the plain one: the same gradients
         model = sd3()
         blocks = list(model.transformer_blocks)
         dtypes = {"param_dtype": torch.float32, "reduce_dtype": torch.float32}
-        apply_fsdp2(model, blocks, **dtypes, split_blocks=True, lean_mlps=lean)
-        lean_count = sum(getattr(m, LEAN_MARK, False) for m in model.modules() if isinstance(m, FeedForward))
-        out, saved, grads = step(model, inputs(rank))
-        report[lean] = (lean_count, out, saved, {n: g.full_tensor() for n, g in grads.items()})
+        apply_fsdp2(model, blocks, **dtypes, split_blocks=True, lean_activations=lean)
+        mlps = sum(getattr(m, LEAN_MARK, False) for m in model.modules() if isinstance(m, FeedForward))
+        attentions = sum(type(getattr(m, "processor", None)) is LeanJointAttnProcessor for m in model.modules())
+        out, saved, grads = step(model, inputs(rank, batch=1))
+        report[lean] = ((mlps, attentions), out, saved, {n: g.full_tensor() for n, g in grads.items()})
     return report
 
 
@@ -147,7 +154,7 @@ def lora_step_on_ranks(rank: int, world_size: int, out_dir: str) -> dict[str, An
 def test_under_fsdp2_split_blocks_on_two_ranks_the_gradients_are_equal(tmp_path):
     for report in run_ranks(lora_step_on_ranks, 2, str(tmp_path), timeout=150):
         plain, lean = report[False], report[True]
-        assert (plain[0], lean[0]) == (0, 3)
+        assert (plain[0], lean[0]) == ((0, 0), (3, 2))
         assert torch.equal(lean[1], plain[1]) and lean[2] < plain[2]
         assert plain[3].keys() == lean[3].keys() and plain[3]
         for name, grad in plain[3].items():
