@@ -70,8 +70,7 @@ def apply_fsdp2(
     as `model.compute_dtype`, which `miles.models.base.compute_dtype` reads), so a float timestep can stay fp32 as
     the rollout engines and diffusers pipelines keep it; FSDP2 would round it to bf16 (857 -> 856).
 
-    With `gradient_checkpointing`, `compile_mode` and `lean_activations` the blocks are prepared before sharding
-    (`_prepare_blocks`).
+    With `gradient_checkpointing`, `compile_mode`, `lean_activations` the blocks are prepared first (`_prepare_blocks`).
 
     With `cpu_offload` (FSDP2's `CPUOffloadPolicy`) sharded parameters, gradients and optimizer state live in CPU
     memory and each group is copied to the GPU for its forward and backward. `mesh` (from `build_mesh`) shards within
@@ -106,30 +105,25 @@ def apply_fsdp2(
 
 
 def _prepare_blocks(
-    model: nn.Module,
-    blocks: list[nn.Module],
-    gradient_checkpointing: bool,
-    compile_mode: str,
-    lean_activations: bool = True,
+    model: nn.Module, blocks: list[nn.Module], checkpointing: bool, compile_mode: str, lean: bool
 ) -> None:
     """The blocks before `fully_shard`, in torchtitan's order.
 
-    Without checkpointing or compiling, with `lean_activations`, the blocks keep less for backward and compute the
-    same numbers: frozen GELU MLPs keep their input instead of their hidden activation (`frozen_mlp.py`: the largest
-    tensors a LoRA block saves, a quarter of the size, for the MLP's first linear again in backward), and SD3's joint
-    attention keeps its output once instead of twice (`joint_attention.py`).
+    Without checkpointing or compiling, `lean` (`lean_activations`) blocks keep less for backward, same numbers:
+    frozen GELU MLPs their input, not their 4x-wide hidden activation (`frozen_mlp.py`), SD3's joint attention its
+    output once, not twice (`joint_attention.py`).
 
-    With `gradient_checkpointing` each block keeps only its inputs in forward and recomputes its activations in
+    With `checkpointing` each block keeps only its inputs in forward and recomputes its activations in
     backward, applied before `fully_shard` as torchtitan does (composable, so parameter names do not change).
 
     With `compile_mode` (`--compile`, `miles.models.compile.compile_transformer`) the blocks (or the whole model) are
     compiled in place after activation checkpointing and before `fully_shard`, as torchtitan orders them: FSDP2's
     gathers run around each compiled block, and the names FSDP2 and the checkpoints see do not change.
     """
-    if gradient_checkpointing:
+    if checkpointing:
         for block in blocks:
             checkpoint_activations(block)
-    elif lean_activations and compile_mode == "off":
+    elif lean and compile_mode == "off":
         for block in blocks:
             lean_frozen_mlps(block)
             lean_joint_attention(block)
