@@ -18,6 +18,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
 
+from miles.backends.fsdp_utils.frozen_mlp import lean_frozen_mlps
+from miles.backends.fsdp_utils.joint_attention import lean_joint_attention
 from miles.models.compile import compile_transformer
 from miles.utils.distributed import collective_device
 
@@ -55,6 +57,7 @@ def apply_fsdp2(
     keep_in_fp32: set[str] | None = None,
     compile_mode: str = "off",
     split_blocks: bool = False,
+    lean_activations: bool = True,
 ) -> nn.Module:
     """Shard each block with `fully_shard`, then the root (which picks up the remaining parameters).
 
@@ -67,7 +70,7 @@ def apply_fsdp2(
     as `model.compute_dtype`, which `miles.models.base.compute_dtype` reads), so a float timestep can stay fp32 as
     the rollout engines and diffusers pipelines keep it; FSDP2 would round it to bf16 (857 -> 856).
 
-    With `gradient_checkpointing` and `compile_mode` the blocks are prepared before sharding (`_prepare_blocks`).
+    With `gradient_checkpointing`, `compile_mode`, `lean_activations` the blocks are prepared first (`_prepare_blocks`).
 
     With `cpu_offload` (FSDP2's `CPUOffloadPolicy`) sharded parameters, gradients and optimizer state live in CPU
     memory and each group is copied to the GPU for its forward and backward. `mesh` (from `build_mesh`) shards within
@@ -83,7 +86,7 @@ def apply_fsdp2(
     """
     if not dist.is_initialized():
         raise RuntimeError("apply_fsdp2 needs a process group; call miles.utils.distributed.init_process_group first")
-    _prepare_blocks(model, blocks, gradient_checkpointing, compile_mode)
+    _prepare_blocks(model, blocks, gradient_checkpointing, compile_mode, lean_activations)
     keep = keep_in_fp32_names(model) if keep_in_fp32 is None else set(keep_in_fp32)
     cast_buffers_as_loaded(model, param_dtype, keep)
     if dist.get_world_size() == 1 and not cpu_offload:  # offloading still moves one block at a time
@@ -101,19 +104,29 @@ def apply_fsdp2(
     return model
 
 
-def _prepare_blocks(model: nn.Module, blocks: list[nn.Module], gradient_checkpointing: bool, compile_mode: str) -> None:
+def _prepare_blocks(
+    model: nn.Module, blocks: list[nn.Module], checkpointing: bool, compile_mode: str, lean: bool
+) -> None:
     """The blocks before `fully_shard`, in torchtitan's order.
 
-    With `gradient_checkpointing` each block keeps only its inputs in forward and recomputes its activations in
+    Without checkpointing or compiling, `lean` (`lean_activations`) blocks keep less for backward, same numbers:
+    frozen GELU MLPs their input, not their 4x-wide hidden activation (`frozen_mlp.py`), SD3's joint attention its
+    output once, not twice (`joint_attention.py`).
+
+    With `checkpointing` each block keeps only its inputs in forward and recomputes its activations in
     backward, applied before `fully_shard` as torchtitan does (composable, so parameter names do not change).
 
     With `compile_mode` (`--compile`, `miles.models.compile.compile_transformer`) the blocks (or the whole model) are
     compiled in place after activation checkpointing and before `fully_shard`, as torchtitan orders them: FSDP2's
     gathers run around each compiled block, and the names FSDP2 and the checkpoints see do not change.
     """
-    if gradient_checkpointing:
+    if checkpointing:
         for block in blocks:
             checkpoint_activations(block)
+    elif lean and compile_mode == "off":
+        for block in blocks:
+            lean_frozen_mlps(block)
+            lean_joint_attention(block)
     compile_transformer(model, blocks, compile_mode)
 
 
