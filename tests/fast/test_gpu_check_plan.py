@@ -16,6 +16,7 @@ def plan_script(load_script):
     return load_script("scripts/gpu_check_plan.py")
 
 
+@pytest.mark.standard  # ~35 s here: test_simulate.py compares the same plan with real tensors in the fast tier
 def test_the_tiny_plan_matches_the_same_steps_run_for_real_with_random_weights(
     plan_script, tiny_pipeline_dir, tmp_path
 ):
