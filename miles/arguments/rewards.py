@@ -52,6 +52,12 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
         help="onnxruntime threads of the ocr reward's models in each reward process (0: onnxruntime's default, one "
         "per core; spread a large batch with --rm-num-workers instead).",
     )
+    add_advantage_arguments(group)
+
+
+def add_advantage_arguments(group: argparse._ArgumentGroup) -> None:
+    """How rewards become advantages: the std the group normalisation divides by, per-reward normalisation, the
+    clamp, a custom post-process."""
     batch_std = ", ".join(a.name for a in BUILTIN_ALGORITHMS if a.globalize_reward_std)
     group.add_argument(
         "--globalize-reward-std",

@@ -255,17 +255,7 @@ def simulate_trainer_rank(
                 sync = _sync_buffers(args, actor) if export and role == "actor" else None
             for group in actor.optimizer.param_groups:  # the per-tensor step: AdamW's memory, without the fused
                 group.update(fused=False, foreach=False)  # kernel's slow sharding propagation over 1000s of DTensors
-            passes = {"grad": 0, "no_grad": 0}
-            actor._predict = _counted(actor._predict, passes)
-            before_step: list[int] = []
-            actor.optimizer.register_step_pre_hook(
-                lambda *_: None if before_step else before_step.append(tracker.peaks.get("train", 0))
-            )
-            with tracker.in_phase("train"):
-                output = actor.train_pairs(0, pairs, peer_output)
-            plan = _resident(actor, role, rank, tracker)
-            plan.passes = passes
-            plan.before_step_bytes = before_step[0] if before_step else tracker.peaks["train"]
+            plan, output = _window(actor, role, rank, tracker, pairs, peer_output)
             if sync is not None:
                 plan.export_bytes = sync.plan.total_bytes if rank == 0 else 0
                 plan.sync_buffer_bytes = sync.buffer_bytes
@@ -284,6 +274,25 @@ def simulate_trainer_rank(
         _take_after_window(plan, after_window)
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
+    return plan, output
+
+
+def _window(
+    actor: FSDPTrainRayActor, role: str, rank: int, tracker: PlanTracker, pairs: TrainPairs, peer_output: Any
+) -> tuple[ProcessPlan, Any]:
+    """The rank's optimizer window in the train phase: its plan (what stays resident, the forwards it ran, the
+    phase's peak before the optimizer's first step) and the window's output."""
+    passes = {"grad": 0, "no_grad": 0}
+    actor._predict = _counted(actor._predict, passes)
+    before_step: list[int] = []
+    actor.optimizer.register_step_pre_hook(
+        lambda *_: None if before_step else before_step.append(tracker.peaks.get("train", 0))
+    )
+    with tracker.in_phase("train"):
+        output = actor.train_pairs(0, pairs, peer_output)
+    plan = _resident(actor, role, rank, tracker)
+    plan.passes = passes
+    plan.before_step_bytes = before_step[0] if before_step else tracker.peaks["train"]
     return plan, output
 
 

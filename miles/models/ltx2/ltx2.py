@@ -163,8 +163,7 @@ class LTX2PipelineConfig(DiffusersFamily):
 
     # media
     def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-        """The video VAE (decoding in tiles with `--vae-tiling on`), with the audio VAE and the vocoder (eval mode,
-        cached); returns the video VAE."""
+        """The video VAE (tiled with `--vae-tiling on`), the audio VAE and the vocoder (eval, cached); the first."""
         vae = tiled_if_asked(load_pretrained(self.vae_class, self.path, "vae", dtype), self.family_options)
         audio_vae = load_pretrained(AutoencoderKLLTX2Audio, self.path, "audio_vae", dtype)
         vocoder_class = LTX2VocoderWithBWE if self._vocoder_class_name() == "LTX2VocoderWithBWE" else LTX2Vocoder
