@@ -1,5 +1,6 @@
 """A trainer's rank 0 of the weight sync in a test: the plan of a state dict, and a sender that writes each bucket
-as `WeightPusher.push` does (tensors into their slots, `block_terms` over them), with engines on other threads."""
+as `WeightPusher.push` does (tensors into their slots, `block_terms` over them), with engines on other threads; over
+two reused slots or (`resident`, `shm`) the whole sync in the shared file."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from miles.utils.distributed import find_free_port
 from miles.utils.weight_checksum import block_terms
-from miles.weight_sync.protocol import SyncPlan, plan_buckets
+from miles.weight_sync.protocol import SyncPlan, plan_buckets, resident_offsets
 from miles.weight_sync.transports import Transport, TransportSpec, shared_buffer
 
 TIMEOUT = 60.0
@@ -28,14 +29,18 @@ def run_sync(
     syncs: int = 1,
     corrupt: str | None = None,
     plan: SyncPlan | None = None,
+    resident: bool = False,
 ) -> TransportSpec:
     """Rank 0 sends `weights` `syncs` times over `kind` (a list: one dict per sync) while `engines[i](spec, rank)` run
     on threads (each joins the group as `rank` and takes the syncs). `corrupt`: a tensor whose bytes get one bit
     flipped after its checksum was taken (in transit)."""
     series = weights if isinstance(weights, list) else [weights] * syncs
     plan = plan or plan_of(series[0])
-    shared, opener = shared_buffer(kind, plan.buffer_bytes, torch.device("cpu"))
-    spec = TransportSpec(kind, "127.0.0.1", find_free_port(), 1 + len(engines), plan.buffer_bytes, TIMEOUT, opener)
+    offsets = resident_offsets(plan) if resident else None
+    shared, opener = shared_buffer(kind, plan.buffer_bytes, torch.device("cpu"), offsets and offsets[-1])
+    spec = TransportSpec(
+        kind, "127.0.0.1", find_free_port(), 1 + len(engines), plan.buffer_bytes, TIMEOUT, opener, offsets
+    )
     threads = [threading.Thread(target=engine, args=(spec, i + 1)) for i, engine in enumerate(engines)]
     for thread in threads:
         thread.start()

@@ -11,7 +11,7 @@ import torch
 from miles.ray.weight_sync import check_placement
 from miles.utils.weight_checksum import BLOCK_WORDS, WeightSyncError, block_terms, block_terms_reference
 from miles.weight_sync.protocol import ALIGN, plan_buckets
-from miles.weight_sync.receiver import check_plan, receive_into
+from miles.weight_sync.receiver import bind_resident, check_plan, receive_into, unbind
 from miles.weight_sync.transports import Transport, TransportSpec, choose_transport, shm_path
 from tests.fast.weight_sync.sync_helpers import plan_of, run_sync
 
@@ -63,24 +63,37 @@ def test_block_checksum_sees_blocks_swapped_and_a_view_at_any_offset():
     assert tuple(block_terms(odd).tolist()) == block_terms_reference(odd.clone().view(torch.uint8).numpy().tobytes())
 
 
-def _sync(kind: str, weights: dict, targets: list[dict], corrupt: str | None = None, syncs: int = 2) -> list:
-    """Rank 0 sends `weights` `syncs` times over `kind`; engine i receives into `targets[i]`. Returns each engine's
+def _sync(
+    kind: str,
+    weights: dict | list[dict],
+    targets: list[dict],
+    corrupt: str | None = None,
+    syncs: int = 2,
+    resident: bool = False,
+    bound: list[dict] | None = None,
+) -> list:
+    """Rank 0 sends `weights` `syncs` times over `kind` (`resident`: the engines' tensors bound to the shared file,
+    each engine's bound views put in `bound[i]`); engine i receives into `targets[i]`. Returns each engine's
     errors."""
-    plan = plan_of(weights)
+    plan = plan_of(weights[0] if isinstance(weights, list) else weights)
     errors: list[list] = [[] for _ in targets]
 
     def engine(index: int):
         def take(spec: TransportSpec, rank: int) -> None:
             transport = Transport(spec, rank, torch.device("cpu"))
+            views = bind_resident(transport, plan, targets[index])
+            if bound is not None:
+                bound[index] = views
             for version in range(syncs):
                 try:
-                    receive_into(transport, plan, targets[index], version)
+                    receive_into(transport, plan, targets[index], version, views)
                 except WeightSyncError as exc:
                     errors[index].append(exc)
 
         return take
 
-    spec = run_sync(kind, weights, [engine(i) for i in range(len(targets))], syncs=syncs, corrupt=corrupt, plan=plan)
+    engines = [engine(i) for i in range(len(targets))]
+    spec = run_sync(kind, weights, engines, syncs=syncs, corrupt=corrupt, plan=plan, resident=resident)
     if kind == "shm":
         assert not os.path.exists(spec.shm_path)  # unlinked once every member mapped it
     return errors
@@ -106,6 +119,64 @@ def test_a_bit_flipped_in_transit_is_named_after_every_bucket_is_taken():
     assert len(errors[0]) == 2  # both syncs ran to the end (the trainer was not left waiting) and both failed
     assert "1 of 1 tensors of bucket 1 differ" in str(errors[0][0]) and "first 'b.weight'" in str(errors[0][0])
     assert torch.equal(targets[0]["c.weight"], weights["c.weight"])  # the buckets after it were still taken
+
+
+def test_resident_engines_share_one_copy_the_trainer_writes_and_split_its_verification():
+    """Resident `shm`: each engine's tensors in the sent dtype become views of one shared file (the first engine's
+    values copied in at binding), two syncs of different weights land in both engines without a copy, identical
+    bytes in both; a tensor held in another dtype is still copied and verified by each engine."""
+    first = _weights()
+    second = {n: (t + 1 if t.is_floating_point() else t * 3) for n, t in first.items()}
+    targets = [{n: torch.zeros_like(t) for n, t in first.items()} for _ in range(2)]
+    for target in targets:
+        target["c.weight"] = torch.zeros(3, 5)  # held in fp32, sent in fp16: copied and cast
+    bound: list = [None, None]
+    assert _sync("shm", [first, second], targets, resident=True, bound=bound) == [[], []]
+    assert set(bound[0]) == set(bound[1]) == set(first) - {"c.weight"}
+    for target, views in zip(targets, bound):  # each engine's tensors are its mapping of the file
+        assert all(target[name].data_ptr() == view.data_ptr() for name, view in views.items())
+    bound[0]["b.weight"][0, 0] = 7.0  # one copy: what one engine's mapping holds, the other's does
+    assert targets[1]["b.weight"][0, 0] == 7.0
+    bound[0]["b.weight"][0, 0] = second["b.weight"][0, 0]
+    for target in targets:
+        for name, tensor in second.items():
+            assert torch.equal(target[name], tensor.to(target[name].dtype)), name
+
+
+def test_resident_bit_flipped_after_the_checksum_is_named_by_the_engine_that_verifies_it():
+    weights = _weights()
+    targets = [{n: torch.zeros_like(t) for n, t in weights.items()} for _ in range(2)]
+    errors = _sync("shm", weights, targets, corrupt="b.weight", resident=True)
+    named = [e for engine in errors for e in engine]
+    assert len(named) == 2 and all("first 'b.weight'" in str(e) for e in named)  # both syncs, one verifier each
+    assert sorted(len(e) for e in errors) == [0, 2]  # the engines split the verification of the one copy
+
+
+def test_resident_engine_whose_tensor_no_longer_views_the_shared_file_fails_the_next_sync():
+    weights = _weights()
+    targets = [{n: t * 2 for n, t in weights.items()}]
+    plan = plan_of(weights)
+
+    def take(spec: TransportSpec, rank: int) -> None:
+        transport = Transport(spec, rank, torch.device("cpu"))
+        views = bind_resident(transport, plan, targets[0])
+        assert all(torch.equal(targets[0][n], t * 2) for n, t in weights.items())  # its values until the sync
+        receive_into(transport, plan, targets[0], 1, views)
+        targets[0]["a.weight"].data = targets[0]["a.weight"].clone()  # e.g. a load that replaced the storage
+        with pytest.raises(WeightSyncError, match=r"no longer are views of the shared weights, e.g. \['a.weight'\]"):
+            receive_into(transport, plan, targets[0], 2, views)
+        receive_into(transport, plan, targets[0], 2, {})  # the sync is still taken: the trainer does not wait
+
+    run_sync("shm", weights, [take], syncs=2, plan=plan, resident=True)
+
+
+def test_unbind_gives_each_bound_tensor_a_private_copy_of_its_values():
+    shared = torch.arange(8, dtype=torch.float32)
+    target = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+    target.data = shared[4:]
+    assert unbind({"w": shared[4:]}, {"w": target}) == {}
+    shared[4:] = -1.0  # the file changes: the engine's own load no longer sees it, nor writes it
+    assert target.tolist() == [4.0, 5.0, 6.0, 7.0]
 
 
 def test_a_plan_that_does_not_bind_the_engine_is_refused_before_any_sync():
