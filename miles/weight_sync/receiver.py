@@ -11,7 +11,7 @@ import logging
 import torch
 
 from miles.utils.weight_checksum import WeightSyncError, block_terms
-from miles.weight_sync.protocol import SyncPlan, split_by_bytes
+from miles.weight_sync.protocol import BucketMeta, SyncPlan, split_by_bytes
 from miles.weight_sync.transports import Transport
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,9 @@ def receive_into(
         )
 
 
-def _compare(bucket, rows: list[int], checked: list[torch.Tensor], terms: torch.Tensor, version: int) -> str | None:
+def _compare(
+    bucket: BucketMeta, rows: list[int], checked: list[torch.Tensor], terms: torch.Tensor, version: int
+) -> str | None:
     """What differs in one bucket between the trainer's terms and this engine's (of tensors `rows`), or None."""
     if not rows:
         return None
@@ -136,7 +138,8 @@ def _compare(bucket, rows: list[int], checked: list[torch.Tensor], terms: torch.
     return (
         f"weights version {version}: {len(bad)} of {len(bucket.tensors)} tensors of bucket {bucket.index} "
         f"differ from what the trainer sent, first {first!r} (trainer {tuple(terms[bad[0]].tolist())}, "
-        f"engine {tuple(got[k].tolist())})" + (f", also {[bucket.tensors[i].name for i in bad[1:4]]}" if len(bad) > 1 else "")
+        f"engine {tuple(got[k].tolist())})"
+        + (f", also {[bucket.tensors[i].name for i in bad[1:4]]}" if len(bad) > 1 else "")
     )
 
 
