@@ -95,7 +95,7 @@ def receive_into(
     bound = bound or {}
     _check_bound(bound, targets, version)
     engines = transport.spec.world_size - 1
-    owners = split_by_bytes(plan, engines) if bound else None
+    owners = split_by_bytes(plan, engines) if bound else []
     failures: list[str] = []
     transport.begin()
     for bucket in plan.buckets:
