@@ -65,8 +65,9 @@ def unbind(bound: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> 
     """Give this engine's tensors bound by `bind_resident` a private copy each (a load of its own must not change the
     other engines' weights, nor a later sync's copies go to a file other engines still map); {} to keep as bound."""
     for name, view in bound.items():
-        if targets[name].data_ptr() == view.data_ptr():
-            targets[name].data = view.clone()
+        target = targets.get(name)  # a reused engine may hold another transformer by now
+        if target is not None and target.data_ptr() == view.data_ptr():
+            target.data = view.clone()
     return {}
 
 
