@@ -47,12 +47,14 @@ def bind_resident(transport: Transport, plan: SyncPlan, targets: dict[str, torch
     if not transport.resident:
         return {}
     bound: dict[str, torch.Tensor] = {}
+    tied: set[int] = set()
     for bucket in plan.buckets:
         data = transport.view(bucket)
         for slot in bucket.tensors:
             target, view = targets[slot.name], slot.view(data)
-            if target.dtype != view.dtype or target.device != view.device:
-                continue
+            if target.dtype != view.dtype or target.device != view.device or id(target) in tied:
+                continue  # copied at each sync (a tensor under a second name: into its first name's view)
+            tied.add(id(target))
             if transport.rank == 1:
                 view.copy_(target)
             target.data = view

@@ -170,6 +170,16 @@ def test_resident_engine_whose_tensor_no_longer_views_the_shared_file_fails_the_
     run_sync("shm", weights, [take], syncs=2, plan=plan, resident=True)
 
 
+def test_resident_tied_tensor_is_bound_under_its_first_name_and_copied_under_the_second():
+    weights = {"w": torch.randn(16, 16), "head.w": None}
+    weights["head.w"] = weights["w"]  # tied: one tensor under two names, sent twice
+    tied = torch.zeros(16, 16)
+    targets = [{"w": tied, "head.w": tied}]
+    bound: list = [None]
+    assert _sync("shm", weights, targets, resident=True, bound=bound) == [[]]
+    assert list(bound[0]) == ["w"] and torch.equal(tied, weights["w"])
+
+
 def test_unbind_gives_each_bound_tensor_a_private_copy_of_its_values():
     shared = torch.arange(8, dtype=torch.float32)
     target = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
