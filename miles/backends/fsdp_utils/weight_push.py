@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from miles.backends.fsdp_utils.gather import GatherEntry, gather_entries, gathered_tensors
 from miles.utils.distributed import collective_device
-from miles.utils.weight_checksum import block_terms
+from miles.utils.weight_checksum import block_terms, block_terms_range
 from miles.weight_sync.protocol import BucketMeta, SyncPlan, plan_buckets, resident_offsets, split_by_bytes
 from miles.weight_sync.transports import SLOTS, Transport, TransportSpec, shared_buffer, shm_has_room
 
@@ -130,8 +130,8 @@ class WeightPusher:
     @torch.no_grad()
     def push_resident(self, model: nn.Module, keep=None, as_dtype=None) -> float:
         """`push_direct` into the resident layout: once every engine has entered the sync, every rank writes its own
-        rows of the whole sync into the engines' shared parameters, then checksums its share; rank 0 hands the terms
-        over bucket by bucket. Three collectives a sync instead of three a bucket: no place is written twice in a
+        rows of the whole sync into the engines' shared parameters, checksumming them as it writes (no second read);
+        the terms summed to rank 0, which hands them over bucket by bucket. Three collectives a sync instead of three a bucket: no place is written twice in a
         sync, so the trainer never waits for the engines' reading."""
         started = time.perf_counter()
         state = model.state_dict()
@@ -139,17 +139,25 @@ class WeightPusher:
         # rank 0's first slot waits for every engine to be in the sync (not sampling); the others learn it here
         places = [self.transport.slot(b) if self.rank == 0 else self._region(b) for b in self.plan.buckets]
         dist.barrier()
-        for bucket, data in zip(self.plan.buckets, places):
-            for slot in bucket.tensors:
-                region = data[slot.offset : slot.offset + slot.nbytes]
-                _write_own_rows(state[slot.name], entries[slot.name], region, self.rank == 0)
-        dist.barrier()  # every rank's rows are in
-        owners = checksum_owners(self.plan, dist.get_world_size())
+        # each rank checksums what it writes, chunk by chunk while in cache; the terms of a tensor whose parts do
+        # not lie on 64-bit words are its owner's, over the whole once every part is in
         terms = [torch.zeros(len(bucket.tensors), 2, dtype=torch.int64) for bucket in self.plan.buckets]
+        whole: list[tuple[int, int]] = []  # (bucket, tensor) checksummed whole
         for bucket, data, mine in zip(self.plan.buckets, places, terms):
-            for i, t in enumerate(bucket.tensors):
-                if owners[bucket.index][i] == self.rank:
-                    mine[i] = block_terms(data[t.offset : t.offset + t.nbytes])
+            for i, slot in enumerate(bucket.tensors):
+                region = data[slot.offset : slot.offset + slot.nbytes]
+                share = _write_own_rows(state[slot.name], entries[slot.name], region, self.rank == 0, checksum=True)
+                if share is None:
+                    whole.append((bucket.index, i))
+                else:
+                    mine[i] = share
+        if whole:
+            dist.barrier()  # every rank's rows are in
+            owners = checksum_owners(self.plan, dist.get_world_size())
+            for b, i in whole:
+                t = self.plan.buckets[b].tensors[i]
+                if owners[b][i] == self.rank:
+                    terms[b][i] = block_terms(places[b][t.offset : t.offset + t.nbytes])
         flat = torch.cat(terms)
         dist.reduce(flat, dst=0)
         if self.rank != 0:
@@ -212,20 +220,26 @@ def checksum_owners(plan: SyncPlan, world_size: int) -> list[list[int]]:
     return split_by_bytes(plan, world_size)
 
 
-def _write_own_rows(value: torch.Tensor, entry: GatherEntry, region: torch.Tensor, rank0: bool) -> None:
+def _write_own_rows(
+    value: torch.Tensor, entry: GatherEntry, region: torch.Tensor, rank0: bool, checksum: bool = False
+) -> torch.Tensor | None:
     """This rank's part of one tensor, cast to the dtype it is sent in, into `region` (the full tensor's bytes): its
     dim-0 shard rows where they lie in the full tensor (replica 0 of a hybrid mesh only; FSDP2 splits rows as
-    `torch.chunk`), or on rank 0 the whole of a tensor of another layout (gathered first where that is collective)."""
+    `torch.chunk`), or on rank 0 the whole of a tensor of another layout (gathered first where that is collective).
+    `checksum`: this rank's share of the tensor's `block_terms` (zeros where it writes nothing), taken over each
+    `WRITE_CHUNK` just written while it is in cache; None where the ranks' parts do not lie on 64-bit words (then
+    someone checksums the whole tensor once every part is in: `shares_checksums`)."""
+    zero = torch.zeros(2, dtype=torch.int64) if checksum and shares_checksums(entry) else None
     if entry.layout is None:
         value = value.to(entry.dtype)
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if rank0:
-            region.copy_(full.detach().contiguous().view(-1).view(torch.uint8))
-        return
+            return _copy_summed(full.detach().contiguous().view(-1).view(torch.uint8), region, 0, zero)
+        return zero
     mesh, dim = value.device_mesh, entry.layout.shard_dim
     coordinate = mesh.get_coordinate()
     if any(c != 0 for i, c in enumerate(coordinate) if i != dim):
-        return  # another replica of this shard group writes the same rows
+        return zero  # another replica of this shard group writes the same rows
     rows, row = entry.shape[0], math.prod(entry.shape[1:])
     chunk = -(-rows // mesh.size(dim))
     first = coordinate[dim] * chunk
@@ -235,7 +249,34 @@ def _write_own_rows(value: torch.Tensor, entry: GatherEntry, region: torch.Tenso
         raise RuntimeError(
             f"{entry.name}: this rank holds {local.shape[0]} rows of {rows}, not {mine} of an even split"
         )
-    if mine:
-        size = entry.dtype.itemsize
-        flat = local.detach().to(entry.dtype).contiguous().view(-1).view(torch.uint8)
-        region[first * row * size : (first + mine) * row * size].copy_(flat)
+    if not mine:
+        return zero
+    size = entry.dtype.itemsize
+    flat = local.detach().to(entry.dtype).contiguous().view(-1).view(torch.uint8)
+    return _copy_summed(flat, region, first * row * size, zero)
+
+
+WRITE_CHUNK = 4 << 20  # bytes copied, then checksummed while in cache (a multiple of 512: whole checksum blocks)
+
+
+def shares_checksums(entry: GatherEntry) -> bool:
+    """Whether every rank's part of the tensor starts on a 64-bit word (its rows times the bytes a rank's chunk of
+    rows holds), so that each rank can take its share of `block_terms` (`block_terms_range`). The same on every
+    rank: global metadata only."""
+    if entry.layout is None:
+        return True
+    rows_per_rank = -(-entry.shape[0] // entry.layout.group_size)
+    return rows_per_rank * math.prod(entry.shape[1:]) * entry.dtype.itemsize % 8 == 0
+
+
+def _copy_summed(source: torch.Tensor, region: torch.Tensor, start: int, terms: torch.Tensor | None):
+    """Copy the bytes `source` to `region[start:]`; with `terms`, add their `block_terms_range` chunk by chunk."""
+    if terms is None:
+        region[start : start + source.numel()].copy_(source)
+        return None
+    total = region.numel()
+    for offset in range(0, source.numel(), WRITE_CHUNK):
+        piece = region[start + offset : start + min(offset + WRITE_CHUNK, source.numel())]
+        piece.copy_(source[offset : offset + WRITE_CHUNK])
+        terms += block_terms_range(piece, start + offset, total)
+    return terms

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from miles.ray.weight_sync import check_placement
-from miles.utils.weight_checksum import BLOCK_WORDS, WeightSyncError, block_terms, block_terms_reference
+from miles.utils.weight_checksum import (
+    BLOCK_WORDS,
+    WeightSyncError,
+    block_terms,
+    block_terms_range,
+    block_terms_reference,
+)
 from miles.weight_sync.protocol import ALIGN, plan_buckets
 from miles.weight_sync.receiver import bind_resident, check_plan, receive_into, unbind
 from miles.weight_sync.transports import Transport, TransportSpec, choose_transport, shm_path
@@ -61,6 +67,19 @@ def test_block_checksum_sees_blocks_swapped_and_a_view_at_any_offset():
     assert block_terms(swapped).tolist()[0] == plain and block_terms(swapped).tolist()[1] != weighted
     odd = torch.arange(41, dtype=torch.int16)[1:]  # 2 bytes into its storage: not a view of 64-bit words
     assert tuple(block_terms(odd).tolist()) == block_terms_reference(odd.clone().view(torch.uint8).numpy().tobytes())
+
+
+@pytest.mark.parametrize("total", [5, 8, 13, 520, 4100, 70_001])
+def test_block_checksum_shares_of_word_aligned_ranges_sum_to_the_whole(total):
+    """Each trainer rank checksums the bytes it writes (`block_terms_range`): any split on 64-bit words, a block's
+    middle included, sums to the tensor's terms; a range that does not start on a word is refused."""
+    raw = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=torch.Generator().manual_seed(total))
+    for cuts in ([0, total], [0, 8, total], [0, total // 8 * 8, total], [0, 264, 4096, total], [0, 512, 1000, total]):
+        cuts = sorted({c for c in cuts if c <= total})
+        shares = [block_terms_range(raw[a:b].clone(), a, total) for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.stack(shares).sum(dim=0), block_terms(raw)), cuts
+    with pytest.raises(ValueError, match="do not lie on 64-bit words"):
+        block_terms_range(raw[4:].clone(), 4, total)
 
 
 def _sync(
