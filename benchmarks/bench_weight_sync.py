@@ -15,6 +15,9 @@ dict, each engine's `update_weights`) against the sync group (`miles.weight_sync
 shard rows into the shared buckets, each engine copies them into its parameters in place and verifies their
 checksums), and one memcpy of the same bytes in trainer rank 0's process; GB/s of the model's bytes and the ratios.
 `--skip-object-store` leaves the old leg out where its memory (the model ~5 times over on rank 0) does not fit.
+`--layout slots` runs the sync group over two bucket slots each engine copies out of, as before the resident layout
+(the default: the engines' parameters are views of the shared file the ranks write); the memcpy is taken in every
+round beside the legs.
 
 `--sd3-size LAYERS,HEADS,HEAD_DIM` builds an SD3-architecture pipeline of that transformer size (random weights,
 `miles.models.sd3.tiny`) in a temporary folder first, for the gather at sizes nearer real ones without a download.
