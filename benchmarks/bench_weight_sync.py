@@ -15,6 +15,9 @@ dict, each engine's `update_weights`) against the sync group (`miles.weight_sync
 shard rows into the shared buckets, each engine copies them into its parameters in place and verifies their
 checksums), and one memcpy of the same bytes in trainer rank 0's process; GB/s of the model's bytes and the ratios.
 `--skip-object-store` leaves the old leg out where its memory (the model ~5 times over on rank 0) does not fit.
+`--layout slots` runs the sync group over two bucket slots each engine copies out of, as before the resident layout
+(the default: the engines' parameters are views of the shared file the ranks write); the memcpy is taken in every
+round beside the legs.
 
 `--sd3-size LAYERS,HEADS,HEAD_DIM` builds an SD3-architecture pipeline of that transformer size (random weights,
 `miles.models.sd3.tiny`) in a temporary folder first, for the gather at sizes nearer real ones without a download.
@@ -132,9 +135,9 @@ class BenchRank:
         state = bucketed_full_state_dict(self.model, checksums=checksums)
         return (state, checksums) if self.rank == 0 else (None, None)
 
-    def prepare(self, kind: str, bucket_bytes: int, direct: bool):
+    def prepare(self, kind: str, bucket_bytes: int, direct: bool, resident: bool):
         self.pusher = WeightPusher(sync_plan(self.model, bucket_bytes), self.rank, torch.device("cpu"))
-        return self.pusher.plan, self.pusher.prepare(kind, direct)
+        return self.pusher.plan, self.pusher.prepare(kind, direct, resident), self.pusher.offsets
 
     def open(self, spec: TransportSpec) -> None:
         self.pusher.open(spec)
@@ -143,9 +146,11 @@ class BenchRank:
         return self.pusher.push(self.model)
 
     def memcpy(self, nbytes: int, repeats: int) -> list[float]:
-        """One copy of `nbytes` between two buffers of this process, `repeats` times after a warm-up."""
-        source = torch.ones(nbytes, dtype=torch.uint8)
-        target = torch.empty_like(source)
+        """One copy of `nbytes` between two buffers of this process (made once: the bench calls it every round),
+        `repeats` times after a warm-up."""
+        if getattr(self, "copy_buffers", None) is None or self.copy_buffers[0].numel() != nbytes:
+            self.copy_buffers = (torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8))
+        source, target = self.copy_buffers
         target.copy_(source)
         seconds = []
         for _ in range(repeats):
@@ -183,13 +188,17 @@ def whole_sync(opts: argparse.Namespace) -> dict:
             engines.append(engine.remote(opts.hf_checkpoint, device="cpu"))
             ray.get(engines[-1].health.remote(), timeout=SYNC_TIMEOUT)
         kind = choose_transport(actor_nodes(ranks[:1])[0], actor_nodes(engines), "cpu")
+        resident = kind == "shm" and opts.layout == "resident"
         prepared = ray.get(
-            [r.prepare.remote(kind, opts.bucket_mb << 20, kind == "shm") for r in ranks], timeout=SYNC_TIMEOUT
+            [r.prepare.remote(kind, opts.bucket_mb << 20, kind == "shm", resident) for r in ranks], timeout=SYNC_TIMEOUT
         )
-        plan, opener = prepared[0]
+        plan, opener, offsets = prepared[0]
         spec = TransportSpec(
-            kind, "127.0.0.1", find_free_port(), 1 + len(engines), plan.buffer_bytes, SYNC_TIMEOUT, opener
+            kind, "127.0.0.1", find_free_port(), 1 + len(engines), plan.buffer_bytes, SYNC_TIMEOUT, opener, offsets
         )
+        if resident and offsets is None:
+            print("/dev/shm lacks the room for the resident layout: two slots", flush=True)
+        kind += ", resident" if offsets is not None else ", two slots"
         joined = [ranks[0].open.remote(spec)] + [
             e.open_weight_sync.remote(spec, plan, i + 1) for i, e in enumerate(engines)
         ]
@@ -210,17 +219,21 @@ def whole_sync(opts: argparse.Namespace) -> dict:
                 [r.push.remote() for r in ranks] + [e.receive_weights.remote(v) for e in engines], timeout=SYNC_TIMEOUT
             )
 
+        def memcpy() -> None:  # in rank 0's process, timed there
+            seconds["memcpy"].append(ray.get(ranks[0].memcpy.remote(plan.total_bytes, 1), timeout=SYNC_TIMEOUT)[0])
+
         legs = {f"sync group ({kind})": new, "object store (before)": old}
         if opts.skip_object_store:  # its rank 0 holds the model ~5 times over: it may not fit beside other jobs
             del legs["object store (before)"]
         # each time printed as it is taken: what was measured stays on record if the machine's memory runs out
-        # in a later sync (Ray then ends a worker: the object-store leg holds the model several times over)
-        seconds = {"memcpy": ray.get(ranks[0].memcpy.remote(plan.total_bytes, opts.repeats), timeout=SYNC_TIMEOUT)}
-        print(f"memcpy: {' '.join(f'{t:.3f}' for t in seconds['memcpy'])} s", flush=True)
-        seconds.update({name: [] for name in legs})
+        # in a later sync (Ray then ends a worker: the object-store leg holds the model several times over); the
+        # memcpy taken in every round, beside the legs, under the same load
+        seconds = {name: [] for name in ["memcpy", *legs]}
         for name, fn in legs.items():
             print(f"{name} (warm-up): {_timed(fn):.3f} s", flush=True)
         for _ in range(opts.repeats):
+            memcpy()
+            print(f"memcpy: {seconds['memcpy'][-1]:.3f} s", flush=True)
             for name, fn in legs.items():
                 seconds[name].append(_timed(fn))
                 print(f"{name}: {seconds[name][-1]:.3f} s", flush=True)
@@ -266,6 +279,13 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=2, help="--whole-sync: rollout engines")
     parser.add_argument(
         "--skip-object-store", action="store_true", help="--whole-sync: leave out the object-store leg (its memory)"
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("resident", "slots"),
+        default="resident",
+        help="--whole-sync over shm: the engines' parameters in the shared file (a run's default) or two bucket slots "
+        "each engine copies out of (as before 2026-12-06 session 9)",
     )
     opts = parser.parse_args()
     opts.hf_checkpoint = resolve_checkpoint(opts.hf_checkpoint)

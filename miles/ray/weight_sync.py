@@ -60,8 +60,9 @@ class WeightSyncLink:
         check_placement(kind, ranks[0], where)
         # on one host every rank writes its own shards into the shared buckets: no all-gather
         direct = kind == "shm" and all(r["node_id"] == ranks[0]["node_id"] for r in ranks)
-        prepared = actor_group.call("prepare_weight_sync", kind, bucket_bytes(args), direct)
-        plan, opener = prepared[0]
+        # on one host the shared file holds the whole sync and the engines' parameters are views of it
+        prepared = actor_group.call("prepare_weight_sync", kind, bucket_bytes(args), direct, kind == "shm")
+        plan, opener, offsets = prepared[0]
         address, port = ray.get(actor_group.actors[0].get_master_address.remote(), timeout=engines.timeouts.sync_s)
         spec = TransportSpec(
             kind,
@@ -71,15 +72,17 @@ class WeightSyncLink:
             plan.buffer_bytes,
             engines.timeouts.sync_s,
             shm_path=opener if kind == "shm" else None,
+            offsets=offsets,
         )
         joined = actor_group.actors[0].open_weight_sync.remote(spec)
         engines.open_weight_sync(spec, plan, opener if kind == "cuda_ipc" else None)
         ray.get(joined, timeout=engines.timeouts.sync_s)
         self.actor_group, self.kind = actor_group, kind
         logger.info(
-            "weight sync over %s%s: %d buckets, %.1f MB, %d engine(s)",
+            "weight sync over %s%s%s: %d buckets, %.1f MB, %d engine(s)",
             kind,
             " (every trainer rank writes its shards)" if direct else "",
+            ", resident (the engines' parameters)" if offsets is not None else "",
             len(plan.buckets),
             plan.total_bytes / 1e6,
             engines.num_engines,

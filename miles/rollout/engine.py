@@ -33,7 +33,7 @@ from miles.utils.offload import HostSwap
 from miles.utils.threads import node_info, torch_threads
 from miles.utils.weight_checksum import TensorChecksum, verify_loaded
 from miles.weight_sync.protocol import SyncPlan
-from miles.weight_sync.receiver import check_plan, drain, receive_into
+from miles.weight_sync.receiver import bind_resident, check_plan, drain, receive_into, unbind
 from miles.weight_sync.transports import Transport, TransportSpec
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class DiffusionEngine:
         self.swap = HostSwap(self.device)  # sleep / wake (--colocate-sleep)
         self.weights_pending = False  # the trained weights were released by a sleep and not loaded since
         self.sync: tuple[Transport, SyncPlan] | None = None  # the weight sync's engine end (open_weight_sync)
+        self.sync_bound: dict[str, torch.Tensor] = {}  # resident `shm`: tensors that are views of the shared file
         self.micro_batch_size = micro_batch_size  # --rollout-micro-batch-size
         self._progress = EngineProgress()
         logger.info("engine ready: %s on %s (%s)", self.family, self.device, "LoRA" if lora_config else "full")
@@ -149,6 +150,7 @@ class DiffusionEngine:
             logger.warning("ignoring weights version %d: engine already holds version %d", version, self.version)
             return
         if self.lora is None:
+            self.sync_bound = unbind(self.sync_bound, self.transformer.state_dict(keep_vars=True))  # its own load
             self.transformer.load_state_dict(weights, strict=True)
             loaded = self.transformer.state_dict()
         else:
@@ -182,9 +184,15 @@ class DiffusionEngine:
     def open_weight_sync(self, spec: TransportSpec, plan: SyncPlan, rank: int, opener: Any = None) -> None:
         """Join the sync group as `rank` (collective with the trainer's rank 0 and the other engines) once the plan
         is checked against this engine's tensors. `opener`: the `cuda_ipc` buffer's handle."""
-        check_plan(plan, self._sync_targets(plan), complete=self.lora_config is None)
+        targets = self._sync_targets(plan)
+        check_plan(plan, targets, complete=self.lora_config is None)
         device = self.device if spec.kind in ("cuda_ipc", "nccl") else torch.device("cpu")
-        self.sync = (Transport(spec, rank, device, opener), plan)
+        transport = Transport(spec, rank, device, opener)
+        self.sync_bound = unbind(self.sync_bound, targets)  # a new sync group (another trainer): not the old file
+        # resident `shm` (full fine-tuning; a LoRA engine's adapters are small and rebuilt by a dropping sleep):
+        # the parameters become views of the file the trainer writes
+        self.sync_bound = bind_resident(transport, plan, targets) if self.lora_config is None else {}
+        self.sync = (transport, plan)
 
     @torch.no_grad()
     def receive_weights(self, version: int) -> None:
@@ -195,10 +203,15 @@ class DiffusionEngine:
         self.wake()
         transport, plan = self.sync
         if version <= self.version:
-            logger.warning("ignoring weights version %d: engine already holds version %d", version, self.version)
+            logger.warning(
+                "ignoring weights version %d: engine already holds version %d%s",
+                version,
+                self.version,
+                " (its parameters shared with the trainer's writes take it all the same)" if self.sync_bound else "",
+            )
             drain(transport, plan)
             return
-        receive_into(transport, plan, self._sync_targets(plan), version)
+        receive_into(transport, plan, self._sync_targets(plan), version, self.sync_bound)
         self.version = int(version)
         self.weights_pending = False
         logger.info(

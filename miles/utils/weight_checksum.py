@@ -161,6 +161,31 @@ def block_terms(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack([sums.sum(), (sums * weights).sum()])
 
 
+def block_terms_range(raw: torch.Tensor, start: int, total: int) -> torch.Tensor:
+    """(2,) int64: the share of `block_terms` of bytes [start, start + raw.numel()) of a tensor of `total` bytes, `raw`
+    those bytes (uint8, 8-byte aligned in memory). The shares of any split of a tensor into such ranges sum (mod
+    2**64) to its `block_terms`, so each writer of a part can checksum what it wrote while it is in cache. `start` is a
+    multiple of 8, and the range ends at one or at the tensor's end."""
+    end = start + raw.numel()
+    if start % 8 or (end % 8 and end != total) or end > total:
+        raise ValueError(f"block_terms_range: bytes [{start}, {end}) of {total} do not lie on 64-bit words")
+    whole = total // 8 * 8  # the tensor's bytes in whole words; the rest is summed byte by byte
+    words = raw[: max(0, min(end, whole) - start)].view(torch.int64)
+    first = start // 8
+    head = min(words.numel(), -first % BLOCK_WORDS)  # the words before the range's first block boundary
+    blocks = (words.numel() - head) // BLOCK_WORDS
+    body = words[head : head + blocks * BLOCK_WORDS].view(blocks, BLOCK_WORDS).sum(dim=1)
+    block = (first + head) // BLOCK_WORDS + 1  # the weight of the first whole block
+    weights = torch.arange(block, block + blocks, dtype=torch.int64, device=raw.device)
+    head_sum, tail_sum = words[:head].sum(), words[head + blocks * BLOCK_WORDS :].sum()
+    plain = head_sum + body.sum() + tail_sum
+    weighted = head_sum * (first // BLOCK_WORDS + 1) + (body * weights).sum() + tail_sum * (block + blocks)
+    if end == total and total > whole:  # the last bytes, a block of their own
+        rest = raw[whole - start :].to(torch.int64).sum()
+        plain, weighted = plain + rest, weighted + rest * (whole // 8 // BLOCK_WORDS + 2)
+    return torch.stack([plain, weighted])
+
+
 def block_terms_reference(data: bytes) -> tuple[int, int]:
     """`block_terms` over raw bytes, in plain Python integers (the tests' independent computation)."""
     whole = len(data) // 8 * 8

@@ -1,7 +1,10 @@
 """The bucket protocol of the weight sync: the exported tensors, in the trainer's gather order, laid end to end in
 flat byte buckets of at most `bucket_bytes`; one metadata record per bucket (each tensor's name, shape, dtype and byte
 offset) fixed once per run, and per sync one (tensors, 2) int64 tensor of checksum terms per bucket (each tensor's
-`miles.utils.weight_checksum.block_terms`), which the engine verifies over what it copied into its parameters."""
+`miles.utils.weight_checksum.block_terms`), which the engine verifies over what it copied into its parameters.
+
+The buckets lie either in two reused slots, or (`resident_offsets`, `shm` on one host) each at a place of its own in
+one buffer the size of the whole sync: the engines' parameters themselves, mapped by every engine of the host."""
 
 from __future__ import annotations
 
@@ -89,3 +92,27 @@ def plan_buckets(entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]], bu
     if slots:
         buckets.append(BucketMeta(len(buckets), used, tuple(slots)))
     return SyncPlan(tuple(buckets), -(-max([ALIGN, *(b.nbytes for b in buckets)]) // ALIGN) * ALIGN)
+
+
+def resident_offsets(plan: SyncPlan) -> tuple[int, ...]:
+    """Where each bucket starts when every bucket has a place of its own (the resident layout: the whole sync in one
+    buffer, each bucket `ALIGN`ed), and the buffer's bytes as the last entry."""
+    offsets = [0]
+    for bucket in plan.buckets:
+        offsets.append(offsets[-1] + -(-max(bucket.nbytes, 1) // ALIGN) * ALIGN)
+    return tuple(offsets)
+
+
+def split_by_bytes(plan: SyncPlan, members: int) -> list[list[int]]:
+    """Per bucket, the member (0..members-1) that takes each tensor (a checksum to take or verify): the one with the
+    fewest bytes so far in that bucket, largest tensors first. Pure over the plan: every member computes the same."""
+    owners = []
+    for bucket in plan.buckets:
+        load = [0] * members
+        mine = []
+        for tensor in sorted(range(len(bucket.tensors)), key=lambda i: -bucket.tensors[i].nbytes):
+            member = min(range(members), key=load.__getitem__)
+            load[member] += bucket.tensors[tensor].nbytes
+            mine.append((tensor, member))
+        owners.append([member for _, member in sorted(mine)])
+    return owners

@@ -6,7 +6,11 @@
 - `gloo` / `nccl`: as a broadcast of each bucket over the group (CPU hosts apart / GPUs apart).
 
 Each keeps `SLOTS` bucket buffers, created once per run and reused by every sync: the trainer gathers the next bucket
-into one slot while the engines copy the last one out of the other. Nothing here pickles a tensor.
+into one slot while the engines copy the last one out of the other. `shm` on one host is resident instead where
+/dev/shm has the room (`TransportSpec.offsets`): the file holds the whole sync, each bucket at a place of its own, and
+the engines' parameters are views of it (`receiver.bind_resident`): the trainer ranks write the weights straight
+into every engine's parameters, with no copy on the engines' side, once every engine has entered the sync (`begin`).
+Nothing here pickles a tensor.
 """
 
 from __future__ import annotations
@@ -42,6 +46,17 @@ class TransportSpec:
     buffer_bytes: int  # one slot: the plan's largest bucket
     timeout_s: float
     shm_path: str | None = None  # `shm`: the file rank 0 creates and the engines map
+    # `shm` resident: where each bucket starts in the file, its bytes last (`protocol.resident_offsets`); None: slots
+    offsets: tuple[int, ...] | None = None
+
+    @property
+    def resident(self) -> bool:
+        return self.offsets is not None
+
+    @property
+    def shared_bytes(self) -> int:
+        """The bytes of the buffer rank 0 shares (`shm`, `cuda_ipc`): the whole sync if resident, else the slots."""
+        return self.offsets[-1] if self.offsets is not None else self.buffer_bytes * SLOTS
 
 
 def choose_transport(trainer: dict, engines: list[dict], device: str) -> str:
@@ -77,10 +92,19 @@ def shm_path(size: int) -> str:
     return os.path.join(folder, f"miles-weight-sync-{uuid.uuid4().hex}")
 
 
-def shared_buffer(kind: str, buffer_bytes: int, device: torch.device) -> tuple[torch.Tensor | None, str | tuple | None]:
+def shm_has_room(size: int) -> bool:
+    """Whether /dev/shm has `size` bytes free and a quarter more (the resident layout's test: it holds the whole
+    sync, in memory; a file in the temporary folder would put the engines' parameters on disk)."""
+    return os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free >= size + size // 4
+
+
+def shared_buffer(
+    kind: str, buffer_bytes: int, device: torch.device, total: int | None = None
+) -> tuple[torch.Tensor | None, str | tuple | None]:
     """Rank 0, before the group: the persistent buffer of a shared transport and what the engines open it with (the
-    `shm` file's path, or the `cuda_ipc` handle: a handle, not the bytes); (None, None) for a broadcast transport."""
-    size = buffer_bytes * SLOTS
+    `shm` file's path, or the `cuda_ipc` handle: a handle, not the bytes); (None, None) for a broadcast transport.
+    `total`: the buffer's bytes where they are not the two slots (the resident layout)."""
+    size = buffer_bytes * SLOTS if total is None else total
     if kind == "shm":
         path = shm_path(size)
         return torch.from_file(path, shared=True, size=size, dtype=torch.uint8), path
@@ -107,8 +131,9 @@ def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
 
 class Transport:
     """One member's end of a sync group. Rank 0 (`send`): `slot(bucket)` is the buffer to write the bucket into (free
-    once the engines are done with its last use), `send(bucket, terms)` hands it over. Engines: `receive(bucket)` is
-    the bucket's bytes and checksum terms, readable until `release(bucket)`. `finish()` ends a sync on every member."""
+    once the engines are done with its last use), `send(bucket, terms)` hands it over. Engines: `begin()` first,
+    then `receive(bucket)` is the bucket's bytes and checksum terms, readable until `release(bucket)`. `finish()` ends
+    a sync on every member."""
 
     def __init__(
         self, spec: TransportSpec, rank: int, device: torch.device, shared: torch.Tensor | tuple | None = None
@@ -117,67 +142,84 @@ class Transport:
         `shared_buffer`, and an engine's `cuda_ipc` handle from it (an `shm` engine maps `spec.shm_path`)."""
         if spec.kind not in TRANSPORTS:
             raise ValueError(f"--weight-sync-transport {spec.kind!r} is unknown; use one of {TRANSPORTS}")
+        if spec.resident and spec.kind != "shm":
+            raise ValueError(f"weight sync ({spec.kind}): only `shm` holds the whole sync resident")
         self.spec, self.rank, self.device, self.kind = spec, rank, device, spec.kind
         self.shared = self.kind in ("shm", "cuda_ipc")  # the slots are one buffer every member maps
+        self.resident = spec.resident
         # where the signals and terms travel: the group's own device
         self.signal_device = device if self.kind == "nccl" else torch.device("cpu")
+        needed = spec.shared_bytes if self.shared else spec.buffer_bytes * (SLOTS if rank == 0 else 1)
         if rank == 0:
-            self.buffer = (
-                shared if self.shared else torch.empty(spec.buffer_bytes * SLOTS, dtype=torch.uint8, device=device)
-            )
+            self.buffer = shared if self.shared else torch.empty(needed, dtype=torch.uint8, device=device)
         elif self.kind == "shm":
-            self.buffer = torch.from_file(spec.shm_path, shared=True, size=spec.buffer_bytes * SLOTS, dtype=torch.uint8)
+            self.buffer = torch.from_file(spec.shm_path, shared=True, size=needed, dtype=torch.uint8)
         elif self.kind == "cuda_ipc":
             rebuild, args = shared
             self.buffer = rebuild(*args)
         else:  # a broadcast receiver needs one slot
-            self.buffer = torch.empty(spec.buffer_bytes, dtype=torch.uint8, device=device)
-        if self.buffer is None or self.buffer.numel() < spec.buffer_bytes * (SLOTS if self.shared or rank == 0 else 1):
-            raise ValueError(
-                f"weight sync ({self.kind}): rank {rank} has no buffer of {spec.buffer_bytes} bytes per slot"
-            )
+            self.buffer = torch.empty(needed, dtype=torch.uint8, device=device)
+        if self.buffer is None or self.buffer.numel() < needed:
+            raise ValueError(f"weight sync ({self.kind}): rank {rank} has no buffer of {needed} bytes")
         self.group = _group(spec, rank, "nccl" if self.kind == "nccl" else "gloo")
         self.group.allreduce([torch.zeros(1, device=self.signal_device)]).wait()  # every member holds its buffer
         if rank == 0 and self.kind == "shm":
             os.unlink(spec.shm_path)  # the mappings stay; from here on nothing is left behind if a process dies
         self.pending: dict[int, list[dist.Work]] = {}  # slot -> the works that must end before it is written again
 
-    def _slot_view(self, bucket: BucketMeta) -> torch.Tensor:
+    def view(self, bucket: BucketMeta) -> torch.Tensor:
+        """The bytes of `bucket`'s place: its own (resident), or its slot."""
+        if self.resident:
+            return self.buffer[self.spec.offsets[bucket.index] : self.spec.offsets[bucket.index + 1]]
         start = (bucket.index % SLOTS) * self.spec.buffer_bytes if (self.shared or self.rank == 0) else 0
         return self.buffer[start : start + self.spec.buffer_bytes]
 
+    def _signal(self) -> dist.Work:
+        return self.group.allreduce([torch.zeros(1, device=self.signal_device)])
+
+    def begin(self) -> None:
+        """An engine, before its first `receive` of a sync: resident, it tells rank 0 that it is in the sync (not
+        sampling with the parameters the trainer is about to write); a no-op otherwise."""
+        if self.resident:
+            self._signal().wait()
+
     def slot(self, bucket: BucketMeta) -> torch.Tensor:
-        """Rank 0: the slot to write `bucket` into, once every member is done with its previous bucket."""
+        """Rank 0: where to write `bucket`, once every member is done with its previous use (resident: once every
+        engine has entered the sync, at its first bucket)."""
+        if self.resident and bucket.index == 0:
+            self._signal().wait()
         for work in self.pending.pop(bucket.index % SLOTS, []):
             work.wait()
-        return self._slot_view(bucket)
+        return self.view(bucket)
 
     def send(self, bucket: BucketMeta, terms: torch.Tensor) -> None:
         """Rank 0: the bucket written into its slot goes to every engine; returns without waiting for them."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the slot's bytes are written before anyone reads
         works = [_broadcast(self.group, terms.to(self.signal_device))]
-        if self.shared:  # the engines answer once they copied the slot out: then it may be written again
-            works.append(self.group.allreduce([torch.zeros(1, device=self.signal_device)]))
+        if self.resident:  # no place is written twice in a sync: nothing to wait for but the terms' delivery
+            pass
+        elif self.shared:  # the engines answer once they copied the slot out: then it may be written again
+            works.append(self._signal())
         else:
-            works.append(_broadcast(self.group, self._slot_view(bucket)[: bucket.nbytes]))
-        self.pending[bucket.index % SLOTS] = works
+            works.append(_broadcast(self.group, self.view(bucket)[: bucket.nbytes]))
+        self.pending.setdefault(bucket.index % SLOTS, []).extend(works)
 
     def receive(self, bucket: BucketMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """An engine: (the bucket's bytes, its (tensors, 2) checksum terms on the CPU)."""
         terms = torch.empty(len(bucket.tensors), 2, dtype=torch.int64, device=self.signal_device)
         _broadcast(self.group, terms).wait()
-        view = self._slot_view(bucket)
+        view = self.view(bucket)
         if not self.shared:
             _broadcast(self.group, view[: bucket.nbytes]).wait()
         return view, terms.cpu()
 
     def release(self, bucket: BucketMeta) -> None:
         """An engine is done reading `bucket` (its copies into the parameters have run)."""
-        if self.shared:
+        if self.shared and not self.resident:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-            self.group.allreduce([torch.zeros(1, device=self.signal_device)]).wait()
+            self._signal().wait()
 
     def finish(self) -> None:
         """Rank 0: wait until every engine has taken every bucket (a no-op for the engines)."""

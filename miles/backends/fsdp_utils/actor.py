@@ -348,13 +348,13 @@ class FSDPTrainRayActor(TrainLoop):
 
     # ---- the weight sync (miles.weight_sync; the driver's side is miles.ray.weight_sync) -----------------------
     def prepare_weight_sync(
-        self, kind: str, bucket_bytes: int, direct: bool = False
-    ) -> tuple[SyncPlan, str | tuple | None]:
-        """The bucket plan (every rank; collective) and, on rank 0, the persistent buffer of a shared transport with
-        what the engines open it by. `direct`: every rank writes its shards into the `shm` buckets (no gather)."""
+        self, kind: str, bucket_bytes: int, direct: bool = False, resident: bool = False
+    ) -> tuple[SyncPlan, str | tuple | None, tuple[int, ...] | None]:
+        """The bucket plan (every rank; collective), on rank 0 the shared transport's buffer, what the engines open
+        it by and its layout (`WeightPusher.prepare`: `direct`, every rank writes its shards; `resident`)."""
         keep, as_dtype = self.export.filters()
         self.pusher = WeightPusher(sync_plan(self.model, bucket_bytes, keep, as_dtype), self.rank, self.device)
-        return self.pusher.plan, self.pusher.prepare(kind, direct)
+        return self.pusher.plan, self.pusher.prepare(kind, direct, resident), self.pusher.offsets
 
     def open_weight_sync(self, spec: TransportSpec) -> None:
         """Rank 0 joins the sync group with the engines (they join at the same time)."""

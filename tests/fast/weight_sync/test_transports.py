@@ -10,9 +10,16 @@ import os
 import pytest
 import torch
 
-from miles.utils.weight_checksum import BLOCK_WORDS, block_terms, block_terms_reference
-from miles.weight_sync.transports import Transport, choose_transport, shm_path
-from tests.fast.weight_sync.sync_helpers import mixed_weights, sync_into
+from miles.utils.weight_checksum import (
+    BLOCK_WORDS,
+    WeightSyncError,
+    block_terms,
+    block_terms_range,
+    block_terms_reference,
+)
+from miles.weight_sync.receiver import bind_resident, receive_into, unbind
+from miles.weight_sync.transports import Transport, TransportSpec, choose_transport, shm_path
+from tests.fast.weight_sync.sync_helpers import mixed_weights, plan_of, run_sync, sync_into
 
 
 @pytest.mark.parametrize("name", list(mixed_weights()))
@@ -34,6 +41,19 @@ def test_block_checksum_sees_blocks_swapped_and_a_view_at_any_offset():
     assert tuple(block_terms(odd).tolist()) == block_terms_reference(odd.clone().view(torch.uint8).numpy().tobytes())
 
 
+@pytest.mark.parametrize("total", [5, 8, 13, 520, 4100, 70_001])
+def test_block_checksum_shares_of_word_aligned_ranges_sum_to_the_whole(total):
+    """Each trainer rank checksums the bytes it writes (`block_terms_range`): any split on 64-bit words, a block's
+    middle included, sums to the tensor's terms; a range that does not start on a word is refused."""
+    raw = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=torch.Generator().manual_seed(total))
+    for cuts in ([0, total], [0, 8, total], [0, total // 8 * 8, total], [0, 264, 4096, total], [0, 512, 1000, total]):
+        cuts = sorted({c for c in cuts if c <= total})
+        shares = [block_terms_range(raw[a:b].clone(), a, total) for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.stack(shares).sum(dim=0), block_terms(raw)), cuts
+    with pytest.raises(ValueError, match="do not lie on 64-bit words"):
+        block_terms_range(raw[4:].clone(), 4, total)
+
+
 @pytest.mark.parametrize("kind", ["shm", "gloo"])
 def test_engines_receive_every_bucket_into_their_tensors_in_place(kind):
     weights = mixed_weights()
@@ -45,6 +65,74 @@ def test_engines_receive_every_bucket_into_their_tensors_in_place(kind):
         assert {n: t.data_ptr() for n, t in target.items()} == pointer  # copied in place
         for name, tensor in weights.items():
             assert target[name].dtype == tensor.dtype and torch.equal(target[name], tensor), name
+
+
+def test_resident_engines_share_one_copy_the_trainer_writes_and_split_its_verification():
+    """Resident `shm`: each engine's tensors in the sent dtype become views of one shared file (the first engine's
+    values copied in at binding), two syncs of different weights land in both engines without a copy, identical
+    bytes in both; a tensor held in another dtype is still copied and verified by each engine."""
+    first = mixed_weights()
+    second = {n: (t + 1 if t.is_floating_point() else t * 3) for n, t in first.items()}
+    targets = [{n: torch.zeros_like(t) for n, t in first.items()} for _ in range(2)]
+    for target in targets:
+        target["c.weight"] = torch.zeros(3, 5)  # held in fp32, sent in fp16: copied and cast
+    bound: list = [None, None]
+    assert sync_into("shm", [first, second], targets, resident=True, bound=bound) == [[], []]
+    assert set(bound[0]) == set(bound[1]) == set(first) - {"c.weight"}
+    for target, views in zip(targets, bound):  # each engine's tensors are its mapping of the file
+        assert all(target[name].data_ptr() == view.data_ptr() for name, view in views.items())
+    bound[0]["b.weight"][0, 0] = 7.0  # one copy: what one engine's mapping holds, the other's does
+    assert targets[1]["b.weight"][0, 0] == 7.0
+    bound[0]["b.weight"][0, 0] = second["b.weight"][0, 0]
+    for target in targets:
+        for name, tensor in second.items():
+            assert torch.equal(target[name], tensor.to(target[name].dtype)), name
+
+
+def test_resident_bit_flipped_after_the_checksum_is_named_by_the_engine_that_verifies_it():
+    weights = mixed_weights()
+    targets = [{n: torch.zeros_like(t) for n, t in weights.items()} for _ in range(2)]
+    errors = sync_into("shm", weights, targets, corrupt="b.weight", resident=True)
+    named = [e for engine in errors for e in engine]
+    assert len(named) == 2 and all("first 'b.weight'" in str(e) for e in named)  # both syncs, one verifier each
+    assert sorted(len(e) for e in errors) == [0, 2]  # the engines split the verification of the one copy
+
+
+def test_resident_engine_whose_tensor_no_longer_views_the_shared_file_fails_the_next_sync():
+    weights = mixed_weights()
+    targets = [{n: t * 2 for n, t in weights.items()}]
+    plan = plan_of(weights)
+
+    def take(spec: TransportSpec, rank: int) -> None:
+        transport = Transport(spec, rank, torch.device("cpu"))
+        views = bind_resident(transport, plan, targets[0])
+        assert all(torch.equal(targets[0][n], t * 2) for n, t in weights.items())  # its values until the sync
+        receive_into(transport, plan, targets[0], 1, views)
+        targets[0]["a.weight"].data = targets[0]["a.weight"].clone()  # e.g. a load that replaced the storage
+        with pytest.raises(WeightSyncError, match=r"no longer are views of the shared weights, e.g. \['a.weight'\]"):
+            receive_into(transport, plan, targets[0], 2, views)
+        receive_into(transport, plan, targets[0], 2, {})  # the sync is still taken: the trainer does not wait
+
+    run_sync("shm", weights, [take], syncs=2, plan=plan, resident=True)
+
+
+def test_resident_tied_tensor_is_bound_under_its_first_name_and_copied_under_the_second():
+    weights = {"w": torch.randn(16, 16), "head.w": None}
+    weights["head.w"] = weights["w"]  # tied: one tensor under two names, sent twice
+    tied = torch.zeros(16, 16)
+    targets = [{"w": tied, "head.w": tied}]
+    bound: list = [None]
+    assert sync_into("shm", weights, targets, resident=True, bound=bound) == [[]]
+    assert list(bound[0]) == ["w"] and torch.equal(tied, weights["w"])
+
+
+def test_unbind_gives_each_bound_tensor_a_private_copy_of_its_values():
+    shared = torch.arange(8, dtype=torch.float32)
+    target = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+    target.data = shared[4:]
+    assert unbind({"w": shared[4:]}, {"w": target}) == {}
+    shared[4:] = -1.0  # the file changes: the engine's own load no longer sees it, nor writes it
+    assert target.tolist() == [4.0, 5.0, 6.0, 7.0]
 
 
 def test_transport_follows_placement():

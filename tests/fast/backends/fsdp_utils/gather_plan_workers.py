@@ -92,10 +92,12 @@ class RecordingTransport:
     """Rank 0's end of the sync group in a test without engines: the bucket slots of the shared file, and what each
     `send` handed over (each tensor's bytes and checksum terms)."""
 
-    def __init__(self, shared: torch.Tensor, buffer_bytes: int) -> None:
-        self.shared, self.buffer_bytes, self.sent = shared, buffer_bytes, {}
+    def __init__(self, shared: torch.Tensor, buffer_bytes: int, offsets: tuple[int, ...] | None = None) -> None:
+        self.shared, self.buffer_bytes, self.offsets, self.sent = shared, buffer_bytes, offsets, {}
 
     def slot(self, bucket) -> torch.Tensor:
+        if self.offsets is not None:  # resident: each bucket at its own place
+            return self.shared[self.offsets[bucket.index] : self.offsets[bucket.index + 1]]
         start = (bucket.index % SLOTS) * self.buffer_bytes
         return self.shared[start : start + self.buffer_bytes]
 
@@ -109,18 +111,21 @@ class RecordingTransport:
 
 
 def direct_push(model: nn.Module, rank: int) -> list[dict] | None:
-    """Two `WeightPusher.push_direct` syncs in the engines' dtype into 256-byte buckets of a shared file: every rank
-    writes its own rows (replica 0 only); rank 0's record of what each sync sent (None elsewhere)."""
-    pusher = WeightPusher(sync_plan(model, 256, None, bf16_except_lora), rank, torch.device("cpu"))
-    path = pusher.prepare("shm", direct=True)
-    if rank == 0:
-        os.unlink(path)
-        pusher.transport = RecordingTransport(pusher.shared, pusher.plan.buffer_bytes)
+    """Two `WeightPusher.push_direct` syncs in the engines' dtype into 256-byte buckets of a shared file (two slots),
+    then two `push_resident` ones (the whole sync in the file): every rank writes its own rows (replica 0 only); rank
+    0's record of what each sync sent (None elsewhere)."""
     syncs = []
-    for _ in range(2):
-        pusher.push(model, None, bf16_except_lora)
+    for resident in (False, True):
+        pusher = WeightPusher(sync_plan(model, 256, None, bf16_except_lora), rank, torch.device("cpu"))
+        path = pusher.prepare("shm", direct=True, resident=resident)
+        assert (pusher.offsets is not None) == resident
         if rank == 0:
-            syncs.append(dict(pusher.transport.sent))
+            os.unlink(path)
+            pusher.transport = RecordingTransport(pusher.shared, pusher.plan.buffer_bytes, pusher.offsets)
+        for _ in range(2):
+            pusher.push(model, None, bf16_except_lora)
+            if rank == 0:
+                syncs.append(dict(pusher.transport.sent))
     return syncs if rank == 0 else None
 
 

@@ -97,10 +97,11 @@ def test_a_push_on_one_rank_hands_the_engine_every_tensor_bit_for_bit(world_of_o
 def test_ranks_writing_their_own_rows_into_the_shared_buckets_give_the_full_tensors(gloo_reports, run):
     """The weight sync on one host (`WeightPusher.push_direct`): every rank of replica 0 writes its uneven dim-0 rows
     of each tensor, cast to the engines' dtype, where they lie in the bucket, rank 0 the buffer; what each of two
-    syncs hands over (through two reused slots) is `full_tensor()` cast, bit for bit, with its `block_terms`."""
+    syncs hands over (through two reused slots, then two resident: the whole sync in the file) is `full_tensor()`
+    cast, bit for bit, with its `block_terms`."""
     reports = gloo_reports[run]
     expected = {n: t if is_lora(n) else t.to(torch.bfloat16) for n, t in reports[0]["per_tensor"].items()}
-    assert all(report["direct"] is None for report in reports[1:])
+    assert all(report["direct"] is None for report in reports[1:]) and len(reports[0]["direct"]) == 4
     for sent in reports[0]["direct"]:
         assert list(sent) == list(expected)
         for name, value in expected.items():
