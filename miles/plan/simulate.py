@@ -27,11 +27,13 @@ from miles.backends.fsdp_utils.gather import gathered_tensors
 from miles.backends.fsdp_utils.lora import lora_config_from_args
 from miles.backends.fsdp_utils.weight_push import PUSH_GATHER_BYTES, sync_plan
 from miles.models.base import family_options, get_train_pipeline_config
+from miles.models.conditioning import Conditioning
 from miles.plan.fake import fake_process_group, movable_fake_modules, per_tensor_equivalents, plan_tensor_mode
 from miles.plan.tracker import Collective, PlanTracker
 from miles.rollout.engine import DiffusionEngine
 from miles.rollout.engine_api import GenerateResult
 from miles.rollout.prompt_cache import frees_text_encoders
+from miles.rollout.prompt_encoder import fill_step
 from miles.rollout.rollout_hub import rollout_spec_of
 from miles.utils.types import Sample, TrainPairs, shard_pairs
 from miles.weight_sync.protocol import SyncPlan, bucket_bytes_for
@@ -100,14 +102,21 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 # ---- the engine --------------------------------------------------------------------------------------------
 def engine_samples(args: argparse.Namespace, count: int) -> list[Sample]:
-    """`count` samples of one prompt group after another (their prompts' text is irrelevant: every prompt is
-    encoded at its longest), source images where the family takes them."""
+    """`count` samples of one prompt group after another, each group its own prompt (their text is irrelevant:
+    every prompt is encoded at its longest; a prompt-cache fill encodes each distinct one), source images where the
+    family takes them."""
     family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
     resolution = args.resolution or family.default_resolution
     low = family.source_image_range[0]
     sources = [torch.zeros(resolution, resolution, 3, dtype=torch.uint8).numpy()] * low if low else None
     return [
-        Sample(index=i, prompt="a prompt", group_index=i // args.n_samples_per_prompt, seed=i, source_images=sources)
+        Sample(
+            index=i,
+            prompt=f"prompt {i // args.n_samples_per_prompt}",
+            group_index=i // args.n_samples_per_prompt,
+            seed=i,
+            source_images=sources,
+        )
         for i in range(count)
     ]
 
@@ -184,15 +193,23 @@ def simulate_engine(
 
 
 def _fill_prompt_cache(engine: DiffusionEngine, request: Any) -> None:
-    """The start-up's prompt-cache fill as the engine meets it: the request's prompts encoded with the text encoders,
-    which are then freed; generate reads the encodings (held as the cache's entries would be read) without them."""
-    guided = request.guidance_scale > 1.0
-    encoded = engine.prompt_encoder.encode_request(
-        list(request.prompts), None, request.negative_prompt, negative=guided or request.return_negative
-    )
-    engine.family.release_text_encoders()
+    """The start-up's prompt-cache fill as `PromptEncoder.fill` runs it: the request's distinct prompts encoded
+    `fill_step` at a time (every row kept, as generate reads the cache's entries back) and the negative prompt; the
+    text encoders are then freed, and generate reads the rows without them."""
+    family, device = engine.family, engine.prompt_encoder.device
+    prompts, rows = list(dict.fromkeys(request.prompts)), {}
+    step = fill_step(family)
+    for start in range(0, len(prompts), step):
+        chunk = prompts[start : start + step]
+        batch = family.encode_prompts(chunk, device=device)
+        rows.update((text, batch.rows(i)) for i, text in enumerate(chunk))
+    embeds = Conditioning.cat([rows[text] for text in request.prompts])
+    negative = None
+    if request.guidance_scale > 1.0 or request.return_negative:
+        negative = family.encode_prompts([request.negative_prompt], device=device)
+    family.release_text_encoders()
     gc.collect()
-    engine.prompt_encoder.encode_request = lambda *args, **kwargs: encoded
+    engine.prompt_encoder.encode_request = lambda *args, **kwargs: (embeds, negative)
 
 
 def latent_shape(args: argparse.Namespace) -> tuple[int, ...]:

@@ -24,6 +24,12 @@ PROMPT, NEGATIVE = "prompt", "negative"
 FILL_BATCH = 16
 
 
+def fill_step(family: TrainPipelineConfig) -> int:
+    """Prompts a cache fill encodes at once: `FILL_BATCH` where a batch encodes each prompt as it encodes alone
+    (`prompt_cache_exact`), else one (an entry must be what the family gives the prompt alone)."""
+    return FILL_BATCH if family.prompt_cache_exact else 1
+
+
 class PromptEncoder:
     """Without a cache: the family's own batch encoding (`encode_request`), text encoders loaded at once. With one:
     each distinct row (a prompt with its source images, or a negative prompt) read from its entry, or encoded alone
@@ -94,7 +100,7 @@ class PromptEncoder:
         rows = {text: row_digest(cache.key, PROMPT, text) for text in prompts}
         missing = [text for text, row in rows.items() if cache.load(row) is None]
         self.stats["read"] += len(rows) - len(missing)
-        step = FILL_BATCH if self.family.prompt_cache_exact else 1
+        step = fill_step(self.family)
         for start in range(0, len(missing), step):
             chunk = missing[start : start + step]
             self._ensure_loaded(f"{len(missing)} of {len(rows)} prompts not in {cache.root}")
