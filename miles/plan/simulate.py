@@ -23,12 +23,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
 from miles.backends.fsdp_utils.ema import local_tensor
 from miles.backends.fsdp_utils.fsdp import build_mesh, parse_dtype
-from miles.backends.fsdp_utils.gather import gathered_tensors
 from miles.backends.fsdp_utils.lora import lora_config_from_args
-from miles.backends.fsdp_utils.weight_push import PUSH_GATHER_BYTES, sync_plan
 from miles.models.base import family_options, get_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.plan.fake import fake_process_group, movable_fake_modules, per_tensor_equivalents, plan_tensor_mode
+from miles.plan.sync import push, sync_buffers, take_after_window
 from miles.plan.tracker import Collective, PlanTracker
 from miles.rollout.engine import DiffusionEngine
 from miles.rollout.engine_api import GenerateResult
@@ -36,8 +35,6 @@ from miles.rollout.prompt_cache import frees_text_encoders
 from miles.rollout.prompt_encoder import fill_step
 from miles.rollout.rollout_hub import rollout_spec_of
 from miles.utils.types import Sample, TrainPairs, shard_pairs
-from miles.weight_sync.protocol import SyncPlan, bucket_bytes_for
-from miles.weight_sync.transports import SLOTS
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +266,7 @@ def simulate_trainer_rank(
         with plan_tensor_mode(fake), movable_fake_modules(), tracker:
             with tracker.in_phase("start-up"):
                 actor.init(args, "planner", 0)
-                sync = _sync_buffers(args, actor) if export and role == "actor" else None
+                sync = sync_buffers(args, actor) if export and role == "actor" else None
             for group in actor.optimizer.param_groups:  # the per-tensor step: AdamW's memory, without the fused
                 group.update(fused=False, foreach=False)  # kernel's slow sharding propagation over 1000s of DTensors
             plan, output = _window(actor, role, rank, tracker, pairs, peer_output)
@@ -278,7 +275,7 @@ def simulate_trainer_rank(
                 plan.sync_buffer_bytes = sync.buffer_bytes
             if sync is not None and after_window is None:
                 with tracker.in_phase("weight sync"):
-                    _push(actor)
+                    push(actor)
             if sleeps and after_window is None:
                 with tracker.in_phase("sleep"):
                     report = actor.sleep()
@@ -288,7 +285,7 @@ def simulate_trainer_rank(
         actor.prefetcher.shutdown()
     plan.peaks, plan.after = dict(tracker.peaks), dict(tracker.after)
     if after_window is not None:
-        _take_after_window(plan, after_window)
+        take_after_window(plan, after_window)
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
     return plan, output
@@ -331,53 +328,6 @@ def _process_group(rank: int, world_size: int, fake: bool, device: str) -> Itera
         yield
     finally:
         dist.destroy_process_group()
-
-
-AFTER_WINDOW = ("weight sync", "sleep", "wake")  # the phases after a trainer's window, in order
-
-
-def _take_after_window(plan: ProcessPlan, other: ProcessPlan) -> None:
-    """`other`'s phases after the window (and what they measured: the host copy of a sleep) into `plan`."""
-    for phase in AFTER_WINDOW:
-        if phase in other.peaks:
-            plan.peaks[phase] = other.peaks[phase]
-        if phase in other.after:
-            plan.after[phase] = other.after[phase]
-    plan.host_bytes = other.host_bytes
-
-
-@dataclass
-class SyncBuffers:
-    """The weight sync's bucket plan and what rank 0 holds for it for the whole run (its `SLOTS` bucket buffers on
-    the GPU with `cuda_ipc` / `nccl`; none on CPU, where `shm` buckets are a shared file)."""
-
-    plan: SyncPlan
-    buffers: torch.Tensor | None
-
-    @property
-    def buffer_bytes(self) -> int:
-        return 0 if self.buffers is None else self.buffers.nbytes
-
-
-def _sync_buffers(args: argparse.Namespace, actor: FSDPTrainRayActor) -> SyncBuffers:
-    """`prepare_weight_sync` as the run calls it after start-up: the bucket plan (every rank) and rank 0's buffers."""
-    keep, as_dtype = actor.export.filters()
-    device = args.planned_device  # `simulation_args`: the device the plan is for
-    plan = sync_plan(actor.model, bucket_bytes_for(args.weight_sync_bucket_mb, device), keep, as_dtype)
-    on_gpu = device == "cuda" and actor.rank == 0
-    return SyncBuffers(plan, torch.empty(SLOTS * plan.buffer_bytes, dtype=torch.uint8) if on_gpu else None)
-
-
-def _push(actor: FSDPTrainRayActor) -> None:
-    """`push_weights`' device side: the engines' weights gathered `PUSH_GATHER_BYTES` at a time, each tensor's pieces
-    written into a bucket slot (held above) and dropped."""
-    export = actor.export
-    keep, as_dtype = export.filters()
-    with export.weights_in():
-        for _name, _shape, pieces, _ in gathered_tensors(
-            actor.model, bucket_bytes=PUSH_GATHER_BYTES["cuda"], keep=keep, as_dtype=as_dtype
-        ):
-            del pieces
 
 
 def _counted(predict: Any, passes: dict[str, int]) -> Any:

@@ -16,7 +16,6 @@ from miles.plan.command import plan_settings
 from miles.plan.report import build_report
 from miles.plan.run import CollectiveMismatch, check_collectives, simulate, window_flops
 from miles.plan.simulate import PlannedTrainer, ProcessPlan
-from miles.plan.suggest import WINDOW, Change, with_changes
 from tests.fast.plan.plan_cases import SMALL, plan_args
 
 
@@ -63,22 +62,6 @@ def test_hybrid_sharding_simulates_a_rank_of_each_shard_group(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "plan.json").read_text())
     assert report["roles"]["actor"]["simulated_ranks"] == [0, 3, 2] and report["world_size"] == 5
-
-
-def test_a_window_replan_takes_the_phases_after_the_window_from_the_plan_it_changes(dp2):
-    """A re-plan of the micro-batch or checkpointing (`WINDOW`) simulates the start-up and the window again and takes
-    the weight sync from the plan it changes: the peak a whole simulation of the changed flags measures."""
-    args, simulation = dp2
-    changes = [
-        Change("--micro-batch-size 1", {"micro_batch_size": 1}, WINDOW),
-        Change("--gradient-checkpointing", {"gradient_checkpointing": True}, WINDOW),
-    ]
-    changed = with_changes(args, changes)
-    window = simulate(changed, ranks=[0], reuse=simulation, parts=WINDOW).roles["actor"][0]
-    whole = simulate(changed, ranks=[0], reuse=simulation, parts=("trainer",)).roles["actor"][0]
-    assert window.peaks["weight sync"] == whole.peaks["weight sync"] > 0
-    assert window.peaks["train"] == whole.peaks["train"] < simulation.roles["actor"][0].peaks["train"]
-    assert window.export_bytes == whole.export_bytes and window.passes == whole.passes
 
 
 def test_window_flops_count_the_old_log_prob_recompute_of_later_windows():
