@@ -180,9 +180,9 @@ def climb(sizes: list[int], measure: Callable[[int], tuple[int, Any]], usable: i
         else:
             candidates = [c for c in candidates if c < size]
         if len(fits) >= 2:
-            (a, b), peak = sorted(fits)[-2:], measured
-            slope = (peak[b][0] - peak[a][0]) / (b - a)
-            candidates = [c for c in candidates if peak[b][0] + slope * (c - b) <= usable]
+            a, b = sorted(fits)[-2:]
+            slope = (measured[b][0] - measured[a][0]) / (b - a)
+            candidates = [c for c in candidates if measured[b][0] + slope * (c - b) <= usable]
     return measured[max(fits)][1] if fits else None
 
 
