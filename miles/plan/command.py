@@ -60,9 +60,10 @@ def make_plan(args: argparse.Namespace, *, suggestions: bool = True) -> dict[str
             setattr(args, dest, resolve_plan_checkpoint(getattr(args, dest)))
     settings = plan_settings(args)
     start = auto_start(args)
-    simulation = simulate(with_changes(args, start))
+    first = with_changes(args, start)
+    simulation = simulate(first)
     check_collectives(simulation)
-    report = build_report(with_changes(args, start), simulation, settings)
+    report = build_report(first, simulation, settings)
     base_seconds = report["plan_seconds"]
     changes, report, simulation = resolve_auto_sizes(args, report, settings, build_report, simulation, start)
     report["base_seconds"] = base_seconds
