@@ -54,8 +54,9 @@ class Media:
 
     def pixels_uint8(self) -> np.ndarray:
         """Pixels channels-last as uint8, rounded as diffusers' image processor does: (B, H, W, 3) images or
-        (B, F, H, W, 3) frames. Under the planner's simulation (fake pixels) zeros of that shape."""
+        (B, F, H, W, 3) frames. Under the planner's simulation (fake pixels) zeros of that shape that take no memory
+        (a read-only broadcast of one zero)."""
         channels_last = self.pixels.movedim(-3, -1)
         if simulating():
-            return np.zeros(tuple(channels_last.shape), dtype=np.uint8)
+            return np.broadcast_to(np.zeros((), dtype=np.uint8), tuple(channels_last.shape))
         return (channels_last.float().cpu().numpy() * 255).round().astype(np.uint8)

@@ -100,6 +100,23 @@ class PlanTracker(TorchDispatchMode):
             self.after[name] = self.live_bytes
             self.phase = previous
 
+    @contextlib.contextmanager
+    def rise(self) -> Iterator[list[int]]:
+        """Measures what runs inside: yields a list that holds, on exit, the largest live count reached inside minus
+        the count at entry (the phase's peak still counts it)."""
+        start, kept = self.live_bytes, self.peaks.get(self.phase, 0)
+        self.peaks[self.phase] = start
+        measured: list[int] = []
+        try:
+            yield measured
+        finally:
+            measured.append(self.peaks[self.phase] - start)
+            self.peaks[self.phase] = max(kept, self.peaks[self.phase])
+
+    def reach(self, live_bytes: int) -> None:
+        """Count a moment at which `live_bytes` were live in the current phase (a replayed call's peak)."""
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), live_bytes)
+
     def _resized(self, storage: torch.UntypedStorage) -> None:
         key = id(storage)
         if key in self._sizes and self._refs[key]() is storage:

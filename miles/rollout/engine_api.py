@@ -88,6 +88,14 @@ class GenerateRequest:
 _T = TypeVar("_T")
 
 
+def _cat_images(images: list[np.ndarray]) -> np.ndarray:
+    """The images joined along the batch; the planner's zeros (broadcasts of one zero) stay one, taking no memory."""
+    if all(not any(a.strides) for a in images):
+        rows = sum(a.shape[0] for a in images)
+        return np.broadcast_to(np.zeros((), dtype=images[0].dtype), (rows, *images[0].shape[1:]))
+    return np.concatenate(images)
+
+
 def _present(values: list[_T | None]) -> list[_T]:
     """A field of the parts of one request that the first part has: every part has it (same request, same fields)."""
     return cast(list[_T], values)
@@ -134,7 +142,7 @@ class GenerateResult:
         versions = sorted({p.weights_version for p in parts})
         if len(versions) > 1:
             raise ValueError(f"engines answered with different weights versions {versions}: a weight sync was missed")
-        images = None if first.images is None else np.concatenate(_present([p.images for p in parts]))
+        images = None if first.images is None else _cat_images(_present([p.images for p in parts]))
         audio = None if first.audio is None else torch.cat(_present([p.audio for p in parts]))
         negative = (
             Conditioning.cat(_present([p.negative for p in parts])) if first.negative_per_prompt else first.negative

@@ -1,0 +1,70 @@
+"""A call the simulated engine repeats with the same shapes runs once and is replayed (miles/plan/replay.py): the
+phase's peak, what stays live and the FLOPs are those of running every call, a call that keeps state runs again, and
+a replayed output has the recorded layout."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from miles.models.media import Media
+from miles.plan.fake import plan_tensor_mode
+from miles.plan.replay import ReplayOnce
+from miles.plan.tracker import PlanTracker
+
+
+class Decoder:
+    """A decode that builds temporaries larger than its output, and a cache on its first call (as a VAE loaded on
+    first use)."""
+
+    def __init__(self) -> None:
+        self.cache: torch.Tensor | None = None
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor) -> Media:
+        self.calls += 1
+        if self.cache is None:
+            self.cache = torch.zeros(64, 64)
+        wide = torch.cat([x, x, x, x], dim=1) @ torch.ones(4 * x.shape[1], 8)  # a temporary 4x the input
+        frames = (wide.sigmoid() + self.cache.sum()).reshape(x.shape[0], 2, 1, 2, 2)  # (B, F, 1, H, W)
+        return Media(frames.expand(-1, -1, 3, -1, -1).contiguous(), fps=8.0)
+
+
+def run_calls(replay: bool, shapes: list[tuple[int, int]]) -> tuple[dict, int, float, list, int]:
+    decoder = Decoder()
+    with plan_tensor_mode(True), PlanTracker() as tracker, FlopCounterMode(display=False) as flops:
+        decode = ReplayOnce(decoder, tracker, flops) if replay else decoder
+        kept, outputs = [], []
+        with tracker.in_phase("generate"):
+            for shape in shapes:
+                media = decode(torch.empty(shape))
+                kept.append(torch.empty(shape[0], 16))  # results accumulate between calls, as an engine's do
+                outputs.append((tuple(media.pixels.shape), media.pixels.stride(), media.pixels.dtype, media.fps))
+                del media
+        extra = decode.replayed_flops if replay else 0.0
+        return dict(tracker.peaks), tracker.live_bytes, flops.get_total_flops() + extra, outputs, decoder.calls
+
+
+def test_replayed_calls_reach_the_peaks_and_flops_of_running_every_call():
+    shapes = [(32, 40), (32, 40), (32, 40), (16, 40), (32, 40), (16, 40), (16, 40)]
+    ran = run_calls(False, shapes)
+    replayed = run_calls(True, shapes)
+    assert replayed[:4] == ran[:4]
+    # the first call keeps the cache (runs again), then one run per new shape: 3 of the 7 calls ran
+    assert (ran[4], replayed[4]) == (7, 3)
+
+
+def test_a_replayed_output_has_the_recorded_layout_and_storage():
+    """An output that views part of a larger storage is made again with that storage size, offset and strides."""
+    with plan_tensor_mode(True), PlanTracker() as tracker, FlopCounterMode(display=False) as flops:
+        decode = ReplayOnce(lambda x: (x.new_empty(4, 6, 5) + 1).permute(2, 0, 1)[1:], tracker, flops)
+        first = decode(torch.empty(3))
+        live = tracker.live_bytes
+        second = decode(torch.empty(3))
+        assert decode.replays == 1 and tracker.live_bytes == live + 480
+        assert (second.shape, second.stride(), second.storage_offset()) == (
+            first.shape,
+            first.stride(),
+            first.storage_offset(),
+        )
+        assert second.untyped_storage().nbytes() == first.untyped_storage().nbytes() == 480
