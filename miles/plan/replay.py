@@ -30,9 +30,9 @@ class _Layout:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> _Layout:
-        nbytes = tensor.untyped_storage().nbytes()
-        args = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
-        return cls(*args, tensor.dtype, tensor.device, nbytes)
+        size, stride = tuple(int(n) for n in tensor.shape), tuple(int(n) for n in tensor.stride())
+        offset, nbytes = int(tensor.storage_offset()), int(tensor.untyped_storage().nbytes())
+        return cls(size, stride, offset, tensor.dtype, tensor.device, nbytes)
 
     def make(self) -> torch.Tensor:
         elements = self.storage_bytes // torch.empty((), dtype=self.dtype).element_size()
