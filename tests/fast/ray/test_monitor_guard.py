@@ -1,16 +1,21 @@
 """The driver's guard on planted series, with stand-in groups: a drift condition or a diverging proxy stops the
 run under `--monitor-action stop` with a line naming the monitor and its values; under `rollback` every role restores
 the last checkpoint before the weights that tripped with its learning rate lowered, the latest pointers move back
-to it and the engines get the restored weights; under `warn` the rollout records stay as they were."""
+to it and the engines get the restored weights; under `warn` the rollout records stay as they were; the driver's
+loop ends after the rollout whose trip stopped the run."""
 
 from __future__ import annotations
 
 import os
+import time
 
-from miles.arguments.parser import default_args
+import train_diffusion
+from miles.arguments.parser import default_args, parse_args
 from miles.backends.fsdp_utils.checkpoint import META_FILE, read_latest
+from miles.ray.groups import RunGroups
 from miles.ray.monitor_guard import ROLLBACK_TO_KEY, ROLLBACKS_KEY, TRIPPED_KEY, RunGuard
 from miles.rollout.monitors import DriftWatch, watches
+from tests.fast.test_async_rollout import World
 
 
 class Phases:
@@ -120,3 +125,20 @@ def test_warn_leaves_the_rollout_records_as_they_were(tmp_path, caplog):
     assert guard.stopped is None and groups.groups["actor"].calls == []
     warned = [r.getMessage() for r in caplog.records if "proxy-gold divergence" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("proxy-gold divergence at rollout 1: the proxy rose 0.1 -> 0.2")
+
+
+def test_the_driver_loop_ends_after_the_rollout_the_guard_stopped():
+    args = parse_args(
+        ["--hf-checkpoint", "builtin:tiny-shapes", "--loss-type", "nft", "--num-rollout", "4", "--no-progress"]
+        + ["--monitor-action", "stop"]
+    )
+    world = World(ahead=False)
+    world.drift = DriftWatch([])
+    world.drift.held[1] = [("--monitor-norm-drift", "monitor/x0_norm_mean drifted to 1.6 from its first value 1")]
+    run_groups, summary = RunGroups(args, {"actor": world}, world), {"losses": []}
+    guard = RunGuard(args, run_groups, 0)
+    completed = train_diffusion.train_rollouts(args, run_groups, world, 0, summary, time.perf_counter(), None, guard)
+    assert completed == 1 and [e[1] for e in world.events if e[0] == "train"] == [0, 1]
+    assert summary["guard_stopped"] == guard.stopped
+    assert "--monitor-norm-drift at rollout 1: monitor/x0_norm_mean drifted to 1.6" in guard.stopped
+    assert [(r[TRIPPED_KEY], r[ROLLBACKS_KEY]) for r in summary["rollouts"]] == [(0, 0), (1, 0)]
