@@ -11,7 +11,7 @@ from typing import Any
 
 from miles.algorithms import training_order
 from miles.ray.checkpoint_folders import save_folders, write_latest_pointers
-from miles.rollout.guard import GOLD_KEY, INITIAL, PROXY_GOLD, PROXY_KEY, Decision, Guard, ProxyGoldWatch, Trip
+from miles.rollout.guard import GOLD_KEY, PROXY_GOLD, PROXY_KEY, Decision, Guard, ProxyGoldWatch, Trip
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +32,9 @@ class RunGuard:
         self.warned: set[str] = set()  # under `warn`, the proxy-gold trip is warned about once per run
         self.stopped: str | None = None
         manager = run_groups.rollout_manager
-        # weights version -> the last rollout trained into those weights (the engines' first sync: the starting ones)
-        self.versions: dict[int, int] = {manager.weights_version: start_rollout_id - 1 if start_rollout_id else INITIAL}
+        # weights version -> the last rollout trained into those weights; the engines' first sync holds the starting
+        # ones (INITIAL, -1, on a fresh start)
+        self.versions: dict[int, int] = {manager.weights_version: start_rollout_id - 1}
         if run_groups.saved is not None:  # resumed from its own save folders: that checkpoint is a rollback target
             self.guard.saved.append(run_groups.saved)
 
