@@ -53,7 +53,7 @@ def check_startup(args: argparse.Namespace) -> None:
         )
         if args.gold_rm_type:  # the proxy-gold monitor's gold scores the eval's samples
             gold = parse_reward_spec(args.gold_rm_type)
-            problems += [f"--gold-rm-type: {problem}" for problem in reward_media_problems(
+            problems += [problem.replace("--rm-type", "--gold-rm-type", 1) for problem in reward_media_problems(
                 gold, family=family.name, video=video, source_images=family.takes_source_images
             )]  # fmt: skip
         if problems:
