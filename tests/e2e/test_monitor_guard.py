@@ -4,7 +4,7 @@ rollout 1) trips the proxy-gold monitor: every role restores the checkpoint of r
 saved then), the latest pointer moves back to it, and the run goes on at half the learning rate.
 
 The divergence is planted because the tiny model's eval does not diverge reliably within a few rollouts (measured:
-at --lr 1e-2 the gold is near 0 from the first eval on); a whole run, 3 rollouts: ~40 s here, so `standard`."""
+at --lr 1e-2 the gold is near 0 from the first eval on); a whole run, 3 rollouts: ~45-55 s here (a loaded 2-core machine), so `standard`."""
 
 import os
 
