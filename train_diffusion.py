@@ -24,6 +24,7 @@ with import_gc.paused():  # the driver's imports (torch, Ray) without the collec
     from miles.ray.cluster import check_cluster
     from miles.ray.generations import Generations, staleness_metrics
     from miles.ray.groups import RunGroups
+    from miles.ray.monitor_guard import RunGuard
     from miles.ray.restarts import RESTARTABLE, Restarts
     from miles.startup import start_up
     from miles.utils.console import ProgressLine, TqdmHandler, engine_progress_display, progress_bar, summary_line
@@ -57,9 +58,10 @@ def run_rollout(
     writer: Tracking,
     started: float | None = None,
     stop: StopSignals | None = None,
+    guard: RunGuard | None = None,
 ) -> dict | None:
-    """One rollout: generate, train each group in order, save when due, sync weights, eval when due; returns its
-    record (the trainer windows' records are logged as they come). `started`: the command's start on the
+    """One rollout: generate, train each group in order, save when due, sync weights, eval when due, the guard's
+    action (`--monitor-action`); returns its record (the trainer windows' records are logged as they come). `started`: the command's start on the
     perf_counter clock, given for the run's first rollout only: its record then holds `perf/startup_s`. After a stop
     signal during the generation the rollout is abandoned (None: its batch is dropped, the resumed run regenerates
     it alike); after that the rollout runs to its end (a train step is collective over the ranks)."""
@@ -99,6 +101,10 @@ def run_rollout(
         rollout_record["perf/startup_compile_s"] = first_compile_seconds(rollout_record, records)
     if run_groups.evaluator is not None and is_due(rollout_id, args.eval_interval, last):
         rollout_record.update(run_groups.evaluate(rollout_id + 1))
+        if guard is not None:
+            guard.observe_eval(rollout_record)
+    if guard is not None:
+        rollout_record.update(guard.after_rollout(rollout_id, rollout_record))
     writer.log(rollout_record)
     rollout_record["_actor_losses"] = [r["train/loss"] for r in records if "train/loss" in r and r["role"] == "actor"]
     rollout_record["_train_records"] = records
@@ -128,9 +134,11 @@ def train_rollouts(
     summary: dict,
     started: float,
     stop: StopSignals | None = None,
+    guard: RunGuard | None = None,
 ) -> int:
     """The outer loop (ARCHITECTURE §4) with a progress bar; `started` as in `run`. Returns the last rollout
-    completed, which is `args.num_rollout - 1` unless a stop signal (`stop.requested`) ended the loop early."""
+    completed, which is `args.num_rollout - 1` unless a stop signal (`stop.requested`) or the guard (`guard.stopped`,
+    then in `summary["guard_stopped"]`) ended the loop early."""
     bar, progress = (
         progress_bar(range(start_rollout_id, args.num_rollout), args),
         ProgressLine(algorithm_of(args).progress_keys),
@@ -143,7 +151,9 @@ def train_rollouts(
             first = rollout_id == start_rollout_id
             if first:
                 logger.info("start-up: %.1fs from the command to the first rollout", time.perf_counter() - started)
-            record = run_rollout(args, rollout_id, run_groups, generations, writer, started if first else None, stop)
+            record = run_rollout(
+                args, rollout_id, run_groups, generations, writer, started if first else None, stop, guard
+            )
             if record is None:
                 break
             completed = rollout_id
@@ -151,6 +161,9 @@ def train_rollouts(
             train_records = record.pop("_train_records")
             summary.setdefault("rollouts", []).append(record)
             bar.set_postfix(progress.update([*train_records, record]))
+            if guard is not None and guard.stopped:
+                summary["guard_stopped"] = guard.stopped
+                break
             if stop is not None and stop.requested:
                 break
     finally:
@@ -165,7 +178,8 @@ def run(
     started: float | None = None,
 ) -> dict:
     """Run the whole job; returns a summary (actor losses, wall time; `stopped`: the last line of a run that a
-    SIGTERM / SIGINT stopped early, see `miles.utils.stop_signals`).
+    SIGTERM / SIGINT stopped early, see `miles.utils.stop_signals`; `guard_stopped`: the line of a run that
+    `--monitor-action` stopped, which ends as a finished run does).
 
     `before_shutdown(groups)` lets tools and tests inspect the live groups after the last rollout. `started`: when
     the command started, on the `time.perf_counter` clock (`main` passes the process's start); default now. The
@@ -203,6 +217,8 @@ def run(
         return summary
     summary["plot"] = plot_run(args.output_dir, args.loss_type)
     logger.info(summary_line(args, current_records(read_metrics(writer.path)), summary["wall_s"], summary["plot"]))
+    if "guard_stopped" in summary:  # the run's last line: which monitor ended it, and with what values
+        logger.warning("the guard stopped the run: %s", summary["guard_stopped"])
     return summary
 
 
@@ -231,15 +247,18 @@ def start_and_train(
     restarts.groups = run_groups = RunGroups.launch(args)
     start_rollout_id = run_groups.start()
     restarts.start_attempt(start_rollout_id)
+    guard = RunGuard(args, run_groups, start_rollout_id)
     if restarts.count == 0:
         startup.log_phases(started)
         if run_groups.evaluator is not None and not args.no_eval_before_train:  # the baseline, before any update
-            writer.log({"rollout_id": start_rollout_id, "step": 0, **run_groups.evaluate(start_rollout_id)})
+            baseline = run_groups.evaluate(start_rollout_id)
+            guard.observe_eval(baseline)
+            writer.log({"rollout_id": start_rollout_id, "step": 0, **baseline})
         if args.eval_only:
             return None
     if stop.requested:  # a signal during the start-up stops before the first rollout
         return start_rollout_id - 1
-    return train_rollouts(args, run_groups, writer, start_rollout_id, summary, started, stop)
+    return train_rollouts(args, run_groups, writer, start_rollout_id, summary, started, stop, guard)
 
 
 def main(argv: Sequence[str] | None = None, started: float | None = None) -> int:

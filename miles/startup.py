@@ -14,7 +14,7 @@ from typing import Any
 from miles.algorithms import algorithm_of
 from miles.arguments.evaluation import BUILTIN_MOVING_SHAPES, eval_enabled
 from miles.arguments.hook_paths import load_path_flags
-from miles.arguments.reward_spec import reward_media_problems, reward_spec_from_args, runs_rewards
+from miles.arguments.reward_spec import parse_reward_spec, reward_media_problems, reward_spec_from_args, runs_rewards
 from miles.backends.fsdp_utils.loss_hub import get_loss_hooks
 from miles.ray.checkpoint_folders import check_resume_settings, check_roles_agree, lock_save_folders
 from miles.ray.cluster import ray_init_settings, start_ray, stop_ray
@@ -51,6 +51,11 @@ def check_startup(args: argparse.Namespace) -> None:
         problems = reward_media_problems(
             reward_spec_from_args(args), family=family.name, video=video, source_images=family.takes_source_images
         )
+        if args.gold_rm_type:  # the proxy-gold monitor's gold scores the eval's samples
+            gold = parse_reward_spec(args.gold_rm_type)
+            problems += [problem.replace("--rm-type", "--gold-rm-type", 1) for problem in reward_media_problems(
+                gold, family=family.name, video=video, source_images=family.takes_source_images
+            )]  # fmt: skip
         if problems:
             raise ValueError("; ".join(problems))
     clips = args.eval_prompt_data == BUILTIN_MOVING_SHAPES  # the one built-in eval of video

@@ -10,6 +10,7 @@ from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
 from miles.arguments.config_file import flag
 from miles.arguments.engine import add_engine_arguments
 from miles.arguments.flag_readers import WITH_SDE_SAMPLES, ByAlgorithm, ByFlag, ReadBy
+from miles.arguments.guard import add_guard_arguments
 from miles.arguments.hook_paths import add_rollout_step_arguments, rollout_step_rules
 from miles.arguments.rewards import add_reward_arguments, reward_rules
 
@@ -217,7 +218,7 @@ def add_ema_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_monitor_arguments(parser: argparse.ArgumentParser) -> None:
     """The reward-hacking monitors' warning thresholds (miles/rollout/monitors.py; docs/user-guide/rewards.md)."""
-    group = parser.add_argument_group("reward-hacking monitors (monitor/* metrics, warned once per run)")
+    group = parser.add_argument_group("reward-hacking monitors (monitor/* metrics) and what a trip does")
     group.add_argument(
         "--monitor-image-drift",
         type=float,
@@ -239,6 +240,7 @@ def add_monitor_arguments(parser: argparse.ArgumentParser) -> None:
         help="Warn when the diversity within prompt groups (pixel, or CLIP with a CLIP reward) falls below this "
         "fraction of the first rollout's (0: no warning).",
     )
+    add_guard_arguments(group)
 
 
 RL_ARGUMENT_GROUPS = (

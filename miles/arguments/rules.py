@@ -16,6 +16,7 @@ from miles.algorithms.roles import extra_roles, folder_rules, override_rules, ro
 from miles.arguments.config_file import ArgumentError, flag
 from miles.arguments.evaluation import eval_defaults, eval_rules
 from miles.arguments.fsdp import local_device_defaults, precision_rules, sharding_rules
+from miles.arguments.guard import monitor_rules
 from miles.arguments.plan import auto_size_defaults
 from miles.arguments.rl import rl_rules
 from miles.models.options import family_option_ranges
@@ -120,7 +121,8 @@ def colocate_rules(args: argparse.Namespace) -> list[str]:
 def derived_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
     """The rules that involve computed defaults, checked on a derived copy (args itself stays as given)."""
     view = derive_args(copy.copy(args))
-    return [*batch_rules(args, view), *algorithm.validate(view), *folder_rules(view), *precision_rules(view)]
+    rules = [*batch_rules(args, view), *algorithm.validate(view), *folder_rules(view), *precision_rules(view)]
+    return rules + monitor_rules(view, algorithm)
 
 
 def batch_rules(args: argparse.Namespace, view: argparse.Namespace) -> list[str]:

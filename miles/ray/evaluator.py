@@ -16,6 +16,7 @@ from miles.data.ocr import BUILTIN_OCR, ocr_prompts, unquoted_prompts
 from miles.data.shapes import BUILTIN_SHAPES, ShapeScene, shapes_prompts
 from miles.data.shapes_edit import BUILTIN_SHAPES_EDIT, shapes_edit_items
 from miles.rollout.data_source import read_prompt_file, wants_source_images
+from miles.rollout.eval_rewards import EvalRewards, eval_reward_samples
 from miles.rollout.evaluation import evaluate_moving_shapes, evaluate_ocr, evaluate_shapes
 from miles.rollout.media_files import save_media
 from miles.rollout.rollout_hub import DatasetSpec, rollout_spec_of
@@ -73,6 +74,7 @@ class EvalFlags(FlagRecord):
     ocr_num_threads: int
     output_dir: str
     media_max_samples: int
+    gold_rm_type: str | None  # the proxy-gold monitor's gold (miles.rollout.eval_rewards)
 
 
 class Evaluator:
@@ -92,6 +94,8 @@ class Evaluator:
         self.kind: str | None
         self.records: list[dict[str, Any]]
         self.kind, self.records = load_eval_records(args, sources) if self.custom is None else (None, [])
+        gold = self.flags.gold_rm_type
+        self.rewards = EvalRewards(args, gold) if gold else None  # --eval-function-path is refused with a gold
 
     def prompts(self) -> list[str] | None:
         """The eval prompts, or None when --eval-function-path samples prompts of its own."""
@@ -118,6 +122,11 @@ class Evaluator:
             metrics, samples = evaluate_moving_shapes(engine, self.records, **sampling)
         else:
             metrics, samples = evaluate_shapes(engine, self.records, **sampling)
+        if self.rewards is not None:  # the proxy and the gold on the same samples
+            scored = eval_reward_samples(
+                self.records, samples, flags.n_samples_per_eval_prompt, flags.eval_seed, flags.resolution
+            )
+            metrics |= self.rewards.metrics(scored)
         save_media(
             flags.output_dir,
             f"eval_{rollout_id:07d}",

@@ -163,11 +163,17 @@ def watches(image_drift: float, norm_drift: float, diversity_collapse: float) ->
 @dataclass
 class DriftWatch:
     """Each watched metric against its first logged value (the first rollout this process ran): `check` returns the
-    conditions that hold and logs one warning per condition per run, the first time it holds."""
+    conditions that hold and logs one warning per condition per run, the first time it holds; `held` keeps each
+    rollout's (flag, what held) for `--monitor-action` until `pop_held` takes them."""
 
     conditions: list[Watch]
     first: dict[str, tuple[int, float]] = field(default_factory=dict)  # key -> (rollout id, value)
     warned: set[str] = field(default_factory=set)
+    held: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
+
+    def pop_held(self, rollout_id: int) -> list[tuple[str, str]]:
+        """The conditions that held at rollout `rollout_id`, each (its flag, the metric and its values), once."""
+        return self.held.pop(rollout_id, [])
 
     def check(self, rollout_id: int, metrics: dict[str, float]) -> list[str]:
         holding = []
@@ -179,6 +185,7 @@ class DriftWatch:
             if not watch.holds(value, first):
                 continue
             holding.append(watch.key)
+            self.held.setdefault(rollout_id, []).append((watch.flag, f"{watch.key} {watch.describe(value, first)}"))
             if watch.key not in self.warned:
                 self.warned.add(watch.key)
                 logger.warning(

@@ -65,6 +65,8 @@ FLAG_RANGES: dict[str, Range] = {
     "rm_max_concurrency": AT_LEAST_1, "vlm_judge_max_score": POSITIVE, "vlm_judge_default_score": FINITE,
     "vlm_judge_frames": AT_LEAST_1, "vlm_judge_max_tokens": AT_LEAST_1, "vlm_judge_max_unparsable_frac": UNIT,
     "monitor_image_drift": AT_LEAST_0, "monitor_norm_drift": AT_LEAST_0, "monitor_diversity_collapse": UNIT,
+    "monitor_rollback_lr_factor": UNIT_OPEN_LOW, "monitor_max_rollbacks": AT_LEAST_0, "monitor_gold_margin": AT_LEAST_0,
+    "monitor_gold_window": AT_LEAST_1,
     # LoRA and EMA
     "lora_rank": AT_LEAST_1, "lora_alpha": POSITIVE, "ema_decay": UNIT, "ema_update_interval": AT_LEAST_1,
     # evaluation and checkpoints

@@ -4,6 +4,8 @@ process (Python's `hash()` of a tuple is neither documented nor portable)."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import torch
 
@@ -27,3 +29,10 @@ def stream_rng(*ids: int) -> np.random.Generator:
 def stream_generator(*ids: int) -> torch.Generator:
     """A CPU torch generator of the stream named by `ids`."""
     return torch.Generator(device="cpu").manual_seed(stream_seed(*ids))
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, NumPy's and torch's global generators from `seed` (a trainer rank's at its start)."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)

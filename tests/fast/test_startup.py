@@ -29,6 +29,11 @@ def test_a_reward_that_cannot_score_what_the_family_makes_is_refused_at_start_up
         checked("--rm-type", reward)  # the default model: builtin:tiny-shapes, an SD3 image family
 
 
+def test_a_gold_that_cannot_score_the_evals_samples_is_refused_at_start_up():
+    with pytest.raises(ValueError, match=r"--gold-rm-type motion_direction scores video \(sample.frames\)"):
+        startup_checks(parse_args(["--loss-type", "nft", "--eval-interval", "5", "--gold-rm-type", "motion_direction"]))
+
+
 def test_ocr_on_prompts_without_quoted_text_is_refused_at_start_up(monkeypatch, tmp_path):
     monkeypatch.setitem(reward_spec.REWARD_PACKAGES, "ocr", ("json", "pip install miles[ocr]"))  # as if installed
     with pytest.raises(InputFileError, match=r"--rm-type ocr reads .* --prompt-data builtin:shapes have none: use "):

@@ -7,18 +7,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import random
 import socket
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from miles.algorithms import FrozenNetwork, algorithm_of, role_flag, role_settings
-from miles.backends.fsdp_utils.checkpoint import load_checkpoint, read_latest, save_checkpoint
+from miles.backends.fsdp_utils.checkpoint import LoadedCheckpoint, load_checkpoint, read_latest, save_checkpoint
 from miles.backends.fsdp_utils.ema import ShadowWeights, ema_config_from_args, local_tensor, reshard
 from miles.backends.fsdp_utils.engine_export import EngineExport
 from miles.backends.fsdp_utils.fsdp import apply_fsdp2, build_mesh, parse_dtype
@@ -29,7 +27,7 @@ from miles.backends.fsdp_utils.lora import (
     lora_config_from_args,
 )
 from miles.backends.fsdp_utils.loss_hub import LossHooks, checkpoint_meta, get_loss_hooks
-from miles.backends.fsdp_utils.optim import OptimizerFlags, build_lr_scheduler, build_optimizer
+from miles.backends.fsdp_utils.optim import OptimizerFlags, build_lr_scheduler, build_optimizer, scale_learning_rate
 from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher, prefetch_enabled
 from miles.backends.fsdp_utils.sharded_load import load_sharded
 from miles.backends.fsdp_utils.train_loop import TrainLoop
@@ -46,6 +44,7 @@ from miles.utils.distributed import (
 from miles.utils.heap import TRAINER_MMAP_THRESHOLD, keep_freed_memory
 from miles.utils.misc import load_module
 from miles.utils.offload import HostSwap
+from miles.utils.seeding import seed_everything
 from miles.utils.threads import gpu_rank_threads, node_info
 from miles.utils.weight_checksum import TensorChecksum
 from miles.weight_sync.protocol import SyncPlan
@@ -100,7 +99,7 @@ class FSDPTrainRayActor(TrainLoop):
         self._join_process_group(master_addr, master_port)
         self.sp = new_sequence_parallel_group(args.sp_size)
         # the ranks of a sequence-parallel group draw alike: they compute one data-parallel rank's pairs together
-        self._seed_everything(args.seed + self.dp_rank)
+        seed_everything(args.seed + self.dp_rank)
         self.forward_dtype = parse_dtype(args.diffusion_forward_dtype)
         self.family = get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args))
         master_dtype = parse_dtype(args.fsdp_master_dtype)  # what the optimizer updates; forwards cast to forward_dtype
@@ -240,30 +239,30 @@ class FSDPTrainRayActor(TrainLoop):
             state[SHADOW_CHECKPOINT_KEYS.get(name, f"shadow_{name}")] = shadow.state_dict()
         return state
 
-    def _seed_everything(self, seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed % (2**32))
-        torch.manual_seed(seed)
-
     def _load(self) -> int:
         load_dir = self.settings["load"]
         if not load_dir or read_latest(load_dir) is None:
             if load_dir:
                 logger.info("no checkpoint in %s yet: starting from rollout 0", load_dir)
             return 0
-        loaded = load_checkpoint(
-            load_dir,
-            self.role,
-            model=self.model,
-            optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler,
-            load_optimizer=not self.args.no_load_optim,
-            sharded=self._sharded_state(),
-            verify_checksums=not self.args.skip_checkpoint_checksums,
-        )
+        loaded = self._restore(load_dir, None, load_optimizer=not self.args.no_load_optim)
         self.global_step = int(loaded.meta.get("global_step", 0))
         logger.info("%s rank %d resumed from %s at rollout %d", self.role, self.rank, load_dir, loaded.rollout_id)
         return loaded.rollout_id + 1
+
+    def _restore(self, load_dir: str, rollout_id: int | None, *, load_optimizer: bool) -> LoadedCheckpoint:
+        return load_checkpoint(
+            load_dir, self.role, model=self.model, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            rollout_id=rollout_id, load_optimizer=load_optimizer, sharded=self._sharded_state(),
+            verify_checksums=not self.args.skip_checkpoint_checksums,
+        )  # fmt: skip
+
+    def rollback(self, rollout_id: int, lr_factor: float) -> None:
+        """--monitor-action rollback (collective): this role's checkpoint of `rollout_id` in its save folder (weights,
+        optimizer, LR schedule, EMA and shadows, RNG; the step count goes on), then its learning rate x `lr_factor`."""
+        self.wake()
+        self._restore(self.settings["save"], rollout_id, load_optimizer=True)
+        scale_learning_rate(self.optimizer, self.lr_scheduler, lr_factor)
 
     # ---- sleep / wake (--colocate-sleep) -------------------------------------------------------
     def _resident_tensors(self) -> list[torch.Tensor]:

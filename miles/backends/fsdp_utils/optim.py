@@ -66,3 +66,14 @@ def build_lr_scheduler(
         min_ratio=flags.min_lr / lr,
     )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+def scale_learning_rate(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler, factor: float
+) -> None:
+    """Every parameter group's learning rate and the schedule's base rates times `factor` (a rollback's lower LR,
+    `--monitor-rollback-lr-factor`): the schedule goes on from its step with the lower peak (its floor, a ratio of
+    the peak, with it), and a checkpoint saved later keeps the lower rates."""
+    scheduler.base_lrs = [rate * factor for rate in scheduler.base_lrs]
+    for group in optimizer.param_groups:
+        group["lr"] *= factor

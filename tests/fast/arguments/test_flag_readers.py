@@ -18,6 +18,7 @@ ENABLERS = {
     "use_wandb": True,
     "max_restarts": 1,
     "dynamic_sampling_filter_path": "m.f",
+    "gold_rm_type": "shapes",
 }
 JUDGE_RUN = {"rm_type": "vlm_judge", "rm_url": ["http://judge/v1"], "rm_model": "m"}
 

@@ -143,3 +143,18 @@ def test_a_drift_is_warned_once_and_counted_every_rollout(caplog):
 
 def test_a_zero_threshold_watches_nothing():
     assert [w.key for w in watches(0.0, 0.25, 0.0)] == ["monitor/x0_norm_mean"]
+
+
+def test_the_conditions_that_held_are_kept_per_rollout_for_the_guard_and_taken_once():
+    watch = DriftWatch(watches(image_drift=0.1, norm_drift=0.0, diversity_collapse=0.5))
+    watch.check(0, {"monitor/x0_brightness_mean": 0.5, "monitor/diversity_pixel": 0.2})
+    watch.check(1, {"monitor/x0_brightness_mean": 0.7, "monitor/diversity_pixel": 0.05})
+    watch.check(2, {"monitor/x0_brightness_mean": 0.7, "monitor/diversity_pixel": 0.2})
+    assert watch.pop_held(0) == []
+    assert watch.pop_held(1) == [
+        ("--monitor-image-drift", "monitor/x0_brightness_mean drifted to 0.7 from its first value 0.5 (|change| 0.2 > "
+         "--monitor-image-drift 0.1)"),
+        ("--monitor-diversity-collapse", "monitor/diversity_pixel fell to 0.05, below --monitor-diversity-collapse "
+         "0.5 x its first value 0.2"),
+    ]  # fmt: skip
+    assert watch.pop_held(1) == [] and [flag for flag, _ in watch.pop_held(2)] == ["--monitor-image-drift"]

@@ -1,12 +1,13 @@
 """One recipe for id-derived random streams (miles/utils/seeding.py)."""
 
+import random
 import subprocess
 import sys
 
 import numpy as np
 import torch
 
-from miles.utils.seeding import stream_generator, stream_rng, stream_seed
+from miles.utils.seeding import seed_everything, stream_generator, stream_rng, stream_seed
 
 
 def test_stream_seed_is_the_seed_sequence_of_the_ids():
@@ -35,3 +36,13 @@ def test_the_stream_is_the_same_in_another_process():
         env={"PYTHONHASHSEED": "123", **__import__("os").environ},
     )
     assert int(out.stdout) == stream_seed(7, 11, 13)
+
+
+def test_seed_everything_seeds_pythons_numpys_and_torchs_global_generators():
+    draws = []
+    for _ in range(2):
+        seed_everything(11)
+        draws.append((random.random(), float(np.random.rand()), float(torch.rand(1))))
+    assert draws[0] == draws[1]
+    seed_everything(12)
+    assert random.random() != draws[0][0]

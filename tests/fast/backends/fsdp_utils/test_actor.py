@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from miles.algorithms.base import OLD_POLICY, TEACHER
+from miles.arguments.parser import default_args
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
+from miles.backends.fsdp_utils.optim import OptimizerFlags, build_lr_scheduler, build_optimizer
 from miles.utils.offload import HostSwap
 
 
@@ -104,3 +106,34 @@ def test_the_weight_sync_needs_its_plan_and_the_export_is_the_ranks_own():
         "old",
     )
     assert export.ema_rollout_policy == "ema" and export.shadows is trainer.shadows
+
+
+def test_a_rollback_restores_the_saved_state_and_lowers_the_learning_rate(world_of_one, tmp_path):
+    """`rollback` (--monitor-action rollback): the weights, the optimizer's moments and the schedule of the saved
+    rollout come back, its step count goes on, and the learning rate is the factor times the schedule's."""
+    trainer = actor(loss_type="policy_loss", lora_rank=8, use_lora=False, skip_checkpoint_checksums=False)
+    flags = OptimizerFlags.from_args(default_args(lr_warmup_steps=4))
+    trainer.optimizer = build_optimizer(trainer.model.parameters(), flags, 1e-2)
+    trainer.lr_scheduler = build_lr_scheduler(trainer.optimizer, flags, 1e-2, total_steps=10)
+    trainer.settings, trainer.global_step = {"save": str(tmp_path)}, 0
+
+    def step() -> None:
+        trainer.model(torch.ones(4, 3)).square().sum().backward()
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad()
+        trainer.lr_scheduler.step()
+        trainer.global_step += 1
+
+    step()
+    trainer.save(0)
+    saved = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    moments = trainer.optimizer.state[trainer.model.weight]["exp_avg"].clone()
+    rate = trainer.optimizer.param_groups[0]["lr"]  # step 1 of the warm-up: 2/4 of the peak
+    for _ in range(2):
+        step()
+    trainer.rollback(0, 0.5)
+    assert all(torch.equal(trainer.model.state_dict()[k], v) for k, v in saved.items())
+    assert torch.equal(trainer.optimizer.state[trainer.model.weight]["exp_avg"], moments)
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * rate) and trainer.global_step == 3
+    trainer.lr_scheduler.step()  # the schedule goes on from the saved step at half its peak
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * 1e-2 * 3 / 4)

@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from miles.arguments.parser import default_args, parse_args
-from miles.backends.fsdp_utils.optim import OptimizerFlags, build_lr_scheduler, build_optimizer, lr_multiplier
+from miles.backends.fsdp_utils.optim import (
+    OptimizerFlags,
+    build_lr_scheduler,
+    build_optimizer,
+    lr_multiplier,
+    scale_learning_rate,
+)
 
 
 def test_warmup_is_linear_then_constant():
@@ -46,3 +52,28 @@ def test_the_optimizer_record_holds_the_flags_that_build_adamw_and_its_schedule(
     scheduler = build_lr_scheduler(optimizer, flags, lr=1e-3, total_steps=100)
     factors = [scheduler.lr_lambdas[0](step) for step in (0, 1, 2, 6, 10, 50)]
     assert factors == pytest.approx([0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5, 0.1, 0.1])  # warm-up 2, linear to 0.1 at 10
+
+
+def test_a_rollbacks_lower_learning_rate_scales_the_schedule_from_its_step_on():
+    """The rates after `scale_learning_rate(0.5)` are half those of the same schedule unscaled, step for step, and
+    a state dict saved afterwards keeps them (a checkpoint after a rollback)."""
+    flags = OptimizerFlags.from_args(
+        default_args(lr_warmup_steps=2, lr_decay_steps=8, lr_decay_style="cosine", min_lr=1e-4)
+    )
+    runs = []
+    for factor in (1.0, 0.5):
+        parameter = torch.nn.Parameter(torch.zeros(3))
+        optimizer = build_optimizer([parameter], flags, 1e-3)
+        scheduler = build_lr_scheduler(optimizer, flags, 1e-3, total_steps=8)
+        rates = []
+        for step in range(6):
+            if step == 3:
+                scale_learning_rate(optimizer, scheduler, factor)
+            rates.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        runs.append((rates, scheduler.state_dict()))
+    (plain, _), (scaled, state) = runs
+    assert scaled[:3] == plain[:3]
+    assert scaled[3:] == pytest.approx([0.5 * rate for rate in plain[3:]], rel=1e-12)
+    assert state["base_lrs"] == [0.5e-3]
