@@ -60,6 +60,7 @@ class RolloutFlags(FlagRecord):
     rm_url: list[str] | None
     rm_num_workers: int
     negative_prompt: str
+    diffusion_guidance_scale: float
     monitor_image_drift: float
     monitor_norm_drift: float
     monitor_diversity_collapse: float

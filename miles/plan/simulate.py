@@ -199,7 +199,7 @@ def _fill_prompt_cache(engine: DiffusionEngine, request: Any) -> None:
     text encoders are then freed, and generate reads the rows without them."""
     family, device = engine.family, engine.prompt_encoder.device
     prompts, rows = list(dict.fromkeys(request.prompts)), {}
-    step = fill_step(family)
+    step = fill_step(family, engine.micro_batch(request.resolution, request.guidance_scale > 1.0))
     for start in range(0, len(prompts), step):
         chunk = prompts[start : start + step]
         batch = family.encode_prompts(chunk, device=device)

@@ -220,9 +220,17 @@ class RolloutEngineGroup:
         refs = {i: e.update_weights.remote(ref, version, checksums) for i, e in enumerate(self.engines)}
         self._gather(refs, where(f"weight sync (version {version})", rollout_id))
 
-    def fill_prompt_cache(self, prompts: list[str], negative_prompts: list[str], release: bool) -> dict[str, int]:
+    def fill_prompt_cache(
+        self,
+        prompts: list[str],
+        negative_prompts: list[str],
+        release: bool,
+        resolution: int | None = None,
+        guided: bool = False,
+    ) -> dict[str, int]:
         """Encode the prompt set into the prompt cache (`--prompt-cache`) once: the engines that share a cache key
-        (device and thread count alike) each take a contiguous slice of the distinct prompts. Then, with `release`
+        (device and thread count alike) each take a contiguous slice of the distinct prompts, a micro-batch of the
+        run's generate calls (`resolution`, `guided`) at a time. Then, with `release`
         (the set is the run's whole), every engine frees its text encoders. Returns the totals found and encoded."""
         keys = self._gather({i: e.prompt_cache_key.remote() for i, e in enumerate(self.engines)}, "prompt cache key")
         distinct, refs = list(dict.fromkeys(prompts)), {}
@@ -230,7 +238,9 @@ class RolloutEngineGroup:
             sharing = [i for i in sorted(keys) if keys[i] == key]
             for k, (start, end) in enumerate(split_contiguous(len(distinct), len(sharing))):
                 negatives = list(negative_prompts) if k == 0 else []
-                refs[sharing[k]] = self.engines[sharing[k]].fill_prompt_cache.remote(distinct[start:end], negatives)
+                refs[sharing[k]] = self.engines[sharing[k]].fill_prompt_cache.remote(
+                    distinct[start:end], negatives, resolution, guided
+                )
         results = self._gather(refs, "prompt cache fill")
         if release:
             freed = self._gather({i: e.release_text_encoders.remote() for i, e in enumerate(self.engines)}, "release")

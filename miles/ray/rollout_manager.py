@@ -140,7 +140,9 @@ class RolloutManager:
         drawn = sorted({index for rollout_id in rollouts for index in self.source.indices(rollout_id)})
         prompts = [self.records[index]["prompt"] for index in drawn] + list(eval_prompts or [])
         complete = eval_prompts is not None and not any(flag in self.hooks for flag in DRAWING_HOOKS)
-        stats = self.engines.fill_prompt_cache(prompts, [self.flags.negative_prompt], release=complete)
+        guided = self.flags.diffusion_guidance_scale > 1.0
+        negatives = [self.flags.negative_prompt]
+        stats = self.engines.fill_prompt_cache(prompts, negatives, complete, self.flags.resolution, guided)
         stats["seconds"] = round(time.perf_counter() - started, 1)
         logger.info("prompt cache %s: %s%s", self.prompt_cache.directory, stats, "" if complete else ", encoders kept")
 

@@ -162,11 +162,22 @@ class DiffusionEngine:
         logger.info("engine loaded weights version %d (%d tensors)", version, len(weights))
 
     # the prompt cache (--prompt-cache)
-    def fill_prompt_cache(self, prompts: list[str], negative_prompts: list[str]) -> dict[str, int]:
+    def fill_prompt_cache(
+        self, prompts: list[str], negative_prompts: list[str], resolution: int | None = None, guided: bool = False
+    ) -> dict[str, int]:
         """Encode into the prompt cache those of `prompts` (text only) and `negative_prompts` it lacks, with the
-        generate phase's thread count (part of a CPU entry's key); {"found": n, "encoded": m}."""
+        generate phase's thread count (part of a CPU entry's key), at most a micro-batch of the run's generate calls
+        (at `resolution`, `guided` or not) at a time; {"found": n, "encoded": m}."""
         with torch_threads(self.generate_threads):
-            return self.prompt_encoder.fill(prompts, negative_prompts)
+            micro_batch = self.micro_batch(resolution, guided)
+            return self.prompt_encoder.fill(prompts, negative_prompts, micro_batch=micro_batch)
+
+    def micro_batch(self, resolution: int | None, guided: bool) -> int | None:
+        """Samples per forward at `resolution` (`--rollout-micro-batch-size` on this device; None: the whole share)."""
+        shape, device_type = self.family.latent_shape(resolution), self.device.type
+        return resolve_rollout_micro_batch_size(
+            self.micro_batch_size, latent_shape=shape, guided=guided, device_type=device_type
+        )
 
     def prompt_cache_key(self) -> str | None:
         """The key of this engine's prompt cache entries in its generate phase (None without a cache): engines with
@@ -245,10 +256,7 @@ class DiffusionEngine:
         shape = family.latent_shape(request.resolution)
         sigmas, flash_from = self._sigma_grid(request)
         guided = request.guidance_scale > 1.0  # scale 1: the conditional branch only
-        size = resolve_rollout_micro_batch_size(
-            self.micro_batch_size, latent_shape=shape, guided=guided, device_type=self.device.type
-        )
-        bounds = micro_batch_bounds(batch, size)
+        bounds = micro_batch_bounds(batch, self.micro_batch(request.resolution, guided))
         self._report(phase="encode", steps_done=0, steps_total=(len(sigmas) - 1) * len(bounds), micro_batch=0,
                      micro_batches=len(bounds), samples=bounds[0][1])  # fmt: skip
         embeds, negative = self.prompt_encoder.encode_request(

@@ -24,10 +24,13 @@ PROMPT, NEGATIVE = "prompt", "negative"
 FILL_BATCH = 16
 
 
-def fill_step(family: TrainPipelineConfig) -> int:
+def fill_step(family: TrainPipelineConfig, micro_batch: int | None = None) -> int:
     """Prompts a cache fill encodes at once: `FILL_BATCH` where a batch encodes each prompt as it encodes alone
-    (`prompt_cache_exact`), else one (an entry must be what the family gives the prompt alone)."""
-    return FILL_BATCH if family.prompt_cache_exact else 1
+    (`prompt_cache_exact`), else one (an entry must be what the family gives the prompt alone); never more than the
+    engine's `micro_batch` (samples per forward, None: no bound): its text encoder runs in micro-batches too (LTX-2's
+    Gemma 3 12B at 1024 tokens rises 18.7 GiB encoding 16 prompts)."""
+    step = FILL_BATCH if family.prompt_cache_exact else 1
+    return step if micro_batch is None else max(1, min(step, micro_batch))
 
 
 class PromptEncoder:
@@ -93,14 +96,16 @@ class PromptEncoder:
             return embeds, self._rows(cache, NEGATIVE, [negative_prompt] * len(prompts), images)
         return embeds, self._rows(cache, NEGATIVE, [negative_prompt], [None])
 
-    def fill(self, prompts: Sequence[str], negative_prompts: Sequence[str]) -> dict[str, int]:
-        """Make sure every text-only prompt and negative prompt has an entry (encoding those missing, `FILL_BATCH` at a
-        time where the family allows); returns how many were found and how many encoded."""
+    def fill(
+        self, prompts: Sequence[str], negative_prompts: Sequence[str], *, micro_batch: int | None = None
+    ) -> dict[str, int]:
+        """Make sure every text-only prompt and negative prompt has an entry (encoding those missing `fill_step` at a
+        time); returns how many were found and how many encoded."""
         cache, before = self._cache(), dict(self.stats)
         rows = {text: row_digest(cache.key, PROMPT, text) for text in prompts}
         missing = [text for text, row in rows.items() if cache.load(row) is None]
         self.stats["read"] += len(rows) - len(missing)
-        step = fill_step(self.family)
+        step = fill_step(self.family, micro_batch)
         for start in range(0, len(missing), step):
             chunk = missing[start : start + step]
             self._ensure_loaded(f"{len(missing)} of {len(rows)} prompts not in {cache.root}")

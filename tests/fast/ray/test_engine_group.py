@@ -30,7 +30,8 @@ class FakeEngine:
         self.fill_prompt_cache = _Remote(self._fill)
         self.release_text_encoders = _Remote(self._release)
 
-    def _fill(self, prompts, negatives):
+    def _fill(self, prompts, negatives, resolution, guided):
+        assert (resolution, guided) == (64, True)  # the run's: each engine sizes its fill's micro-batches by them
         self.filled.append((list(prompts), list(negatives)))
         return {"found": 1, "encoded": len(prompts) + len(negatives) - 1}
 
@@ -50,7 +51,7 @@ def group_of(engines) -> RolloutEngineGroup:
 def test_engines_sharing_a_key_split_the_distinct_prompts_and_free_their_encoders_once_all_are_in(ray_cluster):
     engines = [FakeEngine("a"), FakeEngine("a"), FakeEngine("b")]  # two alike, one on another device / thread count
     prompts = ["p0", "p1", "p0", "p2", "p3", "p4", "p1"]
-    totals = group_of(engines).fill_prompt_cache(prompts, ["neg"], release=False)
+    totals = group_of(engines).fill_prompt_cache(prompts, ["neg"], False, 64, True)
 
     distinct = ["p0", "p1", "p2", "p3", "p4"]
     (first, neg_first), (second, neg_second) = engines[0].filled[0], engines[1].filled[0]
@@ -60,7 +61,7 @@ def test_engines_sharing_a_key_split_the_distinct_prompts_and_free_their_encoder
     assert totals == {"found": 3, "encoded": 5 + 1 + 5 + 1 - 3}
     assert not any(e.released for e in engines)
 
-    group_of(engines).fill_prompt_cache(prompts, ["neg"], release=True)
+    group_of(engines).fill_prompt_cache(prompts, ["neg"], True, 64, True)
     assert all(e.released for e in engines)
 
 

@@ -56,14 +56,17 @@ class RecordingEngines:
     def __init__(self) -> None:
         self.calls = []
 
-    def fill_prompt_cache(self, prompts, negatives, release):
+    def fill_prompt_cache(self, prompts, negatives, release, resolution, guided):
+        assert (resolution, guided) == (48, True)  # the run's resolution and guidance (scale 4.5 > 1)
         self.calls.append((prompts, negatives, release))
         return {"found": 0, "encoded": len(set(prompts)) + len(negatives)}
 
 
 def manager_of(records, hooks=None) -> RolloutManager:
     manager = RolloutManager.__new__(RolloutManager)
-    manager.flags = RolloutFlags.from_args(default_args(num_rollout=3, negative_prompt="neg"))
+    manager.flags = RolloutFlags.from_args(
+        default_args(num_rollout=3, negative_prompt="neg", resolution=48, diffusion_guidance_scale=4.5)
+    )
     manager.records, manager.hooks, manager.engines = records, hooks or {}, RecordingEngines()
     manager.source = PromptDataSource(len(records), 2, seed=5, shuffle=True)
     manager.prompt_cache = PromptCacheConfig("unused", "f")

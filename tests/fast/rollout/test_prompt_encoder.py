@@ -109,3 +109,14 @@ def test_a_fill_encodes_what_is_missing_batched_only_where_rows_do_not_depend_on
     assert encoder.fill(prompts, ["", ""]) == {"found": 0, "encoded": 3 + 1}
     assert family.batches == [prompts[i : i + batch] for i in range(0, len(prompts), batch)] + [[""]]
     assert encoder.fill(prompts[:3], [""]) == {"found": 4, "encoded": 0} and calls == [1]
+
+
+@pytest.mark.parametrize(("micro_batch", "batch"), [(None, 16), (3, 3), (1, 1), (40, 16)])
+def test_a_fill_encodes_at_most_the_engines_micro_batch(loads, tmp_path, micro_batch, batch):
+    """The text encoder runs in the engine's micro-batches as the transformer does (`fill_step`)."""
+    _, load = loads
+    family = CountingFamily(True)
+    encoder = PromptEncoder(family, PromptCacheConfig(str(tmp_path), "fp"), load, CPU)
+    prompts = [f"prompt {i}" for i in range(20)]
+    encoder.fill(prompts, [], micro_batch=micro_batch)
+    assert family.batches == [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
