@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from miles.arguments.records import FlagRecord
-from miles.rollout.rm_hub.remote import RemoteRewardError, http_client, png_b64, post_json
+from miles.rollout.rm_hub.remote import RemoteFlags, RemoteRewardError, http_client, png_b64, post_json
 from miles.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -40,8 +40,8 @@ _ONLY_NUMBER = re.compile(rf"\W*({_NUMBER})\W*")
 
 @dataclass(frozen=True)
 class JudgeFlags(FlagRecord):
-    """The flags the VLM judge reads (`miles.arguments.rewards`: the remote rewards' group). The transport (`post_json`,
-    `http_client`) reads its own --rm-timeout / --rm-retries from the namespace."""
+    """The flags the VLM judge reads (`miles.arguments.rewards`: the remote rewards' group); its requests' own
+    (--rm-timeout, --rm-retries, ...) are `RemoteFlags`."""
 
     rm_url: list[str] | None  # the rules make it exactly one URL under --rm-type vlm_judge
     rm_model: str | None
@@ -117,7 +117,7 @@ def answer_text(reply: Any) -> str:
 
 async def vlm_judge(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
     """One chat-completions request per sample, at most --rm-max-concurrency at a time (module docstring)."""
-    flags = JudgeFlags.from_args(args)
+    flags, requests = JudgeFlags.from_args(args), RemoteFlags.from_args(args)
     if not flags.rm_url:
         raise ValueError("--rm-type vlm_judge needs --rm-url, the judge's OpenAI-compatible base URL")
     url = flags.rm_url[0].rstrip("/") + "/chat/completions"
@@ -132,7 +132,7 @@ async def vlm_judge(args: argparse.Namespace, samples: list[Sample]) -> list[flo
             "max_tokens": flags.vlm_judge_max_tokens,
         }
         async with gate:
-            answer = await post_json(client, url, body, args, answer_text, f"to judge sample index={sample.index}")
+            answer = await post_json(client, url, body, requests, answer_text, f"to judge sample index={sample.index}")
         score = parse_judge_score(answer, max_score)
         sample.extra[VLM_JUDGE_EXTRA_KEY] = {"unparsable": float(score is None), "answer": answer[:500]}
         if score is not None:
@@ -144,7 +144,7 @@ async def vlm_judge(args: argparse.Namespace, samples: list[Sample]) -> list[flo
             )
         return flags.vlm_judge_default_score
 
-    async with http_client(args) as client:
+    async with http_client(requests) as client:
         outcomes = await asyncio.gather(*(judge(client, sample) for sample in samples), return_exceptions=True)
     scores: list[float] = []
     for outcome in outcomes:
