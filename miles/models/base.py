@@ -31,12 +31,13 @@ from miles.models.family_registry import (  # noqa: F401  (re-exported: the regi
     load_family_class,
     register_train_pipeline_config,
 )
-from miles.models.loading import (  # noqa: F401  (load_pretrained, compute_dtype: re-exported)
+from miles.models.loading import (  # noqa: F401  (load_pretrained, compute_dtype, moved_to: re-exported)
     DTYPE_KW,
     check_pipeline_components,
     check_pipeline_folder,
     compute_dtype,
     load_pretrained,
+    moved_to,
     read_model_index,
 )
 from miles.models.media import Media
@@ -94,7 +95,9 @@ class TrainPipelineConfig(ABC):
 
     def __init__(self, path: str, **options: Any) -> None:
         self.path = str(check_pipeline_components(check_pipeline_folder(path), self.name))
-        self._loaded: dict[str | tuple[str | None, ...], Any] = {}  # "text", "vae", ...; ("negative", prompt, device)
+        self._loaded: dict[
+            str | tuple[str | int | None, ...], Any
+        ] = {}  # "text", "vae", ...; ("negative", prompt, device)
         given = {k: v for k, v in options.items() if v is not None}
         refused = sorted(set(given) - {option.name for option in self.options})
         if refused:

@@ -8,15 +8,17 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import transformers
+from diffusers.configuration_utils import ConfigMixin
 from diffusers.models.modeling_utils import no_init_weights
 from torch import nn
 from transformers import BatchEncoding, PreTrainedModel
 from transformers.initialization import no_init_weights as no_transformers_init
 
+C = TypeVar("C")
 DEFAULT_TOKENS = 512  # a tokenizer folder without a model_max_length (or without a folder): tokens per prompt
 
 
@@ -73,7 +75,7 @@ def tokenizer_from_config(folder: Path, class_name: str) -> PlanTokenizer:
     limit = config.get("model_max_length", DEFAULT_TOKENS)
     base = getattr(transformers, class_name, None) or transformers.PreTrainedTokenizerBase
     cls = type(f"Plan{class_name}", (PlanTokenizer, base), {})
-    tokenizer = object.__new__(cls)
+    tokenizer: PlanTokenizer = object.__new__(cls)
     tokenizer.__dict__.update(_special_tokens_map={}, _added_tokens_encoder={}, init_kwargs={})  # the base's state
     tokenizer.__dict__["model_max_length"] = (
         int(limit) if isinstance(limit, int | float) and limit < 10**6 else DEFAULT_TOKENS
@@ -86,19 +88,47 @@ def module_from_config(cls: type[nn.Module], folder: Path, dtype: torch.dtype) -
     its parameters in `dtype` (the class's `_keep_in_fp32_modules` in fp32), in eval mode."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    module: nn.Module
     try:
         if issubclass(cls, PreTrainedModel):
+            if cls.config_class is None:
+                raise TypeError(f"{cls.__name__} declares no config_class: it cannot be built from {folder}'s config")
             config = cls.config_class.from_pretrained(str(folder), local_files_only=True)
             with no_transformers_init():
-                module = cls._from_config(config, dtype=dtype)
-            module.tie_weights()  # transformers 5 ties embeddings only when asked: else counted twice
-        else:
+                model = cls._from_config(config, dtype=dtype)
+            model.tie_weights()  # transformers 5 ties embeddings only when asked: else counted twice
+            module = model
+        elif issubclass(cls, ConfigMixin):
             with no_init_weights():
-                module = cls.from_config(cls.load_config(str(folder), local_files_only=True))
+                module = built_from_config(cls, folder_config(cls, folder))
+        else:
+            raise TypeError(f"{cls.__name__} is neither a diffusers nor a transformers model class")
     finally:
         torch.set_default_dtype(previous)
     keep_fp32_parameters(module, cls, dtype)
     return module.eval().requires_grad_(False)
+
+
+def folder_config(cls: type, folder: str | Path) -> dict[str, Any]:
+    """`cls.load_config(folder)` of a diffusers class: the config dict (diffusers annotates it as the pair
+    `return_unused_kwargs=True` returns)."""
+    if not issubclass(cls, ConfigMixin):
+        raise TypeError(f"{cls.__name__} is not a diffusers ConfigMixin: it has no load_config")
+    config = cls.load_config(str(folder), local_files_only=True)
+    if not isinstance(config, dict):
+        raise TypeError(f"{cls.__name__}.load_config({folder}) returned {type(config).__name__}; expected the config")
+    return config
+
+
+def built_from_config(cls: type[C], config: dict[str, Any]) -> C:
+    """`cls.from_config(config)` of a diffusers class: the instance (diffusers types it with the `(instance, unused
+    kwargs)` pair that `return_unused_kwargs=True` returns)."""
+    if not issubclass(cls, ConfigMixin):
+        raise TypeError(f"{cls.__name__} is not a diffusers ConfigMixin: it has no from_config")
+    built = cls.from_config(config)
+    if isinstance(built, tuple):
+        raise TypeError(f"{cls.__name__}.from_config returned a tuple; expected the module alone")
+    return built
 
 
 def keep_fp32_parameters(module: nn.Module, cls: type[nn.Module], dtype: torch.dtype) -> None:

@@ -9,18 +9,19 @@ import logging
 import math
 import shutil
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from torch import nn
 
 from miles.models.base import TrainPipelineConfig, load_pretrained
 from miles.models.conditioning import Conditioning
-from miles.models.loading import SAFETENSORS_DTYPES, strip_name_or_path
+from miles.models.loading import SAFETENSORS_DTYPES, moved_to, strip_name_or_path
 from miles.models.media import Media
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 WEIGHTS_NAME = "diffusion_pytorch_model{suffix}.safetensors"  # diffusers' safetensors shards of a model folder
 # run defaults a folder suggests (`resolution`, `num_frames`): the tiny folders' toy sizes; diffusers ignores the file
 RUN_DEFAULTS_FILE = "miles_defaults.json"
+M = TypeVar("M", bound=ModelMixin)
 
 
 def diffusers_class(value: type | str) -> type:
@@ -39,16 +41,24 @@ def diffusers_class(value: type | str) -> type:
     return getattr(diffusers, value)
 
 
+def diffusers_model_class(value: type[ModelMixin] | str) -> type[ModelMixin]:
+    """`diffusers_class` of a network's class attribute (`vae_class`), which is a diffusers model class."""
+    cls = diffusers_class(value)
+    if not issubclass(cls, ModelMixin):
+        raise TypeError(f"{value!r} is not a diffusers model class (a ModelMixin), which a family's networks are")
+    return cls
+
+
 class DiffusersFamily(TrainPipelineConfig):
     """A family whose folder is a diffusers pipeline: a transformer in `transformer/`, text encoders its pipeline class
     encodes prompts with, a VAE in `vae/`. A subclass declares the classes and names below and its own maths."""
 
-    transformer_class: ClassVar[type[nn.Module]]  # what load_transformer builds
+    transformer_class: ClassVar[type[ModelMixin]]  # what load_transformer builds
     # the pipeline whose encode_prompt load_text_encoders keeps, and what load_vae builds from `vae/`: a class or its
     # name in `diffusers` (a name is imported on first use: a trainer rank, which loads neither, skips importing
     # the pipeline, its text-encoder classes and every diffusers VAE, about 1 s per process)
     text_pipeline_class: ClassVar[type | str]
-    vae_class: ClassVar[type[nn.Module] | str]
+    vae_class: ClassVar[type[ModelMixin] | str]
     # the pipeline components the text pipeline leaves out, and its text modules (eval mode, no gradients)
     non_text_components: ClassVar[tuple[str, ...]] = ("transformer", "vae")
     text_modules: ClassVar[tuple[str, ...]] = ("text_encoder",)
@@ -72,7 +82,7 @@ class DiffusersFamily(TrainPipelineConfig):
 
     def transformer_blocks(self, transformer: nn.Module) -> list[nn.Module]:
         """The blocks FSDP shards one by one: diffusers' `transformer_blocks`."""
-        return list(transformer.transformer_blocks)
+        return child_blocks(transformer, "transformer_blocks")
 
     def save_transformer(
         self, transformer_state_dict: dict[str, torch.Tensor], out_dir: str, dtype: torch.dtype | None = None
@@ -143,16 +153,17 @@ class DiffusersFamily(TrainPipelineConfig):
         )
 
     # media
-    def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> ModelMixin:
         """The VAE (`vae_class` from `vae/`) in eval mode, cached; decoding in tiles with `--vae-tiling on`."""
-        vae = load_pretrained(diffusers_class(self.vae_class), self.path, "vae", dtype)
-        vae = tiled_if_asked(vae.to(device).eval().requires_grad_(False), self.family_options)
+        vae = load_pretrained(diffusers_model_class(self.vae_class), self.path, "vae", dtype)
+        vae = tiled_if_asked(moved_to(vae, device).eval().requires_grad_(False), self.family_options)
         self._loaded["vae"] = vae
         return vae
 
-    def cached_vae(self) -> nn.Module:
+    def cached_vae(self) -> ModelMixin:
         """The VAE load_vae loaded; on first use loaded on the CPU in float32."""
-        return self._loaded["vae"] if "vae" in self._loaded else self.load_vae()
+        vae: ModelMixin = self._loaded["vae"] if "vae" in self._loaded else self.load_vae()
+        return vae
 
     # configs
     def cached_json(self, *parts: str) -> dict[str, Any]:
@@ -171,6 +182,11 @@ class DiffusersFamily(TrainPipelineConfig):
         if not Path(self.path, RUN_DEFAULTS_FILE).is_file():
             return None
         return self.cached_json(RUN_DEFAULTS_FILE).get(key)
+
+
+def child_blocks(module: nn.Module, *names: str) -> list[nn.Module]:
+    """The modules of each of `module`'s block lists `names` (dotted paths to `nn.ModuleList`s), in order."""
+    return [block for name in names for block in module.get_submodule(name).children()]
 
 
 def write_run_defaults(folder: str | Path, **defaults: Any) -> None:
@@ -203,7 +219,7 @@ def square_latent_side(resolution: int, vae_scale_factor: int, multiple: int, wh
 
 
 # VAE scaling
-def posterior_latents(vae: nn.Module, pixels: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def posterior_latents(vae: ModelMixin, pixels: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """The VAE posterior of `pixels` (on the VAE's device and dtype): its mode without a generator, a sample drawn
     from `generator` otherwise."""
     posterior = vae.encode(pixels).latent_dist
@@ -215,26 +231,26 @@ def unit_range(pixels: torch.Tensor) -> torch.Tensor:
     return (pixels.float() / 2 + 0.5).clamp(0, 1)
 
 
-def shift_and_scale(vae: nn.Module) -> tuple[float, float]:
+def shift_and_scale(vae: ModelMixin) -> tuple[float, float]:
     """AutoencoderKL's normalization: latents x0 = (z - shift_factor) * scaling_factor."""
     return float(vae.config.shift_factor or 0.0), float(vae.config.scaling_factor)
 
 
-def encode_shift_scaled(vae: nn.Module, images: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def encode_shift_scaled(vae: ModelMixin, images: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Normalized latents (z - shift_factor) * scaling_factor (float32) of images (B, 3, H, W) in [-1, 1]."""
     z = posterior_latents(vae, images.to(device=vae.device, dtype=vae.dtype), generator)
     shift, scale = shift_and_scale(vae)
     return ((z - shift) * scale).float()
 
 
-def decode_shift_scaled(vae: nn.Module, x0: torch.Tensor) -> Media:
+def decode_shift_scaled(vae: ModelMixin, x0: torch.Tensor) -> Media:
     """Images (B, 3, H, W) in [0, 1], float32, of normalized latents (the inverse of `encode_shift_scaled`)."""
     shift, scale = shift_and_scale(vae)
     z = x0.to(device=vae.device, dtype=vae.dtype) / scale + shift
     return Media(unit_range(vae.decode(z, return_dict=False)[0]))
 
 
-def channel_stats(vae: nn.Module, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def channel_stats(vae: ModelMixin, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The config's per-channel `latents_mean` and `latents_std` as (1, C, 1, 1, 1) tensors on `like`'s device and
     dtype (video VAEs: AutoencoderKLWan, AutoencoderKLQwenImage)."""
     channels = vae.config.z_dim
@@ -286,7 +302,7 @@ def dynamic_shift_sigmas(scheduler_config: dict[str, Any], num_steps: int, mu: f
     return scheduler.sigmas.detach().to(torch.float32).cpu().clone()
 
 
-def tiled_if_asked(vae: nn.Module, options: dict[str, Any]) -> nn.Module:
+def tiled_if_asked(vae: M, options: dict[str, Any]) -> M:
     """`vae` decoding in overlapping spatial tiles, blended (diffusers' `enable_tiling()`), when the family's
     `--vae-tiling` says on (`VAE_TILING_FAMILIES`)."""
     if options.get("vae_tiling") == "on":

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import accelerate
 import diffusers.utils.deprecation_utils
 import torch
-from diffusers.models.modeling_utils import no_init_weights
+from diffusers.configuration_utils import ConfigMixin
+from diffusers.models.modeling_utils import ModelMixin, no_init_weights
 from torch import nn
 
-from miles.models.configs_only import keep_fp32_parameters, module_from_config
+from miles.models.configs_only import built_from_config, folder_config, keep_fp32_parameters, module_from_config
 from miles.utils.simulation import simulating
 
 # from_pretrained's dtype keyword: `dtype` in the diffusers versions that renamed it, `torch_dtype` before
@@ -33,11 +34,13 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 # where `load_pretrained(..., empty=True)` records the folder whose safetensors hold a module's weights
 CHECKPOINT_FOLDER_ATTR = "_miles_checkpoint_folder"
+M = TypeVar("M", bound=ModelMixin)
+N = TypeVar("N", bound=nn.Module)
 
 
 def load_pretrained(
-    cls: type[nn.Module], root: str | Path, subfolder: str | None, dtype: torch.dtype, *, empty: bool = False
-) -> nn.Module:
+    cls: type[M], root: str | Path, subfolder: str | None, dtype: torch.dtype, *, empty: bool = False
+) -> M:
     """`cls.from_pretrained(root, subfolder=..., dtype=...)` in eval mode, or with `empty=True` the same module with
     its parameters on the meta device and no weights read, tagged with its weights' folder (`CHECKPOINT_FOLDER_ATTR`)
     so that a sharded loader can fill each rank's shards from the files (`miles.backends.fsdp_utils.sharded_load`).
@@ -51,19 +54,43 @@ def load_pretrained(
     folder = Path(root) / subfolder if subfolder else Path(root)
     if not empty:
         if simulating():
-            return module_from_config(cls, folder, dtype)
+            return cast(M, module_from_config(cls, folder, dtype))  # `cls.from_config`'s (a ModelMixin: Self)
         return cls.from_pretrained(str(root), subfolder=subfolder, **{DTYPE_KW: dtype}, local_files_only=True).eval()
-    config = cls.load_config(str(folder), local_files_only=True)
+    config = folder_config(cls, folder)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with no_init_weights(), accelerate.init_empty_weights(include_buffers=False):
-            model = cls.from_config(config)
+            model = built_from_config(cls, config)
     finally:
         torch.set_default_dtype(previous)
     keep_fp32_parameters(model, cls, dtype)
     setattr(model, CHECKPOINT_FOLDER_ATTR, folder)
     return model.eval()
+
+
+def as_class(module: nn.Module, cls: type[N]) -> N:
+    """`module`, which must be a `cls` (a family's transformer as its own class, from the families' `nn.Module`
+    contract); a TypeError naming both otherwise."""
+    if not isinstance(module, cls):
+        raise TypeError(f"expected a {cls.__name__}, got a {type(module).__name__}")
+    return module
+
+
+def module_config(module: nn.Module) -> dict[str, Any]:
+    """A diffusers model's config (`ConfigMixin.config`: its constructor's arguments)."""
+    if not isinstance(module, ConfigMixin):
+        raise TypeError(f"{type(module).__name__} is not a diffusers model (a ConfigMixin): it has no config")
+    return module.config
+
+
+def moved_to(module: N, device: torch.device | str) -> N:
+    """`module.to(device)` (its own `to`: a diffusers model keeps its fp32 modules), which moves it in place, typed
+    as `module`: diffusers declares `ModelMixin.to` with `functools.wraps(nn.Module.to)`, which mypy reads as the
+    unbound method (its `self` first)."""
+    as_module: nn.Module = module
+    as_module.to(device)
+    return module
 
 
 def compute_dtype(network: nn.Module) -> torch.dtype:

@@ -12,15 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import (
-    AutoencoderKL,
-)
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from tokenizers import AddedToken
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    PreTrainedTokenizerBase,
     Qwen2Tokenizer,
     T5Config,
     T5EncoderModel,
@@ -98,7 +97,8 @@ def build_clip_tokenizer(words: tuple[str, ...] = SHAPES_WORDS) -> CLIPTokenizer
     merges = learn_bpe_merges(words)
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
+    # transformers takes (left, right) merge pairs; its annotation names only "left right" strings
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)  # type: ignore[arg-type]
 
 
 def build_t5_tokenizer(words: tuple[str, ...] = SHAPES_WORDS) -> T5Tokenizer:
@@ -133,20 +133,40 @@ def build_qwen2_tokenizer(words: tuple[str, ...], max_length: int = 128) -> Qwen
         vocab.setdefault(left + right, len(vocab))
     for token in QWEN_SPECIAL_TOKENS:
         vocab[token] = len(vocab)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+    # merge pairs, as CLIP's (transformers takes them; its annotation names only "left right" strings)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=max_length)  # type: ignore[arg-type]
     tokenizer.add_tokens([AddedToken(token, special=True, normalized=False) for token in QWEN_SPECIAL_TOKENS])
     return tokenizer
 
 
-def build_clip_text_encoder(
-    tokenizer: CLIPTokenizer, hidden: int, projection: int | None = None
-) -> CLIPTextModelWithProjection | CLIPTextModel:
-    """A 2-layer CLIP text encoder: with a projection head (SD3's two CLIPs) or without (FLUX's pooled CLIP)."""
-    config = CLIPTextConfig(
+def token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    """The id of one token (`convert_tokens_to_ids` of a single token, which transformers types with a list's)."""
+    found = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(found, int):
+        raise TypeError(f"{type(tokenizer).__name__} gave {found!r} as the id of the single token {token!r}")
+    return found
+
+
+def build_clip_text_encoder(tokenizer: CLIPTokenizer, hidden: int) -> CLIPTextModel:
+    """A 2-layer CLIP text encoder without a projection head (FLUX's pooled CLIP)."""
+    return CLIPTextModel(clip_text_config(tokenizer, hidden))
+
+
+def build_clip_text_encoder_with_projection(
+    tokenizer: CLIPTokenizer, hidden: int, projection: int
+) -> CLIPTextModelWithProjection:
+    """A 2-layer CLIP text encoder with a projection head of `projection` features (SD3's two CLIPs)."""
+    config = clip_text_config(tokenizer, hidden)
+    config.projection_dim = projection
+    return CLIPTextModelWithProjection(config)
+
+
+def clip_text_config(tokenizer: CLIPTokenizer, hidden: int) -> CLIPTextConfig:
+    """The tiny CLIP text encoders' config: 2 layers of `hidden` features, 2 heads."""
+    return CLIPTextConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
-        **({} if projection is None else {"projection_dim": projection}),
         num_hidden_layers=2,
         num_attention_heads=2,
         max_position_embeddings=CLIP_MAX_LENGTH,
@@ -155,7 +175,6 @@ def build_clip_text_encoder(
         eos_token_id=tokenizer.eos_token_id,  # pooling reads the first eos position
         pad_token_id=tokenizer.pad_token_id,
     )
-    return CLIPTextModel(config) if projection is None else CLIPTextModelWithProjection(config)
 
 
 def build_t5_encoder(

@@ -25,13 +25,13 @@ from miles.ray.weight_sync import WeightSyncLink
 from miles.rollout import steps
 from miles.rollout.data_source import PromptDataSource, load_records, records_digest
 from miles.rollout.engine_api import GenerateResult
-from miles.rollout.media_files import first_sources, save_media
+from miles.rollout.media_files import save_rollout_media
 from miles.rollout.monitors import DriftWatch, monitor_metrics, watches
-from miles.rollout.prompt_cache import DRAWING_HOOKS, prompt_cache_config
+from miles.rollout.prompt_cache import DRAWING_HOOKS, PromptCacheConfig, prompt_cache_config
 from miles.rollout.rm_hub import reward_metrics, reward_spec_from_args
 from miles.rollout.rm_hub.clip import CLIP_EMBEDDING_KEY
 from miles.rollout.rm_hub.media import attach_media
-from miles.rollout.rollout_hub import DatasetSpec, rollout_spec_of
+from miles.rollout.rollout_hub import DatasetSpec, RolloutSpec, rollout_spec_of
 from miles.utils.box import Box
 from miles.utils.distributed import engine_cpus, uses_gpu
 from miles.utils.types import Sample, TrainPairs
@@ -54,7 +54,9 @@ class RolloutManager:
         self.flags = flags = RolloutFlags.from_args(args)
         self.family = get_train_pipeline_config(flags.hf_checkpoint, flags.model_family, **family_options(args))
         self.resolution = flags.resolution or self.family.default_resolution
-        self.engines = self.rewards = self.prompt_cache = None
+        self.engines: RolloutEngineGroup | None = None
+        self.rewards: RewardWorkerPool | None = None
+        self.prompt_cache: PromptCacheConfig | None = None
         self.dataset_pairs: TrainPairs | None = None
         self.weights_version = 0
         self.weight_sync: WeightSyncLink | None = None  # made at the first sync with engines
@@ -65,18 +67,18 @@ class RolloutManager:
         self.hooks = load_path_flags(args)  # the rollout steps the path flags replace, {flag dest: function}
         self.spec = rollout_spec_of(args)
         if isinstance(self.spec, DatasetSpec):
-            self._init_dataset()
+            self._init_dataset(self.spec)
         else:
-            self._init_rl()
+            self._init_rl(self.spec)
 
     # ---- dataset-fed (DatasetSpec) --------------------------------------------------------------
-    def _init_dataset(self) -> None:
+    def _init_dataset(self, spec: DatasetSpec) -> None:
         started = time.perf_counter()
-        if self.spec.records is not None:  # the entry's own records (a file its flag names)
-            records = self.spec.records(self.args, resolution=self.resolution)
+        if spec.records is not None:  # the entry's own records (a file its flag names)
+            records = spec.records(self.args, resolution=self.resolution)
         else:
             records = load_records(self.args, with_images=True, resolution=self.resolution)
-        self.dataset_pairs = self.spec.encode(self.args, self.family, records, resolution=self.resolution)
+        self.dataset_pairs = spec.encode(self.args, self.family, records, resolution=self.resolution)
         logger.info("encoded %d dataset records in %.1fs", len(records), time.perf_counter() - started)
         self.source = self._source(records)
 
@@ -91,8 +93,9 @@ class RolloutManager:
         )
 
     # ---- engine-fed (RolloutSpec) ---------------------------------------------------------------
-    def _init_rl(self) -> None:
+    def _init_rl(self, spec: RolloutSpec) -> None:
         args, flags = self.args, self.flags
+        self.rl_spec = spec  # the engine-fed entry (`self.spec`, typed): each rollout's request, pairs and metrics
         self.records = load_records(args, with_images=False, resolution=self.resolution)
         self.source = self._source(self.records)
         if flags.load_debug_rollout_data:
@@ -143,8 +146,8 @@ class RolloutManager:
         guided = self.flags.diffusion_guidance_scale > 1.0
         negatives = [self.flags.negative_prompt]
         stats = self.engines.fill_prompt_cache(prompts, negatives, complete, self.flags.resolution, guided)
-        stats["seconds"] = round(time.perf_counter() - started, 1)
-        logger.info("prompt cache %s: %s%s", self.prompt_cache.directory, stats, "" if complete else ", encoders kept")
+        logged = {**stats, "seconds": round(time.perf_counter() - started, 1)}
+        logger.info("prompt cache %s: %s%s", self.prompt_cache.directory, logged, "" if complete else ", encoders kept")
 
     def show_engine_progress(self, display: Callable[[str], None]) -> None:
         """`display(text)` with the engines' progress while a generation is awaited ("generate 37/80 steps"; "" when
@@ -186,7 +189,7 @@ class RolloutManager:
 
     def _rl_rollout(self, rollout_id: int) -> TrainPairs:
         """sample -> generate -> score -> filter (with refills) -> advantages -> convert -> order; timed per phase."""
-        args, spec = self.args, self.spec
+        args, spec = self.args, self.rl_spec
         t0 = time.perf_counter()
         samples, result, request, rounds = self._collect(rollout_id)
         t1 = time.perf_counter()
@@ -220,7 +223,7 @@ class RolloutManager:
             "perf/reward_s": t2 - t1,
             **{f"perf/engine_{name}": value for name, value in (result.compile_counters or {}).items()},
         }
-        self._save_media(rollout_id, result, samples)
+        save_rollout_media(self.flags, rollout_id, result, samples)
         return pairs
 
     def _monitor_metrics(self, rollout_id: int, samples: list[Sample], result: Any) -> dict[str, float]:
@@ -232,24 +235,6 @@ class RolloutManager:
             embeddings = np.stack([s.extra[CLIP_EMBEDDING_KEY] for s in samples])
         metrics = monitor_metrics(result.images, result.final_latents.float().numpy(), groups, per_reward, embeddings)
         return {**metrics, "monitor/alerts": len(self.drift.check(rollout_id, metrics))}
-
-    def _save_media(self, rollout_id: int, result: Any, samples: list[Sample]) -> None:
-        """Every --image-grid-interval rollouts: the image grid, or for video the first --media-max-samples
-        samples as mp4s (audio muxed when there is sound) and their contact sheet (`media_files.save_media`)."""
-        flags = self.flags
-        if not flags.image_grid_interval or rollout_id % flags.image_grid_interval or result.images is None:
-            return
-        save_media(
-            flags.output_dir,
-            f"rollout_{rollout_id:07d}",
-            result.images,
-            fps=result.fps,
-            audio=result.audio,
-            sample_rate=result.sample_rate,
-            columns=flags.n_samples_per_prompt,
-            max_samples=flags.media_max_samples,
-            sources=first_sources(samples),
-        )
 
     def _collect(self, rollout_id: int) -> tuple[list[Sample], Any, Any, int]:
         """Samples of the rollout's prompt groups, generated and scored. With a dynamic-sampling filter, dropped
@@ -263,7 +248,7 @@ class RolloutManager:
         while True:
             samples = self._sample(rollout_id, wanted - len(kept), attempt=rounds, first_index=first_index)
             first_index += len(samples)
-            request = self.spec.build_request(args, samples, rollout_id=rollout_id, resolution=self.resolution)
+            request = self.rl_spec.build_request(args, samples, rollout_id=rollout_id, resolution=self.resolution)
             result = self._generate_and_score(samples, request, rollout_id)
             for group in steps.split_groups(samples):
                 rows = [s.index - samples[0].index for s in group]
@@ -330,12 +315,13 @@ class RolloutManager:
             self._score(samples, result, rollout_id)
             return result
         bounds = [(start, min(start + chunk, len(samples))) for start in range(0, len(samples), chunk)]
-        pending = self.engines.submit(request.rows(*bounds[0]), rollout_id)
+        engines = self._engines()
+        pending = engines.submit(request.rows(*bounds[0]), rollout_id)
         parts = []
         for k, (start, end) in enumerate(bounds):
-            part = self.engines.collect(pending)
+            part = engines.collect(pending)
             if k + 1 < len(bounds):  # the engines start on the next chunk before this one is scored
-                pending = self.engines.submit(request.rows(*bounds[k + 1]), rollout_id)
+                pending = engines.submit(request.rows(*bounds[k + 1]), rollout_id)
             self._score(samples[start:end], part, rollout_id)
             parts.append(part)
         return GenerateResult.concat(parts)
@@ -344,7 +330,13 @@ class RolloutManager:
         """The generate step: the engines, or --custom-generate-function-path with the engines at hand."""
         if "custom_generate_function_path" in self.hooks:
             return self.hooks["custom_generate_function_path"](self.args, self.engines, request)
-        return self.engines.generate(request, rollout_id=rollout_id)
+        return self._engines().generate(request, rollout_id=rollout_id)
+
+    def _engines(self) -> RolloutEngineGroup:
+        """The rollout engines, which a replay of saved rollouts (--load-debug-rollout-data) never starts."""
+        if self.engines is None:
+            raise RuntimeError("no rollout engines to generate with: this manager replays saved rollouts")
+        return self.engines
 
     def _score(self, samples: list[Sample], result: Any, rollout_id: int | None = None) -> None:
         """The score step: each sample gets its media (`attach_media`: image, or frames + fps + audio) and, when
@@ -359,9 +351,11 @@ class RolloutManager:
 
     @staticmethod
     def _reward_metrics(samples: list[Sample], rewards: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
-        per_reward = steps.per_reward(samples)
+        per_reward, totals = steps.per_reward(samples), [s.reward for s in samples if s.reward is not None]
+        if len(totals) != len(samples):
+            raise ValueError(f"reward metrics of {len(samples) - len(totals)} unscored sample(s)")
         return {
-            **reward_metrics([s.reward for s in samples], per_reward, samples),
+            **reward_metrics(totals, per_reward, samples),
             "rollout/reward_std": float(rewards.std(unbiased=False)),
             "rollout/advantage_abs_mean": float(advantages.abs().mean()),
         }

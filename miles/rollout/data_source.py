@@ -7,10 +7,12 @@ import argparse
 import hashlib
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from miles.arguments.records import FlagRecord
 from miles.data.moving_shapes import BUILTIN_MOVING_SHAPES, moving_shapes_items
 from miles.data.ocr import BUILTIN_OCR, ocr_prompts
 from miles.data.shapes import shapes_items, shapes_prompts
@@ -26,6 +28,28 @@ BUILTIN_SHAPES = "builtin:shapes"
 
 class PromptDataError(ValueError):
     """A prompt file that cannot be used; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class PromptFlags(FlagRecord):
+    """The flags the prompt data reads (`miles.arguments.parser`: the rollout group, the hook paths), and the family's
+    source images per prompt the start-up checks set (`source_image_range`, (0, 0) until then: text only)."""
+
+    prompt_data: str
+    input_key: str
+    metadata_key: str
+    image_key: str | None
+    builtin_dataset_size: int
+    rollout_seed: int
+    rollout_batch_size: int
+    allow_repeated_prompts: bool
+    data_source_path: str | None
+    source_image_range: tuple[int, int]
+
+
+def prompt_flags(args: argparse.Namespace | PromptFlags) -> PromptFlags:
+    """The record of `args`: itself when it is one (`load_records` builds it once), else built from the namespace."""
+    return args if isinstance(args, PromptFlags) else PromptFlags.from_args(args)
 
 
 def read_jsonl_records(
@@ -85,7 +109,7 @@ def read_text_prompts(path: str, flag: str = "--prompt-data") -> list[dict[str, 
 
 def read_prompt_file(
     path: str,
-    args: argparse.Namespace,
+    args: argparse.Namespace | PromptFlags,
     *,
     image_key: str | None = None,
     flag: str = "--prompt-data",
@@ -95,7 +119,8 @@ def read_prompt_file(
     editing family's folder of pairs (`read_pairs_folder`); `source_images`: the run's family edits or animates
     images, so every record names its source images (unless the family also generates from text alone: its
     source_image_range starts at 0)."""
-    optional_sources = source_images and source_image_range(args)[0] == 0
+    flags = prompt_flags(args)
+    optional_sources = source_images and source_image_range(flags)[0] == 0
     if os.path.isdir(path):
         if not source_images:
             raise PromptDataError(
@@ -115,26 +140,28 @@ def read_prompt_file(
         return read_text_prompts(path, flag)
     return read_jsonl_records(
         path,
-        input_key=args.input_key,
-        metadata_key=args.metadata_key,
+        input_key=flags.input_key,
+        metadata_key=flags.metadata_key,
         image_key=image_key,
         source_images=source_images,
         optional_sources=optional_sources,
     )
 
 
-def wants_source_images(args: argparse.Namespace) -> bool:
+def wants_source_images(args: argparse.Namespace | PromptFlags) -> bool:
     """Whether the run's family conditions on source images (set at start-up: `args.source_image_range`)."""
     return source_image_range(args)[1] > 0
 
 
-def source_image_range(args: argparse.Namespace) -> tuple[int, int]:
-    """The family's (fewest, most) source images per prompt; (0, 0) before the start-up checks set it (a
-    Namespace built by hand: text only)."""
-    return tuple(args.source_image_range)
+def source_image_range(args: argparse.Namespace | PromptFlags) -> tuple[int, int]:
+    """The family's (fewest, most) source images per prompt; (0, 0) before the start-up checks set it."""
+    low, high = prompt_flags(args).source_image_range
+    return low, high
 
 
-def check_source_image_counts(records: list[dict[str, Any]], args: argparse.Namespace, flag: str, data: str) -> None:
+def check_source_image_counts(
+    records: list[dict[str, Any]], args: argparse.Namespace | PromptFlags, flag: str, data: str
+) -> None:
     """Every record carries as many source images as the family takes (`args.source_image_range`), and builtin
     worlds match the family: text-only worlds need a family that takes 0 source images, builtin:shapes-edit an
     editing one."""
@@ -158,16 +185,17 @@ def check_source_image_counts(records: list[dict[str, Any]], args: argparse.Name
             raise PromptDataError(f"{flag} {data}:{line}: {count} source image(s); this model takes {want} per prompt")
 
 
-def sft_image_key(args: argparse.Namespace, source_images: bool) -> str:
+def sft_image_key(args: argparse.Namespace | PromptFlags, source_images: bool) -> str:
     """The JSONL key of sft_loss's target image: --image-key, else `image`, or `target` when `image` names the
     source image (an editing family's (source, instruction, target) triples)."""
-    return args.image_key or ("target" if source_images else "image")
+    return prompt_flags(args).image_key or ("target" if source_images else "image")
 
 
-def check_distinct_prompts(records: list[dict[str, Any]], args: argparse.Namespace, source: str) -> None:
+def check_distinct_prompts(records: list[dict[str, Any]], args: argparse.Namespace | PromptFlags, source: str) -> None:
     """A rollout's prompt groups must be distinct prompts unless `--allow-repeated-prompts`: otherwise a short file
     would silently train on the same prompt several times in every rollout."""
-    if args.allow_repeated_prompts or args.data_source_path:  # the user's own stream
+    flags = prompt_flags(args)
+    if flags.allow_repeated_prompts or flags.data_source_path:  # the user's own stream
         return
 
     # the same caption with another image (SFT's target, an edit's source) is another item; in-memory images are
@@ -183,10 +211,10 @@ def check_distinct_prompts(records: list[dict[str, Any]], args: argparse.Namespa
         (r["prompt"], image_identity(i, r.get("image")), image_identity(i, r.get("source_images")))
         for i, r in enumerate(records)
     }
-    if len(keys) < args.rollout_batch_size:
+    if len(keys) < flags.rollout_batch_size:
         raise PromptDataError(
             f"--prompt-data {source}: {len(keys)} distinct prompt(s), fewer than --rollout-batch-size "
-            f"{args.rollout_batch_size}: every rollout would repeat prompts; add prompts, lower --rollout-batch-size, "
+            f"{flags.rollout_batch_size}: every rollout would repeat prompts; add prompts, lower --rollout-batch-size, "
             "or pass --allow-repeated-prompts"
         )
 
@@ -203,30 +231,26 @@ def records_digest(records: list[dict[str, Any]]) -> str:
 def load_records(args: argparse.Namespace, *, with_images: bool, resolution: int | None) -> list[dict[str, Any]]:
     """The run's prompt records: built-in worlds or --prompt-data's file; `with_images` sft_loss's (prompt, target)
     pairs; an editing / image-to-video family's records also name their source images (`source_images`)."""
-    source_images = wants_source_images(args)
-    if args.prompt_data == BUILTIN_SHAPES_EDIT:
-        records = shapes_edit_items(
-            args.builtin_dataset_size, seed=args.rollout_seed, split="train", resolution=resolution, targets=with_images
-        )
-    elif args.prompt_data == BUILTIN_MOVING_SHAPES:  # sft_loss's targets are clips (F, H, W, 3)
-        records = moving_shapes_items(
-            args.builtin_dataset_size, seed=args.rollout_seed, split="train", resolution=resolution, clips=with_images
-        )
-    elif args.prompt_data == BUILTIN_OCR and not with_images:
+    flags = PromptFlags.from_args(args)
+    source_images = wants_source_images(flags)
+    data, size, seed = flags.prompt_data, flags.builtin_dataset_size, flags.rollout_seed
+    if data == BUILTIN_SHAPES_EDIT:
+        records = shapes_edit_items(size, seed=seed, split="train", resolution=resolution, targets=with_images)
+    elif data == BUILTIN_MOVING_SHAPES:  # sft_loss's targets are clips (F, H, W, 3)
+        records = moving_shapes_items(size, seed=seed, split="train", resolution=resolution, clips=with_images)
+    elif data == BUILTIN_OCR and not with_images:
         records = ocr_prompts(split="train")
-    elif args.prompt_data == BUILTIN_SHAPES:
+    elif data == BUILTIN_SHAPES:
         if with_images:
             assert resolution is not None, "built-in shapes images need a resolution"
-            records = shapes_items(
-                args.builtin_dataset_size, seed=args.rollout_seed, split="train", resolution=resolution
-            )
+            records = shapes_items(size, seed=seed, split="train", resolution=resolution)
         else:
-            records = shapes_prompts(args.builtin_dataset_size, seed=args.rollout_seed, split="train")
+            records = shapes_prompts(size, seed=seed, split="train")
     else:
-        image_key = sft_image_key(args, source_images) if with_images else None
-        records = read_prompt_file(args.prompt_data, args, image_key=image_key, source_images=source_images)
-    check_source_image_counts(records, args, "--prompt-data", args.prompt_data)
-    check_distinct_prompts(records, args, args.prompt_data)
+        image_key = sft_image_key(flags, source_images) if with_images else None
+        records = read_prompt_file(data, flags, image_key=image_key, source_images=source_images)
+    check_source_image_counts(records, flags, "--prompt-data", data)
+    check_distinct_prompts(records, flags, data)
     return records
 
 

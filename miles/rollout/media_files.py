@@ -12,6 +12,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from miles.arguments.records import RolloutFlags
 from miles.rollout.image_grid import save_image_grid
 
 logger = logging.getLogger(__name__)
@@ -186,3 +187,21 @@ def save_media(
     paths.append(contact_sheet(array[:count], grid_path, sources=None if sources is None else sources[:count]))
     logger.info("wrote %d mp4 sample(s) and a contact sheet for %s", count, name)
     return paths
+
+
+def save_rollout_media(flags: RolloutFlags, rollout_id: int, result: Any, samples: list[Any]) -> None:
+    """Every --image-grid-interval rollouts: the image grid of the rollout's `result`, or for video the first
+    --media-max-samples samples as mp4s (audio muxed when there is sound) and their contact sheet (`save_media`)."""
+    if not flags.image_grid_interval or rollout_id % flags.image_grid_interval or result.images is None:
+        return
+    save_media(
+        flags.output_dir,
+        f"rollout_{rollout_id:07d}",
+        result.images,
+        fps=result.fps,
+        audio=result.audio,
+        sample_rate=result.sample_rate,
+        columns=flags.n_samples_per_prompt,
+        max_samples=flags.media_max_samples,
+        sources=first_sources(samples),
+    )

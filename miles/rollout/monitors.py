@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,7 +79,7 @@ def group_diversity(features: np.ndarray, groups: Sequence[Sequence[int]], metri
     return sum(means) / len(means) if means else None
 
 
-def reward_correlations(per_reward: dict[str, Sequence[float]]) -> dict[str, float]:
+def reward_correlations(per_reward: Mapping[str, Sequence[float]]) -> dict[str, float]:
     """Pearson correlation over the batch of each pair of rewards, `a__b` in spec order; a pair where either reward
     is constant over the batch has no correlation and is left out."""
     names = list(per_reward)
@@ -98,7 +98,7 @@ def monitor_metrics(
     images: np.ndarray | None,
     final_latents: np.ndarray,
     groups: Sequence[Sequence[int]],
-    per_reward: dict[str, Sequence[float]],
+    per_reward: Mapping[str, Sequence[float]],
     clip_embeddings: np.ndarray | None = None,
 ) -> dict[str, float]:
     """The `monitor/*` metrics of one rollout: mean and std over the batch of each sample's brightness, saturation

@@ -7,12 +7,14 @@ and every rank agree without talking; MixGRPO's window counter k is the rollout 
 
 from __future__ import annotations
 
+import argparse
 import logging
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
+from miles.arguments.records import FlagRecord
 from miles.utils.misc import load_function
 from miles.utils.seeding import stream_rng
 
@@ -26,21 +28,39 @@ _MIXGRPO_STREAM = 0x313C
 MIXGRPO_SHIFT_INTERVAL, MIXGRPO_FLASH_SHIFT_INTERVAL = 25, 20
 
 
-def select_trained_steps(args: Any, rollout_id: int) -> list[int]:
+@dataclass(frozen=True)
+class StepFlags(FlagRecord):
+    """The flags the step strategies read (`miles.arguments.rl`: the sampling group and MixGRPO's)."""
+
+    diffusion_num_steps: int
+    diffusion_num_sde_steps: int | None  # None or 0: every step but the last
+    diffusion_sde_window_range: str | Sequence[int] | None  # "a,b" (a config file may give a pair)
+    diffusion_step_strategy_path: str | None
+    rollout_seed: int
+    mixgrpo_window_size: int | None
+    mixgrpo_mode: str  # "progressive" or "random"
+    mixgrpo_shift_interval: int | None  # None: the authors' default (MIXGRPO_SHIFT_INTERVAL, Flash's)
+    mixgrpo_stride: int
+    mixgrpo_flash: bool
+    mixgrpo_flash_ratio: float
+
+
+def select_trained_steps(args: argparse.Namespace, rollout_id: int) -> list[int]:
     """The sorted step indices (in [0, num_steps - 2]) that sample with the SDE kernel and are trained."""
-    num_steps = int(args.diffusion_num_steps)
+    flags = StepFlags.from_args(args)
+    num_steps = flags.diffusion_num_steps
     if num_steps < 1:
         raise ValueError(f"--diffusion-num-steps must be >= 1, got {num_steps}")
-    path = args.diffusion_step_strategy_path
-    num_sde_steps = args.diffusion_num_sde_steps
-    window_range = args.diffusion_sde_window_range
-    if args.mixgrpo_window_size:
+    path = flags.diffusion_step_strategy_path
+    num_sde_steps = flags.diffusion_num_sde_steps
+    window_range = flags.diffusion_sde_window_range
+    if flags.mixgrpo_window_size:
         if path or window_range is not None:
             raise ValueError(
                 "--mixgrpo-window-size chooses the trained steps itself; do not combine it with "
                 "--diffusion-step-strategy-path or --diffusion-sde-window-range"
             )
-        return mixgrpo_steps(args, rollout_id, num_steps)
+        return mixgrpo_steps(flags, flags.mixgrpo_window_size, rollout_id, num_steps)
     if path:  # the user's strategy replaces the window (whose K has a default)
         if window_range is not None:
             raise ValueError(
@@ -55,7 +75,7 @@ def select_trained_steps(args: Any, rollout_id: int) -> list[int]:
             )
         return all_but_last(num_steps)
     start, end = parse_window_range(window_range, num_steps)
-    return window_steps(num_steps, int(num_sde_steps), start, end, seed=int(args.rollout_seed), rollout_id=rollout_id)
+    return window_steps(num_steps, num_sde_steps, start, end, seed=flags.rollout_seed, rollout_id=rollout_id)
 
 
 def all_but_last(num_steps: int) -> list[int]:
@@ -98,21 +118,22 @@ def window_steps(num_steps: int, num_sde_steps: int, start: int, end: int, *, se
     return list(range(first, first + num_sde_steps))
 
 
-def mixgrpo_steps(args: Any, rollout_id: int, num_steps: int) -> list[int]:
-    """MixGRPO's sliding SDE window W_k for rollout k = `rollout_id`, from the --mixgrpo-* flags."""
-    interval = args.mixgrpo_shift_interval
+def mixgrpo_steps(flags: StepFlags, window: int, rollout_id: int, num_steps: int) -> list[int]:
+    """MixGRPO's sliding SDE window W_k of `window` steps (--mixgrpo-window-size) for rollout k = `rollout_id`, from
+    the --mixgrpo-* flags."""
+    interval = flags.mixgrpo_shift_interval
     if interval is None:
-        interval = MIXGRPO_FLASH_SHIFT_INTERVAL if args.mixgrpo_flash else MIXGRPO_SHIFT_INTERVAL
+        interval = MIXGRPO_FLASH_SHIFT_INTERVAL if flags.mixgrpo_flash else MIXGRPO_SHIFT_INTERVAL
     start = mixgrpo_window_start(
         num_steps,
-        int(args.mixgrpo_window_size),
+        window,
         rollout_id,
-        mode=args.mixgrpo_mode,
-        shift_interval=int(interval),
-        stride=int(args.mixgrpo_stride),
-        seed=int(args.rollout_seed),
+        mode=flags.mixgrpo_mode,
+        shift_interval=interval,
+        stride=flags.mixgrpo_stride,
+        seed=flags.rollout_seed,
     )
-    return list(range(start, start + int(args.mixgrpo_window_size)))
+    return list(range(start, start + window))
 
 
 def mixgrpo_window_start(
@@ -135,14 +156,15 @@ def mixgrpo_window_start(
     return min(stride * ((k // shift_interval) % positions), max_t - window)
 
 
-def flash_ratio(args: Any) -> float | None:
+def flash_ratio(args: argparse.Namespace) -> float | None:
     """--mixgrpo-flash-ratio when MixGRPO-Flash is on (the engine then runs DPM-Solver++ after the window), else None."""
-    if args.mixgrpo_window_size and args.mixgrpo_flash:
-        return float(args.mixgrpo_flash_ratio)
+    flags = StepFlags.from_args(args)
+    if flags.mixgrpo_window_size and flags.mixgrpo_flash:
+        return flags.mixgrpo_flash_ratio
     return None
 
 
-def custom_steps(args: Any, rollout_id: int, num_steps: int, path: str) -> list[int]:
+def custom_steps(args: argparse.Namespace, rollout_id: int, num_steps: int, path: str) -> list[int]:
     """`fn(args, rollout_id, num_steps) -> list[int]` from `--diffusion-step-strategy-path`, validated."""
     steps = load_function(path)(args, rollout_id, num_steps)
     where = f"--diffusion-step-strategy-path {path!r} (rollout {rollout_id}, {num_steps} steps)"

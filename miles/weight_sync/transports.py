@@ -118,9 +118,11 @@ def _group(spec: TransportSpec, rank: int, backend: str) -> dist.ProcessGroup:
     """The sync group, apart from any default process group (trainer rank 0 already has one)."""
     timeout = timedelta(seconds=spec.timeout_s)
     store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, rank == 0, timeout=timeout)
+    # a c10d backend runs the collectives of ProcessGroup's interface (torch's stubs declare them on ProcessGroup only)
     if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, spec.world_size, dist.ProcessGroupNCCL.Options())
-    return dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)
+        options = dist.ProcessGroupNCCL.Options()
+        return dist.ProcessGroupNCCL(store, rank, spec.world_size, options)  # type: ignore[return-value]
+    return dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)  # type: ignore[return-value]
 
 
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> dist.Work:
@@ -150,32 +152,47 @@ class Transport:
         # where the signals and terms travel: the group's own device
         self.signal_device = device if self.kind == "nccl" else torch.device("cpu")
         needed = spec.shared_bytes if self.shared else spec.buffer_bytes * (SLOTS if rank == 0 else 1)
-        if rank == 0:
-            self.buffer = shared if self.shared else torch.empty(needed, dtype=torch.uint8, device=device)
-        elif self.kind == "shm":
-            self.buffer = torch.from_file(spec.shm_path, shared=True, size=needed, dtype=torch.uint8)
-        elif self.kind == "cuda_ipc":
-            rebuild, args = shared
-            self.buffer = rebuild(*args)
-        else:  # a broadcast receiver needs one slot
-            self.buffer = torch.empty(needed, dtype=torch.uint8, device=device)
-        if self.buffer is None or self.buffer.numel() < needed:
-            raise ValueError(f"weight sync ({self.kind}): rank {rank} has no buffer of {needed} bytes")
-        self.group = _group(spec, rank, "nccl" if self.kind == "nccl" else "gloo")
-        self.group.allreduce([torch.zeros(1, device=self.signal_device)]).wait()  # every member holds its buffer
-        if rank == 0 and self.kind == "shm":
+        self.buffer: torch.Tensor | None = self._member_buffer(shared, needed)  # None once closed
+        group = _group(spec, rank, "nccl" if self.kind == "nccl" else "gloo")
+        self.group: dist.ProcessGroup | None = group  # None once closed
+        group.allreduce([torch.zeros(1, device=self.signal_device)]).wait()  # every member holds its buffer
+        if rank == 0 and self.kind == "shm" and spec.shm_path is not None:
             os.unlink(spec.shm_path)  # the mappings stay; from here on nothing is left behind if a process dies
         self.pending: dict[int, list[dist.Work]] = {}  # slot -> the works that must end before it is written again
 
+    def _member_buffer(self, shared: torch.Tensor | tuple | None, needed: int) -> torch.Tensor:
+        """This member's buffer: rank 0's (the shared one it made, or the slots), an `shm` engine's mapping of the
+        file, a `cuda_ipc` engine's view of rank 0's handle, a broadcast receiver's one slot."""
+        spec, buffer = self.spec, None
+        if self.rank == 0 and self.shared:
+            buffer = shared
+        elif self.rank == 0 or not self.shared:
+            buffer = torch.empty(needed, dtype=torch.uint8, device=self.device)
+        elif self.kind == "shm" and spec.shm_path is not None:
+            buffer = torch.from_file(spec.shm_path, shared=True, size=needed, dtype=torch.uint8)
+        elif self.kind == "cuda_ipc" and isinstance(shared, tuple):
+            rebuild, args = shared
+            buffer = rebuild(*args)
+        if not isinstance(buffer, torch.Tensor) or buffer.numel() < needed:
+            raise ValueError(f"weight sync ({self.kind}): rank {self.rank} has no buffer of {needed} bytes")
+        return buffer
+
+    def _open(self) -> tuple[torch.Tensor, dist.ProcessGroup]:
+        """(the buffer, the sync group), which `close` lets go of."""
+        if self.buffer is None or self.group is None:
+            raise RuntimeError(f"weight sync ({self.kind}): rank {self.rank}'s transport is closed")
+        return self.buffer, self.group
+
     def view(self, bucket: BucketMeta) -> torch.Tensor:
         """The bytes of `bucket`'s place: its own (resident), or its slot."""
-        if self.resident:
-            return self.buffer[self.spec.offsets[bucket.index] : self.spec.offsets[bucket.index + 1]]
+        buffer, offsets = self._open()[0], self.spec.offsets
+        if offsets is not None:  # resident
+            return buffer[offsets[bucket.index] : offsets[bucket.index + 1]]
         start = (bucket.index % SLOTS) * self.spec.buffer_bytes if (self.shared or self.rank == 0) else 0
-        return self.buffer[start : start + self.spec.buffer_bytes]
+        return buffer[start : start + self.spec.buffer_bytes]
 
     def _signal(self) -> dist.Work:
-        return self.group.allreduce([torch.zeros(1, device=self.signal_device)])
+        return self._open()[1].allreduce([torch.zeros(1, device=self.signal_device)])
 
     def begin(self) -> None:
         """An engine, before its first `receive` of a sync: resident, it tells rank 0 that it is in the sync (not
@@ -196,22 +213,22 @@ class Transport:
         """Rank 0: the bucket written into its slot goes to every engine; returns without waiting for them."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the slot's bytes are written before anyone reads
-        works = [_broadcast(self.group, terms.to(self.signal_device))]
+        works = [_broadcast(self._open()[1], terms.to(self.signal_device))]
         if self.resident:  # no place is written twice in a sync: nothing to wait for but the terms' delivery
             pass
         elif self.shared:  # the engines answer once they copied the slot out: then it may be written again
             works.append(self._signal())
         else:
-            works.append(_broadcast(self.group, self.view(bucket)[: bucket.nbytes]))
+            works.append(_broadcast(self._open()[1], self.view(bucket)[: bucket.nbytes]))
         self.pending.setdefault(bucket.index % SLOTS, []).extend(works)
 
     def receive(self, bucket: BucketMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """An engine: (the bucket's bytes, its (tensors, 2) checksum terms on the CPU)."""
         terms = torch.empty(len(bucket.tensors), 2, dtype=torch.int64, device=self.signal_device)
-        _broadcast(self.group, terms).wait()
+        _broadcast(self._open()[1], terms).wait()
         view = self.view(bucket)
         if not self.shared:
-            _broadcast(self.group, view[: bucket.nbytes]).wait()
+            _broadcast(self._open()[1], view[: bucket.nbytes]).wait()
         return view, terms.cpu()
 
     def release(self, bucket: BucketMeta) -> None:

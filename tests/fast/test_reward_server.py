@@ -16,7 +16,7 @@ from miles.arguments.reward_spec import remote_rules
 from miles.data.shapes import shapes_items
 from miles.ray.reward_workers import RewardWorkerPool
 from miles.rollout.rm_hub import RewardError, compute_rewards, reward_spec_from_args
-from miles.rollout.rm_hub.remote import backoff_s, decode_sample, encode_sample
+from miles.rollout.rm_hub.remote import RemoteFlags, backoff_s, decode_sample, encode_sample
 from miles.utils.types import Sample
 from tests.fast.rollout.rm_hub.reward_processes import fake_servers, reward_server
 
@@ -151,7 +151,7 @@ def test_retries_back_off_then_succeed_or_fail_naming_url_and_rollout(fake):
     totals, _ = score(args, samples)
     assert totals == [0.25] * 3 and time.perf_counter() - started >= 0.1 + 0.2  # backoff 0.1 s, then 0.2 s
     assert httpx.get(f"{fake}/count/a").json()["count"] == 3
-    assert [backoff_s(args, k) for k in range(7)] == [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4]
+    assert [backoff_s(RemoteFlags.from_args(args), k) for k in range(7)] == [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4]
     args = flags("--rm-url", f"{fake}/flaky/b/5", "--rm-retries", "1", "--rm-retry-backoff", "0")
     with pytest.raises(
         RewardError,

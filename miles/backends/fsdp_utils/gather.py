@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,8 @@ def full_state_dict(
         state = {name: _full_tensor(value) for name, value in state.items() if keep(name)}
     else:
         options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
-        state = get_model_state_dict(model, options=options)
+        # a module's state dict holds tensors (torch types it with the optimizer states' nested values too)
+        state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
         state = state if keep is None else {name: value for name, value in state.items() if keep(name)}
     if checksums is not None:
         checksums.update(tensor_checksums(state))
@@ -123,7 +125,7 @@ def gather_entries(
         if keep is not None and not keep(name):
             continue
         dim, layout = _dim0_shard_dim(value), None
-        if dim is not None:
+        if dim is not None and isinstance(value, DTensor):  # a DTensor when it has a shard dim
             mesh = value.device_mesh
             layout = layouts.get((id(mesh), dim))
             if layout is None:
@@ -154,20 +156,21 @@ def gather_plan(entries: Sequence[GatherEntry], bucket_bytes: int) -> list[Gathe
     """
     plan: list[GatherBucket] = []
     names: list[str] = []
-    key: tuple | None = None  # what a bucket's tensors share: dtype and layout
+    key: tuple[torch.dtype, ShardLayout] | None = None  # what a bucket's tensors share (set while names are)
     size = 0
     for entry in entries:
-        this = None if entry.layout is None else (entry.dtype, entry.layout)
-        if names and (this != key or size >= bucket_bytes):
+        layout = entry.layout
+        this = None if layout is None else (entry.dtype, layout)
+        if names and key is not None and (this != key or size >= bucket_bytes):
             plan.append(GatherBucket(tuple(names), size, key[1]))
             names, size = [], 0
-        if this is None:
+        if layout is None:
             plan.append(GatherBucket((entry.name,), 0, None))
             continue
-        key = this
+        key = (entry.dtype, layout)
         names.append(entry.name)
-        size += padded_shard_bytes(entry.shape, entry.dtype, entry.layout.group_size)
-    if names:
+        size += padded_shard_bytes(entry.shape, entry.dtype, layout.group_size)
+    if names and key is not None:
         plan.append(GatherBucket(tuple(names), size, key[1]))
     return plan
 
@@ -196,7 +199,7 @@ def bucketed_full_state_dict(
         out[name] = (pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces)).view(shape)
         if term is not None:
             terms[name] = term
-    if want and out:
+    if checksums is not None and out:
         checksums.update(build_checksums([(n, t.dtype, tuple(t.shape), terms[n]) for n, t in out.items()]))
     return out
 

@@ -9,6 +9,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,7 @@ class WeightPusher:
             self.shared, opener = shared_buffer(kind, self.plan.buffer_bytes, self.buffer_device(kind), total)
         self.direct = direct and kind == "shm"
         if self.direct:
-            shared = [opener, self.offsets]
+            shared: list[Any] = [opener, self.offsets]  # what rank 0 broadcasts, unpickled
             dist.broadcast_object_list(shared, src=0)  # the file's name and layout
             if self.rank != 0:
                 self.offsets = shared[1]
@@ -88,10 +89,19 @@ class WeightPusher:
 
     def _region(self, bucket: BucketMeta) -> torch.Tensor:
         """A rank other than 0 (direct): the place of `bucket` in its mapping of the file, as `Transport.view`."""
+        shared = self.shared
+        if shared is None:
+            raise RuntimeError(f"weight sync: rank {self.rank} has not mapped the bucket file (`prepare`, direct)")
         if self.offsets is not None:
-            return self.shared[self.offsets[bucket.index] : self.offsets[bucket.index + 1]]
+            return shared[self.offsets[bucket.index] : self.offsets[bucket.index + 1]]
         start = (bucket.index % SLOTS) * self.plan.buffer_bytes
-        return self.shared[start : start + self.plan.buffer_bytes]
+        return shared[start : start + self.plan.buffer_bytes]
+
+    def _transport(self) -> Transport:
+        """Rank 0's end of the sync group (`open`)."""
+        if self.transport is None:
+            raise RuntimeError("push before the weight sync was opened (`open` on rank 0)")
+        return self.transport
 
     def open(self, spec: TransportSpec) -> None:
         """Rank 0: join the sync group (with the engines, which join at the same time)."""
@@ -109,7 +119,7 @@ class WeightPusher:
         owners = checksum_owners(self.plan, dist.get_world_size())
         for bucket in self.plan.buckets:
             # rank 0: once the engines are done with the slot's last bucket (resident: are in the sync)
-            data = self.transport.slot(bucket) if self.rank == 0 else self._region(bucket)
+            data = self._transport().slot(bucket) if self.rank == 0 else self._region(bucket)
             dist.barrier()  # ... which the other ranks learn here
             for slot in bucket.tensors:
                 region = data[slot.offset : slot.offset + slot.nbytes]
@@ -122,9 +132,9 @@ class WeightPusher:
                     terms[i] = block_terms(data[t.offset : t.offset + t.nbytes])
             dist.reduce(terms, dst=0)
             if self.rank == 0:
-                self.transport.send(bucket, terms)
+                self._transport().send(bucket, terms)
         if self.rank == 0:
-            self.transport.finish()
+            self._transport().finish()
         return time.perf_counter() - started if self.rank == 0 else 0.0
 
     @torch.no_grad()
@@ -137,7 +147,7 @@ class WeightPusher:
         state = model.state_dict()
         entries = {entry.name: entry for entry in gather_entries(state, keep, as_dtype)}
         # rank 0's first slot waits for every engine to be in the sync (not sampling); the others learn it here
-        places = [self.transport.slot(b) if self.rank == 0 else self._region(b) for b in self.plan.buckets]
+        places = [self._transport().slot(b) if self.rank == 0 else self._region(b) for b in self.plan.buckets]
         dist.barrier()
         # each rank checksums what it writes, chunk by chunk while in cache; the terms of a tensor whose parts do
         # not lie on 64-bit words are its owner's, over the whole once every part is in
@@ -162,9 +172,10 @@ class WeightPusher:
         dist.reduce(flat, dst=0)
         if self.rank != 0:
             return 0.0
+        transport = self._transport()
         for bucket, bucket_terms in zip(self.plan.buckets, flat.split([len(b.tensors) for b in self.plan.buckets])):
-            self.transport.send(bucket, bucket_terms)
-        self.transport.finish()
+            transport.send(bucket, bucket_terms)
+        transport.finish()
         return time.perf_counter() - started
 
     @torch.no_grad()
@@ -181,19 +192,18 @@ class WeightPusher:
             for _ in tensors:  # the other ranks only take part in the gathers
                 pass
             return 0.0
-        if self.transport is None:
-            raise RuntimeError("push before the weight sync was opened (`open` on rank 0)")
+        transport = self._transport()
         slots = ((bucket, slot) for bucket in self.plan.buckets for slot in bucket.tensors)
         terms: list[torch.Tensor] = []
         for name, shape, pieces, _ in tensors:
             bucket, slot = next(slots, (None, None))
-            if slot is None or slot.name != name or tuple(shape) != slot.shape:
+            if bucket is None or slot is None or slot.name != name or tuple(shape) != slot.shape:
                 raise RuntimeError(
                     f"weight sync: gathered {name} {tuple(shape)} where the plan has "
                     f"{None if slot is None else (slot.name, slot.shape)}: the model changed since the plan was made"
                 )
             if slot is bucket.tensors[0]:
-                data = self.transport.slot(bucket)
+                data = transport.slot(bucket)
             region, offset = data[slot.offset : slot.offset + slot.nbytes], 0
             for piece in pieces:
                 flat = piece.contiguous().view(-1).view(torch.uint8)
@@ -201,11 +211,11 @@ class WeightPusher:
                 offset += flat.numel()
             terms.append(block_terms(region))  # over the bytes as they leave: contiguous, whatever the gather's split
             if slot is bucket.tensors[-1]:
-                self.transport.send(bucket, torch.stack(terms))
+                transport.send(bucket, torch.stack(terms))
                 terms = []
         if next(slots, None) is not None:
             raise RuntimeError("weight sync: the gather yielded fewer tensors than the plan holds")
-        self.transport.finish()
+        transport.finish()
         return time.perf_counter() - started
 
     def close(self) -> None:
@@ -236,8 +246,12 @@ def _write_own_rows(
         if rank0:
             return _copy_summed(full.detach().contiguous().view(-1).view(torch.uint8), region, 0, zero)
         return zero
+    if not isinstance(value, DTensor):
+        raise TypeError(f"{entry.name}: sharded in the plan ({entry.layout}) but not a DTensor on this rank")
     mesh, dim = value.device_mesh, entry.layout.shard_dim
     coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise RuntimeError(f"{entry.name}: this rank is not in the device mesh of its shards")
     if any(c != 0 for i, c in enumerate(coordinate) if i != dim):
         return zero  # another replica of this shard group writes the same rows
     rows, row = entry.shape[0], math.prod(entry.shape[1:])

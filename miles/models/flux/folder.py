@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from diffusers import FluxTransformer2DModel
+from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import nn
 
@@ -19,6 +19,7 @@ from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
     calculate_shift_args,
+    child_blocks,
     decode_shift_scaled,
     dynamic_sampling_shift,
     dynamic_shift_sigmas,
@@ -51,7 +52,7 @@ class FluxFolderFamily(DiffusersFamily):
     # networks
     def transformer_blocks(self, transformer: nn.Module) -> list[nn.Module]:
         """The double-stream then single-stream blocks FSDP shards one by one."""
-        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+        return child_blocks(transformer, "transformer_blocks", "single_transformer_blocks")
 
     @property
     def guidance_embeds(self) -> bool:

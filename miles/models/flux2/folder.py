@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import Flux2Transformer2DModel
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
 from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 from PIL import Image
 from torch import nn
@@ -28,6 +29,7 @@ from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
     check_velocity_inputs,
+    child_blocks,
     dynamic_shift_sigmas,
     posterior_latents,
     square_latent_side,
@@ -73,7 +75,7 @@ def position_ids(height: int, width: int, time: int = 0) -> torch.Tensor:
     return torch.cartesian_prod(torch.tensor([time]), torch.arange(height), torch.arange(width), torch.arange(1))
 
 
-def bn_stats(vae: nn.Module, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def bn_stats(vae: ModelMixin, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The VAE's batch-norm mean and std (sqrt(running_var + batch_norm_eps)) as (1, 4C, 1, 1) on `like`."""
     mean = vae.bn.running_mean.view(1, -1, 1, 1).to(like.device, like.dtype)
     std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(like.device, like.dtype)
@@ -157,7 +159,7 @@ class Flux2Family(DiffusersFamily):
     # networks
     def transformer_blocks(self, transformer: nn.Module) -> list[nn.Module]:
         """The double-stream then single-stream blocks FSDP shards one by one."""
-        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+        return child_blocks(transformer, "transformer_blocks", "single_transformer_blocks")
 
     # text and reference images
     @property
@@ -269,11 +271,11 @@ class Flux2Family(DiffusersFamily):
         uncond) with the negative text and the same reference tokens (both branches in one batched forward); w > 1
         on a step-distilled klein is an error. `negative` may be a batch of one (broadcast); dev ignores it."""
         check_velocity_inputs(latents, sigmas, embeds)
-        cfg = self.true_cfg(guidance_scale)
-        if cfg and negative is None:
-            raise ValueError("true CFG (guidance_scale > 1 on klein-base) needs negative embeddings")
-        if cfg:
-            negative = Conditioning({name: negative[name] for name in FLUX2_TEXT}).expand(latents.shape[0])
+        cfg_negative = None  # the negative text rows of true CFG
+        if self.true_cfg(guidance_scale):
+            if negative is None:
+                raise ValueError("true CFG (guidance_scale > 1 on klein-base) needs negative embeddings")
+            cfg_negative = Conditioning({name: negative[name] for name in FLUX2_TEXT}).expand(latents.shape[0])
         counts = embeds["image_token_counts"].tolist()
         groups: dict[tuple[int, bytes], list[int]] = {}
         for row, count in enumerate(counts):  # rows whose reference tokens sit at the same positions
@@ -282,7 +284,7 @@ class Flux2Family(DiffusersFamily):
         out = torch.empty(latents.shape, dtype=torch.float32, device=latents.device)
         for (count, _), rows in groups.items():
             index = torch.tensor(rows, device=latents.device)
-            group_negative = None if not cfg else negative.rows(rows)
+            group_negative = None if cfg_negative is None else cfg_negative.rows(rows)
             out[index] = self.group_velocity(
                 transformer, latents[index], sigmas[index], embeds.rows(rows), count, guidance_scale, group_negative
             )

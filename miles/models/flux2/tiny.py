@@ -21,17 +21,16 @@ batch-norm statistics are calibrated on smooth random images, so normalised late
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
-from diffusers import (
-    AutoencoderKLFlux2,
-    FlowMatchEulerDiscreteScheduler,
-    Flux2KleinPipeline,
-    Flux2Pipeline,
-    Flux2Transformer2DModel,
-)
+from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux2
+from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
+from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
+from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     Mistral3Config,
@@ -49,6 +48,7 @@ from miles.models.tiny import (
     eval_mode,
     learn_bpe_merges,
     save_tiny_folder,
+    token_id,
 )
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def build_qwen3_tokenizer() -> Qwen2Tokenizer:
 
 
 def build_qwen3_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen3ForCausalLM:
-    ids = tokenizer.convert_tokens_to_ids
+    ids = functools.partial(token_id, tokenizer)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=TEXT_WIDTH,
@@ -139,8 +139,10 @@ def calibrate_flux2_vae(vae: AutoencoderKLFlux2, resolution: int, generator: tor
     b, c, h, w = z.shape
     patches = z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, c * 4, h // 2, w // 2)
     per_channel = patches.transpose(0, 1).reshape(c * 4, -1)
-    vae.bn.running_mean.copy_(per_channel.mean(dim=1))
-    vae.bn.running_var.copy_(per_channel.var(dim=1).clamp_min(1e-4))
+    running_mean, running_var = vae.bn.running_mean, vae.bn.running_var
+    assert running_mean is not None and running_var is not None  # the VAE's BatchNorm tracks running statistics
+    running_mean.copy_(per_channel.mean(dim=1))
+    running_var.copy_(per_channel.var(dim=1).clamp_min(1e-4))
 
 
 def build_mistral_tokenizer() -> PreTrainedTokenizerFast:
@@ -174,7 +176,7 @@ def build_mistral_tokenizer() -> PreTrainedTokenizerFast:
 def build_mistral3_text_encoder(tokenizer: PreTrainedTokenizerFast) -> Mistral3ForConditionalGeneration:
     """A Mistral3 of TEXT_LAYERS layers, TEXT_WIDTH wide (TEXT_ENCODER_OUT_LAYERS stacked, as klein's), with a 1-block Pixtral vision tower (the model
     class has one; Flux2Pipeline reads it only for its prompt upsampling)."""
-    ids = tokenizer.convert_tokens_to_ids
+    ids = functools.partial(token_id, tokenizer)
     config = Mistral3Config(
         text_config={
             "model_type": "mistral",
@@ -256,7 +258,8 @@ def build_tiny_flux2_klein_pipeline(seed: int = 0, resolution: int = 64, *, dist
     transformer = build_flux2_transformer(guidance_embeds=False)  # klein: no guidance embedding
     calibrate_flux2_vae(vae, resolution, torch.Generator().manual_seed(seed))
     pipe = Flux2KleinPipeline(
-        scheduler=flux2_scheduler(),
+        # diffusers annotates the scheduler with its top-level name, which mypy reads as the dummy class
+        scheduler=flux2_scheduler(),  # type: ignore[arg-type]
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
@@ -291,7 +294,12 @@ def build_tiny_flux2_dev_pipeline(seed: int = 0, resolution: int = 64) -> Flux2P
     transformer = build_flux2_transformer(guidance_embeds=True)
     calibrate_flux2_vae(vae, resolution, torch.Generator().manual_seed(seed))
     pipe = Flux2Pipeline(
-        scheduler=flux2_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+        # diffusers annotates the scheduler with its top-level name, which mypy reads as the dummy class
+        scheduler=flux2_scheduler(),  # type: ignore[arg-type]
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,  # type: ignore[arg-type]  # annotated AutoProcessor, the class that loads this tokenizer
+        transformer=transformer,
     )
     return eval_mode(pipe)
 

@@ -19,7 +19,9 @@ from typing import Any, ClassVar
 import diffusers
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Transformer3DModel
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15Transformer3DModel
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from torch import nn
 
 from miles.models.base import RunAlgorithm, compute_dtype, register_train_pipeline_config
@@ -144,7 +146,7 @@ class HunyuanVideo15PipelineConfig(DiffusersFamily):
         return Conditioning({k: v.to(device=device) for k, v in zip(EMBEDS, encoded)})
 
     # media
-    def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> ModelMixin:
         """The VAE, encoding and decoding one clip at a time: diffusers 0.42's causal attention mask broadcasts
         wrongly over a batch of several clips."""
         vae = super().load_vae(device, dtype)  # tiled with --vae-tiling on

@@ -17,11 +17,16 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from diffusers import HunyuanVideo15Transformer3DModel
 from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.attention_processor import Attention
 from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_hunyuan_video15 import (
+    HunyuanVideo15Transformer3DModel,
+    HunyuanVideo15TransformerBlock,
+)
 from torch import nn
 
+from miles.models.loading import as_class
 from miles.models.sequence_parallel import (
     SequenceParallelGroup,
     gather_sequence,
@@ -40,7 +45,7 @@ class UlyssesHunyuanVideo15Attention:
 
     def __call__(
         self,
-        attn: nn.Module,
+        attn: Attention,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
@@ -52,11 +57,14 @@ class UlyssesHunyuanVideo15Attention:
         query, key, value = (
             proj(hidden_states).unflatten(2, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v)
         )
+        if attn.norm_q is None or attn.norm_k is None:
+            raise ValueError("the Ulysses HunyuanVideo 1.5 processor expects the blocks' q/k norms (qk_norm)")
         query, key = attn.norm_q(query), attn.norm_k(key)  # per head: on this rank's tokens
         if image_rotary_emb is not None:
             rows = tuple(split_sequence(t, sp, dim=0) for t in image_rotary_emb)  # this rank's tokens' positions
-            query = apply_rotary_emb(query, rows, sequence_dim=1)
-            key = apply_rotary_emb(key, rows, sequence_dim=1)
+            # diffusers annotates the (cos, sin) pair it takes as a 1-tuple
+            query = apply_rotary_emb(query, rows, sequence_dim=1)  # type: ignore[arg-type]
+            key = apply_rotary_emb(key, rows, sequence_dim=1)  # type: ignore[arg-type]
         query, key, value = (sequence_to_heads(t, sp) for t in (query, key, value))
         text = [
             proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
@@ -108,16 +116,19 @@ def _gather_before_output_norm(sp: SequenceParallelGroup) -> Callable[[nn.Module
     return hook
 
 
-def shard_hunyuan_video15_sequence(transformer: HunyuanVideo15Transformer3DModel, sp: SequenceParallelGroup) -> None:
-    """Run `transformer` with its video tokens split over `sp` from now on (hooks and the blocks' attention
-    processors; weights untouched). Call before FSDP2 wraps it; the caller has checked heads and tokens divide by
-    sp.size."""
-    heads = transformer.config.num_attention_heads
+def shard_hunyuan_video15_sequence(network: nn.Module, sp: SequenceParallelGroup) -> None:
+    """Run `network` (a HunyuanVideo15Transformer3DModel) with its video tokens split over `sp` from now on (hooks and
+    the blocks' attention processors; weights untouched). Call before FSDP2 wraps it; the caller has checked heads
+    and tokens divide by sp.size."""
+    transformer = as_class(network, HunyuanVideo15Transformer3DModel)
+    heads = transformer.config["num_attention_heads"]
     if heads % sp.size:
         raise ValueError(f"--sp-size {sp.size} must divide the transformer's {heads} heads")
     if len(transformer.transformer_blocks) == 0:
         raise ValueError("a HunyuanVideo 1.5 transformer without blocks has no sequence to split")
     for block in transformer.transformer_blocks:
-        block.attn.set_processor(UlyssesHunyuanVideo15Attention(sp))
+        # diffusers runs any processor; set_processor's annotation lists its own
+        attention = as_class(block, HunyuanVideo15TransformerBlock).attn
+        attention.set_processor(UlyssesHunyuanVideo15Attention(sp))  # type: ignore[arg-type]
     transformer.transformer_blocks[0].register_forward_pre_hook(_split_block_inputs(sp))
     transformer.norm_out.register_forward_pre_hook(_gather_before_output_norm(sp))

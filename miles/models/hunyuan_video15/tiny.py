@@ -17,14 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import (
-    AutoencoderKLHunyuanVideo15,
-    FlowMatchEulerDiscreteScheduler,
-    HunyuanVideo15Pipeline,
-    HunyuanVideo15Transformer3DModel,
-)
 from diffusers.guiders import ClassifierFreeGuidance
-from torch import nn
+from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import AutoencoderKLHunyuanVideo15
+from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15Transformer3DModel
+from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import HunyuanVideo15Pipeline
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
 from miles.models.diffusers_family import write_run_defaults
@@ -65,7 +62,7 @@ def build_hunyuan_qwen_tokenizer():
     return tokenizer
 
 
-def build_tiny_text_encoders(tokenizer: Any, tokenizer_2: ByT5Tokenizer) -> tuple[nn.Module, nn.Module]:
+def build_tiny_text_encoders(tokenizer: Any, tokenizer_2: ByT5Tokenizer) -> tuple[Qwen2_5_VLTextModel, T5EncoderModel]:
     """The tiny Qwen2.5-VL text model and ByT5 encoder, random weights from the current torch seed (in that order)."""
     text_encoder = Qwen2_5_VLTextModel(
         Qwen2_5_VLTextConfig(

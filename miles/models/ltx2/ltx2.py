@@ -22,16 +22,16 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2Pipeline, LTX2VideoTransformer3DModel
+from diffusers.models import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel, ModelMixin
 from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from torch import nn
 
-from miles.models.base import RunAlgorithm, compute_dtype, load_pretrained, register_train_pipeline_config
+from miles.models.base import RunAlgorithm, compute_dtype, load_pretrained, moved_to, register_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
@@ -81,10 +81,10 @@ class LTX2PipelineConfig(DiffusersFamily):
     # the audio-to-video / video-to-audio cross-attention
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     transformer_class = LTX2VideoTransformer3DModel
-    text_pipeline_class = LTX2Pipeline
+    text_pipeline_class = "LTX2Pipeline"
     non_text_components = ("transformer", "vae", "audio_vae", "vocoder")
     text_modules = ("text_encoder", "connectors")
-    vae_class = AutoencoderKLLTX2Video
+    vae_class: ClassVar[type[AutoencoderKLLTX2Video]] = AutoencoderKLLTX2Video
     supports_sequence_parallel = True  # Ulysses over --sp-size ranks (miles.models.ltx2.sequence_parallel)
 
     def __init__(self, path: str, **options: Any) -> None:
@@ -162,20 +162,20 @@ class LTX2PipelineConfig(DiffusersFamily):
         )
 
     # media
-    def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    def load_vae(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> ModelMixin:
         """The video VAE (tiled with `--vae-tiling on`), the audio VAE and the vocoder (eval, cached); the first."""
         vae = tiled_if_asked(load_pretrained(self.vae_class, self.path, "vae", dtype), self.family_options)
         audio_vae = load_pretrained(AutoencoderKLLTX2Audio, self.path, "audio_vae", dtype)
         vocoder_class = LTX2VocoderWithBWE if self._vocoder_class_name() == "LTX2VocoderWithBWE" else LTX2Vocoder
         vocoder = load_pretrained(vocoder_class, self.path, "vocoder", dtype)
         for name, module in (("vae", vae), ("audio_vae", audio_vae), ("vocoder", vocoder)):
-            self._loaded[name] = module.to(device).eval().requires_grad_(False)
-        return self._loaded["vae"]
+            self._loaded[name] = moved_to(module, device).eval().requires_grad_(False)
+        return vae
 
     def _vocoder_class_name(self) -> str:
         return str(self.read_json("model_index.json")["vocoder"][1])
 
-    def _media_modules(self) -> tuple[nn.Module, nn.Module, nn.Module]:
+    def _media_modules(self) -> tuple[ModelMixin, ModelMixin, ModelMixin]:
         if "vocoder" not in self._loaded:
             self.load_vae()
         return self._loaded["vae"], self._loaded["audio_vae"], self._loaded["vocoder"]

@@ -18,11 +18,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from diffusers import LTX2VideoTransformer3DModel
 from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.transformers.transformer_ltx2 import apply_interleaved_rotary_emb, apply_split_rotary_emb
+from diffusers.models.transformers.transformer_ltx2 import (
+    LTX2Attention,
+    LTX2VideoTransformer3DModel,
+    apply_interleaved_rotary_emb,
+    apply_split_rotary_emb,
+)
 from torch import nn
 
+from miles.models.loading import as_class
 from miles.models.sequence_parallel import (
     SequenceParallelGroup,
     gather_sequence,
@@ -58,7 +63,7 @@ class UlyssesLTX2Attention:
 
     def __call__(
         self,
-        attn: nn.Module,
+        attn: LTX2Attention,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
@@ -115,19 +120,22 @@ def _gather_before_output_norm(sp: SequenceParallelGroup) -> Callable[[nn.Module
     return hook
 
 
-def shard_ltx2_sequence(transformer: LTX2VideoTransformer3DModel, sp: SequenceParallelGroup) -> None:
-    """Run `transformer` with its video and audio tokens split over `sp` from now on (hooks and the processors of
-    `ULYSSES_ATTENTIONS`; weights untouched). Call before FSDP2 wraps it; the caller has checked heads and tokens
-    divide by sp.size."""
+def shard_ltx2_sequence(network: nn.Module, sp: SequenceParallelGroup) -> None:
+    """Run `network` (an LTX2VideoTransformer3DModel) with its video and audio tokens split over `sp` from now on
+    (hooks and the processors of `ULYSSES_ATTENTIONS`; weights untouched). Call before FSDP2 wraps it; the caller
+    has checked heads and tokens divide by sp.size."""
+    transformer = as_class(network, LTX2VideoTransformer3DModel)
     config = transformer.config
-    for kind, heads in (("video", config.num_attention_heads), ("audio", config.audio_num_attention_heads)):
+    for kind, heads in (("video", config["num_attention_heads"]), ("audio", config["audio_num_attention_heads"])):
         if heads % sp.size:
             raise ValueError(f"--sp-size {sp.size} must divide the transformer's {heads} {kind} attention heads")
     if len(transformer.transformer_blocks) == 0:
         raise ValueError("an LTX-2 transformer without blocks has no sequence to split")
     for block in transformer.transformer_blocks:
         for name in ULYSSES_ATTENTIONS:
-            getattr(block, name).set_processor(UlyssesLTX2Attention(sp))
+            # diffusers runs any processor; set_processor's annotation lists its own
+            attention = as_class(block.get_submodule(name), LTX2Attention)
+            attention.set_processor(UlyssesLTX2Attention(sp))  # type: ignore[arg-type]
     transformer.transformer_blocks[0].register_forward_pre_hook(_split_block_inputs(sp), with_kwargs=True)
     transformer.norm_out.register_forward_pre_hook(_gather_before_output_norm(sp))
     transformer.audio_norm_out.register_forward_pre_hook(_gather_before_output_norm(sp))

@@ -14,15 +14,13 @@ import logging
 import string
 
 import torch
-from diffusers import (
-    AutoencoderKLLTX2Audio,
-    AutoencoderKLLTX2Video,
-    FlowMatchEulerDiscreteScheduler,
-    LTX2Pipeline,
-    LTX2VideoTransformer3DModel,
-)
+from diffusers.models.autoencoders.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
+from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import AutoencoderKLLTX2Audio
+from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
 from diffusers.pipelines.ltx2 import LTX2TextConnectors
+from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GemmaTokenizer
 
 from miles.models.tiny import SHAPES_WORDS, eval_mode, learn_bpe_merges, save_tiny_folder
@@ -52,7 +50,8 @@ def build_gemma_tokenizer(words: tuple[str, ...] = SHAPES_WORDS) -> GemmaTokeniz
     merges = learn_bpe_merges(tuple(pieces), end_of_word="")  # plain BPE until every piece is one symbol
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
-    return GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=GEMMA_MAX_LENGTH)
+    # transformers takes (left, right) merge pairs; its annotation names only "left right" strings
+    return GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=GEMMA_MAX_LENGTH)  # type: ignore[arg-type]
 
 
 def _gemma3(tokenizer: GemmaTokenizer) -> Gemma3ForConditionalGeneration:
@@ -213,10 +212,11 @@ def build_tiny_ltx2_pipeline(seed: int = 0) -> LTX2Pipeline:
     connectors = _connectors()
     vae = _video_vae()
     audio_vae = _audio_vae()
-    vocoder = _vocoder(audio_vae.config.output_channels)
+    vocoder = _vocoder(audio_vae.config["output_channels"])
     transformer = _transformer()
     pipe = LTX2Pipeline(
-        scheduler=_scheduler(),
+        # diffusers annotates the scheduler with its top-level name, which mypy reads as the dummy class
+        scheduler=_scheduler(),  # type: ignore[arg-type]
         vae=vae,
         audio_vae=audio_vae,
         text_encoder=text_encoder,

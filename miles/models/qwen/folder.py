@@ -11,7 +11,8 @@ import logging
 from typing import Any
 
 import torch
-from diffusers import QwenImageTransformer2DModel
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from torch import nn
 
@@ -28,6 +29,7 @@ from miles.models.diffusers_family import (
     training_shift,
     unit_range,
 )
+from miles.models.loading import module_config
 from miles.models.media import Media
 
 logger = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ class QwenFolderFamily(DiffusersFamily):
         """The transformer (`DiffusersFamily`'s loader); a guidance-distilled one (`guidance_embeds`) is refused:
         the pipeline cannot run it either (its timestep embedding takes no guidance)."""
         model = super().load_transformer(path, dtype, empty=empty)
-        if model.config.get("guidance_embeds", False):
+        if module_config(model).get("guidance_embeds", False):
             raise ValueError(
                 f"{path or self.path}: this QwenImageTransformer2DModel has guidance_embeds=True, which "
                 f"{self.pipeline_class_name} does not run (its timestep embedding takes no guidance); not supported"
@@ -128,7 +130,8 @@ class QwenFolderFamily(DiffusersFamily):
             return_dict=False,
         )[0][:, :noise_tokens].float()
         if cfg:
-            pred = true_cfg(*pred.chunk(2), guidance_scale)
+            uncond, cond = pred.chunk(2)
+            pred = true_cfg(uncond, cond, guidance_scale)
         return pred
 
     def mu(self, resolution: int | None = None) -> float:
@@ -177,14 +180,16 @@ class QwenFolderFamily(DiffusersFamily):
         return int(self.cached_json("vae", "config.json")["z_dim"]), side, side
 
 
-def _latents_stats(vae: nn.Module, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _latents_stats(vae: ModelMixin, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The config's per-channel latents_mean and 1 / latents_std, shaped (1, C, 1, 1, 1) as the pipelines have them."""
     mean, std = channel_stats(vae, like)
     return mean, 1.0 / std
 
 
 @torch.no_grad()
-def encode_qwen_latents(vae: nn.Module, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def encode_qwen_latents(
+    vae: ModelMixin, images: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Normalized latents (B, C, H, W) = (z - latents_mean) / latents_std of images (B, 3, H, W) in [-1, 1], encoded
     as one frame (the Qwen-Image pipelines' `_encode_vae_image`). z is the posterior mode without a generator, a
     posterior sample drawn with it otherwise. float32."""
@@ -194,7 +199,7 @@ def encode_qwen_latents(vae: nn.Module, images: torch.Tensor, generator: torch.G
 
 
 @torch.no_grad()
-def decode_qwen_latents(vae: nn.Module, x0: torch.Tensor) -> Media:
+def decode_qwen_latents(vae: ModelMixin, x0: torch.Tensor) -> Media:
     """Images (B, 3, H, W) in [0, 1], float32, from normalized latents, as the Qwen-Image pipelines decode them:
     z = x0 / (1 / latents_std) + latents_mean, decoded as one frame."""
     z = x0.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)

@@ -197,7 +197,11 @@ class QwenImageEditPipelineConfig(QwenEditFamily):
                 f"QwenImageEditPipeline does; got sizes {sorted({p.size for p in pil})}: resize them to one size"
             )
         width, height = self.reference_size(*pil[0].size)
-        return self.image_processor().resize(pil, height, width), width, height
+        # as the pipeline calls it: diffusers' resize returns a list as given (its annotation takes one image), and
+        # the pipeline's preprocess resizes each image to (height, width)
+        processor = self.image_processor()
+        resized: list[Image.Image] = processor.resize(pil, height, width)  # type: ignore[arg-type,assignment]
+        return resized, width, height
 
     # text
     @torch.no_grad()
@@ -266,7 +270,7 @@ class QwenImageEditPlusPipelineConfig(QwenEditFamily):
     def _condition_images(self, sources: list[Image.Image]) -> list[Image.Image]:
         """One prompt's source images resized for the VL encoder, as the pipeline resizes them."""
         processor = self.image_processor()
-        return [processor.resize(image, *self.condition_size(*image.size)[::-1]) for image in sources]
+        return [resized_pil(processor, image, *self.condition_size(*image.size)[::-1]) for image in sources]
 
     def _sources(self, images: list[list[np.ndarray]] | None, count: int) -> list[list[Image.Image]]:
         if images is None:
@@ -320,3 +324,11 @@ class QwenImageEditPlusPipelineConfig(QwenEditFamily):
         """`image_latents` as they are; each row's grids from `image_shapes` without its padding (zero rows)."""
         shapes = embeds["image_shapes"].tolist()
         return embeds["image_latents"], [tuple((h, w) for h, w in row if h * w) for row in shapes]
+
+
+def resized_pil(processor: VaeImageProcessor, image: Image.Image, height: int, width: int) -> Image.Image:
+    """`processor.resize` of a PIL image, which is a PIL image (diffusers types it with the tensor and array cases)."""
+    resized = processor.resize(image, height, width)
+    if not isinstance(resized, Image.Image):
+        raise TypeError(f"VaeImageProcessor.resize turned a PIL image into a {type(resized).__name__}")
+    return resized

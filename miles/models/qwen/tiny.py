@@ -9,19 +9,18 @@ shapes words (`miles.models.tiny.SHAPES_WORDS`) are whole tokens too, any other 
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
 import torch
-from diffusers import (
-    AutoencoderKLQwenImage,
-    FlowMatchEulerDiscreteScheduler,
-    QwenImagePipeline,
-    QwenImageTransformer2DModel,
-)
+from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-from miles.models.tiny import QWEN_ENDOFTEXT, SHAPES_WORDS, build_qwen2_tokenizer, eval_mode, save_tiny_folder
+from miles.models.tiny import QWEN_ENDOFTEXT, SHAPES_WORDS, build_qwen2_tokenizer, eval_mode, save_tiny_folder, token_id
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +40,7 @@ TEMPLATE_WORDS: tuple[str, ...] = tuple(
 def build_qwen_vl_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
     """A 2-layer Qwen2.5-VL, its vision tower 1 block deep (QwenImagePipeline encodes text only; the editing
     pipeline runs the tower on its source image)."""
-    ids = tokenizer.convert_tokens_to_ids
+    ids = functools.partial(token_id, tokenizer)
     heads = 2
     config = Qwen2_5_VLConfig(
         text_config={

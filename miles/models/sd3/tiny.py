@@ -7,13 +7,15 @@ import logging
 from typing import Any
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import StableDiffusion3Pipeline
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
 from miles.models.tiny import (
     LATENT_CHANNELS,
     SCHEDULER_SHIFT,
     VAE_BLOCK_OUT_CHANNELS,
-    build_clip_text_encoder,
+    build_clip_text_encoder_with_projection,
     build_clip_tokenizer,
     build_t5_encoder,
     build_t5_tokenizer,
@@ -24,6 +26,9 @@ from miles.models.tiny import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+CLIP_PROJECTION = 32  # each tiny CLIP's pooled width
 
 
 def build_tiny_sd3_pipeline(
@@ -50,8 +55,8 @@ def build_tiny_sd3_pipeline(
     clip_widths, t5_width = (32, 32), 64
 
     torch.manual_seed(seed)
-    text_encoder = build_clip_text_encoder(tokenizer, hidden=clip_widths[0], projection=32)
-    text_encoder_2 = build_clip_text_encoder(tokenizer_2, hidden=clip_widths[1], projection=32)
+    text_encoder = build_clip_text_encoder_with_projection(tokenizer, clip_widths[0], CLIP_PROJECTION)
+    text_encoder_2 = build_clip_text_encoder_with_projection(tokenizer_2, clip_widths[1], CLIP_PROJECTION)
     text_encoder_3 = build_t5_encoder(tokenizer_3, d_model=t5_width)
     vae = build_vae(resolution, vae_block_out_channels, vae_layers_per_block)
     heads, head_dim = transformer_heads, transformer_head_dim
@@ -64,7 +69,7 @@ def build_tiny_sd3_pipeline(
         num_attention_heads=heads,
         joint_attention_dim=t5_width,  # CLIP embeddings (32 + 32 wide) are zero-padded to the T5 width
         caption_projection_dim=heads * head_dim,
-        pooled_projection_dim=text_encoder.config.projection_dim + text_encoder_2.config.projection_dim,
+        pooled_projection_dim=2 * CLIP_PROJECTION,  # the two CLIPs' pooled embeddings, concatenated
         out_channels=LATENT_CHANNELS,
         pos_embed_max_size=4 * resolution // vae_factor // 2,  # room for up to 4x the default resolution
         qk_norm=qk_norm,

@@ -26,7 +26,7 @@ from typing import Any
 
 import diffusers
 import torch
-from diffusers import WanTransformer3DModel
+from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 from torch import nn
 
 from miles.models.base import RunAlgorithm, compute_dtype, load_pretrained
@@ -34,6 +34,7 @@ from miles.models.conditioning import Conditioning
 from miles.models.diffusers_family import (
     DiffusersFamily,
     channel_stats,
+    child_blocks,
     posterior_latents,
     square_latent_side,
     unit_range,
@@ -114,6 +115,13 @@ class WanFolderFamily(DiffusersFamily):
             return None
         return float(self.boundary_ratio) * self.num_train_timesteps
 
+    def expert_boundary(self) -> float:
+        """`boundary_timestep` of a family with two experts (a ValueError with one)."""
+        boundary = self.boundary_timestep
+        if boundary is None:
+            raise ValueError(f"{self.path} has one expert: there is no boundary between experts")
+        return boundary
+
     def load_transformer(
         self, path: str | None = None, dtype: torch.dtype = torch.float32, *, empty: bool = False
     ) -> nn.Module:
@@ -136,7 +144,7 @@ class WanFolderFamily(DiffusersFamily):
         if not (root / LOW_NOISE / "config.json").is_file():
             raise FileNotFoundError(f"{root} has no transformer_2/config.json: this family's folders hold two experts")
         experts = WanExperts(
-            first, load_pretrained(WanTransformer3DModel, root, LOW_NOISE, dtype, empty=empty), self.boundary_timestep
+            first, load_pretrained(WanTransformer3DModel, root, LOW_NOISE, dtype, empty=empty), self.expert_boundary()
         ).eval()
         if self.trained_experts != "both":
             frozen = LOW_NOISE if self.trained_experts == "high-noise" else HIGH_NOISE
@@ -146,8 +154,8 @@ class WanFolderFamily(DiffusersFamily):
     def transformer_blocks(self, transformer: nn.Module) -> list[nn.Module]:
         """The WanTransformerBlocks FSDP shards one by one (both experts' with two)."""
         if isinstance(transformer, WanExperts):
-            return [*transformer.transformer.blocks, *transformer.transformer_2.blocks]
-        return list(transformer.blocks)
+            return child_blocks(transformer, "transformer.blocks", "transformer_2.blocks")
+        return child_blocks(transformer, "blocks")
 
     def save_transformer(
         self, transformer_state_dict: dict[str, torch.Tensor], out_dir: str, dtype: torch.dtype | None = None
@@ -280,7 +288,7 @@ class WanFolderFamily(DiffusersFamily):
         uncond, cond = pred.chunk(2)
         scale = torch.full((batch,), float(guidance_scale), device=device)
         if self.two_experts and self.guidance_scale_2 is not None:
-            scale = torch.where(t >= self.boundary_timestep, scale, torch.full_like(scale, self.guidance_scale_2))
+            scale = torch.where(t >= self.expert_boundary(), scale, torch.full_like(scale, self.guidance_scale_2))
         return uncond + scale.view(batch, 1, 1, 1, 1) * (cond - uncond)
 
     @property

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from diffusers import WanTransformer3DModel
 from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel, WanTransformerBlock
 from torch import nn
 
+from miles.models.loading import as_class
 from miles.models.sequence_parallel import (
     SequenceParallelGroup,
     gather_sequence,
@@ -43,7 +44,7 @@ class UlyssesWanSelfAttention:
 
     def __call__(
         self,
-        attn: nn.Module,
+        attn: WanAttention,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
@@ -86,16 +87,18 @@ def _gather_before_output_norm(sp: SequenceParallelGroup) -> Callable[[nn.Module
     return hook
 
 
-def shard_wan_sequence(transformer: WanTransformer3DModel, sp: SequenceParallelGroup) -> None:
-    """Run `transformer` with its tokens split over `sp` from now on (hooks and attn1 processors; weights untouched).
-    Call before FSDP2 wraps it; the caller has checked heads and tokens divide by sp.size."""
-    if transformer.config.num_attention_heads % sp.size:
-        raise ValueError(
-            f"--sp-size {sp.size} must divide the transformer's {transformer.config.num_attention_heads} heads"
-        )
+def shard_wan_sequence(network: nn.Module, sp: SequenceParallelGroup) -> None:
+    """Run `network` (a WanTransformer3DModel) with its tokens split over `sp` from now on (hooks and attn1
+    processors; weights untouched). Call before FSDP2 wraps it; the caller has checked heads and tokens divide by
+    sp.size."""
+    transformer = as_class(network, WanTransformer3DModel)
+    heads = transformer.config["num_attention_heads"]
+    if heads % sp.size:
+        raise ValueError(f"--sp-size {sp.size} must divide the transformer's {heads} heads")
     if len(transformer.blocks) == 0:
         raise ValueError("a Wan transformer without blocks has no sequence to split")
     for block in transformer.blocks:
-        block.attn1.set_processor(UlyssesWanSelfAttention(sp))
+        # diffusers runs any processor; set_processor's annotation lists its own
+        as_class(block, WanTransformerBlock).attn1.set_processor(UlyssesWanSelfAttention(sp))  # type: ignore[arg-type]
     transformer.blocks[0].register_forward_pre_hook(_split_block_inputs(sp), with_kwargs=True)
     transformer.norm_out.register_forward_pre_hook(_gather_before_output_norm(sp))

@@ -11,7 +11,10 @@ import logging
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
+from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
 from miles.models.tiny import build_t5_encoder, build_t5_tokenizer, eval_mode, save_tiny_folder
@@ -68,7 +71,9 @@ def calibrate_tiny_wan_vae(vae: AutoencoderKLWan, resolution: int, generator: to
     conv = vae.quant_conv  # (2C -> 2C) 1x1x1: the first C outputs are the posterior means
     target_mean, target_std = torch.tensor(_TARGET_MEAN), torch.tensor(_TARGET_STD)
     conv.weight[:channels] *= (target_std / std).view(channels, 1, 1, 1, 1)
-    conv.bias[:channels] = (conv.bias[:channels] - mean) * target_std / std + target_mean
+    bias = conv.bias
+    assert bias is not None  # diffusers builds quant_conv with a bias
+    bias[:channels] = (bias[:channels] - mean) * target_std / std + target_mean
     mean, std = channel_stats()
     vae.register_to_config(
         latents_mean=[round(float(v), 6) for v in mean], latents_std=[round(float(v), 6) for v in std]

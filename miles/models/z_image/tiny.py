@@ -9,10 +9,13 @@ the encoder has three layers (the states read are a middle layer's, as in the re
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
+from diffusers.pipelines.z_image.pipeline_z_image import ZImagePipeline
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from tokenizers import AddedToken
 from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3Model
 
@@ -24,6 +27,7 @@ from miles.models.tiny import (
     calibrate_vae,
     eval_mode,
     save_tiny_folder,
+    token_id,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,7 +63,7 @@ def build_qwen3_tokenizer() -> Qwen2Tokenizer:
 
 def build_qwen3_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen3Model:
     """A 3-layer Qwen3 (the base model without a language-model head, as Z-Image's `text_encoder`)."""
-    ids = tokenizer.convert_tokens_to_ids
+    ids = functools.partial(token_id, tokenizer)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=TEXT_WIDTH,
@@ -114,10 +118,11 @@ def build_tiny_z_image_pipeline(seed: int = 0, resolution: int = 32) -> ZImagePi
     shift, scale = calibrate_vae(vae, resolution, torch.Generator().manual_seed(seed))
     vae.register_to_config(shift_factor=shift, scaling_factor=scale)
     pipe = ZImagePipeline(
-        scheduler=z_image_scheduler(),
+        # diffusers annotates the scheduler with its top-level name, which mypy reads as the dummy class
+        scheduler=z_image_scheduler(),  # type: ignore[arg-type]
         vae=vae,
         text_encoder=text_encoder,
-        tokenizer=tokenizer,
+        tokenizer=tokenizer,  # type: ignore[arg-type]  # annotated AutoTokenizer, the class that builds this one
         transformer=transformer,
     )
     return eval_mode(pipe)

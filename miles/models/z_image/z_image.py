@@ -19,8 +19,9 @@ import logging
 from typing import Any
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
 from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
@@ -30,6 +31,7 @@ from miles.models.diffusers_family import (
     DiffusersFamily,
     calculate_shift_args,
     check_velocity_inputs,
+    child_blocks,
     decode_shift_scaled,
     dynamic_sampling_shift,
     encode_shift_scaled,
@@ -81,7 +83,7 @@ class ZImagePipelineConfig(DiffusersFamily):
     def transformer_blocks(self, transformer: nn.Module) -> list[nn.Module]:
         """The blocks FSDP shards one by one: the image tokens' refiner, the caption tokens' refiner, then the main
         layers over both."""
-        return [*transformer.noise_refiner, *transformer.context_refiner, *transformer.layers]
+        return child_blocks(transformer, "noise_refiner", "context_refiner", "layers")
 
     # text
     @torch.no_grad()
@@ -141,10 +143,10 @@ class ZImagePipelineConfig(DiffusersFamily):
         timesteps = sigmas.to(device=device, dtype=torch.float32) * self.num_train_timesteps
         time = (1000 - timesteps) / 1000  # the pipeline's: 0 at pure noise; also its CFG truncation's measure
         rows = self.guided_rows(time, guidance_scale)
-        if rows and negative is None:
-            raise ValueError("guidance_scale > 1 (CFG) needs negative embeddings (see encode_negative)")
         captions = prompt_list(embeds, device, dtype)
         if rows:
+            if negative is None:
+                raise ValueError("guidance_scale > 1 (CFG) needs negative embeddings (see encode_negative)")
             uncond = prompt_list(negative.expand(batch), device, dtype)
             captions += [uncond[i] for i in rows]
         index = torch.tensor(list(range(batch)) + rows, device=device)

@@ -27,16 +27,19 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 from PIL import Image
 
+from miles.arguments.records import FlagRecord
 from miles.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
 WIRE_VERSION = 1
+T = TypeVar("T")
 MAX_BACKOFF_S = 30.0
 # answers worth another attempt: the server is overloaded, restarting, or behind a failing proxy
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -125,9 +128,21 @@ def decode_sample(record: Any, position: int) -> Sample:
 
 
 # ---- HTTP with retries -----------------------------------------------------------------------------------------
-def bearer_headers(args: argparse.Namespace) -> dict[str, str]:
+@dataclass(frozen=True)
+class RemoteFlags(FlagRecord):
+    """The flags of the remote rewards' requests (`miles.arguments.rewards`: the remote rewards' group)."""
+
+    rm_timeout: float
+    rm_retries: int
+    rm_retry_backoff: float
+    rm_token_env: str | None
+    rm_batch_size: int
+    rm_max_concurrency: int
+
+
+def bearer_headers(flags: RemoteFlags) -> dict[str, str]:
     """`Authorization: Bearer <token>` from the environment variable --rm-token-env names (none when unset)."""
-    name = args.rm_token_env
+    name = flags.rm_token_env
     if not name:
         return {}
     token = os.environ.get(name)
@@ -136,19 +151,19 @@ def bearer_headers(args: argparse.Namespace) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def backoff_s(args: argparse.Namespace, attempt: int) -> float:
+def backoff_s(flags: RemoteFlags, attempt: int) -> float:
     """Seconds before attempt `attempt + 1`: --rm-retry-backoff * 2**attempt, at most 30 s."""
-    return min(float(args.rm_retry_backoff) * 2.0**attempt, MAX_BACKOFF_S)
+    return min(flags.rm_retry_backoff * 2.0**attempt, MAX_BACKOFF_S)
 
 
 async def post_json(
     client: Any,
     url: str,
     body: dict[str, Any],
-    args: argparse.Namespace,
-    parse: Callable[[Any], Any],
+    flags: RemoteFlags,
+    parse: Callable[[Any], T],
     what: str,
-) -> Any:
+) -> T:
     """POST `body` to `url` and return `parse(reply JSON)`. Each attempt has --rm-timeout seconds in all, from the
     connection to the answer's last byte (a server that drips its answer, or keeps the connection open, is cut off
     there: a per-read timeout alone would wait forever). A refused connection, a timeout, a 408/429/5xx answer, a
@@ -157,16 +172,16 @@ async def post_json(
     RemoteRewardError naming `url`, `what`, the deadline and the attempts."""
     import httpx
 
-    attempts = int(args.rm_retries) + 1
-    headers = bearer_headers(args)
+    attempts = flags.rm_retries + 1
+    headers = bearer_headers(flags)
     problem = ""
     for attempt in range(attempts):
         if attempt:
-            delay = backoff_s(args, attempt - 1)
+            delay = backoff_s(flags, attempt - 1)
             logger.warning("%s: %s; attempt %d of %d in %.1fs", url, problem, attempt + 1, attempts, delay)
             await asyncio.sleep(delay)
         try:
-            response = await asyncio.wait_for(client.post(url, json=body, headers=headers), float(args.rm_timeout))
+            response = await asyncio.wait_for(client.post(url, json=body, headers=headers), flags.rm_timeout)
             if response.status_code != 200:
                 detail = _error_text(response)
                 problem = f"HTTP {response.status_code}: {detail}"
@@ -188,11 +203,11 @@ async def post_json(
         except FatalReply as exc:
             raise RemoteRewardError(f"{url} refused {what}: {exc}") from None
         except (httpx.TimeoutException, asyncio.TimeoutError):
-            problem = f"no complete answer within the deadline of --rm-timeout {args.rm_timeout:g}s per request"
+            problem = f"no complete answer within the deadline of --rm-timeout {flags.rm_timeout:g}s per request"
         except httpx.TransportError as exc:
             problem = f"{type(exc).__name__}: {exc or 'connection failed'}"
     raise RemoteRewardError(
-        f"{url} failed {what} after {attempts} attempt(s) (--rm-retries {args.rm_retries}): {problem}"
+        f"{url} failed {what} after {attempts} attempt(s) (--rm-retries {flags.rm_retries}): {problem}"
     )
 
 
@@ -203,14 +218,15 @@ def _error_text(response: Any) -> str:
             return str(reply["error"])[:500]
     except ValueError:
         pass
-    return response.text[:200]
+    text: str = response.text[:200]
+    return text
 
 
-def http_client(args: argparse.Namespace) -> Any:
+def http_client(flags: RemoteFlags) -> Any:
     """The client of the remote rewards; its per-read timeout backs up `post_json`'s total deadline."""
     import httpx
 
-    return httpx.AsyncClient(timeout=float(args.rm_timeout))
+    return httpx.AsyncClient(timeout=flags.rm_timeout)
 
 
 # ---- the reward server's client ----------------------------------------------------------------------------------
@@ -237,9 +253,10 @@ def server_rewards(url: str) -> Callable[[argparse.Namespace, list[Sample]], Any
     endpoint = url.rstrip("/") + "/score"
 
     async def remote(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
-        size = int(args.rm_batch_size)
+        flags = RemoteFlags.from_args(args)
+        size = flags.rm_batch_size
         chunks = [samples[start : start + size] for start in range(0, len(samples), size)]
-        gate = asyncio.Semaphore(int(args.rm_max_concurrency))
+        gate = asyncio.Semaphore(flags.rm_max_concurrency)
 
         async def send(client: Any, chunk: list[Sample]) -> list[float]:
             body = {
@@ -249,13 +266,13 @@ def server_rewards(url: str) -> Callable[[argparse.Namespace, list[Sample]], Any
             what = f"to score samples {chunk[0].index}..{chunk[-1].index}"
             async with gate:
                 values, extra = await post_json(
-                    client, endpoint, body, args, lambda reply: parse_score_reply(reply, len(chunk)), what
+                    client, endpoint, body, flags, lambda reply: parse_score_reply(reply, len(chunk)), what
                 )
             for sample, entries in zip(chunk, extra):
                 sample.extra.update(entries)
             return values
 
-        async with http_client(args) as client:
+        async with http_client(flags) as client:
             parts = await asyncio.gather(*(send(client, chunk) for chunk in chunks), return_exceptions=True)
         values: list[float] = []
         for part in parts:

@@ -18,11 +18,13 @@ import functools
 import logging
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from miles.rollout.rm_hub.remote import RemoteRewardError, http_client, png_b64, post_json
+from miles.arguments.records import FlagRecord
+from miles.rollout.rm_hub.remote import RemoteFlags, RemoteRewardError, http_client, png_b64, post_json
 from miles.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,23 @@ DEFAULT_PROMPT_FILE = os.path.join(
 _NUMBER = r"[-+]?\d+(?:\.\d+)?"
 _AFTER_SCORE = re.compile(rf"score\W{{0,6}}?(?:is\W{{0,3}})?({_NUMBER})", re.IGNORECASE)
 _ONLY_NUMBER = re.compile(rf"\W*({_NUMBER})\W*")
+
+
+@dataclass(frozen=True)
+class JudgeFlags(FlagRecord):
+    """The flags the VLM judge reads (`miles.arguments.rewards`: the remote rewards' group); its requests' own
+    (--rm-timeout, --rm-retries, ...) are `RemoteFlags`."""
+
+    rm_url: list[str] | None  # the rules make it exactly one URL under --rm-type vlm_judge
+    rm_model: str | None
+    rm_max_concurrency: int
+    vlm_judge_prompt_file: str | None
+    vlm_judge_max_score: float
+    vlm_judge_unparsable: str  # "error" or "default"
+    vlm_judge_max_unparsable_frac: float
+    vlm_judge_default_score: float
+    vlm_judge_frames: int
+    vlm_judge_max_tokens: int
 
 
 def parse_judge_score(answer: str, max_score: float) -> float | None:
@@ -70,12 +89,12 @@ def key_frames(frames: Any, count: int) -> list[np.ndarray]:
     return [frames[i] for i in picks]
 
 
-def judge_messages(args: argparse.Namespace, sample: Sample) -> list[dict[str, Any]]:
+def judge_messages(flags: JudgeFlags, sample: Sample) -> list[dict[str, Any]]:
     """The chat messages of one sample: the filled-in template, then its image or key frames."""
-    template = read_template(args.vlm_judge_prompt_file or DEFAULT_PROMPT_FILE)
+    template = read_template(flags.vlm_judge_prompt_file or DEFAULT_PROMPT_FILE)
     content: list[dict[str, Any]] = [{"type": "text", "text": template.replace("{prompt}", sample.prompt)}]
     if sample.frames is not None:
-        media = key_frames(sample.frames, int(args.vlm_judge_frames))
+        media = key_frames(sample.frames, flags.vlm_judge_frames)
     elif sample.image is not None:
         media = [sample.image]
     else:
@@ -98,31 +117,34 @@ def answer_text(reply: Any) -> str:
 
 async def vlm_judge(args: argparse.Namespace, samples: list[Sample]) -> list[float]:
     """One chat-completions request per sample, at most --rm-max-concurrency at a time (module docstring)."""
-    url = args.rm_url[0].rstrip("/") + "/chat/completions"
-    gate = asyncio.Semaphore(int(args.rm_max_concurrency))
-    max_score = float(args.vlm_judge_max_score)
+    flags, requests = JudgeFlags.from_args(args), RemoteFlags.from_args(args)
+    if not flags.rm_url:
+        raise ValueError("--rm-type vlm_judge needs --rm-url, the judge's OpenAI-compatible base URL")
+    url = flags.rm_url[0].rstrip("/") + "/chat/completions"
+    gate = asyncio.Semaphore(flags.rm_max_concurrency)
+    max_score = flags.vlm_judge_max_score
 
     async def judge(client: Any, sample: Sample) -> float:
         body = {
-            "model": args.rm_model,
-            "messages": await asyncio.to_thread(judge_messages, args, sample),
+            "model": flags.rm_model,
+            "messages": await asyncio.to_thread(judge_messages, flags, sample),
             "temperature": 0.0,
-            "max_tokens": int(args.vlm_judge_max_tokens),
+            "max_tokens": flags.vlm_judge_max_tokens,
         }
         async with gate:
-            answer = await post_json(client, url, body, args, answer_text, f"to judge sample index={sample.index}")
+            answer = await post_json(client, url, body, requests, answer_text, f"to judge sample index={sample.index}")
         score = parse_judge_score(answer, max_score)
         sample.extra[VLM_JUDGE_EXTRA_KEY] = {"unparsable": float(score is None), "answer": answer[:500]}
         if score is not None:
             return score
-        if args.vlm_judge_unparsable == "error":
+        if flags.vlm_judge_unparsable == "error":
             raise RemoteRewardError(
                 f"{url}: the judge's answer for sample index={sample.index} has no score in [0, {max_score:g}] "
                 f"(--vlm-judge-unparsable error; 'default' scores --vlm-judge-default-score instead): {answer[:200]!r}"
             )
-        return float(args.vlm_judge_default_score)
+        return flags.vlm_judge_default_score
 
-    async with http_client(args) as client:
+    async with http_client(requests) as client:
         outcomes = await asyncio.gather(*(judge(client, sample) for sample in samples), return_exceptions=True)
     scores: list[float] = []
     for outcome in outcomes:
@@ -149,16 +171,17 @@ def unparsable_problem(args: argparse.Namespace, samples: list[Sample]) -> str |
     bad = [s for s in judged if s.extra[VLM_JUDGE_EXTRA_KEY]["unparsable"]]
     if not bad:
         return None
-    limit = float(args.vlm_judge_max_unparsable_frac)
-    url, model = (args.rm_url or ["?"])[0], args.rm_model
+    flags = JudgeFlags.from_args(args)
+    limit = flags.vlm_judge_max_unparsable_frac
+    url, model = (flags.rm_url or ["?"])[0], flags.rm_model
     judge = f"the VLM judge {model} at {url}" if model else f"the VLM judge at {url}"
     first = bad[0].extra[VLM_JUDGE_EXTRA_KEY]["answer"]
-    counted = f"{len(bad)} of {len(judged)} answers of {judge} had no score in [0, {args.vlm_judge_max_score:g}]"
+    counted = f"{len(bad)} of {len(judged)} answers of {judge} had no score in [0, {flags.vlm_judge_max_score:g}]"
     if len(bad) / len(judged) <= limit:
         logger.warning(
             "%s (scored --vlm-judge-default-score %g); the first, for sample index=%d: %r",
             counted,
-            args.vlm_judge_default_score,
+            flags.vlm_judge_default_score,
             bad[0].index,
             first[:500],
         )
@@ -166,5 +189,5 @@ def unparsable_problem(args: argparse.Namespace, samples: list[Sample]) -> str |
     return (
         f"{counted}, more than --vlm-judge-max-unparsable-frac {limit:g}: the rollout would train on "
         f"--vlm-judge-default-score. Make the judge answer 'Score: N' (--vlm-judge-prompt-file, --vlm-judge-max-tokens "
-        f"{args.vlm_judge_max_tokens}) or check --rm-model; the answer for sample index={bad[0].index}: {first[:200]!r}"
+        f"{flags.vlm_judge_max_tokens}) or check --rm-model; the answer for sample index={bad[0].index}: {first[:200]!r}"
     )

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from miles.arguments.parser import default_args
 from miles.data.shapes_edit import shapes_edit_item, write_shapes_edit_jsonl
 from miles.data.source_images import load_source_image
 from miles.rollout.data_source import PromptDataError, check_source_image_counts, read_prompt_file, sft_image_key
 
-ARGS = argparse.Namespace(input_key="prompt", metadata_key="metadata", source_image_range=(1, 2))
+ARGS = default_args(input_key="prompt", metadata_key="metadata", source_image_range=(1, 2))
 
 
 def write(tmp_path, rows, name="edits.jsonl"):
@@ -86,7 +87,7 @@ def test_source_images_load_as_uint8_at_the_run_resolution(pictures):
 
 def test_a_written_shapes_edit_file_reads_back_as_triples(tmp_path):
     path = write_shapes_edit_jsonl(tmp_path / "edits.jsonl", 3, seed=0)
-    args = argparse.Namespace(**vars(ARGS), image_key=None)
+    args = argparse.Namespace(**{**vars(ARGS), "image_key": None})
     records = read_prompt_file(str(path), args, image_key=sft_image_key(args, True), source_images=True)
     item = shapes_edit_item(0, "train", 0, target=True)
     assert records[0]["prompt"] == item["prompt"] and records[0]["metadata"] == item["metadata"]

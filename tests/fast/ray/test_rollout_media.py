@@ -1,5 +1,5 @@
 """The rollout manager's media: `_score` hands video rewards frames, fps and audio in the documented format (a
-`--custom-rm-path` reward through the reward pool), and `_save_media` writes mp4s with sound and a contact sheet."""
+`--custom-rm-path` reward through the reward pool), and `save_rollout_media` writes mp4s with sound and a contact sheet."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from miles.models.conditioning import Conditioning
 from miles.ray.reward_workers import RewardWorkerPool
 from miles.ray.rollout_manager import REWARD_TERMS, RolloutManager
 from miles.rollout.engine_api import GenerateResult
+from miles.rollout.media_files import save_rollout_media
 from miles.utils.types import Sample
 
 FPS, RATE, FRAMES = 8.0, 16000, 6
@@ -91,11 +92,11 @@ def test_a_custom_reward_reads_frames_fps_and_audio_through_the_score_step(tmp_p
 
 def test_every_interval_a_rollout_saves_bounded_mp4s_with_sound_and_a_contact_sheet(tmp_path):
     args = default_args(output_dir=str(tmp_path), image_grid_interval=2, n_samples_per_prompt=2, media_max_samples=2)
-    manager = SimpleNamespace(flags=RolloutFlags.from_args(args))
+    flags = RolloutFlags.from_args(args)
     result = video_result([2, -2, 0], audio_level=[0.25, 0.5, 0.0])
-    RolloutManager._save_media(manager, 3, result, [])
+    save_rollout_media(flags, 3, result, [])
     assert not (tmp_path / "media").exists()
-    RolloutManager._save_media(manager, 4, result, [])
+    save_rollout_media(flags, 4, result, [])
     folder = tmp_path / "media" / "rollout_0000004"
     assert sorted(p.name for p in folder.iterdir()) == ["sample_0.mp4", "sample_1.mp4"]
     assert (tmp_path / "images" / "rollout_0000004.png").is_file()

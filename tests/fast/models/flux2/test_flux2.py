@@ -7,7 +7,6 @@ and the processor's chat template (mixed reference counts and the reference chec
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 from PIL import Image
 from transformers.utils import is_torchvision_available
 
-from miles.arguments.parser import parse_args
+from miles.arguments.parser import default_args, parse_args
 from miles.models import get_train_pipeline_config
 from miles.rollout.data_source import PromptDataError, read_prompt_file
 from miles.startup import startup_checks
@@ -80,7 +79,7 @@ def test_prompt_records_without_images_are_text_prompts_for_a_family_that_takes_
     Image.fromarray(_image(0)).save(tmp_path / "a.png")
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text(json.dumps({"prompt": "a red circle"}) + "\n" + json.dumps({"prompt": "blue", "image": "a.png"}))
-    args = argparse.Namespace(input_key="prompt", metadata_key="metadata", source_image_range=(0, 10))
+    args = default_args(input_key="prompt", metadata_key="metadata", source_image_range=(0, 10))
     records = read_prompt_file(str(mixed), args, source_images=True)
     assert "source_images" not in records[0] and records[1]["source_images"] == [str(tmp_path / "a.png")]
     args.source_image_range = (1, 1)
