@@ -45,7 +45,7 @@ EITHER_MEDIA: tuple[str, ...] = (JUDGE,)
 SOURCE_IMAGE_REWARDS: tuple[str, ...] = ("edit_preservation",)  # compare each result with its source image
 # The built-ins that are differentiable functions of what they score, and what that is: "image" (pixels in [0, 1])
 # or "latent" (a checkpoint's normalised latents). Their functions carry the torch scorer as a `differentiable`
-# attribute (`rm_hub.learned_shapes.DifferentiableReward`; a test keeps the two equal); a reward-gradient algorithm
+# attribute (`miles.models.shapes_reward.differentiable.DifferentiableReward`; a test keeps the two equal); a reward-gradient algorithm
 # refuses a reward that is not here and whose function has no such attribute.
 DIFFERENTIABLE_REWARDS: dict[str, str] = {"shapes_learned": "image", "shapes_learned_latent": "latent"}
 # The learned shapes rewards' weight files, in miles/assets/shapes_reward/ or the folder --shapes-learned-dir names.
