@@ -12,6 +12,7 @@ import math
 import os
 
 from miles.models.builtin import makes_video
+from miles.utils.misc import HookLoadError, load_function
 
 BUILTIN_MOVING_SHAPES = "builtin:moving-shapes"  # miles.data.moving_shapes's (no data modules here)
 CUSTOM = "custom"  # the reward loaded from --custom-rm-path
@@ -173,6 +174,39 @@ def shapes_learned_problems(args: argparse.Namespace, spec: list[tuple[str, floa
         for name, _ in spec
         if name in SHAPES_LEARNED_FILES and not os.path.isfile(os.path.join(folder, SHAPES_LEARNED_FILES[name]))
     ]
+
+
+def differentiable_reward_problems(args: argparse.Namespace, spec: list[tuple[str, float]]) -> list[str]:
+    """Each weighted reward of `spec` a reward-gradient loss (--loss-type `args.loss_type`) cannot back-propagate: a
+    built-in outside DIFFERENTIABLE_REWARDS, a reward server, or a --custom-rm-path function without a
+    `DifferentiableReward` as its `differentiable` attribute. Zero-weight rewards are only logged (e.g. a gold)."""
+    errors = []
+    for name, weight in spec:
+        if weight == 0 or name in DIFFERENTIABLE_REWARDS:
+            continue
+        if name == CUSTOM and args.custom_rm_path and _custom_is_differentiable(args.custom_rm_path):
+            continue
+        what = (
+            f"--custom-rm-path {args.custom_rm_path} has no `differentiable` attribute"
+            if name == CUSTOM
+            else (f"{name} is known by its values only")
+        )
+        errors.append(
+            f"--loss-type {args.loss_type} back-propagates the reward in the trainer, and --rm-type {name}:{weight:g} "
+            f"is not differentiable ({what}): use {', '.join(DIFFERENTIABLE_REWARDS)} or a custom reward declaring a "
+            "DifferentiableReward (docs/user-guide/rewards.md); a reward only to log takes weight 0"
+        )
+    return errors
+
+
+def _custom_is_differentiable(path: str) -> bool:
+    # here: the record's module imports torch, which a spec check without a custom reward never needs
+    from miles.models.shapes_reward.differentiable import differentiable_of
+
+    try:
+        return differentiable_of(load_function(path)) is not None
+    except HookLoadError:
+        return True  # the custom reward's own check names the loading problem
 
 
 def reward_media_problems(spec: list[tuple[str, float]], *, family: str, video: bool, source_images: bool) -> list[str]:

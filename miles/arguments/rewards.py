@@ -9,6 +9,7 @@ from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
 from miles.arguments.flag_readers import ByReward, ReadBy
 from miles.arguments.reward_spec import (
     SHAPES_LEARNED_FILES,
+    differentiable_reward_problems,
     remote_rules,
     reward_model_problems,
     reward_spec_from_args,
@@ -182,6 +183,8 @@ def reward_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
         try:
             spec = reward_spec_from_args(args)
             errors += reward_model_problems(args, spec) + shapes_learned_problems(args, spec)
+            if algorithm.differentiable_reward:
+                errors += differentiable_reward_problems(args, spec)
         except ValueError as exc:
             errors.append(str(exc))
     if args.per_reward_group_norm and (args.custom_reward_post_process_path or not algorithm.scores_rewards):
