@@ -3,7 +3,7 @@ one-step x̂₀, the differentiable Euler unroll over the last K steps, DRaFT-LV
 noise injection and analytic x̂₀ recovery, and the reward objective (a hinge or the plain negated reward).
 
 Flow-matching conventions (ALGORITHMS.md): x_σ = (1 − σ)·x₀ + σ·ε, v ≈ ε − x₀, Euler x' = x + v·(σ' − σ).
-Pure tensor functions: no Ray, no process group, no argparse.
+Pure tensor functions in float32 (float64 stays float64): no Ray, no process group, no argparse.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from miles.diffusion.policy import fp32_or_wider as wide
 from miles.diffusion.schedule import expand_like
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x (B, ...), σ (B,)) -> v (B, ...)
@@ -21,7 +22,7 @@ DENOISE, INVERSION = "denoise", "inversion"  # Direct-Align's two branches
 
 def one_step_x0(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor | float) -> torch.Tensor:
     """x̂₀ = x − σ·v (ReFL's prediction at σ_j; the Euler step from σ to 0)."""
-    return x.float() - expand_like(sigma, x).float() * v.float()
+    return wide(x) - wide(expand_like(sigma, x)) * wide(v)
 
 
 def euler_unroll(
@@ -38,13 +39,13 @@ def euler_unroll(
     first: torch.Tensor | None = None
     for i in range(sigmas.numel() - 1):
         sigma = sigmas[i].expand(batch)
-        dt = (sigmas[i + 1] - sigmas[i]).float()
+        dt = wide(sigmas[i + 1] - sigmas[i])
         if per_step_checkpoint and torch.is_grad_enabled():
             v = checkpoint(velocity, x, sigma, use_reentrant=False)
         else:
             v = velocity(x, sigma)
         first = v if first is None else first
-        x = x.float() + v.float() * dt
+        x = wide(x) + wide(v) * dt
     assert first is not None
     return x, first
 
@@ -52,14 +53,14 @@ def euler_unroll(
 def lv_copies(x_final: torch.Tensor, noise: torch.Tensor, sigma: float) -> torch.Tensor:
     """DRaFT-LV's n re-noised copies (B, n, ...) of the detached sample x_N: (1 − σ)·sg(x_N) + σ·ε_m, ε of shape
     (B, n, ...), σ = σ_{N−1} (the last grid step's noise level)."""
-    clean = x_final.detach().float().unsqueeze(1)
-    return (1 - sigma) * clean + sigma * noise.float()
+    clean = wide(x_final.detach()).unsqueeze(1)
+    return (1 - sigma) * clean + sigma * wide(noise)
 
 
 def inject_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor | float) -> torch.Tensor:
     """x_σ = (1 − σ)·x₀ + σ·ε with a known ε (Direct-Align's injection)."""
-    s = expand_like(sigma, x0).float()
-    return (1 - s) * x0.float() + s * noise.float()
+    s = wide(expand_like(sigma, x0))
+    return (1 - s) * wide(x0) + s * wide(noise)
 
 
 def direct_align_input(
@@ -83,12 +84,12 @@ def direct_align_x0(
     """x̂₀ recovered analytically after one step between σ_hi > σ_lo, Δσ = σ_hi − σ_lo, the injected ε known:
     denoising x' = x − Δσ·v, x̂₀ = (x' − σ_lo·ε)/(1 − σ_lo); inversion x' = x + Δσ·v, x̂₀ = (x' − σ_hi·ε)/(1 − σ_hi).
     Exact (x̂₀ = x₀) when v = ε − x₀."""
-    hi, lo = expand_like(sigma_hi, x).float(), expand_like(sigma_lo, x).float()
+    hi, lo = wide(expand_like(sigma_hi, x)), wide(expand_like(sigma_lo, x))
     delta = hi - lo
     if branch == DENOISE:
-        return (x.float() - delta * v.float() - lo * noise.float()) / (1 - lo)
+        return (wide(x) - delta * wide(v) - lo * wide(noise)) / (1 - lo)
     if branch == INVERSION:
-        return (x.float() + delta * v.float() - hi * noise.float()) / (1 - hi)
+        return (wide(x) + delta * wide(v) - hi * wide(noise)) / (1 - hi)
     raise ValueError(f"Direct-Align branch must be {DENOISE!r} or {INVERSION!r}, got {branch!r}")
 
 
@@ -104,4 +105,4 @@ def reward_objective(reward: torch.Tensor, hinge: float | None) -> torch.Tensor:
 
 def velocity_penalty(v: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
     """(B,) mean over non-batch dims of (v_θ − v_ref)²: the KL / reference-velocity regulariser."""
-    return (v.float() - v_ref.float()).pow(2).flatten(1).mean(dim=1)
+    return (wide(v) - wide(v_ref)).pow(2).flatten(1).mean(dim=1)
