@@ -11,6 +11,7 @@ import importlib.util
 import math
 import os
 
+from miles.algorithms import ALGORITHMS
 from miles.models.builtin import makes_video
 from miles.utils.misc import HookLoadError, load_function
 
@@ -54,6 +55,9 @@ SHAPES_LEARNED_FILES: dict[str, str] = {
     "shapes_learned": "shapes_learned.safetensors",
     "shapes_learned_latent": "shapes_learned_latent.safetensors",
 }
+
+
+DIFFERENTIABLE_DEFAULT = "shapes_learned,shapes:0"  # a reward-gradient loss's default on an image family
 
 
 def valid_reward_names() -> str:
@@ -242,7 +246,7 @@ def _given_spec(args: argparse.Namespace) -> list[tuple[str, float]]:
 
 def reward_spec_from_args(args: argparse.Namespace) -> list[tuple[str, float]]:
     """The spec of `--rm-type` (unset: `custom` with `--custom-rm-path`, else `moving_shapes` on builtin:moving-shapes
-    prompts, `shapes`, or `temporal_consistency` for a video family; only the servers when --rm-url is given), then `remote<K>` for the K-th reward server's --rm-url
+    prompts, `shapes` (`shapes_learned,shapes:0` under a reward-gradient loss: the proxy trained, the gold logged), or `temporal_consistency` for a video family; only the servers when --rm-url is given), then `remote<K>` for the K-th reward server's --rm-url
     with its --rm-url-weight (default 1); a `--custom-rm-path` that the spec leaves out would be ignored silently,
     so it is an error."""
     custom_path = args.custom_rm_path
@@ -253,6 +257,8 @@ def reward_spec_from_args(args: argparse.Namespace) -> list[tuple[str, float]]:
     default = "temporal_consistency" if video else "shapes"
     if args.prompt_data == BUILTIN_MOVING_SHAPES:
         default = "moving_shapes"  # the world's own reward
+    elif not video and getattr(ALGORITHMS.get(args.loss_type), "differentiable_reward", False):
+        default = DIFFERENTIABLE_DEFAULT  # a reward-gradient loss trains on the learned proxy, logs the gold
     text = args.rm_type or (CUSTOM if custom_path else default)
     spec = parse_reward_spec(text) + remote
     names = [name for name, _ in spec]

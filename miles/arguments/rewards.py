@@ -24,7 +24,7 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
         "--rm-type",
         default=None,
         help="Reward or weighted list name:w,... (default shapes, moving_shapes on builtin:moving-shapes, "
-        "temporal_consistency for a video family; custom "
+        "temporal_consistency for a video family, shapes_learned,shapes:0 under refl, draft, direct_align; custom "
         "with --custom-rm-path).",
     )
     group.add_argument("--custom-rm-path", default=None, help="Batched [async] def rm(args, samples) -> list[float].")
