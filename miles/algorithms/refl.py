@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from miles.algorithms.base import Algorithm
+from miles.algorithms.base import Algorithm, always
 from miles.algorithms.reward_gradient import (
     REWARD_GRADIENT_PANELS,
     REWARD_GRADIENT_PROGRESS,
@@ -39,7 +39,7 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 ALGORITHM = Algorithm(
     name="refl",
-    differentiable_reward=True,
+    differentiable_reward=always,
     samples_sde=False,
     shapes_eval_interval=20,
     add_arguments=add_arguments,

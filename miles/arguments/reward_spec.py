@@ -257,7 +257,7 @@ def reward_spec_from_args(args: argparse.Namespace) -> list[tuple[str, float]]:
     default = "temporal_consistency" if video else "shapes"
     if args.prompt_data == BUILTIN_MOVING_SHAPES:
         default = "moving_shapes"  # the world's own reward
-    elif not video and getattr(ALGORITHMS.get(args.loss_type), "differentiable_reward", False):
+    elif not video and args.loss_type in ALGORITHMS and ALGORITHMS[args.loss_type].differentiable_reward(args):
         default = DIFFERENTIABLE_DEFAULT  # a reward-gradient loss trains on the learned proxy, logs the gold
     text = args.rm_type or (CUSTOM if custom_path else default)
     spec = parse_reward_spec(text) + remote

@@ -179,11 +179,12 @@ def reward_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
     """The rules of the reward flags: remote rewards, a reward that cannot run (refused before any model loads) and
     --per-reward-group-norm where nothing would read it."""
     errors = remote_rules(args)
-    if runs_rewards(args, algorithm.scores_rewards):  # a reward that cannot run is refused before any model loads
+    gradient = algorithm.differentiable_reward(args)  # the trainer scores the reward with gradient
+    if runs_rewards(args, algorithm.scores_rewards) or gradient:  # a reward that cannot run is refused before loads
         try:
             spec = reward_spec_from_args(args)
             errors += reward_model_problems(args, spec) + shapes_learned_problems(args, spec)
-            if algorithm.differentiable_reward:
+            if gradient:
                 errors += differentiable_reward_problems(args, spec)
         except ValueError as exc:
             errors.append(str(exc))

@@ -15,4 +15,8 @@ def test_the_sigma_window_and_the_step():
 
 
 def test_it_takes_a_stale_batch_and_reads_the_shared_flags():
-    assert ALGORITHM.async_rollout and ALGORITHM.differentiable_reward and "reward_grad_scale" in ALGORITHM.reads
+    assert (
+        ALGORITHM.async_rollout
+        and ALGORITHM.differentiable_reward(default_args())
+        and "reward_grad_scale" in ALGORITHM.reads
+    )

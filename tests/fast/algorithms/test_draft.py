@@ -16,4 +16,4 @@ def test_k_fits_the_grid_and_lv_needs_k_one():
 
 
 def test_it_reads_the_shared_reward_gradient_flags():
-    assert ALGORITHM.differentiable_reward and "reward_grad_hinge" in ALGORITHM.reads
+    assert ALGORITHM.differentiable_reward(default_args()) and "reward_grad_hinge" in ALGORITHM.reads

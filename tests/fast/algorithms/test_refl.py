@@ -12,5 +12,7 @@ def test_the_step_range_fits_the_grid():
 
 
 def test_it_back_propagates_a_differentiable_reward_through_ode_samples():
-    assert ALGORITHM.differentiable_reward and not ALGORITHM.samples_sde and not ALGORITHM.log_prob_ratio
+    assert (
+        ALGORITHM.differentiable_reward(default_args()) and not ALGORITHM.samples_sde and not ALGORITHM.log_prob_ratio
+    )
     assert ALGORITHM.role_names == ["actor"] and not ALGORITHM.flag_ranges["refl_last_steps"].contains(0)
