@@ -278,7 +278,9 @@ class TrainLoop:
         def velocity(x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
             return self._predict(self.model, prepared, guidance, latents=x, sigmas=sigmas)
 
-        unrolled, first = euler_unroll(velocity, prepared.latents, prepared.unroll_sigmas.to(prepared.latents.device))
+        grid = prepared.unroll_sigmas.to(prepared.latents.device)
+        # one step keeps its activations (recomputing it would only cost a forward); K > 1 checkpoints each step
+        unrolled, first = euler_unroll(velocity, prepared.latents, grid, per_step_checkpoint=grid.numel() > 2)
         return {"new_pred": first, "frozen_preds": MappingProxyType(frozen), "unrolled": unrolled}
 
     def _frozen_network(self, name: str) -> torch.nn.Module:

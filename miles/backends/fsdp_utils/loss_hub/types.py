@@ -45,7 +45,7 @@ class PreparedBatch:
 
     `unroll_sigmas` (a σ grid (K + 1,), K ≥ 1; the reward-gradient losses): the trunk runs the trained network as a
     differentiable Euler sampler from `latents` at unroll_sigmas[0] through the K steps, each step's activations
-    checkpointed (`miles.diffusion.reward_grad.euler_unroll`); `new_pred` is then the first step's velocity and the
+    checkpointed when K > 1 (`miles.diffusion.reward_grad.euler_unroll`); `new_pred` is then the first step's velocity and the
     formula also gets `unrolled`, the latents at unroll_sigmas[-1]. Frozen networks still run once, at `latents`."""
 
     latents: torch.Tensor
