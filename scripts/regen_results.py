@@ -61,6 +61,9 @@ ALGORITHM_NAMES: dict[str, str] = {
     "dmd2": "DMD2 distillation",
     "dpo": "Diffusion-DPO, online or offline",
     "awm": "advantage-weighted matching",
+    "refl": "ReFL",
+    "draft": "DRaFT-K and DRaFT-LV",
+    "direct_align": "Direct-Align (SRPO)",
     "custom_loss": "your hooks",
 }
 

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from miles.data.shapes import shapes_items  # noqa: E402
-from miles.rollout.rm_hub import learned_shapes as ls  # noqa: E402
+from miles.models.shapes_reward import net as ls  # noqa: E402
 
 COMMAND = "python scripts/train_shapes_reward.py"
 

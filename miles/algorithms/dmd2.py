@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from miles.algorithms.base import COMMON_PANELS, EVAL_PANELS, TEACHER, Algorithm, Computed, Role
-from miles.utils.ranges import AT_LEAST_1, POSITIVE, UNIT, Range
+from miles.utils.ranges import AT_LEAST_0, AT_LEAST_1, FINITE, POSITIVE, UNIT, Range
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +26,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--dmd2-t-min", type=float, default=0.02, help="Lower clamp of the critic/DMD timestep.")
     group.add_argument("--dmd2-t-max", type=float, default=0.98, help="Upper clamp of the critic/DMD timestep.")
+    group.add_argument(
+        "--dmd2-reward-weight",
+        type=float,
+        default=0.0,
+        help="λ: reward-guided distillation, + λ·φ(R(x_θ)) on the generator's output with a differentiable --rm-type "
+        "(0: plain dmd2).",
+    )
+    group.add_argument(
+        "--dmd2-reward-hinge",
+        type=float,
+        default=None,
+        help="c of the reward term's φ(R) = ReLU(c − R) (DMDR: 0.7); unset: φ(R) = −R.",
+    )
     group.add_argument(
         "--dmd2-timestep-shift",
         type=float,
@@ -63,6 +76,11 @@ def default_notes(args: argparse.Namespace) -> list[str]:
     ]
 
 
+def reward_guided(args: argparse.Namespace) -> bool:
+    """--dmd2-reward-weight > 0: the generator's output is scored with gradient by the differentiable reward."""
+    return bool(args.dmd2_reward_weight > 0)
+
+
 def critic_steps(args: argparse.Namespace) -> int:
     steps: int = args.dmd2_critic_updates_per_step * args.num_steps_per_rollout
     return steps
@@ -82,6 +100,7 @@ ALGORITHM = Algorithm(
     async_rollout=True,
     roles=(CRITIC, Role("actor")),
     scores_rewards=False,
+    differentiable_reward=reward_guided,
     samples_sde=False,
     guidance_scale=1.0,  # the generator samples CFG-free; the teacher's CFG is --dmd2-real-guidance-scale
     guidance_flags=("dmd2_real_guidance_scale",),
@@ -94,6 +113,8 @@ ALGORITHM = Algorithm(
         "dmd2_t_min": UNIT,
         "dmd2_t_max": UNIT,
         "dmd2_timestep_shift": POSITIVE,
+        "dmd2_reward_weight": AT_LEAST_0,
+        "dmd2_reward_hinge": FINITE,
     },
     validate=validate,
     derive=derive,
@@ -106,6 +127,7 @@ ALGORITHM = Algorithm(
     plot_panels=(
         *EVAL_PANELS,
         ("generator DMD loss", ("train/dmd_loss",)),
+        ("generator reward (--dmd2-reward-weight)", ("train/dmd2_reward_mean",)),
         ("critic loss", ("critic/train/critic_loss",)),
         ("rollout reward", ("rollout/reward_mean",)),
         *COMMON_PANELS,

@@ -5,7 +5,20 @@ from __future__ import annotations
 
 import argparse
 
-from miles.algorithms import awm, custom, dmd2, dpo, flow_dppo, flow_grpo, grpo_guard, nft, sft
+from miles.algorithms import (
+    awm,
+    custom,
+    direct_align,
+    dmd2,
+    dpo,
+    draft,
+    flow_dppo,
+    flow_grpo,
+    grpo_guard,
+    nft,
+    refl,
+    sft,
+)
 from miles.algorithms.base import Algorithm
 
 BUILTIN_ALGORITHMS: tuple[Algorithm, ...] = (
@@ -17,6 +30,9 @@ BUILTIN_ALGORITHMS: tuple[Algorithm, ...] = (
     dmd2.ALGORITHM,
     dpo.ALGORITHM,
     awm.ALGORITHM,
+    refl.ALGORITHM,
+    draft.ALGORITHM,
+    direct_align.ALGORITHM,
     custom.ALGORITHM,
 )
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in BUILTIN_ALGORITHMS}

@@ -11,7 +11,9 @@ import importlib.util
 import math
 import os
 
+from miles.algorithms import ALGORITHMS
 from miles.models.builtin import makes_video
+from miles.utils.misc import HookLoadError, load_function
 
 BUILTIN_MOVING_SHAPES = "builtin:moving-shapes"  # miles.data.moving_shapes's (no data modules here)
 CUSTOM = "custom"  # the reward loaded from --custom-rm-path
@@ -45,7 +47,7 @@ EITHER_MEDIA: tuple[str, ...] = (JUDGE,)
 SOURCE_IMAGE_REWARDS: tuple[str, ...] = ("edit_preservation",)  # compare each result with its source image
 # The built-ins that are differentiable functions of what they score, and what that is: "image" (pixels in [0, 1])
 # or "latent" (a checkpoint's normalised latents). Their functions carry the torch scorer as a `differentiable`
-# attribute (`rm_hub.learned_shapes.DifferentiableReward`; a test keeps the two equal); a reward-gradient algorithm
+# attribute (`miles.models.shapes_reward.differentiable.DifferentiableReward`; a test keeps the two equal); a reward-gradient algorithm
 # refuses a reward that is not here and whose function has no such attribute.
 DIFFERENTIABLE_REWARDS: dict[str, str] = {"shapes_learned": "image", "shapes_learned_latent": "latent"}
 # The learned shapes rewards' weight files, in miles/assets/shapes_reward/ or the folder --shapes-learned-dir names.
@@ -53,6 +55,9 @@ SHAPES_LEARNED_FILES: dict[str, str] = {
     "shapes_learned": "shapes_learned.safetensors",
     "shapes_learned_latent": "shapes_learned_latent.safetensors",
 }
+
+
+DIFFERENTIABLE_DEFAULT = "shapes_learned,shapes:0"  # a reward-gradient loss's default on an image family
 
 
 def valid_reward_names() -> str:
@@ -175,6 +180,39 @@ def shapes_learned_problems(args: argparse.Namespace, spec: list[tuple[str, floa
     ]
 
 
+def differentiable_reward_problems(args: argparse.Namespace, spec: list[tuple[str, float]]) -> list[str]:
+    """Each weighted reward of `spec` a reward-gradient loss (--loss-type `args.loss_type`) cannot back-propagate: a
+    built-in outside DIFFERENTIABLE_REWARDS, a reward server, or a --custom-rm-path function without a
+    `DifferentiableReward` as its `differentiable` attribute. Zero-weight rewards are only logged (e.g. a gold)."""
+    errors = []
+    for name, weight in spec:
+        if weight == 0 or name in DIFFERENTIABLE_REWARDS:
+            continue
+        if name == CUSTOM and args.custom_rm_path and _custom_is_differentiable(args.custom_rm_path):
+            continue
+        what = (
+            f"--custom-rm-path {args.custom_rm_path} has no `differentiable` attribute"
+            if name == CUSTOM
+            else (f"{name} is known by its values only")
+        )
+        errors.append(
+            f"--loss-type {args.loss_type} back-propagates the reward in the trainer, and --rm-type {name}:{weight:g} "
+            f"is not differentiable ({what}): use {', '.join(DIFFERENTIABLE_REWARDS)} or a custom reward declaring a "
+            "DifferentiableReward (docs/user-guide/rewards.md); a reward only to log takes weight 0"
+        )
+    return errors
+
+
+def _custom_is_differentiable(path: str) -> bool:
+    # here: the record's module imports torch, which a spec check without a custom reward never needs
+    from miles.models.shapes_reward.differentiable import differentiable_of
+
+    try:
+        return differentiable_of(load_function(path)) is not None
+    except HookLoadError:
+        return True  # the custom reward's own check names the loading problem
+
+
 def reward_media_problems(spec: list[tuple[str, float]], *, family: str, video: bool, source_images: bool) -> list[str]:
     """Each built-in reward of `spec` that cannot score what `family` makes: a video reward on images, an image
     reward on video, a source-image reward without source images."""
@@ -208,7 +246,7 @@ def _given_spec(args: argparse.Namespace) -> list[tuple[str, float]]:
 
 def reward_spec_from_args(args: argparse.Namespace) -> list[tuple[str, float]]:
     """The spec of `--rm-type` (unset: `custom` with `--custom-rm-path`, else `moving_shapes` on builtin:moving-shapes
-    prompts, `shapes`, or `temporal_consistency` for a video family; only the servers when --rm-url is given), then `remote<K>` for the K-th reward server's --rm-url
+    prompts, `shapes` (`shapes_learned,shapes:0` under a reward-gradient loss: the proxy trained, the gold logged), or `temporal_consistency` for a video family; only the servers when --rm-url is given), then `remote<K>` for the K-th reward server's --rm-url
     with its --rm-url-weight (default 1); a `--custom-rm-path` that the spec leaves out would be ignored silently,
     so it is an error."""
     custom_path = args.custom_rm_path
@@ -219,6 +257,8 @@ def reward_spec_from_args(args: argparse.Namespace) -> list[tuple[str, float]]:
     default = "temporal_consistency" if video else "shapes"
     if args.prompt_data == BUILTIN_MOVING_SHAPES:
         default = "moving_shapes"  # the world's own reward
+    elif not video and args.loss_type in ALGORITHMS and ALGORITHMS[args.loss_type].differentiable_reward(args):
+        default = DIFFERENTIABLE_DEFAULT  # a reward-gradient loss trains on the learned proxy, logs the gold
     text = args.rm_type or (CUSTOM if custom_path else default)
     spec = parse_reward_spec(text) + remote
     names = [name for name, _ in spec]

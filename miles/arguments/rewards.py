@@ -9,6 +9,7 @@ from miles.algorithms import BUILTIN_ALGORITHMS, Algorithm
 from miles.arguments.flag_readers import ByReward, ReadBy
 from miles.arguments.reward_spec import (
     SHAPES_LEARNED_FILES,
+    differentiable_reward_problems,
     remote_rules,
     reward_model_problems,
     reward_spec_from_args,
@@ -23,7 +24,7 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
         "--rm-type",
         default=None,
         help="Reward or weighted list name:w,... (default shapes, moving_shapes on builtin:moving-shapes, "
-        "temporal_consistency for a video family; custom "
+        "temporal_consistency for a video family, shapes_learned,shapes:0 under refl, draft, direct_align; custom "
         "with --custom-rm-path).",
     )
     group.add_argument("--custom-rm-path", default=None, help="Batched [async] def rm(args, samples) -> list[float].")
@@ -178,10 +179,13 @@ def reward_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
     """The rules of the reward flags: remote rewards, a reward that cannot run (refused before any model loads) and
     --per-reward-group-norm where nothing would read it."""
     errors = remote_rules(args)
-    if runs_rewards(args, algorithm.scores_rewards):  # a reward that cannot run is refused before any model loads
+    gradient = algorithm.differentiable_reward(args)  # the trainer scores the reward with gradient
+    if runs_rewards(args, algorithm.scores_rewards) or gradient:  # a reward that cannot run is refused before loads
         try:
             spec = reward_spec_from_args(args)
             errors += reward_model_problems(args, spec) + shapes_learned_problems(args, spec)
+            if gradient:
+                errors += differentiable_reward_problems(args, spec)
         except ValueError as exc:
             errors.append(str(exc))
     if args.per_reward_group_norm and (args.custom_reward_post_process_path or not algorithm.scores_rewards):

@@ -310,7 +310,10 @@ class TrainPipelineConfig(ABC):
 
     @abstractmethod
     def decode_latents(self, x0: torch.Tensor) -> Media:
-        """The media of normalized latents (B, *latent_shape): images, or frames (and audio) for video families."""
+        """The media of normalized latents (B, *latent_shape): images, or frames (and audio) for video families.
+        An image family's decode is differentiable in `x0` (the reward-gradient losses back-propagate an image reward
+        through it); its VAE is frozen, so a caller passing latents without grad builds no graph (the engine decodes
+        under no_grad)."""
 
     # the flow
     @abstractmethod

@@ -32,7 +32,7 @@ class GenerateRequest:
     negative_prompt: str
     sde_type: str  # "sde" | "cps" | "ode" | "renoise" (DMD2's few-step generator, on the `renoise_sigmas` grid)
     noise_level: float
-    trained_steps: list[int]  # steps sampled with the `sde_type` kernel and recorded; the others run `ode`
+    trained_steps: list[int]  # steps sampled with the `sde_type` kernel and recorded (`ode`: recorded, no log-prob);
     # (except under `renoise`, which runs every step)
     resolution: int | None = None
     decode: bool = True
@@ -73,14 +73,14 @@ class GenerateRequest:
         if self.num_steps < 1:
             raise ValueError(f"--diffusion-num-steps must be >= 1, got {self.num_steps}")
         steps = list(self.trained_steps)
-        last = self.num_steps - 1 if self.sde_type == "renoise" else self.num_steps - 2
+        # the last step's Gaussian is too sharp to train on, but the renoise generator and an `ode` run recording the
+        # inputs of the steps a reward-gradient loss differentiates (no log-probs: NaN) may record it
+        last = self.num_steps - 1 if self.sde_type in ("renoise", "ode") else self.num_steps - 2
         if steps != sorted(set(steps)) or (steps and (steps[0] < 0 or steps[-1] > last)):
             raise ValueError(
                 f"trained_steps {steps} must be sorted, unique and in [0, {last}] "
-                "(the last step is never trained, except by the renoise generator)"
+                "(the last step is never trained, except by the renoise generator and recorded ode steps)"
             )
-        if steps and self.sde_type == "ode":
-            raise ValueError("--diffusion-sde-type ode has no log-probs to record: pass trained_steps=[]")
         if self.flash_ratio is not None and (not steps or self.sde_type == "renoise"):
             raise ValueError("flash_ratio (--mixgrpo-flash) runs after the trained steps: it needs an SDE window")
 

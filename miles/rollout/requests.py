@@ -74,6 +74,14 @@ def ode_request(
     return sampler_request(args, samples, resolution=resolution, sde_type="ode", trained_steps=[])
 
 
+def recorded_ode_request(
+    args: argparse.Namespace, samples: list[Sample], *, resolution: int, step: int
+) -> GenerateRequest:
+    """Deterministic ODE sampling that records the input of grid step `step` (and its Euler output): where a
+    reward-gradient loss starts differentiating."""
+    return sampler_request(args, samples, resolution=resolution, sde_type="ode", trained_steps=[step])
+
+
 def ode_eval(args: argparse.Namespace) -> dict[str, Any]:
     """Held-out prompts sampled with the deterministic ODE at --diffusion-eval-num-steps."""
     return {"sde_type": "ode", "num_steps": args.diffusion_eval_num_steps}

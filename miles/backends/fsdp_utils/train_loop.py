@@ -26,6 +26,7 @@ from miles.backends.fsdp_utils.microbatch import (
     window_weight_totals,
 )
 from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher
+from miles.diffusion.reward_grad import euler_unroll
 from miles.models.compile import compile_counters
 from miles.utils.box import Box, put_box
 from miles.utils.distributed import collective_device
@@ -270,8 +271,17 @@ class TrainLoop:
         with torch.no_grad():
             for name in dict.fromkeys(prepared.frozen_networks):  # each once, in the order named
                 frozen[name] = self._predict(self._frozen_network(name), prepared, prepared.guidance_of(name))
-        new_pred = self._predict(self.model, prepared, Guidance(prepared.guidance_scale, prepared.negative))
-        return {"new_pred": new_pred, "frozen_preds": MappingProxyType(frozen)}
+        guidance = Guidance(prepared.guidance_scale, prepared.negative)
+        if prepared.unroll_sigmas is None:
+            return {"new_pred": self._predict(self.model, prepared, guidance), "frozen_preds": MappingProxyType(frozen)}
+
+        def velocity(x: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+            return self._predict(self.model, prepared, guidance, latents=x, sigmas=sigmas)
+
+        grid = prepared.unroll_sigmas.to(prepared.latents.device)
+        # one step keeps its activations (recomputing it would only cost a forward); K > 1 checkpoints each step
+        unrolled, first = euler_unroll(velocity, prepared.latents, grid, per_step_checkpoint=grid.numel() > 2)
+        return {"new_pred": first, "frozen_preds": MappingProxyType(frozen), "unrolled": unrolled}
 
     def _frozen_network(self, name: str) -> torch.nn.Module:
         """A frozen network by name: a view of the trained module (LoRA base, EMA, shadow weights) or a separate one."""
@@ -283,11 +293,20 @@ class TrainLoop:
             )
         return self.networks[name]
 
-    def _predict(self, network: torch.nn.Module, prepared: PreparedBatch, guidance: Guidance) -> torch.Tensor:
+    def _predict(
+        self,
+        network: torch.nn.Module,
+        prepared: PreparedBatch,
+        guidance: Guidance,
+        *,
+        latents: torch.Tensor | None = None,
+        sigmas: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`network`'s velocity on the prepared batch (or at other `latents` / `sigmas`, an unrolled step's)."""
         return self.family.predict_velocity(
             network,
-            prepared.latents,
-            prepared.sigmas,
+            prepared.latents if latents is None else latents,
+            prepared.sigmas if sigmas is None else sigmas,
             prepared.embeds,
             guidance_scale=guidance.scale,
             negative=guidance.negative,

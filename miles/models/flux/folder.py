@@ -88,7 +88,6 @@ class FluxFolderFamily(DiffusersFamily):
         posterior mode, or a posterior sample drawn with `generator`."""
         return encode_shift_scaled(self.cached_vae(), images, generator)
 
-    @torch.no_grad()
     def decode_latents(self, x0: torch.Tensor) -> Media:
         """Images (B, 3, H, W) in [0, 1], float32, from normalized latents, as the pipelines decode them."""
         return decode_shift_scaled(self.cached_vae(), x0)

@@ -246,7 +246,6 @@ class Flux2Family(DiffusersFamily):
         mean, std = bn_stats(vae, z)
         return ((z - mean) / std).float()
 
-    @torch.no_grad()
     def decode_latents(self, x0: torch.Tensor) -> Media:
         """Images (B, 3, H, W) in [0, 1], float32, as the pipeline decodes: x * std + mean, unpatchified, decoded."""
         vae = self.cached_vae()

@@ -198,7 +198,6 @@ def encode_qwen_latents(
     return ((z - mean) * inv_std)[:, :, 0].float()
 
 
-@torch.no_grad()
 def decode_qwen_latents(vae: ModelMixin, x0: torch.Tensor) -> Media:
     """Images (B, 3, H, W) in [0, 1], float32, from normalized latents, as the Qwen-Image pipelines decode them:
     z = x0 / (1 / latents_std) + latents_mean, decoded as one frame."""

@@ -82,7 +82,6 @@ class SD3PipelineConfig(DiffusersFamily):
         """
         return encode_shift_scaled(self.cached_vae(), images, generator)
 
-    @torch.no_grad()
     def decode_latents(self, x0: torch.Tensor) -> Media:
         """Images (B, 3, H, W) in [0, 1], float32, from normalized latents (the inverse of encode_images)."""
         return decode_shift_scaled(self.cached_vae(), x0)

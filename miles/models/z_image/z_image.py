@@ -113,7 +113,6 @@ class ZImagePipelineConfig(DiffusersFamily):
         posterior mode, or a posterior sample drawn with `generator`."""
         return encode_shift_scaled(self.cached_vae(), images, generator)
 
-    @torch.no_grad()
     def decode_latents(self, x0: torch.Tensor) -> Media:
         """Images (B, 3, H, W) in [0, 1], float32: z = x0 / scaling_factor + shift_factor decoded, as the pipeline."""
         return decode_shift_scaled(self.cached_vae(), x0)

@@ -15,7 +15,20 @@ from miles.rollout.requests import (
     sampler_request,
     sde_request,
 )
-from miles.rollout.rollout_hub import awm, custom, dmd2, dpo, flow_dppo, flow_grpo, grpo_guard, nft, sft
+from miles.rollout.rollout_hub import (
+    awm,
+    custom,
+    direct_align,
+    dmd2,
+    dpo,
+    draft,
+    flow_dppo,
+    flow_grpo,
+    grpo_guard,
+    nft,
+    refl,
+    sft,
+)
 from miles.rollout.rollout_hub.dataset import DATASET_SPEC, encode_dataset, encode_records, image_to_tensor
 from miles.rollout.rollout_hub.dmd2 import generator_eval, generator_pairs, generator_request, one_pair
 from miles.rollout.rollout_hub.nft import nft_pairs, nft_pairs_count
@@ -67,6 +80,9 @@ ROLLOUT_SPECS: dict[str, RolloutSpec | DatasetSpec] = {
     "dmd2": dmd2.SPEC,
     "dpo": dpo.SPEC,
     "awm": awm.SPEC,
+    "refl": refl.SPEC,
+    "draft": draft.SPEC,
+    "direct_align": direct_align.SPEC,
     "custom_loss": custom.SPEC,
 }
 

@@ -11,7 +11,9 @@ import torch
 from miles.rollout.conditioning import negative_columns
 from miles.rollout.engine_api import GenerateRequest, GenerateResult
 from miles.rollout.requests import source_images_of
+from miles.rollout.rollout_hub.pairs import REWARD_METADATA
 from miles.rollout.rollout_hub.spec import RolloutSpec
+from miles.utils.json_column import encode_json_column
 from miles.utils.seeding import stream_rng
 from miles.utils.types import Sample, TrainPairs
 
@@ -65,7 +67,7 @@ def generator_pairs(
     Columns: latents (the generator's input x_t at step j: pure noise for j = 0), sigma (σ_j), x (the engine's
     x̂₀ at step j: the detached generator sample the critic trains on and the DMD gradient is evaluated at),
     the conditioning (`cond/*`), the negative conditioning (`negative_cond/*`, the teacher's CFG branch),
-    sample_index, step_index.
+    sample_index, step_index; with --dmd2-reward-weight > 0 also reward_metadata (the prompts' metadata, JSON).
     """
     if result.denoised is None:
         raise ValueError("dmd2 pairs need the generator's x̂₀: sample with sde_type='renoise'")
@@ -75,7 +77,7 @@ def generator_pairs(
     if result.negative is None:
         raise ValueError("dmd2 pairs need negative prompt embeddings for the teacher's CFG: request return_negative")
     step = int(result.trained_steps[0])
-    return {
+    pairs: TrainPairs = {
         "latents": result.latents[:, 0].float().contiguous(),
         "sigma": result.sigmas[step].float().expand(batch).clone(),
         "x": result.denoised[:, 0].float().contiguous(),
@@ -84,6 +86,9 @@ def generator_pairs(
         "sample_index": torch.arange(batch),
         "step_index": torch.full((batch,), step, dtype=torch.long),
     }
+    if args.dmd2_reward_weight > 0:  # the generator's reward term scores against each prompt's metadata
+        pairs[REWARD_METADATA] = encode_json_column([{**s.metadata, "prompt": s.prompt} for s in samples])
+    return pairs
 
 
 def one_pair(args: argparse.Namespace, request: GenerateRequest) -> int:

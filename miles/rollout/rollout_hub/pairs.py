@@ -1,6 +1,7 @@
 """Samples -> train pairs conversions several algorithms share: the recorded SDE transitions (Flow-GRPO, GRPO-Guard,
-Flow-DPPO, custom_loss), with the engine's step means when a loss takes them, and the clean latents at chosen grid
-timesteps (DiffusionNFT, AWM). Also what a transition-based loss does with a stale batch under --async-rollout."""
+Flow-DPPO, custom_loss), with the engine's step means when a loss takes them, the clean latents at chosen grid
+timesteps (DiffusionNFT, AWM), and one recorded ODE step with the prompt metadata a differentiable reward scores
+against (the reward-gradient losses). Also what a transition-based loss does with a stale batch under --async-rollout."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import torch
 
 from miles.rollout.conditioning import negative_columns
 from miles.rollout.engine_api import GenerateRequest, GenerateResult
+from miles.utils.json_column import encode_json_column
 from miles.utils.types import Sample, TrainPairs
+
+REWARD_METADATA = "reward_metadata"  # the JSON column the trainer's differentiable reward reads (loss_hub.reward_grad)
 
 STALE_POLICY_BATCH = (
     "the behaviour log-probs are the rollout's, recorded by the engine with the weights it sampled with, so the "
@@ -117,3 +121,46 @@ def clean_latent_pairs(result: GenerateResult, advantages: torch.Tensor, index: 
     if result.negative is not None:
         pairs |= negative_columns(result.negative, batch * steps)
     return pairs
+
+
+def recorded_step_pairs(
+    args: argparse.Namespace,
+    samples: list[Sample],
+    result: GenerateResult,
+    advantages: torch.Tensor,
+    *,
+    rollout_id: int,
+) -> TrainPairs:
+    """One pair per sample, in sample order, from an `ode` run that recorded one grid step j (advantages unused).
+
+    Columns: latents (x_j: the initial noise for j = 0), next_latents (the engine's Euler output x_{j+1}), sigma
+    (σ_j), sigma_next (σ_{j+1}), sigma_tail (the grid from σ_j to 0: a DRaFT unroll's), final_latents (x_N, the clean sample), reward_metadata (each sample's prompt
+    metadata with its `prompt`, as JSON), the conditioning (`cond/*`), the negative conditioning (`negative_cond/*`,
+    with CFG), sample_index, step_index.
+    """
+    batch, steps = result.latents.shape[:2]
+    if steps != 1:
+        raise ValueError(
+            f"--loss-type {args.loss_type} trains from one recorded step per sample, the engine recorded {steps}"
+        )
+    step = int(result.trained_steps[0])
+    metadatas = [{**(sample.metadata or {}), "prompt": sample.prompt} for sample in samples]
+    pairs: TrainPairs = {
+        "latents": result.latents[:, 0].float().contiguous(),
+        "next_latents": result.next_latents[:, 0].float().contiguous(),
+        "sigma": result.sigmas[step].float().expand(batch).clone(),
+        "sigma_next": result.sigmas[step + 1].float().expand(batch).clone(),
+        "sigma_tail": result.sigmas[step:].float().expand(batch, -1).clone(),
+        "final_latents": result.final_latents.float().contiguous(),
+        REWARD_METADATA: encode_json_column(metadatas),
+        **result.conditioning.to_columns(),
+        "sample_index": torch.arange(batch),
+        "step_index": torch.full((batch,), step, dtype=torch.long),
+    }
+    if result.negative is not None:
+        pairs |= negative_columns(result.negative, batch)
+    return pairs
+
+
+def one_pair_per_sample(args: argparse.Namespace, request: GenerateRequest) -> int:
+    return 1

@@ -172,6 +172,16 @@ def test_ode_without_recording_is_a_plain_euler_loop(engine, family, fresh_trans
     assert (result.final_latents - x).abs().max().item() <= 1e-5
 
 
+def test_ode_records_the_chosen_steps_inputs_and_euler_outputs_without_log_probs(engine):
+    """What the reward-gradient losses train from: the inputs x_j of the recorded steps (the last included), their
+    Euler outputs, NaN log-probs, and the same final latents as an unrecorded run."""
+    plain = engine.generate(request(sde_type="ode", trained_steps=[]))
+    recorded = engine.generate(request(sde_type="ode", trained_steps=[0, 3]))
+    assert torch.equal(recorded.final_latents, plain.final_latents)
+    assert torch.equal(recorded.next_latents[:, 1], recorded.final_latents)  # step 3 is the last: its output is x_N
+    assert bool(recorded.log_probs.isnan().all()) and recorded.latents.shape[1] == 2
+
+
 def test_ode_with_cfg_matches_the_diffusers_pipeline(engine, family, tiny_pipeline_dir):
     from diffusers import StableDiffusion3Pipeline
 

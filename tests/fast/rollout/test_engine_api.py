@@ -22,8 +22,6 @@ def test_request_validation():
         request(trained_steps=[3])
     with pytest.raises(ValueError, match="sorted, unique"):
         request(trained_steps=[1, 0])
-    with pytest.raises(ValueError, match="ode has no log-probs"):
-        request(sde_type="ode")
     with pytest.raises(ValueError, match="--diffusion-sde-type"):
         request(sde_type="euler")
     with pytest.raises(ValueError, match="needs an SDE window"):
@@ -40,6 +38,7 @@ def test_a_requests_rows_keep_each_prompts_seeds_and_source_images():
     with pytest.raises(ValueError, match="--diffusion-num-steps must be >= 1, got 0"):
         request(num_steps=0, trained_steps=[])
     assert request(sde_type="renoise", trained_steps=[0, 3]).trained_steps == [0, 3]  # renoise trains the last step
+    assert request(sde_type="ode", trained_steps=[0, 3]).trained_steps == [0, 3]  # reward gradients record them
 
 
 def result(rows: int, version: int = 1, counters: dict[str, float] | None = None) -> GenerateResult:

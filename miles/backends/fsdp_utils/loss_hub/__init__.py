@@ -10,7 +10,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.algorithms import Role, algorithm_of
-from miles.backends.fsdp_utils.loss_hub import awm, dmd2, dpo, flow_dppo, flow_grpo, grpo_guard, nft, policy, sft
+from miles.backends.fsdp_utils.loss_hub import (
+    awm,
+    direct_align,
+    dmd2,
+    dpo,
+    draft,
+    flow_dppo,
+    flow_grpo,
+    grpo_guard,
+    nft,
+    policy,
+    refl,
+    sft,
+)
 from miles.utils.misc import load_function
 
 PrepareFn = Callable[..., Any]  # (ctx, batch, *, microbatch_id, optim_step_idx, pad_to_len=None) -> PreparedBatch
@@ -83,6 +96,11 @@ LOSS_HOOKS: dict[tuple[str, str], LossHooks] = {
     ),
     ("awm", "actor"): LossHooks(
         prepare=awm.prepare_awm_batch, formula=awm.awm_formula, after_train=awm.decay_ema_anchor
+    ),
+    ("refl", "actor"): LossHooks(prepare=refl.prepare_refl_batch, formula=refl.refl_formula),
+    ("draft", "actor"): LossHooks(prepare=draft.prepare_draft_batch, formula=draft.draft_formula),
+    ("direct_align", "actor"): LossHooks(
+        prepare=direct_align.prepare_direct_align_batch, formula=direct_align.direct_align_formula
     ),
 }
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from miles.backends.fsdp_utils.loss_hub.noise import pair_generators, pair_noise
+from miles.backends.fsdp_utils.loss_hub.reward_grad import pair_metadatas, score_x0
 from miles.backends.fsdp_utils.loss_hub.types import (
     DiffusionLossContext,
     Guidance,
@@ -20,6 +21,7 @@ from miles.backends.fsdp_utils.loss_hub.types import (
     frozen_prediction,
 )
 from miles.diffusion.dmd import critic_loss, dmd_gradient, generator_loss, sample_dmd_timesteps, x0_from_velocity
+from miles.diffusion.reward_grad import reward_objective
 from miles.diffusion.schedule import add_noise
 from miles.utils.types import TrainPairs, num_pairs
 
@@ -188,5 +190,19 @@ def generator_formula(
         metrics.add("train/sigma_mean", prepared.sigmas)
         if optim_step_idx == 0:  # before this call's first update x_θ must reproduce the engine's x̂₀
             metrics.add("train/generator_x0_abs_diff", (x_theta.detach() - x).flatten(1).abs().mean(dim=1))
+    if ctx.args.dmd2_reward_weight > 0:  # reward-guided distillation (DMDR): + λ·φ(R(x_θ)) on the same x_θ
+        loss = loss + reward_term(ctx, batch, x_theta, metrics)
     metrics.add("train/loss", loss)
     return loss.sum()
+
+
+def reward_term(
+    ctx: DiffusionLossContext, batch: TrainPairs, x_theta: torch.Tensor, metrics: WindowMetrics
+) -> torch.Tensor:
+    """(B,) λ·φ(R(x_θ)): the differentiable reward of the generator's output, λ = --dmd2-reward-weight, φ the hinge
+    --dmd2-reward-hinge or −R; the critic and the teacher never see it."""
+    reward = score_x0(ctx, x_theta, pair_metadatas(batch))
+    term = float(ctx.args.dmd2_reward_weight) * reward_objective(reward, ctx.args.dmd2_reward_hinge)
+    metrics.add("train/dmd2_reward_mean", reward)
+    metrics.add("train/dmd2_reward_loss", term)
+    return term

@@ -41,7 +41,12 @@ class Guidance:
 class PreparedBatch:
     """Inputs of one micro-batch's forward. The trunk runs `policy` on them with grad, and without grad each frozen
     network named in `frozen_networks` (its prediction reaches the formula as `frozen_preds[name]`), with the batch's
-    own guidance unless `frozen_guidance` gives that network another (e.g. a teacher scored with CFG)."""
+    own guidance unless `frozen_guidance` gives that network another (e.g. a teacher scored with CFG).
+
+    `unroll_sigmas` (a σ grid (K + 1,), K ≥ 1; the reward-gradient losses): the trunk runs the trained network as a
+    differentiable Euler sampler from `latents` at unroll_sigmas[0] through the K steps, each step's activations
+    checkpointed when K > 1 (`miles.diffusion.reward_grad.euler_unroll`); `new_pred` is then the first step's velocity and the
+    formula also gets `unrolled`, the latents at unroll_sigmas[-1]. Frozen networks still run once, at `latents`."""
 
     latents: torch.Tensor
     sigmas: torch.Tensor
@@ -51,6 +56,7 @@ class PreparedBatch:
     frozen_networks: tuple[str, ...] = ()
     frozen_guidance: Mapping[str, Guidance] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
+    unroll_sigmas: torch.Tensor | None = None
 
     def guidance_of(self, name: str) -> Guidance:
         """The guidance of network `name`'s forward: its own from `frozen_guidance`, else the batch's."""

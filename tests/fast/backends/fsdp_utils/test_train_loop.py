@@ -73,6 +73,25 @@ def test_no_frozen_network_named_means_no_frozen_forward():
     assert dict(out["frozen_preds"]) == {}
 
 
+def test_an_unroll_runs_the_policy_over_the_grid_with_gradient_and_hands_the_result():
+    """PreparedBatch.unroll_sigmas: K Euler steps of the trained network from the latents (v = a·x + 10 here, the
+    Family's guidance 1 term), the first step's velocity as new_pred, the result as `unrolled`; frozen networks run
+    once at the latents."""
+    loop = Loop({"policy": Scale(0.5), "ref": Scale(3.0)})
+    grid = torch.tensor([1.0, 0.6, 0.0])
+    out = loop._forward(prepared(frozen=("ref",), unroll_sigmas=grid))
+    x = torch.ones(2, 3)
+    first = 0.5 * x + 10
+    x1 = x + first * (0.6 - 1.0)
+    expected = x1 + (0.5 * x1 + 10) * (0.0 - 0.6)
+    torch.testing.assert_close(out["unrolled"], expected)
+    torch.testing.assert_close(out["new_pred"], first)
+    torch.testing.assert_close(out["frozen_preds"]["ref"], 3.0 * x + 10)
+    out["unrolled"].sum().backward()
+    a, hand = loop.model.factor, (x * -0.4 * (1 + 0.5 * -0.6) + x1 * -0.6).sum()  # d/da of Σ x_2 at a = 0.5
+    torch.testing.assert_close(a.grad, hand)
+
+
 def test_a_network_the_role_does_not_hold_is_named_in_the_error():
     with pytest.raises(KeyError, match="teacher"):
         Loop({"policy": Scale(1.0)})._forward(prepared(frozen=("teacher",)))

@@ -1,6 +1,8 @@
 """The dmd2 rollout: the engine's renoise generator run (backward simulation to step j) and its conversion to
 one train pair per sample, checked against a hand-written loop over the tiny transformer."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -12,8 +14,8 @@ from miles.rollout.rollout_hub.dmd2 import dmd2_trained_step, generator_pairs
 
 
 def convert(result):
-    """The spec's converter, with the arguments a dmd2 conversion does not read."""
-    return generator_pairs(None, [], result, None, rollout_id=0)
+    """The spec's converter, plain dmd2 (no reward term: no sample is read)."""
+    return generator_pairs(SimpleNamespace(dmd2_reward_weight=0.0), [], result, None, rollout_id=0)
 
 
 PROMPTS = ["a red circle", "two blue squares on the left", "a green triangle"]

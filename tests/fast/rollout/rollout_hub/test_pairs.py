@@ -130,3 +130,26 @@ def test_the_request_asks_for_flash_after_the_mixgrpo_window():
     plain = sde_request(sampling_args(**mixgrpo, mixgrpo_flash=False), samples, rollout_id=3, resolution=32)
     assert plain.trained_steps == [3, 4] and plain.flash_ratio is None
     assert sde_request(sampling_args(), samples, rollout_id=3, resolution=32).flash_ratio is None
+
+
+def test_recorded_step_pairs_carry_the_step_the_grid_tail_the_clean_sample_and_the_metadata():
+    from miles.rollout.rollout_hub.pairs import REWARD_METADATA, recorded_step_pairs
+    from miles.utils.json_column import decode_json_column
+
+    result = make_result([3], cfg=True)
+    samples = [Sample(index=i, prompt=f"p{i}", metadata={"color": "red"} if i else {}) for i in range(B)]
+    pairs = recorded_step_pairs(SimpleNamespace(loss_type="refl"), samples, result, None, rollout_id=0)
+    assert torch.equal(pairs["latents"], result.latents[:, 0]) and torch.equal(
+        pairs["final_latents"], result.final_latents
+    )
+    assert torch.equal(pairs["next_latents"], result.next_latents[:, 0])
+    assert bool((pairs["sigma"] == result.sigmas[3]).all()) and bool((pairs["sigma_next"] == result.sigmas[4]).all())
+    assert torch.equal(pairs["sigma_tail"][1], result.sigmas[3:]) and pairs["step_index"].tolist() == [3] * B
+    assert decode_json_column(pairs[REWARD_METADATA]) == [
+        {"prompt": "p0"},
+        {"color": "red", "prompt": "p1"},
+        {"color": "red", "prompt": "p2"},
+    ]
+    assert pairs["negative_cond/prompt_embeds"].shape[0] == B
+    with pytest.raises(ValueError, match="one recorded step per sample"):
+        recorded_step_pairs(SimpleNamespace(loss_type="refl"), samples, make_result([1, 3]), None, rollout_id=0)

@@ -8,6 +8,7 @@ from types import MappingProxyType
 import pytest
 import torch
 
+from miles.arguments.parser import default_args
 from miles.backends.fsdp_utils.loss_hub import LOSS_HOOKS, check_loss_hooks
 from miles.backends.fsdp_utils.loss_hub.dmd2 import (
     ROW,
@@ -21,7 +22,10 @@ from miles.backends.fsdp_utils.loss_hub.dmd2 import (
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, WindowMetrics
 from miles.backends.fsdp_utils.microbatch import build_microbatch_schedule
 from miles.backends.fsdp_utils.train_loop import TrainLoop
+from miles.utils.json_column import encode_json_column
 from miles.utils.types import slice_pairs
+from tests.fast.backends.fsdp_utils.loss_hub.reward_pairs import THIS_FILE as REWARD_FILE
+from tests.fast.backends.fsdp_utils.loss_hub.reward_pairs import pattern
 
 P, C, H, W, L, D, Q = 4, 2, 4, 4, 5, 6, 7
 REAL_SCALE = 3.0
@@ -59,6 +63,8 @@ def make_ctx(windows=2, role="critic", networks=None, **overrides):
         dmd2_t_min=0.02,
         dmd2_t_max=0.98,
         dmd2_real_guidance_scale=REAL_SCALE,
+        dmd2_reward_weight=0.0,
+        dmd2_reward_hinge=None,
     )
     values.update(overrides)
     return DiffusionLossContext(
@@ -251,6 +257,45 @@ def test_generator_gradient_at_x_equals_g_over_numel():
     assert means["train/generator_x0_abs_diff"] < 1e-6
     assert means["train/dmd_loss"] == pytest.approx(0.5 * (g**2).mean().item(), rel=1e-5)
     assert prepared.guidance_scale == 1.0 and prepared.frozen_networks == ()
+
+
+def reward_guided_ctx(weight: float):
+    """The actor's context with a linear differentiable latent reward (reward_pairs.py) at --dmd2-reward-weight."""
+    run = default_args(loss_type="dmd2", rm_type="custom", custom_rm_path=f"{REWARD_FILE}:rm")
+    return make_ctx(role="actor", **{**vars(run), **make_ctx().args.__dict__, "dmd2_reward_weight": weight})
+
+
+@pytest.mark.parametrize("hinge", [None, 1e6])
+def test_reward_guided_gradient_is_dmd2s_plus_lambda_times_the_rewards_alone(hinge):
+    """--dmd2-reward-weight λ: the generator's gradient is dmd2's plus λ times that of φ(R(x_θ)) alone; λ = 0 is dmd2
+    exactly (same loss, same gradient, no reward metric)."""
+    pairs = make_pairs()
+    g = torch.randn(P, C, H, W, generator=torch.Generator().manual_seed(3))
+    pairs["peer/dmd_target"] = pairs["x"] - g
+    pairs["reward_metadata"] = encode_json_column([{"gain": 1.0 + i} for i in range(P)])
+    grads, losses, means = {}, {}, {}
+    for weight in (0.0, 0.5):
+        ctx = reward_guided_ctx(weight)
+        ctx.args.dmd2_reward_hinge = hinge
+        prepared = prepare_generator_batch(ctx, pairs, microbatch_id=0, optim_step_idx=0)
+        v = torch.zeros(P, C, H, W, requires_grad=True)
+        metrics = WindowMetrics()
+        losses[weight] = formula(generator_formula, ctx, pairs, prepared, v, metrics=metrics)
+        losses[weight].backward()
+        grads[weight], means[weight] = v.grad, metrics.means()
+    plain_ctx = make_ctx(role="actor")
+    prepared = prepare_generator_batch(plain_ctx, pairs, microbatch_id=0, optim_step_idx=0)
+    v = torch.zeros(P, C, H, W, requires_grad=True)
+    plain = formula(generator_formula, plain_ctx, pairs, prepared, v)
+    plain.backward()
+    assert torch.equal(losses[0.0], plain) and torch.equal(grads[0.0], v.grad)
+    assert "train/dmd2_reward_mean" not in means[0.0] and "train/dmd2_reward_mean" in means[0.5]
+    assert means[0.5]["train/dmd_loss"] == means[0.0]["train/dmd_loss"]  # the reward term is logged apart
+    assert means[0.5]["train/loss"] == pytest.approx(means[0.0]["train/loss"] + means[0.5]["train/dmd2_reward_loss"])
+    # ∂(λ·φ(R(x_θ)))/∂v with x_θ = x_t − σ·v, R = gain·Σ w ⊙ x_θ: φ = −R gives +λ·σ·gain·w, the active hinge too
+    gains = torch.arange(1.0, P + 1).reshape(-1, 1, 1, 1)
+    reward_grad = 0.5 * 0.75 * gains * pattern((C, H, W))
+    torch.testing.assert_close(grads[0.5] - grads[0.0], reward_grad, rtol=1e-5, atol=1e-7)
 
 
 def test_generator_without_the_critic_target_names_the_column():

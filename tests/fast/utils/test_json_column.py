@@ -1,0 +1,20 @@
+"""A JSON column round-trips values of any length, any subset of its rows, and refuses what is not one."""
+
+import pytest
+import torch
+
+from miles.utils.json_column import decode_json_column, encode_json_column
+
+
+def test_values_round_trip_through_rows_of_any_subset():
+    values = [{"color": "red", "count": 2}, {"prompt": "ünïcode ✓", "nested": [1, 2.5, None]}, {}]
+    column = encode_json_column(values)
+    assert column.dtype == torch.uint8 and column.shape[0] == 3
+    assert decode_json_column(column) == values
+    assert decode_json_column(column[[2, 0]]) == [values[2], values[0]]
+    assert decode_json_column(encode_json_column([])) == []
+
+
+def test_a_column_of_another_dtype_is_refused():
+    with pytest.raises(ValueError, match="uint8"):
+        decode_json_column(torch.zeros(2, 3))
