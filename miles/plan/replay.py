@@ -80,35 +80,64 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 @dataclass
-class ReplayOnce:
-    """Stands in for a method of one tensor argument on fake tensors (a family's `decode_latents`): a call runs
-    unless an earlier call with the same input shape kept nothing but its output (a first call may load what later
-    ones reuse, e.g. a VAE held after first use: the next one runs too); such a call is replayed: the tracker counts
-    the recorded height above what is live now, the FLOP counter the recorded FLOPs, and the output is a new tensor
-    of each recorded layout (uninitialised, as every fake tensor is)."""
+class Ledger:
+    """FLOPs of replayed calls, which no FLOP counter sees (shared by nested replays: a replayed decode counts the
+    replayed tiles its first run held)."""
 
-    method: Callable[[torch.Tensor], Any]
-    tracker: PlanTracker
     flops: FlopCounterMode
+    replayed_flops: float = 0.0
+
+    def total(self) -> float:
+        return float(self.flops.get_total_flops()) + self.replayed_flops
+
+
+@dataclass
+class ReplayOnce:
+    """Stands in for a method of one tensor argument on fake tensors (a family's `decode_latents`, a VAE's tile
+    decoder): a call runs unless an earlier call with the same input layout kept nothing but its output (a first
+    call may load what later ones reuse, e.g. a VAE held after first use: the next one runs too); such a call is
+    replayed: the tracker counts the recorded height above what is live now, the ledger the recorded FLOPs, and the
+    output is a new tensor of each recorded layout (uninitialised, as every fake tensor is). A call with other
+    arguments (a causal decoder's cache) always runs, and an output with a graph is never recorded (an engine decodes
+    without gradient)."""
+
+    method: Callable[..., Any]
+    tracker: PlanTracker
+    ledger: Ledger
     recorded: dict[tuple[Any, ...], _Recorded] = field(default_factory=dict)
     runs: int = 0
     replays: int = 0
-    replayed_flops: float = 0.0
 
-    def __call__(self, x: torch.Tensor) -> Any:
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return self.method(x, *args, **kwargs)
         key = (tuple(x.shape), tuple(x.stride()), x.dtype, str(x.device))
         found = self.recorded.get(key)
         if found is not None:
             self.replays += 1
-            self.replayed_flops += found.flops
+            self.ledger.replayed_flops += found.flops
             self.tracker.reach(self.tracker.live_bytes + found.rise)
             return _rebuild(found.output)
         self.runs += 1
-        start, flops_before = self.tracker.live_bytes, self.flops.get_total_flops()
+        start, flops_before = self.tracker.live_bytes, self.ledger.total()
         with self.tracker.rise() as rise:
             out = self.method(x)
         self.tracker.recount()
-        if self.tracker.live_bytes == start + _storage_bytes(_tensors(out)):  # kept nothing else: replayable
-            flops = float(self.flops.get_total_flops() - flops_before)
-            self.recorded[key] = _Recorded(rise[0], flops, _layout(out))
+        tensors = _tensors(out)
+        kept_nothing = self.tracker.live_bytes == start + _storage_bytes(tensors)
+        if kept_nothing and not any(t.requires_grad for t in tensors):  # a graph would keep its inputs alive
+            self.recorded[key] = _Recorded(rise[0], self.ledger.total() - flops_before, _layout(out))
         return out
+
+
+def replay_decodes(family: Any, tracker: PlanTracker, ledger: Ledger) -> list[ReplayOnce]:
+    """Replay `family.decode_latents` and, inside it, each loaded VAE's `decoder` (a tiled decode calls it per tile:
+    tiles of one shape decode alike)."""
+    replays = [ReplayOnce(family.decode_latents, tracker, ledger)]
+    family.decode_latents = replays[0]
+    for module in family.loaded_modules():
+        decoder = getattr(module, "decoder", None)
+        if isinstance(decoder, torch.nn.Module):
+            replays.append(ReplayOnce(decoder.forward, tracker, ledger))
+            decoder.forward = replays[-1]
+    return replays

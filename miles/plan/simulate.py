@@ -27,7 +27,7 @@ from miles.backends.fsdp_utils.lora import lora_config_from_args
 from miles.models.base import family_options, get_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.plan.fake import fake_process_group, movable_fake_modules, per_tensor_equivalents, plan_tensor_mode
-from miles.plan.replay import ReplayOnce
+from miles.plan.replay import Ledger, replay_decodes
 from miles.plan.sync import push, sync_buffers, take_after_window
 from miles.plan.tracker import Collective, PlanTracker
 from miles.rollout.engine import DiffusionEngine
@@ -181,11 +181,11 @@ def simulate_engine(
         with tracker.in_phase("generate"), FlopCounterMode(display=False) as flops:
             once = ForwardOnce(engine.family.predict_velocity, flops, run_every=not fake)
             engine.family.predict_velocity = once
+            ledger = Ledger(flops)
             if fake:  # each micro-batch's decode is the first's: replayed (on real tensors all run)
-                decode = engine.family.decode_latents = ReplayOnce(engine.family.decode_latents, tracker, flops)
+                replay_decodes(engine.family, tracker, ledger)
             result = engine.generate(request)
-        total_flops = flops.get_total_flops() + (0 if once.run_every else (once.calls - 1) * once.step_flops)
-        total_flops += decode.replayed_flops if fake else 0.0
+        total_flops = ledger.total() + (0 if once.run_every else (once.calls - 1) * once.step_flops)
     plan = ProcessPlan("engine", 0, dict(tracker.peaks), dict(tracker.after), params_bytes=resident)
     plan.forward_flops_per_sample = once.step_flops / max(1, once.rows)
     plan.collectives = tracker.collectives

@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from miles.models.media import Media
 from miles.plan.fake import plan_tensor_mode
-from miles.plan.replay import ReplayOnce
+from miles.plan.replay import Ledger, ReplayOnce, replay_decodes
 from miles.plan.tracker import PlanTracker
 
 
@@ -33,7 +33,8 @@ class Decoder:
 def run_calls(replay: bool, shapes: list[tuple[int, int]]) -> tuple[dict, int, float, list, int]:
     decoder = Decoder()
     with plan_tensor_mode(True), PlanTracker() as tracker, FlopCounterMode(display=False) as flops:
-        decode = ReplayOnce(decoder, tracker, flops) if replay else decoder
+        ledger = Ledger(flops)
+        decode = ReplayOnce(decoder, tracker, ledger) if replay else decoder
         kept, outputs = [], []
         with tracker.in_phase("generate"):
             for shape in shapes:
@@ -41,8 +42,7 @@ def run_calls(replay: bool, shapes: list[tuple[int, int]]) -> tuple[dict, int, f
                 kept.append(torch.empty(shape[0], 16))  # results accumulate between calls, as an engine's do
                 outputs.append((tuple(media.pixels.shape), media.pixels.stride(), media.pixels.dtype, media.fps))
                 del media
-        extra = decode.replayed_flops if replay else 0.0
-        return dict(tracker.peaks), tracker.live_bytes, flops.get_total_flops() + extra, outputs, decoder.calls
+        return dict(tracker.peaks), tracker.live_bytes, ledger.total(), outputs, decoder.calls
 
 
 def test_replayed_calls_reach_the_peaks_and_flops_of_running_every_call():
@@ -57,7 +57,7 @@ def test_replayed_calls_reach_the_peaks_and_flops_of_running_every_call():
 def test_a_replayed_output_has_the_recorded_layout_and_storage():
     """An output that views part of a larger storage is made again with that storage size, offset and strides."""
     with plan_tensor_mode(True), PlanTracker() as tracker, FlopCounterMode(display=False) as flops:
-        decode = ReplayOnce(lambda x: (x.new_empty(4, 6, 5) + 1).permute(2, 0, 1)[1:], tracker, flops)
+        decode = ReplayOnce(lambda x: (x.new_empty(4, 6, 5) + 1).permute(2, 0, 1)[1:], tracker, Ledger(flops))
         first = decode(torch.empty(3))
         live = tracker.live_bytes
         second = decode(torch.empty(3))
@@ -68,3 +68,36 @@ def test_a_replayed_output_has_the_recorded_layout_and_storage():
             first.storage_offset(),
         )
         assert second.untyped_storage().nbytes() == first.untyped_storage().nbytes() == 480
+
+
+class TiledFamily:
+    """A family whose VAE decodes in tiles (as HunyuanVideo 1.5's tiled decode): its `decoder` runs once per tile,
+    the last tile shorter; the tiles stay live until joined."""
+
+    def __init__(self) -> None:
+        self.vae = torch.nn.Module()
+        self.vae.decoder = torch.nn.Linear(8, 24)
+
+    def loaded_modules(self) -> list[torch.nn.Module]:
+        return [self.vae]
+
+    def decode_latents(self, x: torch.Tensor) -> torch.Tensor:
+        tiles = [self.vae.decoder(x[start : start + 4]) for start in range(0, x.shape[0], 4)]
+        return torch.cat(tiles).relu()
+
+
+def run_tiled(replay: bool) -> tuple[dict, int, float, int]:
+    family = TiledFamily()
+    with plan_tensor_mode(True), PlanTracker() as tracker, FlopCounterMode(display=False) as flops:
+        ledger = Ledger(flops)
+        replays = replay_decodes(family, tracker, ledger) if replay else []
+        with tracker.in_phase("generate"), torch.no_grad():  # as the engine decodes
+            kept = [family.decode_latents(torch.empty(18, 8)) for _ in range(3)]  # tiles of 4, 4, 4, 4 and 2
+        runs = sum(r.runs for r in replays)
+        return dict(tracker.peaks), tracker.live_bytes - sum(t.numel() * 4 for t in kept), ledger.total(), runs
+
+
+def test_nested_replays_of_a_tiled_decode_count_what_running_it_all_counts():
+    ran, replayed = run_tiled(False), run_tiled(True)
+    assert replayed[:3] == ran[:3]
+    assert replayed[3] == 1 + 2  # the first decode ran (its first 4-wide and its 2-wide tile ran, the others replayed)
