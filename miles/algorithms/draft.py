@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 
-from miles.algorithms.base import Algorithm, always
-from miles.algorithms.reward_gradient import (
+from miles.algorithms.base import (
     REWARD_GRADIENT_PANELS,
     REWARD_GRADIENT_PROGRESS,
     SHARED_DESTS,
+    Algorithm,
+    always,
     reward_gradient_rules,
 )
 from miles.utils.ranges import AT_LEAST_0, AT_LEAST_1

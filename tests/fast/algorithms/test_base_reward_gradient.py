@@ -4,7 +4,7 @@ is refused at start-up by name while a zero-weight gold is only logged."""
 
 import pytest
 
-from miles.algorithms.reward_gradient import reward_gradient_rules
+from miles.algorithms.base import reward_gradient_rules
 from miles.arguments.parser import default_args, parse_args
 
 BASE = ["--rm-type", "shapes_learned,shapes:0"]
