@@ -1,6 +1,6 @@
 """Joint attention concatenating its tokens in the projections' layout (`joint_attention.py`): the attention's output
-kept once for backward instead of twice, the same outputs and gradients (`torch.equal`), also with SD3.5's q / k
-norms and its second (image-only) attention."""
+kept once for backward instead of twice, and with `recompute_qkv` q, k, v not kept (projected again in backward), the
+same outputs and gradients (`torch.equal`), also with SD3.5's q / k norms and its second (image-only) attention."""
 
 from __future__ import annotations
 
@@ -14,11 +14,15 @@ from tests.fast.backends.fsdp_utils.test_frozen_mlp import BATCH, IMAGE_TOKENS, 
 SD35 = {"qk_norm": "rms_norm", "dual_attention_layers": (0,)}
 
 
-@pytest.mark.parametrize(("layout", "batch"), [({}, 1), (SD35, 1), ({}, BATCH)], ids=["sd3", "sd3.5", "batch2"])
-def test_the_attention_output_is_saved_once_with_equal_outputs_and_gradients(layout, batch):
+@pytest.mark.parametrize(
+    ("layout", "batch", "recompute_qkv"),
+    [({}, 1, False), ({}, 1, True), (SD35, 1, True), ({}, BATCH, True)],
+    ids=["sd3-keep-qkv", "sd3", "sd3.5", "batch2"],
+)
+def test_the_attention_output_is_saved_once_with_equal_outputs_and_gradients(layout, batch, recompute_qkv):
     plain, lean = sd3(**layout), sd3(**layout)
     joint = [m for m in lean.modules() if type(getattr(m, "processor", None)) is JointAttnProcessor2_0]
-    assert lean_joint_attention(lean) == len(joint) == 2 + len(layout.get("dual_attention_layers", ()))
+    assert lean_joint_attention(lean, recompute_qkv) == len(joint) == 2 + len(layout.get("dual_attention_layers", ()))
     assert lean_joint_attention(lean) == 0 and all(type(m.processor) is LeanJointAttnProcessor for m in joint)
     out, saved, grads = step(plain, inputs(batch=batch))
     lean_out, lean_saved, lean_grads = step(lean, inputs(batch=batch))
@@ -30,7 +34,13 @@ def test_the_attention_output_is_saved_once_with_equal_outputs_and_gradients(lay
     # adapters keep views of the attention's output). Larger batches: the same bytes (the image and text rows of a
     # batch are not contiguous, so `F.linear` copies each part and the adapters keep those copies either way).
     # SD3.5's image-only second attention had no copy (its heads are views of the projections).
-    assert saved - lean_saved == (2 * (IMAGE_TOKENS + TEXT_TOKENS) * WIDTH * 4 if batch == 1 else 0)
+    copy = 2 * (IMAGE_TOKENS + TEXT_TOKENS) * WIDTH * 4 if batch == 1 else 0
+    if not recompute_qkv:
+        assert saved - lean_saved == copy
+    elif not layout:  # and q, k, v (width each) and the adapters' rank-4 hidden rows of the six projections
+        assert saved - lean_saved == copy + 2 * 3 * batch * (IMAGE_TOKENS + TEXT_TOKENS) * (WIDTH + 4) * 4
+    else:  # SD3.5 also the q / k norms' inputs
+        assert saved - lean_saved > copy + 2 * 3 * batch * (IMAGE_TOKENS + TEXT_TOKENS) * (WIDTH + 4) * 4
 
 
 def test_without_grad_and_with_inputs_it_does_not_handle_it_computes_what_diffusers_does():
