@@ -1,6 +1,6 @@
-"""Frozen GELU MLPs keep their input for backward instead of their hidden activation (`frozen_mlp.py`): fewer saved
-bytes, the same outputs and gradients (`torch.equal`), in one process and on two gloo ranks under FSDP2 with each
-block's children grouped apart (`split_blocks`, how a LoRA network is sharded), there with the joint attention of
+"""Frozen GELU MLPs keep their (un-normalised) input for backward instead of their hidden activation and modulated
+input (`frozen_mlp.py`): fewer saved bytes, the same outputs and gradients (`torch.equal`), in one process and on two
+gloo ranks under FSDP2 with each block's children grouped apart (`split_blocks`, how a LoRA network is sharded), there with the joint attention of
 `joint_attention.py` too, q / k / v projected again in backward (what `apply_fsdp2` installs by default)."""
 
 from __future__ import annotations
@@ -97,9 +97,11 @@ def test_a_lora_network_saves_each_mlp_input_instead_of_its_hidden_activation_wi
     assert sorted(n for n, g in grads.items() if not g.any()) == [
         f"transformer_blocks.1.attn.add_q_proj.lora_{ab}.default.weight" for ab in "AB"
     ]
-    # each MLP keeps its input (width 64) instead of its GELU's input (width 256): 3 x 64 x 4 bytes a token
+    # each MLP keeps only the residual stream, which its norm kept anyway: not its GELU's input (width 256), its
+    # modulated input (width 64), the norm's mean and rstd (2 a token) nor the modulation's `1 + scale` (one row a
+    # sample); backward recomputes them (the joint blocks hand the MLPs the stream and its modulation)
     tokens = BATCH * (2 * IMAGE_TOKENS + TEXT_TOKENS)
-    assert saved - lean_saved == tokens * 3 * WIDTH * 4
+    assert saved - lean_saved == tokens * (4 * WIDTH + 2) * 4 + 3 * BATCH * WIDTH * 4
 
 
 def test_a_trained_or_gradient_free_mlp_runs_its_own_forward():
