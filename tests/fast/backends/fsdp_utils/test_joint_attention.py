@@ -16,8 +16,8 @@ SD35 = {"qk_norm": "rms_norm", "dual_attention_layers": (0,)}
 
 @pytest.mark.parametrize(
     ("layout", "batch", "recompute_qkv"),
-    [({}, 1, False), ({}, 1, True), (SD35, 1, True), ({}, BATCH, True)],
-    ids=["sd3-keep-qkv", "sd3", "sd3.5", "batch2"],
+    [({}, 1, False), ({}, 1, True), (SD35, 1, True), ({}, BATCH, True), ({"lora": False}, BATCH, True)],
+    ids=["sd3-keep-qkv", "sd3", "sd3.5", "batch2", "trained"],
 )
 def test_the_attention_output_is_saved_once_with_equal_outputs_and_gradients(layout, batch, recompute_qkv):
     plain, lean = sd3(**layout), sd3(**layout)
@@ -39,6 +39,8 @@ def test_the_attention_output_is_saved_once_with_equal_outputs_and_gradients(lay
         assert saved - lean_saved == copy
     elif not layout:  # and q, k, v (width each) and the adapters' rank-4 hidden rows of the six projections
         assert saved - lean_saved == copy + 2 * 3 * batch * (IMAGE_TOKENS + TEXT_TOKENS) * (WIDTH + 4) * 4
+    elif "lora" in layout:  # fully trained: the projections' weights get their gradients through the recompute
+        assert lean_saved < saved
     else:  # SD3.5 also the q / k norms' inputs
         assert saved - lean_saved > copy + 2 * 3 * batch * (IMAGE_TOKENS + TEXT_TOKENS) * (WIDTH + 4) * 4
 
