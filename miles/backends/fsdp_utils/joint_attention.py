@@ -15,9 +15,9 @@ With `recompute_qkv` (the default of `lean_joint_attention`, used where the atte
 with gradients) the kernel's q, k, v (3 of its 4 saved copies, 13.3 MiB of a 1024-wide block's 35.6 at 1133 tokens)
 are not kept: `_QkvRecomputedAttention` keeps the projections' inputs (which their adapters kept anyway), the output
 and the logsumexp, and backward projects q, k, v again with the same modules and runs the kernel's own backward on
-them (outputs and gradients `torch.equal`). The cost is the six q / k / v projections again in backward: 6 * tokens
-* width^2 multiply-adds, 21% of an SD3 block's forward at 1024 wide and 1133 tokens. On CUDA (other kernels, other
-saved tensors) the processor keeps them.
+them (outputs and gradients `torch.equal`). The cost is the six q / k / v projections (three of the image tokens,
+three of the text tokens) again in backward: 3 * tokens * width^2 multiply-adds, 21% of an SD3 block's forward at
+1024 wide and 1133 tokens. On CUDA (other kernels, other saved tensors) the processor keeps them.
 """
 
 from __future__ import annotations
