@@ -1,7 +1,8 @@
 """Frozen GELU MLPs keep their (un-normalised) input for backward instead of their hidden activation and modulated
 input (`frozen_mlp.py`): fewer saved bytes, the same outputs and gradients (`torch.equal`), in one process and on two
-gloo ranks under FSDP2 with each block's children grouped apart (`split_blocks`, how a LoRA network is sharded), there with the joint attention of
-`joint_attention.py` too, q / k / v projected again in backward (what `apply_fsdp2` installs by default)."""
+gloo ranks under FSDP2 with each block's children grouped apart (`split_blocks`, how a LoRA network is sharded),
+there with the joint attention of `joint_attention.py` too, q / k / v projected again in backward (what
+`apply_fsdp2` installs by default)."""
 
 from __future__ import annotations
 
