@@ -154,7 +154,14 @@ def _lean_block_forward(
     dual-attention blocks and chunked feed-forwards run diffusers' forward."""
     if block.use_dual_attention or block._chunk_size is not None:
         return original(hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
-    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(hidden_states, emb=temb)
+    attn_kwargs = dict(joint_attention_kwargs or {})
+    if getattr(block.norm1, LEAN_MARK, False) and getattr(block.attn.processor, "recompute_qkv", False):
+        norm_hidden_states, modulation, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(
+            hidden_states, emb=temb, unmodulated=True
+        )  # the stream and its modulation, applied inside the attention (`joint_attention.py`)
+        attn_kwargs["modulation"] = modulation
+    else:
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(hidden_states, emb=temb)
     if block.context_pre_only:
         norm_encoder_hidden_states = block.norm1_context(encoder_hidden_states, temb)
     else:
@@ -164,7 +171,7 @@ def _lean_block_forward(
     attn_output, context_attn_output = block.attn(
         hidden_states=norm_hidden_states,
         encoder_hidden_states=norm_encoder_hidden_states,
-        **(joint_attention_kwargs or {}),
+        **attn_kwargs,
     )
     hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
     ff_output = _modulated_mlp(block.ff, block.norm2, hidden_states, scale_mlp, shift_mlp)
@@ -174,6 +181,27 @@ def _lean_block_forward(
     encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output
     context_ff = _modulated_mlp(block.ff_context, block.norm2_context, encoder_hidden_states, c_scale_mlp, c_shift_mlp)
     return encoder_hidden_states + c_gate_mlp.unsqueeze(1) * context_ff, hidden_states
+
+
+def _unmodulated_norm_forward(
+    norm1: Any,
+    original: Any,
+    x: torch.Tensor,
+    timestep: torch.Tensor | None = None,
+    class_labels: torch.Tensor | None = None,
+    hidden_dtype: torch.dtype | None = None,
+    emb: torch.Tensor | None = None,
+    unmodulated: bool = False,
+) -> Any:
+    """diffusers' `AdaLayerNormZero.forward`; with `unmodulated` its input and `(norm, scale_msa, shift_msa)` in place
+    of `norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]`, which the lean joint attention computes itself."""
+    if not unmodulated:
+        return original(x, timestep, class_labels, hidden_dtype, emb)
+    if norm1.emb is not None:
+        emb = norm1.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+    emb = norm1.linear(norm1.silu(emb))
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+    return x, (norm1.norm, scale_msa, shift_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
 def _modulated_mlp(mlp: nn.Module, norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> Any:
@@ -187,6 +215,7 @@ def lean_frozen_mlps(model: nn.Module) -> int:
     blocks the forward that hands those MLPs their un-normalised input (`_lean_block_forward`); returns how many
     MLPs. Call before `fully_shard` (FSDP2's hooks then run around it). Idempotent."""
     from diffusers.models.attention import JointTransformerBlock
+    from diffusers.models.normalization import AdaLayerNormZero
 
     count = 0
     for module in model.modules():
@@ -199,4 +228,8 @@ def lean_frozen_mlps(model: nn.Module) -> int:
         elif type(module) is JointTransformerBlock:
             module.forward = functools.partial(_lean_block_forward, module, module.forward)  # type: ignore[method-assign]
             setattr(module, LEAN_MARK, True)
+            if type(module.norm1) is AdaLayerNormZero and not getattr(module.norm1, LEAN_MARK, False):
+                norm1 = module.norm1
+                norm1.forward = functools.partial(_unmodulated_norm_forward, norm1, norm1.forward)  # type: ignore[method-assign]
+                setattr(norm1, LEAN_MARK, True)
     return count

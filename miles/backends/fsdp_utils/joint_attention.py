@@ -17,7 +17,10 @@ are not kept: `_QkvRecomputedAttention` keeps the projections' inputs (which the
 and the logsumexp, and backward projects q, k, v again with the same modules and runs the kernel's own backward on
 them (outputs and gradients `torch.equal`). The cost is the six q / k / v projections (three of the image tokens,
 three of the text tokens) again in backward: 3 * tokens * width^2 multiply-adds, 21% of an SD3 block's forward at
-1024 wide and 1133 tokens. On CUDA (other kernels, other saved tensors) the processor keeps them.
+1024 wide and 1133 tokens. On CUDA (other kernels, other saved tensors) the processor keeps them. In SD3's joint
+blocks with lean MLPs (`frozen_mlp._lean_block_forward`), `norm1` hands the attention its un-normalised input and
+`modulation=(norm, scale, shift)`: the attention then keeps the stream (which the norm kept anyway) rather than the
+modulated stream too, and its backward recomputes the norm and modulation with the projections (elementwise work).
 """
 
 from __future__ import annotations
@@ -46,15 +49,20 @@ class LeanJointAttnProcessor(JointAttnProcessor2_0):
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         *args: Any,
+        modulation: tuple[nn.Module, torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> Any:
         plain = hidden_states.ndim != 3 or (encoder_hidden_states is not None and encoder_hidden_states.ndim != 3)
+        recompute = self.recompute_qkv and torch.is_grad_enabled() and _cpu_flash(hidden_states)
+        if modulation is not None and (plain or not recompute or any(t.requires_grad for t in modulation[1:])):
+            hidden_states, modulation = _modulate(hidden_states, modulation), None
         if plain or attention_mask is not None or args or kwargs:
             diffusers_call: Any = super().__call__  # typed for FloatTensor, called with what SD3 passes
             return diffusers_call(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
         batch, image_tokens = hidden_states.shape[:2]
-        if self.recompute_qkv and torch.is_grad_enabled() and _cpu_flash(hidden_states):
-            out = _QkvRecomputedAttention.apply(attn, hidden_states, encoder_hidden_states, *_trained(attn))
+        if recompute:
+            params = _trained(attn)
+            out = _QkvRecomputedAttention.apply(attn, hidden_states, encoder_hidden_states, modulation, *params)
         else:
             query, key, value = _joint_qkv(attn, hidden_states, encoder_hidden_states)
             out = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0)
@@ -75,9 +83,10 @@ class _QkvRecomputedAttention(torch.autograd.Function):
     recomputed projections: the operations autograd runs without it, on the same numbers."""
 
     @staticmethod
-    def forward(ctx: Any, attn: Attention, image: torch.Tensor, text: torch.Tensor | None, *params: Any) -> Any:
-        out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*_joint_qkv(attn, image, text))
-        ctx.attn = attn
+    def forward(ctx: Any, attn: Attention, image: Any, text: Any, modulation: Any, *params: Any) -> Any:
+        qkv = _joint_qkv(attn, image, text, modulation)
+        out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*qkv)
+        ctx.attn, ctx.modulation = attn, modulation
         ctx.save_for_backward(image, text, out, logsumexp)
         return out
 
@@ -87,14 +96,14 @@ class _QkvRecomputedAttention(torch.autograd.Function):
         needs = ctx.needs_input_grad
         inputs = [x.detach().requires_grad_(n) if x is not None else None for x, n in zip((image, text), needs[1:3])]
         with torch.enable_grad():
-            qkv = _joint_qkv(ctx.attn, *inputs)
+            qkv = _joint_qkv(ctx.attn, inputs[0], inputs[1], ctx.modulation)
         qkv_grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, *(x.detach() for x in qkv), out, logsumexp, 0.0, False
         )
         wanted = [x for x in inputs if x is not None and x.requires_grad] + list(_trained(ctx.attn))
         found = iter(torch.autograd.grad(qkv, wanted, qkv_grads, allow_unused=True))
         input_grads = [next(found) if x is not None and x.requires_grad else None for x in inputs]
-        return None, *input_grads, *found
+        return None, *input_grads, None, *found
 
 
 def _cpu_flash(states: torch.Tensor) -> bool:
@@ -112,16 +121,24 @@ def _trained(attn: Attention) -> list[torch.Tensor]:
 
 
 def _joint_qkv(
-    attn: Attention, image: Any, text: torch.Tensor | None
+    attn: Attention, image: Any, text: torch.Tensor | None, modulation: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v of the image and text tokens concatenated in the projections' layout, handed over as the kernel's
-    `(batch, heads, tokens, head_dim)` views."""
+    `(batch, heads, tokens, head_dim)` views; the image tokens modulated first when `modulation` is given."""
+    if modulation is not None:
+        image = _modulate(image, modulation)
     query, key, value = _heads(attn, image, attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k)
     if text is not None:
         projections = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj, attn.norm_added_q, attn.norm_added_k)
         text_qkv = _heads(attn, text, *projections)
         query, key, value = (torch.cat([a, b], dim=1) for a, b in zip((query, key, value), text_qkv))
     return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+
+def _modulate(x: torch.Tensor, modulation: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`AdaLayerNormZero`'s output from its input: `norm(x) * (1 + scale[:, None]) + shift[:, None]`."""
+    norm, scale, shift = modulation
+    return norm(x) * (1 + scale[:, None]) + shift[:, None]
 
 
 def _heads(attn: Attention, states: torch.Tensor, *layers: nn.Module | None) -> tuple[torch.Tensor, ...]:

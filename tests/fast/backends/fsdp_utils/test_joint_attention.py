@@ -8,6 +8,7 @@ import pytest
 import torch
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 
+from miles.backends.fsdp_utils.frozen_mlp import lean_frozen_mlps
 from miles.backends.fsdp_utils.joint_attention import LeanJointAttnProcessor, lean_joint_attention
 from tests.fast.backends.fsdp_utils.test_frozen_mlp import BATCH, IMAGE_TOKENS, TEXT_TOKENS, WIDTH, inputs, sd3, step
 
@@ -56,3 +57,23 @@ def test_without_grad_and_with_inputs_it_does_not_handle_it_computes_what_diffus
     lean_result = attn.processor(attn, image, text, mask)
     plain_result = JointAttnProcessor2_0()(attn, image, text, mask)
     assert all(torch.equal(a, b) for a, b in zip(lean_result, plain_result))
+
+
+def test_with_lean_mlps_the_joint_block_hands_the_attention_its_unnormalised_stream():
+    """Both installed (as `apply_fsdp2` does): `norm1` hands the attention the stream and its modulation, and the
+    attention keeps the stream (which the norm kept anyway) instead of the modulated stream as well."""
+    plain, lean = sd3(), sd3()
+    lean_joint_attention(lean)
+    lean_frozen_mlps(lean)
+    out, saved, grads = step(plain, inputs(batch=1))
+    lean_out, lean_saved, lean_grads = step(lean, inputs(batch=1))
+    assert torch.equal(lean_out, out) and grads.keys() == lean_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(lean_grads[name], grad), name
+    tokens = IMAGE_TOKENS + TEXT_TOKENS
+    mlps = (2 * IMAGE_TOKENS + TEXT_TOKENS) * (4 * WIDTH + 2) * 4 + 3 * WIDTH * 4  # test_frozen_mlp's count
+    copy_and_qkv = 2 * tokens * WIDTH * 4 + 2 * 3 * tokens * (WIDTH + 4) * 4  # the test above's
+    # the modulated image stream, the norm's mean and rstd, `1 + scale`: in block 1 (block 0's input needs no
+    # gradient: its norm kept nothing, its adapters the modulated stream, now the stream instead)
+    norm1 = (IMAGE_TOKENS * WIDTH + 2 * IMAGE_TOKENS + WIDTH) * 4
+    assert saved - lean_saved == mlps + copy_and_qkv + norm1
