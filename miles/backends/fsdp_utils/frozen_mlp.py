@@ -230,6 +230,6 @@ def lean_frozen_mlps(model: nn.Module) -> int:
             setattr(module, LEAN_MARK, True)
             if type(module.norm1) is AdaLayerNormZero and not getattr(module.norm1, LEAN_MARK, False):
                 norm1 = module.norm1
-                norm1.forward = functools.partial(_unmodulated_norm_forward, norm1, norm1.forward)  # type: ignore[method-assign]
+                norm1.forward = functools.partial(_unmodulated_norm_forward, norm1, norm1.forward)
                 setattr(norm1, LEAN_MARK, True)
     return count
