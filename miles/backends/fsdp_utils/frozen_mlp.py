@@ -15,7 +15,9 @@ scale) + shift`), and the norm keeps the stream for its own backward: `lean_froz
 `JointTransformerBlock` a forward that hands its lean MLPs the stream and the modulation (`_lean_block_forward`, the
 same operations in the same order), and the MLP keeps only the stream (`_FrozenModulatedGeluMlp`), recomputing the
 norm and the modulation in backward (elementwise work, a few operations per element; 4.4 of a 1024-wide block's
-35.6 MiB at 1133 tokens no longer kept), with the gradients of the operations autograd runs.
+35.6 MiB at 1133 tokens no longer kept), with the gradients of the operations autograd runs. With the lean joint
+attention (`joint_attention.py`) the block does the same for the attention: `norm1` returns its input and the
+modulation (`_unmodulated_norm_forward`), which the attention applies itself.
 
 Only where it saves and changes nothing: the MLP's parameters are all frozen and its input requires grad (under
 `torch.no_grad`, or in a fully trained MLP, the module's own forward runs); its dropouts have p = 0; its activation is
