@@ -14,10 +14,11 @@ from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
 
+from miles.backends.fsdp_utils.cpu_gathers import gather_one_group_at_a_time
 from miles.backends.fsdp_utils.frozen_mlp import lean_frozen_mlps
 from miles.backends.fsdp_utils.joint_attention import lean_joint_attention
 from miles.models.compile import compile_transformer
@@ -99,7 +100,7 @@ def apply_fsdp2(
     sharder.shard_with_parts(model, cast_root_inputs)
     model.compute_dtype = param_dtype
     if collective_device().type == "cpu":
-        no_backward_prefetch(model)
+        gather_one_group_at_a_time(model)
     sharder.report(len(blocks), gradient_checkpointing)
     return model
 
@@ -165,16 +166,6 @@ def _reshard_when_recomputed(module: nn.Module, args: Any, output: Any) -> None:
     in_backward = torch._C._current_graph_task_id() != -1  # FSDP2's own test (`is_bw`)
     if in_backward and module._get_fsdp_state()._training_state != TrainingState.PRE_BACKWARD:
         module.reshard()
-
-
-def no_backward_prefetch(model: nn.Module) -> None:
-    """No FSDP2 group of `model` gathers the next group's parameters ahead in backward (FSDP2 prefetches one by
-    default, which overlaps on CUDA streams only): each names itself as the one to prefetch, already gathered when
-    its backward starts, which replaces the default and gathers nothing more. `apply_fsdp2` calls it on gloo (CPU)
-    ranks: without streams nothing overlaps the prefetched gather, so it would only hold a second gathered group."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_modules_to_backward_prefetch([module])
 
 
 class _GroupSharder:

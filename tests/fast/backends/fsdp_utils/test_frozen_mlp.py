@@ -1,7 +1,8 @@
-"""Frozen GELU MLPs keep their input for backward instead of their hidden activation (`frozen_mlp.py`): fewer saved
-bytes, the same outputs and gradients (`torch.equal`), in one process and on two gloo ranks under FSDP2 with each
-block's children grouped apart (`split_blocks`, how a LoRA network is sharded), there with the joint attention of
-`joint_attention.py` too (what `apply_fsdp2` installs by default)."""
+"""Frozen GELU MLPs keep their (un-normalised) input for backward instead of their hidden activation and modulated
+input (`frozen_mlp.py`): fewer saved bytes, the same outputs and gradients (`torch.equal`), in one process and on two
+gloo ranks under FSDP2 with each block's children grouped apart (`split_blocks`, how a LoRA network is sharded),
+there with the joint attention of `joint_attention.py` too, q / k / v projected again in backward (what
+`apply_fsdp2` installs by default)."""
 
 from __future__ import annotations
 
@@ -97,9 +98,11 @@ def test_a_lora_network_saves_each_mlp_input_instead_of_its_hidden_activation_wi
     assert sorted(n for n, g in grads.items() if not g.any()) == [
         f"transformer_blocks.1.attn.add_q_proj.lora_{ab}.default.weight" for ab in "AB"
     ]
-    # each MLP keeps its input (width 64) instead of its GELU's input (width 256): 3 x 64 x 4 bytes a token
+    # each MLP keeps only the residual stream, which its norm kept anyway: not its GELU's input (width 256), its
+    # modulated input (width 64), the norm's mean and rstd (2 a token) nor the modulation's `1 + scale` (one row a
+    # sample); backward recomputes them (the joint blocks hand the MLPs the stream and its modulation)
     tokens = BATCH * (2 * IMAGE_TOKENS + TEXT_TOKENS)
-    assert saved - lean_saved == tokens * 3 * WIDTH * 4
+    assert saved - lean_saved == tokens * (4 * WIDTH + 2) * 4 + 3 * BATCH * WIDTH * 4
 
 
 def test_a_trained_or_gradient_free_mlp_runs_its_own_forward():
@@ -136,7 +139,7 @@ def test_apply_fsdp2_installs_it_only_without_checkpointing(monkeypatch):
 
 def lora_step_on_ranks(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     """One LoRA forward and backward under FSDP2 with split blocks, with and without lean activations (MLPs and joint
-    attention), at a batch of one (where both save): full gradients."""
+    attention recomputing q / k / v), at a batch of one (where both save): full gradients."""
     report = {}
     for lean in (False, True):  # the lean run checks against the plain one: the same gradients
         model = sd3()
@@ -144,7 +147,8 @@ def lora_step_on_ranks(rank: int, world_size: int, out_dir: str) -> dict[str, An
         dtypes = {"param_dtype": torch.float32, "reduce_dtype": torch.float32}
         apply_fsdp2(model, blocks, **dtypes, split_blocks=True, lean_activations=lean)
         mlps = sum(getattr(m, LEAN_MARK, False) for m in model.modules() if isinstance(m, FeedForward))
-        attentions = sum(type(getattr(m, "processor", None)) is LeanJointAttnProcessor for m in model.modules())
+        processors = [getattr(m, "processor", None) for m in model.modules()]
+        attentions = sum(type(p) is LeanJointAttnProcessor and p.recompute_qkv for p in processors)
         out, saved, grads = step(model, inputs(rank, batch=1))
         report[lean] = ((mlps, attentions), out, saved, {n: g.full_tensor() for n, g in grads.items()})
     return report

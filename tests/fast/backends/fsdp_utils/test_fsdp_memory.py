@@ -1,5 +1,6 @@
 """What a trainer rank holds gathered at once (docs/user-guide/memory.md, a trainer rank's peak): `split_blocks`
-groups a block's children, and on gloo no group prefetches the next one's gather in backward. One process, a fake
+groups a block's children, and on gloo no group prefetches the next one's gather in backward nor keeps its flat
+all-gather buffer beside its gathered parameters in forward. One process, a fake
 process group of two ranks (collectives do nothing, so only which groups are gathered is checked here; the values
 under `split_blocks` are compared on real gloo ranks in test_fsdp.py)."""
 
@@ -114,3 +115,24 @@ def test_backward_prefetch_is_left_to_fsdp2_on_other_backends(monkeypatch):
         net = sharded(split_blocks=False)
         gathered = gathered_in_backward(net, monkeypatch)
     assert max(gathered) == 2 * (3 * WIDTH * WIDTH + 2 * WIDTH)  # a block and the one prefetched beside it
+
+
+def flat_gathers_kept_in_forward(net: Net) -> list[bool]:
+    """While each block child computes its forward: whether FSDP2 still holds a flat all-gather buffer."""
+    kept: list[bool] = []
+    for block in net.blocks:
+        for child in (block.attn, block.ff):
+            child.register_forward_hook(
+                lambda *_: kept.append(net._get_fsdp_state()._comm_ctx.all_gather_state is not None)
+            )
+    net(torch.ones(2, WIDTH))
+    return kept
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_on_gloo_a_group_frees_its_flat_gather_after_copying_it_out_in_forward(device, monkeypatch):
+    """FSDP2 keeps it until the next group's copy-out (to overlap on CUDA streams): left so on other backends."""
+    monkeypatch.setattr("miles.backends.fsdp_utils.fsdp.collective_device", lambda: torch.device(device))
+    with fake_world_of_two():
+        kept = flat_gathers_kept_in_forward(sharded(split_blocks=True))
+    assert len(kept) == 6 and all(kept) == (device == "cuda") and any(kept) == (device == "cuda")
