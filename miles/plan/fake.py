@@ -142,3 +142,23 @@ def per_tensor_equivalents() -> Iterator[None]:
         yield
     finally:
         HunyuanVideo15AttnBlock.prepare_causal_attention_mask = original
+
+
+@contextlib.contextmanager
+def device_paths(planned_device: str, fake: bool = True) -> Iterator[None]:
+    """The trainer's device-dependent choices as on `planned_device`, though the simulation runs on the fake CPU
+    device: for a CUDA plan, FSDP2's gathers keep their defaults (the next group prefetched in backward, the flat
+    all-gather buffer kept until the next copy-out: `cpu_gathers`) and SD3's joint attention keeps q, k, v for the
+    CUDA kernels (its recompute is for the CPU flash kernel: `joint_attention`)."""
+    if not fake or planned_device == "cpu":
+        yield
+        return
+    from unittest import mock
+
+    from miles.backends.fsdp_utils import fsdp, joint_attention
+
+    with (
+        mock.patch.object(fsdp, "gather_one_group_at_a_time", lambda model: None),
+        mock.patch.object(joint_attention, "_cpu_flash", lambda states: False),
+    ):
+        yield

@@ -26,7 +26,13 @@ from miles.backends.fsdp_utils.fsdp import build_mesh, parse_dtype
 from miles.backends.fsdp_utils.lora import lora_config_from_args
 from miles.models.base import family_options, get_train_pipeline_config
 from miles.models.conditioning import Conditioning
-from miles.plan.fake import fake_process_group, movable_fake_modules, per_tensor_equivalents, plan_tensor_mode
+from miles.plan.fake import (
+    device_paths,
+    fake_process_group,
+    movable_fake_modules,
+    per_tensor_equivalents,
+    plan_tensor_mode,
+)
 from miles.plan.replay import Ledger, replay_decodes
 from miles.plan.sync import push, sync_buffers, take_after_window
 from miles.plan.tracker import Collective, PlanTracker
@@ -267,7 +273,7 @@ def simulate_trainer_rank(
         actor = PlannedTrainer(world_size, rank, role)
         # the mesh is built outside the fake mode (its rank tables are real tensors)
         actor.mesh = build_mesh(world_size, args.fsdp_shard_size, device) or init_device_mesh(device, (world_size,))
-        with plan_tensor_mode(fake), movable_fake_modules(), tracker:
+        with plan_tensor_mode(fake), movable_fake_modules(), device_paths(args.planned_device, fake), tracker:
             with tracker.in_phase("start-up"):
                 actor.init(args, "planner", 0)
                 sync = sync_buffers(args, actor) if export and role == "actor" else None

@@ -34,7 +34,7 @@ def test_the_plan_predicts_the_same_steps_run_on_real_tensors():
     tracked alike: the start-up and window peaks agree within 1%. (Not the export: on a CPU its device-to-host copies
     alias; nor the engine, whose real weights come memory-mapped from their files, outside the dispatcher: both are
     compared with the whole process's RSS in docs/user-guide/memory.md.)"""
-    args = simulation_args(plan_args("--diffusion-forward-dtype", "fp32"))
+    args = simulation_args(plan_args("--diffusion-forward-dtype", "fp32", "--device", "cpu"))  # the device it runs on
     peaks = {}
     for fake in (True, False):
         engine, result, samples, _ = simulate_engine(args, 2, fake=fake)
