@@ -25,14 +25,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _JOBS = None  # tests.background.Jobs of this session, once a selected test asks for one
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests that wait for a background job run last (in their order): the job runs beside every other test, and the
-    session never idles waiting for it while other tests are left."""
-    waiting = [item for item in items if item.get_closest_marker("background") is not None]
-    if waiting:
-        items[:] = [item for item in items if item.get_closest_marker("background") is None] + waiting
-
-
 def pytest_collection_finish(session):
     """Start the background jobs the selected tests ask for (`@pytest.mark.background(SCRIPT, JOB)`)."""
     global _JOBS
