@@ -132,6 +132,8 @@ def test_policy_loss_raises_brightness(ray_cluster, tiny_pipeline_dir, tmp_path)
     assert after - before > 0.015, (before, after)
 
 
+@pytest.mark.standard  # a learning claim of 35-45 s: the standard tier (the suite's 20 minutes; LoRA trains in the suite's
+# other LoRA runs, e.g. tests/e2e/test_lora_resume.py)
 def test_policy_loss_with_lora_raises_brightness(ray_cluster, tiny_pipeline_dir, tmp_path):
     before, after = run_learning(
         tiny_pipeline_dir,
