@@ -35,7 +35,7 @@ class _Layout:
         return cls(size, stride, offset, tensor.dtype, tensor.device, nbytes)
 
     def make(self) -> torch.Tensor:
-        elements = self.storage_bytes // torch.empty((), dtype=self.dtype).element_size()
+        elements = self.storage_bytes // self.dtype.itemsize
         flat = torch.empty(elements, dtype=self.dtype, device=self.device)
         return flat.as_strided(self.size, self.stride, self.offset)
 
