@@ -170,6 +170,7 @@ MONITOR_PANELS: tuple[PlotPanel, ...] = (
     ("x0 latent RMS norm", ("monitor/x0_norm_mean", "monitor/x0_norm_std")),
     ("diversity within prompt groups", ("monitor/diversity_pixel", "monitor/diversity_clip")),
     ("KL to reference", ("train/kl",)),
+    ("guard (--monitor-action)", ("monitor/tripped", "monitor/rollbacks")),
 )
 COMMON_PANELS: tuple[PlotPanel, ...] = (
     ("grad norm", ("train/grad_norm",)),
@@ -182,6 +183,7 @@ EVAL_PANELS: tuple[PlotPanel, ...] = (
         ("eval/shapes_accuracy", "eval/shapes_shape_accuracy", "eval/shapes_count_accuracy", "eval/ocr_accuracy"),
     ),
     ("held-out reward", ("eval/shapes_reward_mean", "eval/ocr_reward_mean")),
+    ("held-out proxy and gold (--gold-rm-type)", ("eval/proxy_reward", "eval/gold_reward")),
 )
 DEFAULT_PLOT_PANELS: tuple[PlotPanel, ...] = (
     ("rollout reward", ("rollout/reward_mean",)),
