@@ -90,7 +90,7 @@ def save_real_size_wan_pipeline(
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from miles.models.loading import strip_name_or_path
+    from miles.models.loading.pretrained import strip_name_or_path
     from miles.models.tiny import build_t5_tokenizer
     from miles.models.wan.tiny import SCHEDULER_SHIFT
 

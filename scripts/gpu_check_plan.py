@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from miles.arguments.parser import parse_args  # noqa: E402
 from miles.backends.fsdp_utils import sharded_load  # noqa: E402
-from miles.models import base, checkpoint_files, configs_only, loading  # noqa: E402
+from miles.models import base  # noqa: E402
+from miles.models.loading import checkpoint_files, configs_only, pretrained  # noqa: E402
 from miles.plan.command import CONFIGS, resolve_plan_checkpoint  # noqa: E402
 from miles.plan.simulate import (  # noqa: E402
     simulate_engine,
@@ -137,9 +138,9 @@ def _filled_materialize(model: torch.nn.Module, device: torch.device) -> None:
 def random_weights(seed: int = 0) -> Iterator[None]:
     """The loaders as the plan runs them, on real tensors with seeded random values (module docstring, step 2)."""
     torch.manual_seed(seed)
-    patches = [(module, "simulating", lambda: True) for module in (base, loading, checkpoint_files, sharded_load)]
+    patches = [(module, "simulating", lambda: True) for module in (base, pretrained, checkpoint_files, sharded_load)]
     built = _filled_modules(configs_only.module_from_config)
-    patches += [(configs_only, "module_from_config", built), (loading, "module_from_config", built)]
+    patches += [(configs_only, "module_from_config", built), (pretrained, "module_from_config", built)]
     patches += [
         (checkpoint_files, "materialize", _filled_materialize),
         (sharded_load, "materialize", _filled_materialize),

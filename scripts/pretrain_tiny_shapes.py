@@ -157,7 +157,7 @@ def write_init_pipeline(args: argparse.Namespace, vae, path: Path) -> None:
     """The tiny pipeline at the chosen sizes with the trained VAE in place of its random one."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from miles.models.loading import strip_name_or_path
+    from miles.models.loading.pretrained import strip_name_or_path
     from miles.models.sd3.tiny import build_tiny_sd3_pipeline
 
     pipe = build_tiny_sd3_pipeline(

@@ -73,7 +73,7 @@ def write_init_pipeline(args: argparse.Namespace, path: Path) -> None:
     transformer at the chosen size, FLUX.1's scheduler."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxTransformer2DModel
 
-    from miles.models.loading import strip_name_or_path
+    from miles.models.loading.pretrained import strip_name_or_path
     from miles.models.tiny import (
         SHAPES_WORDS,
         build_clip_text_encoder,

@@ -1,7 +1,7 @@
 """Model families: the `TrainPipelineConfig` interface (the family contract), and the import path of what a family
 and its callers use: the registry (`miles.models.family_registry`: `register_train_pipeline_config`,
-`get_train_pipeline_config`, ...), the loading helpers (`miles.models.loading`: `load_pretrained`, `compute_dtype`)
-and `family_options`, re-exported here.
+`get_train_pipeline_config`, ...), the loading helpers (`miles.models.loading.pretrained`: `load_pretrained`,
+`compute_dtype`) and `family_options`, re-exported here.
 
 A family knows how to load one kind of diffusers pipeline folder and run its networks the way its pipeline does:
 its conditioning (`Conditioning`, names of its choosing), its latent geometry (any rank), its decoded media (`Media`)
@@ -20,7 +20,6 @@ from torch import nn
 
 from miles.diffusion.schedule import sampling_sigmas as static_shift_sampling_sigmas
 from miles.models.conditioning import Conditioning
-from miles.models.configs_only import pipeline_components_from_configs
 from miles.models.family_registry import (  # noqa: F401  (re-exported: the registry's API)
     TRAIN_PIPELINE_CONFIGS,
     all_family_classes,
@@ -31,7 +30,8 @@ from miles.models.family_registry import (  # noqa: F401  (re-exported: the regi
     load_family_class,
     register_train_pipeline_config,
 )
-from miles.models.loading import (  # noqa: F401  (load_pretrained, compute_dtype, moved_to: re-exported)
+from miles.models.loading.configs_only import pipeline_components_from_configs
+from miles.models.loading.pretrained import (  # noqa: F401  (load_pretrained, compute_dtype, moved_to: re-exported)
     DTYPE_KW,
     check_pipeline_components,
     check_pipeline_folder,

@@ -21,7 +21,7 @@ from torch import nn
 
 from miles.models.base import TrainPipelineConfig, load_pretrained
 from miles.models.conditioning import Conditioning
-from miles.models.loading import SAFETENSORS_DTYPES, moved_to, strip_name_or_path
+from miles.models.loading.pretrained import SAFETENSORS_DTYPES, moved_to, strip_name_or_path
 from miles.models.media import Media
 
 logger = logging.getLogger(__name__)

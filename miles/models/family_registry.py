@@ -8,7 +8,7 @@ import inspect
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from miles.models.loading import check_pipeline_folder, read_model_index
+from miles.models.loading.pretrained import check_pipeline_folder, read_model_index
 from miles.models.registry import BUILTIN_FAMILIES, builtin_family_of_pipeline
 from miles.utils import import_gc
 from miles.utils.misc import load_function

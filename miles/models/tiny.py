@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from miles.models.diffusers_family import write_run_defaults
-from miles.models.loading import strip_name_or_path
+from miles.models.loading.pretrained import strip_name_or_path
 
 logger = logging.getLogger(__name__)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -109,11 +110,8 @@ def movable_fake_modules() -> Iterator[None]:
                 module._buffers[key] = fn(buffer)
         return module
 
-    nn.Module._apply = _apply
-    try:
+    with mock.patch.object(nn.Module, "_apply", _apply):
         yield
-    finally:
-        nn.Module._apply = original
 
 
 # ---- equivalents of third-party code whose cost on fake tensors is per element, not per tensor -------------------
@@ -136,12 +134,9 @@ def per_tensor_equivalents() -> Iterator[None]:
     except ImportError:  # an older diffusers without the family: nothing to swap
         yield
         return
-    original = HunyuanVideo15AttnBlock.__dict__["prepare_causal_attention_mask"]
-    HunyuanVideo15AttnBlock.prepare_causal_attention_mask = staticmethod(_hunyuan_video15_causal_mask)
-    try:
+    equivalent = staticmethod(_hunyuan_video15_causal_mask)
+    with mock.patch.object(HunyuanVideo15AttnBlock, "prepare_causal_attention_mask", equivalent):
         yield
-    finally:
-        HunyuanVideo15AttnBlock.prepare_causal_attention_mask = original
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from miles.algorithms import algorithm_of
 from miles.arguments.fsdp import trainer_world_size
@@ -17,6 +17,15 @@ from miles.weight_sync.transports import SLOTS
 
 GPUS_PER_NODE = 8
 PHASES = ("start-up", "train", "generate", "weight sync")
+
+
+class GpuEntry(TypedDict):
+    """One GPU of the plan (`plan.json`'s `gpus` and `worst_gpu`): its processes and its peak phase."""
+
+    index: int
+    roles: list[str]
+    peak_bytes: int
+    phase: str
 
 
 @dataclass(frozen=True)
@@ -141,10 +150,10 @@ def build_report(args: argparse.Namespace, simulation: Simulation, settings: Pla
     """The plan as `plan.json` holds it (schema: docs/user-guide/memory.md)."""
     sleeps = plans_sleep(args)
     gpus = gpu_components(args, simulation)
-    gpu_entries = []
+    gpu_entries: list[GpuEntry] = []
     for index, components in enumerate(gpus):
         peaks = gpu_peaks(components, sleeps)
-        phase = max(peaks, key=peaks.get)
+        phase = max(peaks, key=peaks.__getitem__)
         gpu_entries.append(
             {"index": index, "roles": [c.label for c in components], "peak_bytes": peaks[phase], "phase": phase}
         )

@@ -116,16 +116,17 @@ def simulate(
     algorithm = algorithm_of(args)
     window_samples = max(1, sim.global_batch_size // args.dp_size)
     rows = engine_rows(args) if algorithm.uses_engines else window_samples
+    engine: ProcessPlan | None
     if reuse is None or "engine" in parts:
         micro = engine_micro_batch(args, latent_shape(sim), rows)
         engine, result, samples, engine_flops = simulate_engine(sim, rows, micro_batch_size=micro)
         window = train_pairs_for_rank(sim, *reversed(_rows_for_window(result, samples, window_samples)))
+        forward_flops = engine.forward_flops_per_sample
     else:
         engine, engine_flops, window, rows = reuse.engine, reuse.engine_flops, reuse.window, reuse.engine_rows
+        micro, forward_flops = reuse.engine_micro_batch, reuse.forward_flops_per_sample
     out = Simulation(engine if algorithm.uses_engines else None, rows, engine_flops, window_samples=window_samples)
-    fresh = reuse is None or "engine" in parts
-    out.engine_micro_batch = micro if fresh else reuse.engine_micro_batch
-    out.forward_flops_per_sample = engine.forward_flops_per_sample if fresh else reuse.forward_flops_per_sample
+    out.engine_micro_batch, out.forward_flops_per_sample = micro, forward_flops
     out.window = window
     if reuse is not None and "trainer" not in parts and "window" not in parts:
         out.roles, out.train_flops = reuse.roles, reuse.train_flops

@@ -10,9 +10,10 @@ import copy
 import gc
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,7 @@ from miles.rollout.engine_api import GenerateResult
 from miles.rollout.prompt_cache import frees_text_encoders
 from miles.rollout.prompt_encoder import fill_step
 from miles.rollout.rollout_hub import rollout_spec_of
+from miles.rollout.rollout_hub.spec import RolloutSpec
 from miles.utils.types import Sample, TrainPairs, shard_pairs
 
 logger = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ class ProcessPlan:
 
     @property
     def peak_phase(self) -> str:
-        return max(self.peaks, key=self.peaks.get) if self.peaks else "-"
+        return max(self.peaks, key=self.peaks.__getitem__) if self.peaks else "-"
 
     @property
     def activations_bytes(self) -> int:
@@ -95,7 +97,7 @@ def simulation_args(args: argparse.Namespace) -> argparse.Namespace:
     return sim
 
 
-def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for tensor in tensors:
         local = local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
@@ -105,6 +107,19 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 # ---- the engine --------------------------------------------------------------------------------------------
+def engine_rollout_spec(args: argparse.Namespace) -> RolloutSpec:
+    """The rollout side the simulated engine's call and the trainer's pairs come from; a run on dataset pairs
+    (--train-only, e.g. --loss-type sft_loss) has none, and the planner does not simulate it: refused, naming why."""
+    spec = rollout_spec_of(args)
+    if not isinstance(spec, RolloutSpec):
+        with_flag = " with --train-only" if args.train_only else ""
+        raise ValueError(
+            f"--plan simulates the rollout engines' generate call and the train pairs made of it; --loss-type "
+            f"{args.loss_type}{with_flag} trains on dataset pairs (a DatasetSpec), which the planner does not simulate"
+        )
+    return spec
+
+
 def engine_samples(args: argparse.Namespace, count: int) -> list[Sample]:
     """`count` samples of one prompt group after another, each group its own prompt (their text is irrelevant:
     every prompt is encoded at its longest; a prompt-cache fill encodes each distinct one), source images where the
@@ -178,19 +193,20 @@ def simulate_engine(
                 micro_batch_size=micro_batch_size,
             )
         resolution = args.resolution or engine.family.default_resolution
-        request = rollout_spec_of(args).build_request(args, samples, rollout_id=0, resolution=resolution)
+        request = engine_rollout_spec(args).build_request(args, samples, rollout_id=0, resolution=resolution)
+        cached: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if frees_text_encoders(args, engine.family):
             with tracker.in_phase("start-up"):
-                _fill_prompt_cache(engine, request)
+                cached = _fill_prompt_cache(engine, request)
         weights = list(engine.transformer.parameters()) + list(engine.transformer.buffers())
         resident = _storage_bytes(weights + [t for m in engine.family.loaded_modules() for t in m.parameters()])
         with tracker.in_phase("generate"), FlopCounterMode(display=False) as flops:
             once = ForwardOnce(engine.family.predict_velocity, flops, run_every=not fake)
-            engine.family.predict_velocity = once
-            ledger = Ledger(flops)
-            if fake:  # each micro-batch's decode is the first's: replayed (on real tensors all run)
-                replay_decodes(engine.family, tracker, ledger)
-            result = engine.generate(request)
+            with cached, mock.patch.object(engine.family, "predict_velocity", once):
+                ledger = Ledger(flops)
+                if fake:  # each micro-batch's decode is the first's: replayed (on real tensors all run)
+                    replay_decodes(engine.family, tracker, ledger)
+                result = engine.generate(request)
         total_flops = ledger.total() + (0 if once.run_every else (once.calls - 1) * once.step_flops)
     plan = ProcessPlan("engine", 0, dict(tracker.peaks), dict(tracker.after), params_bytes=resident)
     plan.forward_flops_per_sample = once.step_flops / max(1, once.rows)
@@ -199,12 +215,13 @@ def simulate_engine(
     return plan, result, samples, float(total_flops)
 
 
-def _fill_prompt_cache(engine: DiffusionEngine, request: Any) -> None:
+def _fill_prompt_cache(engine: DiffusionEngine, request: Any) -> contextlib.AbstractContextManager[object]:
     """The start-up's prompt-cache fill as `PromptEncoder.fill` runs it: the request's distinct prompts encoded
     `fill_step` at a time (every row kept, as generate reads the cache's entries back) and the negative prompt; the
-    text encoders are then freed, and generate reads the rows without them."""
+    text encoders are then freed, and generate reads the rows without them (under the returned patch)."""
     family, device = engine.family, engine.prompt_encoder.device
-    prompts, rows = list(dict.fromkeys(request.prompts)), {}
+    prompts = list(dict.fromkeys(request.prompts))
+    rows: dict[str, Conditioning] = {}
     step = fill_step(family, engine.micro_batch(request.resolution, request.guidance_scale > 1.0))
     for start in range(0, len(prompts), step):
         chunk = prompts[start : start + step]
@@ -216,7 +233,7 @@ def _fill_prompt_cache(engine: DiffusionEngine, request: Any) -> None:
         negative = family.encode_prompts([request.negative_prompt], device=device)
     family.release_text_encoders()
     gc.collect()
-    engine.prompt_encoder.encode_request = lambda *args, **kwargs: (embeds, negative)
+    return mock.patch.object(engine.prompt_encoder, "encode_request", lambda *args, **kwargs: (embeds, negative))
 
 
 def latent_shape(args: argparse.Namespace) -> tuple[int, ...]:
@@ -241,7 +258,7 @@ def train_pairs_for_rank(args: argparse.Namespace, samples: list[Sample], result
     """One optimizer window's pairs of one data-parallel rank (`samples` are its share of the window), converted by
     the algorithm's own rollout side from the engine's (fake) result with zero advantages, dealt as the rollout
     manager deals them (`shard_pairs`: each row gets its `pair_index`)."""
-    spec = rollout_spec_of(args)
+    spec = engine_rollout_spec(args)
     pairs = spec.convert(args, samples, result, torch.zeros(len(samples)), rollout_id=0)
     return shard_pairs(pairs, 1)[0]
 
@@ -292,7 +309,8 @@ def simulate_trainer_rank(
                     plan.host_bytes = int(report["copied_bytes"])
                 with tracker.in_phase("wake"):
                     actor.wake()
-        actor.prefetcher.shutdown()
+        if actor.prefetcher is not None:  # None until init built it
+            actor.prefetcher.shutdown()
     plan.peaks, plan.after = dict(tracker.peaks), dict(tracker.after)
     if after_window is not None:
         take_after_window(plan, after_window)
@@ -307,12 +325,11 @@ def _window(
     """The rank's optimizer window in the train phase: its plan (what stays resident, the forwards it ran, the
     phase's peak before the optimizer's first step) and the window's output."""
     passes = {"grad": 0, "no_grad": 0}
-    actor._predict = _counted(actor._predict, passes)
     before_step: list[int] = []
     actor.optimizer.register_step_pre_hook(
         lambda *_: None if before_step else before_step.append(tracker.peaks.get("train", 0))
     )
-    with tracker.in_phase("train"):
+    with tracker.in_phase("train"), mock.patch.object(actor, "_predict", _counted(actor._predict, passes)):
         output = actor.train_pairs(0, pairs, peer_output)
     plan = _resident(actor, role, rank, tracker)
     plan.passes = passes

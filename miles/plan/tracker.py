@@ -4,11 +4,13 @@ of each named phase) and the collectives it issues (op, group size, dtype, eleme
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -56,9 +58,13 @@ class PlanTracker(TorchDispatchMode):
         if key in self._sizes and self._refs[key]() is storage:
             return
         self._sizes[key] = storage.nbytes()
-        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
+        self._refs[key] = weakref.ref(storage, functools.partial(self._collected, key))
         self.live_bytes += self._sizes[key]
         self._note_peak()
+
+    def _collected(self, key: int, _: object) -> None:
+        """The weak reference's callback: the storage of `key` died."""
+        self._free(key)
 
     def _free(self, key: int) -> None:
         self.live_bytes -= self._sizes.pop(key, 0)
@@ -127,7 +133,7 @@ class PlanTracker(TorchDispatchMode):
             self._track(torch.empty(0, device=storage.device).set_(storage))
 
     def __enter__(self) -> PlanTracker:
-        original = self._original_resize = torch.UntypedStorage.resize_
+        original = torch.UntypedStorage.resize_
         tracker = self
 
         def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
@@ -135,11 +141,12 @@ class PlanTracker(TorchDispatchMode):
             tracker._resized(storage)
             return out
 
-        torch.UntypedStorage.resize_ = resize_
+        self._resize_patch = mock.patch.object(torch.UntypedStorage, "resize_", resize_)
+        self._resize_patch.start()
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        torch.UntypedStorage.resize_ = self._original_resize
+        self._resize_patch.stop()
         return super().__exit__(*exc)
 
     # ---- dispatch ----------------------------------------------------------------------------

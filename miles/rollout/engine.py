@@ -16,9 +16,9 @@ from miles.diffusion.dpm_solver import dpm_solver_pp_step, flash_sigmas
 from miles.diffusion.schedule import sampling_sigmas
 from miles.diffusion.sde import get_sde_kernel, renoise_sigmas
 from miles.models.base import get_train_pipeline_config
-from miles.models.checkpoint_files import load_transformer_direct
 from miles.models.compile import check_compile, compile_counters, compile_transformer
 from miles.models.conditioning import Conditioning
+from miles.models.loading.checkpoint_files import load_transformer_direct
 from miles.rollout.engine_api import INITIAL_WEIGHTS_VERSION, GenerateRequest, GenerateResult, draw_sample_noise
 from miles.rollout.engine_lora import EngineLora
 from miles.rollout.micro_batches import (

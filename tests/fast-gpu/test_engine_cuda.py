@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 def test_the_transformer_loads_onto_the_gpu_within_1_2x_its_weights(tiny_pipeline_dir):
     from miles.models.base import get_train_pipeline_config
-    from miles.models.checkpoint_files import load_transformer_direct
+    from miles.models.loading.checkpoint_files import load_transformer_direct
 
     family = get_train_pipeline_config(tiny_pipeline_dir)
     torch.cuda.empty_cache()

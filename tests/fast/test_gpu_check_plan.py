@@ -39,13 +39,13 @@ def test_the_comparison_fails_a_phase_more_than_10_percent_off(plan_script):
 
 
 def test_the_random_weights_leave_the_loaders_as_they_were(plan_script):
-    from miles.models import checkpoint_files, configs_only, loading
+    from miles.models.loading import checkpoint_files, configs_only, pretrained
 
-    before = (loading.simulating, configs_only.module_from_config, checkpoint_files.materialize)
+    before = (pretrained.simulating, configs_only.module_from_config, checkpoint_files.materialize)
     with plan_script.random_weights():
-        assert loading.simulating() and checkpoint_files.materialize is not before[2]
-    assert (loading.simulating, configs_only.module_from_config, checkpoint_files.materialize) == before
-    assert not loading.simulating()
+        assert pretrained.simulating() and checkpoint_files.materialize is not before[2]
+    assert (pretrained.simulating, configs_only.module_from_config, checkpoint_files.materialize) == before
+    assert not pretrained.simulating()
 
 
 def test_the_sd35_medium_folder_is_sd35_large_with_the_medium_transformer(plan_script, tmp_path):

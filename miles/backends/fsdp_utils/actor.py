@@ -167,11 +167,14 @@ class FSDPTrainRayActor(TrainLoop):
         if self.args.ref_mode == "lora_base":
             networks["ref"] = LoraBaseNetwork(self.model)
         elif self.args.ref_mode == "ema":
+            if self.ema is None:  # the parser refuses it; a hand-made args namespace may not
+                raise ValueError(f"{self.role}: --ref-mode ema needs --use-ema (no EMA weights to serve as ref)")
             networks["ref"] = self.ema.network(self.model)
         for name, shadow in self.shadows.items():
             networks[name] = shadow.network(self.model)
         for frozen in self.frozen:
-            path = getattr(self.args, frozen.path_flag, None) if frozen.source == "checkpoint" else None
+            # a checkpoint network names its path flag, a shadow none (FrozenNetwork checks it)
+            path = getattr(self.args, frozen.path_flag, None) if frozen.path_flag is not None else None
             if path:
                 self.loaded[frozen.name] = networks[frozen.name] = self._load_frozen(path)
         return networks
@@ -198,15 +201,6 @@ class FSDPTrainRayActor(TrainLoop):
             ),
         )
         return network.eval()
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel group: the shard of train pairs it trains on (with its sequence-parallel peers)."""
-        return self.rank // self.args.sp_size
-
-    @property
-    def dp_size(self) -> int:
-        return self.world_size // self.args.sp_size
 
     def _prepare_trained(self, model: torch.nn.Module) -> None:
         """The trained network before sharding: the LoRA adapter, then its tokens split over the sequence-parallel

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
 
@@ -98,7 +98,7 @@ def apply_fsdp2(
     _shard_blocks(sharder, blocks, split, gradient_checkpointing, reshard_after_forward)
     # The root keeps torch's default (no reshard after forward): its parameters are needed again first in backward.
     sharder.shard_with_parts(model, cast_root_inputs)
-    model.compute_dtype = param_dtype
+    model.compute_dtype = param_dtype  # type: ignore[assignment]  # torch types Module.__setattr__ Tensor | Module; any value is stored
     if collective_device().type == "cpu":
         gather_one_group_at_a_time(model)
     sharder.report(len(blocks), gradient_checkpointing)
@@ -164,8 +164,9 @@ def _reshard_when_recomputed(module: nn.Module, args: Any, output: Any) -> None:
     gathers them again for the child's own backward. Not a child gathered for its backward already (the one whose
     saved tensors started the recompute), which FSDP2 reshards after that backward."""
     in_backward = torch._C._current_graph_task_id() != -1  # FSDP2's own test (`is_bw`)
-    if in_backward and module._get_fsdp_state()._training_state != TrainingState.PRE_BACKWARD:
-        module.reshard()
+    sharded = cast(FSDPModule, module)  # the hook is registered on a child `fully_shard` made an FSDPModule
+    if in_backward and sharded._get_fsdp_state()._training_state != TrainingState.PRE_BACKWARD:
+        sharded.reshard()
 
 
 class _GroupSharder:
@@ -290,8 +291,8 @@ def _fp32_split(
     if _one_policy_is_exact([remaining[n] for n in names], [n in keep for n in names], param_dtype):
         return []
     own = {n in keep for n in names if n.rpartition(".")[0] == prefix}
-    children = _forward_children(module, prefix)
-    children = [(path, child, {n in keep for n in under(path)}) for path, child in children if under(path)]
+    named = _forward_children(module, prefix)
+    children = [(path, child, {n in keep for n in under(path)}) for path, child in named if under(path)]
     if len(own) > 1:
         return []  # kept and other parameters directly on `module`: no split makes its group exact
     if own:

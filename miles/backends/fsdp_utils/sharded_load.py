@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from miles.models.base import TrainPipelineConfig
-from miles.models.checkpoint_files import (
+from miles.models.loading.checkpoint_files import (
     checkpoint_folders,
     fill_from_checkpoint,
     local_part,

@@ -3,19 +3,23 @@ loop, the training loop (every forward run here, frozen ones by name), the per-r
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from miles.algorithms import FirstWindowMetrics
+from miles.backends.fsdp_utils.ema import EmaConfig, ShadowWeights
 from miles.backends.fsdp_utils.first_window_guard import check_first_window
 from miles.backends.fsdp_utils.fsdp import clip_grad_norm_
+from miles.backends.fsdp_utils.loss_hub import LossHooks
 from miles.backends.fsdp_utils.loss_hub.types import DiffusionLossContext, Guidance, PreparedBatch, WindowMetrics
 from miles.backends.fsdp_utils.microbatch import (
     MicroBatch,
@@ -27,6 +31,7 @@ from miles.backends.fsdp_utils.microbatch import (
 )
 from miles.backends.fsdp_utils.prefetch import MicrobatchPrefetcher
 from miles.diffusion.reward_grad import euler_unroll
+from miles.models.base import TrainPipelineConfig
 from miles.models.compile import compile_counters
 from miles.utils.box import Box, put_box
 from miles.utils.distributed import collective_device
@@ -55,11 +60,43 @@ class TrainLoop:
     `log_prob_ratio` is the algorithm's declaration: only then does the recompute loop run and do the formulas get
     the `write_old_log_prob` / `old_log_prob_from_new` keywords (ARCHITECTURE §6)."""
 
+    # The state the actor supplies (`FSDPTrainRayActor.__init__` and `init`), declared here for the loops' types.
+    args: argparse.Namespace
+    settings: dict[str, Any]  # `role_settings`: this role's overrides
+    world_size: int
+    rank: int
+    role: str
+    device: torch.device
+    forward_dtype: torch.dtype
+    family: TrainPipelineConfig
+    model: torch.nn.Module
+    networks: Mapping[str, torch.nn.Module]  # the trained network and the frozen ones the hooks may name
+    shadows: dict[str, ShadowWeights]
+    hooks: LossHooks
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    ema: ShadowWeights | None
+    ema_config: EmaConfig
+    global_step: int
+    consecutive_skips: int  # the non-finite guard's state
+    first_non_finite: str
+    pending_metrics: list[dict[str, Any]]  # rank 0's window records until the driver pops them
+    _gradient_sync: bool
+
     log_prob_ratio: bool = False
     # the declared metrics of the first-window guard, until the run's first window has been checked (then None)
     first_window_metrics: FirstWindowMetrics | None = None
     train_threads: int | None = None  # torch threads while training (None: the base count)
     prefetcher: MicrobatchPrefetcher | None = None
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel group: the shard of train pairs it trains on (with its sequence-parallel peers)."""
+        return self.rank // self.args.sp_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.args.sp_size
 
     def train(self, rollout_id: int, data: Box, peer: Box | None = None) -> Box:
         """Train on this rank's shard; returns `Box(ray.put(train_output))` for the paired rank of the next group.
@@ -186,6 +223,8 @@ class TrainLoop:
         """The first-window guard, once per run, on every rank alike (the record is reduced over dp): no rank
         raises alone into the next collective."""
         keys, self.first_window_metrics = self.first_window_metrics, None
+        if keys is None:  # checked already (the caller tests it)
+            return
         if self.args.allow_rollout_mismatch and self.rank != 0:
             return  # rank 0 warns for every rank
         problem = check_first_window(
@@ -231,7 +270,10 @@ class TrainLoop:
         if self._gradient_sync == last_in_window:
             return
         accumulate_gradients(
-            self.model, last_in_window, world_size=self.world_size, cpu_offload=self.args.fsdp_cpu_offload
+            cast(FSDPModule, self.model),  # `apply_fsdp2` made the root an FSDPModule
+            last_in_window,
+            world_size=self.world_size,
+            cpu_offload=self.args.fsdp_cpu_offload,
         )
         self._gradient_sync = last_in_window
 

@@ -36,7 +36,7 @@ from miles.models.diffusers_family import (
     training_shift,
     unit_range,
 )
-from miles.models.loading import read_model_index
+from miles.models.loading.pretrained import read_model_index
 from miles.models.media import Media
 
 logger = logging.getLogger(__name__)

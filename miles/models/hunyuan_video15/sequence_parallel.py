@@ -26,7 +26,7 @@ from diffusers.models.transformers.transformer_hunyuan_video15 import (
 )
 from torch import nn
 
-from miles.models.loading import as_class
+from miles.models.loading.pretrained import as_class
 from miles.models.sequence_parallel import (
     SequenceParallelGroup,
     gather_sequence,

@@ -25,7 +25,7 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchE
 from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
 from miles.models.diffusers_family import write_run_defaults
-from miles.models.loading import strip_name_or_path
+from miles.models.loading.pretrained import strip_name_or_path
 from miles.models.tiny import SHAPES_WORDS, build_qwen2_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_ltx2 import (
 )
 from torch import nn
 
-from miles.models.loading import as_class
+from miles.models.loading.pretrained import as_class
 from miles.models.sequence_parallel import (
     SequenceParallelGroup,
     gather_sequence,

@@ -29,7 +29,7 @@ from miles.models.diffusers_family import (
     training_shift,
     unit_range,
 )
-from miles.models.loading import module_config
+from miles.models.loading.pretrained import module_config
 from miles.models.media import Media
 
 logger = logging.getLogger(__name__)

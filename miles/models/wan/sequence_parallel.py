@@ -15,7 +15,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel, WanTransformerBlock
 from torch import nn
 
-from miles.models.loading import as_class
+from miles.models.loading.pretrained import as_class
 from miles.models.sequence_parallel import (
     SequenceParallelGroup,
     gather_sequence,

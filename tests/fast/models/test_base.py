@@ -1,6 +1,6 @@
 """The family contract's base: no family imports another's modules or private names, and a pickled family carries its
-path, not its loaded models (the registry's tests: test_family_registry.py; the folders' checks: test_loading.py; a
-run of one family importing no other: test_models.py)."""
+path, not its loaded models (the registry's tests: test_family_registry.py; the folders' checks:
+loading/test_pretrained.py; a run of one family importing no other: test_models.py)."""
 
 from __future__ import annotations
 

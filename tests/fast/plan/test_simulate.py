@@ -10,6 +10,7 @@ from miles.models.base import family_options, get_train_pipeline_config
 from miles.plan import run as run_module
 from miles.plan import simulate as simulate_module
 from miles.plan.simulate import simulate_engine, simulate_trainer_rank, simulation_args
+from miles.rollout.rollout_hub.spec import RolloutSpec
 from tests.fast.plan.plan_cases import plan_args
 
 
@@ -91,3 +92,12 @@ def test_the_planned_prompt_cache_fill_encodes_as_the_engines_fill_does(tmp_path
     monkeypatch.setattr(family_class, "encode_prompts", encode_prompts)
     simulate_engine(args, 3)
     assert batches[:3] == [1, 1, 1] and set(batches) == {1}  # three prompts (then the negative, with CFG)
+
+
+def test_a_run_on_dataset_pairs_is_refused_naming_why():
+    """SFT trains on dataset pairs (--train-only, implied by its declaration): no engine call to simulate, so the
+    planner says so instead of failing inside the simulation."""
+    args = plan_args("--loss-type", "sft_loss", "--train-only")
+    with pytest.raises(ValueError, match="--loss-type sft_loss with --train-only trains on dataset pairs"):
+        simulate_module.engine_rollout_spec(args)
+    assert isinstance(simulate_module.engine_rollout_spec(plan_args()), RolloutSpec)  # the default run's (nft)

@@ -14,7 +14,7 @@ from diffusers.configuration_utils import ConfigMixin
 from diffusers.models.modeling_utils import ModelMixin, no_init_weights
 from torch import nn
 
-from miles.models.configs_only import built_from_config, folder_config, keep_fp32_parameters, module_from_config
+from miles.models.loading.configs_only import built_from_config, folder_config, keep_fp32_parameters, module_from_config
 from miles.utils.simulation import simulating
 
 # from_pretrained's dtype keyword: `dtype` in the diffusers versions that renamed it, `torch_dtype` before

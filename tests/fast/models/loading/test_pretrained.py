@@ -13,7 +13,7 @@ from miles.models import (
     SD3PipelineConfig,
     get_train_pipeline_config,
 )
-from miles.models.loading import strip_name_or_path
+from miles.models.loading.pretrained import strip_name_or_path
 
 
 def test_missing_folder_error_names_path_and_flag(tmp_path):

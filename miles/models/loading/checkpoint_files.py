@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from miles.models.base import TrainPipelineConfig
-from miles.models.loading import CHECKPOINT_FOLDER_ATTR, SAFETENSORS_DTYPES
+from miles.models.loading.pretrained import CHECKPOINT_FOLDER_ATTR, SAFETENSORS_DTYPES
 from miles.utils.simulation import simulating
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
-"""The planner's networks and tokenizers from a pipeline folder's configs alone (miles/models/configs_only.py), on
-the tiny FLUX.1-dev folder: every prompt tokenized at its longest by a stand-in of the folder's tokenizer class,
-networks of the real shapes in the asked dtype (fp32 where the class keeps it), eval mode without gradients, and
-schedulers left to the pipeline's loader."""
+"""The planner's networks and tokenizers from a pipeline folder's configs alone
+(miles/models/loading/configs_only.py), on the tiny FLUX.1-dev folder: every prompt tokenized at its longest by a
+stand-in of the folder's tokenizer class, networks of the real shapes in the asked dtype (fp32 where the class keeps
+it), eval mode without gradients, and schedulers left to the pipeline's loader."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 from transformers import CLIPTokenizer, T5Tokenizer
 
-from miles.models.configs_only import (
+from miles.models.loading.configs_only import (
     DEFAULT_TOKENS,
     PlanTokenizer,
     keep_fp32_parameters,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from miles.models.base import get_train_pipeline_config
-from miles.models.checkpoint_files import load_transformer_direct
+from miles.models.loading.checkpoint_files import load_transformer_direct
 
 
 def status(field: str) -> int:
