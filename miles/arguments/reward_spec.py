@@ -13,6 +13,7 @@ import os
 
 from miles.algorithms import ALGORITHMS
 from miles.models.builtin import makes_video
+from miles.models.shapes_reward.weights import weights_dir
 from miles.utils.misc import HookLoadError, load_function
 
 BUILTIN_MOVING_SHAPES = "builtin:moving-shapes"  # miles.data.moving_shapes's (no data modules here)
@@ -172,11 +173,15 @@ def shapes_learned_problems(args: argparse.Namespace, spec: list[tuple[str, floa
     folder = args.shapes_learned_dir
     if not folder:
         return []
+    try:
+        path = weights_dir(folder)
+    except ValueError as error:
+        return [str(error)]
     return [
         f"--shapes-learned-dir {folder}: no {SHAPES_LEARNED_FILES[name]} in it (--rm-type {name} loads it; "
         f"python scripts/train_shapes_reward.py --out-dir {folder} writes it)"
         for name, _ in spec
-        if name in SHAPES_LEARNED_FILES and not os.path.isfile(os.path.join(folder, SHAPES_LEARNED_FILES[name]))
+        if name in SHAPES_LEARNED_FILES and not os.path.isfile(os.path.join(path, SHAPES_LEARNED_FILES[name]))
     ]
 
 

@@ -44,7 +44,8 @@ def add_reward_arguments(parser: argparse.ArgumentParser) -> None:
         "--shapes-learned-dir",
         default=None,
         help="shapes_learned, shapes_learned_latent: the folder of their weights (what scripts/"
-        "train_shapes_reward.py --out-dir writes; default: the shipped miles/assets/shapes_reward).",
+        "train_shapes_reward.py --out-dir writes; default: the shipped miles/assets/shapes_reward), or builtin:fitted "
+        "(shipped: the proxies fitted also to the model's own CFG-free samples, labelled by the gold).",
     )
     group.add_argument(
         "--ocr-num-threads",

@@ -102,7 +102,9 @@ def test_monitor_panels_expand_patterns_and_skip_a_kl_the_algorithm_already_draw
 def test_a_guarded_run_draws_its_proxy_and_gold_and_the_guards_actions():
     records = nft_records()
     records[0].update({"eval/proxy_reward": 0.9, "eval/gold_reward": 0.86})
-    records[-1].update({"eval/proxy_reward": 0.95, "eval/gold_reward": 0.8, "monitor/tripped": 1, "monitor/rollbacks": 1})
+    records[-1].update(
+        {"eval/proxy_reward": 0.95, "eval/gold_reward": 0.8, "monitor/tripped": 1, "monitor/rollbacks": 1}
+    )
     panels = dict(plot_panels(records, "refl"))
     assert panels["held-out proxy and gold (--gold-rm-type)"] == ("eval/proxy_reward", "eval/gold_reward")
     assert panels["guard (--monitor-action)"] == ("monitor/tripped", "monitor/rollbacks")

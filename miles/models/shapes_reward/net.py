@@ -24,6 +24,7 @@ from torch import nn
 
 from miles.data.shapes import COUNTS, PALETTE, POSITIONS, SHAPES
 from miles.models.builtin import resolve_checkpoint
+from miles.models.shapes_reward.weights import IMAGE, LATENT, WEIGHT_FILES, WEIGHTS_DIR, weights_dir
 
 # The heads, in the order of the network's output: (attribute, its classes, the metadata value of each class).
 ATTRIBUTES: tuple[tuple[str, tuple[Any, ...]], ...] = (
@@ -32,12 +33,8 @@ ATTRIBUTES: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("count", COUNTS),
     ("position", POSITIONS),
 )
-IMAGE, LATENT = "image", "latent"
 IMAGE_SIZE = 32  # the shapes world's resolution; other square images are resized to it (differentiably)
 LATENT_CHECKPOINT = "builtin:tiny-shapes"  # the latent variant scores this checkpoint's normalised VAE latents
-WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "shapes_reward"  # the shipped weights (package data)
-# the weight files, in WEIGHTS_DIR or the folder --shapes-learned-dir names (miles.arguments.reward_spec lists the same)
-WEIGHT_FILES = {IMAGE: "shapes_learned.safetensors", LATENT: "shapes_learned_latent.safetensors"}
 
 
 class ShapesRewardNet(nn.Module):
@@ -125,7 +122,7 @@ def reward_name(kind: str) -> str:
 def load_net(kind: str, device: torch.device | str = "cpu", folder: str | None = None) -> ShapesRewardNet:
     """The network of `kind` (image or latent) from `folder` (None: the shipped one), frozen, on `device` (loaded
     once per process, folder and device)."""
-    return _net_on(kind, str(torch.device(device)), str(folder or WEIGHTS_DIR))
+    return _net_on(kind, str(torch.device(device)), str(weights_dir(folder)))
 
 
 @functools.cache
@@ -142,7 +139,7 @@ def _copy_to(net: ShapesRewardNet, device: str) -> ShapesRewardNet:
 
 def shipped_metadata(kind: str, folder: str | None = None) -> dict[str, str]:
     """The weights file's metadata: config, seed, the training command, held-out accuracy per attribute (JSON)."""
-    return dict(_cpu_net(kind, str(folder or WEIGHTS_DIR))[1])
+    return dict(_cpu_net(kind, str(weights_dir(folder)))[1])
 
 
 def _resized(pixels: torch.Tensor) -> torch.Tensor:

@@ -51,3 +51,20 @@ def test_weights_from_another_folder(scenes, tmp_path):
         f"--shapes-learned-dir {tmp_path}: no shapes_learned_latent.safetensors in it (--rm-type shapes_learned_latent "
         f"loads it; python scripts/train_shapes_reward.py --out-dir {tmp_path} writes it)"
     ]
+
+
+def test_the_shipped_fitted_proxies_are_named_builtin_fitted(scenes):
+    """`--shapes-learned-dir builtin:fitted` scores with the shipped fitted weights (their own numbers, not the
+    generator-only ones'); an unknown builtin name is refused at parse time naming the known ones."""
+    args = default_args(rm_type="shapes_learned_latent", shapes_learned_dir="builtin:fitted")
+    assert shapes_learned_problems(args, reward_spec_from_args(args)) == []
+    assert "--model-samples 1024" in ls.shipped_metadata(ls.LATENT, "builtin:fitted")["command"]
+    latents = ls.encode_images(scenes["pixels"])
+    with torch.no_grad():
+        fitted = ls.score_latents(latents, scenes["metadatas"], "builtin:fitted")
+        shipped = ls.score_latents(latents, scenes["metadatas"])
+    assert not torch.equal(fitted, shipped) and bool(((fitted >= 0) & (fitted <= 1)).all())
+    unknown = default_args(rm_type="shapes_learned", shapes_learned_dir="builtin:nope")
+    assert shapes_learned_problems(unknown, reward_spec_from_args(unknown)) == [
+        "--shapes-learned-dir builtin:nope: no such shipped weights (known: ['builtin:fitted'])"
+    ]
