@@ -41,14 +41,16 @@ class PhaseSampler:
 
     def __init__(self) -> None:
         self.phase, self.peak, self.peak_phase = "idle", 0, "idle"
+        self.by_phase: dict[str, int] = {}  # the highest resident set sampled in each phase
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(0.01):
-            now = rss()
+            now, phase = rss(), self.phase
+            self.by_phase[phase] = max(now, self.by_phase.get(phase, 0))
             if now > self.peak:
-                self.peak, self.peak_phase = now, self.phase
+                self.peak, self.peak_phase = now, phase
 
     def __enter__(self) -> PhaseSampler:
         self._thread.start()
@@ -140,6 +142,7 @@ def rank_main(rank: int, port: int, opts: dict, out: str) -> None:
                 "loaded": loaded,
                 "train_peak": train_peak,
                 "peak_phase": sampler.peak_phase,
+                "by_phase": {phase: peak - baseline for phase, peak in sampler.by_phase.items()},
                 "step_s": step_s,
             },
             f,
@@ -185,7 +188,7 @@ def print_report(params: int, opts: argparse.Namespace, reports: list[dict], sec
     share = 4 * params / 2  # the rank's share of the fp32 weights
 
     def sized(value: int) -> str:
-        return f"{value / GIB:.2f} GiB ({value / share:.2f}x share)"
+        return f"{value / GIB:.3f} GiB ({value / share:.3f}x share)"
 
     print(f"SD3-architecture transformer, {params / 1e6:.0f}M parameters; share {share / GIB:.2f} GiB a rank")
     print(f"LoRA nft at dp 2, {opts.resolution} px, {opts.pairs_per_rank} pairs per rank, {seconds:.0f} s")
@@ -194,6 +197,10 @@ def print_report(params: int, opts: argparse.Namespace, reports: list[dict], sec
         print(
             f"rank {rank}: baseline {r['baseline'] / GIB:.2f} GiB; load peak {sized(r['load_peak'])}; after init "
             f"{sized(r['loaded'])}; train peak {sized(r['train_peak'])}, reached in: {r['peak_phase']}"
+        )
+        phases = sorted(r["by_phase"].items(), key=lambda kv: -kv[1])
+        print(
+            f"  rank {rank}, highest sampled in each phase, GiB: " + ", ".join(f"{p} {v / GIB:.3f}" for p, v in phases)
         )
 
 
