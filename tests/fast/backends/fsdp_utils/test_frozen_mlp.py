@@ -138,28 +138,40 @@ def test_apply_fsdp2_installs_it_only_without_checkpointing(monkeypatch):
 
 
 def lora_step_on_ranks(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
-    """One LoRA forward and backward under FSDP2 with split blocks, with and without lean activations (MLPs and joint
-    attention recomputing q / k / v), at a batch of one (where both save): full gradients."""
+    """One LoRA forward and backward under FSDP2, with whole blocks as groups, with split blocks (each block's and
+    the root's children groups of their own) and with split blocks and lean activations (MLPs and joint attention
+    recomputing q / k / v), at a batch of one (where both save): full gradients, and the parameters left gathered
+    between the forward and the backward."""
     report = {}
-    for lean in (False, True):  # the lean run checks against the plain one: the same gradients
+    for name, split, lean in (("blocks", False, False), ("split", True, False), ("lean", True, True)):
         model = sd3()
         blocks = list(model.transformer_blocks)
         dtypes = {"param_dtype": torch.float32, "reduce_dtype": torch.float32}
-        apply_fsdp2(model, blocks, **dtypes, split_blocks=True, lean_activations=lean)
+        apply_fsdp2(model, blocks, **dtypes, split_blocks=split, lean_activations=lean)
         mlps = sum(getattr(m, LEAN_MARK, False) for m in model.modules() if isinstance(m, FeedForward))
         processors = [getattr(m, "processor", None) for m in model.modules()]
         attentions = sum(type(p) is LeanJointAttnProcessor and p.recompute_qkv for p in processors)
+        held: list[str] = []
+        model.register_forward_hook(
+            lambda *_: held.extend(n for n, p in model.named_parameters() if not isinstance(p, DTensor))
+        )
         out, saved, grads = step(model, inputs(rank, batch=1))
-        report[lean] = ((mlps, attentions), out, saved, {n: g.full_tensor() for n, g in grads.items()})
+        full = {n: g.full_tensor() for n, g in grads.items()}
+        report[name] = ((mlps, attentions), out, saved, full, sorted({n.split(".")[0] for n in held}))
     return report
 
 
 @pytest.mark.timeout(180)
 def test_under_fsdp2_split_blocks_on_two_ranks_the_gradients_are_equal(tmp_path):
     for report in run_ranks(lora_step_on_ranks, 2, str(tmp_path), timeout=150):
-        plain, lean = report[False], report[True]
-        assert (plain[0], lean[0]) == ((0, 0), (3, 2))
-        assert torch.equal(lean[1], plain[1]) and lean[2] < plain[2]
-        assert plain[3].keys() == lean[3].keys() and plain[3]
+        blocks, plain, lean = report["blocks"], report["split"], report["lean"]
+        assert (blocks[0], plain[0], lean[0]) == ((0, 0), (0, 0), (3, 2))
+        assert torch.equal(plain[1], blocks[1]) and torch.equal(lean[1], plain[1]) and lean[2] < plain[2]
+        assert plain[3].keys() == lean[3].keys() == blocks[3].keys() and plain[3]
         for name, grad in plain[3].items():
+            assert torch.equal(plain[3][name], blocks[3][name]), name
             assert torch.equal(lean[3][name], grad), name
+        # FSDP2 keeps the root group gathered from its forward to the end of backward: whole blocks leave the root's
+        # children (SD3's embedders and output head) in it; split, they are groups of their own, freed after forward
+        root_children = ["context_embedder", "norm_out", "pos_embed", "proj_out", "time_text_embed"]
+        assert (blocks[4], plain[4], lean[4]) == (root_children, [], [])
