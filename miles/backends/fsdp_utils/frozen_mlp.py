@@ -77,7 +77,10 @@ class _FrozenModulatedGeluMlp(torch.autograd.Function):
         norm = ctx.norm
         normed, mean, rstd = torch.native_layer_norm(x, norm.normalized_shape, None, None, norm.eps)
         factor = 1 + scale[:, None]
-        modulated = normed * factor + shift[:, None]
+        # the modulation written over the norm's output (the forward's two kernels, out of place there): one
+        # stream-sized tensor less, and the list hands it over so that it is freed once the GELU input is recomputed
+        modulated = [normed.mul_(factor).add_(shift[:, None])]
+        del normed
         grad_modulated = _mlp_input_grad(grad, modulated, w1, b1, w2, ctx.approximate)
         grad_normed = grad_modulated * factor
         mask = [True, False, False]
@@ -88,16 +91,26 @@ class _FrozenModulatedGeluMlp(torch.autograd.Function):
 
 
 def _mlp_input_grad(
-    grad: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, approximate: str
+    grad: torch.Tensor,
+    x: torch.Tensor | list[torch.Tensor],
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    approximate: str,
 ) -> torch.Tensor:
     """The input's gradient of `Linear -> GELU -> Linear` (frozen) at `x`, as autograd computes it; the GELU's
     gradient is written over its (recomputed) input, which nothing reads after it (the same elementwise kernel, one
-    4x-wide tensor less at once)."""
+    4x-wide tensor less at once). `x` in a one-element list is a temporary of the caller's: taken out of the list,
+    it is freed once the GELU input is recomputed, before the gradients' 4x-wide tensors exist."""
+    if isinstance(x, list):
+        x = x.pop()
+    shape = x.shape
     hidden_in = F.linear(x, w1, b1)  # the forward's GELU input, recomputed by the same kernel
+    del x
     grad_hidden = _linear_input_grad(grad, w2, hidden_in.shape)
     gelu_backward = torch.ops.aten.gelu_backward.grad_input
     grad_hidden = gelu_backward(grad_hidden, hidden_in, approximate=approximate, grad_input=hidden_in)
-    return _linear_input_grad(grad_hidden, w1, x.shape)
+    return _linear_input_grad(grad_hidden, w1, shape)
 
 
 def _linear_input_grad(grad: torch.Tensor, weight: torch.Tensor, input_shape: torch.Size) -> torch.Tensor:
