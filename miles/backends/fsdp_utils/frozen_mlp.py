@@ -8,7 +8,8 @@ except the GELU's input. `lean_frozen_mlps` makes each such MLP keep its input i
 recompute the hidden activation in backward with the same first linear; the gradients are then computed by the same
 operations autograd runs (`mm` of the incoming gradient with each weight, `gelu_backward`), so they are bit-identical
 (`tests/fast/backends/fsdp_utils/test_frozen_mlp.py`). The cost is that first linear again in backward, a quarter
-of a block's forward matmuls.
+of a block's forward matmuls. With nothing of the hidden activation kept, the GELU is computed in place in forward
+and its gradient in place in backward (the same kernels): one 4x-wide tensor at a time at the trainer's peak.
 
 In SD3's joint blocks the MLP's input is itself a LayerNorm of the residual stream, modulated (`norm2(x) * (1 +
 scale) + shift`), and the norm keeps the stream for its own backward: `lean_frozen_mlps` also gives each
