@@ -62,8 +62,7 @@ def apply_fsdp2(
 ) -> nn.Module:
     """Shard each block with `fully_shard`, then the root (which picks up the remaining parameters).
 
-    With `split_blocks` each block's children become groups of their own before the block (`_shard_blocks`), and
-    so do the root's children outside the blocks (`_shard_root_children`).
+    With `split_blocks` each block's children (and the root's) become groups of their own (`_shard_blocks`).
 
     Needs a default process group (gloo at world size 1 is fine). Gradients are averaged over ranks, so each
     rank's loss should be the mean over its own share of the batch. Returns `model`, now an FSDPModule.
@@ -97,8 +96,6 @@ def apply_fsdp2(
     sharder = _GroupSharder(model, keep, param_dtype, reduce_dtype, placement, reshard_after_forward)
     split = split_blocks and compile_mode == "off"
     _shard_blocks(sharder, blocks, split, gradient_checkpointing, reshard_after_forward)
-    if split and blocks:
-        _shard_root_children(sharder, blocks, reshard_after_forward)
     # The root keeps torch's default (no reshard after forward): its parameters are needed again first in backward.
     sharder.shard_with_parts(model, cast_root_inputs)
     model.compute_dtype = param_dtype
@@ -150,6 +147,12 @@ def _shard_blocks(
     `gradient_checkpointing` too, a child recomputed in backward gives its parameters back after its recomputed
     forward and gathers them again for its own backward (FSDP2 keeps them gathered from the recompute on, which holds
     the whole block). Not with `compile_mode`: a compiled block keeps one group, whose gathers run around it.
+
+    With `split` the root's children outside the blocks (SD3's `pos_embed`, `time_text_embed`, `context_embedder`,
+    `norm_out`, `proj_out`) become groups too: FSDP2 keeps the root group gathered from the forward's start to the end
+    of backward, which held the input embedders (a frozen base never needs them in backward) and the output head
+    through every block's backward (17.7 MiB for a 1024-wide SD3). Now the embedders are freed after their forward
+    and the head after its own backward. The root keeps its own parameters (Wan's `scale_shift_table`).
     """
     for block in blocks:
         prefix = next(name for name, m in sharder.model.named_modules() if m is block)
@@ -159,22 +162,12 @@ def _shard_blocks(
                 if gradient_checkpointing:
                     child.register_forward_hook(_reshard_when_recomputed)
         sharder.shard_with_parts(block, False, reshard_after_forward=reshard_after_forward)
-
-
-def _shard_root_children(sharder: _GroupSharder, blocks: list[nn.Module], reshard_after_forward: bool) -> None:
-    """The root's children that hold no block (SD3's `pos_embed`, `time_text_embed`, `context_embedder`, `norm_out`,
-    `proj_out`), each a group of its own (`split_blocks`). FSDP2 keeps the root group gathered from the start of the
-    forward to the end of backward (its parameters are needed again first in backward), so the input embedders, which
-    a frozen base does not need in backward at all, and the output head, needed first, were held through every
-    block's backward (17.7 MiB for a 1024-wide SD3, gathered). As groups of their own the embedders are freed after
-    their forward and not gathered again (no gradient flows into a frozen embedder's output), and the head is freed
-    after its forward, gathered again for its backward and freed after it, before the last block's. The values
-    gathered and reduced are the same. The root keeps its own parameters (Wan's `scale_shift_table`)."""
     held = {id(m) for block in blocks for m in block.modules()}
-    for _, child in _forward_children(sharder.model, ""):
-        if any(id(m) in held for m in child.modules()) or not sharder.has_unsharded(child):
-            continue
-        sharder.shard_with_parts(child, False, reshard_after_forward=reshard_after_forward)
+    for _, child in _forward_children(sharder.model, "") if split and blocks else ():
+        mine = {id(p) for p in child.parameters()}  # shard it unless it holds a block or every parameter is in a group
+        free = [n for n, p in sharder.model.named_parameters() if id(p) in mine and n not in sharder.computed_in]
+        if free and not any(id(m) in held for m in child.modules()):
+            sharder.shard_with_parts(child, False, reshard_after_forward=reshard_after_forward)
 
 
 def _reshard_when_recomputed(module: nn.Module, args: Any, output: Any) -> None:
@@ -222,11 +215,6 @@ class _GroupSharder:
         fully_shard(module, mp_policy=policy, **kwargs, **self.placement)
         self.computed_in.update((names[id(p)], dtype or p.dtype) for p in params)
         self.groups += 1
-
-    def has_unsharded(self, module: nn.Module) -> bool:
-        """Whether any parameter of `module` is in no group yet."""
-        names = {id(p): name for name, p in self.model.named_parameters()}
-        return any(names[id(p)] not in self.computed_in for p in module.parameters())
 
     def shard_with_parts(self, module: nn.Module, cast_inputs: bool, **kwargs: Any) -> None:
         """The module's children of the other compute dtype first (`_fp32_split`), each its own group, then the
