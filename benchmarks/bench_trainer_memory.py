@@ -34,6 +34,14 @@ from miles.models.sd3.tiny import save_tiny_sd3_pipeline  # noqa: E402
 from miles.utils.distributed import find_free_port  # noqa: E402
 
 GIB = 2**30
+PARTS = ("VmRSS", "RssAnon", "RssFile")  # the resident set, its anonymous memory (heap, tensors), its file pages (code)
+
+
+def rss_parts() -> dict[str, int]:
+    """PARTS from one read of /proc/self/status, in bytes."""
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {name: int(fields[name].split()[0]) * 1024 for name in PARTS}
 
 
 class PhaseSampler:
@@ -41,14 +49,18 @@ class PhaseSampler:
 
     def __init__(self) -> None:
         self.phase, self.peak, self.peak_phase = "idle", 0, "idle"
+        self.peak_parts: dict[str, int] = {}  # PARTS at the highest sample
+        self.by_phase: dict[str, int] = {}  # the highest resident set sampled in each phase
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(0.01):
-            now = rss()
+            parts, phase = rss_parts(), self.phase
+            now = parts["VmRSS"]
+            self.by_phase[phase] = max(now, self.by_phase.get(phase, 0))
             if now > self.peak:
-                self.peak, self.peak_phase = now, self.phase
+                self.peak, self.peak_phase, self.peak_parts = now, phase, parts
 
     def __enter__(self) -> PhaseSampler:
         self._thread.start()
@@ -111,6 +123,7 @@ def rank_main(rank: int, port: int, opts: dict, out: str) -> None:
     args = trainer_args(opts["folder"], opts)
     actor = FSDPTrainRayActor(2, rank, "actor")
     baseline = trimmed_rss()
+    baseline_parts = rss_parts()
     reset_peak()
     actor.init(args, "127.0.0.1", port)
     load_peak, loaded = rss("VmHWM") - baseline, trimmed_rss() - baseline
@@ -140,6 +153,8 @@ def rank_main(rank: int, port: int, opts: dict, out: str) -> None:
                 "loaded": loaded,
                 "train_peak": train_peak,
                 "peak_phase": sampler.peak_phase,
+                "by_phase": {phase: peak - baseline for phase, peak in sampler.by_phase.items()},
+                "peak_parts": {k: sampler.peak_parts[k] - baseline_parts[k] for k in PARTS},
                 "step_s": step_s,
             },
             f,
@@ -185,7 +200,7 @@ def print_report(params: int, opts: argparse.Namespace, reports: list[dict], sec
     share = 4 * params / 2  # the rank's share of the fp32 weights
 
     def sized(value: int) -> str:
-        return f"{value / GIB:.2f} GiB ({value / share:.2f}x share)"
+        return f"{value / GIB:.3f} GiB ({value / share:.3f}x share)"
 
     print(f"SD3-architecture transformer, {params / 1e6:.0f}M parameters; share {share / GIB:.2f} GiB a rank")
     print(f"LoRA nft at dp 2, {opts.resolution} px, {opts.pairs_per_rank} pairs per rank, {seconds:.0f} s")
@@ -194,6 +209,12 @@ def print_report(params: int, opts: argparse.Namespace, reports: list[dict], sec
         print(
             f"rank {rank}: baseline {r['baseline'] / GIB:.2f} GiB; load peak {sized(r['load_peak'])}; after init "
             f"{sized(r['loaded'])}; train peak {sized(r['train_peak'])}, reached in: {r['peak_phase']}"
+        )
+        anon, files = (r["peak_parts"][k] / GIB for k in ("RssAnon", "RssFile"))
+        print(f"  rank {rank}, at the highest sample above baseline, GiB: anonymous {anon:.3f}, file pages {files:.3f}")
+        phases = sorted(r["by_phase"].items(), key=lambda kv: -kv[1])
+        print(
+            f"  rank {rank}, highest sampled in each phase, GiB: " + ", ".join(f"{p} {v / GIB:.3f}" for p, v in phases)
         )
 
 

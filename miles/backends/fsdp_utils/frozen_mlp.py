@@ -8,7 +8,8 @@ except the GELU's input. `lean_frozen_mlps` makes each such MLP keep its input i
 recompute the hidden activation in backward with the same first linear; the gradients are then computed by the same
 operations autograd runs (`mm` of the incoming gradient with each weight, `gelu_backward`), so they are bit-identical
 (`tests/fast/backends/fsdp_utils/test_frozen_mlp.py`). The cost is that first linear again in backward, a quarter
-of a block's forward matmuls.
+of a block's forward matmuls. With nothing of the hidden activation kept, the GELU is computed in place in forward
+and its gradient in place in backward (the same kernels): one 4x-wide tensor at a time at the trainer's peak.
 
 In SD3's joint blocks the MLP's input is itself a LayerNorm of the residual stream, modulated (`norm2(x) * (1 +
 scale) + shift`), and the norm keeps the stream for its own backward: `lean_frozen_mlps` also gives each
@@ -44,7 +45,7 @@ class _FrozenGeluMlp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, first: nn.Linear, approximate: str, last: nn.Linear) -> torch.Tensor:
-        hidden = F.gelu(F.linear(x, first.weight, first.bias), approximate=approximate)
+        hidden = _gelu_in_place(F.linear(x, first.weight, first.bias), approximate)
         ctx.save_for_backward(x, first.weight, first.bias, last.weight)
         ctx.approximate = approximate
         return F.linear(hidden, last.weight, last.bias)
@@ -66,7 +67,9 @@ class _FrozenModulatedGeluMlp(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, norm: nn.LayerNorm, *mlp: Any):
         first, approximate, last = mlp
         modulated = norm(x) * (1 + scale[:, None]) + shift[:, None]
-        hidden = F.gelu(F.linear(modulated, first.weight, first.bias), approximate=approximate)
+        hidden = F.linear(modulated, first.weight, first.bias)
+        del modulated  # nothing keeps it: freed before the GELU
+        hidden = _gelu_in_place(hidden, approximate)
         ctx.norm, ctx.approximate = norm, approximate
         ctx.save_for_backward(x, scale, shift, first.weight, first.bias, last.weight)
         return F.linear(hidden, last.weight, last.bias)
@@ -77,7 +80,10 @@ class _FrozenModulatedGeluMlp(torch.autograd.Function):
         norm = ctx.norm
         normed, mean, rstd = torch.native_layer_norm(x, norm.normalized_shape, None, None, norm.eps)
         factor = 1 + scale[:, None]
-        modulated = normed * factor + shift[:, None]
+        # the modulation written over the norm's output (the forward's two kernels, out of place there): one
+        # stream-sized tensor less, and the list hands it over so that it is freed once the GELU input is recomputed
+        modulated = [normed.mul_(factor).add_(shift[:, None])]
+        del normed
         grad_modulated = _mlp_input_grad(grad, modulated, w1, b1, w2, ctx.approximate)
         grad_normed = grad_modulated * factor
         mask = [True, False, False]
@@ -87,17 +93,33 @@ class _FrozenModulatedGeluMlp(torch.autograd.Function):
         return grad_x, None, None, None, None, None, None
 
 
+def _gelu_in_place(hidden: torch.Tensor, approximate: str) -> torch.Tensor:
+    """`F.gelu(hidden)` written over `hidden` (the same kernel, in place): the forward holds one 4x-wide tensor at a
+    time instead of the GELU's input beside its output. Only for a `hidden` nothing else reads (no autograd here)."""
+    return torch.ops.aten.gelu_(hidden, approximate=approximate)
+
+
 def _mlp_input_grad(
-    grad: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, approximate: str
+    grad: torch.Tensor,
+    x: torch.Tensor | list[torch.Tensor],
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    approximate: str,
 ) -> torch.Tensor:
     """The input's gradient of `Linear -> GELU -> Linear` (frozen) at `x`, as autograd computes it; the GELU's
     gradient is written over its (recomputed) input, which nothing reads after it (the same elementwise kernel, one
-    4x-wide tensor less at once)."""
+    4x-wide tensor less at once). `x` in a one-element list is a temporary of the caller's: taken out of the list,
+    it is freed once the GELU input is recomputed, before the gradients' 4x-wide tensors exist."""
+    if isinstance(x, list):
+        x = x.pop()
+    shape = x.shape
     hidden_in = F.linear(x, w1, b1)  # the forward's GELU input, recomputed by the same kernel
+    del x
     grad_hidden = _linear_input_grad(grad, w2, hidden_in.shape)
     gelu_backward = torch.ops.aten.gelu_backward.grad_input
     grad_hidden = gelu_backward(grad_hidden, hidden_in, approximate=approximate, grad_input=hidden_in)
-    return _linear_input_grad(grad_hidden, w1, x.shape)
+    return _linear_input_grad(grad_hidden, w1, shape)
 
 
 def _linear_input_grad(grad: torch.Tensor, weight: torch.Tensor, input_shape: torch.Size) -> torch.Tensor:

@@ -62,7 +62,7 @@ def apply_fsdp2(
 ) -> nn.Module:
     """Shard each block with `fully_shard`, then the root (which picks up the remaining parameters).
 
-    With `split_blocks` each block's children become groups of their own before the block (`_shard_blocks`).
+    With `split_blocks` each block's children (and the root's) become groups of their own (`_shard_blocks`).
 
     Needs a default process group (gloo at world size 1 is fine). Gradients are averaged over ranks, so each
     rank's loss should be the mean over its own share of the batch. Returns `model`, now an FSDPModule.
@@ -147,6 +147,12 @@ def _shard_blocks(
     `gradient_checkpointing` too, a child recomputed in backward gives its parameters back after its recomputed
     forward and gathers them again for its own backward (FSDP2 keeps them gathered from the recompute on, which holds
     the whole block). Not with `compile_mode`: a compiled block keeps one group, whose gathers run around it.
+
+    With `split` the root's children outside the blocks (SD3's `pos_embed`, `time_text_embed`, `context_embedder`,
+    `norm_out`, `proj_out`) become groups too: FSDP2 keeps the root group gathered from the forward's start to the end
+    of backward, which held the input embedders (a frozen base never needs them in backward) and the output head
+    through every block's backward (17.7 MiB for a 1024-wide SD3). Now the embedders are freed after their forward
+    and the head after its own backward. The root keeps its own parameters (Wan's `scale_shift_table`).
     """
     for block in blocks:
         prefix = next(name for name, m in sharder.model.named_modules() if m is block)
@@ -156,6 +162,12 @@ def _shard_blocks(
                 if gradient_checkpointing:
                     child.register_forward_hook(_reshard_when_recomputed)
         sharder.shard_with_parts(block, False, reshard_after_forward=reshard_after_forward)
+    held = {id(m) for block in blocks for m in block.modules()}
+    for _, child in _forward_children(sharder.model, "") if split and blocks else ():
+        mine = {id(p) for p in child.parameters()}  # shard it unless it holds a block or every parameter is in a group
+        free = [n for n, p in sharder.model.named_parameters() if id(p) in mine and n not in sharder.computed_in]
+        if free and not any(id(m) in held for m in child.modules()):
+            sharder.shard_with_parts(child, False, reshard_after_forward=reshard_after_forward)
 
 
 def _reshard_when_recomputed(module: nn.Module, args: Any, output: Any) -> None:

@@ -6,6 +6,7 @@ there with the joint attention of `joint_attention.py` too, q / k / v projected 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -105,6 +106,27 @@ def test_a_lora_network_saves_each_mlp_input_instead_of_its_hidden_activation_wi
     assert saved - lean_saved == tokens * (4 * WIDTH + 2) * 4 + 3 * BATCH * WIDTH * 4
 
 
+def test_a_frozen_mlp_outside_sd3s_joint_blocks_keeps_its_input_with_equal_gradients():
+    """An MLP called with its input (not the stream and a modulation, as FLUX's blocks call theirs): it keeps that
+    input, not its GELU's, and its forward writes the GELU over its input's projection; the same numbers."""
+    torch.manual_seed(0)
+    plain = FeedForward(WIDTH, activation_fn="gelu-approximate").requires_grad_(False)
+    lean = FeedForward(WIDTH, activation_fn="gelu-approximate").requires_grad_(False)
+    lean.load_state_dict(plain.state_dict())
+    assert lean_frozen_mlps(lean) == 1
+    results = []
+    for mlp in (plain, lean):
+        x = torch.randn(BATCH, IMAGE_TOKENS, WIDTH, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        sizes: list[int] = []
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(_numel_into, sizes), lambda t: t):
+            out = mlp(x)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, max(sizes)))
+    (out, grad, largest), (lean_out, lean_grad, lean_largest) = results
+    assert torch.equal(lean_out, out) and torch.equal(lean_grad, grad)
+    assert (largest, lean_largest) == (BATCH * IMAGE_TOKENS * 4 * WIDTH, 4 * WIDTH * WIDTH)  # GELU input; a weight
+
+
 def test_a_trained_or_gradient_free_mlp_runs_its_own_forward():
     """A fully trained MLP (its weights need its activations) and a no-grad forward: nothing changes."""
     plain, lean = sd3(lora=False), sd3(lora=False)
@@ -137,29 +159,49 @@ def test_apply_fsdp2_installs_it_only_without_checkpointing(monkeypatch):
         assert len(installed) == expected, (checkpointing, compile_mode, lean)
 
 
+def _numel_into(sizes: list[int], tensor: torch.Tensor) -> torch.Tensor:
+    sizes.append(tensor.numel())
+    return tensor
+
+
+def _gathered_into(held: list[str], model: torch.nn.Module, *_: Any) -> None:
+    """A forward hook: the names of the parameters left gathered (not sharded DTensors) after the forward."""
+    held.extend(n for n, p in model.named_parameters() if not isinstance(p, DTensor))
+
+
 def lora_step_on_ranks(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
-    """One LoRA forward and backward under FSDP2 with split blocks, with and without lean activations (MLPs and joint
-    attention recomputing q / k / v), at a batch of one (where both save): full gradients."""
+    """One LoRA forward and backward under FSDP2, with whole blocks as groups, with split blocks (each block's and
+    the root's children groups of their own) and with split blocks and lean activations (MLPs and joint attention
+    recomputing q / k / v), at a batch of one (where both save): full gradients, and the parameters left gathered
+    between the forward and the backward."""
     report = {}
-    for lean in (False, True):  # the lean run checks against the plain one: the same gradients
+    for name, split, lean in (("blocks", False, False), ("split", True, False), ("lean", True, True)):
         model = sd3()
         blocks = list(model.transformer_blocks)
         dtypes = {"param_dtype": torch.float32, "reduce_dtype": torch.float32}
-        apply_fsdp2(model, blocks, **dtypes, split_blocks=True, lean_activations=lean)
+        apply_fsdp2(model, blocks, **dtypes, split_blocks=split, lean_activations=lean)
         mlps = sum(getattr(m, LEAN_MARK, False) for m in model.modules() if isinstance(m, FeedForward))
         processors = [getattr(m, "processor", None) for m in model.modules()]
         attentions = sum(type(p) is LeanJointAttnProcessor and p.recompute_qkv for p in processors)
+        held: list[str] = []
+        model.register_forward_hook(functools.partial(_gathered_into, held))
         out, saved, grads = step(model, inputs(rank, batch=1))
-        report[lean] = ((mlps, attentions), out, saved, {n: g.full_tensor() for n, g in grads.items()})
+        full = {n: g.full_tensor() for n, g in grads.items()}
+        report[name] = ((mlps, attentions), out, saved, full, sorted({n.split(".")[0] for n in held}))
     return report
 
 
 @pytest.mark.timeout(180)
 def test_under_fsdp2_split_blocks_on_two_ranks_the_gradients_are_equal(tmp_path):
     for report in run_ranks(lora_step_on_ranks, 2, str(tmp_path), timeout=150):
-        plain, lean = report[False], report[True]
-        assert (plain[0], lean[0]) == ((0, 0), (3, 2))
-        assert torch.equal(lean[1], plain[1]) and lean[2] < plain[2]
-        assert plain[3].keys() == lean[3].keys() and plain[3]
+        blocks, plain, lean = report["blocks"], report["split"], report["lean"]
+        assert (blocks[0], plain[0], lean[0]) == ((0, 0), (0, 0), (3, 2))
+        assert torch.equal(plain[1], blocks[1]) and torch.equal(lean[1], plain[1]) and lean[2] < plain[2]
+        assert plain[3].keys() == lean[3].keys() == blocks[3].keys() and plain[3]
         for name, grad in plain[3].items():
+            assert torch.equal(plain[3][name], blocks[3][name]), name
             assert torch.equal(lean[3][name], grad), name
+        # FSDP2 keeps the root group gathered from its forward to the end of backward: whole blocks leave the root's
+        # children (SD3's embedders and output head) in it; split, they are groups of their own, freed after forward
+        root_children = ["context_embedder", "norm_out", "pos_embed", "proj_out", "time_text_embed"]
+        assert (blocks[4], plain[4], lean[4]) == (root_children, [], [])
