@@ -32,6 +32,7 @@ from miles.plan.fake import (
     movable_fake_modules,
     per_tensor_equivalents,
     plan_tensor_mode,
+    value_only_ops_skipped,
 )
 from miles.plan.replay import Ledger, replay_decodes
 from miles.plan.sync import push, sync_buffers, take_after_window
@@ -273,7 +274,13 @@ def simulate_trainer_rank(
         actor = PlannedTrainer(world_size, rank, role)
         # the mesh is built outside the fake mode (its rank tables are real tensors)
         actor.mesh = build_mesh(world_size, args.fsdp_shard_size, device) or init_device_mesh(device, (world_size,))
-        with plan_tensor_mode(fake), movable_fake_modules(), device_paths(args.planned_device, fake), tracker:
+        with (
+            plan_tensor_mode(fake),
+            movable_fake_modules(),
+            device_paths(args.planned_device, fake),
+            value_only_ops_skipped(),
+            tracker,
+        ):
             with tracker.in_phase("start-up"):
                 actor.init(args, "planner", 0)
                 sync = sync_buffers(args, actor) if export and role == "actor" else None
