@@ -148,7 +148,8 @@ def simulate_roles(
     peer, as dmd2's critic feeds its actor). Rank 0 runs here; the others, which are simulated only to compare
     their collectives and memory, run meanwhile in forked processes on the other cores (`_forked_ranks`)."""
     sleeps, peer, world = plans_sleep(args), None, trainer_world_size(args)
-    for role in algorithm_of(args).role_names:
+    roles = algorithm_of(args).role_names
+    for role in roles:
         micro = role_settings(sim, role)["micro_batch_size"]
         simulated = min(num_pairs(window), micro)
         pairs = {key: value[:simulated] for key, value in window.items()}
@@ -163,6 +164,7 @@ def simulate_roles(
             peer_output=peer,
             sleeps=sleeps,
             after_window=later,
+            window=window if len(roles) == 1 else None,  # a start-up copy for re-plans (`copies`)
         )
         with _forked_ranks(others, functools.partial(_plan_only, run)) as collect:
             plan, peer = run(rank=first)

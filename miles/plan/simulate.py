@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import gc
 import logging
 import time
@@ -18,14 +19,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode
 
+from miles.algorithms import role_settings
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
 from miles.backends.fsdp_utils.ema import local_tensor
 from miles.backends.fsdp_utils.fsdp import build_mesh, parse_dtype
 from miles.backends.fsdp_utils.lora import lora_config_from_args
 from miles.models.base import family_options, get_train_pipeline_config
 from miles.models.conditioning import Conditioning
+from miles.plan.copies import find_copy, keep_copy
 from miles.plan.fake import (
     device_paths,
     fake_process_group,
@@ -35,14 +39,14 @@ from miles.plan.fake import (
     value_only_ops_skipped,
 )
 from miles.plan.replay import Ledger, replay_decodes
-from miles.plan.sync import push, sync_buffers, take_after_window
+from miles.plan.sync import SyncBuffers, push, sync_buffers, take_after_window
 from miles.plan.tracker import Collective, PlanTracker
 from miles.rollout.engine import DiffusionEngine
 from miles.rollout.engine_api import GenerateResult
 from miles.rollout.prompt_cache import frees_text_encoders
 from miles.rollout.prompt_encoder import fill_step
 from miles.rollout.rollout_hub import rollout_spec_of
-from miles.utils.types import Sample, TrainPairs, shard_pairs
+from miles.utils.types import Sample, TrainPairs, num_pairs, shard_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -260,14 +264,24 @@ def simulate_trainer_rank(
     fake: bool = True,
     after_window: ProcessPlan | None = None,
     tracker: PlanTracker | None = None,
+    window: TrainPairs | None = None,
 ) -> tuple[ProcessPlan, Any]:
     """Rank `rank` of the role's `world_size` ranks: start-up (sharded load, LoRA, checkpointing, optimizer), one
     optimizer window on `pairs`, the weight export (rank 0 keeps the engines' copy: host memory, not counted in the
     phase's device peak), sleep and wake. `fake=False` runs the same steps on real tensors (world size 1).
     `after_window`: the same rank planned under another micro-batch or checkpointing, whose phases after the window
     are taken instead of simulated again (`AFTER_WINDOW`: they start from the same resident state). `fake=False`
-    with `args.device` cuda runs it on the GPU over NCCL (world size 1; `scripts/gpu_check_plan.py`)."""
+    with `args.device` cuda runs it on the GPU over NCCL (world size 1; `scripts/gpu_check_plan.py`). `window`: the
+    role's whole window (`pairs` is its first micro-batch; only where no other role needs this one's output): a copy
+    of the rank after its start-up is kept (`copies.keep_copy`), and a re-plan (`after_window`) that changes only
+    the micro-batch runs its window from such a copy instead of simulating the start-up again."""
     started = time.perf_counter()
+    kept = find_copy(role, rank, args) if window is not None and after_window is not None else None
+    if kept is not None:
+        plan = kept[0].window(kept[1])
+        take_after_window(plan, after_window)
+        plan.seconds = time.perf_counter() - started
+        return plan, None
     tracker = tracker or PlanTracker()
     device = "cpu" if fake else args.device  # `simulation_args`: cpu
     with _process_group(rank, world_size, fake, device):
@@ -286,10 +300,10 @@ def simulate_trainer_rank(
                 sync = sync_buffers(args, actor) if export and role == "actor" else None
             for group in actor.optimizer.param_groups:  # the per-tensor step: AdamW's memory, without the fused
                 group.update(fused=False, foreach=False)  # kernel's slow sharding propagation over 1000s of DTensors
+            if window is not None and fake:
+                keep_copy(role, rank, args, functools.partial(_window_of_copy, actor, tracker, window, sync))
             plan, output = _window(actor, role, rank, tracker, pairs, peer_output)
-            if sync is not None:
-                plan.export_bytes = sync.plan.total_bytes if rank == 0 else 0
-                plan.sync_buffer_bytes = sync.buffer_bytes
+            _note_sync(plan, sync, rank)
             if sync is not None and after_window is None:
                 with tracker.in_phase("weight sync"):
                     push(actor)
@@ -306,6 +320,30 @@ def simulate_trainer_rank(
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
     return plan, output
+
+
+def _note_sync(plan: ProcessPlan, sync: SyncBuffers | None, rank: int) -> None:
+    if sync is not None:
+        plan.export_bytes = sync.plan.total_bytes if rank == 0 else 0
+        plan.sync_buffer_bytes = sync.buffer_bytes
+
+
+def _window_of_copy(
+    actor: FSDPTrainRayActor, tracker: PlanTracker, window: TrainPairs, sync: SyncBuffers | None, changed: dict
+) -> ProcessPlan:
+    """In a copy of a rank after its start-up (`copies`): the window under the `changed` micro-batch flags, on its
+    first micro-batch of `window` as `run.simulate_roles` cuts it; the plan as far as the window (a re-plan takes
+    the later phases from the plan it changes)."""
+    vars(actor.args).update(changed)
+    actor.settings = role_settings(actor.args, actor.role)
+    simulated = min(num_pairs(window), actor.settings["micro_batch_size"])
+    with _disable_current_modes():  # cut outside the tracker, as `run.simulate_roles` cuts it
+        pairs = {key: value[:simulated] for key, value in window.items()}
+    plan, _ = _window(actor, actor.role, actor.rank, tracker, pairs, None)
+    _note_sync(plan, sync, actor.rank)
+    plan.peaks, plan.after = dict(tracker.peaks), dict(tracker.after)
+    plan.collectives = tracker.collectives
+    return plan
 
 
 def _window(
