@@ -31,8 +31,10 @@ from miles.arguments.parser import parse_args  # noqa: E402
 from miles.models.sd3.tiny import save_tiny_sd3_pipeline  # noqa: E402
 from miles.models.tiny import save_tiny_folder  # noqa: E402
 from miles.models.wan.tiny import TINY_WAN_NUM_FRAMES, TINY_WAN_RESOLUTION, build_tiny_wan_pipeline  # noqa: E402
+from miles.plan.engine_sim import simulate_engine  # noqa: E402
+from miles.plan.process import simulation_args  # noqa: E402
 from miles.plan.run import engine_rows, simulate  # noqa: E402
-from miles.plan.simulate import simulate_engine, simulate_trainer_rank, simulation_args, train_pairs_for_rank  # noqa: E402
+from miles.plan.simulate import simulate_trainer_rank, train_pairs_for_rank  # noqa: E402
 from miles.utils.distributed import find_free_port  # noqa: E402
 
 SMALL_RUN = ["--device", "cpu", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--eval-interval", "0"]

@@ -6,7 +6,7 @@ steps run for real, one model per call, ending with a `RESULT:` line:
     python scripts/gpu_check_plan.py --model tiny --device cpu --workdir DIR   # the same comparison on a CPU
 
 At world size 1, 1024 px, activation checkpointing, micro-batch 1, one engine generate of 2 samples (4 steps):
-1. the plan: `simulate_engine` and `simulate_trainer_rank` (`miles/plan/simulate.py`) on fake tensors for the planned
+1. the plan: `simulate_engine` and `simulate_trainer_rank` (`miles/plan/engine_sim.py`, `miles/plan/simulate.py`) on fake tensors for the planned
    device, each phase's peak as `--plan` counts it (engine start-up and generate, trainer start-up and its first
    micro-batch's window);
 2. the same calls on real tensors on `--device` (`fake=False`), with random weights: the loaders run as under the
@@ -44,12 +44,9 @@ from miles.backends.fsdp_utils import sharded_load  # noqa: E402
 from miles.models import base  # noqa: E402
 from miles.models.loading import checkpoint_files, configs_only, pretrained  # noqa: E402
 from miles.plan.command import CONFIGS, resolve_plan_checkpoint  # noqa: E402
-from miles.plan.simulate import (  # noqa: E402
-    simulate_engine,
-    simulate_trainer_rank,
-    simulation_args,
-    train_pairs_for_rank,
-)
+from miles.plan.engine_sim import simulate_engine  # noqa: E402
+from miles.plan.process import simulation_args  # noqa: E402
+from miles.plan.simulate import simulate_trainer_rank, train_pairs_for_rank  # noqa: E402
 from miles.plan.tracker import PlanTracker  # noqa: E402
 
 MIB = 2**20

@@ -12,6 +12,7 @@ from typing import Any
 
 from miles.models.builtin import resolve_checkpoint
 from miles.plan.auto import auto_start, resolve_auto_sizes
+from miles.plan.copies import started_ranks
 from miles.plan.gpus import gpu_spec
 from miles.plan.report import build_report
 from miles.plan.run import CollectiveMismatch, PlanSettings, check_collectives, planned_device, simulate
@@ -58,6 +59,11 @@ def make_plan(args: argparse.Namespace, *, suggestions: bool = True) -> dict[str
     for dest in ("hf_checkpoint", "teacher_load", "critic_checkpoint"):
         if getattr(args, dest, None):
             setattr(args, dest, resolve_plan_checkpoint(getattr(args, dest)))
+    with started_ranks():  # re-plans of the micro-batch start from copies of the first plan's ranks
+        return _make_plan(args, suggestions)
+
+
+def _make_plan(args: argparse.Namespace, suggestions: bool) -> dict[str, Any]:
     settings = plan_settings(args)
     start = auto_start(args)
     first = with_changes(args, start)

@@ -28,12 +28,17 @@ def plan_tensor_mode(fake: bool = True) -> contextlib.AbstractContextManager:
 class PlanTensorMode(FakeTensorMode):
     """`FakeTensorMode` that answers `.item()` (`aten._local_scalar_dense`) of a value-less tensor with a neutral
     scalar (`_SCALAR_ANSWERS`) instead of raising, `torch.equal` with True and `nonzero` with every element (the
-    planner's tokens are all attended), and takes real tensors made before it as inputs."""
+    planner's tokens are all attended), and takes real tensors made before it as inputs. An in-place op that only
+    writes values (`add_`, `lerp_`, `copy_`, ...) returns its tensor without the fake dispatch: on fake tensors it
+    changes nothing (about a tenth of a real-size window's ops: AdamW's, the shadow update's, FSDP2's copies)."""
 
     def __init__(self) -> None:
         super().__init__(allow_non_fake_inputs=True)
 
     def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        writes = _writes_values_only(func)
+        if writes is not None and self._unchanged_by(writes, args, kwargs):
+            return args[0]
         if func is torch.ops.aten._local_scalar_dense.default:
             tensor = args[0]
             constant = getattr(tensor, "constant", None)
@@ -51,6 +56,61 @@ class PlanTensorMode(FakeTensorMode):
                 torch.ops.aten.new_empty.default, types, (tensor, [tensor.numel(), tensor.dim()]), {"dtype": torch.long}
             )
         return super().dispatch(func, types, args, kwargs)
+
+    def _unchanged_by(self, kind: str, args: tuple, kwargs: dict | None) -> bool:
+        """Whether an in-place op that writes values only (`_writes_values_only`) changes nothing a fake tensor
+        has: it writes a strided fake tensor of this mode that holds no constant, from such tensors that broadcast
+        to its shape on its device; arithmetic ("same") into a floating tensor from its dtype (or a 0-dim real
+        one). Otherwise the op goes through the fake mode, which raises what the real op would raise."""
+        out = args[0]
+        if not isinstance(out, FakeTensor) or out.fake_mode is not self or out.constant is not None:
+            return False
+        if out.layout != torch.strided or (kind == "same" and not out.is_floating_point()):
+            return False
+        for value in (*args[1:], *(kwargs or {}).values()):
+            if not isinstance(value, torch.Tensor):
+                continue
+            if not isinstance(value, FakeTensor) or value.fake_mode is not self or value.layout != torch.strided:
+                return False
+            if value.fake_device != out.fake_device and value.dim() > 0:
+                return False
+            if kind == "same" and value.dtype != out.dtype and (value.dim() > 0 or value.dtype.is_complex):
+                return False
+            if value.shape != out.shape and not _broadcasts_to(value.shape, out.shape):
+                return False
+        return True
+
+
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(target, shape) == target
+    except RuntimeError:
+        return False
+
+
+# in-place ops that write values only and are not tagged pointwise (any dtype in, as the real ops allow)
+_ANY_DTYPE_WRITES = (torch.ops.aten.copy_.default, torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar)
+_WRITES_VALUES_ONLY: dict[Any, str | None] = {}
+
+
+def _writes_values_only(func: Any) -> str | None:
+    """ "same" for a pointwise in-place op (`add_`, `lerp_`, `addcmul_`: it writes its first argument's values and
+    returns it, its shape, strides and storage unchanged), "any" for `copy_`, `zero_`, `fill_`, else None. On a
+    fake tensor such an op changes nothing (no values, no storage): `PlanTensorMode` returns its tensor as it is."""
+    if func in _WRITES_VALUES_ONLY:
+        return _WRITES_VALUES_ONLY[func]
+    kind = None
+    if func in _ANY_DTYPE_WRITES:
+        kind = "any"
+    elif isinstance(func, torch._ops.OpOverload) and torch.Tag.pointwise in func.tags:
+        schema = func._schema
+        first = schema.arguments[0].alias_info if schema.arguments else None
+        returns = schema.returns
+        written = first is not None and first.is_write and torch.Tag.inplace_view not in func.tags
+        if written and len(returns) == 1 and returns[0].alias_info is not None:
+            kind = "same"
+    _WRITES_VALUES_ONLY[func] = kind
+    return kind
 
 
 def _equal_split(args: tuple) -> tuple:
@@ -157,3 +217,27 @@ def device_paths(planned_device: str, fake: bool = True) -> Iterator[None]:
         mock.patch.object(joint_attention, "_cpu_flash", lambda states: False),
     ):
         yield
+
+
+@contextlib.contextmanager
+def value_only_ops_skipped() -> Iterator[None]:
+    """The library's operations that only move values, skipped on fake tensors (which hold none) for the
+    simulation's duration: `swap_bits_` (the shadow weights' swap in and out, three in-place XORs on two views of
+    every trainable shard, twice per shadow forward and export) makes no storage and issues no collective, so the
+    plan is the same without its 5 dispatches per tensor. Its checks still run; real tensors are swapped."""
+    from miles.backends.fsdp_utils import ema
+
+    original = ema.swap_bits_
+
+    def swap_bits_(a: torch.Tensor, b: torch.Tensor) -> None:
+        if isinstance(a, FakeTensor) and isinstance(b, FakeTensor):
+            if a.dtype != b.dtype or a.shape != b.shape:
+                original(a, b)  # raises, naming both
+            return
+        original(a, b)
+
+    ema.swap_bits_ = swap_bits_
+    try:
+        yield
+    finally:
+        ema.swap_bits_ = original

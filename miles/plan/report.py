@@ -11,8 +11,8 @@ from typing import Any, TypedDict
 
 from miles.algorithms import algorithm_of
 from miles.arguments.fsdp import trainer_world_size
+from miles.plan.process import ProcessPlan
 from miles.plan.run import PlanSettings, Simulation, plans_sleep
-from miles.plan.simulate import ProcessPlan
 from miles.weight_sync.transports import SLOTS
 
 GPUS_PER_NODE = 8

@@ -1,4 +1,4 @@
-"""`--plan`: simulate the run's engines and each trained role's ranks (`simulate.py`), check that the simulated ranks
+"""`--plan`: simulate the run's engines and each trained role's ranks (`engine_sim.py`, `simulate.py`), check that the simulated ranks
 issue the same collectives, and assemble the per-GPU picture (`report.py`)."""
 
 from __future__ import annotations
@@ -18,15 +18,10 @@ from typing import Any
 
 from miles.algorithms import algorithm_of, role_settings
 from miles.arguments.fsdp import trainer_world_size
+from miles.plan.engine_sim import latent_shape, simulate_engine
 from miles.plan.gpus import GpuSpec
-from miles.plan.simulate import (
-    ProcessPlan,
-    latent_shape,
-    simulate_engine,
-    simulate_trainer_rank,
-    simulation_args,
-    train_pairs_for_rank,
-)
+from miles.plan.process import ProcessPlan, simulation_args
+from miles.plan.simulate import simulate_trainer_rank, train_pairs_for_rank
 from miles.plan.tracker import Collective
 from miles.rollout.engine_api import GenerateResult
 from miles.rollout.micro_batches import resolve_rollout_micro_batch_size
@@ -149,7 +144,8 @@ def simulate_roles(
     peer, as dmd2's critic feeds its actor). Rank 0 runs here; the others, which are simulated only to compare
     their collectives and memory, run meanwhile in forked processes on the other cores (`_forked_ranks`)."""
     sleeps, peer, world = plans_sleep(args), None, trainer_world_size(args)
-    for role in algorithm_of(args).role_names:
+    roles = algorithm_of(args).role_names
+    for role in roles:
         micro = role_settings(sim, role)["micro_batch_size"]
         simulated = min(num_pairs(window), micro)
         pairs = {key: value[:simulated] for key, value in window.items()}
@@ -164,6 +160,7 @@ def simulate_roles(
             peer_output=peer,
             sleeps=sleeps,
             after_window=later,
+            window=window if len(roles) == 1 else None,  # a start-up copy for re-plans (`copies`)
         )
         with _forked_ranks(others, functools.partial(_plan_only, run)) as collect:
             plan, peer = run(rank=first)

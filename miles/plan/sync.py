@@ -17,7 +17,7 @@ from miles.weight_sync.protocol import SyncPlan, bucket_bytes_for
 from miles.weight_sync.transports import SLOTS
 
 if TYPE_CHECKING:
-    from miles.plan.simulate import ProcessPlan
+    from miles.plan.process import ProcessPlan
 
 
 AFTER_WINDOW = ("weight sync", "sleep", "wake")  # the phases after a trainer's window, in order

@@ -18,6 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+# `tensor.device` read from C++ on a fake tensor: about half the ops a simulation dispatches, none of them making a
+# storage or a collective; answered without the tracker's bookkeeping
+_PRIM_DEVICE = torch.ops.prim.device.default
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,8 @@ class PlanTracker(TorchDispatchMode):
 
     # ---- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _PRIM_DEVICE:
+            return func(*args)
         out = func(*args, **(kwargs or {}))
         namespace = func.namespace if hasattr(func, "namespace") else ""
         if namespace in _COLLECTIVE_NAMESPACES:

@@ -385,8 +385,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> float:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    # FSDP2 shards every gradient along dim 0 (Shard(0)): the squared norms of the local shards add up to the full
-    # one. Working on the local tensors skips a DTensor dispatch per op; they share storage with the grads.
+    # Shard(0) grads: the local shards' squared norms add up to the full one (local tensors: no DTensor dispatch)
     sharded = any(isinstance(g, DTensor) for g in grads)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     squares = torch.stack([n.float() for n in torch._foreach_norm(local, 2.0)]).pow(2).sum()

@@ -35,3 +35,66 @@ def test_a_cuda_plan_takes_the_trainers_cuda_choices_on_the_fake_cpu_device():
         with device_paths(planned, fake):
             assert joint_attention._cpu_flash(states) and fsdp.gather_one_group_at_a_time is cpu_gathers
     assert joint_attention._cpu_flash(states) and fsdp.gather_one_group_at_a_time is cpu_gathers
+
+
+def test_value_only_inplace_ops_skip_the_fake_dispatch_and_keep_its_errors():
+    """An in-place op that writes values only returns its fake tensor untouched (same object, version bumped,
+    autograd intact) without the fake dispatch; a broadcast the real op refuses, an int written from a float, or a
+    constant-holding tensor still goes through it (its errors, its constant)."""
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from miles.plan.fake import PlanTensorMode
+
+    with PlanTensorMode():
+        a, row, longer = torch.empty(4, 3), torch.empty(3), torch.empty(5)
+        ints, x = torch.zeros(4, 3, dtype=torch.long), torch.empty(3, requires_grad=True)
+        own, dispatched = FakeTensorMode.dispatch, []
+
+        def recorded(mode, func, *rest):
+            dispatched.append(func)
+            return own(mode, func, *rest)
+
+        with mock.patch.object(FakeTensorMode, "dispatch", recorded):
+            version = a._version
+            assert a.add_(row) is a and a.lerp_(a, 0.5) is a and a.addcmul_(a, a, value=2.0) is a
+            assert ints.copy_(a) is ints and a.zero_() is a and a._version == version + 4
+        assert not [func for func in dispatched if func is not torch.ops.prim.device.default], dispatched
+        for refused in (lambda: a.add_(longer), lambda: ints.add_(1.5), lambda: row.add_(a)):
+            try:
+                refused()
+            except RuntimeError:
+                continue
+            raise AssertionError("the fake dispatch's error was skipped")
+        constant = torch.tensor(3.0)
+        constant.add_(1.0)
+        assert constant.item() == 4.0
+        y = x * 2
+        y.mul_(3)
+        y.sum().backward()
+        assert x.grad is not None and x.grad.shape == (3,)
+
+
+def test_swap_bits_is_skipped_on_fake_tensors_only_and_restored():
+    """`value_only_ops_skipped`: the shadow swap does nothing on fake tensors (but still refuses a dtype or shape
+    mismatch), swaps real ones bit for bit, and leaving restores the library's function."""
+    from miles.backends.fsdp_utils import ema
+    from miles.plan.fake import PlanTensorMode, value_only_ops_skipped
+
+    own = ema.swap_bits_
+    a, b = torch.tensor([1.0, -0.0]), torch.tensor([float("nan"), 2.0])
+    with value_only_ops_skipped():
+        assert ema.swap_bits_ is not own
+        ema.swap_bits_(a, b)
+        assert a[1] == 2.0 and torch.isnan(a[0]) and b[0] == 1.0
+        with PlanTensorMode():
+            x, y = torch.empty(3), torch.empty(3)
+            ema.swap_bits_(x, y)
+            try:
+                ema.swap_bits_(x, torch.empty(3, dtype=torch.float64))
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("a dtype mismatch was not refused")
+    assert ema.swap_bits_ is own

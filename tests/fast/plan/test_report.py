@@ -4,8 +4,8 @@ asleep), the host memory pinned per node of 8 GPUs, and a role's entry in plan.j
 
 from __future__ import annotations
 
+from miles.plan.process import ProcessPlan
 from miles.plan.report import Component, gpu_peaks, host_pinned_per_node, role_entry
-from miles.plan.simulate import ProcessPlan
 
 
 def trainer(peak_train: int = 100, **sizes: int) -> ProcessPlan:

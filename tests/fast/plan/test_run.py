@@ -13,9 +13,10 @@ import torch.distributed as dist
 
 from miles.arguments.parser import parse_args
 from miles.plan.command import plan_settings
+from miles.plan.process import ProcessPlan
 from miles.plan.report import build_report
 from miles.plan.run import CollectiveMismatch, check_collectives, simulate, window_flops
-from miles.plan.simulate import PlannedTrainer, ProcessPlan
+from miles.plan.simulate import PlannedTrainer
 from tests.fast.plan.plan_cases import SMALL, plan_args
 
 

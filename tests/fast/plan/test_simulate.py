@@ -1,4 +1,4 @@
-"""The simulated processes (miles/plan/simulate.py): the counts against a hand count, the prediction against the same steps on real tensors, the engine's prompt-cache fill."""
+"""The simulated processes (miles/plan/engine_sim.py, simulate.py): the counts against a hand count, the prediction against the same steps on real tensors, the engine's prompt-cache fill."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import math
 import pytest
 
 from miles.models.base import family_options, get_train_pipeline_config
+from miles.plan import engine_sim
 from miles.plan import run as run_module
 from miles.plan import simulate as simulate_module
-from miles.plan.simulate import simulate_engine, simulate_trainer_rank, simulation_args
+from miles.plan.engine_sim import simulate_engine
+from miles.plan.process import simulation_args
+from miles.plan.simulate import simulate_trainer_rank
 from miles.rollout.rollout_hub.spec import RolloutSpec
 from tests.fast.plan.plan_cases import plan_args
 
@@ -99,5 +102,5 @@ def test_a_run_on_dataset_pairs_is_refused_naming_why():
     planner says so instead of failing inside the simulation."""
     args = plan_args("--loss-type", "sft_loss", "--train-only")
     with pytest.raises(ValueError, match="--loss-type sft_loss with --train-only trains on dataset pairs"):
-        simulate_module.engine_rollout_spec(args)
-    assert isinstance(simulate_module.engine_rollout_spec(plan_args()), RolloutSpec)  # the default run's (nft)
+        engine_sim.engine_rollout_spec(args)
+    assert isinstance(engine_sim.engine_rollout_spec(plan_args()), RolloutSpec)  # the default run's (nft)

@@ -3,8 +3,8 @@ it changes."""
 
 from __future__ import annotations
 
+from miles.plan.process import ProcessPlan
 from miles.plan.run import simulate
-from miles.plan.simulate import ProcessPlan
 from miles.plan.suggest import WINDOW, Change, with_changes
 from miles.plan.sync import AFTER_WINDOW, take_after_window
 
