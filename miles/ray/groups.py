@@ -188,7 +188,7 @@ class RunGroups:
         """Where every trainer rank and engine runs (node, IP, GPU ids; a trainer rank's data-parallel group and
         sequence-parallel rank too): `placement.json` in the output folder and a log line per role. Returns it, by
         role (`engines` for the engines)."""
-        placement = {role: actor_nodes(group.actors) for role, group in self.groups.items()}
+        placement = {role: group.nodes() for role, group in self.groups.items()}
         for role in self.groups:
             for rank, entry in enumerate(placement[role]):
                 entry["dp_rank"], entry["sp_rank"] = divmod(rank, self.flags.sp_size)

@@ -86,7 +86,7 @@ def create_colocation(
     return Colocation(pg, share)
 
 
-def _where(_actor_instance: Any) -> dict[str, Any]:
+def actor_location(_actor_instance: Any) -> dict[str, Any]:
     """Run inside an actor (`__ray_call__`): its Ray node id, that node's IP, the GPU ids Ray gave it and its process
     id (which process on the node is which rank)."""
     return {
@@ -99,7 +99,7 @@ def _where(_actor_instance: Any) -> dict[str, Any]:
 
 def actor_nodes(actors: list[Any], timeout: float = 60.0) -> list[dict[str, Any]]:
     """Where each actor handle runs (node id, IP, GPU ids), in order; works for any actor class."""
-    return ray.get([actor.__ray_call__.remote(_where) for actor in actors], timeout=timeout)
+    return ray.get([actor.__ray_call__.remote(actor_location) for actor in actors], timeout=timeout)
 
 
 def write_placement(output_dir: str, placement: dict[str, list[dict[str, Any]]]) -> str:

@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from miles.arguments.fsdp import trainer_world_size
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
 from miles.ray.actor_pool import ActorPool, ReusableActor
-from miles.ray.placement_group import Colocation, create_placement_group
+from miles.ray.placement_group import Colocation, actor_location, create_placement_group
 from miles.utils.box import Box
 from miles.utils.distributed import uses_gpu
 from miles.utils.failures import gather
@@ -221,6 +221,11 @@ class RayTrainGroup:
 
     def save_hf(self, out_dir: str) -> str:
         return self._get([a.save_hf.remote(out_dir) for a in self.actors], "save_hf", self.last_rollout_id)[0]
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Where each rank runs (`placement_group.actor_location`: node id, IP, GPU ids, pid), in rank order; a rank
+        lost meanwhile fails naming this role and the rank, as a failure in any other phase does."""
+        return self._get([a.__ray_call__.remote(actor_location) for a in self.actors], "start-up (placement)")
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Broadcast any actor method to all ranks (tests and tools)."""

@@ -53,7 +53,7 @@ class WeightSyncLink:
     def connect(self, actor_group: Any) -> None:
         """Pick the transport, make the plan and buffers on the trainer, and have rank 0 and the engines join."""
         args, engines = self.args, self.engines
-        ranks, where = actor_nodes(actor_group.actors), actor_nodes(engines.engines)
+        ranks, where = actor_group.nodes(), actor_nodes(engines.engines)
         kind = args.weight_sync_transport
         if kind == "auto":
             kind = choose_transport(ranks[0], where, "cuda" if uses_gpu(args) else "cpu")

@@ -88,4 +88,8 @@ def test_parsing_the_flags_imports_no_family():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['miles.models.builtin', 'miles.models.options', 'miles.models.registry']"
+    # the torch-free tables only (the learned shapes rewards' weight folders: what --shapes-learned-dir may name)
+    assert out.stdout.strip() == (
+        "['miles.models.builtin', 'miles.models.options', 'miles.models.registry', 'miles.models.shapes_reward', "
+        "'miles.models.shapes_reward.weights']"
+    )

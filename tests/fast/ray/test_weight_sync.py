@@ -102,3 +102,21 @@ def test_the_bucket_size_follows_the_flag_or_the_runs_device():
     assert bucket_bytes(SimpleNamespace(weight_sync_bucket_mb=8, device="cpu")) == 8 << 20
     assert bucket_bytes(SimpleNamespace(weight_sync_bucket_mb=None, device="cpu")) == 64 << 20
     assert bucket_bytes(SimpleNamespace(weight_sync_bucket_mb=None, device="cuda")) == 512 << 20
+
+
+def test_a_trainer_rank_lost_before_the_sync_connects_is_named(ray_cluster):
+    """The sync's first connect asks every rank where it runs (as the start-up's placement record does): a rank that
+    died before is named with its role and rank, the restartable error, not Ray's bare ActorDiedError."""
+    import ray
+
+    link, group, members = sync_of([("answer",), ("answer",)], [("answer",)])
+    link.args = SimpleNamespace(weight_sync_transport="auto")  # read after the ranks' places
+    try:
+        ray.kill(group.actors[1])
+        with pytest.raises(ActorDied) as raised:
+            link.connect(group)
+        assert (raised.value.role, raised.value.rank) == ("actor rank", 1) and group.failed
+        assert "start-up (placement)" in str(raised.value)
+    finally:
+        for member in members:
+            ray.kill(member)
