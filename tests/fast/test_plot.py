@@ -141,3 +141,32 @@ def test_the_cli_writes_the_plot(tmp_path):
 def test_running_mean_averages_the_last_window_values():
     assert running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert running_mean([2.0, 4.0], 5) == [2.0, 3.0]
+
+
+def test_the_overoptimisation_figure_reads_the_evals_and_marks_rollbacks(tmp_path):
+    """scripts/plot_overoptimisation.py: proxy, gold and accuracy per eval, a rollback marked; a run without the gold
+    is named."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "plot_overoptimisation.py"
+    spec = importlib.util.spec_from_file_location("plot_overoptimisation", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    records = [
+        {"eval/rollouts_trained": 0, "eval/proxy_reward": 0.8, "eval/gold_reward": 0.8, "eval/shapes_accuracy": 0.4},
+        {"rollout_id": 9, "monitor/rollback_to": 4, "monitor/rollbacks": 1},
+        {"eval/rollouts_trained": 10, "eval/proxy_reward": 0.9, "eval/gold_reward": 0.7},
+    ]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    series = script.run_series(str(run))
+    assert series[script.PROXY] == [(0, 0.8), (10, 0.9)] and series[script.GOLD] == [(0, 0.8), (10, 0.7)]
+    assert series[script.ACCURACY] == [(0, 0.4)] and series[script.ROLLBACK_TO] == [(9, 4.0)]
+    assert script.main([str(run), "--labels", "a, with commas", "--out", str(tmp_path / "p.png")]) == 0
+    assert Image.open(tmp_path / "p.png").size[0] > 100
+    (run / "metrics.jsonl").write_text(json.dumps({"eval/rollouts_trained": 0, "eval/shapes_accuracy": 0.4}) + "\n")
+    with pytest.raises(ValueError, match="needs --gold-rm-type"):
+        script.run_series(str(run))
