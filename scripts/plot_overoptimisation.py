@@ -68,15 +68,10 @@ def plot(folders: Sequence[str], labels: Sequence[str], out: str) -> str:
             twin.plot(xs, ys, "^--", color="tab:green", markersize=3, label="gold all-correct (right)")
             twin.tick_params(labelsize=8)
             ax.plot([], [], "^--", color="tab:green", label="gold all-correct (right)")
-        for rollout, restored in series[ROLLBACK_TO]:
-            ax.axvline(rollout, color="grey", linestyle=":", linewidth=1)
-            ax.annotate(
-                f"rollback to {int(restored)}",
-                (rollout, 0.02),
-                xycoords=("data", "axes fraction"),
-                fontsize=7,
-                rotation=90,
-            )
+        for rollout, restored in series[ROLLBACK_TO]:  # rollout ids: the weights after rollout r are r + 1 trained
+            ax.axvline(rollout + 1, color="grey", linestyle=":", linewidth=1)
+            note = f"rolled back to {int(restored) + 1} trained"
+            ax.annotate(note, (rollout + 1, 0.02), xycoords=("data", "axes fraction"), fontsize=7, rotation=90)
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("rollouts trained", fontsize=8)
         ax.tick_params(labelsize=8)
