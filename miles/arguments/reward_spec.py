@@ -13,7 +13,7 @@ import os
 
 from miles.algorithms import ALGORITHMS
 from miles.models.builtin import makes_video
-from miles.models.shapes_reward.weights import weights_dir
+from miles.models.shapes_reward.weights import IMAGE, LATENT, WEIGHT_FILES, weights_dir
 from miles.utils.misc import HookLoadError, load_function
 
 BUILTIN_MOVING_SHAPES = "builtin:moving-shapes"  # miles.data.moving_shapes's (no data modules here)
@@ -53,8 +53,8 @@ SOURCE_IMAGE_REWARDS: tuple[str, ...] = ("edit_preservation",)  # compare each r
 DIFFERENTIABLE_REWARDS: dict[str, str] = {"shapes_learned": "image", "shapes_learned_latent": "latent"}
 # The learned shapes rewards' weight files, in miles/assets/shapes_reward/ or the folder --shapes-learned-dir names.
 SHAPES_LEARNED_FILES: dict[str, str] = {
-    "shapes_learned": "shapes_learned.safetensors",
-    "shapes_learned_latent": "shapes_learned_latent.safetensors",
+    "shapes_learned": WEIGHT_FILES[IMAGE],
+    "shapes_learned_latent": WEIGHT_FILES[LATENT],
 }
 
 

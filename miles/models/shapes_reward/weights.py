@@ -7,7 +7,7 @@ from pathlib import Path
 
 IMAGE, LATENT = "image", "latent"  # the two networks: one reads images, one builtin:tiny-shapes latents
 WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "shapes_reward"  # the shipped weights (package data)
-# the weight files, in WEIGHTS_DIR or the folder --shapes-learned-dir names (miles.arguments.reward_spec lists the same)
+# the weight files, in WEIGHTS_DIR or the folder --shapes-learned-dir names (the parser checks them by reward name)
 WEIGHT_FILES = {IMAGE: "shapes_learned.safetensors", LATENT: "shapes_learned_latent.safetensors"}
 # shipped alternatives --shapes-learned-dir names: `builtin:fitted`, the proxies fitted also to 1024 CFG-free samples of
 # builtin:tiny-shapes labelled by the gold (docs/user-guide/rewards.md; the metadata holds the command)
