@@ -58,6 +58,9 @@ CFG 4.5: 0.566):
 After 40 rollouts (4.5 min) the CFG-free model nears what CFG gives the shipped one (count accuracy 0.91 → 0.99 in
 seed 2, shape 0.58 → 0.63); the committed standards are +4 points of accuracy and +0.015 reward after 40 rollouts.
 lr 3e-4 (seed 3, 20 rollouts) lowered accuracy to 0.396.
+Regenerated 2026-12-07 at 9980a28 (`python scripts/regen_results.py`, docs/results.md): after 40 rollouts seeds 1 / 2 / 3
+reach 0.448 / 0.478 / 0.496 (+2.8 / +5.8 / +7.6 pts; seed 3 as above, seeds 1 and 2 lower than recorded above, on older
+code) and the no-flag run 0.504 (+8.4), the run the standard holds.
 
 policy_loss (Flow-GRPO) with the default flags (lr 1e-4, CFG 4.5, per-group std), 20 rollouts, from 0.566 accuracy:
 
