@@ -225,11 +225,11 @@ class _Chunks(Sequence):
     tensors the other views (63 of 64 at dp 64) are dispatches that make no storage. The views are torch.chunk's."""
 
     def __init__(self, tensor: torch.Tensor, count: int, dim: int) -> None:
-        self.tensor, self.count, self.dim = tensor, count, dim
-        self.size = -(-tensor.shape[dim] // count)  # torch.chunk's chunk size
+        self.tensor, self.chunks, self.dim = tensor, count, dim
+        self.chunk_size = -(-tensor.shape[dim] // count)  # torch.chunk's chunk size
 
     def __len__(self) -> int:
-        return self.count
+        return self.chunks
 
     @overload
     def __getitem__(self, index: int) -> torch.Tensor: ...
@@ -237,14 +237,14 @@ class _Chunks(Sequence):
     def __getitem__(self, index: slice) -> list[torch.Tensor]: ...
     def __getitem__(self, index: int | slice) -> torch.Tensor | list[torch.Tensor]:
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self.count))]
-        if not -self.count <= index < self.count:
-            raise IndexError(f"chunk {index} of {self.count}")
-        start = (index % self.count) * self.size
+            return [self[i] for i in range(*index.indices(self.chunks))]
+        if not -self.chunks <= index < self.chunks:
+            raise IndexError(f"chunk {index} of {self.chunks}")
+        start = (index % self.chunks) * self.chunk_size
         length = self.tensor.shape[self.dim]
         if start >= length:
             return self[0].new_empty(0)
-        return self.tensor.narrow(self.dim, start, min(self.size, length - start))
+        return self.tensor.narrow(self.dim, start, min(self.chunk_size, length - start))
 
 
 def _lazy_chunks(original: Any) -> Any:
