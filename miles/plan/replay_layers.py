@@ -9,6 +9,7 @@ holds sharded children is not replayed itself, its children are."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,17 +103,16 @@ class LayerReplay:
     ledger: Ledger
     recorded: dict[Any, _Recorded] = field(default_factory=dict)
     unreplayable: dict[Any, int] = field(default_factory=dict)  # calls measured that kept something, per key
-    wrapped: dict[int, nn.Module] = field(default_factory=dict)
+    wrapped: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
     runs: int = 0
     replays: int = 0
 
     def wrap(self, module: nn.Module) -> None:
         """Replace `module`'s forward by one that replays (once per module)."""
-        if id(module) in self.wrapped:
+        if module in self.wrapped:
             return
-        forward = module.forward
-        module.forward = lambda *args, **kwargs: self.call(module, forward, args, kwargs)
-        self.wrapped[id(module)] = module
+        self.wrapped.add(module)
+        module.forward = _replayed_forward(self, module)
 
     def call(self, module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if torch.is_grad_enabled():
@@ -157,6 +157,22 @@ class LayerReplay:
             return out, None
         collectives = tuple(tracker.collectives[issued:])
         return out, _Recorded(rise[0], self.ledger.total() - flops_before, collectives, layout)
+
+
+def _replayed_forward(replay: LayerReplay, module: nn.Module) -> Callable[..., Any]:
+    """`module.forward` through `replay`, holding the module weakly: a freed text encoder's layers (the engine frees
+    it after the prompt-cache fill) are not kept alive by their own forwards."""
+    forward, ref = module.forward, weakref.ref(module)
+    method = getattr(forward, "__func__", None) if getattr(forward, "__self__", None) is module else None
+    if method is not None:
+        del forward  # the bound method would hold the module
+
+    def replayed(*args: Any, **kwargs: Any) -> Any:
+        layer = ref()
+        assert layer is not None, "a freed module's forward was called"
+        return replay.call(layer, forward if method is None else method.__get__(layer), args, kwargs)
+
+    return replayed
 
 
 def _module_key(module: nn.Module) -> tuple:

@@ -81,3 +81,16 @@ def test_layers_that_keep_state_or_build_a_graph_run():
 def test_only_lists_of_one_class_are_repeated_layers():
     model = Model()
     assert repeated_layers(model) == list(model.blocks)
+
+
+def test_a_wrapped_layer_is_freed_with_its_model():
+    """The engine frees its text encoder after the prompt-cache fill: wrapped layers must not keep it alive."""
+    import gc
+    import weakref
+
+    model, layers = Model(), LayerReplay(PlanTracker(), Ledger(FlopCounterMode(display=False)))
+    replay_layers(layers, [model])  # `layers` lives on, as the engine's does while it generates
+    freed = weakref.ref(model.blocks[0])
+    del model
+    gc.collect()
+    assert freed() is None and len(layers.wrapped) == 0
