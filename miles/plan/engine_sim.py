@@ -27,6 +27,7 @@ from miles.plan.fake import (
 )
 from miles.plan.process import ProcessPlan, storage_bytes
 from miles.plan.replay import Ledger, replay_decodes
+from miles.plan.replay_layers import LayerReplay, replay_layers
 from miles.plan.tracker import PlanTracker
 from miles.rollout.engine import DiffusionEngine
 from miles.rollout.engine_api import GenerateResult
@@ -79,7 +80,7 @@ class ForwardOnce:
     of the latents' shape, and are counted, so the FLOPs of a generate call are those of the real one."""
 
     forward: Any
-    flops: FlopCounterMode
+    flops: Ledger  # the FLOPs counted and replayed (`replay`, `replay_layers`)
     run_every: bool = False  # on real tensors every step runs (the sampler needs real velocities)
     calls: int = 0
     step_flops: float = 0.0
@@ -89,9 +90,9 @@ class ForwardOnce:
         self.calls += 1
         if self.calls > 1:
             return self.forward(network, latents, *args, **kwargs) if self.run_every else torch.empty_like(latents)
-        before = self.flops.get_total_flops()
+        before = self.flops.total()
         out = self.forward(network, latents, *args, **kwargs)
-        self.step_flops = float(self.flops.get_total_flops() - before)
+        self.step_flops = float(self.flops.total() - before)
         self.rows = int(latents.shape[0])
         return out
 
@@ -113,6 +114,8 @@ def simulate_engine(
     tracker = tracker or PlanTracker()
     lora = lora_config_from_args(args, _family_name(args)) if args.use_lora else None
     samples = engine_samples(args, rows)
+    ledger = Ledger(FlopCounterMode(display=False))  # counts in generate; `replay_layers` adds what it replays
+    layers = LayerReplay(tracker, ledger)
     with plan_tensor_mode(fake), movable_fake_modules(), per_tensor_equivalents(), tracker:
         with tracker.in_phase("start-up"):
             engine = DiffusionEngine(
@@ -125,6 +128,8 @@ def simulate_engine(
                 micro_batch_size=micro_batch_size,
             )
         resolution = args.resolution or engine.family.default_resolution
+        if fake:  # repeated layers without gradients: one of each kind runs (on real tensors all run)
+            replay_layers(layers, [engine.transformer, *engine.family.loaded_modules()])
         request = engine_rollout_spec(args).build_request(args, samples, rollout_id=0, resolution=resolution)
         cached: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if frees_text_encoders(args, engine.family):
@@ -132,11 +137,11 @@ def simulate_engine(
                 cached = _fill_prompt_cache(engine, request)
         weights = list(engine.transformer.parameters()) + list(engine.transformer.buffers())
         resident = storage_bytes(weights + [t for m in engine.family.loaded_modules() for t in m.parameters()])
-        with tracker.in_phase("generate"), FlopCounterMode(display=False) as flops:
-            once = ForwardOnce(engine.family.predict_velocity, flops, run_every=not fake)
+        with tracker.in_phase("generate"), ledger.flops:
+            once = ForwardOnce(engine.family.predict_velocity, ledger, run_every=not fake)
             with cached, mock.patch.object(engine.family, "predict_velocity", once):
-                ledger = Ledger(flops)
                 if fake:  # each micro-batch's decode is the first's: replayed (on real tensors all run)
+                    replay_layers(layers, engine.family.loaded_modules())  # a VAE loaded since
                     replay_decodes(engine.family, tracker, ledger)
                 result = engine.generate(request)
         total_flops = ledger.total() + (0 if once.run_every else (once.calls - 1) * once.step_flops)

@@ -5,8 +5,8 @@ training window and engine step run at real size on a CPU in seconds."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 from unittest import mock
 
 import torch
@@ -219,15 +219,56 @@ def device_paths(planned_device: str, fake: bool = True) -> Iterator[None]:
         yield
 
 
+class _Chunks(Sequence):
+    """`torch.chunk(tensor, count, dim)` padded with empty tensors to `count` (FSDP2's `_chunk_with_empty`), each
+    view made when it is read: FSDP2 reads one rank's chunk and the first of every parameter it shards, and on fake
+    tensors the other views (63 of 64 at dp 64) are dispatches that make no storage. The views are torch.chunk's."""
+
+    def __init__(self, tensor: torch.Tensor, count: int, dim: int) -> None:
+        self.tensor, self.chunks, self.dim = tensor, count, dim
+        self.chunk_size = -(-tensor.shape[dim] // count)  # torch.chunk's chunk size
+
+    def __len__(self) -> int:
+        return self.chunks
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[torch.Tensor]: ...
+    def __getitem__(self, index: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.chunks))]
+        if not -self.chunks <= index < self.chunks:
+            raise IndexError(f"chunk {index} of {self.chunks}")
+        start = (index % self.chunks) * self.chunk_size
+        length = self.tensor.shape[self.dim]
+        if start >= length:
+            return self[0].new_empty(0)
+        return self.tensor.narrow(self.dim, start, min(self.chunk_size, length - start))
+
+
+def _lazy_chunks(original: Any) -> Any:
+    def chunk_with_empty(tensor: torch.Tensor, num_chunks: int, dim: int) -> Any:
+        if isinstance(tensor, FakeTensor) and tensor.dim() > 0 and tensor.shape[dim] > 0:
+            return _Chunks(tensor, num_chunks, dim)
+        return original(tensor, num_chunks, dim)
+
+    return chunk_with_empty
+
+
 @contextlib.contextmanager
 def value_only_ops_skipped() -> Iterator[None]:
     """The library's operations that only move values, skipped on fake tensors (which hold none) for the
     simulation's duration: `swap_bits_` (the shadow weights' swap in and out, three in-place XORs on two views of
     every trainable shard, twice per shadow forward and export) makes no storage and issues no collective, so the
-    plan is the same without its 5 dispatches per tensor. Its checks still run; real tensors are swapped."""
+    plan is the same without its 5 dispatches per tensor. Its checks still run; real tensors are swapped. And FSDP2's
+    chunks of a parameter it shards are made as they are read (`_Chunks`)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
     from miles.backends.fsdp_utils import ema
 
     original = ema.swap_bits_
+    chunks = mock.patch.object(_fsdp_param, "_chunk_with_empty", _lazy_chunks(_fsdp_param._chunk_with_empty))
 
     def swap_bits_(a: torch.Tensor, b: torch.Tensor) -> None:
         if isinstance(a, FakeTensor) and isinstance(b, FakeTensor):
@@ -238,6 +279,7 @@ def value_only_ops_skipped() -> Iterator[None]:
 
     ema.swap_bits_ = swap_bits_
     try:
-        yield
+        with chunks:
+            yield
     finally:
         ema.swap_bits_ = original

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.flop_counter import FlopCounterMode
 
 from miles.algorithms import role_settings
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
@@ -32,6 +33,8 @@ from miles.plan.fake import (
     value_only_ops_skipped,
 )
 from miles.plan.process import ProcessPlan, storage_bytes
+from miles.plan.replay import Ledger
+from miles.plan.replay_layers import LayerReplay, replay_layers
 from miles.plan.sync import SyncBuffers, push, sync_buffers, take_after_window
 from miles.plan.tracker import PlanTracker
 from miles.rollout.engine_api import GenerateResult
@@ -99,8 +102,7 @@ def simulate_trainer_rank(
             tracker,
         ):
             with tracker.in_phase("start-up"):
-                actor.init(args, "planner", 0)
-                sync = sync_buffers(args, actor) if export and role == "actor" else None
+                sync = _start_up(actor, args, tracker, fake, export)
             for group in actor.optimizer.param_groups:  # the per-tensor step: AdamW's memory, without the fused
                 group.update(fused=False, foreach=False)  # kernel's slow sharding propagation over 1000s of DTensors
             if window is not None and fake:
@@ -117,6 +119,17 @@ def simulate_trainer_rank(
     plan.collectives = tracker.collectives
     plan.seconds = time.perf_counter() - started
     return plan, output
+
+
+def _start_up(
+    actor: FSDPTrainRayActor, args: argparse.Namespace, tracker: PlanTracker, fake: bool, export: bool
+) -> SyncBuffers | None:
+    """The rank's start-up and, for the actor, the weight sync's buffers; on fake tensors its forwards without
+    gradients then run one layer of each kind (`replay_layers`)."""
+    actor.init(args, "planner", 0)
+    if fake:
+        replay_layers(LayerReplay(tracker, Ledger(FlopCounterMode())), [actor.model, *actor.loaded.values()])
+    return sync_buffers(args, actor) if export and actor.role == "actor" else None
 
 
 def _sync_and_sleep(

@@ -98,3 +98,26 @@ def test_swap_bits_is_skipped_on_fake_tensors_only_and_restored():
             else:
                 raise AssertionError("a dtype mismatch was not refused")
     assert ema.swap_bits_ is own
+
+
+def test_fsdp2_chunks_made_as_read_are_torch_chunks():
+    """`value_only_ops_skipped` makes FSDP2's chunks of a fake parameter as they are read: each is the view
+    `torch.chunk` makes (empty ones past the end, as `_chunk_with_empty` pads), on real tensors the original."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_param
+
+    from miles.plan.fake import PlanTensorMode, value_only_ops_skipped
+
+    with PlanTensorMode(), value_only_ops_skipped():
+        for shape, count, dim in [((10, 3), 8, 0), ((7,), 8, 0), ((64, 5), 8, 0), ((4, 9), 2, 1), ((3,), 1, 0)]:
+            tensor = torch.empty(shape)
+            made, expected = (
+                _fsdp_param._chunk_with_empty(tensor, count, dim),
+                _fsdp_common._chunk_with_empty(tensor, count, dim),
+            )
+            assert len(made) == len(expected) == count
+            for i in [*range(count), -1]:
+                a, b = made[i], expected[i]
+                assert (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset())
+                assert a.untyped_storage().nbytes() == b.untyped_storage().nbytes()
+        assert isinstance(_fsdp_param._chunk_with_empty(torch.empty(4), 2, 0), list) is False
+    assert isinstance(_fsdp_param._chunk_with_empty(torch.zeros(4), 2, 0), list)
