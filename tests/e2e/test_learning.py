@@ -31,8 +31,8 @@ At a constant lr, 30 rollouts bring the 2-step generator within 2.6 / 6.4 points
 recipe (`DMD2_RECIPES`) ends in a cosine learning-rate decay: the 2-step generator then scores 0.586 / 0.548 after 60
 rollouts (2.0 above / 1.8 below the teacher, +39.2 / +35.4 over 2 Euler steps; 30 rollouts with the decay gave
 0.548 / 0.490). The committed standards (`MIN_GAIN_OVER_EULER`, `MAX_GAP_TO_TEACHER`) sit below what every seed
-showed with each recipe. The suite distils k = 2 for 30 rollouts at a constant lr (`SUITE_RECIPE`, 1.6 min: the
-15-minute suite cannot hold the 60-rollout recipe) and takes the teacher's 20-step accuracy as recorded
+showed with each recipe. The standard tier also distils k = 2 for 30 rollouts at a constant lr (`SUITE_RECIPE`,
+1.6 min; the default suite ran it until 2026-12-07, when its 20 minutes no longer held it) and takes the teacher's 20-step accuracy as recorded
 (`TEACHER_ACCURACY`; it samples the 2-step one); re-measured on 2026-11-30 it meets both standards on seeds 1 and 2
 (0.548 / 0.528: 1.8 / 3.8 points below the teacher, +35.4 / +33.4 over 2 Euler steps). Each recipe's numbers, k = 1
 (5 min) included, are re-measured by the command above.
@@ -131,7 +131,7 @@ SUITE_K = 2  # the generator the suite distils; `measure` runs both
 # 2026-11-30 and 2026-12-01 alike (fixed eval noise); `measure` re-samples it
 TEACHER_ACCURACY = 0.566
 TEACHER_EULER_ACCURACY = {1: 0.192, 2: 0.194}  # the same teacher at 1 / 2 plain Euler steps, as recorded
-SUITE_RECIPE = ("--num-rollout", "30")  # the suite's k = 2 run: half the recipe's rollouts, constant lr (see above)
+SUITE_RECIPE = ("--num-rollout", "30")  # the short k = 2 run (standard tier): half the recipe's rollouts, constant lr
 # the default run (nft, 40 rollouts) after minus before, measured for issue 14 after the seeded-stream change (the
 # nft table above is from an earlier revision): no flags / seeds 1 / 2 / 3: accuracy +0.080 / +0.036 / +0.084 / +0.038,
 # reward +0.029 / +0.025 / +0.027 / +0.022. The suite runs the no-flag seeds; the standards sit below every seed.
@@ -261,14 +261,14 @@ def dmd2_shortfalls(k: int, generator: float, teacher: dict[int, float]) -> list
 
 
 def suite_measurements(out: Path) -> dict:
-    """What the suite's two standards below check, measured in this process: the background job `suite`
+    """What the suite's two checks below read, measured in this process: the background job `suite`
     (`python tests/e2e/test_learning.py suite OUT_DIR`, started with the session: tests/background.py) runs it and
-    writes OUT_DIR/results.json. The teacher's 20-step accuracy is the recorded one (30 s of sampling saved); its k
-    Euler steps are sampled (4 s), which also checks that the eval still scores the shipped model as recorded."""
+    writes OUT_DIR/results.json. The teacher's k Euler steps are sampled (4 s): the check that the eval still scores
+    the shipped model as recorded. The dmd2 learning standard runs in the `standard` tier (the suite's 20 minutes
+    no longer hold its 30-rollout run: the background job was the suite's critical path)."""
     return {
         "default": rl_run("default", None, out / "default", recorded_baseline=True),
         "teacher": {20: TEACHER_ACCURACY, **teacher_accuracies((SUITE_K,))},
-        "generator": dmd2_run(SUITE_K, SEED, out / "dmd2", SUITE_RECIPE),
     }
 
 
@@ -280,17 +280,23 @@ def suite_results(folder: Path) -> dict:
 
 @pytest.mark.timeout(1800)
 @pytest.mark.background("tests/e2e/test_learning.py", "suite")
-def test_dmd2_generator_nears_its_teacher_and_beats_as_many_euler_steps(background_job):
-    measured = suite_results(background_job)
-    teacher, generator, recorded = measured["teacher"], measured["generator"], TEACHER_EULER_ACCURACY[SUITE_K]
+def test_the_eval_still_scores_the_shipped_model_as_recorded(background_job):
+    teacher, recorded = suite_results(background_job)["teacher"], TEACHER_EULER_ACCURACY[SUITE_K]
     assert abs(teacher[SUITE_K] - recorded) <= 0.01, (  # 5 of 500 prompts: another machine's kernels may flip one
         f"the teacher at {SUITE_K} Euler steps scores {teacher[SUITE_K]:.3f}, recorded {recorded}: the eval changed; "
         "re-measure TEACHER_ACCURACY and TEACHER_EULER_ACCURACY with `python tests/e2e/test_learning.py dmd2 1`"
     )
+
+
+@pytest.mark.standard  # 1.6 min: run with `./scripts/test.sh -m standard`
+def test_dmd2_generator_nears_its_teacher_and_beats_as_many_euler_steps(ray_cluster, tmp_path):
+    """The standards after SUITE_RECIPE (30 rollouts at a constant lr): the default suite ran this until 2026-12-07."""
+    teacher = {20: TEACHER_ACCURACY, **teacher_accuracies((SUITE_K,))}
+    generator = dmd2_run(SUITE_K, SEED, tmp_path, SUITE_RECIPE)
     assert not dmd2_shortfalls(SUITE_K, generator, teacher), (SUITE_K, generator, teacher)
 
 
-@pytest.mark.standard  # 2.4 min: run with `./scripts/test.sh -m standard` (the suite runs SUITE_RECIPE above)
+@pytest.mark.standard  # 2.4 min: run with `./scripts/test.sh -m standard`
 def test_dmd2_generator_with_its_recipe_nears_its_teacher(ray_cluster, tmp_path):
     """The same standards after the 2-step generator's whole recipe (60 rollouts, cosine lr decay)."""
     teacher = teacher_accuracies((20, SUITE_K))
@@ -303,7 +309,8 @@ def test_dmd2_generator_with_its_recipe_nears_its_teacher(ray_cluster, tmp_path)
 def test_the_default_run_raises_the_accuracy_of_the_shipped_model(background_job):
     # exactly the demo (no flags, its own seeds) but for the eval before training: the recorded `BASELINE` (fixed
     # eval noise; `python tests/e2e/test_learning.py default none` samples it); `TEACHER_EULER_ACCURACY`'s check in
-    # the dmd2 test above is the suite's check that the eval still scores the shipped model as recorded
+    # `test_the_eval_still_scores_the_shipped_model_as_recorded` is the suite's check that the eval still scores
+    # the shipped model as recorded
     result = suite_results(background_job)["default"]
     assert result[ACC][1] >= result[ACC][0] + MIN_NFT_ACCURACY_GAIN, result
     assert result[REWARD][1] >= result[REWARD][0] + MIN_NFT_REWARD_GAIN, result
