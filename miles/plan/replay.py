@@ -2,7 +2,8 @@
 and FLOPs are a function of its inputs' shapes alone, so a later call with the same shapes reaches the same height
 above what is live when it starts, and returns outputs of the same shapes. A video VAE decode is most of a plan's
 time (Wan 2.1: 21 latent frames decoded one at a time, ~3 s each micro-batch under the fake mode, 32 micro-batches
-an engine); replayed, an engine's generate call costs one decode."""
+an engine); replayed, an engine's generate call costs one decode. `measure` and `replay` are the record and the
+replay of one call, for `ReplayOnce` here and `replay_layers.LayerReplay`."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.flop_counter import FlopCounterMode
 
-from miles.plan.tracker import PlanTracker
+from miles.plan.tracker import Collective, PlanTracker
 
 
 @dataclass(frozen=True)
@@ -40,43 +42,98 @@ class _Layout:
         return flat.as_strided(self.size, self.stride, self.offset)
 
 
+_SCALARS = (int, float, bool, str, torch.dtype, torch.device, type(None))
+
+
+class _Unkeyed(Exception):
+    """A value a call cannot be keyed on or an output it cannot be made again from: the call runs."""
+
+
 @dataclass(frozen=True)
 class _Recorded:
     rise: int  # the height the call reached above what was live when it started
     flops: float
     output: Any  # `_layout` of the output
+    collectives: tuple[Collective, ...] = ()
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def _layout(value: Any, as_is: type | tuple[type, ...] = _SCALARS) -> Any:
+    """How to make an output like `value` again (`_rebuild`): tensors' layouts, tuples and lists of them,
+    dataclasses' fields, values of the types `as_is` as they are; raises `_Unkeyed` otherwise, and for a tensor
+    with a graph or a DTensor (its layout is not its shard's)."""
     if isinstance(value, torch.Tensor):
-        return [value]
-    return [v for v in _fields(value).values() if isinstance(v, torch.Tensor)]
-
-
-def _fields(value: Any) -> dict[str, Any]:
-    if not dataclasses.is_dataclass(value) or isinstance(value, type):
-        raise TypeError(f"a replayed call returns a tensor or a dataclass of tensors, not {type(value).__name__}")
-    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
-
-
-def _layout(value: Any) -> Any:
-    """What `_rebuild` makes a new output like `value` from (its tensors' layouts, its other fields as they are)."""
-    if isinstance(value, torch.Tensor):
+        if is_traceable_wrapper_subclass(value) or value.requires_grad:
+            raise _Unkeyed
         return _Layout.of(value)
-    fields = {k: _Layout.of(v) if isinstance(v, torch.Tensor) else v for k, v in _fields(value).items()}
-    return type(value), fields
+    if isinstance(value, (tuple, list)):
+        return type(value), [_layout(v, as_is) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return "dataclass", type(value), {k: _layout(v, as_is) for k, v in _fields(value).items()}
+    if isinstance(value, as_is):
+        return "as is", value
+    raise _Unkeyed
 
 
 def _rebuild(layout: Any) -> Any:
     if isinstance(layout, _Layout):
         return layout.make()
-    kind, fields = layout
-    return kind(**{k: v.make() if isinstance(v, _Layout) else v for k, v in fields.items()})
+    if layout[0] == "as is":
+        return layout[1]
+    if layout[0] == "dataclass":
+        return layout[1](**{k: _rebuild(v) for k, v in layout[2].items()})
+    kind, items = layout
+    return kind(_rebuild(v) for v in items)
 
 
-def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for v in _fields(value).values() for t in _tensors(v)]
+    return []
+
+
+def _fields(value: Any) -> dict[str, Any]:
+    return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+
+
+def measure(
+    tracker: PlanTracker,
+    ledger: Ledger | None,
+    run: Callable[[], Any],
+    inputs: Any,
+    as_is: type | tuple[type, ...] = _SCALARS,
+) -> tuple[Any, _Recorded | None]:
+    """Run a call, and what replaying it takes (`replay`) when it kept nothing but new outputs: outputs that share
+    no storage with each other or with `inputs` (None otherwise, or when `_layout` cannot make them again)."""
+    start, issued = tracker.live_bytes, len(tracker.collectives)
+    flops_before = ledger.total() if ledger is not None else 0.0
+    with tracker.rise() as rise:
+        out = run()
+    tracker.recount()
+    tensors = _tensors(out)
     storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
+    fresh = len(storages) == len(tensors) and not storages.keys() & {id(t.untyped_storage()) for t in _tensors(inputs)}
+    if not fresh or tracker.live_bytes != start + sum(storages.values()):
+        return out, None
+    try:
+        layout = _layout(out, as_is)
+    except _Unkeyed:
+        return out, None
+    flops = ledger.total() - flops_before if ledger is not None else 0.0
+    return out, _Recorded(rise[0], flops, layout, tuple(tracker.collectives[issued:]))
+
+
+def replay(tracker: PlanTracker, ledger: Ledger | None, recorded: _Recorded) -> Any:
+    """A recorded call again: the tracker counts its height above what is live now and its collectives, the ledger
+    its FLOPs; its outputs are new tensors of the recorded layouts (uninitialised, as every fake tensor is)."""
+    if ledger is not None:
+        ledger.replayed_flops += recorded.flops
+    tracker.reach(tracker.live_bytes + recorded.rise)
+    tracker.collectives.extend(recorded.collectives)
+    return _rebuild(recorded.output)
 
 
 @dataclass
@@ -96,10 +153,9 @@ class ReplayOnce:
     """Stands in for a method of one tensor argument on fake tensors (a family's `decode_latents`, a VAE's tile
     decoder): a call runs unless an earlier call with the same input layout kept nothing but its output (a first
     call may load what later ones reuse, e.g. a VAE held after first use: the next one runs too); such a call is
-    replayed: the tracker counts the recorded height above what is live now, the ledger the recorded FLOPs, and the
-    output is a new tensor of each recorded layout (uninitialised, as every fake tensor is). A call with other
-    arguments (a causal decoder's cache) always runs, and an output with a graph is never recorded (an engine decodes
-    without gradient)."""
+    replayed (`replay`); its output's fields that are not tensors (of any type) are given again as they are. A call
+    with other arguments (a causal decoder's cache) always runs, and an output with a graph is never recorded (an
+    engine decodes without gradient)."""
 
     method: Callable[..., Any]
     tracker: PlanTracker
@@ -115,18 +171,11 @@ class ReplayOnce:
         found = self.recorded.get(key)
         if found is not None:
             self.replays += 1
-            self.ledger.replayed_flops += found.flops
-            self.tracker.reach(self.tracker.live_bytes + found.rise)
-            return _rebuild(found.output)
+            return replay(self.tracker, self.ledger, found)
         self.runs += 1
-        start, flops_before = self.tracker.live_bytes, self.ledger.total()
-        with self.tracker.rise() as rise:
-            out = self.method(x)
-        self.tracker.recount()
-        tensors = _tensors(out)
-        kept_nothing = self.tracker.live_bytes == start + _storage_bytes(tensors)
-        if kept_nothing and not any(t.requires_grad for t in tensors):  # a graph would keep its inputs alive
-            self.recorded[key] = _Recorded(rise[0], self.ledger.total() - flops_before, _layout(out))
+        out, recorded = measure(self.tracker, self.ledger, lambda: self.method(x), x, as_is=object)
+        if recorded is not None:  # an output with a graph is not (the graph would keep its inputs alive)
+            self.recorded[key] = recorded
         return out
 
 

@@ -8,7 +8,6 @@ holds sharded children is not replayed itself, its children are."""
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -18,10 +17,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from miles.plan.replay import Ledger, _Layout
-from miles.plan.tracker import Collective, PlanTracker
-
-_SCALARS = (int, float, bool, str, torch.dtype, torch.device, type(None))
+from miles.plan.replay import _SCALARS, Ledger, _Recorded, _Unkeyed, measure, replay
+from miles.plan.tracker import PlanTracker
 
 
 def _key(value: Any) -> Any:
@@ -40,56 +37,6 @@ def _key(value: Any) -> Any:
     raise _Unkeyed
 
 
-class _Unkeyed(Exception):
-    """An argument a layer's call cannot be keyed on: the call runs."""
-
-
-def _output_layout(value: Any) -> Any:
-    """How to make an output like `value` again (`_rebuild_output`): tensors' layouts, tuples and lists of them,
-    dataclasses' fields, scalars as they are; raises `_Unkeyed` otherwise."""
-    if isinstance(value, torch.Tensor):
-        if is_traceable_wrapper_subclass(value) or value.requires_grad:
-            raise _Unkeyed
-        return _Layout.of(value)
-    if isinstance(value, (tuple, list)):
-        return type(value), [_output_layout(v) for v in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
-        return "dataclass", type(value), {k: _output_layout(v) for k, v in fields.items()}
-    if isinstance(value, _SCALARS):
-        return "scalar", value
-    raise _Unkeyed
-
-
-def _rebuild_output(layout: Any) -> Any:
-    if isinstance(layout, _Layout):
-        return layout.make()
-    if layout[0] == "scalar":
-        return layout[1]
-    if layout[0] == "dataclass":
-        return layout[1](**{k: _rebuild_output(v) for k, v in layout[2].items()})
-    kind, items = layout
-    return kind(_rebuild_output(v) for v in items)
-
-
-def _output_tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _output_tensors(v)]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [t for f in dataclasses.fields(value) if f.init for t in _output_tensors(getattr(value, f.name))]
-    return []
-
-
-@dataclass(frozen=True)
-class _Recorded:
-    rise: int  # the height the call reached above what was live when it started
-    flops: float
-    collectives: tuple[Collective, ...]
-    output: Any  # `_output_layout`
-
-
 @dataclass
 class LayerReplay:
     """The repeated layers of one simulated process (`replay_layers`), and what their calls recorded: a call
@@ -100,7 +47,7 @@ class LayerReplay:
     always runs (its graph keeps its inputs)."""
 
     tracker: PlanTracker
-    ledger: Ledger
+    ledger: Ledger | None  # None where nothing reads the FLOPs (a trainer rank's come from its passes)
     recorded: dict[Any, _Recorded] = field(default_factory=dict)
     unreplayable: dict[Any, int] = field(default_factory=dict)  # calls measured that kept something, per key
     wrapped: weakref.WeakSet[nn.Module] = field(default_factory=weakref.WeakSet)
@@ -126,41 +73,20 @@ class LayerReplay:
         found = self.recorded.get(key)
         if found is not None:
             self.replays += 1
-            self.ledger.replayed_flops += found.flops
-            self.tracker.reach(self.tracker.live_bytes + found.rise)
-            self.tracker.collectives.extend(found.collectives)
-            return _rebuild_output(found.output)
+            return replay(self.tracker, self.ledger, found)
         self.runs += 1
-        out, recorded = self._run(forward, args, kwargs)
+        out, recorded = measure(
+            self.tracker, self.ledger, lambda: forward(*args, **kwargs), (args, tuple(kwargs.values()))
+        )
         if recorded is None:
             self.unreplayable[key] = self.unreplayable.get(key, 0) + 1
         else:
             self.recorded[key] = recorded
         return out
 
-    def _run(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, _Recorded | None]:
-        """Run a call, and what replaying it takes when it kept nothing but new outputs (None otherwise)."""
-        tracker = self.tracker
-        start, flops_before, issued = tracker.live_bytes, self.ledger.total(), len(tracker.collectives)
-        with tracker.rise() as rise:
-            out = forward(*args, **kwargs)
-        tracker.recount()
-        tensors = _output_tensors(out)
-        storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
-        inputs = {id(t.untyped_storage()) for t in _output_tensors((args, tuple(kwargs.values())))}
-        fresh = len(storages) == len(tensors) and not storages.keys() & inputs
-        if not fresh or tracker.live_bytes != start + sum(storages.values()):
-            return out, None
-        try:
-            layout = _output_layout(out)
-        except _Unkeyed:
-            return out, None
-        collectives = tuple(tracker.collectives[issued:])
-        return out, _Recorded(rise[0], self.ledger.total() - flops_before, collectives, layout)
 
-
-def _replayed_forward(replay: LayerReplay, module: nn.Module) -> Callable[..., Any]:
-    """`module.forward` through `replay`, holding the module weakly: a freed text encoder's layers (the engine frees
+def _replayed_forward(layers: LayerReplay, module: nn.Module) -> Callable[..., Any]:
+    """`module.forward` through `layers`, holding the module weakly: a freed text encoder's layers (the engine frees
     it after the prompt-cache fill) are not kept alive by their own forwards."""
     forward, ref = module.forward, weakref.ref(module)
     method = getattr(forward, "__func__", None) if getattr(forward, "__self__", None) is module else None
@@ -170,7 +96,7 @@ def _replayed_forward(replay: LayerReplay, module: nn.Module) -> Callable[..., A
     def replayed(*args: Any, **kwargs: Any) -> Any:
         layer = ref()
         assert layer is not None, "a freed module's forward was called"
-        return replay.call(layer, forward if method is None else method.__get__(layer), args, kwargs)
+        return layers.call(layer, forward if method is None else method.__get__(layer), args, kwargs)
 
     return replayed
 

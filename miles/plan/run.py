@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
 import multiprocessing
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from miles.algorithms import algorithm_of, role_settings
 from miles.arguments.fsdp import trainer_world_size
@@ -184,20 +186,21 @@ def steady_train_peak(plan: ProcessPlan, later_micro_batches: bool) -> int:
 def _forked_ranks(ranks: list[int], simulate_rank: Callable[[int], ProcessPlan]) -> Iterator[Callable]:
     """Simulate `ranks` in children forked now, before the caller simulates rank 0, so that each starts from the
     same clean state (torch keeps device meshes it met: a second simulation in one process would find rank 0's mesh
-    groups in its own); they take turns on the machine's spare cores. Yields `collect`, which returns their plans in
-    order. With other threads alive (a fork copies a lock another thread may hold: the child would wait on it
-    forever) they run in this process after rank 0, which a 2-D mesh (--fsdp-shard-size) does not survive."""
+    groups in its own); they all run at once, beside rank 0, sharing the machine's cores (3 equal ranks on 2 cores
+    all end after 1.5 ranks' time; taking turns on the core rank 0 leaves, the last ended after 2). Yields `collect`,
+    which returns their plans in order. With other threads alive (a fork copies a lock another thread may hold: the
+    child would wait on it forever) they run in this process after rank 0, which a 2-D mesh (--fsdp-shard-size)
+    does not survive."""
     _stop_tqdm_monitor()
     forkable = threading.active_count() == 1
     if ranks and not forkable:
         others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
         logger.info("simulating ranks %s in this process after rank 0 (threads alive: %s)", ranks, others)
     context = multiprocessing.get_context("fork")
-    turns = context.Semaphore(max(1, (os.cpu_count() or 1) - 1))
     pending: dict[int, tuple[Any, Any]] = {}
     for rank in ranks if forkable else []:
         receive, send = context.Pipe(duplex=False)
-        process = context.Process(target=_child, args=(simulate_rank, rank, send, turns), daemon=True)
+        process = context.Process(target=_child, args=(simulate_rank, rank, send), daemon=True)
         process.start()
         pending[rank] = (process, receive)
 
@@ -252,10 +255,9 @@ def _plan_only(run: Callable[..., tuple[ProcessPlan, Any]], rank: int) -> Proces
     return run(rank=rank)[0]
 
 
-def _child(simulate_rank: Callable[[int], ProcessPlan], rank: int, send: Any, turns: Any) -> None:
+def _child(simulate_rank: Callable[[int], ProcessPlan], rank: int, send: Any) -> None:
     try:
-        with turns:
-            send.send(simulate_rank(rank))
+        send.send(simulate_rank(rank))
     except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises it
         send.send(RuntimeError(f"simulating rank {rank}: {type(exc).__name__}: {exc}"))
     finally:
@@ -264,12 +266,22 @@ def _child(simulate_rank: Callable[[int], ProcessPlan], rank: int, send: Any, tu
 
 def _rows_for_window(result: GenerateResult, samples: list, count: int) -> tuple[GenerateResult, list]:
     """The engine's result stretched or cut to the `count` samples of one rank's window (the trainer's input shapes
-    depend on the sample count only)."""
+    depend on the sample count only). Simulated media (`Media.pixels_uint8`: a broadcast zero that takes no memory)
+    stay a broadcast of `count` rows: indexing or joining them would write out every frame (GBs for a video)."""
+    images = result.images
+    broadcast = images if images is not None and images.size > 0 and not any(images.strides) else None  # one value
+    if broadcast is not None:
+        result = dataclasses.replace(result, images=None)
     if result.batch_size >= count:
-        return select_rows(result, range(count)), samples[:count]
-    copies = math.ceil(count / result.batch_size)
-    stretched = GenerateResult.concat([result] * copies)
-    return select_rows(stretched, range(count)), [samples[i % len(samples)] for i in range(count)]
+        window, rows = select_rows(result, range(count)), samples[:count]
+    else:
+        copies = math.ceil(count / result.batch_size)
+        window = select_rows(GenerateResult.concat([result] * copies), range(count))
+        rows = [samples[i % len(samples)] for i in range(count)]
+    if broadcast is not None:
+        one = np.asarray(broadcast[(0,) * broadcast.ndim])
+        window = dataclasses.replace(window, images=np.broadcast_to(one, (count, *broadcast.shape[1:])))
+    return window, rows
 
 
 def check_collectives(simulation: Simulation) -> None:

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils.flop_counter import FlopCounterMode
 
 from miles.algorithms import role_settings
 from miles.backends.fsdp_utils.actor import FSDPTrainRayActor
@@ -33,7 +32,6 @@ from miles.plan.fake import (
     value_only_ops_skipped,
 )
 from miles.plan.process import ProcessPlan, storage_bytes
-from miles.plan.replay import Ledger
 from miles.plan.replay_layers import LayerReplay, replay_layers
 from miles.plan.sync import SyncBuffers, push, sync_buffers, take_after_window
 from miles.plan.tracker import PlanTracker
@@ -128,7 +126,7 @@ def _start_up(
     gradients then run one layer of each kind (`replay_layers`)."""
     actor.init(args, "planner", 0)
     if fake:
-        replay_layers(LayerReplay(tracker, Ledger(FlopCounterMode())), [actor.model, *actor.loaded.values()])
+        replay_layers(LayerReplay(tracker, None), [actor.model, *actor.loaded.values()])
     return sync_buffers(args, actor) if export and actor.role == "actor" else None
 
 

@@ -4,6 +4,8 @@ a replayed output has the recorded layout."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -101,3 +103,24 @@ def test_nested_replays_of_a_tiled_decode_count_what_running_it_all_counts():
     ran, replayed = run_tiled(False), run_tiled(True)
     assert replayed[:3] == ran[:3]
     assert replayed[3] == 1 + 2  # the first decode ran (its first 4-wide and its 2-wide tile ran, the others replayed)
+
+
+def test_a_replayed_output_keeps_its_fields_that_are_not_tensors_and_refuses_a_graph():
+    """A decode's output may carry any other field (a dict of settings here): given again as it is. An output with a
+    graph keeps its inputs alive: that call is never recorded, so it runs every time."""
+
+    @dataclasses.dataclass
+    class Decoded:
+        pixels: torch.Tensor
+        settings: dict
+
+    settings = {"fps": 8.0, "names": ["a"]}
+    with plan_tensor_mode(True), PlanTracker() as tracker, FlopCounterMode(display=False) as flops:
+        decode = ReplayOnce(lambda x: Decoded(x * 2, settings), tracker, Ledger(flops))
+        first, second = decode(torch.empty(3)), decode(torch.empty(3))
+        assert (decode.runs, decode.replays) == (1, 1) and second.settings is settings
+        assert second.pixels.shape == first.pixels.shape and second.pixels is not first.pixels
+        graph = ReplayOnce(lambda x: x * 2, tracker, Ledger(flops))
+        weights = torch.empty(3, requires_grad=True)
+        graph(weights), graph(weights)
+        assert (graph.runs, graph.replays) == (2, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -75,3 +76,23 @@ def test_window_flops_count_the_old_log_prob_recompute_of_later_windows():
     four = parse_args([*flags, "--num-steps-per-rollout", "4", "--diffusion-recompute-old-log-prob"])
     assert window_flops(one, 10.0, plan, 4) == train
     assert window_flops(four, 10.0, plan, 4) == pytest.approx(train + (1 + 1) * 10.0 * 4 * 3 / 4)
+
+
+def test_a_window_cut_or_stretched_from_the_engine_keeps_simulated_media_a_broadcast():
+    """The simulated engine's frames are one broadcast zero (`Media.pixels_uint8`); the window keeps them so (indexing
+    would write out every frame) and takes its other fields, and real media, as `select_rows` does."""
+    import numpy as np
+
+    from miles.plan.run import _rows_for_window
+    from tests.fast.rollout.test_engine_api import result
+
+    engine = result(3)
+    frames = (3, 5, 4, 4, 3)
+    simulated = dataclasses.replace(engine, images=np.broadcast_to(np.zeros((), dtype=np.uint8), frames))
+    for count in (2, 3, 7):  # cut, as is, stretched
+        window, samples = _rows_for_window(simulated, ["a", "b", "c"], count)
+        expected, expected_samples = _rows_for_window(engine, ["a", "b", "c"], count)  # real media: indexed
+        assert samples == expected_samples == [["a", "b", "c"][i % 3] for i in range(count)]
+        assert window.images.shape == (count, *frames[1:]) and not any(window.images.strides)
+        assert expected.images.shape == (count, 4, 4, 3) and expected.images.strides[0] > 0
+        assert torch.equal(window.final_latents, expected.final_latents) and window.batch_size == count
