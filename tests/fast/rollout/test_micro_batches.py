@@ -36,15 +36,16 @@ def sampling(batch: int, guidance_scale: float) -> GenerateRequest:
 
 def generate(engine: DiffusionEngine, req: GenerateRequest, micro_batch_size: int | str):
     engine.micro_batch_size = micro_batch_size
-    with torch_threads(1):  # MKL computes a row alike in every forward of 4 rows or more at one thread
-        return engine.generate(req)
+    with torch_threads(1):  # MKL computes a row alike in forwards of 4 rows or more at one thread (AVX2), of 11 or more
+        return engine.generate(req)  # on an AVX-512 CPU (its 2-D GEMMs of 2-10 rows round otherwise)
 
 
-# CFG doubles the rows: SD3's 6 samples in micro-batches of 4 (then 2) run forwards of 8 and 4 rows, the whole batch
-# one of 12; without CFG 8 samples in two of 4; Wan's 4 guided clips in two forwards of 4 rows
+# CFG doubles the rows: SD3's 14 samples in micro-batches of 8 (then 6) run forwards of 16 and 12 rows, the whole
+# batch one of 28 (on both kinds of CPU above, and with a last micro-batch of another size); without CFG 8 samples in
+# two of 4; Wan's 4 guided clips in two forwards of 4 rows (its tiny layers agree at 4 and 8 rows on both)
 @pytest.mark.parametrize(
     ("fixture", "batch", "guidance_scale", "size"),
-    [("tiny_pipeline_dir", 6, 4.5, 4), ("tiny_pipeline_dir", 8, 1.0, 4), ("tiny_wan_dir", 4, 4.5, 2)],
+    [("tiny_pipeline_dir", 14, 4.5, 8), ("tiny_pipeline_dir", 8, 1.0, 4), ("tiny_wan_dir", 4, 4.5, 2)],
 )
 def test_micro_batches_give_the_samples_of_one_batch_bit_for_bit(fixture, batch, guidance_scale, size, request):
     engine = DiffusionEngine(request.getfixturevalue(fixture))
