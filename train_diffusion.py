@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 COMMAND_STARTED = time.perf_counter()  # as a script: the command's start, less the interpreter's own (~0.05 s)
@@ -25,25 +26,14 @@ with import_gc.paused():  # the driver's imports (torch, Ray) without the collec
     from miles.ray.generations import Generations, staleness_metrics
     from miles.ray.groups import RunGroups
     from miles.ray.monitor_guard import RunGuard
-    from miles.ray.restarts import RESTARTABLE, Restarts
+    from miles.ray.restarts import Restarts
     from miles.startup import start_up
-    from miles.utils.console import ProgressLine, TqdmHandler, engine_progress_display, progress_bar, summary_line
+    from miles.utils.console import ProgressLine, engine_progress_display, progress_bar, setup_logging, summary_line
     from miles.utils.failures import run_cleanup
     from miles.utils.stop_signals import EXIT_PREEMPTED, StopSignals, ignore_late_signals, stop_line
-    from miles.utils.tracking import Tracking, current_records, open_tracking, read_metrics
+    from miles.utils.tracking import Tracking, current_records, first_compile_seconds, open_tracking, read_metrics
 
 logger = logging.getLogger("miles.driver")
-
-
-def setup_logging(args: argparse.Namespace) -> None:
-    os.makedirs(args.output_dir, exist_ok=True)
-    handlers = [TqdmHandler(sys.stderr), logging.FileHandler(os.path.join(args.output_dir, "train.log"))]
-    logging.basicConfig(
-        level=getattr(logging, args.log_level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        handlers=handlers,
-        force=True,
-    )
 
 
 def is_due(rollout_id: int, interval: int | None, last: int) -> bool:
@@ -61,10 +51,10 @@ def run_rollout(
     guard: RunGuard | None = None,
 ) -> dict | None:
     """One rollout: generate, train each group in order, save when due, sync weights, eval when due, the guard's
-    action (`--monitor-action`); returns its record (the trainer windows' records are logged as they come). `started`: the command's start on the
-    perf_counter clock, given for the run's first rollout only: its record then holds `perf/startup_s`. After a stop
-    signal during the generation the rollout is abandoned (None: its batch is dropped, the resumed run regenerates
-    it alike); after that the rollout runs to its end (a train step is collective over the ranks)."""
+    action (`--monitor-action`); returns its record (the trainer windows' records are logged as they come).
+    `started` (the command's start, perf_counter clock) comes with the first rollout only: its record holds
+    `perf/startup_s`. A stop signal during the generation abandons the rollout (None: the resumed run regenerates
+    it alike); after that it runs to its end (a train step is collective over the ranks)."""
     groups, rollout_manager, phases = run_groups.groups, run_groups.rollout_manager, run_groups.phases
     last = args.num_rollout - 1
     t0 = time.perf_counter()
@@ -109,21 +99,6 @@ def run_rollout(
     rollout_record["_actor_losses"] = [r["train/loss"] for r in records if "train/loss" in r and r["role"] == "actor"]
     rollout_record["_train_records"] = records
     return rollout_record
-
-
-def first_compile_seconds(rollout_record: dict, train_records: list[dict]) -> float:
-    """With --compile, the start-up's last part: torch compiles at the first calls (it needs the batch's shapes), so
-    the first rollout's generate and train phases hold the compiling, the engines' (the most of any engine) and then
-    the trainer's (rank 0's). Logged beside the start-up and recorded as `perf/startup_compile_s`."""
-    engine = rollout_record.get("perf/engine_compile_s", 0.0)
-    trainer = max((r["perf/compile_s"] for r in train_records if "perf/compile_s" in r), default=0.0)
-    logger.info(
-        "start-up, continued: --compile compiled %.1fs in the first rollout (engines %.1fs, then the trainer %.1fs)",
-        engine + trainer,
-        engine,
-        trainer,
-    )
-    return engine + trainer
 
 
 def train_rollouts(
@@ -177,13 +152,10 @@ def run(
     *,
     started: float | None = None,
 ) -> dict:
-    """Run the whole job; returns a summary (actor losses, wall time; `stopped`: the last line of a run that a
-    SIGTERM / SIGINT stopped early, see `miles.utils.stop_signals`; `guard_stopped`: the line of a run that
-    `--monitor-action` stopped, which ends as a finished run does).
-
-    `before_shutdown(groups)` lets tools and tests inspect the live groups after the last rollout. `started`: when
-    the command started, on the `time.perf_counter` clock (`main` passes the process's start); default now. The
-    first rollout's record holds `perf/startup_s`, the seconds from then to its start.
+    """Run the whole job; returns a summary (actor losses, wall time; `stopped`: the last line of a run a SIGTERM /
+    SIGINT stopped early, `miles.utils.stop_signals`; `guard_stopped`: that of a run `--monitor-action` stopped).
+    `before_shutdown(groups)` lets tools and tests inspect the live groups after the last rollout. `started`: the
+    command's start on the perf_counter clock (default now), from which the first rollout's `perf/startup_s` counts.
     """
     started = time.perf_counter() if started is None else started
     summary: dict = {"losses": []}
@@ -195,8 +167,8 @@ def run(
             writer = open_tracking(args)
             check_cluster(args)
             restarts = Restarts(args)  # --max-restarts: the run's attempts and their groups
-            completed = train_with_restarts(restarts, writer, summary, started, stop, startup)
-            run_groups = restarts.groups
+            attempt = partial(start_and_train, restarts, writer, summary, stop, startup)
+            run_groups, completed = restarts.attempts(attempt, writer, summary, stop, started)
             if completed is None:  # --eval-only
                 return summary
             if stop.requested and completed < args.num_rollout - 1:  # a signal in the last rollout lets the run end
@@ -222,27 +194,12 @@ def run(
     return summary
 
 
-def train_with_restarts(
-    restarts: Restarts, writer: Tracking, summary: dict, started: float, stop: StopSignals, startup: Any
-) -> int | None:
-    """Start the groups and train; when an actor dies, restart from the latest checkpoint while --max-restarts
-    allows (`miles.ray.restarts`). Returns the last rollout completed (None: --eval-only)."""
-    while True:
-        try:
-            return start_and_train(restarts, writer, summary, started, stop, startup)
-        except RESTARTABLE as exc:
-            if stop.requested or not restarts.can_restart(exc):
-                restarts.give_up(exc, summary, stop.requested)  # the lost actor, why, the checkpoint to resume
-                raise
-            writer.log(restarts.recover(exc, summary))
-            started = time.perf_counter()  # the restarted attempt's perf/startup_s counts from here
-
-
 def start_and_train(
-    restarts: Restarts, writer: Tracking, summary: dict, started: float, stop: StopSignals, startup: Any
-) -> int | None:
-    """One attempt: every actor starts at once (start waits for them all), the baseline eval (first attempt only),
-    then the rollouts; returns as `train_with_restarts`."""
+    restarts: Restarts, writer: Tracking, summary: dict, stop: StopSignals, startup: Any, started: float
+) -> tuple[RunGroups, int | None]:
+    """One attempt (`Restarts.attempts` runs them): every actor starts at once (start waits for them all), the
+    baseline eval (first attempt only), then the rollouts; returns the groups and the last rollout completed (None:
+    --eval-only)."""
     args = restarts.args
     restarts.groups = run_groups = RunGroups.launch(args)
     start_rollout_id = run_groups.start()
@@ -255,19 +212,17 @@ def start_and_train(
             guard.observe_eval(baseline)
             writer.log({"rollout_id": start_rollout_id, "step": 0, **baseline})
         if args.eval_only:
-            return None
+            return run_groups, None
     if stop.requested:  # a signal during the start-up stops before the first rollout
-        return start_rollout_id - 1
-    return train_rollouts(args, run_groups, writer, start_rollout_id, summary, started, stop, guard)
+        return run_groups, start_rollout_id - 1
+    return run_groups, train_rollouts(args, run_groups, writer, start_rollout_id, summary, started, stop, guard)
 
 
 def main(argv: Sequence[str] | None = None, started: float | None = None) -> int:
     """`started`: the command's start on the `time.perf_counter` clock (default now); see `run`."""
     started = time.perf_counter() if started is None else started
     args = parse_args(argv)
-    setup_logging(args)
-    for note in args.default_notes:  # the defaults chosen for what the command line left out
-        logger.info("%s", note)
+    setup_logging(args.output_dir, args.log_level, args.default_notes)
     if args.plan:  # no training, no Ray: the run simulated on fake tensors (miles/plan/)
         from miles.plan.command import plan_command  # local: the trainer's imports, only a plan needs them here
 

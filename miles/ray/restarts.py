@@ -13,8 +13,9 @@ import argparse
 import copy
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 
@@ -23,12 +24,17 @@ from miles.backends.fsdp_utils.checkpoint import read_latest
 from miles.ray.checkpoint_folders import save_folders
 from miles.ray.cluster import ClusterFlags, actor_cpus, actor_gpus
 from miles.utils.failures import ActorDied, EngineError, run_cleanup
-from miles.utils.tracking import RESTART_KEY
+from miles.utils.stop_signals import StopSignals
+from miles.utils.tracking import RESTART_KEY, Tracking
+
+if TYPE_CHECKING:
+    from miles.ray.groups import RunGroups
 
 logger = logging.getLogger(__name__)
 
 RESTARTABLE = (ActorDied, EngineError)
 WAIT_LOG_S = 30.0  # how often the wait for resources says what it still misses
+T = TypeVar("T")
 
 
 @dataclass
@@ -112,12 +118,28 @@ def resume_hint(args: argparse.Namespace) -> str:
 class Restarts:
     """The run's attempts: the restart budget, the current attempt's flags (`args`: `--load` at the save folders
     once it restarted) and groups (`groups`, a `RunGroups` the driver launches). The driver calls `start_attempt`
-    once the groups started, `recover` when an attempt failed."""
+    once the groups started, `recover` when an attempt failed; `attempts` runs them in turn."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args, self.given, self.groups = args, args, None
+        self.args, self.given = args, args
+        self.groups: RunGroups | None = None
         self.count, self.first_rollout = 0, 0
         self.target = {k: min(v, ray.cluster_resources().get(k, 0.0)) for k, v in needed_resources(args).items()}
+
+    def attempts(
+        self, attempt: Callable[[float], T], writer: Tracking, summary: dict, stop: StopSignals, started: float
+    ) -> T:
+        """`attempt(started)` (the groups started and trained); when an actor dies, again from the latest checkpoint
+        while --max-restarts allows, `started` then the restart's time (its perf/startup_s counts from there)."""
+        while True:
+            try:
+                return attempt(started)
+            except RESTARTABLE as exc:
+                if stop.requested or not self.can_restart(exc):
+                    self.give_up(exc, summary, stop.requested)  # the lost actor, why, the checkpoint to resume
+                    raise
+                writer.log(self.recover(exc, summary))
+                started = time.perf_counter()
 
     def can_restart(self, exc: BaseException) -> bool:
         return isinstance(exc, RESTARTABLE) and self.count < self.given.max_restarts

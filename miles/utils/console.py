@@ -7,6 +7,7 @@ import argparse
 import logging
 import math
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -64,6 +65,21 @@ class TqdmHandler(logging.StreamHandler):
             tqdm.write(self.format(record), file=self.stream)
         except Exception:  # noqa: BLE001 - logging's own contract: report, never raise
             self.handleError(record)
+
+
+def setup_logging(output_dir: str, level: str, notes: Sequence[str] = ()) -> None:
+    """The driver's logging: above the progress bar on stderr and into `<output_dir>/train.log`; then `notes` (the
+    defaults chosen for what the command line left out), one line each."""
+    os.makedirs(output_dir, exist_ok=True)
+    handlers = [TqdmHandler(sys.stderr), logging.FileHandler(os.path.join(output_dir, "train.log"))]
+    logging.basicConfig(
+        level=getattr(logging, level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=handlers,
+        force=True,
+    )
+    for note in notes:
+        logging.getLogger("miles.driver").info("%s", note)
 
 
 def progress_bar(rollout_ids: Iterable[int], args: argparse.Namespace):

@@ -283,3 +283,18 @@ def open_tracking(args: argparse.Namespace) -> Tracking:
     if args.use_wandb:
         sinks.append(WandbSink(args))
     return Tracking(args.output_dir, sinks)
+
+
+def first_compile_seconds(rollout_record: dict[str, Any], train_records: list[dict[str, Any]]) -> float:
+    """With --compile, the start-up's last part: torch compiles at the first calls (it needs the batch's shapes), so
+    the first rollout's generate and train phases hold the compiling, the engines' (the most of any engine) and then
+    the trainer's (rank 0's). Logged beside the start-up and recorded as `perf/startup_compile_s`."""
+    engine = rollout_record.get("perf/engine_compile_s", 0.0)
+    trainer = max((r["perf/compile_s"] for r in train_records if "perf/compile_s" in r), default=0.0)
+    logging.getLogger("miles.driver").info(
+        "start-up, continued: --compile compiled %.1fs in the first rollout (engines %.1fs, then the trainer %.1fs)",
+        engine + trainer,
+        engine,
+        trainer,
+    )
+    return engine + trainer

@@ -100,14 +100,3 @@ def test_the_groups_started_are_the_declared_roles_unless_nothing_trains(tmp_pat
     assert roles("--debug-rollout-only") == []
     assert roles("--eval-only") == []  # the pipeline as loaded
     assert roles("--eval-only", "--load", str(tmp_path)) == ["critic", "actor"]
-
-
-def test_the_first_rollouts_compiling_is_the_engines_then_the_trainers(caplog):
-    import train_diffusion
-
-    record = {"perf/engine_compile_s": 15.0}
-    windows = [{"role": "actor", "perf/compile_s": 90.0}, {"role": "actor", "perf/compile_s": 91.0}, {"role": "x"}]
-    with caplog.at_level("INFO", logger="miles.driver"):
-        assert train_diffusion.first_compile_seconds(record, windows) == 106.0
-    assert "compiled 106.0s in the first rollout (engines 15.0s, then the trainer 91.0s)" in caplog.text
-    assert train_diffusion.first_compile_seconds({}, []) == 0.0  # nothing compiled (aot_eager, a cached graph)

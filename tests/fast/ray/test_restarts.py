@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-import train_diffusion
 from miles.arguments.parser import parse_args
 from miles.backends.fsdp_utils.checkpoint import LATEST_FILE
 from miles.ray import restarts as restarts_module
@@ -151,23 +150,38 @@ def test_recover_raises_the_actor_error_when_the_resources_never_come_back(tmp_p
 
 def test_the_driver_restarts_at_most_max_restarts_times(tmp_path, monkeypatch):
     monkeypatch.setattr(restarts_module.ray, "cluster_resources", lambda: {"CPU": 64.0})
-    attempts, logged = [], []
+    attempts, starts, logged = [], [], []
+    restarts = Restarts(args_for("--save", str(tmp_path), "--max-restarts", "2"))
 
-    def failing_attempt(restarts, *rest):
+    def failing_attempt(started):
         attempts.append(restarts.count)
+        starts.append(started)
         raise died("actor rank", len(attempts))
 
-    monkeypatch.setattr(train_diffusion, "start_and_train", failing_attempt)
     writer = type("Writer", (), {"log": lambda self, record: logged.append(record)})()
-    restarts = Restarts(args_for("--save", str(tmp_path), "--max-restarts", "2"))
     stop = type("Stop", (), {"requested": False})()
     with pytest.raises(ActorDied, match="actor rank 3 died") as info:
-        train_diffusion.train_with_restarts(restarts, writer, {}, 0.0, stop, None)
+        restarts.attempts(failing_attempt, writer, {}, stop, 0.0)
     assert attempts == [0, 1, 2] and [r[RESTART_KEY] for r in logged] == [1, 2]
+    assert starts[0] == 0.0 and 0.0 < starts[1] <= starts[2]  # a restarted attempt's start-up counts from its restart
     assert info.value.__notes__ == [
         "actor rank 3 on unknown node lost in rollout 0: restart budget (2) spent (--max-restarts 2, 2 restart(s) "
         f"done); no checkpoint in {tmp_path} yet: rerun the command to start over"
     ]
+
+
+def test_a_stop_signal_ends_the_restarts_with_the_first_loss(tmp_path, monkeypatch):
+    monkeypatch.setattr(restarts_module.ray, "cluster_resources", lambda: {"CPU": 64.0})
+    restarts = Restarts(args_for("--save", str(tmp_path), "--max-restarts", "2"))
+    stop = type("Stop", (), {"requested": True})()
+    writer = type("Writer", (), {"log": lambda self, record: pytest.fail("no restart after a stop signal")})()
+
+    def attempt(started):
+        raise died("actor rank", 0)
+
+    with pytest.raises(ActorDied) as info:
+        restarts.attempts(attempt, writer, {}, stop, 0.0)
+    assert "not restarted after a stop signal" in info.value.__notes__[0] and restarts.count == 0
 
 
 def test_the_last_loss_names_the_lost_rank_the_spent_budget_and_the_checkpoint(tmp_path, monkeypatch):

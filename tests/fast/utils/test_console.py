@@ -16,6 +16,7 @@ from miles.utils.console import (
     engine_progress_display,
     quiet_third_party,
     ray_init_kwargs,
+    setup_logging,
     summary_line,
 )
 
@@ -101,3 +102,21 @@ def test_log_lines_go_through_tqdm_write():
     finally:
         logger.removeHandler(handler)
     assert stream.getvalue() == "WARNING hello\n"
+
+
+def test_the_drivers_log_goes_to_train_log_with_the_default_notes_first(tmp_path):
+    root, before = logging.getLogger(), logging.getLogger().handlers[:]
+    try:
+        setup_logging(str(tmp_path / "out"), "INFO", ["--dp-size auto: 2", "--micro-batch-size auto: 4"])
+        logging.getLogger("miles.test").debug("below the level")
+        logging.getLogger("miles.test").info("a line")
+        assert any(isinstance(h, TqdmHandler) for h in root.handlers) and root.level == logging.INFO
+        for handler in root.handlers:
+            handler.flush()
+        lines = (tmp_path / "out" / "train.log").read_text().splitlines()
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        logging.basicConfig(handlers=before, force=True)
+    assert [line.split(": ", 1)[1] for line in lines] == ["--dp-size auto: 2", "--micro-batch-size auto: 4", "a line"]
+    assert " INFO miles.driver: " in lines[0]

@@ -18,6 +18,7 @@ from miles.utils.tracking import (
     TensorBoardSink,
     Tracking,
     WandbSink,
+    first_compile_seconds,
     open_tracking,
     read_metrics,
     scalar_points,
@@ -212,3 +213,12 @@ def test_without_trackers_only_the_jsonl_is_written(tmp_path):
     tracking.log(RECORDS[0])
     tracking.close()
     assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
+
+
+def test_the_first_rollouts_compiling_is_the_engines_then_the_trainers(caplog):
+    record = {"perf/engine_compile_s": 15.0}
+    windows = [{"role": "actor", "perf/compile_s": 90.0}, {"role": "actor", "perf/compile_s": 91.0}, {"role": "x"}]
+    with caplog.at_level("INFO", logger="miles.driver"):
+        assert first_compile_seconds(record, windows) == 106.0
+    assert "compiled 106.0s in the first rollout (engines 15.0s, then the trainer 91.0s)" in caplog.text
+    assert first_compile_seconds({}, []) == 0.0  # nothing compiled (aot_eager, a cached graph)
