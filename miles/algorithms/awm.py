@@ -101,6 +101,7 @@ def default_notes(args: argparse.Namespace) -> list[str]:
 
 ALGORITHM = Algorithm(
     name="awm",
+    group_advantages=True,
     roles=(Role("actor", frozen_networks=(EMA_ANCHOR,)),),
     log_prob_ratio=True,
     first_window_metrics=FirstWindowMetrics(ratio="train/awm_ratio_mean", log_prob_abs_diff=None),

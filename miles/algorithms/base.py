@@ -204,6 +204,9 @@ class Algorithm:
     - `first_window_metrics`: with `log_prob_ratio`, the metrics the first-window guard checks before the run's first
       update (`miles.backends.fsdp_utils.first_window_guard`; None: no guard).
     - `scores_rewards`: rollouts are scored and advantages computed (False: rewards only as metrics when asked).
+    - `group_advantages`: the loss trains on the GRPO advantages (each sample's reward against the others of its
+      prompt group), so --n-samples-per-prompt 1, where every advantage is 0, is refused (unless
+      --custom-reward-post-process-path computes them).
     - `differentiable_reward(args)`: whether the loss back-propagates the reward in the trainer on this run (refl:
       always; dmd2: with --dmd2-reward-weight > 0): every weighted reward of --rm-type must then be differentiable (a
       `DifferentiableReward`), the others are refused at start-up by name.
@@ -236,6 +239,7 @@ class Algorithm:
     log_prob_ratio: bool = False
     first_window_metrics: FirstWindowMetrics | None = None
     scores_rewards: bool = True
+    group_advantages: bool = False
     differentiable_reward: Callable[[argparse.Namespace], bool] = never
     samples_sde: bool = True
     uses_engines: bool = True

@@ -32,6 +32,7 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 ALGORITHM = Algorithm(
     name="flow_dppo",
+    group_advantages=True,
     async_rollout=True,
     log_prob_ratio=True,
     first_window_metrics=FirstWindowMetrics(),

@@ -25,6 +25,7 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 ALGORITHM = Algorithm(
     name="policy_loss",
+    group_advantages=True,
     async_rollout=True,
     log_prob_ratio=True,
     first_window_metrics=FirstWindowMetrics(),

@@ -41,6 +41,7 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 ALGORITHM = Algorithm(
     name="nft",
+    group_advantages=True,
     async_rollout=True,
     roles=(Role("actor", frozen_networks=(OLD_POLICY,)),),
     samples_sde=False,

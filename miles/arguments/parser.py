@@ -208,7 +208,12 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         help="Items of builtin:shapes (and the other built-in worlds).",
     )
     group.add_argument("--rollout-batch-size", type=int, default=8, help="Prompts per rollout.")
-    group.add_argument("--n-samples-per-prompt", type=int, default=8, help="Samples per prompt (a GRPO group).")
+    group.add_argument(
+        "--n-samples-per-prompt",
+        type=int,
+        default=8,
+        help="Samples per prompt (a GRPO group: at least 2 where the loss trains on group advantages).",
+    )
     group.add_argument("--rollout-seed", type=int, default=42, help="Seeds data order and per-sample noise.")
     group.add_argument("--no-rollout-shuffle", action="store_true", help="Keep the file order every epoch.")
     group.add_argument(

@@ -177,8 +177,9 @@ def add_vlm_judge_arguments(group: argparse._ArgumentGroup) -> None:
 
 
 def reward_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
-    """The rules of the reward flags: remote rewards, a reward that cannot run (refused before any model loads) and
-    --per-reward-group-norm where nothing would read it."""
+    """The rules of the reward flags: remote rewards, a reward that cannot run (refused before any model loads),
+    groups of one sample under a loss that trains on group advantages, and --per-reward-group-norm where nothing
+    would read it."""
     errors = remote_rules(args)
     gradient = algorithm.differentiable_reward(args)  # the trainer scores the reward with gradient
     if runs_rewards(args, algorithm.scores_rewards) or gradient:  # a reward that cannot run is refused before loads
@@ -189,6 +190,13 @@ def reward_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
                 errors += differentiable_reward_problems(args, spec)
         except ValueError as exc:
             errors.append(str(exc))
+    if algorithm.group_advantages and runs_rewards(args, True) and args.n_samples_per_prompt == 1:
+        if not args.custom_reward_post_process_path:
+            errors.append(
+                f"--n-samples-per-prompt 1: --loss-type {algorithm.name} trains on each sample's reward against the "
+                "others of its prompt group, and a group of one has none (every advantage would be 0 and nothing "
+                "would train): use --n-samples-per-prompt 2 or more, or --custom-reward-post-process-path"
+            )
     if args.per_reward_group_norm and (args.custom_reward_post_process_path or not algorithm.scores_rewards):
         why = (
             "--custom-reward-post-process-path computes the advantages instead"

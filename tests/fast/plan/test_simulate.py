@@ -83,7 +83,7 @@ def test_the_train_peak_is_a_later_windows_with_adamw_moments_beside_the_forward
 def test_the_planned_prompt_cache_fill_encodes_as_the_engines_fill_does(tmp_path, monkeypatch):
     """`PromptEncoder.fill` encodes a family whose prompts encode alone differently from a batch (SD3) one prompt at a
     time: so does the plan's start-up (encoding the whole rollout at once put Qwen-Image's engine at 91 GiB)."""
-    args = simulation_args(plan_args("--prompt-cache", str(tmp_path / "cache"), "--n-samples-per-prompt", "1"))
+    args = simulation_args(plan_args("--prompt-cache", str(tmp_path / "cache")))
     family_class = type(get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args)))
     batches = []
     original = family_class.encode_prompts
@@ -93,7 +93,7 @@ def test_the_planned_prompt_cache_fill_encodes_as_the_engines_fill_does(tmp_path
         return original(self, prompts, *rest, **kwargs)
 
     monkeypatch.setattr(family_class, "encode_prompts", encode_prompts)
-    simulate_engine(args, 3)
+    simulate_engine(args, 6)  # groups of 2 samples: three prompts
     assert batches[:3] == [1, 1, 1] and set(batches) == {1}  # three prompts (then the negative, with CFG)
 
 
