@@ -96,8 +96,10 @@ def override_rules(args: argparse.Namespace, algorithms: Iterable[Algorithm]) ->
 
 
 def folder_rules(args: argparse.Namespace) -> list[str]:
-    """Each role's load folder must exist unless it is the role's save folder (auto-resume)."""
-    errors = []
+    """Each role's load folder must exist unless it is the role's save folder (auto-resume); its save folder, and
+    the run's other output folders, must not be a file (the run would fail making it, after its checks)."""
+    files = {path: flag for flag, path in output_folders(args)[::-1] if path and os.path.isfile(path)}
+    errors = [f"{flag} {path}: a file is there, not a folder: give a folder path" for path, flag in files.items()]
     for role in algorithm_of(args).roles:
         load, save = getattr(args, role.dest("load")), getattr(args, role.dest("save"))
         if load and not os.path.isdir(load) and load != save:
@@ -106,6 +108,15 @@ def folder_rules(args: argparse.Namespace) -> list[str]:
                 f"{role.flag('save')} to auto-resume)"
             )
     return errors
+
+
+def output_folders(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """The folders the run writes, by flag: --output-dir, each role's save folder (the actor's first), --save-hf, a
+    --prompt-cache DIR."""
+    folders = [("--output-dir", args.output_dir)]
+    folders += [(role.flag("save"), getattr(args, role.dest("save"))) for role in algorithm_of(args).roles[::-1]]
+    folders += [("--save-hf", args.save_hf)]
+    return folders + ([("--prompt-cache", args.prompt_cache)] if args.prompt_cache not in ("auto", "off") else [])
 
 
 def override_default(role: Role, args: argparse.Namespace, override: str) -> Any:

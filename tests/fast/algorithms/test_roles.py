@@ -29,3 +29,18 @@ def test_only_dmd2_declares_an_extra_role():
     assert {role: [a.name for a in holders] for role, holders in extra_roles(BUILTIN_ALGORITHMS).items()} == {
         "critic": ["dmd2"]
     }
+
+
+def test_an_output_folder_that_is_a_file_is_refused_naming_the_flag_once(tmp_path, capsys):
+    from tests.fast.arguments.test_parser import parse_error
+
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    line = f"{taken}: a file is there, not a folder: give a folder path"
+    assert f"--output-dir {line}" in parse_error([*BASE, "--output-dir", str(taken)], capsys)
+    assert f"--save-hf {line}" in parse_error([*BASE, "--save-hf", str(taken)], capsys)
+    assert f"--prompt-cache {line}" in parse_error([*BASE, "--prompt-cache", str(taken)], capsys)
+    err = parse_error([*DMD2, "--save", str(taken)], capsys)  # the critic's save defaults to it: one line
+    assert f"--save {line}" in err and f"--critic-save {taken}" not in err
+    assert f"--critic-save {line}" in parse_error([*DMD2, "--critic-save", str(taken)], capsys)
+    parse_args([*BASE, "--output-dir", str(tmp_path), "--save", str(tmp_path / "new")])  # a folder, or none yet
