@@ -60,14 +60,15 @@ def read_jsonl_records(
     image_key: str | None = None,
     source_images: bool = False,
     optional_sources: bool = False,
+    flag: str = "--prompt-data",
 ) -> list[dict[str, Any]]:
-    """Records {"prompt", "metadata", ["image"], ["source_images"]}: `image` the sft_loss target (`image_key`),
-    `source_images` the paths of an editing / image-to-video prompt's inputs (`image` or `images`, checked to
-    decode; with `optional_sources`, a family that also generates from text alone, a row may name none); paths
-    resolve relative to the JSONL file."""
+    """Records {"prompt", "metadata", ["image"], ["source_images"]} of the file `flag` names: `image` the sft_loss
+    target (`image_key`), `source_images` the paths of an editing / image-to-video prompt's inputs (`image` or
+    `images`, checked to decode; with `optional_sources`, a family that also generates from text alone, a row may name
+    none); paths resolve relative to the JSONL file."""
     base = os.path.dirname(os.path.abspath(path))
     records = []
-    for line_no, row in read_jsonl_objects(path, PromptDataError, where=f"--prompt-data {path}"):
+    for line_no, row in read_jsonl_objects(path, PromptDataError, where=f"{flag} {path}"):
         prompt = row.get(input_key)
         if not isinstance(prompt, str):
             raise PromptDataError(f"{path}:{line_no}: missing string field {input_key!r} (--input-key)")
@@ -145,6 +146,7 @@ def read_prompt_file(
         image_key=image_key,
         source_images=source_images,
         optional_sources=optional_sources,
+        flag=flag,
     )
 
 

@@ -8,6 +8,7 @@ from miles.rollout.data_source import (
     PromptDataSource,
     check_distinct_prompts,
     read_jsonl_records,
+    read_prompt_file,
     records_digest,
 )
 
@@ -69,9 +70,12 @@ def test_bad_prompt_files_name_file_and_line(tmp_path, rows, message):
         read_jsonl_records(path, input_key="prompt", metadata_key="metadata", image_key="image")
 
 
-def test_missing_file_is_named(tmp_path):
-    with pytest.raises(PromptDataError, match="nope.jsonl: file not found"):
-        read_jsonl_records(str(tmp_path / "nope.jsonl"), input_key="prompt", metadata_key="metadata")
+def test_missing_file_is_named_with_the_flag_that_named_it(tmp_path):
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(PromptDataError, match="^--prompt-data .*nope.jsonl: file not found"):
+        read_jsonl_records(missing, input_key="prompt", metadata_key="metadata")
+    with pytest.raises(PromptDataError, match="^--eval-prompt-data .*nope.jsonl: file not found"):  # not --prompt-data
+        read_prompt_file(missing, default_args(), flag="--eval-prompt-data")
 
 
 def test_undecodable_bytes_name_file_line_and_byte(tmp_path):
