@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -157,11 +158,27 @@ def ray_processes_in_own_sessions() -> Iterator[None]:
         ray_services.ConsolePopen = launcher  # type: ignore[misc]  # as above
 
 
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A --ray-address HOST:PORT (or ray://HOST:PORT) must answer a TCP connect: joining an address where nothing
+    listens, Ray retries for minutes and then some, printing only its own warnings."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if address in ("auto", "local") or not sep or not port.isdigit():
+        return  # Ray's own lookup ("auto") and its own error for an address it cannot parse
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(
+            f"--ray-address {address}: nothing answers at {host}:{port} ({exc.strerror or exc}); start the cluster "
+            "there first (`ray start --head` on that node), or fix the address"
+        ) from None
+
+
 def start_ray(settings: dict[str, Any] | None) -> bool:
     """Start or join the cluster of `ray_init_settings`; True when this driver started it. Call it from the main
     thread: Ray's processes end with the thread that started them."""
     if settings is None:
         return False
+    check_reachable(settings["address"])
     # without kernel fate-sharing (macOS) Ray's reaper ends its processes through the driver's process group
     own = settings.get("address") == "local" and ray_utils.detect_fate_sharing_support()
     sessions = ray_processes_in_own_sessions() if own else nullcontext()

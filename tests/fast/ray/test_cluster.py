@@ -2,12 +2,20 @@
 
 import argparse
 import os
+import socket
 
 import pytest
 
 from miles.algorithms import DEFAULT_LOSS_TYPE
 from miles.arguments.parser import default_args, parse_args
-from miles.ray.cluster import ClusterFlags, actor_gpus, actor_shares, check_gpus_fit, local_ray_cpus
+from miles.ray.cluster import (
+    ClusterFlags,
+    actor_gpus,
+    actor_shares,
+    check_gpus_fit,
+    check_reachable,
+    local_ray_cpus,
+)
 from miles.ray.groups import RunFlags, roles_to_start
 
 
@@ -100,3 +108,15 @@ def test_the_groups_started_are_the_declared_roles_unless_nothing_trains(tmp_pat
     assert roles("--debug-rollout-only") == []
     assert roles("--eval-only") == []  # the pipeline as loaded
     assert roles("--eval-only", "--load", str(tmp_path)) == ["critic", "actor"]
+
+
+def test_joining_an_address_where_nothing_listens_fails_at_once_naming_it():
+    with socket.create_server(("127.0.0.1", 0)) as server:  # a listening port: joined as given
+        port = server.getsockname()[1]
+        check_reachable(f"127.0.0.1:{port}")
+        check_reachable(f"ray://127.0.0.1:{port}")
+    with pytest.raises(ConnectionError, match=rf"^--ray-address 127.0.0.1:{port}: nothing answers at 127.0.0.1:{port} "
+                       r"\(Connection refused\); start the cluster there first"):  # fmt: skip
+        check_reachable(f"127.0.0.1:{port}")
+    for address in ("auto", "local", "no-port"):  # Ray's own lookup, its own error
+        check_reachable(address)
