@@ -65,6 +65,7 @@ class RolloutManager:
             watches(flags.monitor_image_drift, flags.monitor_norm_drift, flags.monitor_diversity_collapse)
         )
         self.hooks = load_path_flags(args)  # the rollout steps the path flags replace, {flag dest: function}
+        self.zero_advantages = steps.ZeroAdvantageWatch(algorithm_of(args).group_advantages, flags.n_samples_per_prompt)
         self.spec = rollout_spec_of(args)
         if isinstance(self.spec, DatasetSpec):
             self._init_dataset(self.spec)
@@ -213,6 +214,7 @@ class RolloutManager:
             )
         self.last_metrics = {
             **(self._reward_metrics(samples, rewards, advantages) if scored else {}),
+            **(self.zero_advantages.check(rollout_id, rewards, advantages) if scored else {}),
             "rollout/trained_steps": per_sample if per_sample is not None else len(request.trained_steps),
             "rollout/weights_version": result.weights_version,
             **spec.metrics(request),

@@ -162,6 +162,33 @@ def compute_advantages(
     return advantages.masked_fill(removed, 0.0) if bool(removed.any()) else advantages
 
 
+class ZeroAdvantageWatch:
+    """`rollout/zero_advantage_groups`, the fraction of prompt groups whose advantages are all 0, for a loss that
+    trains on group advantages (`Algorithm.group_advantages`). When a rollout's are all 0 it trains nothing from its
+    rewards (every group scored alike: a reward that saturated, or one that returns a constant): a warning, said
+    again only after a rollout that trained."""
+
+    def __init__(self, enabled: bool, group_size: int) -> None:
+        self.enabled, self.group_size, self.warned = enabled, group_size, False
+
+    def check(self, rollout_id: int, rewards: torch.Tensor, advantages: torch.Tensor) -> dict[str, float]:
+        if not self.enabled or advantages.numel() % self.group_size:
+            return {}
+        fraction = float((advantages.reshape(-1, self.group_size) == 0).all(dim=1).float().mean())
+        if fraction == 1.0 and not self.warned:
+            values = sorted({round(v, 4) for v in rewards.tolist()})
+            shown = ", ".join(map(str, values[:3])) + (f" and {len(values) - 3} more" if len(values) > 3 else "")
+            logger.warning(
+                "rollout %d trains nothing from its rewards: every prompt group's samples scored alike (rewards %s), "
+                "so every advantage is 0. A reward that saturated (the task is learned) or that returns a constant "
+                "(check --rm-type / --custom-rm-path); said again after a rollout that trains",
+                rollout_id,
+                shown,
+            )
+        self.warned = fraction == 1.0
+        return {"rollout/zero_advantage_groups": fraction}
+
+
 # ---- order and shard ------------------------------------------------------------------------------------------------
 def order_pairs(pairs: TrainPairs, num_samples: int, per_sample: int, *, seed: int, rollout_id: int) -> TrainPairs:
     """Whole samples (their `per_sample` consecutive pairs) in a seeded order, so every window mixes prompt groups."""

@@ -166,3 +166,22 @@ def test_sample_seeds_differ_by_rollout_and_index():
     seeds = {steps.sample_seed(42, rollout, index) for rollout in range(3) for index in range(8)}
     assert len(seeds) == 24
     assert steps.sample_seed(42, 1, 5) == steps.sample_seed(42, 1, 5) != steps.sample_seed(43, 1, 5)
+
+
+def test_a_rollout_whose_groups_all_scored_alike_is_named_once_until_one_trains(caplog):
+    watch = steps.ZeroAdvantageWatch(True, group_size=2)
+    flat = torch.tensor([1.0, 1.0, 0.5, 0.5])  # two groups, each scored alike
+    mixed = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    with caplog.at_level("WARNING", logger="miles.rollout.steps"):
+        assert watch.check(3, flat, torch.zeros(4)) == {"rollout/zero_advantage_groups": 1.0}
+        assert watch.check(4, flat, torch.zeros(4)) == {"rollout/zero_advantage_groups": 1.0}  # said once
+        advantages = steps.compute_grpo_advantages(mixed, 2)
+        assert watch.check(5, mixed, advantages) == {"rollout/zero_advantage_groups": 0.5}
+        assert watch.check(6, flat, torch.zeros(4))["rollout/zero_advantage_groups"] == 1.0  # said again
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and warnings[0].startswith(
+        "rollout 3 trains nothing from its rewards: every prompt group's samples scored alike (rewards 0.5, 1.0), "
+        "so every advantage is 0."
+    )
+    assert warnings[1].startswith("rollout 6 trains nothing")
+    assert steps.ZeroAdvantageWatch(False, 2).check(0, flat, torch.zeros(4)) == {}  # refl, dmd2, custom_loss: none
