@@ -23,7 +23,7 @@ with import_gc.paused():  # the driver's imports (torch, Ray) without the collec
     from miles.arguments.parser import parse_args
     from miles.plot import plot_run
     from miles.ray.cluster import check_cluster
-    from miles.ray.generations import Generations, staleness_metrics
+    from miles.ray.generations import Generations
     from miles.ray.groups import RunGroups
     from miles.ray.monitor_guard import RunGuard
     from miles.ray.restarts import Restarts
@@ -55,7 +55,7 @@ def run_rollout(
     `started` (the command's start, perf_counter clock) comes with the first rollout only: its record holds
     `perf/startup_s`. A stop signal during the generation abandons the rollout (None: the resumed run regenerates
     it alike); after that it runs to its end (a train step is collective over the ranks)."""
-    groups, rollout_manager, phases = run_groups.groups, run_groups.rollout_manager, run_groups.phases
+    groups, phases = run_groups.groups, run_groups.phases
     last = args.num_rollout - 1
     t0 = time.perf_counter()
     data, rollout_metrics, generate_s = generations.get(rollout_id)
@@ -63,7 +63,6 @@ def run_rollout(
         stop.abandoned = f"rollout {rollout_id} generated, not trained"
         return None
     t1 = time.perf_counter()
-    async_metrics = staleness_metrics(args, rollout_manager, rollout_id, rollout_metrics, t1 - t0)
     if not args.debug_rollout_only:
         phases.to_train(rollout_id)
         peer = None
@@ -82,7 +81,6 @@ def run_rollout(
         "perf/train_s": t2 - t1,
         "perf/weight_sync_s": weight_sync_s,
         **rollout_metrics,
-        **async_metrics,
         **({"perf/startup_s": t0 - started} if started is not None else {}),
         **({"perf/save_s": save_s} if save_s is not None else {}),
         **({"perf/colocate_swap_s": phases.pop_seconds()} if phases.enabled else {}),

@@ -31,14 +31,18 @@ class Generations:
         return data, self.rollout_manager.metrics(rollout_id), time.perf_counter() - started
 
     def get(self, rollout_id: int) -> tuple[list, dict, float]:
-        """(one box per dp rank, the rollout's metrics, seconds its generation took); ahead, starts the next one."""
+        """(one box per dp rank, the rollout's metrics, seconds its generation took); ahead, starts the next one, and
+        the metrics end with the batch's staleness and the seconds waited for it (`staleness_metrics`)."""
         if self.executor is None:
             return self._generate(rollout_id)
+        asked = time.perf_counter()
         future = self.ahead.pop(rollout_id, None) or self.executor.submit(self._generate, rollout_id)
-        result = future.result()
+        data, metrics, generate_s = future.result()
+        waited = time.perf_counter() - asked
         if rollout_id + 1 < self.args.num_rollout:
             self.ahead[rollout_id + 1] = self.executor.submit(self._generate, rollout_id + 1)
-        return result
+        staleness = staleness_metrics(self.args, self.rollout_manager, rollout_id, metrics, waited)
+        return data, {**metrics, **staleness}, generate_s
 
     def close(self) -> None:
         """Drop a generation not yet started; one under way ends with the engines (shut down after this)."""
