@@ -110,3 +110,23 @@ def test_the_newer_loss_types_give_the_same_series_at_dp_size_1_2_and_4(ray_clus
         assert len(got) == len(expected), f"dp {dp}: {len(got)} records, dp 2 wrote {len(expected)}"
         problems = {i: far_apart(g, e) for i, (g, e) in enumerate(zip(got, expected))}
         assert not any(problems.values()), {f"dp {dp} record {i}": p for i, p in problems.items() if p}
+
+
+def test_a_dp_2_checkpoint_resumed_at_dp_1_trains_the_next_rollout_as_dp_2_did(ray_cluster, tmp_path):
+    """Another world size on resume: nft (AdamW moments, EMA and old-policy shadows) saves each rollout at dp 2; from
+    rollout 0's checkpoint a dp-1 run trains rollout 1 as the dp-2 run did, to the rounding of the layout (the
+    weights it starts from are the saved ones bit for bit: DCP reshards them)."""
+    from miles.backends.fsdp_utils.checkpoint import write_latest
+
+    save, flags = str(tmp_path / "save"), [*COMMON, *RUNS["nft"]]
+    expected = run_flags(2, [*flags, "--save", save, "--save-interval", "1"], str(tmp_path / "dp2"))
+    write_latest(save, 0)  # resume after rollout 0
+    got = run_flags(1, [*flags, "--load", save], str(tmp_path / "dp1"))
+    expected = [r for r in expected if r.get("rollout_id") == 1]
+    assert [r.get("role") for r in got] == [r.get("role") for r in expected] and len(got) == 3  # 2 windows, 1 rollout
+    for g, e in zip(got, expected):
+        assert g.keys() == e.keys() and g["step"] == e["step"]
+        wrong = {
+            k: (g[k], e[k]) for k in e if isinstance(e[k], float) and not math.isclose(g[k], e[k], **FIRST_ROLLOUT)
+        }
+        assert not wrong and all(g[k] == e[k] for k in e if not isinstance(e[k], float)), wrong

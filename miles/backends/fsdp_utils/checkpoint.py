@@ -221,8 +221,10 @@ def load_checkpoint(
     """Restore one role's state saved by `save_checkpoint` (collective); `rollout_id=None` reads the latest pointer.
 
     Restores model, optimizer and LR schedule (the last two only with `load_optimizer`) and this rank's RNG;
-    returns the rollout id, the `extra` dict (None if none was saved) and meta.json. Refused up front: another
-    world size (RNG streams are per rank), another model (meta.json's identity), a file missing or of the wrong size.
+    returns the rollout id, the `extra` dict (None if none was saved) and meta.json. At another world size (more or
+    fewer ranks, another mesh) DCP reshards the parameters, optimizer state and `sharded` shadows; the per-rank RNG
+    streams are then not restored (the ranks keep their start's: miles draws every pair's noise from its own seeded
+    stream, not from them). Refused up front: another model (meta.json's identity), a file missing or of the wrong size.
     Every file's CRC32 is checked against the manifest (the shards in a thread beside the load, split over the
     ranks) unless `verify_checksums=False`. The ranks decide together whether all loaded (one all-gather), so a
     failure on one rank raises on every rank, naming the file, instead of leaving the others waiting.
@@ -243,8 +245,13 @@ def load_checkpoint(
         state = state_to_load(model, optimizer, sharded, load_optimizer=load_optimizer)
         read_dcp_metadata(os.path.join(path, DCP_DIR, ".metadata"))  # refused here, alike on every rank
         dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(path, DCP_DIR)), planner=SafeLoadPlanner())
+        same_ranks = meta["world_size"] == current_world_size()
         rng, schedule, extra = read_small_files(
-            path, manifest, rank, with_schedule=load_optimizer and lr_scheduler is not None, verify=verify_checksums
+            path,
+            manifest,
+            rank if same_ranks else None,
+            with_schedule=load_optimizer and lr_scheduler is not None,
+            verify=verify_checksums,
         )
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         error = err
@@ -258,6 +265,13 @@ def load_checkpoint(
 
     restore(model, optimizer, lr_scheduler, state, schedule, rng, load_optimizer=load_optimizer)
     logger.info("loaded %s checkpoint of rollout %d from %s", role, found, path)
+    if rng is None and rank == 0:
+        logger.warning(
+            "the %s checkpoint %s was saved by %d ranks and loads into %d: parameters, optimizer state and shadows "
+            "resharded; the per-rank RNG streams are not restored (each rank keeps its start's; a hook that draws "
+            "from torch's, numpy's or python's global generator draws as in a fresh run)",
+            role, path, meta["world_size"], current_world_size(),
+        )  # fmt: skip
     return LoadedCheckpoint(rollout_id=found, extra=extra, meta=meta)
 
 

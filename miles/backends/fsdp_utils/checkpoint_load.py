@@ -35,7 +35,6 @@ from miles.backends.fsdp_utils.checkpoint_layout import (
     META_FILE,
     SET_TRAINED,
     TRAINED_ONLY,
-    current_world_size,
     read_meta,
     rng_stem,
 )
@@ -77,7 +76,7 @@ def restore(
     load_optimizer: bool,
 ) -> None:
     """Set the loaded state back: the model, with `load_optimizer` the optimizer and the LR `schedule`, then this
-    rank's RNG streams."""
+    rank's RNG streams (None: not restored, a resume at another world size)."""
     if load_optimizer:
         set_state_dict(
             model,
@@ -90,21 +89,24 @@ def restore(
             lr_scheduler.load_state_dict(schedule)
     else:
         set_model_state_dict(model, state["model"], options=SET_TRAINED)
-    set_rng_state(rng)
+    if rng is not None:
+        set_rng_state(rng)
 
 
 def read_small_files(
-    path: str, manifest: dict[str, Any], rank: int, *, with_schedule: bool, verify: bool
+    path: str, manifest: dict[str, Any], rank: int | None, *, with_schedule: bool, verify: bool
 ) -> tuple[Any, Any, Any]:
-    """This rank's RNG state (checked against the manifest), the LR schedule when asked and the `extra` dict (None
-    when none was saved) of the role dir `path`."""
-    rng_names = [n for n in manifest if n.startswith(rng_stem(rank) + ".")]
-    if not rng_names:
-        raise CheckpointError(f"{os.path.join(path, rng_stem(rank))}.json is not listed in {MANIFEST_FILE}")
-    check_sizes(path, manifest, rng_names)
-    if verify:
-        verify_checksums_of(path, manifest, rng_names)
-    rng = read_tree(os.path.join(path, rng_stem(rank)))
+    """Rank `rank`'s RNG state (checked against the manifest; None for `rank` None), the LR schedule when asked and
+    the `extra` dict (None when none was saved) of the role dir `path`."""
+    rng = None
+    if rank is not None:
+        rng_names = [n for n in manifest if n.startswith(rng_stem(rank) + ".")]
+        if not rng_names:
+            raise CheckpointError(f"{os.path.join(path, rng_stem(rank))}.json is not listed in {MANIFEST_FILE}")
+        check_sizes(path, manifest, rng_names)
+        if verify:
+            verify_checksums_of(path, manifest, rng_names)
+        rng = read_tree(os.path.join(path, rng_stem(rank)))
     schedule = None
     if with_schedule:
         if f"{LR_SCHEDULER_STEM}.json" not in manifest:
@@ -118,14 +120,10 @@ def read_small_files(
 
 
 def check_meta(path: str, role: str, rollout_id: int, model: nn.Module) -> dict[str, Any]:
-    """meta.json against this run: the same ranks, the same place, the same model."""
+    """meta.json against this run: the same place, the same model (any world size: DCP reshards, see
+    `load_checkpoint`)."""
     meta = read_meta(path)
     meta_path = os.path.join(path, META_FILE)
-    if meta["world_size"] != current_world_size():
-        raise ValueError(
-            f"{meta_path}: saved with world size {meta['world_size']}, but the current world size is "
-            f"{current_world_size()}; resume with the same number of ranks"
-        )
     if meta["rollout_id"] != rollout_id or meta["role"] != role:
         raise ValueError(
             f"{meta_path} records rollout {meta['rollout_id']} role {meta['role']!r}, "

@@ -23,7 +23,7 @@ from miles.backends.fsdp_utils.checkpoint import (
     write_latest,
 )
 from miles.utils.distributed import destroy_process_group, find_free_port, init_process_group
-from tests.fast.backends.fsdp_utils.fsdp_workers import DIM, build_trainer, run_ranks, save_and_resume
+from tests.fast.backends.fsdp_utils.fsdp_workers import DIM, build_trainer, run_ranks, save_and_resume, snapshot
 
 
 def assert_bitwise_equal(actual: Any, expected: Any, where: str = "") -> None:
@@ -144,10 +144,18 @@ def test_layout_on_disk(two_rank_run):
     assert read_latest(save_dir) == 3
 
 
-def test_world_size_mismatch_is_named(two_rank_run, trainer):
-    save_dir, _ = two_rank_run
-    with pytest.raises(ValueError, match=r"meta\.json: saved with world size 2, but the current world size is 1"):
-        load_checkpoint(save_dir, "actor", **trainer)
+def test_a_two_rank_checkpoint_loads_into_one_rank_resharded(two_rank_run, trainer, caplog):
+    save_dir, (rank0, _) = two_rank_run
+    torch.manual_seed(9)
+    rng_before = torch.get_rng_state()
+    with caplog.at_level("WARNING", logger="miles.backends.fsdp_utils.checkpoint"):
+        loaded = load_checkpoint(save_dir, "actor", **trainer)
+    assert loaded.rollout_id == 3 and loaded.meta["world_size"] == 2
+    restored = snapshot(trainer["model"], trainer["optimizer"], trainer["lr_scheduler"])
+    for part in ("params", "optimizer", "scheduler"):  # the full tensors, as both ranks held them at the save
+        assert_bitwise_equal(restored[part], rank0["saved"][part], part)
+    assert torch.equal(torch.get_rng_state(), rng_before)  # no rank of one holds rank 0's stream of two
+    assert "was saved by 2 ranks and loads into 1: parameters, optimizer state and shadows resharded" in caplog.text
 
 
 def test_missing_directory(tmp_path, trainer):

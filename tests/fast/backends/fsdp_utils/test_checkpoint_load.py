@@ -35,7 +35,7 @@ def saved_meta(path, model, **changes):
     (path / "meta.json").write_text(json.dumps({**record, **changes}))
 
 
-def test_meta_json_must_match_the_ranks_the_place_and_the_model(tmp_path):
+def test_meta_json_must_match_the_place_and_the_model_at_any_world_size(tmp_path):
     model = nn.Linear(4, 2)
     saved_meta(tmp_path, model)
     assert check_meta(str(tmp_path), "actor", 3, model)["rollout_id"] == 3
@@ -44,8 +44,7 @@ def test_meta_json_must_match_the_ranks_the_place_and_the_model(tmp_path):
     with pytest.raises(CheckpointError, match=r"refusing to load this actor checkpoint: it holds a Linear, 10 param"):
         check_meta(str(tmp_path), "actor", 3, nn.Linear(4, 3))
     saved_meta(tmp_path, model, world_size=2)
-    with pytest.raises(ValueError, match="saved with world size 2, but the current world size is 1; resume with"):
-        check_meta(str(tmp_path), "actor", 3, model)
+    assert check_meta(str(tmp_path), "actor", 3, model)["world_size"] == 2  # another world size: DCP reshards
 
 
 def test_the_frozen_weights_rebuilt_must_be_the_ones_trained_on(tmp_path):
