@@ -267,6 +267,15 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         help="With --max-restarts: seconds a restart waits for the cluster to hold the run's CPUs / GPUs again "
         "before the run fails with the actor's error.",
     )
+    ReadBy(group, ByFlag("max_restarts", "--max-restarts N above 0")).add_argument(
+        "--restart-min-dp-size",
+        type=int,
+        default=None,
+        help="With --max-restarts: when the cluster does not hold the run's resources again within --restart-timeout "
+        "(a node lost for good), restart at the largest --dp-size from N up that it holds and that divides "
+        "--global-batch-size (and keeps --fsdp-shard-size; on CUDA the plan must fit), resuming the checkpoint "
+        "resharded. Default: the run fails instead. Not with --colocate.",
+    )
     group.add_argument(
         "--stop-grace-s",
         type=float,

@@ -84,9 +84,19 @@ def given_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
 
 def restart_rules(args: argparse.Namespace) -> list[str]:
     """A restart resumes every trained role from its save folder (a role's --<role>-save defaults to --save)."""
+    errors = []
     if args.max_restarts > 0 and not args.save:
-        return [f"--max-restarts {args.max_restarts} resumes from the latest checkpoint in --save: pass --save DIR"]
-    return []
+        errors.append(
+            f"--max-restarts {args.max_restarts} resumes from the latest checkpoint in --save: pass --save DIR"
+        )
+    floor = args.restart_min_dp_size
+    if floor is not None and floor > args.dp_size:
+        errors.append(
+            f"--restart-min-dp-size {floor} is above --dp-size {args.dp_size}: a restart only shrinks the run"
+        )
+    if floor is not None and args.colocate:
+        errors.append("--restart-min-dp-size with --colocate: the engines share the ranks' GPUs; the run cannot shrink")
+    return errors
 
 
 def exclusive_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:

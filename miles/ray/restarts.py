@@ -85,6 +85,30 @@ def wait_for_resources(target: dict[str, float], timeout_s: float, poll_s: float
     return time.monotonic() - started
 
 
+def smaller_run(args: argparse.Namespace) -> tuple[argparse.Namespace | None, str]:
+    """--restart-min-dp-size: the run's flags at the largest --dp-size from the floor up, below its own, whose actors
+    the cluster holds now, that divides --global-batch-size and keeps --fsdp-shard-size, and (on CUDA) whose plan fits;
+    None and why when there is none."""
+    from miles.plan.startup import check_plan  # the planner's modules, only for a run that shrinks
+
+    floor, total = args.restart_min_dp_size, ray.cluster_resources()
+    if floor is None:
+        return None, "--restart-min-dp-size not given"
+    for dp in range(args.dp_size - 1, floor - 1, -1):
+        smaller = copy.copy(args)
+        smaller.dp_size = dp
+        if args.global_batch_size % dp or (args.fsdp_shard_size and dp % args.fsdp_shard_size):
+            continue
+        if any(total.get(name, 0.0) < need - 1e-9 for name, need in needed_resources(smaller).items()):
+            continue
+        try:
+            check_plan(smaller)  # on CUDA: fewer ranks hold more of the weights each
+        except Exception as exc:  # noqa: BLE001 - a smaller run that does not fit is no way on: its reason is told
+            return None, f"--dp-size {dp} fits the cluster but not the GPUs ({str(exc).splitlines()[0]})"
+        return smaller, ""
+    return None, f"no --dp-size from --restart-min-dp-size {floor} to {args.dp_size - 1} fits it"
+
+
 def fmt(resources: dict[str, float]) -> str:
     return ", ".join(f"{amount:g} {name}" for name, amount in resources.items())
 
@@ -186,8 +210,7 @@ class Restarts:
         try:
             waited = wait_for_resources(self.target, self.given.restart_timeout)
         except TimeoutError as timeout:
-            exc.add_note(f"not restarted: {timeout}")
-            raise exc from None
+            waited = self.shrink(exc, timeout)
         self.args, saved = resume_args(self.given)
         resume_at = 0 if saved is None else saved + 1
         lost = list(range(resume_at, in_flight + 1))
@@ -199,4 +222,21 @@ class Restarts:
         summary["rollouts"] = [r for r in summary.get("rollouts", []) if r["rollout_id"] < resume_at]
         summary["losses"] = [loss for r in summary["rollouts"] for loss in r["_actor_losses"]]
         return {"rollout_id": resume_at, RESTART_KEY: self.count, "restart/lost_rollouts": len(lost),
-                "restart/failed_rollout": in_flight, "restart/wait_s": waited}  # fmt: skip
+                "restart/failed_rollout": in_flight, "restart/wait_s": waited,
+                "restart/dp_size": self.given.dp_size}  # fmt: skip
+
+    def shrink(self, exc: ActorDied | EngineError, timeout: TimeoutError) -> float:
+        """The resources did not come back: go on at a smaller --dp-size (`smaller_run`), or raise `exc` noting why
+        not. Returns the seconds waited."""
+        smaller, why = smaller_run(self.given)
+        if smaller is None:
+            exc.add_note(f"not restarted: {timeout}" + ("" if self.given.restart_min_dp_size is None else f"; {why}"))
+            raise exc from None
+        logger.error(
+            "restart %d: %s; going on at --dp-size %d instead of %d (--restart-min-dp-size %d): the checkpoint loads "
+            "resharded",
+            self.count, timeout, smaller.dp_size, self.given.dp_size, self.given.restart_min_dp_size,
+        )  # fmt: skip
+        self.given = smaller
+        self.target = {k: min(v, ray.cluster_resources().get(k, 0.0)) for k, v in needed_resources(smaller).items()}
+        return self.given.restart_timeout

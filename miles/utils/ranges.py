@@ -72,7 +72,8 @@ FLAG_RANGES: dict[str, Range] = {
     # evaluation and checkpoints
     "eval_interval": AT_LEAST_0, "eval_num_prompts": AT_LEAST_1, "n_samples_per_eval_prompt": AT_LEAST_1,
     "diffusion_eval_num_steps": AT_LEAST_1, "eval_seed": AT_LEAST_0, "save_interval": AT_LEAST_1,
-    "max_restarts": AT_LEAST_0, "restart_timeout": POSITIVE, "stop_grace_s": POSITIVE,
+    "max_restarts": AT_LEAST_0, "restart_timeout": POSITIVE, "restart_min_dp_size": AT_LEAST_1,
+    "stop_grace_s": POSITIVE,
     # the planner
     "plan_tflops": POSITIVE, "plan_interconnect_gbps": POSITIVE,
 }  # fmt: skip

@@ -122,6 +122,39 @@ def test_the_restarted_series_equals_the_uninterrupted_one(restarted):
         assert not differences(record, recorded, exact), (exact, differences(record, recorded, exact))
 
 
+def test_a_rank_whose_node_never_comes_back_restarts_the_run_at_a_smaller_dp_size(ray_cluster, tmp_path):
+    """--restart-min-dp-size: actor rank 1 dies in rollout 1 and its resources never come back (the wait times out,
+    as on a cluster that lost the node for good); the run goes on at dp 1 from rollout 0's dp-2 checkpoint, resharded,
+    and its series is still the uninterrupted dp-2 run's (the golden fixture)."""
+    import miles.ray.restarts as restarts_module
+
+    def lost_for_good(target, timeout_s, poll_s=1.0):
+        raise TimeoutError(f"the cluster still lacks 0.5 CPU after {timeout_s:.0f}s (--restart-timeout)")
+
+    done: set = set()
+    handler = CaptureHandler()
+    logging.getLogger("miles.ray.restarts").addHandler(handler)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            trainer = kill_once(1, lambda group: group.actors[1], done, "actor rank 1")
+            patch.setattr(RayTrainGroup, "train", trainer(RayTrainGroup.train))
+            patch.setattr(restarts_module, "wait_for_resources", lost_for_good)
+            train_diffusion.run(parse_args(run_flags(tmp_path, "shrunk", "--restart-min-dp-size", "1")))
+    finally:
+        logging.getLogger("miles.ray.restarts").removeHandler(handler)
+    records = read_metrics(tmp_path / "shrunk" / "metrics.jsonl")
+    [restart] = [r for r in records if RESTART_KEY in r]
+    assert (restart["rollout_id"], restart["restart/dp_size"]) == (1, 1) and done == {"actor rank 1"}
+    assert any("going on at --dp-size 1 instead of 2 (--restart-min-dp-size 1)" in line for line in handler.lines)
+    placement = json.loads((tmp_path / "shrunk" / "placement.json").read_text())
+    assert len(placement["actor"]) == 1  # the attempt that finished ran one rank
+    fixture = json.loads(FIXTURE.read_text())
+    got, expected = series(current_records(records)), fixture["series"]["nft"]
+    assert len(got) == len(expected)
+    for record, recorded in zip(got, expected):  # dp 1 against dp 2: the rounding of the layout, not bit for bit
+        assert not differences(record, recorded, exact=False), differences(record, recorded, exact=False)
+
+
 BUDGET_JOB = ("tests/e2e/test_restarts.py", "budget")
 
 

@@ -11,6 +11,7 @@ from miles.ray import restarts as restarts_module
 from miles.ray.restarts import Restarts, describe, needed_resources, resume_args, resume_hint, wait_for_resources
 from miles.utils.failures import ActorDied, EngineError
 from miles.utils.tracking import RESTART_KEY, current_records
+from tests.fast.arguments.test_parser import parse_error
 
 PLACEMENT = {
     "actor": [{"ip": "10.0.0.1"}, {"ip": "10.0.0.2"}],
@@ -133,7 +134,7 @@ def test_recover_tears_down_points_at_the_checkpoint_and_trims_the_summary(tmp_p
     record = restarts.recover(died("actor rank", 1), summary)
     assert groups.shut and restarts.groups is None and restarts.args.load == str(tmp_path)
     assert record == {"rollout_id": 2, RESTART_KEY: 1, "restart/lost_rollouts": 2, "restart/failed_rollout": 3,
-                      "restart/wait_s": record["restart/wait_s"]}  # fmt: skip
+                      "restart/wait_s": record["restart/wait_s"], "restart/dp_size": 2}  # fmt: skip
     assert [r["rollout_id"] for r in summary["rollouts"]] == [0, 1] and summary["losses"] == [0.0, 1.0]
     assert not restarts.can_restart(died("actor rank", 1))  # --max-restarts 1 used up
 
@@ -202,3 +203,33 @@ def test_the_last_loss_names_the_lost_rank_the_spent_budget_and_the_checkpoint(t
         "reward worker 0 on unknown node lost in rollout 0: not restarted (--max-restarts 0); nothing to resume from "
         "(no --save)"
     )
+
+
+def test_a_node_lost_for_good_restarts_smaller_with_restart_min_dp_size(tmp_path, monkeypatch):
+    """dp 8 at 0.5 CPUs a rank (4 CPUs, + 0.5 for the engine): the cluster keeps 3 CPUs after the loss. dp 7, 6 and 5
+    do not divide the global batch of 64 (8 prompts x 8 samples, 1 window); dp 4 does and fits (2.5 CPUs)."""
+    cluster = {"CPU": 4.5}  # at the start; after the loss, 3 CPUs for good
+    monkeypatch.setattr(restarts_module.ray, "cluster_resources", lambda: dict(cluster))
+    flags = ("--save", str(tmp_path), "--max-restarts", "2", "--restart-timeout", "0.01", "--dp-size", "8")
+    restarts = Restarts(args_for(*flags, "--restart-min-dp-size", "2"))
+    floor = Restarts(args_for(*flags, "--restart-min-dp-size", "5"))
+    cluster["CPU"] = 3.0
+    record = restarts.recover(died("actor rank", 5), {})
+    assert restarts.args.dp_size == restarts.given.dp_size == 4 and record["restart/dp_size"] == 4
+    assert restarts.target == {"CPU": 2.5, "GPU": 0.0}  # what the next restart waits for
+    with pytest.raises(ActorDied) as info:
+        floor.recover(died("actor rank", 5), {})
+    assert info.value.__notes__[0].endswith(
+        "after 0s (--restart-timeout); no --dp-size from --restart-min-dp-size 5 to 7 fits it"
+    )
+    assert floor.given.dp_size == 8
+
+
+def test_restart_min_dp_size_is_refused_where_a_run_cannot_shrink(capsys):
+    base = ["--hf-checkpoint", "/tmp/x", "--prompt-data", "builtin:shapes", "--save", "/tmp/s", "--max-restarts", "1"]
+    err = parse_error([*base, "--restart-min-dp-size", "4"], capsys)
+    assert "--restart-min-dp-size 4 is above --dp-size 2: a restart only shrinks the run" in err
+    err = parse_error([*base, "--restart-min-dp-size", "1", "--colocate"], capsys)
+    assert "--restart-min-dp-size with --colocate" in err
+    err = parse_error(base[:6] + ["--restart-min-dp-size", "1"], capsys)  # without --max-restarts: read by nothing
+    assert "--restart-min-dp-size" in err and "--max-restarts" in err
