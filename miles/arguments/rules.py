@@ -13,6 +13,7 @@ from typing import Any
 
 from miles.algorithms import ALGORITHMS, ROLE_OVERRIDES, Algorithm, algorithm_of, get_algorithm, role_dest, role_flag
 from miles.algorithms.roles import extra_roles, folder_rules, override_rules, role_defaults
+from miles.arguments.checkpoints import restart_rules
 from miles.arguments.config_file import ArgumentError, flag
 from miles.arguments.evaluation import eval_defaults, eval_rules
 from miles.arguments.fsdp import local_device_defaults, precision_rules, sharding_rules
@@ -80,23 +81,6 @@ def given_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
         errors.append("--save-interval needs " + " or ".join(f"{role_flag(r, 'save')} DIR" for r in roles))
     errors += restart_rules(args)
     return errors + rl_rules(args, algorithm) + eval_rules(args) + sharding_rules(args) + colocate_rules(args)
-
-
-def restart_rules(args: argparse.Namespace) -> list[str]:
-    """A restart resumes every trained role from its save folder (a role's --<role>-save defaults to --save)."""
-    errors = []
-    if args.max_restarts > 0 and not args.save:
-        errors.append(
-            f"--max-restarts {args.max_restarts} resumes from the latest checkpoint in --save: pass --save DIR"
-        )
-    floor = args.restart_min_dp_size
-    if floor is not None and floor > args.dp_size:
-        errors.append(
-            f"--restart-min-dp-size {floor} is above --dp-size {args.dp_size}: a restart only shrinks the run"
-        )
-    if floor is not None and args.colocate:
-        errors.append("--restart-min-dp-size with --colocate: the engines share the ranks' GPUs; the run cannot shrink")
-    return errors
 
 
 def exclusive_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:

@@ -245,13 +245,10 @@ def load_checkpoint(
         state = state_to_load(model, optimizer, sharded, load_optimizer=load_optimizer)
         read_dcp_metadata(os.path.join(path, DCP_DIR, ".metadata"))  # refused here, alike on every rank
         dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(path, DCP_DIR)), planner=SafeLoadPlanner())
-        same_ranks = meta["world_size"] == current_world_size()
+        rng_rank = rank if meta["world_size"] == current_world_size() else None  # streams of another layout: none
+        with_schedule = load_optimizer and lr_scheduler is not None
         rng, schedule, extra = read_small_files(
-            path,
-            manifest,
-            rank if same_ranks else None,
-            with_schedule=load_optimizer and lr_scheduler is not None,
-            verify=verify_checksums,
+            path, manifest, rng_rank, with_schedule=with_schedule, verify=verify_checksums
         )
     except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         error = err
@@ -266,13 +263,17 @@ def load_checkpoint(
     restore(model, optimizer, lr_scheduler, state, schedule, rng, load_optimizer=load_optimizer)
     logger.info("loaded %s checkpoint of rollout %d from %s", role, found, path)
     if rng is None and rank == 0:
-        logger.warning(
-            "the %s checkpoint %s was saved by %d ranks and loads into %d: parameters, optimizer state and shadows "
-            "resharded; the per-rank RNG streams are not restored (each rank keeps its start's; a hook that draws "
-            "from torch's, numpy's or python's global generator draws as in a fresh run)",
-            role, path, meta["world_size"], current_world_size(),
-        )  # fmt: skip
+        _warn_resharded(role, path, meta["world_size"])
     return LoadedCheckpoint(rollout_id=found, extra=extra, meta=meta)
+
+
+def _warn_resharded(role: str, path: str, saved_by: int) -> None:
+    logger.warning(
+        "the %s checkpoint %s was saved by %d ranks and loads into %d: parameters, optimizer state and shadows "
+        "resharded; the per-rank RNG streams are not restored (each rank keeps its start's; a hook that draws from "
+        "torch's, numpy's or python's global generator draws as in a fresh run)",
+        role, path, saved_by, current_world_size(),
+    )  # fmt: skip
 
 
 def _decide_together(error: BaseException | None, role: str, path: str) -> None:

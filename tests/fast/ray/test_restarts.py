@@ -11,7 +11,6 @@ from miles.ray import restarts as restarts_module
 from miles.ray.restarts import Restarts, describe, needed_resources, resume_args, resume_hint, wait_for_resources
 from miles.utils.failures import ActorDied, EngineError
 from miles.utils.tracking import RESTART_KEY, current_records
-from tests.fast.arguments.test_parser import parse_error
 
 PLACEMENT = {
     "actor": [{"ip": "10.0.0.1"}, {"ip": "10.0.0.2"}],
@@ -50,18 +49,6 @@ def test_the_failure_names_the_dead_actor_and_its_node(exc, who, node):
     failure = describe(exc, PLACEMENT)
     assert (failure.who, failure.node) == (who, node)
     assert failure.message == str(exc)
-
-
-def test_max_restarts_needs_a_save_folder(capsys):
-    for flags, error in [
-        (("--max-restarts", "2"), "--max-restarts 2 resumes from the latest checkpoint in --save: pass --save DIR"),
-        (("--max-restarts", "-1", "--save", "x"), "--max-restarts must be ≥ 0, got -1"),
-        (("--restart-timeout", "0", "--save", "x"), "--restart-timeout must be > 0, got 0.0"),
-    ]:
-        with pytest.raises(SystemExit):
-            args_for(*flags)
-        assert error in capsys.readouterr().err
-    assert args_for("--save", "x").max_restarts == 0
 
 
 def test_a_restart_resumes_every_role_from_its_save_folder(tmp_path):
@@ -223,13 +210,3 @@ def test_a_node_lost_for_good_restarts_smaller_with_restart_min_dp_size(tmp_path
         "after 0s (--restart-timeout); no --dp-size from --restart-min-dp-size 5 to 7 fits it"
     )
     assert floor.given.dp_size == 8
-
-
-def test_restart_min_dp_size_is_refused_where_a_run_cannot_shrink(capsys):
-    base = ["--hf-checkpoint", "/tmp/x", "--prompt-data", "builtin:shapes", "--save", "/tmp/s", "--max-restarts", "1"]
-    err = parse_error([*base, "--restart-min-dp-size", "4"], capsys)
-    assert "--restart-min-dp-size 4 is above --dp-size 2: a restart only shrinks the run" in err
-    err = parse_error([*base, "--restart-min-dp-size", "1", "--colocate"], capsys)
-    assert "--restart-min-dp-size with --colocate" in err
-    err = parse_error(base[:6] + ["--restart-min-dp-size", "1"], capsys)  # without --max-restarts: read by nothing
-    assert "--restart-min-dp-size" in err and "--max-restarts" in err
