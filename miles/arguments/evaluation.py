@@ -14,6 +14,7 @@ BUILTIN_SHAPES = "builtin:shapes"
 BUILTIN_SHAPES_EDIT = "builtin:shapes-edit"  # miles.data.shapes_edit's (this module stays free of the data modules)
 BUILTIN_MOVING_SHAPES = "builtin:moving-shapes"  # miles.data.moving_shapes'
 BUILTIN_OCR = "builtin:ocr"  # miles.data.ocr's
+BUILTIN_PROMPT_SETS = (BUILTIN_SHAPES, BUILTIN_SHAPES_EDIT, BUILTIN_MOVING_SHAPES, BUILTIN_OCR)
 SHAPES_EVALUATED = " / ".join(a.name for a in BUILTIN_ALGORITHMS if a.shapes_eval_interval)
 
 
@@ -66,6 +67,11 @@ def eval_rules(args: argparse.Namespace) -> list[str]:
         errors.append("--eval-only samples with the rollout engine; it cannot be combined with --train-only")
     if args.eval_only and args.no_eval_before_train:
         errors.append("--eval-only is the eval before training; it cannot be combined with --no-eval-before-train")
+    for flag, data in (("--prompt-data", args.prompt_data), ("--eval-prompt-data", args.eval_prompt_data)):
+        if data and data.startswith("builtin:") and data not in BUILTIN_PROMPT_SETS:
+            errors.append(
+                f"{flag} {data}: no such built-in prompt set; the built-in ones: {', '.join(BUILTIN_PROMPT_SETS)}"
+            )
     module, install = REWARD_PACKAGES["ocr"]
     evaluates = args.eval_only or bool(args.eval_interval)
     if evaluates and args.eval_prompt_data == BUILTIN_OCR and not args.eval_function_path:

@@ -190,13 +190,8 @@ def reward_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
                 errors += differentiable_reward_problems(args, spec)
         except ValueError as exc:
             errors.append(str(exc))
-    if algorithm.group_advantages and runs_rewards(args, True) and args.n_samples_per_prompt == 1:
-        if not args.custom_reward_post_process_path:
-            errors.append(
-                f"--n-samples-per-prompt 1: --loss-type {algorithm.name} trains on each sample's reward against the "
-                "others of its prompt group, and a group of one has none (every advantage would be 0 and nothing "
-                "would train): use --n-samples-per-prompt 2 or more, or --custom-reward-post-process-path"
-            )
+    if algorithm.group_advantages and runs_rewards(args, True) and not args.custom_reward_post_process_path:
+        errors += group_advantage_problems(args, algorithm)
     if args.per_reward_group_norm and (args.custom_reward_post_process_path or not algorithm.scores_rewards):
         why = (
             "--custom-reward-post-process-path computes the advantages instead"
@@ -204,4 +199,26 @@ def reward_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
             else f"--loss-type {algorithm.name} computes no advantages from rewards"
         )
         errors.append(f"--per-reward-group-norm would be ignored: {why}")
+    return errors
+
+
+def group_advantage_problems(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
+    """What would make every GRPO advantage 0, so that nothing trains: groups of one sample, or rewards that all
+    weigh 0 (--rm-type shapes:0 logs a reward without training on it; alone it leaves nothing to train on)."""
+    errors = []
+    if args.n_samples_per_prompt == 1:
+        errors.append(
+            f"--n-samples-per-prompt 1: --loss-type {algorithm.name} trains on each sample's reward against the "
+            "others of its prompt group, and a group of one has none (every advantage would be 0 and nothing "
+            "would train): use --n-samples-per-prompt 2 or more, or --custom-reward-post-process-path"
+        )
+    try:
+        spec = reward_spec_from_args(args)
+    except ValueError:
+        return errors  # reward_rules names a bad spec
+    if spec and all(weight == 0 for _, weight in spec):
+        errors.append(
+            f"--rm-type {args.rm_type}: every reward weighs 0, so every advantage would be 0 and --loss-type "
+            f"{algorithm.name} would train nothing: give the reward to train on a weight above 0"
+        )
     return errors

@@ -25,9 +25,11 @@ from miles.plan.gpus import GpuSpec
 from miles.plan.process import ProcessPlan, simulation_args
 from miles.plan.simulate import simulate_trainer_rank, train_pairs_for_rank
 from miles.plan.tracker import Collective
+from miles.rollout.data_source import load_records
 from miles.rollout.engine_api import GenerateResult
 from miles.rollout.micro_batches import resolve_rollout_micro_batch_size
 from miles.rollout.steps import select_rows
+from miles.utils.json_column import fake_rows_decode_as
 from miles.utils.types import num_pairs
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ class Simulation:
     roles: dict[str, list[ProcessPlan]] = field(default_factory=dict)
     train_flops: dict[str, float] = field(default_factory=dict)  # one whole window on rank 0
     window: dict = field(default_factory=dict)  # one data-parallel rank's window of train pairs (fake)
+    json_row: Any = None  # what each row of a JSON column of the window stands for (its first sample's metadata)
     engine_micro_batch: int = 0  # samples per forward in the engine
     forward_flops_per_sample: float = 0.0  # one transformer forward of one sample, as the engine measured it
     seconds: float = 0.0
@@ -119,19 +122,32 @@ def simulate(
         engine, result, samples, engine_flops = simulate_engine(sim, rows, micro_batch_size=micro)
         window = train_pairs_for_rank(sim, *reversed(_rows_for_window(result, samples, window_samples)))
         forward_flops = engine.forward_flops_per_sample
+        json_row = metadata_stand_in(sim)
     else:
         engine, engine_flops, window, rows = reuse.engine, reuse.engine_flops, reuse.window, reuse.engine_rows
-        micro, forward_flops = reuse.engine_micro_batch, reuse.forward_flops_per_sample
+        micro, forward_flops, json_row = reuse.engine_micro_batch, reuse.forward_flops_per_sample, reuse.json_row
     out = Simulation(engine if algorithm.uses_engines else None, rows, engine_flops, window_samples=window_samples)
     out.engine_micro_batch, out.forward_flops_per_sample = micro, forward_flops
-    out.window = window
+    out.window, out.json_row = window, json_row
     if reuse is not None and "trainer" not in parts and "window" not in parts:
         out.roles, out.train_flops = reuse.roles, reuse.train_flops
     else:
         after_window = reuse if reuse is not None and "trainer" not in parts else None
-        simulate_roles(args, sim, window, out, ranks, after_window)
+        with fake_rows_decode_as(json_row):
+            simulate_roles(args, sim, window, out, ranks, after_window)
     out.seconds = time.perf_counter() - started
     return out
+
+
+def metadata_stand_in(args: argparse.Namespace) -> dict[str, Any]:
+    """What each row of the window's metadata column stands for: the rollout sides write each sample's prompt
+    metadata and prompt there, which a differentiable reward scores against; the simulated samples' prompts are
+    placeholders, so it is the first record of --prompt-data's (read only for a run that scores a reward in the
+    trainer)."""
+    if not algorithm_of(args).differentiable_reward(args):
+        return {}
+    record = load_records(args, with_images=False, resolution=None)[0]
+    return {**(record.get("metadata") or {}), "prompt": record["prompt"]}
 
 
 def simulate_roles(

@@ -25,6 +25,7 @@ from torch import nn
 from miles.data.shapes import COUNTS, PALETTE, POSITIONS, SHAPES
 from miles.models.builtin import resolve_checkpoint
 from miles.models.shapes_reward.weights import IMAGE, LATENT, WEIGHT_FILES, WEIGHTS_DIR, weights_dir
+from miles.utils.simulation import real_tensors
 
 # The heads, in the order of the network's output: (attribute, its classes, the metadata value of each class).
 ATTRIBUTES: tuple[tuple[str, tuple[Any, ...]], ...] = (
@@ -107,11 +108,11 @@ def _cpu_net(kind: str, folder: str) -> tuple[ShapesRewardNet, dict[str, str]]:
             f"--rm-type {reward_name(kind)}: its weights {path} are missing; the package ships them in {WEIGHTS_DIR} "
             "(--shapes-learned-dir names another folder), or rebuild them with python scripts/train_shapes_reward.py"
         )
-    with safe_open(str(path), framework="pt") as f:
+    with real_tensors(), safe_open(str(path), framework="pt") as f:  # cached: real even when the planner loads it
         metadata = f.metadata() or {}
         state = {key: f.get_tensor(key) for key in f.keys()}
-    net = ShapesRewardNet(**json.loads(metadata["config"]))
-    net.load_state_dict(state)
+        net = ShapesRewardNet(**json.loads(metadata["config"]))
+        net.load_state_dict(state)
     return net.eval().requires_grad_(False), metadata
 
 

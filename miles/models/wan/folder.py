@@ -91,6 +91,15 @@ class WanFolderFamily(DiffusersFamily):
                 f"--num-frames {self.num_frames}: Wan needs num_frames - 1 divisible by the VAE's temporal factor "
                 f"{temporal}, e.g. {low} or {low + temporal}"
             )
+        patch = self.patch_size[0]  # the transformer patches the latent frames by this many (1 in the published)
+        if ((self.num_frames - 1) // temporal + 1) % patch:
+            step = temporal * patch
+            low = max(1 + temporal * (patch - 1), (self.num_frames - 1) // step * step + 1 + temporal * (patch - 1))
+            raise ValueError(
+                f"--num-frames {self.num_frames}: its {(self.num_frames - 1) // temporal + 1} latent frames do not "
+                f"split into the transformer's temporal patches of {patch} ({self.path}): e.g. --num-frames {low} or "
+                f"{low + step}"
+            )
         scale_2 = self.family_options.get("guidance_scale_2")
         if scale_2 is not None and not self.two_experts:
             raise ValueError(

@@ -21,6 +21,16 @@ def test_eval_only_refuses_train_only_and_skipping_the_eval_it_is():
     ]
 
 
+def test_an_unknown_built_in_prompt_set_is_named_with_the_known_ones():
+    known = "the built-in ones: builtin:shapes, builtin:shapes-edit, builtin:moving-shapes, builtin:ocr"
+    assert eval_rules(default_args(prompt_data="builtin:nope", eval_prompt_data="builtin:shape")) == [
+        f"--prompt-data builtin:nope: no such built-in prompt set; {known}",  # it said "file not found"
+        f"--eval-prompt-data builtin:shape: no such built-in prompt set; {known}",
+    ]
+    for data in ("builtin:shapes", "builtin:shapes-edit", "builtin:moving-shapes", "builtin:ocr", "prompts.jsonl"):
+        assert eval_rules(default_args(prompt_data=data, eval_prompt_data=data, eval_interval=0)) == []
+
+
 def test_the_ocr_eval_without_its_package_is_refused_only_when_something_evaluates(monkeypatch):
     monkeypatch.setitem(REWARD_PACKAGES, "ocr", ("no_such_ocr_module", "pip install miles[ocr]"))
     ocr = {"eval_prompt_data": "builtin:ocr"}

@@ -96,3 +96,22 @@ def test_a_window_cut_or_stretched_from_the_engine_keeps_simulated_media_a_broad
         assert window.images.shape == (count, *frames[1:]) and not any(window.images.strides)
         assert expected.images.shape == (count, 4, 4, 3) and expected.images.strides[0] > 0
         assert torch.equal(window.final_latents, expected.final_latents) and window.batch_size == count
+
+
+@pytest.mark.parametrize("loss_type", ["policy_loss", "refl"])
+def test_a_loss_type_with_a_first_window_guard_or_a_reward_in_the_trainer_plans(loss_type):
+    """policy_loss's first-window guard read the simulated window's (fake, zero) ratio and failed the plan; refl's
+    reward read the prompt metadata of a fake JSON column (no bytes) and the shipped reward net's weights loaded
+    fake. The guard is off under the simulation, the column's rows stand for the first --prompt-data record's."""
+    from miles.plan.run import metadata_stand_in, simulate
+    from tests.fast.plan.plan_cases import plan_args
+
+    args = plan_args("--loss-type", loss_type, "--dp-size", "1")
+    out = simulate(args)
+    assert out.roles["actor"][0].peaks["train"] > 0
+    stand_in = metadata_stand_in(args)
+    assert (
+        stand_in == {}
+        if loss_type == "policy_loss"
+        else {"color", "shape", "count", "position", "prompt"} <= set(stand_in)
+    )

@@ -116,3 +116,14 @@ def test_weights_from_another_folder_load_separately(tmp_path):
 
 def test_weight_file_names_are_the_arguments_ones():
     assert {ls.reward_name(kind): name for kind, name in ls.WEIGHT_FILES.items()} == SHAPES_LEARNED_FILES
+
+
+def test_the_net_loaded_first_under_the_planners_fake_tensors_stays_real_for_a_later_real_run():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    ls._cpu_net.cache_clear()
+    ls._net_on.cache_clear()
+    with FakeTensorMode(allow_non_fake_inputs=True):  # the planner simulates on the CPU device
+        planned = ls.load_net(ls.IMAGE)  # cached per process: a fake net would serve every later call
+    assert not any(isinstance(p, FakeTensor) for p in planned.parameters())
+    assert ls.load_net(ls.IMAGE) is planned

@@ -15,6 +15,7 @@ from diffusers import UniPCMultistepScheduler
 from miles.algorithms import ALGORITHMS
 from miles.arguments.parser import default_args
 from miles.models import get_train_pipeline_config
+from miles.models.builtin import resolve_checkpoint
 from miles.models.diffusers_family import RUN_DEFAULTS_FILE
 from miles.models.media import Media
 
@@ -54,6 +55,11 @@ def test_options_are_checked_against_the_folder(tiny_wan_dir, tiny_wan_2_experts
         get_train_pipeline_config(tiny_wan_dir, guidance_scale_2=3.0)
     with pytest.raises(ValueError, match=r"--num-frames 6: .* e\.g\. 5 or 9"):
         get_train_pipeline_config(tiny_wan_dir, num_frames=6)
+    moving = resolve_checkpoint("builtin:tiny-moving-shapes")  # temporal factor 1, temporal patch 5
+    with pytest.raises(ValueError, match=r"--num-frames 4: its 4 latent frames do not split into the transformer's "
+                       r"temporal patches of 5 .*: e\.g\. --num-frames 5 or 10"):  # fmt: skip
+        get_train_pipeline_config(moving, num_frames=4)  # the forward failed with a reshape of 0 elements
+    assert get_train_pipeline_config(moving, num_frames=10).latent_shape()[1] == 10
     with pytest.raises(ValueError, match="--num-frames does not apply to the sd3 family"):
         get_train_pipeline_config(tiny_pipeline_dir, num_frames=5)
     assert get_train_pipeline_config(tiny_pipeline_dir, num_frames=None).name == "sd3"  # not given: fine
