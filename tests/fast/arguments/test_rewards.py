@@ -46,6 +46,17 @@ def test_groups_of_one_are_refused_where_the_loss_trains_on_group_advantages(cap
     assert "--n-samples-per-prompt 1: --loss-type policy_loss trains on each sample's reward" in err
 
 
+def test_rewards_that_all_weigh_0_are_refused_where_the_loss_trains_on_group_advantages():
+    errors = reward_rules(default_args(rm_type="shapes:0"), NFT)
+    assert errors == [
+        "--rm-type shapes:0: every reward weighs 0, so every advantage would be 0 and --loss-type nft would train "
+        "nothing: give the reward to train on a weight above 0"
+    ]  # the run trained with every advantage 0 (the zero-advantage warning said so in rollout 0)
+    assert reward_rules(default_args(rm_type="shapes,jpeg_compressibility:0"), NFT) == []  # one logged, one trained
+    assert reward_rules(default_args(rm_type="shapes:0"), DMD2) == []  # scored to log only
+    assert reward_rules(default_args(rm_type="shapes:0", custom_reward_post_process_path="m.py:fn"), NFT) == []
+
+
 def test_per_reward_group_norm_is_refused_where_no_advantages_come_from_rewards():
     errors = reward_rules(default_args(per_reward_group_norm=True), DMD2)
     assert errors == ["--per-reward-group-norm would be ignored: --loss-type dmd2 computes no advantages from rewards"]
