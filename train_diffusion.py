@@ -55,8 +55,7 @@ def run_rollout(
     `started` (the command's start, perf_counter clock) comes with the first rollout only: its record holds
     `perf/startup_s`. A stop signal during the generation abandons the rollout (None: the resumed run regenerates
     it alike); after that it runs to its end (a train step is collective over the ranks)."""
-    groups, phases = run_groups.groups, run_groups.phases
-    last = args.num_rollout - 1
+    phases, last = run_groups.phases, args.num_rollout - 1
     t0 = time.perf_counter()
     data, rollout_metrics, generate_s = generations.get(rollout_id)
     if stop is not None and stop.requested:  # training it would delay the stop by the longest phase
@@ -67,7 +66,7 @@ def run_rollout(
         phases.to_train(rollout_id)
         peer = None
         for role in algorithm_of(args).role_names:  # training order: each group's boxes feed the next
-            peer = groups[role].train(rollout_id, data, peer)
+            peer = run_groups.groups[role].train(rollout_id, data, peer)
     t2 = time.perf_counter()
     save_s = run_groups.save(rollout_id) if is_due(rollout_id, args.save_interval, last) else None  # ranks awake
     weight_sync_s = 0.0 if args.debug_rollout_only else run_groups.update_weights(rollout_id)
@@ -112,10 +111,8 @@ def train_rollouts(
     """The outer loop (ARCHITECTURE §4) with a progress bar; `started` as in `run`. Returns the last rollout
     completed, which is `args.num_rollout - 1` unless a stop signal (`stop.requested`) or the guard (`guard.stopped`,
     then in `summary["guard_stopped"]`) ended the loop early."""
-    bar, progress = (
-        progress_bar(range(start_rollout_id, args.num_rollout), args),
-        ProgressLine(algorithm_of(args).progress_keys),
-    )
+    bar = progress_bar(range(start_rollout_id, args.num_rollout), args)
+    progress = ProgressLine(algorithm_of(args).progress_keys)
     run_groups.rollout_manager.show_engine_progress(engine_progress_display(bar, args.loss_type))
     generations = Generations(args, run_groups.rollout_manager)
     completed = start_rollout_id - 1
