@@ -33,7 +33,16 @@ def check_plan(args: argparse.Namespace) -> dict | None:
     if args.no_plan_check or args.plan or not uses_gpu(args):
         return None
     planned = argparse.Namespace(**{**vars(args), "plan_gpu": local_gpu(args)})
-    report = make_plan(planned)
+    try:
+        report = make_plan(planned)
+    except Exception as exc:
+        auto = " ".join(f"--{dest.replace('_', '-')}" for dest in args.auto_sizes)
+        exc.add_note(
+            "the start-up plan failed while simulating this run on fake tensors (a planner error, not one of the "
+            "run: please report it with the command). --no-plan-check starts without it"
+            + (f", giving {auto} yourself (the plan sizes them)" if auto else "")
+        )
+        raise
     worst = report["worst_gpu"]
     if report["auto"]["flags"]:  # the `auto` sizes the plan chose, for the run itself
         apply_changes(args, [Change(report["auto"]["flags"], report["auto"]["values"])])
