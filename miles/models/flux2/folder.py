@@ -38,6 +38,7 @@ from miles.models.diffusers_family import (
 )
 from miles.models.loading.pretrained import read_model_index
 from miles.models.media import Media
+from miles.utils.simulation import simulating
 
 logger = logging.getLogger(__name__)
 
@@ -278,7 +279,8 @@ class Flux2Family(DiffusersFamily):
         counts = embeds["image_token_counts"].tolist()
         groups: dict[tuple[int, bytes], list[int]] = {}
         for row, count in enumerate(counts):  # rows whose reference tokens sit at the same positions
-            ids = embeds["image_ids"][row, :count].cpu().numpy().tobytes()
+            fake = simulating()  # the planner's fake ids hold no positions: its rows group by count alone
+            ids = b"" if fake else embeds["image_ids"][row, :count].cpu().numpy().tobytes()
             groups.setdefault((count, ids), []).append(row)
         out = torch.empty(latents.shape, dtype=torch.float32, device=latents.device)
         for (count, _), rows in groups.items():

@@ -87,6 +87,10 @@ class QwenEditFamily(QwenFolderFamily):
     """
 
     negative_per_prompt = True
+    plan_refusal = (
+        "its text encoder's vision tower sizes its tokens from the values of each source image's patch grid, which "
+        "the planner's fake tensors do not hold"
+    )
 
     # the source images
     @property

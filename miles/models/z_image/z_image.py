@@ -40,6 +40,7 @@ from miles.models.diffusers_family import (
 )
 from miles.models.media import Media
 from miles.models.options import options_of
+from miles.utils.simulation import simulating
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +227,10 @@ class ZImagePipelineConfig(DiffusersFamily):
 
 def prompt_list(embeds: Conditioning, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
     """Each row's prompt tokens (L_i, D) without its padding, in `dtype` on `device`: what the pipeline's
-    `encode_prompt` returns and its transformer takes."""
+    `encode_prompt` returns and its transformer takes. Under the planner's fake tensors the mask holds no values: every
+    row keeps all its tokens (the longest prompt's cost)."""
     tokens = embeds["prompt_embeds"].to(device=device, dtype=dtype)
+    if simulating():
+        return list(tokens)
     mask = embeds["prompt_embeds_mask"].to(device).bool()
     return [row[keep] for row, keep in zip(tokens, mask)]
