@@ -139,7 +139,7 @@ class HostSwap:
             return SwapReport()
         started = time.perf_counter()
         report = SwapReport()
-        storages: dict[int, tuple[torch.UntypedStorage, bool]] = {}  # data_ptr -> (storage, copy it)
+        storages: dict[int, tuple[torch.UntypedStorage, bool]] = {}  # storage id -> (storage, copy it)
         discard = list(discard)
         discarded = {id(t) for t in discard}  # a tensor given in both lists is discarded
         for tensor, copy in [*((t, False) for t in discard), *((t, True) for t in tensors if id(t) not in discarded)]:
@@ -148,7 +148,7 @@ class HostSwap:
             storage = tensor.untyped_storage()
             if storage.nbytes() == 0:
                 continue
-            key = storage.data_ptr()
+            key = storage._cdata  # the storage itself (views share it); not data_ptr: every fake storage's is 0
             previous = storages.get(key)
             storages[key] = (storage, copy or (previous is not None and previous[1]))  # shared: copied if any needs
         pinned = self.device.type == "cuda"
