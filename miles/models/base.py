@@ -83,8 +83,6 @@ class TrainPipelineConfig(ABC):
     supports_sequence_parallel: ClassVar[bool] = False
     # why `--compile` cannot run this family's transformer (the run is refused at start-up with it); None: it can
     compile_refusal: ClassVar[str | None] = None
-    # why the planner (`--plan`, the start-up check of a CUDA run) cannot simulate this family; None: it can
-    plan_refusal: ClassVar[str | None] = None
     # editing and image-to-video: how many source images each prompt takes, (fewest, most); (0, 0) is text only.
     # A family with a non-zero range implements `encode_prompts(prompts, device, images=...)`
     source_image_range: ClassVar[tuple[int, int]] = (0, 0)

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles.models.base import family_options, get_train_pipeline_config
 from miles.models.builtin import resolve_checkpoint
 from miles.plan.auto import auto_start, resolve_auto_sizes
 from miles.plan.copies import started_ranks
@@ -53,10 +52,6 @@ def plan_settings(args: argparse.Namespace) -> PlanSettings:
     return PlanSettings(gpu_spec(args.plan_gpu), args.plan_tflops, args.plan_interconnect_gbps)
 
 
-class PlanUnsupported(ValueError):
-    """The planner cannot simulate this run (a family's `plan_refusal`)."""
-
-
 def make_plan(args: argparse.Namespace, *, suggestions: bool = True) -> dict[str, Any]:
     """The plan of `args` (a copy with the checkpoints resolved is simulated), with suggestions when it does not
     fit; raises `CollectiveMismatch` when the simulated ranks would hang."""
@@ -69,13 +64,6 @@ def make_plan(args: argparse.Namespace, *, suggestions: bool = True) -> dict[str
 
 
 def _make_plan(args: argparse.Namespace, suggestions: bool) -> dict[str, Any]:
-    family = type(get_train_pipeline_config(args.hf_checkpoint, args.model_family, **family_options(args)))
-    if family.plan_refusal is not None:
-        raise PlanUnsupported(
-            f"--plan cannot simulate the {family.name} family yet: {family.plan_refusal}. A CUDA run checks its plan "
-            "at start-up: pass --no-plan-check and give --micro-batch-size, --gradient-checkpointing and "
-            "--rollout-micro-batch-size yourself"
-        )
     settings = plan_settings(args)
     start = auto_start(args)
     first = with_changes(args, start)

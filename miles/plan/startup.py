@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from miles.plan.command import PlanUnsupported, gib, make_plan
+from miles.plan.command import gib, make_plan
 from miles.plan.suggest import Change, apply_changes
 from miles.utils.distributed import uses_gpu
 
@@ -35,8 +35,6 @@ def check_plan(args: argparse.Namespace) -> dict | None:
     planned = argparse.Namespace(**{**vars(args), "plan_gpu": local_gpu(args)})
     try:
         report = make_plan(planned)
-    except PlanUnsupported:  # it says why and what to pass
-        raise
     except Exception as exc:
         auto = " ".join(f"--{dest.replace('_', '-')}" for dest in args.auto_sizes)
         exc.add_note(

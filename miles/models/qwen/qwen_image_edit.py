@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,6 +52,7 @@ from miles.models.diffusers_family import check_velocity_inputs
 from miles.models.options import options_of
 from miles.models.packing import pack_latents, unpack_latents
 from miles.models.qwen.folder import QwenFolderFamily, encode_qwen_latents
+from miles.utils.simulation import real_tensors, simulating
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,39 @@ class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
 
+class RealTensorsProcessor:
+    """The processor, its outputs real under the planner's fake tensors: its token ids are checked by value (the
+    image placeholders counted against the images), which a fake tensor does not hold."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with real_tensors():
+            return self.processor(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.processor, name)
+
+
+class ShapeOnlyTextEncoder:
+    """Stands in for the Qwen2.5-VL text encoder under the planner's fake tensors: its last hidden state, of the shape
+    the real forward returns for the processor's ids, holding nothing. Its vision tower sizes its tokens from the
+    values of each image's patch grid, which fake tensors do not hold, so the forward's transient memory is not
+    simulated; the encoder's weights are counted where the engine loads them."""
+
+    def __init__(self, encoder: Any) -> None:
+        self.encoder = encoder
+
+    def __call__(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        embedding = self.encoder.get_input_embeddings().weight
+        hidden = torch.empty(*input_ids.shape, embedding.shape[1], dtype=embedding.dtype, device=embedding.device)
+        return SimpleNamespace(hidden_states=(hidden,))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.encoder, name)
+
+
 def as_pil(image: np.ndarray) -> Image.Image:
     """An (H, W, 3) uint8 source image as the PIL image the pipelines take."""
     return Image.fromarray(np.asarray(image, dtype=np.uint8))
@@ -87,10 +123,25 @@ class QwenEditFamily(QwenFolderFamily):
     """
 
     negative_per_prompt = True
-    plan_refusal = (
-        "its text encoder's vision tower sizes its tokens from the values of each source image's patch grid, which "
-        "the planner's fake tensors do not hold"
-    )
+
+    def encode_text(
+        self, prompts: list[str], device: torch.device | str | None = None, **encode_kwargs: Any
+    ) -> Conditioning:
+        """`QwenFolderFamily.encode_text`; under the planner's fake tensors one prompt at a time (no padding to
+        split), its ids and image grids made for real and the encoder standing in by shape (`ShapeOnlyTextEncoder`)."""
+        if not simulating():
+            return super().encode_text(prompts, device, **encode_kwargs)
+        images = encode_kwargs.pop("image")
+        per_prompt = [images] if len(prompts) == 1 else [[image] for image in images]  # edit: one image a prompt
+        pipe = self.text_pipeline()
+        encoder, processor = pipe.text_encoder, pipe.processor
+        pipe.text_encoder, pipe.processor = ShapeOnlyTextEncoder(encoder), RealTensorsProcessor(processor)
+        try:
+            rows = [super(QwenEditFamily, self).encode_text([p], device, image=i, **encode_kwargs)
+                    for p, i in zip(prompts, per_prompt)]  # fmt: skip
+        finally:
+            pipe.text_encoder, pipe.processor = encoder, processor
+        return Conditioning.cat(rows)
 
     # the source images
     @property

@@ -118,24 +118,20 @@ def test_a_loss_type_with_a_first_window_guard_or_a_reward_in_the_trainer_plans(
 
 
 @pytest.mark.parametrize(
-    "folder,prompts", [("builtin:tiny-flux2-klein", "builtin:shapes-edit"), ("builtin:tiny-z-image", "builtin:shapes")]
+    "folder,prompts",
+    [
+        ("builtin:tiny-flux2-klein", "builtin:shapes-edit"),
+        ("builtin:tiny-z-image", "builtin:shapes"),
+        ("builtin:tiny-qwen-image-edit", "builtin:shapes-edit"),
+    ],
 )
 def test_a_family_whose_conditioning_is_read_by_value_plans(folder, prompts):
-    """FLUX.2 grouped its rows by their reference tokens' positions (`.numpy()` of fake ids) and Z-Image cut each
-    prompt's padding with its mask (a fake mask: no values): both failed every plan, and so a CUDA run's start-up.
-    Under the simulation FLUX.2's rows group by count and Z-Image keeps every token (the longest prompt's cost)."""
+    """FLUX.2 grouped its rows by their reference tokens' positions (`.numpy()` of fake ids), Z-Image cut each
+    prompt's padding with its mask (a fake mask: no values) and Qwen-Image-Edit's vision tower sized its tokens from
+    its patch grids' values: each failed every plan, and so a CUDA run's start-up. Under the simulation FLUX.2's rows
+    group by count, Z-Image keeps every token (the longest prompt's cost), Qwen-Image-Edit encodes by shape."""
     from miles.plan.run import simulate
     from tests.fast.plan.plan_cases import plan_args
 
     out = simulate(plan_args("--hf-checkpoint", folder, "--prompt-data", prompts, "--dp-size", "1"))
     assert out.engine is not None and out.roles["actor"][0].peaks["train"] > 0
-
-
-def test_a_family_the_planner_cannot_simulate_is_refused_naming_why_and_the_way_to_start():
-    from miles.plan.command import PlanUnsupported, make_plan
-    from tests.fast.plan.plan_cases import plan_args
-
-    args = plan_args("--hf-checkpoint", "builtin:tiny-qwen-image-edit", "--prompt-data", "builtin:shapes-edit")
-    with pytest.raises(PlanUnsupported, match=r"--plan cannot simulate the qwen-image-edit family yet: its text "
-                       r"encoder's vision tower .* pass --no-plan-check and give --micro-batch-size"):  # fmt: skip
-        make_plan(args)

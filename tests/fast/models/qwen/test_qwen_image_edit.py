@@ -186,3 +186,26 @@ def test_plus_rows_whose_references_differ_run_apart_and_each_is_the_pipelines(p
         ]
     torch.testing.assert_close(batch, torch.cat(alone), atol=1e-5, rtol=0)
     assert (batch[1] - velocity[0]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("plus", [False, True])
+def test_under_the_planners_fake_tensors_the_prompts_encode_to_the_real_shapes(
+    family, tiny_qwen_image_edit_plus_dir, plus
+):
+    """The vision tower sizes its tokens from the values of each image's patch grid, which fake tensors do not hold
+    (every plan of these families failed): under the simulation the processor runs for real and the encoder stands in
+    by shape, one prompt at a time. Same shapes and dtypes as the real encoding, prompts of different lengths
+    padded alike."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from miles.plan.fake import PlanTensorMode
+
+    fam = get_train_pipeline_config(tiny_qwen_image_edit_plus_dir) if plus else family
+    prompts, images = ["make it red", "two blue squares on the left, then a yellow circle"], _images(2)
+    real = fam.encode_prompts(prompts, images=images)
+    with PlanTensorMode():
+        fake = fam.encode_prompts(prompts, images=images)
+    assert isinstance(fake["prompt_embeds"], FakeTensor)
+    for name in ("prompt_embeds", "prompt_embeds_mask", "image_latents"):
+        assert (fake[name].shape, fake[name].dtype) == (real[name].shape, real[name].dtype), name
+    assert fam.encode_prompts(prompts, images=images)["prompt_embeds"].equal(real["prompt_embeds"])  # real again
