@@ -98,7 +98,10 @@ def override_rules(args: argparse.Namespace, algorithms: Iterable[Algorithm]) ->
 def folder_rules(args: argparse.Namespace) -> list[str]:
     """Each role's load folder must exist unless it is the role's save folder (auto-resume); its save folder, and
     the run's other output folders, must not be a file (the run would fail making it, after its checks)."""
-    files = {path: flag for flag, path in output_folders(args)[::-1] if path and os.path.isfile(path)}
+    files: dict[str, str] = {}  # path -> the first flag naming it (a role's save defaults to --save)
+    for flag, path in output_folders(args):
+        if path and os.path.isfile(path):
+            files.setdefault(path, flag)
     errors = [f"{flag} {path}: a file is there, not a folder: give a folder path" for path, flag in files.items()]
     for role in algorithm_of(args).roles:
         load, save = getattr(args, role.dest("load")), getattr(args, role.dest("save"))

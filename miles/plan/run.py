@@ -50,7 +50,7 @@ class Simulation:
     roles: dict[str, list[ProcessPlan]] = field(default_factory=dict)
     train_flops: dict[str, float] = field(default_factory=dict)  # one whole window on rank 0
     window: dict = field(default_factory=dict)  # one data-parallel rank's window of train pairs (fake)
-    json_row: Any = None  # what each row of a JSON column of the window stands for (its first sample's metadata)
+    json_row: Any = None  # what each row of a JSON column of the window stands for (`metadata_stand_in`)
     engine_micro_batch: int = 0  # samples per forward in the engine
     forward_flops_per_sample: float = 0.0  # one transformer forward of one sample, as the engine measured it
     seconds: float = 0.0

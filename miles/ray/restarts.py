@@ -109,6 +109,12 @@ def smaller_run(args: argparse.Namespace) -> tuple[argparse.Namespace | None, st
     return None, f"no --dp-size from --restart-min-dp-size {floor} to {args.dp_size - 1} fits it"
 
 
+def restart_target(args: argparse.Namespace) -> dict[str, float]:
+    """What a restart waits for: the run's CPUs and GPUs, or as many as the cluster holds now if that is less."""
+    total = ray.cluster_resources()
+    return {name: min(need, total.get(name, 0.0)) for name, need in needed_resources(args).items()}
+
+
 def fmt(resources: dict[str, float]) -> str:
     return ", ".join(f"{amount:g} {name}" for name, amount in resources.items())
 
@@ -148,7 +154,7 @@ class Restarts:
         self.args, self.given = args, args
         self.groups: RunGroups | None = None
         self.count, self.first_rollout = 0, 0
-        self.target = {k: min(v, ray.cluster_resources().get(k, 0.0)) for k, v in needed_resources(args).items()}
+        self.target = restart_target(args)
 
     def attempts(
         self, attempt: Callable[[float], T], writer: Tracking, summary: dict, stop: StopSignals, started: float
@@ -237,6 +243,5 @@ class Restarts:
             "resharded",
             self.count, timeout, smaller.dp_size, self.given.dp_size, self.given.restart_min_dp_size,
         )  # fmt: skip
-        self.given = smaller
-        self.target = {k: min(v, ray.cluster_resources().get(k, 0.0)) for k, v in needed_resources(smaller).items()}
+        self.given, self.target = smaller, restart_target(smaller)
         return self.given.restart_timeout

@@ -29,7 +29,7 @@ def encode_json_column(values: list[Any]) -> torch.Tensor:
 @contextmanager
 def fake_rows_decode_as(value: Any) -> Iterator[None]:
     """Under the planner's fake tensors a JSON column holds no bytes: while this is active each row of a fake column
-    decodes to a copy of `value` (a representative row: the first sample's), so that the code reading it (a
+    decodes to a copy of `value` (a representative row: the planner's is the first prompt record's), so that the code reading it (a
     differentiable reward scoring against a prompt's metadata) runs on the shapes a real run's would."""
     _STAND_INS.append(value)
     try:

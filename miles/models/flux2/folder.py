@@ -278,8 +278,8 @@ class Flux2Family(DiffusersFamily):
             cfg_negative = Conditioning({name: negative[name] for name in FLUX2_TEXT}).expand(latents.shape[0])
         counts = embeds["image_token_counts"].tolist()
         groups: dict[tuple[int, bytes], list[int]] = {}
+        fake = simulating()  # the planner's fake ids hold no positions: its rows group by count alone
         for row, count in enumerate(counts):  # rows whose reference tokens sit at the same positions
-            fake = simulating()  # the planner's fake ids hold no positions: its rows group by count alone
             ids = b"" if fake else embeds["image_ids"][row, :count].cpu().numpy().tobytes()
             groups.setdefault((count, ids), []).append(row)
         out = torch.empty(latents.shape, dtype=torch.float32, device=latents.device)

@@ -133,12 +133,11 @@ class QwenEditFamily(QwenFolderFamily):
             return super().encode_text(prompts, device, **encode_kwargs)
         images = encode_kwargs.pop("image")
         per_prompt = [images] if len(prompts) == 1 else [[image] for image in images]  # edit: one image a prompt
-        pipe = self.text_pipeline()
+        pipe, encode = self.text_pipeline(), super().encode_text
         encoder, processor = pipe.text_encoder, pipe.processor
         pipe.text_encoder, pipe.processor = ShapeOnlyTextEncoder(encoder), RealTensorsProcessor(processor)
         try:
-            rows = [super(QwenEditFamily, self).encode_text([p], device, image=i, **encode_kwargs)
-                    for p, i in zip(prompts, per_prompt)]  # fmt: skip
+            rows = [encode([p], device, image=i, **encode_kwargs) for p, i in zip(prompts, per_prompt)]
         finally:
             pipe.text_encoder, pipe.processor = encoder, processor
         return Conditioning.cat(rows)

@@ -92,13 +92,13 @@ class WanFolderFamily(DiffusersFamily):
                 f"{temporal}, e.g. {low} or {low + temporal}"
             )
         patch = self.patch_size[0]  # the transformer patches the latent frames by this many (1 in the published)
-        if ((self.num_frames - 1) // temporal + 1) % patch:
-            step = temporal * patch
-            low = max(1 + temporal * (patch - 1), (self.num_frames - 1) // step * step + 1 + temporal * (patch - 1))
+        latent_frames = (self.num_frames - 1) // temporal + 1
+        if latent_frames % patch:
+            low = 1 + temporal * (-(-latent_frames // patch) * patch - 1)  # the next count whose latent frames split
             raise ValueError(
-                f"--num-frames {self.num_frames}: its {(self.num_frames - 1) // temporal + 1} latent frames do not "
-                f"split into the transformer's temporal patches of {patch} ({self.path}): e.g. --num-frames {low} or "
-                f"{low + step}"
+                f"--num-frames {self.num_frames}: its {latent_frames} latent frames do not split into the "
+                f"transformer's temporal patches of {patch} ({self.path}): e.g. --num-frames {low} or "
+                f"{low + temporal * patch}"
             )
         scale_2 = self.family_options.get("guidance_scale_2")
         if scale_2 is not None and not self.two_experts:
