@@ -8,13 +8,16 @@
 #   GPU_CHECK_OUT=/tmp/out bash scripts/gpu_check.sh --no-setup
 #
 # --no-setup uses the python on PATH as it is (torch with CUDA already installed), installs nothing and needs neither
-# the network nor Ray. Its steps (limits add up to 8 min 56 s; one H100; the limits were set without a GPU: no GPU was
-# lent to the session that set them, 2026-12-06, so they are estimates from the steps' work, not measured times):
-#   environment 20 s        GPU, driver, torch, CUDA, which packages are missing
-#   trainer_step 45 s       FSDP2 trainer rank, world size 1 over NCCL, two optimizer windows (scripts/gpu_check_core.py)
-#   engine_generate 35 s    a rollout engine samples 4 prompts with CFG
-#   pinned_sizes 30 s       --colocate-sleep's host buffer after sleeping 1.1 GiB: exact size, page-locked, not cached
-#   precision_parity 45 s   engine (bf16) vs the trainer's FSDP2 recompute of the recorded log-probs, bf16 bound 1e-2
+# the network nor Ray. Its steps (limits add up to 8 min 51 s; one H100; the limits were set without a GPU: no GPU was
+# lent to the sessions that set them, 2026-12-06 and -07, so they are estimates from the steps' work, not measured
+# times; the first six steps take 1-8 s each on the 2-core CPU machine with --device cpu):
+#   environment 10 s        GPU, driver, torch, CUDA, which packages are missing
+#   trainer_step 35 s       FSDP2 trainer rank, world size 1 over NCCL, two optimizer windows (scripts/gpu_check_core.py)
+#   engine_generate 30 s    a rollout engine samples 4 prompts with CFG in micro-batches of 2, against one batch
+#   weight_sync 35 s        trainer rank -> an engine in a second process on the same GPU over cuda_ipc: two syncs
+#                           into the engine's parameters in place, checksummed, equal to the trainer's export
+#   pinned_sizes 25 s       --colocate-sleep's host buffer after sleeping 1.1 GiB: exact size, page-locked, not cached
+#   precision_parity 35 s   engine (bf16) vs the trainer's FSDP2 recompute of the recorded log-probs, bf16 bound 1e-2
 #   bench_sd35_medium 90 s  benchmarks/bench_gpu.py, SD3.5-Medium 1024 px, full fine-tuning, bf16 master weights
 #   bench_flux_dev 120 s    benchmarks/bench_gpu.py, FLUX.1-dev 1024 px, LoRA rank 16 (full fine-tuning of 12B with
 #                           AdamW needs ~96 GB even with bf16 master weights: more than one H100)
@@ -74,14 +77,15 @@ cuda_reason="$(python -c 'import torch; print("" if torch.cuda.is_available() el
 core="python scripts/gpu_check_core.py"
 bench="python benchmarks/bench_gpu.py --gradient-checkpointing --warmup 1 --steps 3"
 plan="python scripts/gpu_check_plan.py --workdir $out"
-names=(environment trainer_step engine_generate pinned_sizes precision_parity bench_sd35_medium bench_flux_dev
-  plan_sd35_medium plan_flux_dev)
-declare -A limit=([environment]=20 [trainer_step]=45 [engine_generate]=35 [pinned_sizes]=30 [precision_parity]=45
-  [bench_sd35_medium]=90 [bench_flux_dev]=120 [plan_sd35_medium]=65 [plan_flux_dev]=86)
+names=(environment trainer_step engine_generate weight_sync pinned_sizes precision_parity bench_sd35_medium
+  bench_flux_dev plan_sd35_medium plan_flux_dev)
+declare -A limit=([environment]=10 [trainer_step]=35 [engine_generate]=30 [weight_sync]=35 [pinned_sizes]=25
+  [precision_parity]=35 [bench_sd35_medium]=90 [bench_flux_dev]=120 [plan_sd35_medium]=65 [plan_flux_dev]=86)
 declare -A command=(
   [environment]="python scripts/gpu_check_wheels.py --report"
   [trainer_step]="$core trainer_step --workdir $out"
   [engine_generate]="$core engine_generate --workdir $out"
+  [weight_sync]="$core weight_sync --workdir $out"
   [pinned_sizes]="$core pinned_sizes"
   [precision_parity]="$core precision_parity --workdir $out"
   [bench_sd35_medium]="$bench --preset sd3.5-medium --master-dtype bf16"

@@ -1,12 +1,13 @@
 """The Ray-free steps of `scripts/gpu_check.sh --no-setup`, one per call, each ending with a `RESULT:` line:
 
     python scripts/gpu_check_core.py trainer_step --workdir DIR       # FSDP2 trainer, world size 1 (NCCL on CUDA)
-    python scripts/gpu_check_core.py engine_generate --workdir DIR    # a rollout engine samples with CFG
+    python scripts/gpu_check_core.py engine_generate --workdir DIR    # a rollout engine samples with CFG in micro-batches
+    python scripts/gpu_check_core.py weight_sync --workdir DIR        # trainer -> engine in a second process (cuda_ipc)
     python scripts/gpu_check_core.py pinned_sizes                     # --colocate-sleep's host buffer, 1.1 GiB
     python scripts/gpu_check_core.py precision_parity --workdir DIR   # engine vs trainer log-probs in bf16
 
-The trainer and the engine are called directly (`FSDPTrainRayActor.init` / `train_pairs`, `DiffusionEngine.generate`),
-on the tiny SD3 pipeline built into `--workdir` once. `--device cpu` runs the same code on a CPU (the test suite
+The trainer and the engine are called directly (`FSDPTrainRayActor.init` / `train_pairs` / `push_weights`,
+`DiffusionEngine.generate` / `receive_weights`), on the tiny SD3 pipeline built into `--workdir` once. `--device cpu` runs the same code on a CPU (the test suite
 does, with Ray made unimportable).
 """
 
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import sys
 import time
 
 import torch
+import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,6 +34,7 @@ from miles.rollout.engine_api import GenerateRequest  # noqa: E402
 from miles.utils.distributed import find_free_port  # noqa: E402
 from miles.utils.offload import HostSwap, host_offsets  # noqa: E402
 from miles.utils.types import shard_pairs  # noqa: E402
+from miles.weight_sync.transports import TransportSpec  # noqa: E402
 
 GIB = 2**30
 PROMPTS = ["a red circle on the left", "a blue square on the right", "a green triangle", "two yellow circles"]
@@ -59,8 +63,8 @@ def trainer(pipeline: str, device: str, forward_dtype: str) -> FSDPTrainRayActor
     return actor
 
 
-def trainer_step(opts: argparse.Namespace) -> str:
-    pipeline = tiny_pipeline(opts.workdir)
+def sft_pairs(pipeline: str) -> dict[str, torch.Tensor]:
+    """Eight (x0, prompt encoding) pairs for `train_pairs` (sft_loss): random latents, the tiny text encoders'."""
     family = get_train_pipeline_config(pipeline)
     family.load_text_encoders()
     generator = torch.Generator().manual_seed(0)
@@ -68,10 +72,16 @@ def trainer_step(opts: argparse.Namespace) -> str:
         "x0": torch.randn((8, *family.latent_shape()), generator=generator),
         **family.encode_prompts([PROMPTS[i % 4] for i in range(8)]).to(dtype=torch.float32).to_columns(),
     }
+    return shard_pairs(pairs, 1)[0]
+
+
+def trainer_step(opts: argparse.Namespace) -> str:
+    pipeline = tiny_pipeline(opts.workdir)
+    pairs = sft_pairs(pipeline)
     actor = trainer(pipeline, opts.device, "bf16" if opts.device == "cuda" else "fp32")
     try:
         started = time.perf_counter()
-        actor.train_pairs(0, shard_pairs(pairs, 1)[0])
+        actor.train_pairs(0, pairs)
         seconds = time.perf_counter() - started
         losses = [m["train/loss"] for m in actor.pop_metrics()]
     finally:
@@ -94,15 +104,108 @@ def request(sde: bool) -> GenerateRequest:
     )
 
 
+# micro-batched against one batch, relative to the largest latent value: a GPU picks its kernels by row count (and
+# convolutions run in TF32 by default), so the two agree to rounding, not bit for bit; a sample that took another's
+# noise or prompt would be off by the order of the values themselves
+MICRO_BATCH_BOUND = 1e-2
+
+
 def engine_generate(opts: argparse.Namespace) -> str:
-    engine = DiffusionEngine(tiny_pipeline(opts.workdir), device=opts.device)
+    """The engine samples the prompts with CFG in one forward per step, then in micro-batches of 2 samples (CFG rows
+    included: two forwards of 4 rows per step): each sample's noise is its own, so the samples agree."""
+    engine = DiffusionEngine(tiny_pipeline(opts.workdir), device=opts.device, micro_batch_size=len(PROMPTS))
+    whole = engine.generate(request(sde=False))
+    engine.micro_batch_size = 2
     started = time.perf_counter()
     result = engine.generate(request(sde=False))
     seconds = time.perf_counter() - started
     images = result.images
     if images is None or len(images) != len(PROMPTS) or not torch.isfinite(result.final_latents).all():
         raise RuntimeError("the engine did not return one finite sample per prompt")
-    return f"{len(PROMPTS)} samples x 4 steps with CFG in {seconds:.2f}s"
+    gap = float((result.final_latents - whole.final_latents).abs().max() / whole.final_latents.abs().max())
+    if not gap <= MICRO_BATCH_BOUND:
+        raise RuntimeError(
+            f"micro-batches of 2 differ from one batch by {gap:.3g} relative (bound {MICRO_BATCH_BOUND})"
+        )
+    same = "bit-identical" if gap == 0 else f"within {gap:.2g} relative"
+    return f"{len(PROMPTS)} samples x 4 steps with CFG in micro-batches of 2 in {seconds:.2f}s, {same} to one batch"
+
+
+SYNC_TIMEOUT_S = 60.0
+SYNC_BUCKET_BYTES = 256 << 10  # small buckets: several in a sync, so each slot is written again within one
+
+
+def weight_sync(opts: argparse.Namespace) -> str:
+    """A trainer rank (world size 1) sends its weights to an engine in a second process over the transport a run
+    picks when the engine shares the trainer's device: `cuda_ipc` on a GPU (the engine maps rank 0's persistent
+    device buffer and copies each bucket into its parameters in place), `shm` on a CPU host (resident: the engine's
+    parameters are views of the file every trainer rank writes). Two syncs, an optimizer window between them; each
+    bucket checksummed on the way, and after each sync the engine's weights equal what the trainer exported."""
+    kind = "cuda_ipc" if opts.device == "cuda" else "shm"
+    dtype = "bf16" if opts.device == "cuda" else "fp32"
+    pipeline = tiny_pipeline(opts.workdir)
+    pairs = sft_pairs(pipeline)
+    actor = trainer(pipeline, opts.device, dtype)
+    context = mp.get_context("spawn")
+    versions, answers = context.Queue(), context.Queue()
+    child = None
+    try:
+        plan, opener, offsets = actor.prepare_weight_sync(kind, SYNC_BUCKET_BYTES, kind == "shm", True)
+        spec = TransportSpec(
+            kind, "127.0.0.1", find_free_port(), 2, plan.buffer_bytes, SYNC_TIMEOUT_S,
+            shm_path=opener if kind == "shm" else None, offsets=offsets,
+        )  # fmt: skip
+        engine_args = (pipeline, opts.device, dtype, spec, plan, opener if kind == "cuda_ipc" else None)
+        child = context.Process(target=sync_engine, args=(*engine_args, versions, answers), daemon=True)
+        child.start()
+        actor.open_weight_sync(spec)  # with the engine, which joins as it starts
+        seconds, first = [], {}
+        for version in (1, 2):
+            if version == 2:
+                actor.train_pairs(0, pairs)
+            versions.put(version)
+            seconds.append(actor.push_weights())
+            expected = actor.export_weights()[0] or {}
+            status, received, in_place = answers.get(timeout=SYNC_TIMEOUT_S)
+            if status != "ok":
+                raise RuntimeError(f"the engine failed in sync {version}: {received}")
+            wrong = [name for name, tensor in expected.items() if not torch.equal(received[name], tensor.cpu())]
+            if wrong or not in_place:
+                raise RuntimeError(f"sync {version}: {len(wrong)} tensors differ ({wrong[:3]}), in place {in_place}")
+            first = first or received
+        if all(torch.equal(first[name], received[name]) for name in received):
+            raise RuntimeError(
+                "the optimizer window between the syncs changed no weight: the second sync proves nothing"
+            )
+        versions.put(None)
+    finally:
+        actor.shutdown()
+        if child is not None:
+            child.join(SYNC_TIMEOUT_S)
+            if child.is_alive():
+                child.kill()
+    mb = plan.total_bytes / 1e6
+    times = ", ".join(f"{s:.3f}" for s in seconds)
+    return f"{kind}: 2 syncs of {mb:.1f} MB in {len(plan.buckets)} buckets ({times} s), the engine equal to the export"
+
+
+def sync_engine(pipeline, device, dtype, spec, plan, opener, versions, answers) -> None:
+    """The engine process of `weight_sync`: join the sync group, take each version the parent names, answer with
+    its transformer's weights (on the CPU) and whether the parameters kept their storage."""
+    try:
+        forward = torch.bfloat16 if dtype == "bf16" else torch.float32
+        engine = DiffusionEngine(pipeline, device=device, forward_dtype=forward)
+        engine.open_weight_sync(spec, plan, 1, opener)
+        pointers = {name: t.data_ptr() for name, t in engine.transformer.state_dict().items()}
+        while (version := versions.get(timeout=SYNC_TIMEOUT_S)) is not None:
+            engine.receive_weights(version)
+            state = engine.transformer.state_dict()
+            kept = pointers == {name: t.data_ptr() for name, t in state.items()}
+            answers.put(
+                ("ok", {name: t.detach().to("cpu", copy=True) for name, t in state.items()}, kept)
+            )  # not the shm views
+    except (Exception, queue.Empty) as exc:  # noqa: BLE001 - reported to the parent, which names the step's failure
+        answers.put(("error", repr(exc), False))
 
 
 def pinned_sizes(opts: argparse.Namespace) -> str:
@@ -167,7 +270,7 @@ def recomputed_gap(actor: FSDPTrainRayActor, result, k: int, step: int, device: 
     return float((out.log_prob.cpu() - result.log_probs[:, k]).abs().mean())
 
 
-STEPS = {f.__name__: f for f in (trainer_step, engine_generate, pinned_sizes, precision_parity)}
+STEPS = {f.__name__: f for f in (trainer_step, engine_generate, weight_sync, pinned_sizes, precision_parity)}
 
 
 def main(argv: list[str] | None = None) -> None:

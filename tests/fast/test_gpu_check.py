@@ -1,10 +1,13 @@
 """scripts/gpu_check.sh --no-setup on a machine without CUDA (its plan, every step skipped, exit 0) and the Ray-free
-core its steps call: the trainer and the engine import without Ray, and a trainer step runs with Ray unimportable."""
+core its steps call: the trainer and the engine import without Ray; a trainer step, the engine's micro-batched
+generate and the weight sync to an engine in a second process run with Ray unimportable (the sync over `shm`, the
+transport a CPU host picks, where a GPU takes `cuda_ipc`)."""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import os
 import re
 import subprocess
@@ -28,7 +31,7 @@ def test_no_setup_without_cuda_prints_its_plan_skips_every_step_with_the_reason_
     plan = re.findall(r"\[gpu_check\]   (\w+) \(at most (\d+)s\)", run.stderr)
     names = [name for name, _ in plan]
     assert names[:2] == ["environment", "trainer_step"] and "fast_gpu" not in names
-    assert {"bench_flux_dev", "plan_sd35_medium", "plan_flux_dev"} <= set(names)
+    assert {"engine_generate", "weight_sync", "bench_flux_dev", "plan_sd35_medium", "plan_flux_dev"} <= set(names)
     total = sum(int(limit) for _, limit in plan)
     assert total < 9 * 60 and f"limits add up to {total}s" in run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
@@ -71,16 +74,36 @@ def test_nothing_the_trainer_or_engine_imports_at_module_level_imports_ray():
     assert len(seen) > 30 and not importers, importers
 
 
-def test_the_trainer_step_runs_on_cpu_with_ray_unimportable(load_script, tiny_pipeline_dir, tmp_path):
-    core = load_script("scripts/gpu_check_core.py")
-    os.symlink(tiny_pipeline_dir, tmp_path / "tiny_sd3")
-    opts = argparse.Namespace(device="cpu", workdir=str(tmp_path))
+@contextlib.contextmanager
+def ray_unimportable():
     saved = sys.modules.get("ray")
     sys.modules["ray"] = None  # `import ray` raises ImportError from here on
     try:
-        assert core.trainer_step(opts).startswith("2 optimizer windows")  # FSDP2 init, two windows, shutdown
+        yield
     finally:
         if saved is None:
             del sys.modules["ray"]
         else:
             sys.modules["ray"] = saved
+
+
+def test_the_trainer_and_engine_steps_run_on_cpu_with_ray_unimportable(load_script, tiny_pipeline_dir, tmp_path):
+    core = load_script("scripts/gpu_check_core.py")
+    os.symlink(tiny_pipeline_dir, tmp_path / "tiny_sd3")
+    opts = argparse.Namespace(device="cpu", workdir=str(tmp_path))
+    with ray_unimportable():
+        assert core.trainer_step(opts).startswith("2 optimizer windows")  # FSDP2 init, two windows, shutdown
+        assert "micro-batches of 2" in core.engine_generate(opts)  # the step compares them with one batch
+
+
+def test_the_weight_sync_step_runs_on_cpu_with_ray_unimportable(tiny_pipeline_dir, tmp_path):
+    """A subprocess (the step spawns the engine's process, which imports the script by its path)."""
+    os.symlink(tiny_pipeline_dir, tmp_path / "tiny_sd3")
+    block = (
+        "import runpy, sys; sys.modules['ray'] = None; sys.argv[:] = sys.argv[1:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    argv = ["scripts/gpu_check_core.py", "weight_sync", "--device", "cpu", "--workdir", str(tmp_path)]
+    run = subprocess.run([sys.executable, "-c", block, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"RESULT: shm: 2 syncs of [\d.]+ MB in [2-9]\d* buckets .*equal to the export", run.stdout)
