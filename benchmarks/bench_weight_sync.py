@@ -17,7 +17,8 @@ checksums), and one memcpy of the same bytes in trainer rank 0's process; GB/s o
 `--skip-object-store` leaves the old leg out where its memory (the model ~5 times over on rank 0) does not fit.
 `--layout slots` runs the sync group over two bucket slots each engine copies out of, as before the resident layout
 (the default: the engines' parameters are views of the shared file the ranks write); the memcpy is taken in every
-round beside the legs.
+round beside the legs. After every leg each actor hands its freed memory back to the kernel (untimed), so the
+object-store leg's dicts of one round do not stay beside the next round's.
 
 `--sd3-size LAYERS,HEADS,HEAD_DIM` builds an SD3-architecture pipeline of that transformer size (random weights,
 `miles.models.sd3.tiny`) in a temporary folder first, for the gather at sizes nearer real ones without a download.
@@ -26,6 +27,8 @@ round beside the legs.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import os
 import statistics
 import sys
@@ -113,6 +116,22 @@ def engine_side(family, opts: argparse.Namespace, state: dict, checksums: dict) 
 SYNC_TIMEOUT = 1800.0
 
 
+def trim_heap() -> None:
+    """Hand freed memory back to the kernel (glibc): between the rounds of `--whole-sync`, outside the timings. The
+    object-store leg's dicts (rank 0's gathered one, each engine's unpickled one) stay in the actors' heaps after a
+    sync (`miles.utils.heap` keeps freed memory on purpose), and at 445M two engines' second sync then ran the 24 GB
+    machine out of memory even with nothing else running (2026-12-07)."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class BenchEngine(EngineActor):
+    """A rollout engine actor as a run starts it, which the bench can also ask to trim its heap."""
+
+    def trim(self) -> None:
+        trim_heap()
+
+
 class BenchRank:
     """One FSDP2 trainer rank holding its shards, exporting as the trainer actor does (full fine-tuning, fp32)."""
 
@@ -129,6 +148,9 @@ class BenchRank:
 
     def ready(self) -> bool:
         return True
+
+    def trim(self) -> None:
+        trim_heap()
 
     def export_old(self) -> tuple[dict | None, dict | None]:
         checksums: dict = {}
@@ -182,7 +204,7 @@ def whole_sync(opts: argparse.Namespace) -> dict:
         remote_rank = ray.remote(num_cpus=1)(BenchRank)
         ranks = [remote_rank.remote(r, opts.world_size, opts.hf_checkpoint, master) for r in range(opts.world_size)]
         ray.get([r.ready.remote() for r in ranks], timeout=SYNC_TIMEOUT)
-        engine = ray.remote(num_cpus=0.5, **ENGINE_ACTOR_OPTIONS)(EngineActor)
+        engine = ray.remote(num_cpus=0.5, **ENGINE_ACTOR_OPTIONS)(BenchEngine)
         engines = []
         for _ in range(opts.engines):  # one at a time: the load peaks do not add up (issue 48 item 6)
             engines.append(engine.remote(opts.hf_checkpoint, device="cpu"))
@@ -213,6 +235,9 @@ def whole_sync(opts: argparse.Namespace) -> dict:
                 timeout=SYNC_TIMEOUT,
             )
 
+        def trim() -> None:  # after every leg, untimed: each round starts from the same heaps
+            ray.get([actor.trim.remote() for actor in [*ranks, *engines]], timeout=SYNC_TIMEOUT)
+
         def new() -> None:
             v = next(version)
             ray.get(
@@ -231,12 +256,14 @@ def whole_sync(opts: argparse.Namespace) -> dict:
         seconds = {name: [] for name in ["memcpy", *legs]}
         for name, fn in legs.items():
             print(f"{name} (warm-up): {_timed(fn):.3f} s", flush=True)
+            trim()
         for _ in range(opts.repeats):
             memcpy()
             print(f"memcpy: {seconds['memcpy'][-1]:.3f} s", flush=True)
             for name, fn in legs.items():
                 seconds[name].append(_timed(fn))
                 print(f"{name}: {seconds[name][-1]:.3f} s", flush=True)
+                trim()
         return {"seconds": seconds, "bytes": plan.total_bytes, "buckets": len(plan.buckets), "kind": kind}
     finally:
         ray.shutdown()
