@@ -4,6 +4,7 @@ overrides), the override flags the parser adds for every registered role, the ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -97,12 +98,13 @@ def override_rules(args: argparse.Namespace, algorithms: Iterable[Algorithm]) ->
 
 def folder_rules(args: argparse.Namespace) -> list[str]:
     """Each role's load folder must exist unless it is the role's save folder (auto-resume); its save folder, and
-    the run's other output folders, must not be a file (the run would fail making it, after its checks)."""
-    files: dict[str, str] = {}  # path -> the first flag naming it (a role's save defaults to --save)
+    the run's other output folders, must be folders this process can make and write (the run would fail making or
+    writing one after its checks, with the OS's bare error)."""
+    problems: dict[str, tuple[str, str]] = {}  # path -> (the first flag naming it, its problem)
     for flag, path in output_folders(args):
-        if path and os.path.isfile(path):
-            files.setdefault(path, flag)
-    errors = [f"{flag} {path}: a file is there, not a folder: give a folder path" for path, flag in files.items()]
+        if path and path not in problems and (problem := folder_problem(path)):
+            problems[path] = (flag, problem)
+    errors = [f"{flag} {path}: {problem}" for path, (flag, problem) in problems.items()]
     for role in algorithm_of(args).roles:
         load, save = getattr(args, role.dest("load")), getattr(args, role.dest("save"))
         if load and not os.path.isdir(load) and load != save:
@@ -111,6 +113,29 @@ def folder_rules(args: argparse.Namespace) -> list[str]:
                 f"{role.flag('save')} to auto-resume)"
             )
     return errors
+
+
+def folder_problem(path: str) -> str | None:
+    """Why the run cannot make or write the folder `path`; None when it can. A folder not there yet is made and
+    removed again (whatever was missing of its parents too): only trying tells, whoever runs it (root's access checks
+    pass where the kernel refuses a folder, as in /proc)."""
+    if os.path.isfile(path):
+        return "a file is there, not a folder: give a folder path"
+    if os.path.isdir(path):
+        return None if os.access(path, os.W_OK | os.X_OK) else "not writable by this user: give a folder you can write"
+    made, parent = [], os.path.abspath(path)
+    while not os.path.lexists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        os.makedirs(path)
+    except OSError as exc:
+        return f"cannot be made ({exc.strerror}{f' at {exc.filename}' if exc.filename else ''}): give a folder you can write"
+    finally:
+        for folder in made:  # deepest first; only the (empty) folders made here
+            with contextlib.suppress(OSError):  # not made, or something else wrote into it meanwhile: left as is
+                os.rmdir(folder)
+    return None
 
 
 def output_folders(args: argparse.Namespace) -> list[tuple[str, str | None]]:

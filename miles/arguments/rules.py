@@ -22,6 +22,7 @@ from miles.arguments.plan import auto_size_defaults
 from miles.arguments.rl import rl_rules
 from miles.models.options import family_option_ranges
 from miles.utils.ranges import FLAG_RANGES, Range, range_violation
+from miles.weight_sync.arguments import weight_sync_rules
 
 __all__ = ["ArgumentError", "derive_args", "flag_ranges", "validate_args"]
 
@@ -79,7 +80,7 @@ def given_rules(args: argparse.Namespace, algorithm: Algorithm) -> list[str]:
     roles = algorithm.role_names[::-1]  # the actor's --save first
     if args.save_interval is not None and not any(getattr(args, role_dest(r, "save"), None) for r in roles):
         errors.append("--save-interval needs " + " or ".join(f"{role_flag(r, 'save')} DIR" for r in roles))
-    errors += restart_rules(args)
+    errors += restart_rules(args) + weight_sync_rules(args)
     return errors + rl_rules(args, algorithm) + eval_rules(args) + sharding_rules(args) + colocate_rules(args)
 
 

@@ -17,6 +17,7 @@ from miles.ray.placement_group import actor_nodes
 from miles.utils import failures
 from miles.utils.distributed import uses_gpu
 from miles.utils.failures import ACTOR_GONE, dead_peer
+from miles.weight_sync.arguments import transport_device_problem
 from miles.weight_sync.protocol import bucket_bytes_for
 from miles.weight_sync.transports import TransportSpec, choose_transport
 
@@ -54,9 +55,12 @@ class WeightSyncLink:
         """Pick the transport, make the plan and buffers on the trainer, and have rank 0 and the engines join."""
         args, engines = self.args, self.engines
         ranks, where = actor_group.nodes(), actor_nodes(engines.engines)
-        kind = args.weight_sync_transport
+        kind, gpu = args.weight_sync_transport, uses_gpu(args)
         if kind == "auto":
-            kind = choose_transport(ranks[0], where, "cuda" if uses_gpu(args) else "cpu")
+            kind = choose_transport(ranks[0], where, "cuda" if gpu else "cpu")
+        problem = transport_device_problem(kind, gpu)
+        if problem:  # --device auto found no GPU
+            raise ValueError(problem)
         check_placement(kind, ranks[0], where)
         # on one host every rank writes its own shards into the shared buckets: no all-gather
         direct = kind == "shm" and all(r["node_id"] == ranks[0]["node_id"] for r in ranks)

@@ -44,3 +44,16 @@ def test_an_output_folder_that_is_a_file_is_refused_naming_the_flag_once(tmp_pat
     assert f"--save {line}" in err and f"--critic-save {taken}" not in err
     assert f"--critic-save {line}" in parse_error([*DMD2, "--critic-save", str(taken)], capsys)
     parse_args([*BASE, "--output-dir", str(tmp_path), "--save", str(tmp_path / "new")])  # a folder, or none yet
+
+
+def test_an_output_folder_that_cannot_be_made_is_refused_and_one_that_can_is_not_left_behind(tmp_path, capsys):
+    from tests.fast.arguments.test_parser import parse_error
+
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    err = parse_error([*BASE, "--output-dir", str(taken / "run")], capsys)  # a file on the way
+    assert f"--output-dir {taken / 'run'}: cannot be made (Not a directory" in err
+    err = parse_error([*BASE, "--save", "/proc/miles-no-such/ckpt"], capsys)  # the kernel refuses, even root
+    assert "--save /proc/miles-no-such/ckpt: cannot be made (No such file or directory at /proc/miles-no-such)" in err
+    parse_args([*BASE, "--output-dir", str(tmp_path / "new" / "deeper"), "--save-hf", str(tmp_path / "hf")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # tried, then removed: the run makes them
