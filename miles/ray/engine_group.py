@@ -32,7 +32,7 @@ from miles.rollout.engine import DiffusionEngine
 from miles.rollout.engine_api import GenerateRequest, GenerateResult
 from miles.rollout.micro_batches import AUTO, EngineProgress
 from miles.rollout.prompt_cache import PromptCacheConfig
-from miles.utils.failures import ACTOR_GONE, EngineError, where
+from miles.utils.failures import ACTOR_GONE, EngineError, start_failure, where
 from miles.utils.heap import keep_freed_memory
 from miles.utils.misc import split_contiguous
 from miles.utils.stop_signals import defer_first_sigterm
@@ -320,7 +320,8 @@ class RolloutEngineGroup:
         try:
             return ray.get(ref)
         except ACTOR_GONE as exc:
-            raise EngineError(f"rollout engine {index} of {self.num_engines} died during {what}: {exc}", index) from exc
+            who = f"rollout engine {index} of {self.num_engines}"
+            raise start_failure(exc, who) or EngineError(f"{who} died during {what}: {exc}", index) from exc
         except WeightSyncError as exc:  # the engine is alive; the run must not sample from what it holds
             cause = exc.cause if isinstance(exc, RayTaskError) else exc
             raise WeightSyncError(f"rollout engine {index} of {self.num_engines}, {what}: {cause}") from exc

@@ -4,7 +4,8 @@ afresh and resumes from the latest checkpoint in the save folders: the path `--l
 
 What restarts: `ActorDied` (a trainer rank or a reward worker) and `EngineError` (an engine died or timed out).
 What does not: an exception raised by code inside a live actor (a bug, a damaged checkpoint, a corrupted weight
-sync), which would fail again the same way.
+sync), or by an actor's constructor (`StartFailed`: a flag the engine refuses, a model folder it cannot load), which
+would fail again the same way.
 """
 
 from __future__ import annotations

@@ -32,6 +32,21 @@ class ActorDied(RuntimeError):
         super().__init__(f"{role} {rank} died during {where(phase, rollout_id)}: {type(cause).__name__}: {cause}")
 
 
+class StartFailed(RuntimeError):
+    """An actor's constructor raised (a flag, a model folder, a hook): it would raise again on any node, so it is
+    not a death `--max-restarts` restarts. The message names the actor and ends with the constructor's error."""
+
+
+def start_failure(exc: BaseException, who: str) -> StartFailed | None:
+    """`StartFailed` naming `who` when `exc` says an actor died in its constructor, else None (a death: a killed
+    process, a lost node). Ray keeps only the text of the constructor's error: its last line (the exception and
+    message) is the one given; the whole traceback stays in `exc`, which the caller chains."""
+    if not (isinstance(exc, RayActorError) and exc.actor_init_failed):
+        return None
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return StartFailed(f"{who} failed to start (its constructor raised; not restarted): {lines[-1]}")
+
+
 class EngineError(RuntimeError):
     """A rollout engine died or did not answer in time (`miles.ray.engine_group`); `index` is the engine's."""
 
@@ -73,7 +88,7 @@ def gather(
             try:
                 results[ref] = ray.get(ref)
             except ACTOR_GONE as exc:
-                raise ActorDied(role, rank, phase, rollout_id, exc) from exc
+                raise start_failure(exc, f"{role} {rank}") or ActorDied(role, rank, phase, rollout_id, exc) from exc
             except RayTaskError as exc:
                 dead = dead_peer(pending, rank_of)
                 if dead is not None:  # the peer's death is the cause; this rank's error (a collective) followed it

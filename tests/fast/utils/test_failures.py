@@ -94,3 +94,30 @@ def test_a_rank_ended_by_rays_memory_monitor_is_a_death_named_as_such(monkeypatc
     monkeypatch.setattr(failures, "ray", FakeRay)
     with pytest.raises(ActorDied, match=r"^actor rank 1 died during train of rollout 4: OutOfMemoryError: 1 worker"):
         gather(["rank 0", "rank 1"], role="actor rank", phase="train", rollout_id=4, timeout=5)
+
+
+class Refuses:
+    def __init__(self) -> None:
+        raise ValueError("--lora-target-modules ['nope'] match no module")
+
+    def work(self) -> int:
+        return 7
+
+
+def test_an_actor_whose_constructor_raised_fails_to_start_named_and_is_not_a_death_to_restart(ray_cluster):
+    """Ray reports a constructor's error as the actor's death (`actor_init_failed`); it would raise again on any
+    node, so it is `StartFailed` (not `ActorDied`, which --max-restarts restarts), led by the constructor's error."""
+    import ray
+
+    from miles.ray.restarts import RESTARTABLE
+    from miles.utils.failures import StartFailed, start_failure
+
+    actor = ray.remote(num_cpus=0.01)(Refuses).remote()
+    with pytest.raises(StartFailed) as info:
+        gather([actor.work.remote()], role="reward worker", phase="start", timeout=60)
+    assert str(info.value) == (
+        "reward worker 0 failed to start (its constructor raised; not restarted): "
+        "ValueError: --lora-target-modules ['nope'] match no module"
+    )
+    assert isinstance(info.value.__cause__, ray.exceptions.RayActorError) and not isinstance(info.value, RESTARTABLE)
+    assert start_failure(ray.exceptions.ActorDiedError(), "engine 0") is None  # a death of unknown cause: restartable
