@@ -8,6 +8,18 @@ DEFAULT_PLAN_TFLOPS = 400.0  # sustained bf16 TFLOP/s per GPU: ~40% of an H100 S
 DEFAULT_PLAN_INTERCONNECT_GBPS = 400.0  # Gbit/s for the weight sync: one NDR InfiniBand link
 
 
+def plan_gpu(text: str) -> str:
+    """--plan-gpu as given, once `gpu_spec` reads it (a known name or a size in GiB): refused at parse time, not
+    when the plan (or a CUDA run's start-up check) first reads it."""
+    from miles.plan.gpus import gpu_spec
+
+    try:
+        gpu_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--plan-gpu ")) from None
+    return text
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("plan (what fits, before a GPU is rented)")
     group.add_argument(
@@ -21,6 +33,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--plan-gpu",
+        type=plan_gpu,
         default="h100-80gb",
         help="The GPU a plan (and the start-up check on CUDA) is measured against: h100-80gb, h200-141gb, a100-80gb, "
         "a100-40gb, l40s-48gb, or a size in GiB. A reserve for the CUDA context, NCCL and fragmentation (1.5 GiB + "

@@ -37,3 +37,14 @@ def test_auto_sizes_get_the_cpu_defaults_and_are_named():
     }  # the engines' micro-batch stays auto: their own rule sizes it
     given = default_args(micro_batch_size=4, gradient_checkpointing=True, rollout_micro_batch_size=2)
     assert auto_size_defaults(given) == {"auto_sizes": ()}
+
+
+def test_plan_gpu_is_read_at_parse_time_and_kept_as_given(capsys):
+    from miles.arguments.parser import parse_args
+    from tests.fast.arguments.test_parser import BASE, parse_error
+
+    assert parse_args([*BASE, "--plan-gpu", "H200-141GB"]).plan_gpu == "H200-141GB"
+    assert parse_args([*BASE, "--plan-gpu", "24.5"]).plan_gpu == "24.5"
+    for bad in ("nosuchgpu", "0", "-80"):
+        err = parse_error([*BASE, "--plan-gpu", bad], capsys)
+        assert f"argument --plan-gpu: '{bad}': use one of h100-80gb, h200-141gb" in err
