@@ -71,7 +71,8 @@ def read_jsonl_records(
     for line_no, row in read_jsonl_objects(path, PromptDataError, where=f"{flag} {path}"):
         prompt = row.get(input_key)
         if not isinstance(prompt, str):
-            raise PromptDataError(f"{path}:{line_no}: missing string field {input_key!r} (--input-key)")
+            found = f"it is {type(prompt).__name__}" if input_key in row else f"fields: {', '.join(map(repr, row))}"
+            raise PromptDataError(f"{path}:{line_no}: missing string field {input_key!r} (--input-key); {found}")
         metadata = row.get(metadata_key) or {}
         if not isinstance(metadata, dict):
             raise PromptDataError(f"{path}:{line_no}: field {metadata_key!r} (--metadata-key) must be an object")

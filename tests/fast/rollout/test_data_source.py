@@ -56,7 +56,11 @@ def test_image_paths_resolve_relative_to_the_file(tmp_path):
     ("rows", "message"),
     [
         ([{"prompt": "ok", "image": "a.png"}, "{not json"], r"d\.jsonl:2: not valid JSON"),
-        ([{"text": "x"}], r"d\.jsonl:1: missing string field 'prompt'"),
+        (
+            [{"text": "x", "image": "a.png"}],
+            r"d\.jsonl:1: missing string field 'prompt' \(--input-key\); fields: 'text', 'image'$",
+        ),
+        ([{"prompt": 3}], r"d\.jsonl:1: missing string field 'prompt' \(--input-key\); it is int$"),
         ([{"prompt": "x", "image": "missing.png"}], r"d\.jsonl:1: image .*missing\.png not found"),
         ([], r"d\.jsonl:1: no records \(the file is empty\)"),
         (["", "  "], r"d\.jsonl:2: no records \(its 2 line\(s\) are blank\)"),
