@@ -4,6 +4,7 @@ steps run for real, one model per call, ending with a `RESULT:` line:
     python scripts/gpu_check_plan.py --model sd3.5-medium --workdir DIR   # full fine-tuning, bf16 master weights
     python scripts/gpu_check_plan.py --model flux-dev --workdir DIR       # LoRA rank 16, bf16 base (bench_flux_dev)
     python scripts/gpu_check_plan.py --model tiny --device cpu --workdir DIR   # the same comparison on a CPU
+    python scripts/gpu_check_plan.py --model builtin:tiny-wan --device cpu     # any built-in tiny folder, on a CPU
 
 At world size 1, 1024 px, activation checkpointing, micro-batch 1, one engine generate of 2 samples (4 steps):
 1. the plan: `simulate_engine` and `simulate_trainer_rank` (`miles/plan/engine_sim.py`, `miles/plan/simulate.py`) on fake tensors for the planned
@@ -91,6 +92,10 @@ def sd35_medium_folder(workdir: str) -> str:
 
 
 def checkpoint(model: str, workdir: str) -> str:
+    if model.startswith("builtin:"):
+        from miles.models.builtin import resolve_checkpoint
+
+        return str(resolve_checkpoint(model))
     name = MODELS[model][0]
     if name == "sd3.5-medium":
         return sd35_medium_folder(workdir)
@@ -212,7 +217,8 @@ def compare(planned: dict, measured: dict) -> tuple[list[str], bool]:
 
 def plan_vs_measured(opts: argparse.Namespace) -> tuple[str, bool]:
     path = checkpoint(opts.model, opts.workdir)
-    args = parse_args(["--plan", "--hf-checkpoint", path, "--device", opts.device, *COMMON, *MODELS[opts.model][1]])
+    flags = MODELS[opts.model][1] if opts.model in MODELS else []
+    args = parse_args(["--plan", "--hf-checkpoint", path, "--device", opts.device, *COMMON, *flags])
     sim = simulation_args(args)  # the fake device (cpu), the planned device's dtypes
     started = time.perf_counter()
     planned = run_steps(sim, fake=True)
@@ -232,7 +238,11 @@ def plan_vs_measured(opts: argparse.Namespace) -> tuple[str, bool]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(MODELS), required=True)
+    parser.add_argument(
+        "--model",
+        required=True,
+        help=f"{', '.join(sorted(MODELS))}, or a built-in tiny folder (builtin:tiny-flux, ...; with --device cpu)",
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--workdir", default="outputs/gpu_check", help="Where configs-only folders are built.")
     opts = parser.parse_args(argv)

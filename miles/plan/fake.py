@@ -15,6 +15,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from miles.plan.masks import note_op, presumed_empty
+
 # What a fake tensor's `.item()` answers: fake tensors hold no values, and the code under simulation reads scalars
 # only to check them (a loss is finite, ranks agree on a count), so the answer is the one that lets it go on.
 _SCALAR_ANSWERS = {"bool": True, "int": 1, "float": 0.0}
@@ -28,7 +30,7 @@ def plan_tensor_mode(fake: bool = True) -> contextlib.AbstractContextManager:
 class PlanTensorMode(FakeTensorMode):
     """`FakeTensorMode` that answers `.item()` (`aten._local_scalar_dense`) of a value-less tensor with a neutral
     scalar (`_SCALAR_ANSWERS`) instead of raising, `torch.equal` with True and `nonzero` with every element (the
-    planner's tokens are all attended), and takes real tensors made before it as inputs. An in-place op that only
+    planner's tokens are all attended), or none where the mask is known all zero (`masks`), and takes real tensors made before it as inputs. An in-place op that only
     writes values (`add_`, `lerp_`, `copy_`, ...) returns its tensor without the fake dispatch: on fake tensors it
     changes nothing (about a tenth of a real-size window's ops: AdamW's, the shadow update's, FSDP2's copies)."""
 
@@ -38,6 +40,7 @@ class PlanTensorMode(FakeTensorMode):
     def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         writes = _writes_values_only(func)
         if writes is not None and self._unchanged_by(writes, args, kwargs):
+            note_op(func, args, kwargs, args[0])  # what `fill_` / `zero_` made known of its values
             return args[0]
         if func is torch.ops.aten._local_scalar_dense.default:
             tensor = args[0]
@@ -50,12 +53,15 @@ class PlanTensorMode(FakeTensorMode):
             return True
         if func is torch.ops.aten.split_with_sizes.default:  # rows of attended tokens split by their counts
             args = _equal_split(args)
-        if func is torch.ops.aten.nonzero.default:  # a mask of attended tokens: every element is set
+        if func is torch.ops.aten.nonzero.default:  # a mask of attended tokens: every element set (`masks`)
             tensor = args[0]
+            rows = 0 if presumed_empty(tensor) else tensor.numel()
             return super().dispatch(
-                torch.ops.aten.new_empty.default, types, (tensor, [tensor.numel(), tensor.dim()]), {"dtype": torch.long}
+                torch.ops.aten.new_empty.default, types, (tensor, [rows, tensor.dim()]), {"dtype": torch.long}
             )
-        return super().dispatch(func, types, args, kwargs)
+        out = super().dispatch(func, types, args, kwargs)
+        note_op(func, args, kwargs, out)
+        return out
 
     def _unchanged_by(self, kind: str, args: tuple, kwargs: dict | None) -> bool:
         """Whether an in-place op that writes values only (`_writes_values_only`) changes nothing a fake tensor
