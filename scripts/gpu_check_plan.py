@@ -28,6 +28,7 @@ import copy
 import gc
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -217,7 +218,7 @@ def compare(planned: dict, measured: dict) -> tuple[list[str], bool]:
 
 def plan_vs_measured(opts: argparse.Namespace) -> tuple[str, bool]:
     path = checkpoint(opts.model, opts.workdir)
-    flags = MODELS[opts.model][1] if opts.model in MODELS else []
+    flags = (MODELS[opts.model][1] if opts.model in MODELS else []) + shlex.split(getattr(opts, "flags", "") or "")
     args = parse_args(["--plan", "--hf-checkpoint", path, "--device", opts.device, *COMMON, *flags])
     sim = simulation_args(args)  # the fake device (cpu), the planned device's dtypes
     started = time.perf_counter()
@@ -244,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
         help=f"{', '.join(sorted(MODELS))}, or a built-in tiny folder (builtin:tiny-flux, ...; with --device cpu)",
     )
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument(
+        "--flags", default="", help="More train_diffusion.py flags, one string (e.g. '--loss-type awm')."
+    )
     parser.add_argument("--workdir", default="outputs/gpu_check", help="Where configs-only folders are built.")
     opts = parser.parse_args(argv)
     if opts.device == "cuda" and not torch.cuda.is_available():
