@@ -116,3 +116,21 @@ def test_every_familys_plan_matches_the_same_steps_on_real_tensors(plan_script, 
             assert ratio >= 1.0, result  # the mask counted: more, never less
         else:
             assert abs(ratio - 1) <= plan_script.TOLERANCE, result
+
+
+@pytest.mark.standard  # ~5 s each
+@pytest.mark.parametrize(
+    "flags",
+    [
+        "--use-lora",  # planned 1.86x at start-up until the empty start-up model was on the meta device
+        "--loss-type policy_loss --allow-rollout-mismatch",  # 1.95x (random weights trip the guard on the real side)
+        "--loss-type policy_loss --diffusion-recompute-old-log-prob --allow-rollout-mismatch",
+        "--loss-type dpo",
+        "--loss-type awm --awm-train-timesteps 2",
+        "--use-ema",
+    ],
+)
+def test_the_plan_matches_the_same_steps_on_real_tensors_under_other_losses(plan_script, flags, tmp_path):
+    opts = argparse.Namespace(model="builtin:tiny-sd3", device="cpu", workdir=str(tmp_path), flags=flags)
+    result, passed = plan_script.plan_vs_measured(opts)
+    assert passed, result
