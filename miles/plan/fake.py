@@ -53,6 +53,8 @@ class PlanTensorMode(FakeTensorMode):
             return True
         if func is torch.ops.aten.split_with_sizes.default:  # rows of attended tokens split by their counts
             args = _equal_split(args)
+        if func is torch.ops.aten._pin_memory.default:  # a page-locked copy (--fsdp-cpu-offload's host shards)
+            return super().dispatch(torch.ops.aten.clone.default, types, (args[0],), {})
         if func is torch.ops.aten.nonzero.default:  # a mask of attended tokens: every element set (`masks`)
             tensor = args[0]
             rows = 0 if presumed_empty(tensor) else tensor.numel()

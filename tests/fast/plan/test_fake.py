@@ -121,3 +121,15 @@ def test_fsdp2_chunks_made_as_read_are_torch_chunks():
                 assert a.untyped_storage().nbytes() == b.untyped_storage().nbytes()
         assert isinstance(_fsdp_param._chunk_with_empty(torch.empty(4), 2, 0), list) is False
     assert isinstance(_fsdp_param._chunk_with_empty(torch.zeros(4), 2, 0), list)
+
+
+def test_pin_memory_is_a_fake_copy():
+    """`pin_memory` (FSDP2's host shards under --fsdp-cpu-offload) has no fake kernel: the planner's mode answers
+    with a copy of the same shape and dtype in a storage of its own, as the page-locked copy is."""
+    from miles.plan.fake import PlanTensorMode
+
+    with PlanTensorMode():
+        host = torch.empty(3, 5, dtype=torch.bfloat16)
+        pinned = host.pin_memory()
+        assert pinned.shape == host.shape and pinned.dtype == host.dtype
+        assert pinned.untyped_storage() is not host.untyped_storage()

@@ -135,3 +135,17 @@ def test_a_family_whose_conditioning_is_read_by_value_plans(folder, prompts):
 
     out = simulate(plan_args("--hf-checkpoint", folder, "--prompt-data", prompts, "--dp-size", "1"))
     assert out.engine is not None and out.roles["actor"][0].peaks["train"] > 0
+
+
+def test_fsdp_cpu_offload_plans_with_its_shards_on_the_host():
+    """FSDP2 pins each host shard of --fsdp-cpu-offload (`pin_memory`), which fake tensors did not implement: every
+    such plan failed, and so did the plans whose suggestions tried the flag (FLUX.1-dev LoRA on one GPU did)."""
+    from miles.plan.report import role_entry
+    from miles.plan.run import simulate
+    from tests.fast.plan.plan_cases import plan_args
+
+    args = plan_args("--fsdp-cpu-offload", "--dp-size", "1")
+    plan = simulate(args).roles["actor"][0]
+    entry = role_entry(plan, offload=True)
+    assert entry["host_offload_bytes"] == plan.params_bytes + plan.grads_bytes + plan.optimizer_bytes > 0
+    assert entry["peak_bytes"] < plan.peaks["train"]  # what lives on the host is not the GPU's
