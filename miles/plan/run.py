@@ -20,6 +20,7 @@ import numpy as np
 
 from miles.algorithms import algorithm_of, role_settings
 from miles.arguments.fsdp import trainer_world_size
+from miles.plan.dataset_sim import dataset_window
 from miles.plan.engine_sim import latent_shape, simulate_engine
 from miles.plan.gpus import GpuSpec
 from miles.plan.process import ProcessPlan, simulation_args
@@ -28,6 +29,8 @@ from miles.plan.tracker import Collective
 from miles.rollout.data_source import load_records
 from miles.rollout.engine_api import GenerateResult
 from miles.rollout.micro_batches import resolve_rollout_micro_batch_size
+from miles.rollout.rollout_hub import rollout_spec_of
+from miles.rollout.rollout_hub.spec import DatasetSpec
 from miles.rollout.steps import select_rows
 from miles.utils.json_column import fake_rows_decode_as
 from miles.utils.types import num_pairs
@@ -117,7 +120,11 @@ def simulate(
     window_samples = max(1, sim.global_batch_size // args.dp_size)
     rows = engine_rows(args) if algorithm.uses_engines else window_samples
     engine: ProcessPlan | None
-    if reuse is None or "engine" in parts:
+    spec = rollout_spec_of(sim)
+    if isinstance(spec, DatasetSpec) and (reuse is None or "engine" in parts):  # no engine: the dataset's pairs
+        engine, engine_flops, micro, json_row = None, 0.0, None, {}
+        window, forward_flops = dataset_window(sim, spec, window_samples)
+    elif reuse is None or "engine" in parts:
         micro = engine_micro_batch(args, latent_shape(sim), rows)
         engine, result, samples, engine_flops = simulate_engine(sim, rows, micro_batch_size=micro)
         window = train_pairs_for_rank(sim, *reversed(_rows_for_window(result, samples, window_samples)))
@@ -177,6 +184,7 @@ def simulate_roles(
             pairs=pairs,
             peer_output=peer,
             sleeps=sleeps,
+            export=out.engine is not None,  # no engines (dataset pairs): no weight sync
             after_window=later,
             window=window if len(roles) == 1 else None,  # a start-up copy for re-plans (`copies`)
         )
