@@ -3,18 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 DEFAULT_PLAN_TFLOPS = 400.0  # sustained bf16 TFLOP/s per GPU: ~40% of an H100 SXM's dense peak
 DEFAULT_PLAN_INTERCONNECT_GBPS = 400.0  # Gbit/s for the weight sync: one NDR InfiniBand link
 
 
-def plan_gpu(text: str) -> str:
-    """--plan-gpu as given, once `gpu_spec` reads it (a known name or a size in GiB): refused at parse time, not
-    when the plan (or a CUDA run's start-up check) first reads it."""
-    from miles.plan.gpus import gpu_spec
+# --plan-gpu's names: total memory as nvidia-smi reports it (MiB); `miles.plan.gpus` keeps the reserve
+GPU_MEMORY_MIB = {
+    "h100-80gb": 81559,
+    "h200-141gb": 143771,
+    "a100-80gb": 81920,
+    "a100-40gb": 40960,
+    "l40s-48gb": 46068,
+}
 
+
+def plan_gpu_memory(value: str) -> tuple[str, int]:
+    """--plan-gpu read: (its name, its memory in bytes) for a known name or a size in GiB (`80`, `24.5`)."""
+    name = value.strip().lower()
+    if name in GPU_MEMORY_MIB:
+        return name, GPU_MEMORY_MIB[name] << 20
+    if re.fullmatch(r"\d+(\.\d+)?", name) and float(name) > 0:
+        return f"{name} GiB", int(float(name) * 2**30)
+    raise ValueError(f"--plan-gpu {value!r}: use one of {', '.join(GPU_MEMORY_MIB)} or a size in GiB (e.g. 80)")
+
+
+def plan_gpu(text: str) -> str:
+    """--plan-gpu as given, once it reads (`plan_gpu_memory`): refused at parse time, not when the plan (or a CUDA
+    run's start-up check) first reads it."""
     try:
-        gpu_spec(text)
+        plan_gpu_memory(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--plan-gpu ")) from None
     return text

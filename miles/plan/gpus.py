@@ -4,18 +4,11 @@ fragmentation)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from miles.arguments.plan import plan_gpu_memory
+
 MIB, GIB = 2**20, 2**30
-# total memory as nvidia-smi reports it (MiB)
-GPU_MEMORY_MIB = {
-    "h100-80gb": 81559,
-    "h200-141gb": 143771,
-    "a100-80gb": 81920,
-    "a100-40gb": 40960,
-    "l40s-48gb": 46068,
-}
 CONTEXT_RESERVE_BYTES = int(1.5 * GIB)  # the CUDA context and kernels (~0.5-1 GiB) and NCCL's channel buffers
 FRAGMENTATION_RESERVE = 0.05  # of the total: the caching allocator's blocks that cannot be reused
 
@@ -36,10 +29,6 @@ class GpuSpec:
 
 
 def gpu_spec(value: str) -> GpuSpec:
-    """`--plan-gpu`: a known name (`h100-80gb`, ...) or a size in GiB (`80`, `24.5`)."""
-    name = value.strip().lower()
-    if name in GPU_MEMORY_MIB:
-        return GpuSpec(name, GPU_MEMORY_MIB[name] * MIB)
-    if re.fullmatch(r"\d+(\.\d+)?", name) and float(name) > 0:
-        return GpuSpec(f"{name} GiB", int(float(name) * GIB))
-    raise ValueError(f"--plan-gpu {value!r}: use one of {', '.join(GPU_MEMORY_MIB)} or a size in GiB (e.g. 80)")
+    """`--plan-gpu`: a known name (`h100-80gb`, ...; `GPU_MEMORY_MIB`) or a size in GiB (`80`, `24.5`)."""
+    name, memory_bytes = plan_gpu_memory(value)
+    return GpuSpec(name, memory_bytes)

@@ -11,6 +11,7 @@ their views, copies and casts, `~`, `&`, `|` and concatenation; real tensors (th
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -95,8 +96,8 @@ def _output_fill(func: Any, args: tuple, kwargs: dict) -> bool | None:
         decisive = func in _AND and False in fills or func in _OR and True in fills
         return (func in _OR) if decisive else fills[0] if fills[0] == fills[1] else None
     if func in _JOIN:
-        fills = {fill_of(t) for t in args[0]}
-        return fills.pop() if len(fills) == 1 else None
+        joined = {fill_of(t) for t in args[0]}
+        return joined.pop() if len(joined) == 1 else None
     if func is aten.constant_pad_nd.default:
         value = args[2] if len(args) > 2 else kwargs.get("value", 0)
         inner = fill_of(args[0])
@@ -125,7 +126,12 @@ def _tag(out: Any, fill: bool | None) -> None:
         if fill is None:
             _FILLS.pop(key, None)
         else:
-            _FILLS[key] = (weakref.ref(storage, lambda _, key=key: _FILLS.pop(key, None)), fill)
+            _FILLS[key] = (weakref.ref(storage, functools.partial(_forget, key)), fill)
+
+
+def _forget(key: int, _: object) -> None:
+    """A tracked storage died (its weak reference's callback)."""
+    _FILLS.pop(key, None)
 
 
 def _written_fill(func: Any, args: tuple) -> bool | None:
@@ -133,6 +139,7 @@ def _written_fill(func: Any, args: tuple) -> bool | None:
     (`fill_`, `zero_`, a `copy_` of a known source) and the write covers the whole storage, the fill it had where
     the written value is that fill, else nothing known."""
     target, before = args[0], fill_of(args[0])
+    written: bool | None
     if func is aten.fill_.Scalar:
         written = bool(args[1])
     elif func is aten.zero_.default:

@@ -122,7 +122,7 @@ def simulate(
     engine: ProcessPlan | None
     spec = rollout_spec_of(sim)
     if isinstance(spec, DatasetSpec) and (reuse is None or "engine" in parts):  # no engine: the dataset's pairs
-        engine, engine_flops, micro, json_row = None, 0.0, None, {}
+        engine, engine_flops, micro, json_row = None, 0.0, 0, {}
         window, forward_flops = dataset_window(sim, spec, window_samples)
     elif reuse is None or "engine" in parts:
         micro = engine_micro_batch(args, latent_shape(sim), rows)
