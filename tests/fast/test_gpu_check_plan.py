@@ -110,7 +110,7 @@ def test_every_familys_plan_matches_the_same_steps_on_real_tensors(plan_script, 
         (process, phase): float(ratio)
         for process, phase, *_, ratio, _ in (line.split() for line in capsys.readouterr().out.splitlines()[-5:][1:])
     }
-    assert set(ratios) == set(plan_script.PHASES), result
+    assert set(ratios) == set(plan_script.PHASES), result  # nft: the actor alone
     for key, ratio in ratios.items():
         if TEXT_ENCODER_MASKS.get(model) == key:
             assert ratio >= 1.0, result  # the mask counted: more, never less
@@ -128,6 +128,8 @@ def test_every_familys_plan_matches_the_same_steps_on_real_tensors(plan_script, 
         "--loss-type dpo",
         "--loss-type awm --awm-train-timesteps 2",
         "--use-ema",
+        "--loss-type dmd2",  # the critic's start-up and window too, its output the actor's input
+        "--loss-type dmd2 --use-lora",
     ],
 )
 def test_the_plan_matches_the_same_steps_on_real_tensors_under_other_losses(plan_script, flags, tmp_path):
