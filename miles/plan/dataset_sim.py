@@ -17,7 +17,7 @@ from miles.models.base import TrainPipelineConfig, get_train_pipeline_config
 from miles.models.conditioning import Conditioning
 from miles.models.options import family_options
 from miles.plan.fake import movable_fake_modules, per_tensor_equivalents, plan_tensor_mode
-from miles.rollout.data_source import load_records
+from miles.rollout.rollout_hub.dataset import dataset_records
 from miles.rollout.rollout_hub.spec import DatasetSpec
 from miles.utils.types import TrainPairs, shard_pairs
 
@@ -30,9 +30,7 @@ def dataset_window(args: argparse.Namespace, spec: DatasetSpec, rows: int) -> tu
     # a built-in world makes only the rows the window takes (its images are drawn at the run's resolution)
     few = copy.copy(args)
     few.builtin_dataset_size, few.allow_repeated_prompts = rows, True
-    records = spec.records(few, resolution=resolution) if spec.records else None
-    if records is None:
-        records = load_records(few, with_images=True, resolution=resolution)
+    records = dataset_records(few, spec, resolution=resolution)
     records = (records * math.ceil(rows / max(1, len(records))))[:rows]
     with plan_tensor_mode(True), movable_fake_modules(), per_tensor_equivalents():
         pairs = spec.encode(args, family, records, resolution=resolution)

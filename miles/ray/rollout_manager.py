@@ -32,6 +32,7 @@ from miles.rollout.rm_hub import reward_metrics, reward_spec_from_args
 from miles.rollout.rm_hub.clip import CLIP_EMBEDDING_KEY
 from miles.rollout.rm_hub.media import attach_media
 from miles.rollout.rollout_hub import DatasetSpec, RolloutSpec, rollout_spec_of
+from miles.rollout.rollout_hub.dataset import dataset_records
 from miles.utils.box import Box
 from miles.utils.distributed import engine_cpus, uses_gpu
 from miles.utils.types import Sample, TrainPairs
@@ -75,10 +76,7 @@ class RolloutManager:
     # ---- dataset-fed (DatasetSpec) --------------------------------------------------------------
     def _init_dataset(self, spec: DatasetSpec) -> None:
         started = time.perf_counter()
-        if spec.records is not None:  # the entry's own records (a file its flag names)
-            records = spec.records(self.args, resolution=self.resolution)
-        else:
-            records = load_records(self.args, with_images=True, resolution=self.resolution)
+        records = dataset_records(self.args, spec, resolution=self.resolution)
         self.dataset_pairs = spec.encode(self.args, self.family, records, resolution=self.resolution)
         logger.info("encoded %d dataset records in %.1fs", len(records), time.perf_counter() - started)
         self.source = self._source(records)

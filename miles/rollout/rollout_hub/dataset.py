@@ -14,6 +14,7 @@ from PIL import Image
 
 from miles.data.source_images import load_source_images
 from miles.models.conditioning import Conditioning
+from miles.rollout.data_source import load_records
 from miles.rollout.rollout_hub.spec import DatasetSpec
 from miles.utils.types import TrainPairs
 
@@ -61,6 +62,14 @@ def encode_dataset(args: argparse.Namespace, family: Any, records: list[dict], *
     family.load_vae()
     family.load_text_encoders()
     return encode_records(family, records, resolution)
+
+
+def dataset_records(args: argparse.Namespace, spec: DatasetSpec, *, resolution: int) -> list[dict[str, Any]]:
+    """A dataset-fed run's records: its entry's own (a file its flag names), else --prompt-data's with their
+    images (the run's start-up encodes them all; the planner the first few)."""
+    if spec.records is not None:
+        return spec.records(args, resolution=resolution)
+    return load_records(args, with_images=True, resolution=resolution)
 
 
 DATASET_SPEC = DatasetSpec(encode=encode_dataset)
